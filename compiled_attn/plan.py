@@ -1,0 +1,43 @@
+"""Host-side scheduling: the work list every batch op takes.
+
+A work item is one tile of ``block_m`` packed query rows of one request. Packed row r of a
+request is token ``r // G`` and query head ``r % G`` of the KV head's group (G = Hq / Hkv), so
+the query heads that share a KV head share one tile and one pass over K/V. The op's grid is
+(work items, KV heads). Requests with qo_len 0 have no tiles; requests with kv_len 0 keep theirs
+(their rows are written as output 0, LSE -inf).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from compiled_attn.ops import prefill_kernel
+
+
+def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int) -> int:
+    """The tile height (packed rows) the kernel uses for these head dims and group size."""
+    return prefill_kernel.block_m_for(head_dim_qk, head_dim_vo, group_size)
+
+
+def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 [W, 2] of (request, first packed row), request-major, from host-side lengths."""
+    items = [
+        (b, row)
+        for b, n in enumerate(qo_lens)
+        for row in range(0, int(n) * group_size, block_m)
+    ]
+    work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2)
+    return work.to(device)
+
+
+def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
+                 device: torch.device | str) -> torch.Tensor:
+    """The work list of ``batch_size`` requests of ``qo_len`` rows each, built without reading
+    any tensor (traceable: the FX rewrite uses it inside compiled graphs)."""
+    tiles = -(-(qo_len * group_size) // block_m)
+    req = torch.arange(batch_size, device=device, dtype=torch.int32).repeat_interleave(tiles)
+    row = (torch.arange(tiles, device=device, dtype=torch.int32) * block_m).repeat(batch_size)
+    return torch.stack([req, row], dim=1)

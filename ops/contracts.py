@@ -1,0 +1,273 @@
+"""The op contracts: schema, fake and device implementations of the four kernel families.
+
+Each family is one op in the ``compiled_attn`` namespace with a fixed-arity schema, and its fake
+(shapes and dtypes only) sits right below it:
+
+- ``single_prefill``: a dense batch, q [B, Sq, Hq, Dqk] against k/v [B, Skv, Hkv, D] (B = 1 is
+  FlashInfer's single-request prefill; the FX rewrite passes SDPA's batch).
+- ``batch_ragged_prefill``: ragged q and ragged k/v, split by indptr arrays.
+- ``batch_paged_prefill``: ragged q against a paged KV cache.
+- ``pod_prefill_decode``: a paged prefill batch and a paged decode batch in one launch.
+
+Every op returns ``(out, lse)`` (POD: both pairs); lse is float32, base 2 (natural logsumexp /
+ln 2) over the final logits. Ops take plan tensors (``work``: int32 [W, 2] of (request, first
+packed row), built by compiled_attn's plan()) and plain numbers; nothing here reads a device
+value on the host, so run() can be captured in a CUDA graph and traced by torch.compile.
+
+Registration (docs/design.md): with a real GPU stack the ops are ``torch.library.triton_op`` so
+Inductor inlines the Triton kernel and AOTInductor compiles it into its package; CPU tensors take
+the pure-PyTorch reference (``reference.py``). Under ``TRITON_INTERPRET=1`` the same Triton
+kernel runs on CPU tensors, and the ops are opaque ``custom_op`` (triton_op's decomposition would
+hand the interpreter's launch to Inductor). Either way the explicit fake below each op is the one
+registered, and ``torch.library.opcheck`` checks it. There is no autograd: backward raises.
+
+Integer codes: mask_mode MASK_NONE / MASK_CAUSAL / MASK_CUSTOM; pos_encoding_mode POS_NONE /
+POS_ROPE_LLAMA / POS_ALIBI. window_left -1 disables the window, chunk_size 0 disables chunking,
+logits_soft_cap 0 disables the cap.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
+POS_NONE, POS_ROPE_LLAMA, POS_ALIBI = 0, 1, 2
+
+# Under the Triton interpreter, the kernel runs on CPU tensors (CI tests the real kernel code).
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+Tensor = torch.Tensor
+
+
+def _use_kernel(t: Tensor) -> bool:
+    return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+
+
+def _register(name: str, fn, fake):
+    """Define compiled_attn::<name> from fn (schema inferred from its annotations), with fake as
+    its FakeTensor implementation and a backward that raises."""
+    qualname = f"compiled_attn::{name}"
+    if INTERPRET:
+        op = torch.library.custom_op(qualname, fn, mutates_args=())
+    else:
+        op = torch.library.triton_op(qualname, fn, mutates_args=())
+    op.register_fake(fake)
+
+    def _backward(ctx, *grads):
+        raise RuntimeError(
+            f"{qualname} has no backward: compiled_attn's kernels are inference-only. "
+            "Run under torch.no_grad()/torch.inference_mode(), or detach the inputs."
+        )
+
+    op.register_autograd(_backward, setup_context=lambda ctx, inputs, output: None)
+    return op
+
+
+def _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap, pos_encoding_mode,
+            rope_scale, rope_theta, v_scale):
+    return dict(
+        mask_mode=mask_mode, window_left=window_left, chunk_size=chunk_size, sm_scale=sm_scale,
+        logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
+        rope_scale=rope_scale, rope_theta=rope_theta, v_scale=v_scale,
+    )
+
+
+def _out_pair(q: Tensor, lead: tuple, dvo: int, out_dtype: torch.dtype | None):
+    hq = q.shape[-2]
+    out = q.new_empty((*lead, hq, dvo), dtype=out_dtype or q.dtype)
+    lse = q.new_empty((*lead, hq), dtype=torch.float32)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# single_prefill
+# --------------------------------------------------------------------------------------------
+def _single_prefill(
+    q: Tensor, k: Tensor, v: Tensor,
+    packed_mask: Tensor | None, alibi_slopes: Tensor | None, sinks: Tensor | None,
+    mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
+    pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    """Dense-batch prefill.
+
+    q: [B, Sq, Hq, Dqk]; k: [B, Skv, Hkv, Dqk]; v: [B, Skv, Hkv, Dvo] (any strides: HND and
+    SDPA's [B, H, S, D] come in as permuted views). packed_mask: uint8 bits of a bool
+    [B, Sq, Skv] flattened row-major, little-endian (MASK_CUSTOM only). alibi_slopes, sinks:
+    float32 [Hq]. Returns out [B, Sq, Hq, Dvo] (out_dtype, default q's) and lse float32
+    [B, Sq, Hq], base 2.
+    """
+    params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
+                     pos_encoding_mode, rope_scale, rope_theta, v_scale)
+    if _use_kernel(q):
+        from . import prefill_kernel
+
+        return prefill_kernel.launch_single(q, k, v, packed_mask, alibi_slopes, sinks,
+                                            out_dtype=out_dtype or q.dtype, **params)
+    return reference.single_prefill(q, k, v, packed_mask, alibi_slopes, sinks,
+                                    out_dtype=out_dtype or q.dtype, **params)
+
+
+def _single_prefill_fake(q, k, v, packed_mask, alibi_slopes, sinks, mask_mode, window_left,
+                         chunk_size, sm_scale, logits_soft_cap, pos_encoding_mode, rope_scale,
+                         rope_theta, v_scale, out_dtype):
+    return _out_pair(q, (q.shape[0], q.shape[1]), v.shape[-1], out_dtype)
+
+
+single_prefill = _register("single_prefill", _single_prefill, _single_prefill_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# batch_ragged_prefill
+# --------------------------------------------------------------------------------------------
+def _batch_ragged_prefill(
+    q: Tensor, k: Tensor, v: Tensor, qo_indptr: Tensor, kv_indptr: Tensor, work: Tensor,
+    packed_mask: Tensor | None, mask_indptr: Tensor | None,
+    alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
+    mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
+    pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    """Ragged-batch prefill.
+
+    q: [Nq, Hq, Dqk] split by qo_indptr int32 [B+1]; k: [Nk, Hkv, Dqk], v: [Nk, Hkv, Dvo] split
+    by kv_indptr int32 [B+1] (any strides). work: int32 [W, 2] = (request, first packed row) of
+    each tile of block_m packed rows (packed row r of a request = token r // G, head r % G of
+    the group, G = Hq / Hkv). packed_mask: uint8, request b's bits of its bool [qo_len, kv_len]
+    mask start at byte mask_indptr[b] (int32 [B+1]). Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    """
+    params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
+                     pos_encoding_mode, rope_scale, rope_theta, v_scale)
+    if _use_kernel(q):
+        from . import prefill_kernel
+
+        return prefill_kernel.launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask,
+                                            mask_indptr, alibi_slopes, sinks, block_m,
+                                            out_dtype=out_dtype or q.dtype, **params)
+    return reference.batch_ragged_prefill(q, k, v, qo_indptr, kv_indptr, packed_mask,
+                                          mask_indptr, alibi_slopes, sinks,
+                                          out_dtype=out_dtype or q.dtype, **params)
+
+
+def _batch_ragged_prefill_fake(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr,
+                               alibi_slopes, sinks, block_m, mask_mode, window_left, chunk_size,
+                               sm_scale, logits_soft_cap, pos_encoding_mode, rope_scale,
+                               rope_theta, v_scale, out_dtype):
+    return _out_pair(q, (q.shape[0],), v.shape[-1], out_dtype)
+
+
+batch_ragged_prefill = _register("batch_ragged_prefill", _batch_ragged_prefill,
+                                 _batch_ragged_prefill_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# batch_paged_prefill
+# --------------------------------------------------------------------------------------------
+def _batch_paged_prefill(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, qo_indptr: Tensor, kv_page_indptr: Tensor,
+    kv_page_indices: Tensor, kv_last_page_len: Tensor, work: Tensor,
+    packed_mask: Tensor | None, mask_indptr: Tensor | None,
+    alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
+    mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
+    pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor]:
+    """Paged-KV batch prefill.
+
+    q: [Nq, Hq, Dqk] split by qo_indptr int32 [B+1]. k_cache: [P, page, Hkv, Dqk], v_cache:
+    [P, page, Hkv, Dvo] in logical NHD order with any strides (HND caches and 5-D caches come in
+    as views). kv_page_indptr int32 [B+1] (in pages), kv_page_indices int32 [npages],
+    kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr: as
+    batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    """
+    params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
+                     pos_encoding_mode, rope_scale, rope_theta, v_scale)
+    if _use_kernel(q):
+        from . import prefill_kernel
+
+        return prefill_kernel.launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
+                                           kv_page_indices, kv_last_page_len, work, packed_mask,
+                                           mask_indptr, alibi_slopes, sinks, block_m,
+                                           out_dtype=out_dtype or q.dtype, **params)
+    return reference.batch_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
+                                         kv_page_indices, kv_last_page_len, packed_mask,
+                                         mask_indptr, alibi_slopes, sinks,
+                                         out_dtype=out_dtype or q.dtype, **params)
+
+
+def _batch_paged_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
+                              kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes,
+                              sinks, block_m, mask_mode, window_left, chunk_size, sm_scale,
+                              logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta,
+                              v_scale, out_dtype):
+    return _out_pair(q, (q.shape[0],), v_cache.shape[-1], out_dtype)
+
+
+batch_paged_prefill = _register("batch_paged_prefill", _batch_paged_prefill,
+                                _batch_paged_prefill_fake)
+
+
+# --------------------------------------------------------------------------------------------
+# pod_prefill_decode
+# --------------------------------------------------------------------------------------------
+def _pod_prefill_decode(
+    q_p: Tensor, k_cache_p: Tensor, v_cache_p: Tensor, qo_indptr_p: Tensor,
+    kv_page_indptr_p: Tensor, kv_page_indices_p: Tensor, kv_last_page_len_p: Tensor,
+    q_d: Tensor, k_cache_d: Tensor, v_cache_d: Tensor, qo_indptr_d: Tensor,
+    kv_page_indptr_d: Tensor, kv_page_indices_d: Tensor, kv_last_page_len_d: Tensor,
+    work: Tensor, packed_mask_p: Tensor | None, mask_indptr_p: Tensor | None,
+    alibi_slopes: Tensor | None, block_m: int,
+    mask_mode_p: int, window_left_p: int, sm_scale_p: float, logits_soft_cap_p: float,
+    mask_mode_d: int, window_left_d: int, sm_scale_d: float, logits_soft_cap_d: float,
+    pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
+    out_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prefill and decode batches, each against its own paged cache, in one launch.
+
+    The prefill part (suffix _p) and the decode part (suffix _d) each take the arguments of
+    batch_paged_prefill (q [N, Hq, Dqk], caches [P, page, Hkv, D], qo_indptr, page table). A
+    single-request prefill with contiguous k/v comes in as a one-page cache. work: int32 [W, 3]
+    = (part: 0 prefill / 1 decode, request, first packed row). Returns (out_p, lse_p, out_d,
+    lse_d).
+    """
+    common = dict(chunk_size=0, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                  rope_theta=rope_theta, v_scale=v_scale, out_dtype=out_dtype or q_p.dtype)
+    p_params = dict(mask_mode=mask_mode_p, window_left=window_left_p, sm_scale=sm_scale_p,
+                    logits_soft_cap=logits_soft_cap_p, **common)
+    d_params = dict(mask_mode=mask_mode_d, window_left=window_left_d, sm_scale=sm_scale_d,
+                    logits_soft_cap=logits_soft_cap_d, **common)
+    if _use_kernel(q_p):
+        from . import prefill_kernel
+
+        return prefill_kernel.launch_pod(
+            q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
+            kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
+            kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
+            alibi_slopes, block_m, p_params, d_params)
+    out_p, lse_p = reference.batch_paged_prefill(
+        q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
+        kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, **p_params)
+    out_d, lse_d = reference.batch_paged_prefill(
+        q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
+        kv_last_page_len_d, None, None, alibi_slopes, None, **d_params)
+    return out_p, lse_p, out_d, lse_d
+
+
+def _pod_prefill_decode_fake(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p,
+                             kv_page_indices_p, kv_last_page_len_p, q_d, k_cache_d, v_cache_d,
+                             qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
+                             kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
+                             alibi_slopes, block_m, mask_mode_p, window_left_p, sm_scale_p,
+                             logits_soft_cap_p, mask_mode_d, window_left_d, sm_scale_d,
+                             logits_soft_cap_d, pos_encoding_mode, rope_scale, rope_theta,
+                             v_scale, out_dtype):
+    out_p, lse_p = _out_pair(q_p, (q_p.shape[0],), v_cache_p.shape[-1], out_dtype or q_p.dtype)
+    out_d, lse_d = _out_pair(q_d, (q_d.shape[0],), v_cache_d.shape[-1], out_dtype or q_p.dtype)
+    return out_p, lse_p, out_d, lse_d
+
+
+pod_prefill_decode = _register("pod_prefill_decode", _pod_prefill_decode,
+                               _pod_prefill_decode_fake)
