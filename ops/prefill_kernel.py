@@ -1,8 +1,467 @@
-"""The Triton prefill kernel family (in progress)."""
+"""The Triton prefill kernel family behind every compiled_attn op.
+
+One kernel body (``_tile``) computes one tile of packed query rows of one request against that
+request's keys, for one KV head; constexpr switches select the KV addressing (dense batch, ragged
+offsets, page table), the mask mode, the logit transforms (soft cap, ALiBi), in-kernel RoPE, and
+sinks. The launchers here translate an op's arguments into one grid of (work item, KV head).
+
+Invariants the kernel relies on (the op layer and plan() guarantee them):
+- packed row r of a request is token ``r // GROUP`` and query head ``hkv * GROUP + r % GROUP``:
+  the GROUP query heads of a KV head share the tile and one pass over K/V (GQA of any size);
+- a work item whose request is negative, or whose first row is past the request's rows, does
+  nothing (fixed-size work buffers for CUDA graphs and uniform plans are padded that way);
+- positions are bottom-right aligned: row token i sits at ``p = kv_len - qo_len + i``;
+- the key loop is split into [masked | unmasked | masked] ranges so that only tiles on a mask
+  boundary (window edge, causal diagonal, kv_len tail) pay for masking;
+- logits are kept in base 2 (log2(e) folded into the scale); the LSE written is base 2;
+- a row that sees no key ends with l = 0: it writes output 0 and LSE -inf, never NaN;
+- all element offsets are computed in int64.
+"""
 
 from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .contracts import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, POS_ALIBI, POS_ROPE_LLAMA
+
+LOG2E = 1.4426950408889634
+
+KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int) -> int:
     """Tile height in packed rows for these head dims (plan() and the launch agree on it)."""
-    return 64 if max(head_dim_qk, head_dim_vo) <= 128 else 64
+    return 64 if INTERPRET else 128 if max(head_dim_qk, head_dim_vo) <= 128 else 64
+
+
+def _config(block_m: int, dqk: int, dvo: int) -> dict:
+    """Launch configuration (BLOCK_N, warps, stages) for a tile height and head dims."""
+    if INTERPRET:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    d = max(dqk, dvo)
+    if d <= 64:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+    if d <= 128:
+        return dict(BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
+    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 of a non-positive argument: no overflow for large |x|.
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.constexpr):
+    """Rotate-half RoPE of the two halves x1, x2 (float32). ROWS: pos indexes dim 0 (x is
+    [N, HALF]); otherwise dim 1 (x is [HALF, N])."""
+    c = tl.arange(0, HALF).to(tl.float32)
+    inv_freq = tl.exp2(-2.0 * c / (2 * HALF) * log2_theta)
+    if ROWS:
+        ang = (pos.to(tl.float32) * rope_rcp_scale)[:, None] * inv_freq[None, :]
+    else:
+        ang = inv_freq[:, None] * (pos.to(tl.float32) * rope_rcp_scale)[None, :]
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
+                KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """int64 element offset of key j (in the request) from the request's first key (dense /
+    ragged) or from the cache's start (paged), before the head and dim offsets. Keys past
+    kv_len (j_ok False) never read the page table."""
+    if KV_MODE == 2:
+        page = tl.load(page_idx_ptr + page_base + j // PAGE_SIZE, mask=j_ok, other=0)
+        return page.to(tl.int64) * stride_kp + (j % PAGE_SIZE).to(tl.int64) * stride_kt
+    else:
+        return j.to(tl.int64) * stride_kt
+
+
+@triton.jit
+def _attend_range(
+    acc, l_i, m_i, q, q2, p_row, tok, row_ok, n_lo, n_hi, kv_len,
+    k_ptr, v_ptr, page_base, page_idx_ptr,
+    stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
+    mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
+    rope_rcp_scale, log2_theta,
+    MASKED: tl.constexpr, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DVO: tl.constexpr,
+    DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi). MASKED tiles
+    apply the visibility rule; unmasked ones are known to be fully visible to every row."""
+    offs_n = tl.arange(0, BLOCK_N)
+    HALF: tl.constexpr = BLOCK_DQK // 2
+    if ROPE:
+        offs_d1 = tl.arange(0, HALF)
+    else:
+        offs_d1 = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DVO)
+    for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
+        j = n + offs_n
+        j_ok = j < kv_len
+        k_off = _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
+                            KV_MODE, PAGE_SIZE)
+        v_off = _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_vt, stride_vp,
+                            KV_MODE, PAGE_SIZE)
+        kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
+        if ROPE:
+            k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
+            k2 = tl.load(kt_ptrs + HALF * stride_kd, mask=j_ok[None, :], other=0.0).to(tl.float32)
+            k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False)
+            s = tl.dot(q, k1.to(q.dtype)) + tl.dot(q2, k2.to(q.dtype))
+        else:
+            k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < DQK), other=0.0)
+            s = tl.dot(q, k.to(q.dtype))
+        if SOFT_CAP:
+            s = _tanh(s * (qk_scale / soft_cap)) * (soft_cap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+        if ALIBI:
+            s += (slope * 1.4426950408889634)[:, None] * (j[None, :] - p_row[:, None]).to(tl.float32)
+        if MASKED:
+            see = j_ok[None, :] & row_ok[:, None]
+            if MASK_MODE == 1:
+                see = see & (j[None, :] <= p_row[:, None])
+            if MASK_MODE == 2:
+                bit = mask_base + tok.to(tl.int64)[:, None] * kv_len + j[None, :]
+                byte = tl.load(mask_ptr + (bit >> 3), mask=see, other=0)
+                see = see & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
+            if HAS_WINDOW:
+                see = see & (j[None, :] >= p_row[:, None] - window_left)
+            if HAS_CHUNK:
+                see = see & (j[None, :] >= (p_row[:, None] // chunk_size) * chunk_size)
+                see = see & (j[None, :] <= p_row[:, None])
+            s = tl.where(see, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen nothing yet keeps m = -inf; subtract 0 instead (no NaN).
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = m_new
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
+        v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_fwd(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr, work_ptr,
+    mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    dense_qo_len, dense_kv_len, dense_tiles,
+    qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
+    KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+
+    # ---- which request and rows this program owns -------------------------------------------
+    if KV_MODE == 0:
+        req = pid // dense_tiles
+        row0 = (pid % dense_tiles) * BLOCK_M
+        qo_len = dense_qo_len
+        kv_len = dense_kv_len
+        q_base = req.to(tl.int64) * stride_qb
+        o_base = req.to(tl.int64) * stride_ob
+        l_base = req.to(tl.int64) * stride_lb
+        kv_base = req.to(tl.int64) * stride_kb
+        vv_base = req.to(tl.int64) * stride_vb
+        page_base = 0
+        mask_base = req.to(tl.int64) * dense_qo_len * dense_kv_len
+    else:
+        req = tl.load(work_ptr + pid * 2)
+        row0 = tl.load(work_ptr + pid * 2 + 1)
+        req_c = tl.maximum(req, 0)
+        qo_start = tl.load(qo_indptr_ptr + req_c)
+        qo_len = tl.load(qo_indptr_ptr + req_c + 1) - qo_start
+        q_base = qo_start.to(tl.int64) * stride_qt
+        o_base = qo_start.to(tl.int64) * stride_ot
+        l_base = qo_start.to(tl.int64) * stride_lt
+        if KV_MODE == 1:
+            kv_start = tl.load(kv_indptr_ptr + req_c)
+            kv_len = tl.load(kv_indptr_ptr + req_c + 1) - kv_start
+            kv_base = kv_start.to(tl.int64) * stride_kt
+            vv_base = kv_start.to(tl.int64) * stride_vt
+            page_base = 0
+        else:
+            page_base = tl.load(kv_indptr_ptr + req_c)
+            npages = tl.load(kv_indptr_ptr + req_c + 1) - page_base
+            last = tl.load(last_page_len_ptr + req_c)
+            kv_len = tl.where(npages > 0, (npages - 1) * PAGE_SIZE + last, 0)
+            kv_base = 0
+            vv_base = 0
+        if MASK_MODE == 2:
+            mask_base = tl.load(mask_indptr_ptr + req_c).to(tl.int64) * 8
+        else:
+            mask_base = 0
+        qo_len = tl.where(req < 0, 0, qo_len)  # padding item: no rows
+    if row0 >= qo_len * GROUP:
+        return
+
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP
+    head = hkv * GROUP + offs_m % GROUP
+    row_ok = tok < qo_len
+    p_row = kv_len - qo_len + tok
+    # positions of the tile's first and last valid rows
+    tok_lo = row0 // GROUP
+    tok_hi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
+    p_lo = kv_len - qo_len + tok_lo
+    p_hi = kv_len - qo_len + tok_hi
+
+    # ---- load q (int64 offsets), RoPE'd in place when asked ---------------------------------
+    q_rows = q_ptr + q_base + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+    HALF: tl.constexpr = BLOCK_DQK // 2
+    if ROPE:
+        offs_h = tl.arange(0, HALF).to(tl.int64) * stride_qd
+        q1 = tl.load(q_rows[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + HALF * stride_qd, mask=row_ok[:, None],
+                     other=0.0)
+        r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, rope_rcp_scale,
+                       log2_theta, HALF, True)
+        q = r1.to(q1.dtype)
+        q2 = r2.to(q1.dtype)
+    else:
+        offs_d = tl.arange(0, BLOCK_DQK)
+        q = tl.load(q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
+                    mask=row_ok[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        q2 = q
+
+    if ALIBI:
+        slope = tl.load(alibi_ptr + head).to(tl.float32)
+    else:
+        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    # ---- the key ranges: [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked ----------------
+    n0 = 0
+    n1 = kv_len
+    u0 = 0
+    u1 = kv_len
+    if MASK_MODE == 1 or HAS_CHUNK:
+        n1 = tl.minimum(n1, p_hi + 1)
+        u1 = tl.minimum(u1, p_lo + 1)
+    if HAS_WINDOW:
+        n0 = tl.maximum(n0, p_lo - window_left)
+        u0 = tl.maximum(u0, p_hi - window_left)
+    if HAS_CHUNK:
+        n0 = tl.maximum(n0, (p_lo // chunk_size) * chunk_size)
+        u0 = tl.maximum(u0, (p_hi // chunk_size) * chunk_size)
+    n0 = (n0 // BLOCK_N) * BLOCK_N
+    u0 = ((u0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    u1 = (u1 // BLOCK_N) * BLOCK_N
+    if MASK_MODE == 2:
+        u0 = n1
+    n1 = tl.maximum(n1, n0)
+    u0 = tl.minimum(tl.maximum(u0, n0), n1)
+    u1 = tl.minimum(tl.maximum(u1, u0), n1)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)
+    # k_head / v_head: the request's first key (dense, ragged) or the cache (paged), this head.
+    k_head = k_ptr + kv_base + hkv.to(tl.int64) * stride_kh
+    v_head = v_ptr + vv_base + hkv.to(tl.int64) * stride_vh
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q2, p_row, tok, row_ok, n0, u0, kv_len,
+        k_head, v_head, page_base, page_idx_ptr,
+        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
+        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
+        rope_rcp_scale, log2_theta,
+        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q2, p_row, tok, row_ok, u0, u1, kv_len,
+        k_head, v_head, page_base, page_idx_ptr,
+        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
+        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
+        rope_rcp_scale, log2_theta,
+        False, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q, q2, p_row, tok, row_ok, u1, n1, kv_len,
+        k_head, v_head, page_base, page_idx_ptr,
+        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
+        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
+        rope_rcp_scale, log2_theta,
+        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+
+    # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    scale = v_scale / l_safe
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_safe = tl.where(seen, m_i, 0.0)
+        scale = v_scale / (l_safe + tl.exp2(sink - m_safe))
+    out = acc * tl.where(seen, scale, 0.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+    offs_dv = tl.arange(0, BLOCK_DVO)
+    o_rows = o_ptr + o_base + tok.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(o_rows[:, None] + offs_dv[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dv[None, :] < DVO))
+    l_ptrs = lse_ptr + l_base + tok.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
+    tl.store(l_ptrs, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers (called from the op implementations in contracts.py)
+# ---------------------------------------------------------------------------------------------
+def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
+           logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta, v_scale):
+    """Scalar kernel arguments and constexpr switches shared by every launch."""
+    scalars = dict(
+        qk_scale=float(sm_scale) * (1.0 if logits_soft_cap > 0 else LOG2E),
+        soft_cap=float(logits_soft_cap) if logits_soft_cap > 0 else 1.0,
+        window_left=int(window_left),
+        chunk_size=int(chunk_size) if chunk_size > 0 else 1,
+        rope_rcp_scale=1.0 / float(rope_scale),
+        log2_theta=math.log2(float(rope_theta)),
+        v_scale=float(v_scale),
+    )
+    consts = dict(
+        MASK_MODE=int(mask_mode),
+        HAS_WINDOW=window_left >= 0,
+        HAS_CHUNK=chunk_size > 0,
+        SOFT_CAP=logits_soft_cap > 0,
+        ALIBI=pos_encoding_mode == POS_ALIBI,
+        ROPE=pos_encoding_mode == POS_ROPE_LLAMA,
+        SINKS=sinks is not None,
+    )
+    return scalars, consts
+
+
+def _dims(dqk: int, dvo: int, rope: bool) -> dict:
+    bdqk = triton.next_power_of_2(dqk)
+    if rope and bdqk != dqk:
+        raise NotImplementedError(
+            f"in-kernel RoPE needs a power-of-two head_dim_qk, got {dqk}; apply RoPE outside "
+            "(pos_encoding_mode='NONE') for this head dim")
+    return dict(BLOCK_DQK=bdqk, BLOCK_DVO=triton.next_power_of_2(dvo), DQK=dqk, DVO=dvo)
+
+
+def _launch(kv_mode, grid, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
+            l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, work, packed_mask,
+            mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params):
+    from torch.library import wrap_triton
+
+    hq, hkv = q.shape[-2], k.shape[-2]
+    group = hq // hkv
+    scalars, consts = _flags(q, alibi_slopes, sinks, **params)
+    dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
+    cfg = _config(block_m, q.shape[-1], v.shape[-1])
+    dummy = work if work is not None else qo_indptr if qo_indptr is not None else q
+    kernel = _prefill_fwd if INTERPRET else wrap_triton(_prefill_fwd)
+    kernel[grid](
+        q, k, v, out, lse,
+        qo_indptr if qo_indptr is not None else dummy,
+        kv_indptr if kv_indptr is not None else dummy,
+        page_idx if page_idx is not None else dummy,
+        last_page_len if last_page_len is not None else dummy,
+        work if work is not None else dummy,
+        packed_mask if packed_mask is not None else dummy,
+        mask_indptr if mask_indptr is not None else dummy,
+        alibi_slopes if alibi_slopes is not None else dummy,
+        sinks if sinks is not None else dummy,
+        *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
+        *dense, **scalars,
+        KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=group, **consts,
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out, lse
+
+
+def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **params):
+    """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]; grid (B * tiles, Hkv)."""
+    bsz, sq, hq, _ = q.shape
+    skv, hkv = k.shape[1], k.shape[2]
+    group = hq // hkv
+    block_m = block_m_for(q.shape[-1], v.shape[-1], group)
+    tiles = triton.cdiv(sq * group, block_m)
+    out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
+    if bsz == 0 or sq == 0:
+        return out, lse
+    return _launch(
+        KV_DENSE, (bsz * tiles, hkv), q, k, v, out, lse,
+        (q.stride(0), q.stride(1), q.stride(2), q.stride(3)),
+        (k.stride(0), k.stride(1), 0, k.stride(2), k.stride(3)),
+        (v.stride(0), v.stride(1), 0, v.stride(2), v.stride(3)),
+        (out.stride(0), out.stride(1), out.stride(2)),
+        (lse.stride(0), lse.stride(1), lse.stride(2)),
+        None, None, None, None, None, packed_mask, None, alibi_slopes, sinks,
+        (sq, skv, tiles), block_m, 1, params)
+
+
+def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,
+                  sinks, block_m, *, out_dtype, **params):
+    """batch_ragged_prefill: grid (work items, Hkv)."""
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out, lse
+    return _launch(
+        KV_RAGGED, (work.shape[0], k.shape[1]), q, k, v, out, lse,
+        (0, q.stride(0), q.stride(1), q.stride(2)),
+        (0, k.stride(0), 0, k.stride(1), k.stride(2)),
+        (0, v.stride(0), 0, v.stride(1), v.stride(2)),
+        (0, out.stride(0), out.stride(1)),
+        (0, lse.stride(0), lse.stride(1)),
+        qo_indptr, kv_indptr, None, None, work, packed_mask, mask_indptr, alibi_slopes, sinks,
+        (0, 0, 1), block_m, 1, params)
+
+
+def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
+                 kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes, sinks, block_m,
+                 *, out_dtype, **params):
+    """batch_paged_prefill: caches [P, page, Hkv, D] (any strides); grid (work items, Hkv)."""
+    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out, lse
+    kc, vc = k_cache, v_cache
+    return _launch(
+        KV_PAGED, (work.shape[0], kc.shape[2]), q, kc, vc, out, lse,
+        (0, q.stride(0), q.stride(1), q.stride(2)),
+        (0, kc.stride(1), kc.stride(0), kc.stride(2), kc.stride(3)),
+        (0, vc.stride(1), vc.stride(0), vc.stride(2), vc.stride(3)),
+        (0, out.stride(0), out.stride(1)),
+        (0, lse.stride(0), lse.stride(1)),
+        qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, work, packed_mask,
+        mask_indptr, alibi_slopes, sinks, (0, 0, 1), block_m, kc.shape[1], params)
+
+
+def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
+               kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
+               kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
+               alibi_slopes, block_m, p_params, d_params):
+    raise NotImplementedError(
+        "pod_prefill_decode has no Triton kernel yet: the fused prefill+decode launch is not "
+        "written; run the prefill and decode parts with batch_paged_prefill")
