@@ -90,6 +90,7 @@ def attend(
     rope_theta: float,
     v_scale: float,
     out_dtype: torch.dtype,
+    matmul_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of every query row against every KV slot, with the request rules.
 
@@ -99,6 +100,9 @@ def attend(
     qo_len, kv_len: [B] int64 per-request lengths.
     packed_mask: uint8 bits, read at ``mask_bit_offset[req] + i * kv_len + j`` when
     mask_mode == MASK_CUSTOM. alibi_slopes, sinks: float [Hq].
+    matmul_dtype: when set (fp16/bf16), the two matrix products take operands in that dtype and
+    the probabilities are rounded to it before the second, as eager low-precision attention does
+    (HF's eager path); tests use it to measure PyTorch's own error in a dtype.
     Returns out [Nq, Hq, Dvo] in out_dtype and lse [Nq, Hq] float32, base 2.
     """
     from .contracts import MASK_CAUSAL, MASK_CUSTOM, POS_ALIBI, POS_ROPE_LLAMA
@@ -125,7 +129,8 @@ def attend(
 
     kf = kf.repeat_interleave(group, dim=1)  # [Nk, Hq, D]: query head h reads kv head h // group
     vf = vf.repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * sm_scale  # [Hq, Nq, Nk]
+    mm = matmul_dtype or ct
+    s = torch.einsum("qhd,khd->hqk", qf.to(mm), kf.to(mm)).to(ct) * sm_scale  # [Hq, Nq, Nk]
     if logits_soft_cap > 0:
         s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
 
@@ -152,7 +157,7 @@ def attend(
     finite = torch.isfinite(lse)
     safe_lse = torch.where(finite, lse, torch.zeros_like(lse))
     pexp = torch.exp(s - safe_lse[..., None])  # exp(-inf) = 0 for masked pairs
-    out = torch.einsum("hqk,khd->qhd", pexp, vf)  # normalised by the keys alone
+    out = torch.einsum("hqk,khd->qhd", pexp.to(mm), vf.to(mm)).to(ct)  # normalised by keys alone
     if sinks is not None:
         # The sink adds e^sink to the denominator: out *= Z / (Z + e^sink).
         sink = sinks.to(ct)[:, None]

@@ -1,0 +1,105 @@
+"""The Triton prefill kernel itself, run on CPU tensors by the Triton interpreter, against the
+float64 reference (tests/kernel_cases.py): every mask mode, transform, layout, page size 1/5/16,
+GQA 7:1, empty requests and fully masked rows, in fp16 and fp32 (the interpreter computes bf16
+dots wrongly: bf16 is tested on the GPU)."""
+
+import pytest
+import torch
+
+from compiled_attn import ops
+from compiled_attn.ops import contracts
+from tests.kernel_cases import _pack, check, make_case, params, run
+
+
+def test_interpreter_mode_is_on():
+    # The op must launch the kernel on CPU tensors here, not the reference.
+    assert contracts.INTERPRET and contracts._use_kernel(torch.empty(1))
+
+
+# (qo_lens, kv_lens): odd lengths, an empty request, qo_len > kv_len (rows that see nothing),
+# a request with no keys, a request longer than one tile.
+BATCH = ([5, 0, 70, 3, 9], [9, 4, 70, 0, 4])
+
+MODES = {
+    "causal": params(),
+    "none": params(mask_mode=ops.MASK_NONE),
+    "window": params(window_left=6),
+    "window_noncausal": params(mask_mode=ops.MASK_NONE, window_left=5),
+    "soft_cap": params(logits_soft_cap=2.0, sm_scale=0.5),
+    "alibi": params(pos_encoding_mode=ops.POS_ALIBI),
+    "rope": params(pos_encoding_mode=ops.POS_ROPE_LLAMA, rope_scale=2.0, rope_theta=500.0),
+    "chunked": params(chunk_size=16),
+    "custom": params(mask_mode=ops.MASK_CUSTOM),
+    "sinks_vscale": params(v_scale=0.5),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_modes(kind, mode):
+    c = make_case(kind, *BATCH, hq=4, hkv=2, dqk=64, dtype=torch.float16, page_size=5,
+                  custom_mask=mode == "custom", alibi=mode == "alibi",
+                  sinks=mode == "sinks_vscale", seed=hash((kind, mode)) % 1000)
+    check(c, MODES[mode])
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("layout,tuple_cache", [("NHD", False), ("HND", False), ("HND", True)])
+def test_paged_layouts(page_size, layout, tuple_cache):
+    c = make_case("paged", [17, 1, 40], [33, 8, 40], hq=2, hkv=1, dqk=32, page_size=page_size,
+                  layout=layout, tuple_cache=tuple_cache, seed=page_size)
+    check(c, params(head_dim=32))
+
+
+def test_gqa_7_to_1_fp32_dqk_ne_dvo():
+    c = make_case("ragged", [13, 30], [20, 45], hq=7, hkv=1, dqk=64, dvo=32,
+                  dtype=torch.float32, seed=3)
+    check(c, params())
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("mode", ["causal", "custom", "window_noncausal"])
+def test_single(layout, mode):
+    c = make_case("single", [37], [50], hq=4, hkv=4, dqk=64, layout=layout,
+                  custom_mask=mode == "custom", seed=7)
+    check(c, MODES[mode])
+
+
+def test_single_batched_dense_out_dtype():
+    # The dense batch path (FX rewrites of SDPA): B = 3, fp32 output from fp16 inputs.
+    c = make_case("single", [20], [20], hq=2, hkv=1, dqk=32, seed=11)
+    c.q = torch.randn(3, 20, 2, 32, dtype=torch.float16)
+    c.k = torch.randn(3, 20, 1, 32, dtype=torch.float16)
+    c.v = torch.randn(3, 20, 1, 32, dtype=torch.float16)
+    check(c, params(head_dim=32), out_dtype=torch.float32)
+
+
+def test_fully_masked_rows_with_custom_mask():
+    c = make_case("ragged", [6], [10], hq=1, hkv=1, dqk=32, custom_mask=True, seed=5)
+    # Row 2 of the single request sees nothing: its bits are cleared.
+    bits = torch.ones(60, dtype=torch.bool)
+    bits[20:30] = False
+    c.packed_mask = _pack(bits)
+    c.mask_indptr = torch.tensor([0, c.packed_mask.numel()], dtype=torch.int32)
+    p = params(mask_mode=ops.MASK_CUSTOM, head_dim=32)
+    check(c, p)
+    out, lse = run(c, p)
+    assert torch.all(out[2] == 0) and torch.all(lse[2] == float("-inf"))
+    assert torch.isfinite(lse[[0, 1, 3, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv(kv_dtype):
+    # fp8 K/V are converted to q's dtype in the kernel; k_scale is folded into sm_scale and
+    # v_scale multiplies the output by the API: here v_scale reaches the op directly.
+    c = make_case("paged", [9, 20], [30, 20], hq=2, hkv=1, dqk=32, kv_dtype=kv_dtype, seed=4)
+    check(c, params(head_dim=32, v_scale=0.25))
+
+
+def test_padded_work_items_are_skipped():
+    # use_cuda_graph / uniform plans pad the work list with request -1 and with tiles past a
+    # request's rows: both must write nothing and read nothing.
+    c = make_case("ragged", [5, 9], [5, 9], hq=2, hkv=2, dqk=32, seed=9)
+    pad = torch.tensor([[-1, 0], [0, 4096], [1, 128]], dtype=torch.int32)
+    c.work = torch.cat([c.work, pad])
+    check(c, params(head_dim=32))

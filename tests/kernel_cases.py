@@ -1,0 +1,199 @@
+"""Shared case builders and the error bound for the kernel tests (interpreter and GPU tiers).
+
+A case is a batch of requests with given query and key lengths, laid out ragged or paged (page
+size, NHD/HND, 5-D or tuple cache, shuffled pages). ``run`` calls the op under test,
+``check`` compares it with the float64 reference and bounds the error by PyTorch's own error in
+the same dtype (the reference with low-precision matrix products, as eager attention computes),
+twice that plus a rounding term. NaN never passes; outputs are poisoned before each run by the
+caller passing ``poison=True``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from compiled_attn import ops
+from compiled_attn.ops import reference
+from compiled_attn.plan import block_m_for, build_work
+
+
+@dataclasses.dataclass
+class Case:
+    kind: str  # "single" | "ragged" | "paged"
+    q: torch.Tensor
+    k: torch.Tensor  # single [1, Skv, Hkv, D] / ragged [Nk, Hkv, D] / paged cache [P, page, Hkv, D]
+    v: torch.Tensor
+    qo_indptr: torch.Tensor | None = None
+    kv_indptr: torch.Tensor | None = None  # ragged: tokens; paged: pages
+    page_indices: torch.Tensor | None = None
+    last_page_len: torch.Tensor | None = None
+    work: torch.Tensor | None = None
+    block_m: int = 0
+    packed_mask: torch.Tensor | None = None
+    mask_indptr: torch.Tensor | None = None
+    alibi: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+
+
+def _indptr(lens, device):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+
+
+def _pack(bits: torch.Tensor) -> torch.Tensor:
+    """Little-endian packbits of a flat bool tensor (independent of the API's packbits)."""
+    n = bits.numel()
+    padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits.to(torch.uint8)
+    weights = (2 ** torch.arange(8, device=bits.device)).to(torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(1).to(torch.uint8)
+
+
+def make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, *, dtype=torch.float16,
+              kv_dtype=None, device="cpu", page_size=16, layout="NHD", tuple_cache=False,
+              custom_mask=False, alibi=False, sinks=False, seed=0) -> Case:
+    """Fresh random inputs (never zeros) for a batch of requests."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    dvo = dvo or dqk
+    kv_dtype = kv_dtype or dtype
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dt)
+
+    nq = sum(qo_lens)
+    c = Case(kind, q=rnd(nq, hq, dqk), k=None, v=None)
+    if kind == "single":
+        (sq,), (skv,) = qo_lens, kv_lens
+        c.q = c.q.reshape(1, sq, hq, dqk)
+        if layout == "HND":
+            c.k = rnd(1, hkv, skv, dqk, dt=kv_dtype).transpose(1, 2)
+            c.v = rnd(1, hkv, skv, dvo, dt=kv_dtype).transpose(1, 2)
+        else:
+            c.k, c.v = rnd(1, skv, hkv, dqk, dt=kv_dtype), rnd(1, skv, hkv, dvo, dt=kv_dtype)
+    else:
+        c.qo_indptr = _indptr(qo_lens, device)
+        group = hq // hkv
+        c.block_m = block_m_for(dqk, dvo, group)
+        c.work = build_work(qo_lens, group, c.block_m, device)
+    if kind == "ragged":
+        nk = sum(kv_lens)
+        c.kv_indptr = _indptr(kv_lens, device)
+        if layout == "HND":
+            c.k = rnd(hkv, nk, dqk, dt=kv_dtype).transpose(0, 1)
+            c.v = rnd(hkv, nk, dvo, dt=kv_dtype).transpose(0, 1)
+        else:
+            c.k, c.v = rnd(nk, hkv, dqk, dt=kv_dtype), rnd(nk, hkv, dvo, dt=kv_dtype)
+    elif kind == "paged":
+        npages = [(n + page_size - 1) // page_size for n in kv_lens]
+        c.kv_indptr = _indptr(npages, device)
+        c.last_page_len = torch.tensor([(n - 1) % page_size + 1 if n else 1 for n in kv_lens],
+                                       dtype=torch.int32, device=device)
+        total = sum(npages) + 3  # a few unused pages
+        c.page_indices = torch.randperm(total, generator=g)[: sum(npages)].to(torch.int32).to(device)
+        assert dvo == dqk or tuple_cache, "a 5-D cache needs D_qk == D_vo"
+        if tuple_cache:
+            shape_k = (total, hkv, page_size, dqk) if layout == "HND" else (total, page_size, hkv, dqk)
+            shape_v = shape_k[:-1] + (dvo,)
+            kc, vc = rnd(*shape_k, dt=kv_dtype), rnd(*shape_v, dt=kv_dtype)
+        else:
+            shape = (total, 2, hkv, page_size, dqk) if layout == "HND" else (total, 2, page_size, hkv, dqk)
+            cache = rnd(*shape, dt=kv_dtype)
+            kc, vc = cache[:, 0], cache[:, 1]
+        if layout == "HND":
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+        c.k, c.v = kc, vc
+    if custom_mask:
+        segs = [_pack(torch.rand(a * b, generator=g) < 0.7) for a, b in zip(qo_lens, kv_lens)]
+        if kind == "single":
+            c.packed_mask = segs[0].to(device)
+        else:
+            c.mask_indptr = _indptr([s.numel() for s in segs], device)
+            c.packed_mask = torch.cat(segs).to(device)
+    if alibi:
+        c.alibi = (torch.rand(hq, generator=g) * 0.5 + 0.05).to(device)
+    if sinks:
+        c.sinks = torch.randn(hq, generator=g).to(device)
+    return c
+
+
+def params(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=None,
+           logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
+           rope_theta=1e4, v_scale=1.0, head_dim=64):
+    return dict(mask_mode=mask_mode, window_left=window_left, chunk_size=chunk_size,
+                sm_scale=sm_scale if sm_scale is not None else head_dim ** -0.5,
+                logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
+                rope_scale=rope_scale, rope_theta=rope_theta, v_scale=v_scale)
+
+
+def run(c: Case, p: dict, out_dtype=None):
+    """The op under test (torch.ops.compiled_attn.*)."""
+    args = (p["mask_mode"], p["window_left"], p["chunk_size"], p["sm_scale"],
+            p["logits_soft_cap"], p["pos_encoding_mode"], p["rope_scale"], p["rope_theta"],
+            p["v_scale"], out_dtype)
+    if c.kind == "single":
+        return ops.single_prefill(c.q, c.k, c.v, c.packed_mask, c.alibi, c.sinks, *args)
+    if c.kind == "ragged":
+        return ops.batch_ragged_prefill(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.work,
+                                        c.packed_mask, c.mask_indptr, c.alibi, c.sinks,
+                                        c.block_m, *args)
+    return ops.batch_paged_prefill(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.page_indices,
+                                   c.last_page_len, c.work, c.packed_mask, c.mask_indptr,
+                                   c.alibi, c.sinks, c.block_m, *args)
+
+
+def ref(c: Case, p: dict, compute=torch.float64, matmul_dtype=None):
+    """The reference on the same inputs, upcast to ``compute`` (float64 oracle, or float32 with
+    low-precision matrix products for PyTorch's own error)."""
+    up = lambda t: None if t is None else t.to(compute)  # noqa: E731
+    kw = dict(out_dtype=compute, matmul_dtype=matmul_dtype, **p)
+    if c.kind == "single":
+        return reference.single_prefill(up(c.q), up(c.k), up(c.v), c.packed_mask, c.alibi,
+                                        c.sinks, **kw)
+    if c.kind == "ragged":
+        return reference.batch_ragged_prefill(up(c.q), up(c.k), up(c.v), c.qo_indptr,
+                                              c.kv_indptr, c.packed_mask, c.mask_indptr,
+                                              c.alibi, c.sinks, **kw)
+    return reference.batch_paged_prefill(up(c.q), up(c.k), up(c.v), c.qo_indptr, c.kv_indptr,
+                                         c.page_indices, c.last_page_len, c.packed_mask,
+                                         c.mask_indptr, c.alibi, c.sinks, **kw)
+
+
+def poison(c: Case, out_dtype=None):
+    """Fill (and free) blocks of the output sizes with NaN so that the caching allocator hands
+    the op poisoned memory: an element the kernel forgets to write shows up as NaN."""
+    nq = c.q.shape[0] * (c.q.shape[1] if c.kind == "single" else 1)
+    for _ in range(2):
+        torch.full((nq, c.q.shape[-2], c.v.shape[-1]), float("nan"),
+                   dtype=out_dtype or c.q.dtype, device=c.q.device)
+        torch.full((nq, c.q.shape[-2]), float("nan"), device=c.q.device)
+
+
+def check(c: Case, p: dict, out_dtype=None) -> dict:
+    """Run the op and assert its error is within the bound. Returns the measured errors."""
+    poison(c, out_dtype)
+    out, lse = run(c, p, out_dtype)
+    r_out, r_lse = ref(c, p)
+    dt = c.q.dtype
+    lowp = dt if dt in (torch.float16, torch.bfloat16) else None
+    t_out, t_lse = ref(c, p, compute=torch.float32, matmul_dtype=lowp)
+    t_out = t_out.to(out.dtype)
+    assert not torch.isnan(out).any(), "NaN in the output"
+    assert not torch.isnan(lse).any(), "NaN in the LSE"
+    fin = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), fin), "rows that see no key differ from the reference"
+    assert torch.all(lse[~fin] == float("-inf"))
+    assert torch.all(out[~fin] == 0), "a row that sees no key must be exactly 0"
+    o64, t64 = out.to(torch.float64), t_out.to(torch.float64)
+    err = (o64 - r_out).abs().max().item() if out.numel() else 0.0
+    terr = (t64 - r_out).abs().max().item() if out.numel() else 0.0
+    eps = torch.finfo(out.dtype).eps
+    scale = r_out.abs().max().item() if out.numel() else 0.0
+    bound = 2 * terr + eps * scale + 1e-6
+    lerr = (lse[fin].double() - r_lse[fin]).abs().max().item() if fin.any() else 0.0
+    lterr = (t_lse[fin].double() - r_lse[fin]).abs().max().item() if fin.any() else 0.0
+    lbound = 2 * lterr + 1e-4 * max(1.0, r_lse[fin].abs().max().item() if fin.any() else 1.0)
+    assert err <= bound, f"output error {err:.3g} > bound {bound:.3g} (torch's own {terr:.3g})"
+    assert lerr <= lbound, f"LSE error {lerr:.3g} > bound {lbound:.3g} (torch's own {lterr:.3g})"
+    return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
