@@ -1,0 +1,114 @@
+"""Kernel tuning sweep (dev tool): our single/ragged/paged ops under several tile configs
+against SDPA's flash and cuDNN backends, on the FA3-paper sizing (B*S = 16k, H*D = 2048), in one
+process. Prints a table; the full benchmark suite is benchmarks/run.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from compiled_attn import ops
+from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.plan import build_work
+
+
+def tflops(b, s, h, d, causal, ms):
+    f = 4 * b * s * s * h * d * (0.5 if causal else 1.0)
+    return f / ms / 1e9
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="128:4096:1,128:16384:1,128:16384:0,64:4096:1,256:8192:1")
+    ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3")
+    ap.add_argument("--paged", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    rows = []
+    orig_bm, orig_cfg = K.block_m_for, K._config
+    for case in a.cases.split(","):
+        d, s, causal = (int(x) for x in case.split(":"))
+        h, b = 2048 // d, 16384 // s
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+        peers = {}
+        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                         ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qt, kt, vt, is_causal=bool(causal)))
+                peers[name] = tflops(b, s, h, d, causal, ms)
+            except Exception as e:  # a backend that refuses the case is reported, not hidden
+                peers[name] = f"n/a: {type(e).__name__}"
+        for cfg in a.configs.split(","):
+            bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
+            K.block_m_for = lambda *_a, bm=bm: bm
+            K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            mm = ops.MASK_CAUSAL if causal else ops.MASK_NONE
+            try:
+                fn = lambda: ops.single_prefill(q, k, v, None, None, None, mm, -1, 0, d ** -0.5,
+                                                0.0, 0, 1.0, 1e4, 1.0, None)
+                out, _ = fn()
+                err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
+                ms = bench(fn)
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, kind="single",
+                           tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
+                if a.paged:
+                    for page in (16, 1):
+                        npg = s // page
+                        perm = torch.randperm(b * npg, device="cuda").to(torch.int32)
+                        kc = torch.empty(b * npg, page, h, d, device="cuda", dtype=torch.bfloat16)
+                        vc = torch.empty_like(kc)
+                        kc[perm.long()] = k.reshape(b * npg, page, h, d)
+                        vc[perm.long()] = v.reshape(b * npg, page, h, d)
+                        qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+                        pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
+                        last = torch.full((b,), page, device="cuda", dtype=torch.int32)
+                        work = build_work([s] * b, 1, bm, "cuda")
+                        qf = q.reshape(b * s, h, d)
+                        fp = lambda: ops.batch_paged_prefill(
+                            qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
+                            mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
+                        o2, _ = fp()
+                        perr = (o2.reshape(b, s, h, d).float() - out.float()).abs().max().item()
+                        row[f"paged{page}"] = tflops(b, s, h, d, causal, bench(fp))
+                        row[f"paged{page}_err"] = perr
+                        kr, vr = k.reshape(b * s, h, d), v.reshape(b * s, h, d)
+                        fr = lambda: ops.batch_ragged_prefill(
+                            qf, kr, vr, qi, qi, work, None, None, None, None, bm,
+                            mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
+                        row["ragged"] = tflops(b, s, h, d, causal, bench(fr))
+            except Exception as e:
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, error=f"{type(e).__name__}: {e}"[:300])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    K.block_m_for, K._config = orig_bm, orig_cfg
+    with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print("\n d    S     c  cfg            ours   flash  cudnn  paged16 paged1 ragged")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:14} ERROR {r['error'][:80]}")
+            continue
+        f = lambda x: f"{x:6.0f}" if isinstance(x, float) else "   n/a"
+        print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:14} {f(r['tflops'])} "
+              f"{f(r['sdpa_flash'])} {f(r['sdpa_cudnn'])} {f(r.get('paged16'))} "
+              f"{f(r.get('paged1'))} {f(r.get('ragged'))}  err {r['err']:.2e}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
