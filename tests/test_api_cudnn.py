@@ -1,0 +1,243 @@
+"""compiled_attn.cudnn_batch_prefill_with_kv_cache against a dense float64 oracle (CPU).
+
+Paged (block_tables [B, max_pages] over [P, Hkv, page, D] caches, shuffled pages, unused table
+entries poisoned with -1) and ragged K/V (batch offsets in element and token units), causal and
+not, GQA, the padded LSE [B, max_token_per_sequence, Hq] in base 2, the CUDA-graph-compatible
+mode (no host reads), fp8 K/V with scales, output dtypes, and bad inputs with the messages that
+say how to fix them. Output buffers are poisoned with NaN before each call.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compiled_attn
+from tests.test_reference import assert_lse, dense_request
+
+fn = compiled_attn.cudnn_batch_prefill_with_kv_cache
+WS = torch.empty(16, dtype=torch.uint8)
+
+
+def _seqs(qo_lens, kv_lens, hq, hkv, dqk, dvo, dtype=torch.float64):
+    qs = [torch.randn(n, hq, dqk, dtype=torch.float64).to(dtype) for n in qo_lens]
+    ks = [torch.randn(n, hkv, dqk, dtype=torch.float64).to(dtype) for n in kv_lens]
+    vs = [torch.randn(n, hkv, dvo, dtype=torch.float64).to(dtype) for n in kv_lens]
+    return qs, ks, vs
+
+
+def _paged(ks, vs, page, max_pages, seed):
+    """[P, Hkv, page, D] caches and a shuffled block table [B, max_pages] (-1 where unused)."""
+    g = torch.Generator().manual_seed(seed)
+    bsz = len(ks)
+    hkv, dqk, dvo = ks[0].shape[1], ks[0].shape[2], vs[0].shape[2]
+    total = bsz * max_pages + 2
+    kc = torch.randn(total, hkv, page, dqk, dtype=torch.float64).to(ks[0].dtype)
+    vc = torch.randn(total, hkv, page, dvo, dtype=torch.float64).to(vs[0].dtype)
+    perm = torch.randperm(total, generator=g)
+    table = torch.full((bsz, max_pages), -1, dtype=torch.int32)
+    nxt = 0
+    for b, (k, v) in enumerate(zip(ks, vs)):
+        for t in range(k.shape[0]):
+            if t % page == 0:
+                table[b, t // page] = int(perm[nxt])
+                nxt += 1
+            pg = int(table[b, t // page])
+            kc[pg, :, t % page] = k[t]
+            vc[pg, :, t % page] = v[t]
+    return kc, vc, table
+
+
+def _oracle(qs, ks, vs, scale, causal, v_scale=1.0):
+    outs, lses = [], []
+    for q, k, v in zip(qs, ks, vs):
+        o, l = dense_request(q, k, v, sm_scale=scale, causal=causal, v_scale=v_scale)
+        outs.append(o)
+        lses.append(l)
+    return outs, lses
+
+
+def _check(out, lse, outs, lses, qo_lens, max_tok, tol_out=dict(rtol=1e-9, atol=1e-9),
+           tol_lse=dict(rtol=1e-6, atol=1e-6)):
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out[: sum(qo_lens)].double(), torch.cat(outs), **tol_out)
+    if lse is not None:
+        assert lse.shape == (len(qo_lens), max_tok, out.shape[1])
+        for b, n in enumerate(qo_lens):
+            assert_lse(lse[b, :n], lses[b], tol_lse)
+            assert torch.isneginf(lse[b, n:]).all()
+
+
+def _lens(x, shape4=True):
+    t = torch.tensor(x, dtype=torch.int32)
+    return t.view(-1, 1, 1, 1) if shape4 else t
+
+
+@pytest.mark.parametrize("page", [1, 5, 16])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("graph", [False, True])
+def test_paged(page, causal, graph):
+    torch.manual_seed(page * 7 + causal * 3 + graph)
+    qo_lens, kv_lens, hq, hkv, d = [5, 0, 3, 7], [9, 4, 17, 7], 4, 2, 16
+    max_tok, max_kv = 8, 20
+    max_pages = -(-max_kv // page)
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, d, d)
+    kc, vc, table = _paged(ks, vs, page, max_pages, seed=page)
+    q = torch.cat(qs)
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=q.dtype)
+    lse = torch.full((4, max_tok, hq), float("nan"))
+    scale = 0.9 / math.sqrt(d)
+    o, l = fn(q, kc, vc, scale, WS, max_token_per_sequence=max_tok, max_sequence_kv=max_kv,
+              actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
+              block_tables=table, causal=causal, return_lse=True, out=out, lse=lse,
+              is_cuda_graph_compatible=graph)
+    assert o is out and l is lse
+    _check(o, l, *_oracle(qs, ks, vs, scale, causal), qo_lens, max_tok)
+
+
+@pytest.mark.parametrize("units", ["elements", "tokens"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_ragged_with_offsets(units, graph):
+    torch.manual_seed(11 + graph)
+    qo_lens, kv_lens, hq, hkv, dqk, dvo = [4, 6, 1], [10, 6, 3], 6, 2, 24, 16
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, dqk, dvo)
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    qi = torch.tensor([0, 4, 10, 11], dtype=torch.int32)
+    ki = torch.tensor([0, 10, 16, 19], dtype=torch.int32)
+    if units == "elements":
+        offs = dict(batch_offsets_q=qi * hq * dqk, batch_offsets_o=qi * hq * dvo,
+                    batch_offsets_k=ki * hkv * dqk, batch_offsets_v=ki * hkv * dvo)
+    else:
+        offs = dict(batch_offsets_q=qi, batch_offsets_k=ki)
+    o, l = fn(q, k, v, 0.3, WS, max_token_per_sequence=6, max_sequence_kv=10,
+              actual_seq_lens_q=_lens(qo_lens, False), actual_seq_lens_kv=_lens(kv_lens),
+              causal=True, return_lse=True, batch_offsets_units=units,
+              is_cuda_graph_compatible=graph, **offs)
+    _check(o, l, *_oracle(qs, ks, vs, 0.3, True), qo_lens, 6)
+
+
+def test_ragged_lengths_from_token_offsets_and_stats_offsets():
+    """actual_seq_lens_* omitted (token indptrs give them); batch_offsets_stats puts the LSE
+    packed by token: request b row i head h at offset[b] + i * Hq + h."""
+    torch.manual_seed(12)
+    qo_lens, kv_lens, hq, hkv, d = [3, 5], [3, 8], 2, 1, 8
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, d, d)
+    qi, ki = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 3, 11], dtype=torch.int32)
+    o, l = fn(torch.cat(qs), torch.cat(ks), torch.cat(vs), 0.5, WS, max_token_per_sequence=5,
+              max_sequence_kv=8, causal=False, return_lse=True, batch_offsets_q=qi,
+              batch_offsets_k=ki, batch_offsets_stats=qi, batch_offsets_units="tokens")
+    outs, lses = _oracle(qs, ks, vs, 0.5, False)
+    torch.testing.assert_close(o.double(), torch.cat(outs))
+    flat = l.reshape(-1)
+    packed = flat[: 8 * hq].reshape(8, hq)
+    assert_lse(packed, torch.cat(lses))
+    assert torch.isneginf(flat[8 * hq:]).all()
+
+
+def test_rows_past_the_requests_and_qo_gt_kv():
+    """q holds more tokens than the requests use (those rows are written 0); a request with
+    qo_len > kv_len under causal has rows that see nothing: output 0, LSE -inf."""
+    torch.manual_seed(13)
+    qo_lens, kv_lens, hq, hkv, d = [6, 2], [3, 5], 2, 2, 8
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, d, d)
+    q = torch.cat(qs + [torch.randn(3, hq, d, dtype=torch.float64)])
+    kc, vc, table = _paged(ks, vs, 4, 2, seed=3)
+    out = torch.full((q.shape[0], hq, d), float("nan"), dtype=torch.float64)
+    o, l = fn(q, kc, vc, 0.4, WS, max_token_per_sequence=6, max_sequence_kv=5,
+              actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
+              block_tables=table, causal=True, return_lse=True, out=out)
+    outs, lses = _oracle(qs, ks, vs, 0.4, True)
+    _check(o, l, outs, lses, qo_lens, 6)
+    assert torch.equal(o[8:], torch.zeros_like(o[8:]))
+    assert torch.equal(o[:3], torch.zeros_like(o[:3])) and torch.isneginf(l[0, :3]).all()
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_with_scales(fp8):
+    torch.manual_seed(14)
+    qo_lens, kv_lens, hq, hkv, d = [4, 3], [7, 9], 4, 2, 16
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, d, d)
+    ks8, vs8 = [k.to(fp8) for k in ks], [v.to(fp8) for v in vs]
+    kc, vc, table = _paged(ks8, vs8, 4, 3, seed=5)
+    q = torch.cat(qs).half()
+    ksc, vsc = torch.tensor([[[[0.7]]]]), torch.tensor([[[[1.6]]]])
+    o, l = fn(q, kc, vc, d ** -0.5, WS, max_token_per_sequence=4, max_sequence_kv=9,
+              actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
+              block_tables=table, causal=True, return_lse=True, k_scale=ksc, v_scale=vsc)
+    assert o.dtype == torch.float16
+    outs, lses = _oracle([x.half() for x in qs], [k.double() * 0.7 for k in ks8], vs8,
+                         d ** -0.5, True, v_scale=1.6)
+    _check(o, l, outs, lses, qo_lens, 4, tol_out=dict(rtol=1e-2, atol=1e-2),
+           tol_lse=dict(rtol=1e-4, atol=1e-4))
+
+
+def test_o_data_type_and_fp16():
+    torch.manual_seed(15)
+    qo_lens, kv_lens = [5, 2], [5, 6]
+    qs, ks, vs = _seqs(qo_lens, kv_lens, 4, 4, 16, 16, dtype=torch.float16)
+    kc, vc, table = _paged(ks, vs, 16, 1, seed=6)
+    o, l = fn(torch.cat(qs), kc, vc, 0.25, WS, max_token_per_sequence=5, max_sequence_kv=6,
+              actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
+              block_tables=table, causal=True, return_lse=False, o_data_type=torch.float32)
+    assert l is None and o.dtype == torch.float32
+    outs, _ = _oracle(qs, ks, vs, 0.25, True)
+    torch.testing.assert_close(o.double(), torch.cat(outs), rtol=2e-3, atol=2e-3)
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs
+# ------------------------------------------------------------------------------------------
+def _base(**over):
+    torch.manual_seed(16)
+    q = torch.randn(5, 4, 8, dtype=torch.float64)
+    kc = torch.randn(4, 2, 4, 8, dtype=torch.float64)
+    args = dict(q=q, k_cache=kc, v_cache=kc.clone(), scale=0.3, workspace_buffer=WS,
+                max_token_per_sequence=3, max_sequence_kv=6,
+                actual_seq_lens_q=_lens([3, 2]), actual_seq_lens_kv=_lens([6, 4]),
+                block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), causal=True,
+                return_lse=True)
+    args.update(over)
+    return args
+
+
+def test_base_case_runs():
+    o, l = fn(**_base())
+    assert not torch.isnan(o).any() and l.shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(max_token_per_sequence=2), ValueError, "max_token_per_sequence.*longest query"),
+    (dict(max_sequence_kv=5), ValueError, "max_sequence_kv.*longest KV"),
+    (dict(block_tables=torch.tensor([[0], [2]], dtype=torch.int32)), ValueError,
+     "block_tables.*widen"),
+    (dict(block_tables=torch.tensor([[0, 9], [2, -1]], dtype=torch.int32)), ValueError,
+     "block_tables.*outside"),
+    (dict(lse=torch.empty(2, 5, 4)), ValueError, r"lse.*\[2, 3, 4\]"),
+    (dict(return_lse=False, lse=torch.empty(2, 3, 4)), ValueError, "return_lse=True"),
+    (dict(backend="flash"), ValueError, "backend"),
+    (dict(batch_offsets_units="bytes"), ValueError, "batch_offsets_units"),
+    (dict(q=torch.randn(5, 3, 8, dtype=torch.float64)), ValueError, "not a multiple"),
+    (dict(q=torch.randn(5, 4, 4, dtype=torch.float64)), ValueError, "head dim"),
+    (dict(batch_offsets_q=torch.tensor([0, 4 * 8 * 4, 5 * 4 * 8], dtype=torch.int32)),
+     NotImplementedError, "batch_offsets_q.*back to back"),
+    (dict(batch_offsets_q=torch.tensor([0, 3], dtype=torch.int32), batch_offsets_units="tokens"),
+     ValueError, "batch_offsets_q.*batch_size \\+ 1"),
+    (dict(actual_seq_lens_q=None), ValueError, "actual_seq_lens_q.*missing"),
+    (dict(out=torch.empty(5, 4, 7, dtype=torch.float64)), ValueError, "out.*pass a"),
+    (dict(scale=torch.tensor(0.3)), ValueError, "scale.*float"),
+    (dict(is_cuda_graph_compatible=True, k_scale=torch.tensor(0.5)), NotImplementedError,
+     "k_scale.*host read"),
+    (dict(actual_seq_lens_q=_lens([4, 2])), ValueError, "max_token_per_sequence"),
+])
+def test_bad_inputs(over, exc, match):
+    with pytest.raises(exc, match=match):
+        fn(**_base(**over))
+
+
+def test_graph_mode_checks_offsets_on_device():
+    bad = torch.tensor([0, 2, 5], dtype=torch.int32)  # lengths are [3, 2]: cumsum [0, 3, 5]
+    with pytest.raises(RuntimeError, match="batch_offsets_q"):
+        fn(**_base(batch_offsets_q=bad, batch_offsets_units="tokens",
+                   is_cuda_graph_compatible=True))
