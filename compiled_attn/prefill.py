@@ -1,3 +1,795 @@
-"""(being written)"""
+"""FlashInfer's prefill entry points on compiled_attn's ops: single-request prefill and the
+ragged / paged batch wrappers.
 
-__all__: list[str] = []
+``single_prefill_with_kv_cache`` checks and normalises its arguments and calls
+``torch.ops.compiled_attn.single_prefill`` once. The two batch wrappers follow FlashInfer's
+plan/run split: ``plan()`` reads the index arrays on the host (they may live on CPU or GPU),
+validates them (with messages that say how to fix the input), packs custom masks per request,
+builds the int32 work list (``compiled_attn.plan.build_work``) and stores every tensor the op
+needs on the wrapper's device; ``run()`` checks only shapes, dtypes and devices against the
+plan and calls ``torch.ops.compiled_attn.batch_{paged,ragged}_prefill``, so it never reads a
+device value on the host: it can be captured in a CUDA graph and traced by torch.compile.
+Both wrappers share one base class for plan bookkeeping and run plumbing; they differ only in
+how the KV side is described (offsets vs. page table). Semantics are those of docs/spec.md:
+bottom-right aligned positions, LSE in base 2 over the final logits, rows that see no key give
+output 0 and LSE -inf. Every accepted FlashInfer argument takes effect, or raises
+NotImplementedError naming what is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from . import _validate as V
+from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
+from .plan import block_m_for, build_work
+from .utils import (_pack_from_sources, _paged_kv_views, _segment_bit_sources,
+                    get_alibi_slopes, packbits)
+
+__all__ = [
+    "single_prefill_with_kv_cache",
+    "single_prefill_with_kv_cache_return_lse",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+]
+
+_LSE_DOC = ("LSE: float32, base 2 (natural logsumexp / ln 2) over the final logits (scale, "
+            "soft cap and ALiBi included); -inf for a row that sees no key (its output is 0).")
+
+
+# --------------------------------------------------------------------------------------------
+# shared argument handling
+# --------------------------------------------------------------------------------------------
+def _split_v_scale(v_scale) -> tuple[float, torch.Tensor | None]:
+    """v_scale as (float the op applies, device tensor to multiply the output by afterwards).
+    A device tensor is applied on the device (no host read); it never touches the LSE."""
+    if torch.is_tensor(v_scale) and v_scale.device.type != "cpu":
+        if v_scale.numel() != 1:
+            V.unsupported("v_scale", f"got a tensor of shape {tuple(v_scale.shape)}; only a "
+                          "scalar scale is supported (per-head scales are not)")
+        return 1.0, v_scale.reshape(())
+    return V.host_scale("v_scale", v_scale), None
+
+
+def _apply_v_scale_tensor(out: torch.Tensor, vt: torch.Tensor | None) -> torch.Tensor:
+    if vt is None:
+        return out
+    return (out.to(torch.float32) * vt.to(torch.float32)).to(out.dtype)
+
+
+def _common_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_left,
+                    logits_soft_cap, rope_scale, rope_theta, use_fp16_qk_reduction) -> dict:
+    """Validated scalar options with FlashInfer's defaults applied.
+
+    use_fp16_qk_reduction is a permission to reduce q.k in fp16; compiled_attn always reduces
+    in fp32 (at least as accurate), which honours it."""
+    if not isinstance(use_fp16_qk_reduction, bool):
+        raise TypeError(f"use_fp16_qk_reduction: got {use_fp16_qk_reduction!r}; pass a bool")
+    pos = V.check_pos_encoding_mode(pos_encoding_mode)
+    V.check_rope_dim(head_dim_qk, pos)
+    return dict(
+        pos_encoding_mode=pos,
+        sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(head_dim_qk),
+                               positive=False),
+        window_left=V.check_window_left(window_left),
+        logits_soft_cap=V.check_soft_cap(logits_soft_cap),
+        rope_scale=V.check_scale("rope_scale", rope_scale, 1.0),
+        rope_theta=V.check_scale("rope_theta", rope_theta, 1e4),
+    )
+
+
+def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device):
+    if out is not None:
+        V.check_tensor("out", out, shape=(rows, hq, dvo), dtypes=(o_dtype,), device=device,
+                       what="[tokens, Hq, D_vo] in the plan's output dtype")
+    if lse is not None:
+        V.check_tensor("lse", lse, shape=(rows, hq), dtypes=(torch.float32,), device=device,
+                       what="[tokens, Hq] float32")
+
+
+def _deliver(res_out, res_lse, out, lse, return_lse):
+    """Copy the op's results into caller buffers (out=, lse=) and shape the return value."""
+    if out is not None:
+        out.copy_(res_out)
+        res_out = out
+    if lse is not None:
+        lse.copy_(res_lse)
+        res_lse = lse
+    return (res_out, res_lse) if return_lse else res_out
+
+
+# --------------------------------------------------------------------------------------------
+# single request
+# --------------------------------------------------------------------------------------------
+def single_prefill_with_kv_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale_q: torch.Tensor | None = None,
+    scale_k: torch.Tensor | None = None,
+    scale_v: torch.Tensor | None = None,
+    o_dtype: torch.dtype | None = None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    kv_cache_sf=None,
+    k_scale=None,
+    v_scale=None,
+):
+    """Prefill attention of one request: q against its whole KV.
+
+    q: ``[qo_len, Hq, D_qk]``. k: ``[kv_len, Hkv, D_qk]`` (NHD) or ``[Hkv, kv_len, D_qk]``
+    (HND); v: ``[kv_len, Hkv, D_vo]`` / ``[Hkv, kv_len, D_vo]``; any strides. Hq % Hkv == 0
+    (query head h reads KV head h // (Hq / Hkv)). k/v may be fp8 (e4m3/e5m2) with k_scale
+    (multiplies sm_scale) and v_scale (multiplies the output, not the LSE); a float, a
+    one-element CPU tensor, or (v_scale only) a one-element device tensor.
+    custom_mask: bool ``[qo_len, kv_len]`` (True = attend; any shape with qo_len * kv_len
+    entries, read row-major) or packed_custom_mask: uint8 ``[ceil(qo_len * kv_len / 8)]``,
+    little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
+    the window still applies. causal: key j visible to row i when ``j <= kv_len - qo_len + i``
+    (bottom-right aligned); raises when kv_len < qo_len (as FlashInfer's single prefill).
+    window_left >= 0: also ``j >= kv_len - qo_len + i - window_left``. logits_soft_cap > 0:
+    ``s = c * tanh(s / c)``. pos_encoding_mode: "NONE", "ROPE_LLAMA" (in-kernel rotary of q and
+    k, rope_scale / rope_theta) or "ALIBI" (slopes of get_alibi_slopes(Hq), bias
+    ``slope * (j - p_i)`` with absolute positions: FlashInfer's kernel uses the row index
+    without the kv_len - qo_len offset, which gives the same output but an LSE larger by
+    ``slope * (kv_len - qo_len) / ln 2``). o_dtype: output dtype (default q's). backend:
+    "auto" / "fa2" / "fa3" all run compiled_attn's kernel. use_fp16_qk_reduction: a permission
+    (we always reduce in fp32). scale_q / scale_k / scale_v (per-head fp8-q scales) and
+    kv_cache_sf (NVFP4) raise NotImplementedError.
+
+    Returns out ``[qo_len, Hq, D_vo]``, and with return_lse also lse float32 ``[qo_len, Hq]``.
+    """
+    for name, val in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
+        V.reject_if_set(name, val, "per-head fp8-q quantisation scales are not supported; "
+                        "keep q in fp16/bf16 and pass scalar k_scale / v_scale for fp8 K/V")
+    V.reject_if_set("kv_cache_sf", kv_cache_sf, "NVFP4 KV caches are not supported")
+    V.check_backend(backend)
+    layout = V.check_kv_layout(kv_layout)
+    V.check_tensor("q", q, ndim=3, what="[qo_len, Hq, D_qk]")
+    kv_what = "[kv_len, Hkv, D]" if layout == "NHD" else "[Hkv, kv_len, D]"
+    V.check_tensor("k", k, ndim=3, device=q.device, what=kv_what)
+    V.check_tensor("v", v, ndim=3, device=q.device, what=kv_what)
+    kn, vn = (k, v) if layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
+    qo_len, hq, dqk = q.shape
+    kv_len, hkv, _ = kn.shape
+    dvo = vn.shape[2]
+    if kn.shape[2] != dqk:
+        raise ValueError(f"k: head dim {kn.shape[2]} differs from q's {dqk}; q and k share "
+                         "D_qk (only v may have another head dim)")
+    if tuple(vn.shape[:2]) != (kv_len, hkv):
+        raise ValueError(f"v: shape {tuple(v.shape)} does not match k's {tuple(k.shape)} in "
+                         "tokens and heads")
+    dev = q.device.type
+    V.check_q_dtype("q.dtype", q.dtype, dev)
+    V.check_kv_dtype("k.dtype", k.dtype, dev)
+    if v.dtype != k.dtype:
+        raise TypeError(f"v.dtype {v.dtype} differs from k.dtype {k.dtype}; store k and v in "
+                        "one dtype")
+    if k.dtype not in V.FP8_DTYPES and k.dtype != q.dtype:
+        raise TypeError(f"k.dtype {k.dtype} differs from q.dtype {q.dtype}; use one dtype "
+                        "(only fp8 K/V may differ from q)")
+    V.check_heads(hq, hkv, names=("q's head count (q.shape[1])", "k's KV head count"))
+    V.check_head_dims(dqk, dvo, dev, names=("D_qk", "D_vo"))
+    opts = _common_options(head_dim_qk=dqk, pos_encoding_mode=pos_encoding_mode,
+                           sm_scale=sm_scale, window_left=window_left,
+                           logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+                           rope_theta=rope_theta, use_fp16_qk_reduction=use_fp16_qk_reduction)
+    out_dtype = q.dtype if o_dtype is None else V.canonical_dtype("o_dtype", o_dtype)
+    V.check_out_dtype("o_dtype", out_dtype, dev)
+
+    nbits = qo_len * kv_len
+    if packed_custom_mask is not None:
+        V.mask_packed_length("packed_custom_mask", packed_custom_mask, (nbits + 7) // 8,
+                             f"ceil(qo_len * kv_len / 8) with qo_len={qo_len}, kv_len={kv_len}")
+        V.check_tensor("packed_custom_mask", packed_custom_mask, device=q.device)
+        packed, mask_mode = packed_custom_mask, MASK_CUSTOM
+    elif custom_mask is not None:
+        V.mask_bool_length("custom_mask", custom_mask, nbits,
+                           f"qo_len * kv_len = {qo_len} * {kv_len}")
+        V.check_tensor("custom_mask", custom_mask, device=q.device)
+        packed, mask_mode = packbits(custom_mask, bitorder="little"), MASK_CUSTOM
+    else:
+        packed = None
+        mask_mode = MASK_CAUSAL if causal else MASK_NONE
+        if causal and kv_len < qo_len:
+            raise ValueError(f"causal=True needs kv_len >= qo_len; got kv_len={kv_len} < "
+                             f"qo_len={qo_len} (the first rows would see no key). Pass a "
+                             "custom_mask, or use a batch wrapper, which allows it")
+
+    sm = opts["sm_scale"] * V.host_scale("k_scale", k_scale)
+    v_scale_f, v_scale_t = _split_v_scale(v_scale)
+    alibi = get_alibi_slopes(hq, q.device) if opts["pos_encoding_mode"] == POS_ALIBI else None
+    out, lse = torch.ops.compiled_attn.single_prefill(
+        q.unsqueeze(0), kn.unsqueeze(0), vn.unsqueeze(0), packed, alibi, None,
+        mask_mode, opts["window_left"], 0, sm, opts["logits_soft_cap"],
+        opts["pos_encoding_mode"], opts["rope_scale"], opts["rope_theta"], v_scale_f, out_dtype)
+    out = _apply_v_scale_tensor(out[0], v_scale_t)
+    return (out, lse[0]) if return_lse else out
+
+
+single_prefill_with_kv_cache.__doc__ += "\n    " + _LSE_DOC + "\n"
+
+
+def single_prefill_with_kv_cache_return_lse(*args, **kwargs):
+    """:func:`single_prefill_with_kv_cache` with ``return_lse=True``: returns (out
+    ``[qo_len, Hq, D_vo]``, lse float32 ``[qo_len, Hq]``). """
+    kwargs["return_lse"] = True
+    return single_prefill_with_kv_cache(*args, **kwargs)
+
+
+single_prefill_with_kv_cache_return_lse.__doc__ += _LSE_DOC
+
+
+# --------------------------------------------------------------------------------------------
+# batch wrappers: shared plan / run machinery
+# --------------------------------------------------------------------------------------------
+class _Plan:
+    """What plan() fixed: host numbers (never device values) and device tensors for the op."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class _BatchPrefillBase:
+    """Plan bookkeeping and run plumbing shared by the paged and ragged wrappers.
+
+    Subclasses describe the KV side: ``_KV_BUFS`` names the index buffers their CUDA-graph
+    constructor takes (besides qo_indptr_buf and the mask buffers)."""
+
+    _KV_BUFS: tuple[str, ...] = ()
+
+    def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, index_bufs: dict,
+                     custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs):
+        V.check_tensor("float_workspace_buffer", float_workspace_buffer)
+        V.check_backend(backend)
+        V.reject_if_set("jit_args", jit_args, "custom JIT attention variants are not supported")
+        V.reject_if_set("jit_kwargs", jit_kwargs, "custom JIT attention variants are not "
+                        "supported")
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = None
+        self.device = float_workspace_buffer.device
+        self._kv_layout = V.check_kv_layout(kv_layout)
+        self._backend = backend
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._plan: _Plan | None = None
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._work_buf: torch.Tensor | None = None
+        self._max_total_rows: int | None = None
+        if not self._use_cuda_graph:
+            return
+        # CUDA-graph mode: plan() copies into these fixed buffers; run() passes them to the op.
+        for name, buf in index_bufs.items():
+            if not torch.is_tensor(buf):
+                raise ValueError(f"{name}: use_cuda_graph=True needs this buffer as an int32 "
+                                 "tensor on the workspace's device (plan() copies into it)")
+            V.check_tensor(name, buf, ndim=1, dtypes=(torch.int32,), device=self.device)
+        self._fixed_batch_size = index_bufs["qo_indptr_buf"].numel() - 1
+        b = self._fixed_batch_size
+        for name, buf in index_bufs.items():
+            want = {"indptr": b + 1, "last_page_len": b}.get(
+                "indptr" if name.endswith("indptr_buf") else
+                "last_page_len" if "last_page_len" in name else "", None)
+            if want is not None and buf.numel() != want:
+                raise ValueError(f"{name}: has {buf.numel()} entries; with qo_indptr_buf of "
+                                 f"{b + 1} entries (batch size {b}) it needs {want}")
+        if custom_mask_buf is not None:
+            V.check_tensor("custom_mask_buf", custom_mask_buf, ndim=1, dtypes=(torch.uint8,),
+                           device=self.device)
+        if mask_indptr_buf is not None:
+            V.check_tensor("mask_indptr_buf", mask_indptr_buf, shape=(b + 1,),
+                           dtypes=(torch.int32,), device=self.device)
+        self._bufs = dict(index_bufs, custom_mask_buf=custom_mask_buf,
+                          mask_indptr_buf=mask_indptr_buf)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
+                               int_workspace_buffer: torch.Tensor | None = None) -> None:
+        """Replace the workspace buffers (1-D byte tensors on the wrapper's device). compiled_attn
+        keeps its plan in its own tensors and splits no KV, so the buffers only fix the device;
+        they must stay on it."""
+        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
+                          ("int_workspace_buffer", int_workspace_buffer)):
+            if buf is not None:
+                V.check_tensor(name, buf, device=self.device)
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+
+    def end_forward(self) -> None:
+        """Deprecated in FlashInfer; nothing to release."""
+
+    # ---- plan ---------------------------------------------------------------------------
+    def _to_dev(self, t: torch.Tensor, non_blocking: bool, dtype=torch.int32) -> torch.Tensor:
+        return t.to(device=self.device, dtype=dtype, non_blocking=non_blocking)
+
+    def _into_buf(self, name: str, src: torch.Tensor, non_blocking: bool, fill: int = 0):
+        """Copy src into the caller's CUDA-graph buffer `name` (size checked); the tail past
+        src is filled with `fill` (a valid value: page 0, no mask bit) so nothing reads junk."""
+        buf = self._bufs[name]
+        if buf is None:
+            raise ValueError(f"{name}: the plan uses a custom mask, so use_cuda_graph=True needs "
+                             f"{name} passed to the constructor")
+        n = src.numel()
+        if n > buf.numel():
+            raise ValueError(f"{name}: holds {buf.numel()} entries but this plan needs {n}; "
+                             "allocate a larger buffer when constructing the wrapper")
+        buf[:n].copy_(src.to(buf.dtype), non_blocking=non_blocking)
+        if n < buf.numel():
+            buf[n:].fill_(fill)
+        return buf
+
+    def _plan_common(self, *, qo_h, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk,
+                     head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                     use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
+                     rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking,
+                     prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
+                     max_item_len_ptr, seq_lens, seq_lens_q, max_token_per_sequence,
+                     max_sequence_kv, fixed_split_size, disable_split_kv, qo_indptr) -> _Plan:
+        """Everything plan() does that does not depend on how KV is addressed. qo_h: host
+        int64 qo_indptr (checked); kv_lens: host int64 [B]."""
+        multi = "multi-item scoring (prefix_len_ptr / token_pos_in_items_* / max_item_len_ptr)"
+        for name, val in (("prefix_len_ptr", prefix_len_ptr),
+                          ("token_pos_in_items_ptr", token_pos_in_items_ptr),
+                          ("max_item_len_ptr", max_item_len_ptr)):
+            V.reject_if_set(name, val, f"{multi} is not supported")
+        if token_pos_in_items_len != 0:
+            V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
+        if fixed_split_size is not None and fixed_split_size != -1:
+            V.unsupported("fixed_split_size", "compiled_attn never splits a request's KV, so "
+                          "its outputs are already deterministic and batch-size invariant; "
+                          "pass None")
+        if not isinstance(disable_split_kv, bool):
+            raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
+        # disable_split_kv=True is honoured: the plan never splits KV.
+        dev = self.device.type
+        b = qo_h.numel() - 1
+        qo_lens = qo_h[1:] - qo_h[:-1]
+        total_rows = int(qo_h[-1])
+        hd_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
+        group = V.check_heads(num_qo_heads, num_kv_heads)
+        V.check_head_dims(head_dim_qk, hd_vo, dev)
+        opts = _common_options(head_dim_qk=head_dim_qk, pos_encoding_mode=pos_encoding_mode,
+                               sm_scale=sm_scale, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+                               rope_theta=rope_theta,
+                               use_fp16_qk_reduction=use_fp16_qk_reduction)
+        q_dt = V.canonical_dtype("q_data_type", q_data_type)
+        kv_dt = q_dt if kv_data_type is None else V.canonical_dtype("kv_data_type", kv_data_type)
+        o_dt = q_dt if o_data_type is None else V.canonical_dtype("o_data_type", o_data_type)
+        V.check_q_dtype("q_data_type", q_dt, dev)
+        V.check_kv_dtype("kv_data_type", kv_dt, dev)
+        V.check_out_dtype("o_data_type", o_dt, dev)
+        if kv_dt not in V.FP8_DTYPES and kv_dt != q_dt:
+            raise TypeError(f"kv_data_type {kv_dt} differs from q_data_type {q_dt}; use one "
+                            "dtype (only fp8 K/V may differ from q)")
+        # Optional lengths given for other backends must agree with the index arrays.
+        for name, given, have in (("seq_lens", seq_lens, kv_lens), ("seq_lens_q", seq_lens_q,
+                                                                    qo_lens)):
+            if given is not None:
+                g = given.detach().to("cpu", torch.int64).reshape(-1)
+                if g.shape != have.shape or not torch.equal(g, have):
+                    raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
+                                     f"index arrays give, {have.tolist()}; pass None or the "
+                                     "same lengths")
+        for name, bound, have in (("max_token_per_sequence", max_token_per_sequence, qo_lens),
+                                  ("max_sequence_kv", max_sequence_kv, kv_lens)):
+            if bound is not None and have.numel() and int(bound) < int(have.max()):
+                raise ValueError(f"{name} = {bound} is below the longest request's "
+                                 f"{int(have.max())}; pass None or an upper bound")
+
+        # ---- custom mask: per-request segments, each padded to whole bytes -----------------
+        mask_bits = (qo_lens * kv_lens).tolist()
+        packed = mask_indptr = None
+        if packed_custom_mask is not None or custom_mask is not None:
+            if packed_custom_mask is not None:
+                src = None
+                byte_ptr = [0]
+                for n in mask_bits:
+                    byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
+                V.mask_packed_length(
+                    "packed_custom_mask", packed_custom_mask, byte_ptr[-1],
+                    "sum over requests of ceil(qo_len * kv_len / 8): each request's bits start "
+                    "on a new byte")
+                packed = packed_custom_mask
+            else:
+                V.mask_bool_length("custom_mask", custom_mask, sum(mask_bits),
+                                   "sum over requests of qo_len * kv_len, each request's "
+                                   "[qo_len, kv_len] mask flattened row-major")
+                src, byte_ptr = _segment_bit_sources(mask_bits, custom_mask.device)
+                packed = _pack_from_sources(custom_mask, src, "little")
+            mask_indptr = torch.tensor(byte_ptr, dtype=torch.int32)
+            mask_mode = MASK_CUSTOM
+        else:
+            mask_mode = MASK_CAUSAL if causal else MASK_NONE
+
+        # ---- work list -----------------------------------------------------------------------
+        block_m = block_m_for(head_dim_qk, hd_vo, group)
+        work = build_work(qo_lens.tolist(), group, block_m, "cpu")
+        if self._use_cuda_graph:
+            if b != self._fixed_batch_size:
+                raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
+                                 "the CUDA-graph buffers were made for; the batch size is fixed "
+                                 "with use_cuda_graph=True (pad with empty requests)")
+            if self._max_total_rows is None:
+                # The first plan fixes the row capacity (as in FlashInfer); the work buffer is
+                # sized for any plan within it: sum_b ceil(x_b / m) <= (X + B (m - 1)) // m.
+                self._max_total_rows = total_rows
+                cap = (total_rows * group + b * (block_m - 1)) // block_m
+                self._work_buf = torch.empty((max(cap, 1), 2), dtype=torch.int32,
+                                             device=self.device)
+                self._work_key = (group, block_m)
+            elif total_rows > self._max_total_rows:
+                raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
+                                 f"{self._max_total_rows} of the first plan, which fixed the "
+                                 "CUDA-graph capacity; make the first plan() the largest batch")
+            if (group, block_m) != self._work_key:
+                raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
+                                 "plan in CUDA-graph mode; create a new wrapper for new shapes")
+            # Padding rows (request -1) are skipped by the kernel.
+            wb = self._work_buf
+            if work.shape[0] > wb.shape[0]:  # cannot happen by the bound above
+                raise AssertionError("work list exceeds its computed capacity")
+            wb[work.shape[0]:, 0].fill_(-1)
+            wb[work.shape[0]:, 1].fill_(0)
+            wb[:work.shape[0]].copy_(work, non_blocking=non_blocking)
+            work_dev = wb
+            qo_dev = self._into_buf("qo_indptr_buf", qo_h, non_blocking)
+            if packed is not None:
+                packed_dev = self._into_buf("custom_mask_buf", packed.reshape(-1), non_blocking)
+                mask_indptr_dev = self._into_buf("mask_indptr_buf", mask_indptr, non_blocking)
+            else:
+                packed_dev = mask_indptr_dev = None
+        else:
+            work_dev = self._to_dev(work, non_blocking)
+            qo_dev = self._to_dev(qo_h, non_blocking)
+            packed_dev = None if packed is None else packed.to(self.device, non_blocking=non_blocking)
+            mask_indptr_dev = None if mask_indptr is None else self._to_dev(mask_indptr,
+                                                                             non_blocking)
+        alibi = (get_alibi_slopes(num_qo_heads, self.device)
+                 if opts["pos_encoding_mode"] == POS_ALIBI else None)
+        return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_lens, kv_lens=kv_lens,
+                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                     head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, group=group, block_m=block_m,
+                     q_dtype=q_dt, kv_dtype=kv_dt, o_dtype=o_dt, mask_mode=mask_mode,
+                     qo_indptr=qo_dev, work=work_dev, packed_mask=packed_dev,
+                     mask_indptr=mask_indptr_dev, alibi=alibi, **opts)
+
+    # ---- run -----------------------------------------------------------------------------
+    def _check_q(self, q: torch.Tensor) -> _Plan:
+        p = self._plan
+        if p is None:
+            raise RuntimeError("run() before plan(): call plan(...) with the batch's index "
+                               "arrays first")
+        rows_ok = (q.shape[0] >= p.total_rows) if self._use_cuda_graph else None
+        V.check_tensor("q", q, ndim=3, device=self.device, what="[qo_indptr[-1], Hq, D_qk]")
+        if tuple(q.shape[1:]) != (p.num_qo_heads, p.head_dim_qk) or (
+                q.shape[0] != p.total_rows and not rows_ok):
+            need = (f">= {p.total_rows}" if self._use_cuda_graph else str(p.total_rows))
+            raise ValueError(f"q: shape {tuple(q.shape)} does not match the plan: "
+                             f"[{need}, {p.num_qo_heads}, {p.head_dim_qk}] "
+                             "(qo_indptr[-1], num_qo_heads, head_dim_qk); re-plan for new shapes")
+        if q.dtype != p.q_dtype:
+            raise TypeError(f"q: dtype {q.dtype} but the plan has q_data_type={p.q_dtype}; pass "
+                            f"q_data_type={q.dtype} to plan()")
+        return p
+
+    def _check_kv_dtype(self, name: str, t: torch.Tensor, p: _Plan) -> None:
+        if t.dtype != p.kv_dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} but the plan has kv_data_type="
+                            f"{p.kv_dtype}; pass kv_data_type={t.dtype} to plan()")
+        V.check_tensor(name, t, device=self.device)
+
+    def _run_scalars(self, p: _Plan, *, args, q_scale, k_scale, v_scale, o_scale, enable_pdl,
+                     kv_cache_sf, window_left):
+        if args:
+            V.unsupported("*args", "extra positional arguments (custom-kernel tensors / per-head "
+                          "fp8 scales) are not supported")
+        V.reject_if_set("kv_cache_sf", kv_cache_sf, "NVFP4 KV caches are not supported")
+        V.check_enable_pdl(enable_pdl)
+        if o_scale is not None and V.host_scale("o_scale", o_scale) != 1.0:
+            V.unsupported("o_scale", "fp8 output quantisation is not supported; leave o_scale "
+                          "None (or 1.0)")
+        sm = p.sm_scale * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        v_f, v_t = _split_v_scale(v_scale)
+        w = p.window_left if window_left is None else V.check_window_left(window_left)
+        return sm, v_f, v_t, w
+
+
+_RUN_DOC = """
+        Returns out ``[qo_indptr[-1], Hq, D_vo]`` in the plan's o_data_type, and with
+        return_lse=True also lse float32 ``[qo_indptr[-1], Hq]``. out / lse: optional
+        preallocated outputs of those shapes (written and returned). q_scale and k_scale (float
+        or one-element CPU tensor) multiply sm_scale; v_scale multiplies the output, not the
+        LSE (a one-element device tensor is applied on the device). enable_pdl: None/False
+        (True raises). run() reads no device value, so it is CUDA-graph capturable.
+        """ + _LSE_DOC
+
+
+_PLAN_COMMON_DOC = """
+        num_qo_heads, num_kv_heads: Hq % Hkv == 0 (GQA groups of any size). head_dim_qk,
+        head_dim_vo (default head_dim_qk): on CUDA (64,64)/(128,128)/(256,256)/(192,128), on CPU
+        any. custom_mask: bool, each request's ``[qo_len, kv_len]`` mask flattened row-major and
+        concatenated (``sum(qo_len * kv_len)`` entries); or packed_custom_mask: uint8, the same
+        bits packed per request with ``segment_packbits(mask, indptr, bitorder="little")`` (each
+        request starts on a new byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask
+        replaces causal; the window still applies; a mask of the wrong length is a ValueError.
+        causal: bottom-right aligned (row i of a request sits at ``kv_len - qo_len + i``);
+        kv_len < qo_len is allowed (rows that see no key give 0 / LSE -inf).
+        pos_encoding_mode "NONE"/"ROPE_LLAMA"/"ALIBI" (ALiBi with absolute positions; see
+        single_prefill_with_kv_cache for the LSE difference to FlashInfer). window_left >= -1,
+        logits_soft_cap >= 0 (None = 0), sm_scale (default 1/sqrt(head_dim_qk)), rope_scale (1),
+        rope_theta (1e4). q_data_type / kv_data_type / o_data_type: dtypes run() must get
+        (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
+        non_blocking: asynchronous host-to-device copies. seq_lens / seq_lens_q, if given, must
+        equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
+        given, must bound them. disable_split_kv: honoured (the plan never splits KV);
+        fixed_split_size and the multi-item-scoring arguments raise NotImplementedError.
+        With use_cuda_graph=True the index arrays are copied into the constructor's buffers
+        (sizes checked) and the work list into a fixed buffer sized at the first plan, whose
+        total query rows become the capacity (as in FlashInfer); padding work rows are
+        (request -1, row 0).
+        """
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
+    """Batch prefill/append attention of ragged queries against a paged KV cache.
+
+    Page table: kv_indptr ``[B+1]`` in pages, kv_indices ``[kv_indptr[-1]]``, last_page_len
+    ``[B]`` in [1, page_size] (0 allowed for a request without pages); request b holds
+    ``kv_len = (pages - 1) * page_size + last_page_len`` tokens, token t in page
+    ``kv_indices[kv_indptr[b] + t // page_size]``, slot ``t % page_size``.
+    """
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indptr_buf: torch.Tensor | None = None,
+                 paged_kv_indices_buf: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buf: torch.Tensor | None = None,
+                 custom_mask_buf: torch.Tensor | None = None,
+                 mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto",
+                 jit_args=None, jit_kwargs=None) -> None:
+        """float_workspace_buffer: any tensor on the device the wrapper runs on (compiled_attn
+        needs no scratch; it fixes the device). kv_layout: "NHD" or "HND". use_cuda_graph:
+        fixed batch size B; then qo_indptr_buf int32 ``[B+1]``, paged_kv_indptr_buf int32
+        ``[B+1]``, paged_kv_indices_buf int32 ``[max pages]``, paged_kv_last_page_len_buf int32
+        ``[B]`` are required, custom_mask_buf uint8 ``[max mask bytes]`` and mask_indptr_buf
+        int32 ``[B+1]`` when a custom mask will be planned. backend: "auto"/"fa2"/"fa3" (all
+        run compiled_attn's kernel). jit_args / jit_kwargs raise NotImplementedError."""
+        self._init_common(float_workspace_buffer, kv_layout, use_cuda_graph,
+                          dict(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
+                               paged_kv_indices_buf=paged_kv_indices_buf,
+                               paged_kv_last_page_len_buf=paged_kv_last_page_len_buf),
+                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs)
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
+             paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             head_dim_vo: int | None = None, custom_mask: torch.Tensor | None = None,
+             packed_custom_mask: torch.Tensor | None = None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             sm_scale: float | None = None, window_left: int = -1,
+             logits_soft_cap: float | None = None, rope_scale: float | None = None,
+             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking: bool = True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
+             max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
+             max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
+             disable_split_kv: bool = False) -> None:
+        """Plan a batch: qo_indptr ``[B+1]`` (query rows per request), paged_kv_indptr ``[B+1]``
+        (pages per request), paged_kv_indices ``[paged_kv_indptr[-1]]``,
+        paged_kv_last_page_len ``[B]``, all integer, on CPU or GPU (read on the host here).
+        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError.
+        """
+        V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
+                        "pass the page table (paged_kv_indptr / paged_kv_indices)")
+        qo_h = V.host_indptr("qo_indptr", qo_indptr)
+        b = qo_h.numel() - 1
+        kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1)
+        idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
+                                                    paged_kv_last_page_len, page_size)
+        p = self._plan_common(
+            qo_h=qo_h, kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
+            packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
+            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
+            seq_lens=seq_lens, seq_lens_q=seq_lens_q,
+            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            qo_indptr=qo_indptr)
+        if self._use_cuda_graph:
+            p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
+            p.kv_indices = self._into_buf("paged_kv_indices_buf", idx_h, non_blocking)
+            p.last_page_len = self._into_buf("paged_kv_last_page_len_buf", last_h, non_blocking)
+        else:
+            p.kv_indptr = self._to_dev(kv_h, non_blocking)
+            p.kv_indices = self._to_dev(idx_h, non_blocking)
+            p.last_page_len = self._to_dev(last_h, non_blocking)
+        p.page_size = page_size
+        p.max_page = V.max_entry(idx_h)
+        self._plan = p
+
+    plan.__doc__ += _PLAN_COMMON_DOC
+    begin_forward = plan
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None,
+            v_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool | None = None,
+            window_left: int | None = None, sinks: torch.Tensor | None = None,
+            kv_cache_sf=None, skip_softmax_threshold_scale_factor: float | None = None,
+            use_fp16_softmax: bool | None = None, uses_spcompress: bool | None = None):
+        """Attention of q ``[qo_indptr[-1], Hq, D_qk]`` against paged_kv_cache: a 5-D tensor
+        ``[P, 2, page, Hkv, D]`` (NHD) / ``[P, 2, Hkv, page, D]`` (HND), or a (k, v) tuple of
+        4-D ``[P, page, Hkv, D]`` / ``[P, Hkv, page, D]`` tensors (any strides; page size 1
+        may drop the page axis). window_left: overrides the plan's for this call. sinks:
+        float32 ``[Hq]`` attention-sink logits (added to each row's softmax denominator).
+        skip_softmax_threshold_scale_factor, use_fp16_softmax / uses_spcompress (True),
+        kv_cache_sf and extra positional args raise NotImplementedError.
+        """
+        p = self._check_q(q)
+        V.reject_if_set("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor,
+                        "skip-softmax sparsity is only in compiled_attn.trtllm_fmha_v2_prefill")
+        for name, val in (("use_fp16_softmax", use_fp16_softmax),
+                          ("uses_spcompress", uses_spcompress)):
+            if val:
+                V.unsupported(name, "a trtllm-gen cubin variant; compiled_attn has none")
+        sm, v_f, v_t, w = self._run_scalars(p, args=args, q_scale=q_scale, k_scale=k_scale,
+                                            v_scale=v_scale, o_scale=None,
+                                            enable_pdl=enable_pdl, kv_cache_sf=kv_cache_sf,
+                                            window_left=window_left)
+        k_cache, v_cache = _paged_kv_views(paged_kv_cache, self._kv_layout, "paged_kv_cache")
+        self._check_kv_dtype("paged_kv_cache (k)", k_cache, p)
+        self._check_kv_dtype("paged_kv_cache (v)", v_cache, p)
+        want_k = (p.page_size, p.num_kv_heads, p.head_dim_qk)
+        want_v = (p.page_size, p.num_kv_heads, p.head_dim_vo)
+        if tuple(k_cache.shape[1:]) != want_k or tuple(v_cache.shape[1:]) != want_v or \
+                v_cache.shape[0] != k_cache.shape[0]:
+            raise ValueError(
+                f"paged_kv_cache: k/v caches of logical NHD shapes {tuple(k_cache.shape)} / "
+                f"{tuple(v_cache.shape)} do not match the plan: [P, {p.page_size}, "
+                f"{p.num_kv_heads}, {p.head_dim_qk}] / [P, {p.page_size}, {p.num_kv_heads}, "
+                f"{p.head_dim_vo}] (page_size, num_kv_heads, head dims; kv_layout="
+                f"{self._kv_layout!r})")
+        V.check_pages_in_cache("paged_kv_indices", p.max_page, k_cache.shape[0],
+                               "paged_kv_cache")
+        if sinks is not None:
+            V.check_tensor("sinks", sinks, shape=(p.num_qo_heads,), dtypes=(torch.float32,),
+                           device=self.device, what="[Hq] float32")
+        _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
+                       self.device)
+        res_out, res_lse = torch.ops.compiled_attn.batch_paged_prefill(
+            q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
+            p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
+            sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
+            p.o_dtype)
+        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
+
+    run.__doc__ += _RUN_DOC
+    run_return_lse = functools.partialmethod(run, return_lse=True)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
+    """Batch prefill attention of ragged queries against ragged (contiguous per request) K/V:
+    request b's keys are rows ``kv_indptr[b]:kv_indptr[b+1]`` of k and v."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf: torch.Tensor | None = None,
+                 kv_indptr_buf: torch.Tensor | None = None,
+                 custom_mask_buf: torch.Tensor | None = None,
+                 mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto",
+                 jit_args=None, jit_kwargs=None) -> None:
+        """As BatchPrefillWithPagedKVCacheWrapper; with use_cuda_graph=True, qo_indptr_buf and
+        kv_indptr_buf (int32 ``[B+1]``) are required, custom_mask_buf / mask_indptr_buf when a
+        custom mask will be planned."""
+        self._init_common(float_workspace_buffer, kv_layout, use_cuda_graph,
+                          dict(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf),
+                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs)
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
+             num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None,
+             custom_mask: torch.Tensor | None = None,
+             packed_custom_mask: torch.Tensor | None = None, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+             window_left: int = -1, logits_soft_cap: float | None = None,
+             sm_scale: float | None = None, rope_scale: float | None = None,
+             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None,
+             o_data_type=None, non_blocking: bool = True, prefix_len_ptr=None,
+             token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
+             max_item_len_ptr=None, fixed_split_size=None, disable_split_kv: bool = False,
+             seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
+             max_sequence_kv=None, v_indptr=None, o_indptr=None) -> None:
+        """Plan a batch: qo_indptr ``[B+1]`` and kv_indptr ``[B+1]`` (rows of q and of k/v per
+        request), integer, on CPU or GPU (read on the host here). Note FlashInfer's ragged
+        plan orders window_left, logits_soft_cap, sm_scale differently from the paged one; so
+        does this. v_indptr / o_indptr (cuDNN inputs), if given, must equal kv_indptr /
+        qo_indptr (separate value / output offsets raise NotImplementedError).
+        """
+        qo_h = V.host_indptr("qo_indptr", qo_indptr)
+        b = qo_h.numel() - 1
+        kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1)
+        for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
+            if given is not None and not torch.equal(
+                    given.detach().to("cpu", torch.int64).reshape(-1), same):
+                V.unsupported(name, "separate value / output offsets are not supported; pass "
+                              "None (k and v share kv_indptr, out follows qo_indptr)")
+        p = self._plan_common(
+            qo_h=qo_h, kv_lens=kv_h[1:] - kv_h[:-1], num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
+            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
+            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
+            rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
+            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
+            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
+            seq_lens=seq_lens, seq_lens_q=seq_lens_q,
+            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
+            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            qo_indptr=qo_indptr)
+        p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
+                       if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))
+        p.total_kv = int(kv_h[-1])
+        self._plan = p
+
+    plan.__doc__ += _PLAN_COMMON_DOC
+    begin_forward = plan
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None,
+            k_scale=None, v_scale=None, o_scale=None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False,
+            enable_pdl: bool | None = None, kv_cache_sf=None):
+        """Attention of q ``[qo_indptr[-1], Hq, D_qk]`` against k ``[kv_indptr[-1], Hkv, D_qk]``
+        and v ``[kv_indptr[-1], Hkv, D_vo]`` (HND: ``[Hkv, kv_indptr[-1], D]``; any strides).
+        o_scale other than None/1.0, kv_cache_sf and extra positional args raise
+        NotImplementedError. fp8 k/v scales take effect here too (FlashInfer ignores them on
+        this path).
+        """
+        p = self._check_q(q)
+        sm, v_f, v_t, w = self._run_scalars(p, args=args, q_scale=q_scale, k_scale=k_scale,
+                                            v_scale=v_scale, o_scale=o_scale,
+                                            enable_pdl=enable_pdl, kv_cache_sf=kv_cache_sf,
+                                            window_left=None)
+        kv_what = ("[kv_indptr[-1], Hkv, D]" if self._kv_layout == "NHD"
+                   else "[Hkv, kv_indptr[-1], D]")
+        V.check_tensor("k", k, ndim=3, what=kv_what)
+        V.check_tensor("v", v, ndim=3, what=kv_what)
+        self._check_kv_dtype("k", k, p)
+        self._check_kv_dtype("v", v, p)
+        kn, vn = (k, v) if self._kv_layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
+        rows_ok = kn.shape[0] >= p.total_kv if self._use_cuda_graph else kn.shape[0] == p.total_kv
+        if not rows_ok or tuple(kn.shape[1:]) != (p.num_kv_heads, p.head_dim_qk) or \
+                tuple(vn.shape) != (kn.shape[0], p.num_kv_heads, p.head_dim_vo):
+            raise ValueError(
+                f"k / v: shapes {tuple(k.shape)} / {tuple(v.shape)} do not match the plan: "
+                f"{p.total_kv} rows (kv_indptr[-1]), {p.num_kv_heads} KV heads, head dims "
+                f"{p.head_dim_qk} / {p.head_dim_vo} (kv_layout={self._kv_layout!r})")
+        _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
+                       self.device)
+        res_out, res_lse = torch.ops.compiled_attn.batch_ragged_prefill(
+            q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
+            p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
+            p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype)
+        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
+
+    run.__doc__ += _RUN_DOC
+    run_return_lse = functools.partialmethod(run, return_lse=True)

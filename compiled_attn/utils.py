@@ -1,3 +1,305 @@
-"""(being written)"""
+"""Helpers that users of the prefill API call around it, in plain vectorised PyTorch.
 
-__all__: list[str] = []
+These are FlashInfer's helper functions with its signatures: bit packing of custom masks
+(``packbits``, ``segment_packbits``), paged-KV bookkeeping (``append_paged_kv_cache``,
+``get_batch_indices_positions``, ``get_seq_lens``), merging of partial attention results by
+their LSE (``merge_state``, ``merge_states``; LSE in base 2, as every compiled_attn entry point
+returns it) and the ALiBi slopes (``get_alibi_slopes``). None of them loops over tokens in
+Python; they run on any device. The few that must size an output from tensor values
+(``segment_packbits``) read those values on the host, as FlashInfer's do, and say so. The
+private helpers at the bottom (page-cache views, segment bit sources) are shared with the
+wrappers in ``prefill.py`` and ``pod.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate as V
+
+__all__ = [
+    "packbits",
+    "segment_packbits",
+    "append_paged_kv_cache",
+    "get_batch_indices_positions",
+    "get_seq_lens",
+    "merge_state",
+    "merge_states",
+    "get_alibi_slopes",
+]
+
+LN2 = math.log(2.0)
+
+
+# --------------------------------------------------------------------------------------------
+# bit packing
+# --------------------------------------------------------------------------------------------
+def _bit_weights(bitorder: str, device) -> torch.Tensor:
+    """int32 [8]: the value of bit k of a byte (little: element k is bit k; big: bit 7 - k)."""
+    if bitorder not in ("little", "big"):
+        raise ValueError(f"bitorder: got {bitorder!r}; use 'little' or 'big'")
+    k = torch.arange(8, dtype=torch.int32, device=device)
+    return (1 << k) if bitorder == "little" else (1 << (7 - k))
+
+
+def _pack_groups(bits: torch.Tensor, bitorder: str) -> torch.Tensor:
+    """bits: bool/int [nbytes, 8] -> uint8 [nbytes]."""
+    w = _bit_weights(bitorder, bits.device)
+    return (bits.to(torch.int32) * w).sum(dim=1).to(torch.uint8)
+
+
+def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
+    """Pack a binary-valued tensor into bits, 8 elements per byte (numpy.packbits on the
+    flattened tensor).
+
+    x: any shape (bool or integer 0/1; non-zero counts as 1), read flattened in row-major
+    order: n elements. Returns uint8 [ceil(n / 8)]; the last byte is zero-padded. bitorder:
+    ``"big"`` (FlashInfer's default: element 0 is the most significant bit) or ``"little"``
+    (element 0 is bit 0; the layout compiled_attn's ``packed_custom_mask`` arguments take, as
+    FlashInfer's kernels do).
+    """
+    flat = x.reshape(-1) != 0
+    n = flat.numel()
+    nbytes = (n + 7) // 8
+    padded = torch.zeros(nbytes * 8, dtype=torch.bool, device=x.device)
+    padded[:n] = flat
+    return _pack_groups(padded.view(nbytes, 8), bitorder)
+
+
+def _segment_bit_sources(seg_lens: list[int], device) -> tuple[torch.Tensor, list[int]]:
+    """For segments of seg_lens bits packed one after another, each padded to whole bytes:
+    int64 [nbytes * 8], the index into the unpadded concatenation of each output bit (-1 for
+    padding bits), and the byte offsets [B+1] of the segments. Host lengths in, no device
+    reads."""
+    byte_lens = [(int(n) + 7) // 8 for n in seg_lens]
+    byte_ptr = [0]
+    for nb in byte_lens:
+        byte_ptr.append(byte_ptr[-1] + nb)
+    bit_ptr = [0]
+    for n in seg_lens:
+        bit_ptr.append(bit_ptr[-1] + int(n))
+    nbytes = byte_ptr[-1]
+    if nbytes == 0:
+        return torch.zeros(0, dtype=torch.int64, device=device), byte_ptr
+    bp = torch.tensor(byte_ptr, dtype=torch.int64, device=device)
+    ip = torch.tensor(bit_ptr, dtype=torch.int64, device=device)
+    out_bit = torch.arange(nbytes * 8, dtype=torch.int64, device=device)
+    seg = torch.bucketize(out_bit // 8, bp[1:], right=True)  # segment of each output byte
+    within = out_bit - bp[seg] * 8  # bit index inside the segment
+    src = ip[seg] + within
+    src = torch.where(within < (ip[seg + 1] - ip[seg]), src, torch.full_like(src, -1))
+    return src, byte_ptr
+
+
+def _pack_from_sources(x: torch.Tensor, src: torch.Tensor, bitorder: str) -> torch.Tensor:
+    """Pack x.flatten()[src] (False where src < 0) into uint8 [src.numel() // 8]; device ops
+    only (CUDA-graph capturable)."""
+    flat = x.reshape(-1) != 0
+    if src.numel() == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=x.device)
+    bits = flat[src.clamp(min=0)] & (src >= 0)
+    return _pack_groups(bits.view(-1, 8), bitorder)
+
+
+def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack each segment ``x[indptr[i]:indptr[i+1]]`` into its own whole bytes.
+
+    x: 1-D binary-valued tensor, shape ``[indptr[-1]]``. indptr: integer ``[B+1]``, starting at 0,
+    non-decreasing. Returns ``(packed, new_indptr)``: packed uint8 ``[new_indptr[-1]]`` where
+    ``packed[new_indptr[i]:new_indptr[i+1]]`` holds segment i's bits, zero-padded to a whole
+    byte, and new_indptr int32 ``[B+1]`` (byte offsets, on indptr's device). This is the layout
+    of a batch's ``packed_custom_mask`` with ``bitorder="little"``. The output size depends on
+    indptr's values, so indptr is read on the host (a device sync when it lives on a GPU).
+    """
+    ind = V.host_indptr("indptr", indptr)
+    V.check_total("indptr", ind, x.reshape(-1).numel(), "x.numel()")
+    lens = (ind[1:] - ind[:-1]).tolist()
+    src, byte_ptr = _segment_bit_sources(lens, x.device)
+    packed = _pack_from_sources(x, src, bitorder)
+    return packed, torch.tensor(byte_ptr, dtype=torch.int32, device=indptr.device)
+
+
+# --------------------------------------------------------------------------------------------
+# paged KV bookkeeping
+# --------------------------------------------------------------------------------------------
+def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_size: int
+                 ) -> torch.Tensor:
+    """KV length of each request of a page table: ``(pages - 1) * page_size + last_page_len``,
+    and 0 for a request with no pages.
+
+    kv_indptr: ``[B+1]`` (in pages); kv_last_page_len: ``[B]``. Returns ``[B]`` in
+    kv_last_page_len's dtype. FlashInfer returns last_page_len for a request with no pages (it
+    clamps pages - 1 at 0); a request without pages holds no token, so this returns 0.
+    """
+    npages = kv_indptr[1:] - kv_indptr[:-1]
+    lens = (npages - 1) * page_size + kv_last_page_len
+    return torch.where(npages > 0, lens, torch.zeros_like(lens)).to(kv_last_page_len.dtype)
+
+
+def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,
+                                batch_indices: torch.Tensor | None = None,
+                                positions: torch.Tensor | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request index and KV position of each appended token.
+
+    append_indptr: ``[B+1]``, token i of the appended ragged tensor belongs to request b when
+    ``append_indptr[b] <= i < append_indptr[b+1]``. seq_lens: ``[B]``, each request's KV length
+    after the append, so the appended tokens take the last positions:
+    ``position = seq_lens[b] - append_len[b] + (i - append_indptr[b])``. nnz: number of
+    entries to produce (usually ``append_indptr[-1]``); entries past ``append_indptr[-1]`` get
+    batch index -1 and position 0. batch_indices, positions: optional int32 ``[nnz]`` outputs,
+    written in place. Returns (batch_indices, positions), int32 ``[nnz]``, on append_indptr's
+    device. No host reads.
+    """
+    dev = append_indptr.device
+    ind = append_indptr.to(torch.int64)
+    i = torch.arange(nnz, dtype=torch.int64, device=dev)
+    b = torch.bucketize(i, ind[1:], right=True)
+    inside = i < ind[-1]
+    bs = b.clamp(max=max(ind.numel() - 2, 0))
+    app_len = ind[1:] - ind[:-1]
+    pos = seq_lens.to(torch.int64).to(dev)[bs] - app_len[bs] + (i - ind[bs])
+    b_out = torch.where(inside, b, torch.full_like(b, -1)).to(torch.int32)
+    p_out = torch.where(inside, pos, torch.zeros_like(pos)).to(torch.int32)
+    for name, buf, val in (("batch_indices", batch_indices, b_out), ("positions", positions, p_out)):
+        if buf is not None:
+            V.check_tensor(name, buf, shape=(nnz,), dtypes=(torch.int32,), device=dev)
+            buf.copy_(val)
+    return (batch_indices if batch_indices is not None else b_out,
+            positions if positions is not None else p_out)
+
+
+def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
+                          batch_indices: torch.Tensor, positions: torch.Tensor,
+                          paged_kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
+                          kv_last_page_len: torch.Tensor, kv_layout: str = "NHD") -> None:
+    """Write appended keys and values into a paged KV cache, in place.
+
+    append_key: ``[nnz, Hkv, D_qk]``, append_value: ``[nnz, Hkv, D_vo]`` (ragged, NHD order);
+    batch_indices, positions: ``[nnz]`` (from :func:`get_batch_indices_positions`; a token with
+    batch index < 0 is skipped). paged_kv_cache: a 5-D tensor ``[P, 2, page, Hkv, D]`` (NHD) /
+    ``[P, 2, Hkv, page, D]`` (HND) or a (k, v) tuple of 4-D tensors ``[P, page, Hkv, D]`` /
+    ``[P, Hkv, page, D]`` (page size 1 may drop the page axis). kv_indices ``[kv_indptr[-1]]``,
+    kv_indptr ``[B+1]``, kv_last_page_len ``[B]``: the page table after the append. Token t goes
+    to page ``kv_indices[kv_indptr[b] + pos // page]``, slot ``pos % page``; the position fixes
+    the slot, so kv_last_page_len is only checked for shape. Positions are trusted to lie inside
+    each request's pages (as in FlashInfer).
+    """
+    layout = V.check_kv_layout(kv_layout)
+    k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
+    page = k_cache.shape[1]
+    nnz = append_key.shape[0]
+    V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]))
+    V.check_tensor("append_value", append_value, shape=(nnz, v_cache.shape[2], v_cache.shape[3]))
+    V.check_tensor("batch_indices", batch_indices, shape=(nnz,))
+    V.check_tensor("positions", positions, shape=(nnz,))
+    V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,))
+    # Tokens with batch index < 0 (padding past append_indptr[-1]) are dropped by a boolean
+    # selection: one device sync on a GPU, but no write can alias a real token's slot.
+    keep = batch_indices >= 0
+    b = batch_indices[keep].to(torch.int64)
+    pos = positions[keep].to(torch.int64)
+    page_idx = kv_indices.to(torch.int64)[kv_indptr.to(torch.int64)[b] + pos // page]
+    slot = pos % page
+    k_cache[page_idx, slot] = append_key[keep].to(k_cache.dtype)
+    v_cache[page_idx, slot] = append_value[keep].to(v_cache.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# merging partial attention states
+# --------------------------------------------------------------------------------------------
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention outputs of two disjoint KV segments by their LSEs.
+
+    v_a, v_b: ``[N, H, D]``; s_a, s_b: float ``[N, H]``, base-2 LSE
+    (``log2(sum_j 2^(s_ij * log2 e))`` = natural logsumexp / ln 2, as every compiled_attn entry
+    point returns). Returns (v ``[N, H, D]`` in v_a's dtype, s float32 ``[N, H]``), with
+    ``s = log2(2^s_a + 2^s_b)`` and ``v = v_a 2^(s_a - s) + v_b 2^(s_b - s)``. A row where both
+    LSEs are -inf (no key seen) merges to output 0, LSE -inf.
+    """
+    v, s = merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
+    return v, s
+
+
+def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the outputs of several disjoint KV segments by their base-2 LSEs.
+
+    v: ``[N, S, H, D]`` (S states per row); s: float ``[N, S, H]`` (base 2). Returns (v
+    ``[N, H, D]`` in v's dtype, s float32 ``[N, H]``); rows whose states all have LSE -inf
+    give output 0, LSE -inf.
+    """
+    ct = torch.float64 if v.dtype == torch.float64 else torch.float32
+    sf = s.to(ct)
+    m = sf.amax(dim=1, keepdim=True)  # [N, 1, H]
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp2(sf - m_safe)  # 0 for -inf states
+    total = w.sum(dim=1)  # [N, H]
+    seen = total > 0
+    denom = torch.where(seen, total, torch.ones_like(total))
+    out = (v.to(ct) * w[..., None]).sum(dim=1) / denom[..., None]
+    lse = torch.where(seen, torch.log2(denom) + m_safe[:, 0], torch.full_like(total, float("-inf")))
+    return out.to(v.dtype), lse.to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# ALiBi
+# --------------------------------------------------------------------------------------------
+def get_alibi_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """ALiBi slopes, float32 ``[n_heads]``: with n = 2^floor(log2 n_heads), head h < n gets
+    ``2^(-8 (h + 1) / n)``; the remaining heads take ``2^(-4 / n)`` to the odd powers 1, 3, 5..."""
+    if int(n_heads) < 1:
+        raise ValueError(f"n_heads: got {n_heads}; the number of heads must be >= 1")
+    n = 2 ** int(math.floor(math.log2(n_heads)))
+    p = torch.arange(1, n + 1, dtype=torch.float64)
+    slopes = torch.pow(2.0, -8.0 * p / n)
+    if n < n_heads:
+        odd = torch.arange(1, 2 * (n_heads - n), 2, dtype=torch.float64)
+        slopes = torch.cat([slopes, torch.pow(2.0, -4.0 * odd / n)])
+    return slopes.to(torch.float32).to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# shared with the wrappers
+# --------------------------------------------------------------------------------------------
+def _paged_kv_views(paged_kv_cache, kv_layout: str, name: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, v) views ``[P, page, Hkv, D]`` in logical NHD order (any strides, no copy) of a
+    paged cache given as a 5-D tensor or a (k, v) tuple of 4-D tensors, in kv_layout. Page size 1
+    caches may drop the page axis (4-D single tensor, 3-D tuple entries)."""
+    hnd = kv_layout == "HND"
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"{name}: a tuple cache must be (k_cache, v_cache); got "
+                             f"{len(paged_kv_cache)} entries")
+        out = []
+        for part, t in zip(("k", "v"), paged_kv_cache):
+            if not torch.is_tensor(t) or t.dim() not in (3, 4):
+                raise ValueError(
+                    f"{name}[{0 if part == 'k' else 1}] ({part} cache): expected a 4-D tensor "
+                    f"{'[pages, Hkv, page_size, D]' if hnd else '[pages, page_size, Hkv, D]'} "
+                    f"(kv_layout={kv_layout!r}); got "
+                    f"{tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
+            if t.dim() == 3:
+                t = t.unsqueeze(1)  # page size 1: [P, 1, H, D] in both layouts
+            out.append(t.transpose(1, 2) if hnd else t)
+        return out[0], out[1]
+    if not torch.is_tensor(paged_kv_cache):
+        raise TypeError(f"{name}: expected a 5-D tensor or a (k_cache, v_cache) tuple; got "
+                        f"{type(paged_kv_cache).__name__}")
+    t = paged_kv_cache
+    if t.dim() == 4:
+        t = t.unsqueeze(2)  # page size 1: [P, 2, 1, H, D]
+    if t.dim() != 5 or t.shape[1] != 2:
+        raise ValueError(
+            f"{name}: expected a 5-D tensor "
+            f"{'[pages, 2, Hkv, page_size, D]' if hnd else '[pages, 2, page_size, Hkv, D]'} "
+            f"(kv_layout={kv_layout!r}; dim 1 holds k and v) or a (k, v) tuple; got shape "
+            f"{tuple(paged_kv_cache.shape)}")
+    k, v = t[:, 0], t[:, 1]
+    if hnd:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v

@@ -1,0 +1,338 @@
+"""Argument validation shared by every public entry point, with messages that say how to fix.
+
+Each check names the offending argument, states what was expected and what came in, and where
+it helps, how to fix it. The checks are general (an indptr, a page table, head counts, a tensor
+of some shape/dtype/device, a string option) so every entry-point family (FlashInfer-style
+wrappers, the cuDNN and TRT-LLM adapters) reuses them. Checks that look at tensor *values*
+(indptr arrays, page indices, mask lengths) run in plan(), on host copies; run() only checks
+shapes, dtypes and devices, which never reads a device value. Errors are ValueError for a bad
+value or shape, TypeError for a wrong type or dtype, NotImplementedError for an accepted
+argument whose feature compiled_attn does not have.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__: list[str] = []  # internal module: nothing is re-exported by compiled_attn
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+POS_ENCODING_CODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}  # = ops.POS_* codes
+CUDA_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
+BACKENDS = ("auto", "fa2", "fa3")
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# options
+# --------------------------------------------------------------------------------------------
+def check_kv_layout(layout, name: str = "kv_layout") -> str:
+    if layout not in ("NHD", "HND"):
+        raise ValueError(f"{name}: got {layout!r}; use 'NHD' (k/v [tokens, heads, dim]) or "
+                         "'HND' ([heads, tokens, dim])")
+    return layout
+
+
+def check_pos_encoding_mode(mode, name: str = "pos_encoding_mode") -> int:
+    """The op's integer code of a FlashInfer position-encoding name."""
+    if mode not in POS_ENCODING_CODES:
+        raise ValueError(f"{name}: got {mode!r}; use one of {sorted(POS_ENCODING_CODES)}")
+    return POS_ENCODING_CODES[mode]
+
+
+def check_window_left(w, name: str = "window_left") -> int:
+    if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+        raise ValueError(f"{name}: got {w!r}; use an int >= 0 (keys j >= position - window_left "
+                         "are seen) or -1 to disable the window")
+    return int(w)
+
+
+def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
+    """None -> 0.0 (disabled)."""
+    if c is None:
+        return 0.0
+    c = float(c)
+    if not math.isfinite(c) or c < 0:
+        raise ValueError(f"{name}: got {c!r}; use a finite value > 0 to cap the logits at "
+                         "c * tanh(s / c), or 0 / None to disable")
+    return c
+
+
+def check_scale(name: str, x, default: float, *, positive: bool = True) -> float:
+    """A float option (sm_scale, rope_scale, rope_theta); None -> default."""
+    if x is None:
+        return float(default)
+    if torch.is_tensor(x):
+        raise TypeError(f"{name}: got a tensor; pass a Python float")
+    x = float(x)
+    if not math.isfinite(x) or (positive and x <= 0):
+        raise ValueError(f"{name}: got {x!r}; use a finite value{' > 0' if positive else ''}")
+    return x
+
+
+def host_scale(name: str, x) -> float:
+    """A calibration scale (q_scale, k_scale) given as a float or a one-element tensor. A CPU
+    tensor is read on the host; a device tensor would need a device read (run() must not do
+    one), so it raises."""
+    if x is None:
+        return 1.0
+    if torch.is_tensor(x):
+        if x.numel() != 1:
+            raise NotImplementedError(
+                f"{name}: got a tensor of shape {tuple(x.shape)}; only a scalar scale is "
+                "supported (per-head scales are not): pass a Python float")
+        if x.device.type != "cpu":
+            raise NotImplementedError(
+                f"{name}: got a {x.device.type} tensor; the kernel takes this scale as a host "
+                f"float and run() never reads device values: pass float({name}) (or a CPU "
+                "tensor) instead")
+        x = float(x.item())
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name}: got {x!r}; use a finite float")
+    return x
+
+
+def check_backend(backend, name: str = "backend") -> str:
+    if backend in BACKENDS:
+        return backend
+    if backend in ("cudnn", "trtllm-gen", "cute-dsl", "trtllm"):
+        raise NotImplementedError(
+            f"{name}={backend!r}: compiled_attn runs its own Triton kernel for every backend "
+            f"name in {BACKENDS}; for the cuDNN / TRT-LLM entry points call "
+            "compiled_attn.cudnn_batch_prefill_with_kv_cache / compiled_attn.trtllm_fmha_v2_prefill")
+    raise ValueError(f"{name}: got {backend!r}; use one of {BACKENDS}")
+
+
+def unsupported(name: str, what: str) -> None:
+    """Raise for an accepted argument whose feature is missing (no silent fallback)."""
+    raise NotImplementedError(f"{name}: {what}")
+
+
+def reject_if_set(name: str, value, what: str, default=None) -> None:
+    if value is not default and not (default is not None and value == default):
+        unsupported(name, what)
+
+
+def check_enable_pdl(enable_pdl) -> None:
+    if enable_pdl:
+        unsupported("enable_pdl", "programmatic dependent launch is not implemented for the "
+                    "Triton kernel; pass None (auto) or False")
+
+
+# --------------------------------------------------------------------------------------------
+# dtypes
+# --------------------------------------------------------------------------------------------
+def canonical_dtype(name: str, dt) -> torch.dtype:
+    """A torch.dtype from a dtype or its name ('float16', 'torch.bfloat16', ...)."""
+    if isinstance(dt, torch.dtype):
+        return dt
+    if isinstance(dt, str):
+        got = getattr(torch, dt.removeprefix("torch."), None)
+        if isinstance(got, torch.dtype):
+            return got
+    raise TypeError(f"{name}: got {dt!r}; pass a torch.dtype or its name, e.g. torch.float16 "
+                    "or 'bfloat16'")
+
+
+def _float_dtypes(device_type: str) -> tuple:
+    base = HALF_DTYPES + (torch.float32,)
+    return base if device_type == "cuda" else base + (torch.float64,)
+
+
+def check_q_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
+    if dt in FP8_DTYPES:
+        unsupported(name, f"{dt} queries (fp8 attention with per-head q/k/v scales) are not "
+                    "supported; keep q in fp16/bf16 (fp8 K/V with k_scale/v_scale is supported)")
+    ok = _float_dtypes(device_type)
+    if dt not in ok:
+        raise TypeError(f"{name}: got {dt}; on {device_type} use one of {list(ok)}")
+
+
+def check_kv_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
+    ok = _float_dtypes(device_type) + FP8_DTYPES
+    if dt not in ok:
+        raise TypeError(f"{name}: got {dt}; on {device_type} use one of {list(ok)} (fp8 K/V "
+                        "take k_scale / v_scale at run time)")
+
+
+def check_out_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
+    ok = _float_dtypes(device_type)
+    if dt not in ok:
+        raise TypeError(f"{name}: got {dt}; on {device_type} the output can be one of "
+                        f"{list(ok)}")
+
+
+# --------------------------------------------------------------------------------------------
+# tensors
+# --------------------------------------------------------------------------------------------
+def check_tensor(name: str, t, *, ndim: int | None = None, shape: Sequence | None = None,
+                 dtypes: Sequence[torch.dtype] | None = None, device=None,
+                 what: str = "") -> torch.Tensor:
+    """t is a tensor with this ndim / exact shape (None entries are free) / dtype / device.
+    what: the expected layout in words, e.g. '[tokens, Hq, D_qk]'."""
+    desc = f" {what}" if what else ""
+    if not torch.is_tensor(t):
+        raise TypeError(f"{name}: expected a tensor{desc}; got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor{desc}; got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and int(s) != d
+                                        for s, d in zip(shape, t.shape)):
+            want = tuple("*" if s is None else int(s) for s in shape)
+            raise ValueError(f"{name}: expected shape {want}{desc}; got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in tuple(dtypes):
+        raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}; got {t.dtype}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name}: is on {t.device} but must be on {torch.device(device)} "
+                         "(the device of the wrapper's workspace buffer / of q); move it with .to()")
+    return t
+
+
+def _is_int_dtype(dt: torch.dtype) -> bool:
+    return not dt.is_floating_point and not dt.is_complex and dt != torch.bool
+
+
+def host_indptr(name: str, t, *, length: int | None = None) -> torch.Tensor:
+    """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
+    0, non-decreasing, and of length `length` when given (batch size + 1)."""
+    if not torch.is_tensor(t):
+        raise TypeError(f"{name}: expected a 1-D integer tensor [batch_size + 1]; got "
+                        f"{type(t).__name__}")
+    if t.dim() != 1 or t.numel() < 1:
+        raise ValueError(f"{name}: expected a 1-D tensor [batch_size + 1]; got shape "
+                         f"{tuple(t.shape)}")
+    if not _is_int_dtype(t.dtype):
+        raise TypeError(f"{name}: expected an integer dtype (int32); got {t.dtype}")
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
+                         "needed (one offset per request plus the end)")
+    h = t.detach().to("cpu", torch.int64)
+    if int(h[0]) != 0:
+        raise ValueError(f"{name}: must start at 0; got {name}[0] = {int(h[0])}")
+    d = h[1:] - h[:-1]
+    if (d < 0).any():
+        i = int(torch.nonzero(d < 0)[0, 0])
+        raise ValueError(f"{name}: must be non-decreasing; {name}[{i + 1}] = {int(h[i + 1])} < "
+                         f"{name}[{i}] = {int(h[i])}")
+    if int(h[-1]) >= 2 ** 31:
+        raise ValueError(f"{name}: last entry {int(h[-1])} does not fit int32")
+    return h
+
+
+def check_total(name: str, host: torch.Tensor, total: int, what: str) -> None:
+    """indptr[-1] equals the size of the tensor it splits."""
+    if int(host[-1]) != int(total):
+        raise ValueError(f"{name}: ends at {int(host[-1])} but {what} is {int(total)}; "
+                         f"{name}[-1] must equal {what}")
+
+
+def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: int, *,
+                     names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks a page table (indptr [B+1] already through host_indptr, in pages).
+
+    indices: integer [indptr[-1]] (extra entries past indptr[-1] are an error), each >= 0
+    (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
+    last_page_len: integer [B], in [1, page_size] for a request with pages, [0, page_size] for
+    one without (its kv_len is 0 either way). Returns host int64 copies (indices,
+    last_page_len) and kv_len [B] = (pages - 1) * page_size + last_page_len (0 without pages).
+    """
+    ind_n, idx_n, last_n = names
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size: got {page_size!r}; use an int >= 1")
+    b = indptr.numel() - 1
+    check_tensor(idx_n, indices, ndim=1, what="[total pages]")
+    if not _is_int_dtype(indices.dtype):
+        raise TypeError(f"{idx_n}: expected an integer dtype (int32); got {indices.dtype}")
+    check_total(ind_n, indptr, indices.numel(), f"{idx_n}.numel()")
+    check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]")
+    if not _is_int_dtype(last_page_len.dtype):
+        raise TypeError(f"{last_n}: expected an integer dtype (int32); got {last_page_len.dtype}")
+    idx_h = indices.detach().to("cpu", torch.int64)
+    if idx_h.numel() and int(idx_h.min()) < 0:
+        i = int(torch.nonzero(idx_h < 0)[0, 0])
+        raise ValueError(f"{idx_n}: entry {i} is {int(idx_h[i])}; page indices must be >= 0")
+    last_h = last_page_len.detach().to("cpu", torch.int64)
+    npages = indptr[1:] - indptr[:-1]
+    lo = torch.where(npages > 0, torch.ones_like(last_h), torch.zeros_like(last_h))
+    bad = (last_h < lo) | (last_h > page_size)
+    if bad.any():
+        r = int(torch.nonzero(bad)[0, 0])
+        rng = "[1, page_size]" if int(npages[r]) > 0 else "[0, page_size] (it has no pages)"
+        raise ValueError(f"{last_n}: entry {r} is {int(last_h[r])} but must be in {rng} with "
+                         f"page_size = {page_size}; it counts the tokens in the request's last page")
+    kv_len = torch.where(npages > 0, (npages - 1) * page_size + last_h, torch.zeros_like(last_h))
+    return idx_h, last_h, kv_len
+
+
+def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_pages: int,
+                         cache_name: str) -> None:
+    """max_entry = (position, value) of the largest page index (recorded by plan())."""
+    if max_entry is not None and max_entry[1] >= num_pages:
+        pos, val = max_entry
+        raise ValueError(f"{idx_name}: entry {pos} is {val} but {cache_name} has only "
+                         f"{num_pages} pages (valid 0..{num_pages - 1}); pass the cache the plan's "
+                         "page table indexes, or re-plan with indices inside it")
+
+
+def max_entry(idx_host: torch.Tensor) -> tuple[int, int] | None:
+    if idx_host.numel() == 0:
+        return None
+    pos = int(torch.argmax(idx_host))
+    return pos, int(idx_host[pos])
+
+
+def check_heads(num_qo_heads, num_kv_heads, names=("num_qo_heads", "num_kv_heads")) -> int:
+    """Returns the group size Hq / Hkv."""
+    qn, kn = names
+    for n, v in ((qn, num_qo_heads), (kn, num_kv_heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n}: got {v!r}; use an int >= 1")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"{qn} = {num_qo_heads} is not a multiple of {kn} = {num_kv_heads}; "
+                         "each KV head serves a whole group of query heads (GQA), so use a head "
+                         "count divisible by the KV head count")
+    return num_qo_heads // num_kv_heads
+
+
+def check_head_dims(head_dim_qk, head_dim_vo, device_type: str,
+                    names=("head_dim_qk", "head_dim_vo")) -> None:
+    qn, vn = names
+    for n, v in ((qn, head_dim_qk), (vn, head_dim_vo)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{n}: got {v!r}; use an int >= 1")
+    if device_type == "cuda" and (head_dim_qk, head_dim_vo) not in CUDA_HEAD_DIMS:
+        raise ValueError(f"({qn}, {vn}) = ({head_dim_qk}, {head_dim_vo}) has no CUDA kernel; "
+                         f"use one of {list(CUDA_HEAD_DIMS)} (any head dim runs on CPU)")
+
+
+def check_rope_dim(head_dim_qk: int, pos_code: int) -> None:
+    if pos_code == POS_ENCODING_CODES["ROPE_LLAMA"] and head_dim_qk % 2:
+        raise ValueError(f"pos_encoding_mode='ROPE_LLAMA' needs an even head_dim_qk; got "
+                         f"{head_dim_qk}")
+
+
+def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
+    """A bool custom mask holds exactly `expected` entries (any shape; read flattened)."""
+    check_tensor(name, mask, dtypes=(torch.bool,))
+    if mask.numel() != expected:
+        raise ValueError(f"{name}: has {mask.numel()} entries but the plan needs {expected} "
+                         f"({what}); a mask of another length would be read out of bounds")
+
+
+def mask_packed_length(name: str, packed, expected_bytes: int, what: str) -> None:
+    check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,))
+    if packed.numel() != expected_bytes:
+        raise ValueError(f"{name}: has {packed.numel()} bytes but the plan needs "
+                         f"{expected_bytes} ({what}); pack the bool mask with "
+                         "compiled_attn.segment_packbits(mask, indptr, bitorder='little') "
+                         "(per-request segments, whole bytes each) or packbits(..., "
+                         "bitorder='little') for a single request")
