@@ -1,0 +1,448 @@
+"""The timed implementations. Each provider turns a Case and its inputs into a Runner: one
+zero-argument callable per input copy (the harness rotates copies when a case's inputs would sit
+in L2), a function giving the output in canonical [tokens, Hq, Dvo] layout from what the callable
+returned (for the correctness check, untimed), and a context entered around check and timing
+(SDPA's backend selection). A provider that cannot run a case raises Unavailable with the reason;
+the harness records it as an 'unavailable' row, never drops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .cases import Case
+
+DEFAULT_PROVIDERS = ("compiled_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex",
+                     "flashinfer_fa2", "flashinfer_fa3")
+OPT_IN_PROVIDERS = ("flashinfer_single_fa2", "flashinfer_single_fa3")
+ALL_PROVIDERS = DEFAULT_PROVIDERS + OPT_IN_PROVIDERS
+
+
+class Unavailable(Exception):
+    """This provider does not run this case (a refusal or a deliberate skip, with its reason)."""
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # [N, Hq, D]
+    k: torch.Tensor  # [Nk, Hkv, D]
+    v: torch.Tensor
+    qo_indptr: torch.Tensor  # int32 [B+1] on device
+    kv_indptr: torch.Tensor
+    q4: torch.Tensor | None = None  # [B, S, Hq, D] views when every request has the same length
+    k4: torch.Tensor | None = None
+    v4: torch.Tensor | None = None
+    k_cache: torch.Tensor | None = None  # paged: [P, page, Hkv, D]
+    v_cache: torch.Tensor | None = None
+    page_indptr: torch.Tensor | None = None
+    page_indices: torch.Tensor | None = None
+    last_page_len: torch.Tensor | None = None
+
+    def nbytes(self) -> int:
+        ts = [self.q, self.k, self.v, self.k_cache, self.v_cache]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+@dataclass
+class Runner:
+    fns: list[Callable[[], Any]]
+    canon: Callable[[Any], torch.Tensor]
+    context: Callable[[], Any] = contextlib.nullcontext
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _indptr(lens, device) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + int(n))
+    return torch.tensor(out, dtype=torch.int32, device=device)
+
+
+def make_inputs(case: Case, device, dtype, seed: int = 0) -> Inputs:
+    """Random q/k/v (standard normal) for the case; paged cases also get the same K/V scattered
+    into a page cache through a shuffled page table, so paged and ragged compute the same thing."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hq, hkv, d = case.num_qo_heads, case.num_kv_heads, case.head_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    inp = Inputs(q=rnd(case.tokens, hq, d), k=rnd(case.kv_tokens, hkv, d),
+                 v=rnd(case.kv_tokens, hkv, d), qo_indptr=_indptr(case.qo_lens, device),
+                 kv_indptr=_indptr(case.kv_lens, device))
+    if case.uniform and case.batch:
+        b, s = case.batch, case.seq_len
+        inp.q4, inp.k4, inp.v4 = (inp.q.view(b, s, hq, d), inp.k.view(b, s, hkv, d),
+                                  inp.v.view(b, s, hkv, d))
+    if case.layout == "paged":
+        p = case.page_size
+        npages = [-(-n // p) for n in case.kv_lens]
+        total = sum(npages)
+        perm = torch.randperm(total, generator=g)
+        k_cache = torch.zeros(total, p, hkv, d, device=device, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        start_page, start_tok = 0, 0
+        for n, np_ in zip(case.kv_lens, npages):
+            pad = np_ * p - n
+            kk = torch.nn.functional.pad(inp.k[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
+            vv = torch.nn.functional.pad(inp.v[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
+            idx = perm[start_page:start_page + np_].to(device)
+            k_cache[idx] = kk.view(np_, p, hkv, d)
+            v_cache[idx] = vv.view(np_, p, hkv, d)
+            start_page += np_
+            start_tok += n
+        inp.k_cache, inp.v_cache = k_cache, v_cache
+        inp.page_indptr = _indptr(npages, device)
+        inp.page_indices = perm.to(device=device, dtype=torch.int32)
+        inp.last_page_len = torch.tensor([n - (np_ - 1) * p for n, np_ in zip(case.kv_lens, npages)],
+                                         dtype=torch.int32, device=device)
+    return inp
+
+
+def _bottom_right_mask(qo: int, kv: int, device) -> torch.Tensor:
+    i = torch.arange(qo, device=device)[:, None]
+    j = torch.arange(kv, device=device)[None, :]
+    return j <= i + (kv - qo)
+
+
+def reference(case: Case, inp: Inputs) -> torch.Tensor:
+    """SDPA (PyTorch's default backend choice) on the whole batch when the lengths are uniform,
+    else one SDPA call per request. Canonical [N, Hq, D]."""
+    import torch.nn.functional as F
+
+    sm = case.head_dim ** -0.5
+    gqa = case.group > 1
+    if case.uniform and case.batch and case.qo_lens[0] == case.kv_lens[0]:
+        o = F.scaled_dot_product_attention(inp.q4.transpose(1, 2), inp.k4.transpose(1, 2),
+                                           inp.v4.transpose(1, 2), is_causal=case.causal,
+                                           scale=sm, enable_gqa=gqa)
+        return o.transpose(1, 2).reshape(case.tokens, case.num_qo_heads, -1)
+    out = torch.empty(case.tokens, case.num_qo_heads, case.head_dim, device=inp.q.device,
+                      dtype=inp.q.dtype)
+    qs = ks = 0
+    for qo, kv in zip(case.qo_lens, case.kv_lens):
+        q = inp.q[qs:qs + qo].transpose(0, 1)[None]
+        k = inp.k[ks:ks + kv].transpose(0, 1)[None]
+        v = inp.v[ks:ks + kv].transpose(0, 1)[None]
+        mask = _bottom_right_mask(qo, kv, q.device) if (case.causal and qo != kv) else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                           is_causal=case.causal and qo == kv, scale=sm,
+                                           enable_gqa=gqa)
+        out[qs:qs + qo] = o[0].transpose(0, 1)
+        qs += qo
+        ks += kv
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# compiled_attn: the ops directly (not the public wrappers)
+# ------------------------------------------------------------------------------------------
+def setup_compiled_attn(case: Case, inps: list[Inputs], opts) -> Runner:
+    import compiled_attn.ops as cops
+    from compiled_attn.plan import block_m_for, build_work
+
+    ops = torch.ops.compiled_attn
+    mask = cops.MASK_CAUSAL if case.causal else cops.MASK_NONE
+    tail = (mask, -1, 0, case.head_dim ** -0.5, 0.0, cops.POS_NONE, 1.0, 1e4, 1.0, None)
+    n, hq = case.tokens, case.num_qo_heads
+    if case.layout == "dense":
+        fns = [lambda i=i: ops.single_prefill(i.q4, i.k4, i.v4, None, None, None, *tail)
+               for i in inps]
+        return Runner(fns, lambda r: r[0].reshape(n, hq, -1), note="op single_prefill")
+    block_m = block_m_for(case.head_dim, case.head_dim, case.group)
+    work = build_work(case.qo_lens, case.group, block_m, inps[0].q.device)
+    extra = {"block_m": block_m, "work_items": int(work.shape[0])}
+    if case.layout == "ragged":
+        fns = [lambda i=i: ops.batch_ragged_prefill(i.q, i.k, i.v, i.qo_indptr, i.kv_indptr, work,
+                                                    None, None, None, None, block_m, *tail)
+               for i in inps]
+        return Runner(fns, lambda r: r[0], note="op batch_ragged_prefill", extra=extra)
+    fns = [lambda i=i: ops.batch_paged_prefill(i.q, i.k_cache, i.v_cache, i.qo_indptr,
+                                               i.page_indptr, i.page_indices, i.last_page_len,
+                                               work, None, None, None, None, block_m, *tail)
+           for i in inps]
+    return Runner(fns, lambda r: r[0], note="op batch_paged_prefill", extra=extra)
+
+
+# ------------------------------------------------------------------------------------------
+# PyTorch SDPA, one backend forced
+# ------------------------------------------------------------------------------------------
+_SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION",
+                  "sdpa_efficient": "EFFICIENT_ATTENTION"}
+
+
+def _refusal(fn) -> str | None:
+    """Run fn once; None if it ran, else the backend's reason (its warnings + the error)."""
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        try:
+            fn()
+            return None
+        except RuntimeError as e:
+            why = " | ".join(str(w.message).strip().splitlines()[0] for w in ws)
+            return (why + " | " if why else "") + str(e).strip().splitlines()[0]
+
+
+def setup_sdpa(name: str):
+    def setup(case: Case, inps: list[Inputs], opts) -> Runner:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if case.layout == "paged":
+            raise Unavailable("SDPA takes no page table (the same lengths, contiguous, are timed "
+                              "in the flashinfer suite)")
+        if case.causal and any(q != k for q, k in zip(case.qo_lens, case.kv_lens)):
+            raise Unavailable("SDPA's is_causal is top-left aligned; causal qo != kv not timed")
+        backend = getattr(SDPBackend, _SDPA_BACKENDS[name])
+        ctx = lambda: sdpa_kernel([backend])  # noqa: E731
+        sm = case.head_dim ** -0.5
+        n, hq, g = case.tokens, case.num_qo_heads, case.group
+        note = ""
+        if case.uniform:
+            args = [(i.q4.transpose(1, 2), i.k4.transpose(1, 2), i.v4.transpose(1, 2))
+                    for i in inps]
+            gqa = g > 1
+
+            def mk(a, gqa):
+                return lambda: F.scaled_dot_product_attention(*a, is_causal=case.causal,
+                                                              scale=sm, enable_gqa=gqa)
+            with ctx():
+                why = _refusal(mk(args[0], gqa))
+                if why is not None and gqa:
+                    # The backend refuses enable_gqa: give it K/V expanded to Hq heads (the
+                    # expansion is done here, untimed, which favours the peer).
+                    args = [(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+                            for q, k, v in args]
+                    gqa = False
+                    why2 = _refusal(mk(args[0], gqa))
+                    if why2 is not None:
+                        raise Unavailable(f"refused enable_gqa ({why}); expanded K/V: {why2}")
+                    note = f"K/V expanded to {hq} heads before timing (enable_gqa refused: {why})"
+                elif why is not None:
+                    raise Unavailable(why)
+            return Runner([mk(a, gqa) for a in args],
+                          lambda o: o.transpose(1, 2).reshape(n, hq, -1), ctx, note)
+        # Variable lengths: nested jagged tensors, [B, H, j, D].
+        if g > 1:
+            raise Unavailable("nested-tensor SDPA with GQA not attempted")
+        if case.causal:
+            raise Unavailable("variable lengths need nested tensors, and nested-tensor SDPA "
+                              "refuses is_causal=True (torch: 'Nested tensors for query / key "
+                              "are not supported when is_causal=True')")
+
+        def njt(t, indptr):
+            return torch.nested.nested_tensor_from_jagged(t, offsets=indptr.long()).transpose(1, 2)
+
+        args = [(njt(i.q, i.qo_indptr), njt(i.k, i.kv_indptr), njt(i.v, i.kv_indptr))
+                for i in inps]
+        fns = [lambda a=a: F.scaled_dot_product_attention(*a, is_causal=case.causal, scale=sm)
+               for a in args]
+        with ctx():
+            why = _refusal(fns[0])
+        if why is not None:
+            raise Unavailable(f"nested (jagged) tensors: {why}")
+        return Runner(fns, lambda o: o.transpose(1, 2).values().reshape(n, hq, -1), ctx,
+                      "nested jagged tensors (varlen)")
+    return setup
+
+
+# ------------------------------------------------------------------------------------------
+# FlexAttention (torch.compile'd), causal block mask / document mask
+# ------------------------------------------------------------------------------------------
+_FLEX = {}
+
+
+def _compiled_flex(dynamic: bool):
+    if dynamic not in _FLEX:
+        import torch._dynamo.config as dc
+        from torch.nn.attention.flex_attention import flex_attention
+
+        # Static shapes recompile per case; stay under dynamo's limits (else: eager fallback).
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(dc, name):
+                setattr(dc, name, max(getattr(dc, name), 1024))
+        _FLEX[dynamic] = torch.compile(flex_attention, dynamic=dynamic)
+    return _FLEX[dynamic]
+
+
+def setup_flex(case: Case, inps: list[Inputs], opts) -> Runner:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if case.layout == "paged":
+        raise Unavailable("FlexAttention takes no page table here (the same lengths, contiguous, "
+                          "are timed in the flashinfer suite)")
+    if case.causal and any(q != k for q, k in zip(case.qo_lens, case.kv_lens)):
+        raise Unavailable("causal qo != kv not set up for FlexAttention")
+    if inps[0].q.device.type != "cuda" and not opts.flex_on_cpu:
+        raise Unavailable("FlexAttention is timed on CUDA only")
+    flex = _compiled_flex(opts.flex_dynamic)
+    sm = case.head_dim ** -0.5
+    n, hq, gqa = case.tokens, case.num_qo_heads, case.group > 1
+    dev = inps[0].q.device
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    if case.uniform:
+        s = case.seq_len
+        bm = create_block_mask(causal_mod, None, None, s, s, device=dev) if case.causal else None
+        args = [(i.q4.transpose(1, 2), i.k4.transpose(1, 2), i.v4.transpose(1, 2)) for i in inps]
+        canon = lambda o: o.transpose(1, 2).reshape(n, hq, -1)  # noqa: E731
+        note = "causal block mask" if case.causal else "no mask"
+    else:
+        doc = torch.repeat_interleave(torch.arange(case.batch, device=dev),
+                                      torch.tensor(case.qo_lens, device=dev))
+
+        def doc_mod(b, h, q_idx, kv_idx):
+            same = doc[q_idx] == doc[kv_idx]
+            return same & (q_idx >= kv_idx) if case.causal else same
+
+        bm = create_block_mask(doc_mod, None, None, n, n, device=dev)
+        args = [(i.q[None].transpose(1, 2), i.k[None].transpose(1, 2), i.v[None].transpose(1, 2))
+                for i in inps]
+        canon = lambda o: o[0].transpose(0, 1)  # noqa: E731
+        note = "document mask over the packed batch"
+    fns = [lambda a=a: flex(*a, block_mask=bm, scale=sm, enable_gqa=gqa) for a in args]
+    return Runner(fns, canon, note=note + (", dynamic=True" if opts.flex_dynamic else ""))
+
+
+# ------------------------------------------------------------------------------------------
+# FlashInfer (when importable): batch wrappers with backend fa2 / fa3, single prefill opt-in
+# ------------------------------------------------------------------------------------------
+_FI: dict = {}
+
+
+def flashinfer_module():
+    """flashinfer, or raise Unavailable with why it did not import."""
+    if "mod" not in _FI:
+        try:
+            import flashinfer
+
+            _FI["mod"] = flashinfer
+        except Exception as e:  # noqa: BLE001  (any import failure: recorded in the rows)
+            _FI["mod"] = None
+            _FI["why"] = f"import flashinfer failed: {type(e).__name__}: {e}"
+    if _FI["mod"] is None:
+        raise Unavailable(_FI["why"])
+    return _FI["mod"]
+
+
+def _workspace(device):
+    if "ws" not in _FI:
+        _FI["ws"] = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+    return _FI["ws"]
+
+
+def setup_flashinfer(backend: str, single: bool = False):
+    def setup(case: Case, inps: list[Inputs], opts) -> Runner:
+        if opts.no_flashinfer:
+            raise Unavailable("skipped: --no-flashinfer")
+        if inps[0].q.device.type != "cuda":
+            raise Unavailable("FlashInfer needs CUDA")
+        if case.head_dim not in opts.flashinfer_dims:
+            raise Unavailable(f"skipped: head_dim {case.head_dim} not in --flashinfer-dims "
+                              f"{sorted(opts.flashinfer_dims)} (each head dim is a separate JIT "
+                              "build: fa2 ~25 s, fa3 ~100 s)")
+        if backend == "fa3" and torch.cuda.get_device_capability(inps[0].q.device)[0] != 9:
+            raise Unavailable("backend fa3 needs sm90 (Hopper)")
+        fi = flashinfer_module()
+        extra = {"version": getattr(fi, "__version__", "?")}
+        sm = case.head_dim ** -0.5
+        hq, hkv, d, dt = case.num_qo_heads, case.num_kv_heads, case.head_dim, inps[0].q.dtype
+        if single:
+            if case.batch != 1 or case.layout == "paged":
+                raise Unavailable("single_prefill_with_kv_cache: one request, contiguous KV")
+            fns = [lambda i=i: fi.single_prefill_with_kv_cache(
+                i.q, i.k, i.v, causal=case.causal, sm_scale=sm, backend=backend) for i in inps]
+            return Runner(fns, lambda o: o, note="single_prefill_with_kv_cache", extra=extra)
+        ws = _workspace(inps[0].q.device)
+        i0 = inps[0]
+        if case.layout == "paged":
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(i0.qo_indptr, i0.page_indptr, i0.page_indices, i0.last_page_len, hq, hkv, d,
+                   case.page_size, causal=case.causal, sm_scale=sm, q_data_type=dt,
+                   kv_data_type=dt)
+            fns = [lambda i=i: w.run(i.q, (i.k_cache, i.v_cache)) for i in inps]
+            note = "BatchPrefillWithPagedKVCacheWrapper NHD"
+        else:
+            w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(i0.qo_indptr, i0.kv_indptr, hq, hkv, d, causal=case.causal, sm_scale=sm,
+                   q_data_type=dt, kv_data_type=dt)
+            fns = [lambda i=i: w.run(i.q, i.k, i.v) for i in inps]
+            note = "BatchPrefillWithRaggedKVCacheWrapper NHD"
+        return Runner(fns, lambda o: o, note=note, extra=extra)
+    return setup
+
+
+SETUPS = {
+    "compiled_attn": setup_compiled_attn,
+    "sdpa_flash": setup_sdpa("sdpa_flash"),
+    "sdpa_cudnn": setup_sdpa("sdpa_cudnn"),
+    "sdpa_efficient": setup_sdpa("sdpa_efficient"),
+    "flex": setup_flex,
+    "flashinfer_fa2": setup_flashinfer("fa2"),
+    "flashinfer_fa3": setup_flashinfer("fa3"),
+    "flashinfer_single_fa2": setup_flashinfer("fa2", single=True),
+    "flashinfer_single_fa3": setup_flashinfer("fa3", single=True),
+}
+
+
+# ------------------------------------------------------------------------------------------
+# timing
+# ------------------------------------------------------------------------------------------
+def bench(fns: list[Callable[[], Any]], warmup_ms: float, rep_ms: float, cuda: bool,
+          max_iters: int = 2000) -> tuple[float, int]:
+    """Median milliseconds of one call and the number of timed calls. CUDA: one event pair per
+    call, calls rotating over fns (the input copies); warm-up calls are not timed. CPU (smoke
+    tests only): perf_counter."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    nf = len(fns)
+    fns[0]()
+    sync()
+    # estimate one call
+    t0 = time.perf_counter()
+    if cuda:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for j in range(3):
+            fns[j % nf]()
+        e.record()
+        sync()
+        est = s.elapsed_time(e) / 3
+    else:
+        for j in range(3):
+            fns[j % nf]()
+        est = (time.perf_counter() - t0) * 1e3 / 3
+    est = max(est, 1e-3)
+    n_warm = max(1, int(warmup_ms / est))
+    n_rep = max(5, min(max_iters, int(rep_ms / est)))
+    for j in range(n_warm):
+        fns[j % nf]()
+    sync()
+    times = []
+    if cuda:
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+        for j in range(n_rep):
+            starts[j].record()
+            fns[j % nf]()
+            ends[j].record()
+        sync()
+        times = [a.elapsed_time(b) for a, b in zip(starts, ends)]
+    else:
+        for j in range(n_rep):
+            t = time.perf_counter()
+            fns[j % nf]()
+            times.append((time.perf_counter() - t) * 1e3)
+    times.sort()
+    mid = len(times) // 2
+    med = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+    return med, n_rep

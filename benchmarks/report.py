@@ -1,0 +1,184 @@
+"""python -m benchmarks.report benchmarks/results/h100.json: the ratios of issue 5, printed and
+written as markdown to <stem>_ratios.md beside the JSON.
+
+1. ours over each peer, per case (same run: our TFLOP/s / the peer's);
+2. paged over our ragged on the same lengths (page 16, page 1), FlashInfer fa3's beside it;
+3. variable-length batches over our fixed-length rate at the same total tokens;
+4. the targets of issue 5 with the worst measured ratio and how many rows pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import results
+
+PEERS = ("flex", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flashinfer_fa2",
+         "flashinfer_fa3", "flashinfer_single_fa2", "flashinfer_single_fa3")
+OURS = "compiled_attn"
+
+
+def _index(rows):
+    return {(r["suite"], r["case"], r["provider"]): r for r in rows}
+
+
+def _ok(r) -> bool:
+    return r is not None and r.get("status", "ok") == "ok" and bool(r.get("tflops"))
+
+
+def _f(x, nd=2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def peer_ratios(rows):
+    """[(suite, case, ours_row, {peer: ratio or None})] for every case with an ours row."""
+    idx = _index(rows)
+    out = []
+    for r in rows:
+        if r["provider"] != OURS:
+            continue
+        rat = {}
+        for p in PEERS:
+            pr = idx.get((r["suite"], r["case"], p))
+            if pr is None:
+                continue
+            rat[p] = r["tflops"] / pr["tflops"] if (_ok(r) and _ok(pr)) else None
+        out.append((r["suite"], r["case"], r, rat))
+    return out
+
+
+def paged_ratios(rows):
+    """[(group_key, page, ours paged/ragged, fa3 paged/ragged)] (ragged from the paged suite,
+    else the flashinfer suite, same group_key = same lengths)."""
+    def ragged(provider, g, own_suite):
+        for suite in (own_suite, "paged", "flashinfer"):
+            for r in rows:
+                if (r["suite"] == suite and r["provider"] == provider
+                        and r.get("layout") == "ragged" and r.get("group_key") == g and _ok(r)):
+                    return r
+        return None
+
+    out = []
+    for r in rows:
+        if r["provider"] != OURS or r.get("layout") != "paged":
+            continue
+        g = r.get("group_key", r["case"])
+        base = ragged(OURS, g, r["suite"])
+        ours = r["tflops"] / base["tflops"] if (_ok(r) and base) else None
+        fa3 = None
+        fr = next((x for x in rows if x["suite"] == r["suite"] and x["case"] == r["case"]
+                   and x["provider"] == "flashinfer_fa3"), None)
+        fbase = ragged("flashinfer_fa3", g, r["suite"])
+        if _ok(fr) and fbase:
+            fa3 = fr["tflops"] / fbase["tflops"]
+        out.append((g, r.get("page_size"), ours, fa3))
+    return out
+
+
+def varlen_ratios(rows):
+    """[(case, ours TFLOP/s, fixed case, its TFLOP/s, ratio)]."""
+    idx = _index(rows)
+    out = []
+    for r in rows:
+        if r["provider"] != OURS or not r.get("fixed_case"):
+            continue
+        fx = idx.get((r["suite"], r["fixed_case"], OURS))
+        ratio = r["tflops"] / fx["tflops"] if (_ok(r) and _ok(fx)) else None
+        out.append((r["case"], r.get("tflops"), r["fixed_case"], fx.get("tflops") if fx else None,
+                    ratio))
+    return out
+
+
+def targets(rows):
+    """[(target text, threshold, [ratios, None where a side did not run])]."""
+    pr = peer_ratios(rows)
+
+    def sel(pred, peer):
+        return [rat.get(peer) for suite, case, r, rat in pr
+                if suite in ("fa3", "flashinfer") and pred(r) and peer in rat]
+
+    big = lambda r: r.get("S", 0) >= 4096  # noqa: E731
+    d128c = lambda r: r.get("D") == 128 and r.get("causal") and big(r)  # noqa: E731
+    d128n = lambda r: r.get("D") == 128 and not r.get("causal") and big(r)  # noqa: E731
+    d64_256 = lambda r: r.get("D") in (64, 256) and big(r)  # noqa: E731
+    pg = paged_ratios(rows)
+    return [
+        ("D128 causal S>=4k: ours / FlexAttention >= 1.1", 1.1, sel(d128c, "flex")),
+        ("D128 causal S>=4k: ours / SDPA flash >= 1.4", 1.4, sel(d128c, "sdpa_flash")),
+        ("D128 non-causal S>=4k: ours / FlexAttention >= 1.0", 1.0, sel(d128n, "flex")),
+        ("D64, D256 S>=4k: ours / SDPA flash >= 1.2", 1.2, sel(d64_256, "sdpa_flash")),
+        ("paged page 16 / our ragged >= 0.95", 0.95, [o for g, p, o, _ in pg if p == 16]),
+        ("paged page 1 / our ragged >= 0.9", 0.9, [o for g, p, o, _ in pg if p == 1]),
+        ("varlen / our fixed-length >= 1.0", 1.0, [x[-1] for x in varlen_ratios(rows)]),
+        ("goal: ours / SDPA cuDNN >= 1.0 (all rows)", 1.0,
+         [rat.get("sdpa_cudnn") for *_, rat in pr if "sdpa_cudnn" in rat]),
+        ("goal: ours / FlashInfer fa2 >= 1.0 (all rows)", 1.0,
+         [rat.get("flashinfer_fa2") for *_, rat in pr if "flashinfer_fa2" in rat]),
+        ("goal: ours / FlashInfer fa3 >= 1.0 (all rows)", 1.0,
+         [rat.get("flashinfer_fa3") for *_, rat in pr if "flashinfer_fa3" in rat]),
+    ]
+
+
+def render(doc: dict) -> str:
+    rows = doc["rows"]
+    L = [f"# Ratios: {doc['gpu']}, torch {doc['torch']}, triton {doc['triton']}, {doc['date']}",
+         "", "Generated by `python -m benchmarks.report`; ratio = compiled_attn's TFLOP/s over "
+         "the other's, same run. `-`: one side did not run (see the JSON row's error).", ""]
+
+    L += ["## Targets of issue 5", "", "| target | rows | worst | pass |", "|---|---|---|---|"]
+    for text, thr, vals in targets(rows):
+        got = [v for v in vals if v is not None]
+        npass = sum(v >= thr for v in got)
+        worst = min(got) if got else None
+        L.append(f"| {text} | {len(vals)} ({len(vals) - len(got)} missing) | {_f(worst)} | "
+                 f"{npass}/{len(vals)} |")
+
+    pr = peer_ratios(rows)
+    peers = [p for p in PEERS if any(p in rat for *_, rat in pr)]
+    L += ["", "## compiled_attn over each peer", "",
+          "| suite | case | ours TFLOP/s | " + " | ".join(peers) + " |",
+          "|---|---|---|" + "---|" * len(peers)]
+    for suite, case, r, rat in pr:
+        ours = _f(r.get("tflops"), 0) if _ok(r) else r.get("status", "?").upper()
+        L.append(f"| {suite} | {case} | {ours} | "
+                 + " | ".join(_f(rat.get(p)) if p in rat else "" for p in peers) + " |")
+
+    pg = paged_ratios(rows)
+    if pg:
+        L += ["", "## Paged over ragged (same lengths)", "",
+              "| lengths | page | ours paged / ours ragged | FlashInfer fa3 paged / its ragged |",
+              "|---|---|---|---|"]
+        L += [f"| {g} | {p} | {_f(o)} | {_f(f)} |" for g, p, o, f in pg]
+
+    vr = varlen_ratios(rows)
+    if vr:
+        L += ["", "## Variable lengths over our fixed-length rate (same total tokens)", "",
+              "| case | ours TFLOP/s | fixed-length case | its TFLOP/s | ratio |",
+              "|---|---|---|---|---|"]
+        L += [f"| {c} | {_f(t, 0)} | {fc} | {_f(ft, 0)} | {_f(x)} |" for c, t, fc, ft, x in vr]
+
+    bad = [r for r in rows if r.get("status") == "failed"]
+    if bad:
+        L += ["", "## Failed rows", ""]
+        L += [f"- {r['suite']} / {r['case']} / {r['provider']}: {r.get('error', '')}" for r in bad]
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__)
+    ap.add_argument("json", help="results file, e.g. benchmarks/results/h100.json")
+    ap.add_argument("--md", default=None, help="markdown output (default <stem>_ratios.md)")
+    a = ap.parse_args(argv)
+    src = Path(a.json)
+    text = render(results.load(src))
+    md = Path(a.md) if a.md else src.with_name(f"{src.stem}_ratios.md")
+    md.write_text(text)
+    print(text)
+    print(f"(written to {md})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

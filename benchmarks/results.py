@@ -1,0 +1,97 @@
+"""The results file: {"gpu", "torch", "triton", "date", "rows": [...]}.
+
+Every row has "suite", "case", "provider", "median_ms", "tflops" (null when the provider did not
+run: then "status" is "unavailable" or "failed" and "error" says why), plus the case's columns
+(B, S, Hq, Hkv, D, causal, layout, ...), "rel_err" against the reference and, on compiled_attn's
+rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+from pathlib import Path
+
+TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
+ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
+STATUSES = ("ok", "unavailable", "failed")
+
+
+def environment() -> dict:
+    """gpu / torch / triton / date of this process (gpu 'cpu' without CUDA)."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception as e:  # noqa: BLE001  (recorded, not hidden)
+        triton_version = f"unavailable ({type(e).__name__}: {e})"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _clean(v):
+    """JSON-safe: NaN/inf become null (json.dump would write invalid JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+def validate(doc: dict) -> None:
+    """Raise ValueError when doc is not a results file of the documented schema."""
+    missing = [k for k in TOP_KEYS if k not in doc]
+    if missing:
+        raise ValueError(f"results file lacks top-level keys {missing}")
+    if not isinstance(doc["rows"], list):
+        raise ValueError("'rows' must be a list")
+    for i, r in enumerate(doc["rows"]):
+        miss = [k for k in ROW_KEYS if k not in r]
+        if miss:
+            raise ValueError(f"row {i} lacks {miss}: {r}")
+        st = r.get("status", "ok")
+        if st not in STATUSES:
+            raise ValueError(f"row {i} has status {st!r}, expected one of {STATUSES}")
+        if st == "ok" and (r["median_ms"] is None or r["tflops"] is None):
+            raise ValueError(f"row {i} is ok but has no timing: {r}")
+
+
+def make_doc(env: dict, rows: list[dict]) -> dict:
+    doc = {k: env[k] for k in TOP_KEYS[:-1]}
+    doc["rows"] = [_clean(r) for r in rows]
+    validate(doc)
+    return doc
+
+
+def merge_rows(old_rows: list[dict], new_rows: list[dict], suites) -> list[dict]:
+    """Keep old rows of suites not run now; replace those of the suites run now."""
+    suites = set(suites)
+    return [r for r in old_rows if r.get("suite") not in suites] + list(new_rows)
+
+
+def write(path: str | os.PathLike, env: dict, rows: list[dict]) -> dict:
+    """Write atomically (a run killed mid-write leaves the previous file)."""
+    doc = make_doc(env, rows)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return doc
+
+
+def load(path: str | os.PathLike) -> dict:
+    doc = json.loads(Path(path).read_text())
+    validate(doc)
+    return doc

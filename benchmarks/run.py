@@ -1,0 +1,269 @@
+"""python -m benchmarks.run --suite fa3|flashinfer|paged|gqa|varlen|all [--quick] [--out PATH]
+[--providers a,b,...] [--no-flashinfer]
+
+Times compiled_attn's ops and the peers in this one process on the same inputs (docs/benchmarks.md).
+Per case: make the inputs (rotated copies when they would fit in L2), compute the reference (SDPA),
+then per provider: set up (plan / compile / JIT, untimed), run once and compare with the reference
+(a provider whose output is wrong is recorded as failed, not timed), then time it: median of
+per-call CUDA-event timings after warm-up. The results file is rewritten after every case, so a
+run cut short keeps what it measured; rows of suites not run now are kept from the existing file
+(--fresh drops them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from . import results
+from .cases import SUITES, cases_for
+from .flops import tflops
+
+L2_BYTES = 50 * 1024 * 1024
+DEFAULT_OUT = "benchmarks/results/h100.json"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .providers import ALL_PROVIDERS, DEFAULT_PROVIDERS
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="all",
+                   help=f"comma-separated of {', '.join(SUITES)}, or all (default all)")
+    p.add_argument("--quick", action="store_true", help="reduced grid (a couple of minutes)")
+    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
+    p.add_argument("--fresh", action="store_true",
+                   help="drop the existing file's rows of other suites instead of keeping them")
+    p.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS),
+                   help=f"comma-separated subset of {', '.join(ALL_PROVIDERS)} "
+                        f"(default: {', '.join(DEFAULT_PROVIDERS)})")
+    p.add_argument("--no-flashinfer", action="store_true",
+                   help="skip FlashInfer (its first call JIT-builds: fa2 ~25 s, fa3 ~100 s)")
+    p.add_argument("--flashinfer-dims", default="128",
+                   help="head dims FlashInfer is built and timed for (default 128; each more "
+                        "dim costs one more JIT build per backend)")
+    p.add_argument("--flex-dynamic", action="store_true",
+                   help="torch.compile flex_attention with dynamic=True (fewer recompiles, "
+                        "possibly slower kernels); default static shapes")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--tol", type=float, default=2e-2,
+                   help="max relative error (Frobenius) against the reference before a "
+                        "provider is recorded as failed and not timed (default 2e-2)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="default cuda (cpu only for --suite smoke)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
+    p.add_argument("--flex-on-cpu", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+
+    if a.suite == "all":
+        a.suites = list(SUITES)
+    else:
+        a.suites = [s.strip() for s in a.suite.split(",") if s.strip()]
+        bad = [s for s in a.suites if s not in SUITES + ("smoke",)]
+        if bad:
+            p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
+    a.provider_list = [s.strip() for s in a.providers.split(",") if s.strip()]
+    bad = [s for s in a.provider_list if s not in ALL_PROVIDERS]
+    if bad:
+        p.error(f"unknown provider(s) {bad}; choose from {', '.join(ALL_PROVIDERS)}")
+    if "compiled_attn" in a.provider_list:  # ours first: its row carries the ratios
+        a.provider_list.remove("compiled_attn")
+        a.provider_list.insert(0, "compiled_attn")
+    try:
+        a.flashinfer_dims = {int(x) for x in a.flashinfer_dims.split(",") if x.strip()}
+    except ValueError:
+        p.error(f"--flashinfer-dims wants comma-separated ints, got {a.flashinfer_dims!r}")
+    return a
+
+
+class Progress:
+    """tqdm when importable, else a plain counter line (display only; results are the same)."""
+
+    def __init__(self, total: int):
+        self.total, self.n = total, 0
+        self.tty = sys.stderr.isatty()
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr,
+                            mininterval=0.5 if self.tty else 15.0, smoothing=0.1)
+        except ImportError:
+            self.bar = None
+
+    def step(self, desc: str):
+        self.n += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(desc[:60], refresh=False)
+            self.bar.update(1)
+        else:
+            end = "\r" if self.tty else "\n"
+            print(f"[{self.n}/{self.total}] {desc}", end=end, file=sys.stderr, flush=True)
+
+    def write(self, line: str):
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)
+        else:
+            if self.tty:
+                print(file=sys.stderr)
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def rel_err(out, ref) -> float:
+    o, r = out.float(), ref.float()
+    if o.shape != r.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != reference {tuple(r.shape)}")
+    num = (o - r).norm().item()
+    den = r.norm().item()
+    return num / den if den > 0 else num
+
+
+def _err(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
+
+
+def run_provider(name: str, case, inps, ref, args, cuda: bool) -> dict:
+    import torch
+
+    from .providers import SETUPS, Unavailable, bench
+
+    row = {"suite": case.suite, "case": case.name, "provider": name, "median_ms": None,
+           "tflops": None, "status": "ok", **case.row_fields()}
+    t0 = time.perf_counter()
+    try:
+        runner = SETUPS[name](case, inps, args)
+        row.update(runner.extra)
+        if runner.note:
+            row["note"] = runner.note
+        with runner.context():
+            out = runner.canon(runner.fns[0]())
+            if cuda:
+                torch.cuda.synchronize()
+            row["setup_s"] = round(time.perf_counter() - t0, 2)
+            err = rel_err(out, ref)
+            row["rel_err"] = err
+            del out
+            if not math.isfinite(err) or err > args.tol:
+                row["status"] = "failed"
+                row["error"] = f"wrong output: rel_err {err:.3g} > tol {args.tol:g} (not timed)"
+                return row
+            ms, iters = bench(runner.fns, args.warmup_ms, args.rep_ms, cuda)
+        row["median_ms"] = ms
+        row["tflops"] = tflops(case.flops, ms)
+        row["iters"] = iters
+    except Unavailable as e:
+        row["status"] = "unavailable"
+        row["error"] = str(e)
+    except Exception as e:  # noqa: BLE001  (recorded in the row: a crash is a result too)
+        row["status"] = "failed"
+        row["error"] = _err(e)
+        if cuda and isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """On compiled_attn's row of a case: ratio_vs_<provider> = our TFLOP/s / theirs."""
+    ours = [r for r in rows if r["provider"] == "compiled_attn" and r["status"] == "ok"]
+    for o in ours:
+        for r in rows:
+            if r is not o and r["status"] == "ok" and r["tflops"]:
+                o[f"ratio_vs_{r['provider']}"] = o["tflops"] / r["tflops"]
+
+
+def run_case(case, args, device, dtype, progress: Progress) -> list[dict]:
+    import torch
+
+    from .providers import make_inputs, reference
+
+    cuda = device.type == "cuda"
+    inps = [make_inputs(case, device, dtype, seed=args.seed)]
+    copies = 1
+    if inps[0].nbytes() < L2_BYTES:  # would stay in L2 across calls: rotate fresh copies
+        copies = min(32, math.ceil(3 * L2_BYTES / max(1, inps[0].nbytes())))
+        inps += [make_inputs(case, device, dtype, seed=args.seed + c) for c in range(1, copies)]
+    ref = reference(case, inps[0])
+    rows = []
+    for name in args.provider_list:
+        progress.step(f"{case.suite} {case.name}: {name}")
+        row = run_provider(name, case, inps, ref, args, cuda)
+        row["input_copies"] = copies
+        rows.append(row)
+    add_ratios(rows)
+    del inps, ref
+    if cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summary_line(case, rows) -> str:
+    def fmt(r):
+        if r["status"] == "ok":
+            return f"{r['provider']} {r['tflops']:.0f}"
+        return f"{r['provider']} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}"
+    return f"{case.suite:10s} {case.name:28s} TFLOP/s: " + " | ".join(fmt(r) for r in rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cases = cases_for(args.suites, args.quick)
+    if args.list:
+        for c in cases:
+            print(f"{c.suite:10s} {c.name:32s} {c.layout:6s} B={c.batch:<4d} Hq/Hkv="
+                  f"{c.num_qo_heads}/{c.num_kv_heads} D={c.head_dim} causal={c.causal} "
+                  f"tokens={c.tokens} GFLOP={c.flops / 1e9:.1f}")
+        print(f"{len(cases)} cases x {len(args.provider_list)} providers "
+              f"({', '.join(args.provider_list)})")
+        return 0
+
+    import torch
+
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: the benchmarks run on the GPU machine (docs/benchmarks.md); "
+              "--list prints the cases here", file=sys.stderr)
+        return 2
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = getattr(torch, args.dtype)
+    env = results.environment()
+    out = Path(args.out)
+    old_rows = []
+    if out.exists() and not args.fresh:
+        try:
+            old_rows = results.load(out)["rows"]
+        except Exception as e:  # noqa: BLE001
+            print(f"note: {out} unreadable ({_err(e)}); starting it afresh", file=sys.stderr)
+    print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: {len(cases)} cases, "
+          f"providers {', '.join(args.provider_list)} -> {out}", flush=True)
+    progress = Progress(len(cases) * len(args.provider_list))
+    new_rows: list[dict] = []
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for case in cases:
+                rows = run_case(case, args, device, dtype, progress)
+                new_rows += rows
+                results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites))
+                progress.write(summary_line(case, rows))
+    finally:
+        progress.close()
+    failed = [r for r in new_rows if r["status"] == "failed"]
+    print(f"done in {time.perf_counter() - t0:.0f} s: {len(new_rows)} rows, "
+          f"{len(failed)} failed -> {out}", flush=True)
+    for r in failed:
+        print(f"  FAILED {r['suite']} {r['case']} {r['provider']}: {r['error']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
