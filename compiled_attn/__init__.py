@@ -6,7 +6,31 @@ under torch.compile, export through torch.export and package with AOTInductor. E
 module below lists its names in ``__all__``; this file only gathers them.
 """
 
-from . import ops  # noqa: F401  (registers the compiled_attn:: ops)
+import importlib.util as _ilu
+import os as _os
+import sys as _sys
+
+
+def _map_source_subpackages() -> None:
+    """ops/ and fx_passes/ install as compiled_attn.ops / compiled_attn.fx_passes through
+    setuptools' package-dir mapping. Where that mapping is absent (a source checkout on
+    sys.path, or an editable install by a setuptools too old for mapped editable installs),
+    load them from the checkout under those same names, so they are never a top-level package."""
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    for sub in ("ops", "fx_passes"):
+        name = f"{__name__}.{sub}"
+        init = _os.path.join(root, sub, "__init__.py")
+        if name in _sys.modules or _ilu.find_spec(name) is not None or not _os.path.isfile(init):
+            continue
+        spec = _ilu.spec_from_file_location(name, init,
+                                            submodule_search_locations=[_os.path.dirname(init)])
+        module = _ilu.module_from_spec(spec)
+        _sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+_map_source_subpackages()
+from . import ops  # noqa: E402,F401  (registers the compiled_attn:: ops)
 from .prefill import *  # noqa: F401,F403  single / ragged / paged prefill
 from .pod import *  # noqa: F401,F403  POD wrappers
 from .utils import *  # noqa: F401,F403  packbits, page helpers, merge_state(s), alibi slopes
