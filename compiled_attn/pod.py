@@ -1,3 +1,474 @@
-"""(being written)"""
+"""FlashInfer's POD (prefill-on-decode) wrappers on ``torch.ops.compiled_attn.pod_prefill_decode``.
 
-__all__: list[str] = []
+Both wrappers run a prefill batch and a decode batch in one launch of the POD op, whose work
+list (int32 [W, 3] = (part 0 prefill / 1 decode, request, first packed row)) holds the tiles
+of both. ``PODWithPagedKVCacheWrapper`` takes one prefill request with contiguous k/v at run
+time (passed to the op as a one-page cache ``[1, kv_len, Hkv, D]``, built with device ops only)
+and a planned decode batch on a paged cache; ``BatchPODWithPagedKVCacheWrapper`` plans both
+batches on paged caches. plan() reads the index arrays on the host and validates them (shared
+checks in ``_validate``); run() reads no device value. Unlike FlashInfer, the LSEs are returned
+when asked for (base 2, as everywhere in compiled_attn), and every run-time option takes effect
+or raises. The op applies one position encoding (mode, rope_scale, rope_theta) to both parts;
+prefill and decode options that would need two raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate as V
+from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
+from .plan import block_m_for, build_work, uniform_work
+from .prefill import _split_v_scale
+from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
+
+__all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
+
+_RETURN_DOC = """
+        Returns ``(out_p, out_d)`` (out_p ``[prefill rows, Hq, D]``, out_d ``[decode rows, Hq,
+        D]``, q's dtype). When an LSE is asked for, returns ``((out_p, out_d), (lse_p, lse_d))``
+        (FlashInfer's BatchPOD run code returns this shape; FlashInfer's POD never fills the
+        LSEs), each lse float32 ``[rows, Hq]``, base 2 (natural logsumexp / ln 2) over the final
+        logits, -inf for a row that sees no key (its output is 0); an LSE not asked for is None.
+        """
+
+
+def _plan_dtypes(q_data_type, kv_data_type, data_type, device_type):
+    """FlashInfer's POD dtype arguments (data_type is the deprecated alias of both)."""
+    if data_type is not None:
+        q_data_type = data_type if q_data_type is None else q_data_type
+        kv_data_type = data_type if kv_data_type is None else kv_data_type
+    q_dt = V.canonical_dtype("q_data_type", q_data_type if q_data_type is not None else "float16")
+    kv_dt = q_dt if kv_data_type is None else V.canonical_dtype("kv_data_type", kv_data_type)
+    V.check_q_dtype("q_data_type", q_dt, device_type)
+    V.check_kv_dtype("kv_data_type", kv_dt, device_type)
+    if kv_dt not in V.FP8_DTYPES and kv_dt != q_dt:
+        raise TypeError(f"kv_data_type {kv_dt} differs from q_data_type {q_dt}; use one dtype "
+                        "(only fp8 K/V may differ from q)")
+    return q_dt, kv_dt
+
+
+def _page_table(names, indptr, indices, last_page_len, page_size, b=None):
+    """Checked host copies of a page table: (indptr, indices, last_page_len, kv_lens)."""
+    ind_h = V.host_indptr(names[0], indptr, length=None if b is None else b + 1)
+    idx_h, last_h, kv_lens = V.check_page_table(ind_h, indices, last_page_len, page_size,
+                                                 names=names)
+    return ind_h, idx_h, last_h, kv_lens
+
+
+class _PODBase:
+    """Plan options and the op call shared by both POD wrappers."""
+
+    def _init_common(self, float_workspace_buffer, kv_layout):
+        V.check_tensor("float_workspace_buffer", float_workspace_buffer)
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = None
+        self.device = float_workspace_buffer.device
+        self._kv_layout = V.check_kv_layout(kv_layout)
+        self._plan = None
+        self._use_cuda_graph = False
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
+                               int_workspace_buffer: torch.Tensor | None = None) -> None:
+        """Replace the workspace buffers (they only fix the device; compiled_attn needs no
+        scratch)."""
+        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
+                          ("int_workspace_buffer", int_workspace_buffer)):
+            if buf is not None:
+                V.check_tensor(name, buf, device=self.device)
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+
+    def end_forward(self) -> None:
+        """Deprecated in FlashInfer; nothing to release."""
+
+    def _plan_options(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+                      window_left, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
+                      rope_theta) -> dict:
+        dev = self.device.type
+        group = V.check_heads(num_qo_heads, num_kv_heads)
+        V.check_head_dims(head_dim, head_dim, dev, names=("head_dim", "head_dim"))
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size: got {page_size!r}; use an int >= 1")
+        pos = V.check_pos_encoding_mode(pos_encoding_mode)
+        V.check_rope_dim(head_dim, pos)
+        q_dt, kv_dt = _plan_dtypes(q_data_type, kv_data_type, data_type, dev)
+        return dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    group=group, block_m=block_m_for(head_dim, head_dim, group),
+                    page_size=page_size, pos=pos, window_left=V.check_window_left(window_left),
+                    sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(head_dim),
+                                           positive=False),
+                    rope_scale=V.check_scale("rope_scale", rope_scale, 1.0),
+                    rope_theta=V.check_scale("rope_theta", rope_theta, 1e4),
+                    q_dtype=q_dt, kv_dtype=kv_dt,
+                    alibi=(get_alibi_slopes(num_qo_heads, self.device)
+                           if pos == POS_ALIBI else None))
+
+    def _check_plan(self):
+        if self._plan is None:
+            raise RuntimeError("run() before plan(): call plan(...) with the page table first")
+        return self._plan
+
+    def _check_q(self, name, q, rows, p, rows_what):
+        V.check_tensor(name, q, ndim=3, device=self.device, what="[rows, Hq, head_dim]")
+        if (rows is not None and q.shape[0] != rows) or \
+                tuple(q.shape[1:]) != (p["num_qo_heads"], p["head_dim"]):
+            want = f"[{rows if rows is not None else '*'}, {p['num_qo_heads']}, {p['head_dim']}]"
+            raise ValueError(f"{name}: shape {tuple(q.shape)} does not match the plan: {want} "
+                             f"({rows_what}, num_qo_heads, head_dim)")
+        if q.dtype != p["q_dtype"]:
+            raise TypeError(f"{name}: dtype {q.dtype} but the plan has q_data_type="
+                            f"{p['q_dtype']}; pass q_data_type={q.dtype} to plan()")
+
+    def _check_cache(self, name, cache, p, max_page):
+        k, v = _paged_kv_views(cache, self._kv_layout, name)
+        for part, t in (("k", k), ("v", v)):
+            if t.dtype != p["kv_dtype"]:
+                raise TypeError(f"{name} ({part}): dtype {t.dtype} but the plan has kv_data_type="
+                                f"{p['kv_dtype']}; pass kv_data_type={t.dtype} to plan()")
+            V.check_tensor(f"{name} ({part})", t, device=self.device)
+            want = (p["page_size"], p["num_kv_heads"], p["head_dim"])
+            if tuple(t.shape[1:]) != want or t.shape[0] != k.shape[0]:
+                raise ValueError(f"{name} ({part}): logical NHD shape {tuple(t.shape)} does not "
+                                 f"match the plan: [P, {want[0]}, {want[1]}, {want[2]}] "
+                                 f"(page_size, num_kv_heads, head_dim; kv_layout="
+                                 f"{self._kv_layout!r})")
+        V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name)
+        return k, v
+
+    def _call(self, p, *, q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d,
+              idx_d, last_d, work, packed_p, mask_indptr_p, mask_p, window_p, sm_p, mask_d,
+              window_d, sm_d, pos, rope_scale, rope_theta, v_scale, want_lse_p, want_lse_d):
+        """One POD launch; v_scale (decode only, as FlashInfer) multiplies out_d afterwards."""
+        v_f, v_t = _split_v_scale(v_scale)
+        out_p, lse_p, out_d, lse_d = torch.ops.compiled_attn.pod_prefill_decode(
+            q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d, idx_d, last_d,
+            work, packed_p, mask_indptr_p, p["alibi"], p["block_m"], mask_p, window_p, sm_p, 0.0,
+            mask_d, window_d, sm_d, 0.0, pos, rope_scale, rope_theta, 1.0, q_p.dtype)
+        if v_f != 1.0 or v_t is not None:
+            scale = v_t.to(torch.float32) if v_t is not None else v_f
+            out_d = (out_d.to(torch.float32) * scale).to(out_d.dtype)
+        if want_lse_p or want_lse_d:
+            return (out_p, out_d), (lse_p if want_lse_p else None, lse_d if want_lse_d else None)
+        return out_p, out_d
+
+
+def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists."""
+    part_p = torch.zeros_like(prefill[:, :1])
+    part_d = torch.ones_like(decode[:, :1])
+    return torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
+
+
+class PODWithPagedKVCacheWrapper(_PODBase):
+    """One prefill request (contiguous k/v given at run) plus a planned batch of decode
+    requests (one query row each) on a paged cache, in one launch."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+                 jit_args=None) -> None:
+        """float_workspace_buffer: a tensor on the device the wrapper runs on. kv_layout of the
+        decode cache: "NHD"/"HND". use_cuda_graph: fixed decode batch size B, with int32
+        buffers paged_kv_indptr_buffer ``[B+1]``, paged_kv_indices_buffer ``[max pages]``,
+        paged_kv_last_page_len_buffer ``[B]`` that plan() copies into. jit_args raises
+        NotImplementedError."""
+        V.reject_if_set("jit_args", jit_args, "custom JIT attention variants are not supported")
+        self._init_common(float_workspace_buffer, kv_layout)
+        self._use_cuda_graph = bool(use_cuda_graph)
+        self._bufs = None
+        if self._use_cuda_graph:
+            bufs = dict(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
+                        paged_kv_indices_buffer=paged_kv_indices_buffer,
+                        paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer)
+            for name, buf in bufs.items():
+                if not torch.is_tensor(buf):
+                    raise ValueError(f"{name}: use_cuda_graph=True needs this int32 buffer")
+                V.check_tensor(name, buf, ndim=1, dtypes=(torch.int32,), device=self.device)
+            b = paged_kv_last_page_len_buffer.numel()
+            if paged_kv_indptr_buffer.numel() != b + 1:
+                raise ValueError(f"paged_kv_indptr_buffer: has {paged_kv_indptr_buffer.numel()} "
+                                 f"entries but batch size {b} (paged_kv_last_page_len_buffer) "
+                                 f"needs {b + 1}")
+            self._fixed_batch_size = b
+            self._bufs = bufs
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16",
+             kv_data_type=None, data_type=None, sm_scale: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None,
+             non_blocking: bool = True) -> None:
+        """Plan the decode batch: indptr ``[B+1]`` (pages per request), indices
+        ``[indptr[-1]]``, last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
+        options (pos_encoding_mode, window_left, sm_scale, rope_*) are the decode part's;
+        data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
+        b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
+        ind_h, idx_h, last_h, kv_lens = _page_table(("indptr", "indices", "last_page_len"),
+                                                    indptr, indices, last_page_len, page_size, b)
+        b = ind_h.numel() - 1
+        p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
+                               pos_encoding_mode, window_left, q_data_type, kv_data_type,
+                               data_type, sm_scale, rope_scale, rope_theta)
+        if self._use_cuda_graph:
+            if b != self._fixed_batch_size:
+                raise ValueError(f"last_page_len: batch size {b} differs from the "
+                                 f"{self._fixed_batch_size} the CUDA-graph buffers were made for")
+            nb = self._bufs["paged_kv_indices_buffer"]
+            if idx_h.numel() > nb.numel():
+                raise ValueError(f"paged_kv_indices_buffer: holds {nb.numel()} entries but this "
+                                 f"plan needs {idx_h.numel()}; allocate a larger buffer")
+            self._bufs["paged_kv_indptr_buffer"].copy_(ind_h, non_blocking=non_blocking)
+            self._bufs["paged_kv_last_page_len_buffer"].copy_(last_h, non_blocking=non_blocking)
+            nb[:idx_h.numel()].copy_(idx_h, non_blocking=non_blocking)
+            nb[idx_h.numel():].fill_(0)  # a valid page: entries past indptr[-1] are never used
+            p.update(kv_indptr=self._bufs["paged_kv_indptr_buffer"], kv_indices=nb,
+                     last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
+        else:
+            to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
+            p.update(kv_indptr=ind_h.to(**to), kv_indices=idx_h.to(**to),
+                     last_page_len=last_h.to(**to))
+        p.update(batch_size=b, max_page=V.max_entry(idx_h),
+                 qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
+        self._plan = p
+
+    begin_forward = plan
+
+    def run(self, q_p: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, q_d: torch.Tensor,
+            paged_kv_cache_d, custom_mask_p: torch.Tensor | None = None,
+            packed_custom_mask_p: torch.Tensor | None = None, causal_p: bool = False,
+            kv_layout_p: str = "NHD", pos_encoding_mode_p: str = "NONE",
+            sm_scale_p: float | None = None, window_left_p: int = -1,
+            rope_scale_p: float | None = None, rope_theta_p: float | None = None,
+            return_lse_p: bool = False, custom_mask_d: torch.Tensor | None = None,
+            packed_custom_mask_d: torch.Tensor | None = None, causal_d: bool = False,
+            kv_layout_d: str | None = None, pos_encoding_mode_d: str | None = None,
+            sm_scale_d: float | None = None, window_left_d: int | None = None,
+            rope_scale_d: float | None = None, rope_theta_d: float | None = None,
+            q_scale=None, k_scale=None, v_scale=None, return_lse_d: bool = False,
+            use_fp16_qk_reduction: bool = False, enable_pdl: bool | None = None, *args):
+        """Prefill q_p ``[qo_len, Hq, D]`` against k_p / v_p ``[kv_len, Hkv, D]`` (kv_layout_p
+        "NHD") or ``[Hkv, kv_len, D]`` ("HND") with the _p options (as
+        single_prefill_with_kv_cache: causal raises when kv_len < qo_len; custom_mask_p bool
+        ``[qo_len, kv_len]`` or packed_custom_mask_p little-endian uint8), and decode q_d
+        ``[B, Hq, D]`` against paged_kv_cache_d (a 5-D tensor or (k, v) tuple in the wrapper's
+        kv_layout). Decode options left None take the plan's values; given, they take effect
+        (FlashInfer ignores them). kv_layout_d, if given, must be the wrapper's layout.
+        q_scale / k_scale multiply the decode sm_scale and v_scale the decode output, as in
+        FlashInfer. Prefill and decode share one position encoding (mode, rope_scale,
+        rope_theta): differing values raise NotImplementedError, as do custom_mask_d /
+        packed_custom_mask_d, enable_pdl=True and extra positional args.
+        use_fp16_qk_reduction is a permission (we reduce in fp32).
+        """
+        p = self._check_plan()
+        if args:
+            V.unsupported("*args", "extra positional arguments are not supported")
+        V.check_enable_pdl(enable_pdl)
+        for name, val in (("custom_mask_d", custom_mask_d),
+                          ("packed_custom_mask_d", packed_custom_mask_d)):
+            V.reject_if_set(name, val, "a custom mask for the decode part is not supported")
+        if kv_layout_d is not None and V.check_kv_layout(kv_layout_d, "kv_layout_d") != \
+                self._kv_layout:
+            raise ValueError(f"kv_layout_d: {kv_layout_d!r} differs from the wrapper's kv_layout "
+                             f"{self._kv_layout!r}; the decode cache uses the wrapper's layout")
+        # One position encoding for both parts (the op takes one).
+        pos_p = V.check_pos_encoding_mode(pos_encoding_mode_p, "pos_encoding_mode_p")
+        pos_d = (p["pos"] if pos_encoding_mode_d is None
+                 else V.check_pos_encoding_mode(pos_encoding_mode_d, "pos_encoding_mode_d"))
+        if pos_p != pos_d:
+            V.unsupported("pos_encoding_mode_p", f"{pos_encoding_mode_p!r} differs from the decode "
+                          "part's mode (plan's pos_encoding_mode / pos_encoding_mode_d); one "
+                          "launch applies one position encoding: pass the same mode to both")
+        rs_p = V.check_scale("rope_scale_p", rope_scale_p, 1.0)
+        rt_p = V.check_scale("rope_theta_p", rope_theta_p, 1e4)
+        rs_d = V.check_scale("rope_scale_d", rope_scale_d, p["rope_scale"])
+        rt_d = V.check_scale("rope_theta_d", rope_theta_d, p["rope_theta"])
+        if pos_p == POS_ROPE_LLAMA and (rs_p, rt_p) != (rs_d, rt_d):
+            V.unsupported("rope_scale_p / rope_theta_p", f"({rs_p}, {rt_p}) differ from the "
+                          f"decode part's ({rs_d}, {rt_d}); one launch applies one RoPE")
+        if not isinstance(use_fp16_qk_reduction, bool):
+            raise TypeError("use_fp16_qk_reduction: pass a bool")
+
+        # ---- prefill part: one request, contiguous k/v as a one-page cache ----------------
+        layout_p = V.check_kv_layout(kv_layout_p, "kv_layout_p")
+        self._check_q("q_p", q_p, None, p, "qo_len")
+        kv_what = "[kv_len, Hkv, D]" if layout_p == "NHD" else "[Hkv, kv_len, D]"
+        V.check_tensor("k_p", k_p, ndim=3, device=self.device, what=kv_what)
+        V.check_tensor("v_p", v_p, ndim=3, device=self.device, what=kv_what)
+        kn, vn = (k_p, v_p) if layout_p == "NHD" else (k_p.transpose(0, 1), v_p.transpose(0, 1))
+        if tuple(kn.shape[1:]) != (p["num_kv_heads"], p["head_dim"]) or vn.shape != kn.shape:
+            raise ValueError(f"k_p / v_p: shapes {tuple(k_p.shape)} / {tuple(v_p.shape)} do not "
+                             f"match {kv_what} with Hkv={p['num_kv_heads']}, D={p['head_dim']} "
+                             f"(kv_layout_p={layout_p!r})")
+        for name, t in (("k_p", k_p), ("v_p", v_p)):
+            if t.dtype != p["kv_dtype"]:
+                raise TypeError(f"{name}: dtype {t.dtype} but the plan has kv_data_type="
+                                f"{p['kv_dtype']}")
+        qo_len, kv_len = q_p.shape[0], kn.shape[0]
+        dev = self.device
+        i2 = torch.arange(2, dtype=torch.int32, device=dev)
+        qo_p = i2 * qo_len
+        has_kv = 1 if kv_len > 0 else 0
+        kvi_p = i2 * has_kv
+        idx_p = torch.zeros(has_kv, dtype=torch.int32, device=dev)
+        last_p = torch.full((1,), kv_len, dtype=torch.int32, device=dev)
+        nbits = qo_len * kv_len
+        packed_p = mask_indptr_p = None
+        if packed_custom_mask_p is not None:
+            V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p, (nbits + 7) // 8,
+                                 f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
+            V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=dev)
+            packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
+        elif custom_mask_p is not None:
+            V.mask_bool_length("custom_mask_p", custom_mask_p, nbits,
+                               f"qo_len * kv_len = {qo_len} * {kv_len}")
+            V.check_tensor("custom_mask_p", custom_mask_p, device=dev)
+            packed_p, mask_p = packbits(custom_mask_p, bitorder="little"), MASK_CUSTOM
+        else:
+            mask_p = MASK_CAUSAL if causal_p else MASK_NONE
+            if causal_p and kv_len < qo_len:
+                raise ValueError(f"causal_p=True needs kv_len >= qo_len for the prefill request; "
+                                 f"got kv_len={kv_len} < qo_len={qo_len}")
+        if packed_p is not None:
+            mask_indptr_p = i2 * ((nbits + 7) // 8)
+
+        # ---- decode part ----------------------------------------------------------------------
+        b = p["batch_size"]
+        self._check_q("q_d", q_d, b, p, "batch size")
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page"])
+        sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
+        sm_d *= V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        window_d = p["window_left"] if window_left_d is None else V.check_window_left(
+            window_left_d, "window_left_d")
+        head_dim = p["head_dim"]
+        work = _pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
+                         uniform_work(b, 1, p["group"], p["block_m"], dev))
+        return self._call(
+            p, q_p=q_p, k_p=kn.unsqueeze(0), v_p=vn.unsqueeze(0), qo_p=qo_p, kvi_p=kvi_p,
+            idx_p=idx_p, last_p=last_p, q_d=q_d, k_d=k_d, v_d=v_d, qo_d=p["qo_indptr"],
+            kvi_d=p["kv_indptr"], idx_d=p["kv_indices"], last_d=p["last_page_len"], work=work,
+            packed_p=packed_p, mask_indptr_p=mask_indptr_p, mask_p=mask_p,
+            window_p=V.check_window_left(window_left_p, "window_left_p"),
+            sm_p=V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
+                               positive=False),
+            mask_d=MASK_CAUSAL if causal_d else MASK_NONE, window_d=window_d, sm_d=sm_d,
+            pos=pos_p, rope_scale=rs_p, rope_theta=rt_p, v_scale=v_scale,
+            want_lse_p=return_lse_p, want_lse_d=return_lse_d)
+
+    run.__doc__ += _RETURN_DOC
+
+
+class BatchPODWithPagedKVCacheWrapper(_PODBase):
+    """A paged prefill batch and a paged decode batch in one launch, both planned."""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        """float_workspace_buffer: a tensor on the device the wrapper runs on; kv_layout of both
+        caches: "NHD" or "HND"."""
+        self._init_common(float_workspace_buffer, kv_layout)
+
+    def plan(self, qo_indptr_p: torch.Tensor, kv_indptr_p: torch.Tensor,
+             kv_indices_p: torch.Tensor, last_page_len_p: torch.Tensor,
+             qo_indptr_d: torch.Tensor, kv_indptr_d: torch.Tensor, kv_indices_d: torch.Tensor,
+             last_page_len_d: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
+             window_left: int = -1, q_data_type="float16", kv_data_type=None, data_type=None,
+             sm_scale: float | None = None, rope_scale: float | None = None,
+             rope_theta: float | None = None, non_blocking: bool = True) -> None:
+        """Plan both batches: for each part x in (p, d), qo_indptr_x ``[B_x+1]`` (query rows per
+        request), kv_indptr_x ``[B_x+1]`` (pages), kv_indices_x ``[kv_indptr_x[-1]]``,
+        last_page_len_x ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply
+        to both parts (as in FlashInfer); decode requests may have any number of rows."""
+        p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
+                               pos_encoding_mode, window_left, q_data_type, kv_data_type,
+                               data_type, sm_scale, rope_scale, rope_theta)
+        to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
+        works = []
+        for x in ("p", "d"):
+            qo, kvi, idx, last = {"p": (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p),
+                                  "d": (qo_indptr_d, kv_indptr_d, kv_indices_d,
+                                        last_page_len_d)}[x]
+            qo_h = V.host_indptr(f"qo_indptr_{x}", qo)
+            ind_h, idx_h, last_h, kv_lens = _page_table(
+                (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
+                page_size, qo_h.numel() - 1)
+            qo_lens = qo_h[1:] - qo_h[:-1]
+            works.append(build_work(qo_lens.tolist(), p["group"], p["block_m"], "cpu"))
+            p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
+                      f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
+                      f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
+            if x == "p":
+                mask_bits = (qo_lens * kv_lens).tolist()
+                byte_ptr = [0]
+                for n in mask_bits:
+                    byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
+                p.update(mask_bits_p=mask_bits,
+                         mask_indptr_p=torch.tensor(byte_ptr, dtype=torch.int32).to(**to),
+                         qo_lens_p=qo_lens, kv_lens_p=kv_lens)
+        p["work"] = _pod_work(*works).to(**to)
+        self._plan = p
+
+    begin_forward = plan
+
+    def run(self, q_p: torch.Tensor, paged_kv_cache_p, q_d: torch.Tensor, paged_kv_cache_d,
+            custom_mask_p: torch.Tensor | None = None,
+            packed_custom_mask_p: torch.Tensor | None = None, causal_p: bool = False,
+            q_scale=None, k_scale=None, v_scale=None, return_lse: bool = False,
+            use_fp16_qk_reduction: bool = False, enable_pdl: bool | None = None):
+        """Prefill q_p ``[qo_indptr_p[-1], Hq, D]`` against paged_kv_cache_p and decode q_d
+        ``[qo_indptr_d[-1], Hq, D]`` against paged_kv_cache_d (each a 5-D tensor or a (k, v)
+        tuple in the wrapper's kv_layout). causal_p: bottom-right aligned per prefill request
+        (kv_len < qo_len allowed). custom_mask_p: bool, each prefill request's
+        ``[qo_len, kv_len]`` mask flattened and concatenated, or packed_custom_mask_p: uint8,
+        packed per request with ``segment_packbits(..., bitorder="little")`` (FlashInfer packs
+        the whole batch as one bit string, which misplaces requests after the first); a bool
+        mask is packed here with a host-built index (not CUDA-graph capturable: pass the packed
+        form for capture). q_scale / k_scale multiply the decode sm_scale and v_scale the
+        decode output, as in FlashInfer. enable_pdl=True raises; use_fp16_qk_reduction is a
+        permission (we reduce in fp32).
+        """
+        p = self._check_plan()
+        V.check_enable_pdl(enable_pdl)
+        if not isinstance(use_fp16_qk_reduction, bool):
+            raise TypeError("use_fp16_qk_reduction: pass a bool")
+        self._check_q("q_p", q_p, p["rows_p"], p, "qo_indptr_p[-1]")
+        self._check_q("q_d", q_d, p["rows_d"], p, "qo_indptr_d[-1]")
+        k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, p["max_page_p"])
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page_d"])
+        packed_p = mask_indptr_p = None
+        total_bits = sum(p["mask_bits_p"])
+        if packed_custom_mask_p is not None:
+            V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p,
+                                 sum((n + 7) // 8 for n in p["mask_bits_p"]),
+                                 "sum over prefill requests of ceil(qo_len * kv_len / 8)")
+            V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=self.device)
+            packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
+        elif custom_mask_p is not None:
+            V.mask_bool_length("custom_mask_p", custom_mask_p, total_bits,
+                               "sum over prefill requests of qo_len * kv_len")
+            V.check_tensor("custom_mask_p", custom_mask_p, device=self.device)
+            src, _ = _segment_bit_sources(p["mask_bits_p"], self.device)
+            packed_p, mask_p = _pack_from_sources(custom_mask_p, src, "little"), MASK_CUSTOM
+        else:
+            mask_p = MASK_CAUSAL if causal_p else MASK_NONE
+        if packed_p is not None:
+            mask_indptr_p = p["mask_indptr_p"]
+        sm_d = p["sm_scale"] * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        return self._call(
+            p, q_p=q_p, k_p=k_p, v_p=v_p, qo_p=p["qo_indptr_p"], kvi_p=p["kv_indptr_p"],
+            idx_p=p["kv_indices_p"], last_p=p["last_page_len_p"], q_d=q_d, k_d=k_d, v_d=v_d,
+            qo_d=p["qo_indptr_d"], kvi_d=p["kv_indptr_d"], idx_d=p["kv_indices_d"],
+            last_d=p["last_page_len_d"], work=p["work"], packed_p=packed_p,
+            mask_indptr_p=mask_indptr_p, mask_p=mask_p, window_p=p["window_left"],
+            sm_p=p["sm_scale"], mask_d=MASK_NONE, window_d=p["window_left"], sm_d=sm_d,
+            pos=p["pos"], rope_scale=p["rope_scale"], rope_theta=p["rope_theta"],
+            v_scale=v_scale, want_lse_p=return_lse, want_lse_d=return_lse)
+
+    run.__doc__ += _RETURN_DOC
