@@ -1,0 +1,189 @@
+"""CPU tests of the benchmark harness (no GPU): FLOP counting against brute force, case
+generation, argument parsing, the results schema, the plot and report scripts, and one tiny
+end-to-end run of the loop on CPU (our ops run the reference there; SDPA's CPU flash backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import cases, flops, results
+from benchmarks.run import parse_args
+
+
+def brute_pairs(qo, kv, causal):
+    """Visible (i, j) pairs, bottom-right aligned: j <= i + kv - qo."""
+    return sum(1 for i in range(qo) for j in range(kv) if not causal or j <= i + kv - qo)
+
+
+@pytest.mark.parametrize("qo,kv", [(1, 1), (3, 7), (7, 3), (5, 5), (8, 1), (1, 8), (0, 4),
+                                   (4, 0), (13, 13), (16, 33), (33, 16)])
+def test_causal_pairs_exact_vs_brute_force(qo, kv):
+    assert flops.causal_pairs_exact(qo, kv) == brute_pairs(qo, kv, True)
+
+
+@pytest.mark.parametrize("qo,kv", [(3, 7), (7, 3), (1, 8), (16, 33), (33, 16)])
+def test_non_square_causal_counts_visible_pairs(qo, kv):
+    h, d = 3, 8
+    got = flops.attention_flops([qo], [kv], h, d, causal=True)
+    assert got == 4 * brute_pairs(qo, kv, True) * h * d
+
+
+@pytest.mark.parametrize("s", [1, 4, 17, 64])
+def test_square_causal_is_halved_and_noncausal_is_full(s):
+    h, d = 2, 16
+    assert flops.attention_flops([s], [s], h, d, causal=True) == 4 * s * s * h * d / 2
+    assert flops.attention_flops([s], [s], h, d, causal=False) == 4 * brute_pairs(s, s, False) * h * d
+    # the halved convention differs from the exact count by the diagonal's half
+    assert brute_pairs(s, s, True) - s * s / 2 == s / 2
+
+
+def test_batch_flops_sum_over_requests_and_dvo():
+    qo, kv = [4, 5, 6], [4, 9, 2]
+    want = sum(2 * flops.visible_pairs(a, b, True) * 4 * (16 + 8) for a, b in zip(qo, kv))
+    assert flops.attention_flops(qo, kv, 4, 16, 8, causal=True) == want
+    with pytest.raises(ValueError):
+        flops.attention_flops([1, 2], [1], 1, 1)
+    assert flops.tflops(1e12, 1000.0) == pytest.approx(1.0)
+    assert flops.tflops(1.0, None) is None
+
+
+def test_fa3_suite_grid():
+    cs = cases.fa3_cases()
+    assert len(cs) == 3 * 6 * 2
+    for c in cs:
+        assert c.tokens == 16 * 1024 and c.num_qo_heads * c.head_dim == 2048
+        assert c.layout == "dense" and c.uniform
+    c = next(c for c in cs if c.name == "D128 S4096 causal")
+    assert (c.batch, c.num_qo_heads, c.causal) == (4, 16, True)
+    assert c.flops == 4 * 4096 * 4096 * 16 * 128 * 4 / 2
+
+
+def test_flashinfer_paged_gqa_varlen_suites():
+    fi = cases.flashinfer_cases()
+    assert [(c.batch, c.seq_len) for c in fi] == list(cases.FLASHINFER_SWEEP)
+    assert all(c.num_qo_heads == 32 == c.num_kv_heads and c.head_dim == 128 and c.causal
+               for c in fi)
+    pg = cases.paged_cases()
+    assert {c.page_size for c in pg if c.layout == "paged"} == {1, 16}
+    groups = {c.group_key for c in pg}
+    for g in groups:  # every paged case has its ragged twin with the same lengths
+        layouts = {c.layout for c in pg if c.group_key == g}
+        assert layouts == {"ragged", "paged"}
+    assert [(c.num_qo_heads, c.num_kv_heads) for c in cases.gqa_cases()] == [(32, 8), (64, 8)]
+    vl = cases.varlen_cases()
+    by = {c.name: c for c in vl}
+    for c in vl:
+        if c.fixed_case:
+            fx = by[c.fixed_case]
+            assert fx.uniform and fx.batch == c.batch == 16
+            assert abs(fx.tokens - c.tokens) < 16
+            assert not c.uniform
+    u = cases.uniform_lengths()
+    assert len(u) == 16 and min(u) >= 512 and max(u) <= 4096
+    z = cases.zipf_lengths()
+    assert len(z) == 16 and abs(sum(z) / 16 - 1024) < 8 and max(z) > 4 * min(z) * 2
+
+
+def test_quick_grid_is_smaller():
+    for s in cases.SUITES:
+        assert 0 < len(cases.SUITE_CASES[s](True)) <= len(cases.SUITE_CASES[s](False))
+    assert len(cases.cases_for(cases.SUITES, quick=True)) <= 24
+
+
+def test_parse_args():
+    a = parse_args(["--suite", "all", "--quick"])
+    assert a.suites == list(cases.SUITES) and a.quick
+    assert a.provider_list[0] == "compiled_attn" and "flashinfer_fa3" in a.provider_list
+    a = parse_args(["--suite", "paged,varlen", "--providers", "flex,compiled_attn",
+                    "--no-flashinfer", "--flashinfer-dims", "64,128"])
+    assert a.suites == ["paged", "varlen"]
+    assert a.provider_list == ["compiled_attn", "flex"]
+    assert a.no_flashinfer and a.flashinfer_dims == {64, 128}
+    with pytest.raises(SystemExit):
+        parse_args(["--suite", "nope"])
+    with pytest.raises(SystemExit):
+        parse_args(["--providers", "nope"])
+
+
+ENV = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
+       "date": "2026-01-01T00:00:00+00:00"}
+
+
+def synthetic_rows():
+    rows = []
+    tf = {"compiled_attn": 500.0, "flex": 400.0, "sdpa_flash": 300.0, "sdpa_cudnn": 600.0}
+    for c in cases.fa3_cases(quick=True) + cases.paged_cases(quick=True) + cases.varlen_cases():
+        for p, t in tf.items():
+            if c.layout == "paged" and p != "compiled_attn":
+                rows.append({"suite": c.suite, "case": c.name, "provider": p, "median_ms": None,
+                             "tflops": None, "status": "unavailable", "error": "no page table",
+                             **c.row_fields()})
+                continue
+            t = t * (0.9 if c.page_size == 1 else 1.0)
+            rows.append({"suite": c.suite, "case": c.name, "provider": p,
+                         "median_ms": c.flops / (t * 1e12) * 1e3, "tflops": t, "status": "ok",
+                         **c.row_fields()})
+    return rows
+
+
+def test_results_schema_roundtrip_and_merge(tmp_path):
+    path = tmp_path / "r" / "h100.json"
+    rows = synthetic_rows()
+    rows[0]["rel_err"] = float("nan")  # NaN must not produce invalid JSON
+    results.write(path, ENV, rows)
+    doc = json.loads(path.read_text())
+    assert list(doc) == ["gpu", "torch", "triton", "date", "rows"]
+    assert doc["rows"][0]["rel_err"] is None
+    for r in doc["rows"]:
+        assert {"suite", "case", "provider", "median_ms", "tflops"} <= set(r)
+    assert results.load(path)["gpu"] == ENV["gpu"]
+    merged = results.merge_rows(doc["rows"], [{"suite": "fa3", "case": "x", "provider": "p",
+                                               "median_ms": 1.0, "tflops": 1.0}], ["fa3"])
+    assert {r["suite"] for r in merged} == {"fa3", "paged", "varlen"}
+    assert sum(r["suite"] == "fa3" for r in merged) == 1
+    with pytest.raises(ValueError):
+        results.validate({"gpu": 1, "rows": []})
+    with pytest.raises(ValueError):
+        results.validate({**ENV, "rows": [{"suite": "a", "case": "b", "provider": "c",
+                                           "median_ms": None, "tflops": None}]})
+
+
+def test_plot_and_report(tmp_path):
+    from benchmarks import plot, report
+
+    path = tmp_path / "h100.json"
+    results.write(path, ENV, synthetic_rows())
+    assert plot.main([str(path)]) == 0
+    for s in ("fa3", "paged", "varlen"):
+        png = tmp_path / f"h100_{s}.png"
+        assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert report.main([str(path)]) == 0
+    md = (tmp_path / "h100_ratios.md").read_text()
+    assert "| fa3 | D128 S4096 causal | 500 | 1.25 | 1.67 | 0.83 |" in md
+    assert "| B32 S4096 | 16 | 1.00 | - |" in md and "| B32 S4096 | 1 | 0.90 | - |" in md
+    assert "varlen / our fixed-length >= 1.0 | 2 (0 missing) | 1.00 | 2/2 |" in md
+
+
+def test_cpu_smoke_run_end_to_end(tmp_path):
+    """The whole loop on tiny shapes on CPU (ops fall back to the reference): rows for every
+    provider, refusals recorded as unavailable, nothing failed."""
+    pytest.importorskip("compiled_attn.ops")
+    from benchmarks import run
+
+    out = tmp_path / "smoke.json"
+    rc = run.main(["--suite", "smoke", "--device", "cpu", "--providers",
+                   "compiled_attn,sdpa_flash,sdpa_cudnn,flex,flashinfer_fa2",
+                   "--warmup-ms", "1", "--rep-ms", "2", "--out", str(out)])
+    assert rc == 0
+    doc = results.load(out)
+    n_cases = len(cases.smoke_cases())
+    assert len(doc["rows"]) == 5 * n_cases
+    st = {(r["case"], r["provider"]): r for r in doc["rows"]}
+    assert all(r["status"] != "failed" for r in doc["rows"]), [r.get("error") for r in doc["rows"]]
+    for c in cases.smoke_cases():
+        ours = st[(c.name, "compiled_attn")]
+        assert ours["status"] == "ok" and ours["rel_err"] < 2e-2 and ours["tflops"] > 0
+        assert st[(c.name, "flashinfer_fa2")]["status"] == "unavailable"
+    assert "ratio_vs_sdpa_flash" in st[("dense D64 S128 causal", "compiled_attn")]
