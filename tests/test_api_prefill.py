@@ -1,0 +1,467 @@
+"""Public prefill API (single prefill, paged and ragged batch wrappers) on CPU against an
+independent dense float64 computation written here: a per-request, per-head loop with
+torch.softmax, never ops.reference. Outputs are poisoned with NaN before runs that write into
+caller buffers; NaN never passes (assert_close with equal_nan=False)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compiled_attn as fi
+
+D64 = torch.float64
+TOL = dict(atol=1e-10, rtol=1e-10)
+WS = torch.empty(16, dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------------------------
+# the oracle
+# --------------------------------------------------------------------------------------------
+def slopes(h: int) -> torch.Tensor:
+    n = 2 ** int(math.floor(math.log2(h)))
+    s = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    s += [2.0 ** (-4.0 / n * (2 * i + 1)) for i in range(h - n)]
+    return torch.tensor(s, dtype=D64)
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, scale: float, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE, pairs (c, c + D/2), angle pos / scale * theta^(-2c/D); x [N, H, D]."""
+    d = x.shape[-1]
+    out = x.clone()
+    for c in range(d // 2):
+        ang = pos.to(D64) / scale * theta ** (-2.0 * c / d)
+        cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
+        a, b = x[:, :, c], x[:, :, c + d // 2]
+        out[:, :, c] = a * cos - b * sin
+        out[:, :, c + d // 2] = b * cos + a * sin
+    return out
+
+
+def dense(q, k, v, *, causal=False, mask=None, window_left=-1, sm_scale=None, soft_cap=0.0,
+          alibi=False, rope=False, rope_scale=1.0, rope_theta=1e4, sinks=None, v_scale=1.0):
+    """One request. q [qo, Hq, D], k [kv, Hkv, D], v [kv, Hkv, Dv] (float64). mask: bool
+    [qo, kv]. Returns out [qo, Hq, Dv] and base-2 lse [qo, Hq]."""
+    q, k, v = q.to(D64), k.to(D64), v.to(D64)
+    qo, hq, d = q.shape
+    kv, hkv, dv = v.shape
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    pq = torch.arange(qo) + kv - qo
+    pk = torch.arange(kv)
+    if rope:
+        q, k = rotate(q, pq, rope_scale, rope_theta), rotate(k, pk, rope_scale, rope_theta)
+    out = torch.zeros(qo, hq, dv, dtype=D64)
+    lse = torch.full((qo, hq), -math.inf, dtype=D64)
+    allowed = torch.ones(qo, kv, dtype=torch.bool)
+    if mask is not None:
+        allowed = mask.reshape(qo, kv).clone()
+    elif causal:
+        allowed = pk[None, :] <= pq[:, None]
+    if window_left >= 0:
+        allowed &= pk[None, :] >= pq[:, None] - window_left
+    for h in range(hq):
+        s = (q[:, h] @ k[:, h // g].T) * scale
+        if soft_cap > 0:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        if alibi:
+            s = s + slopes(hq)[h] * (pk[None, :] - pq[:, None]).to(D64)
+        for i in range(qo):
+            if not allowed[i].any():
+                continue
+            row = s[i][allowed[i]]
+            p = torch.softmax(row, dim=0)
+            o = p @ v[allowed[i], h // g]
+            nat = torch.logsumexp(row, dim=0)
+            if sinks is not None:
+                o = o / (1.0 + torch.exp(sinks[h].to(D64) - nat))
+            out[i, h] = o * v_scale
+            lse[i, h] = nat / math.log(2.0)
+    return out, lse
+
+
+def dense_batch(q, qo_lens, ks, vs, masks=None, **kw):
+    """Concatenate dense() over requests: ks / vs are per-request K/V lists."""
+    outs, lses, off = [], [], 0
+    for b, n in enumerate(qo_lens):
+        o, l = dense(q[off:off + n], ks[b], vs[b],
+                     mask=None if masks is None else masks[b], **kw)
+        outs.append(o)
+        lses.append(l)
+        off += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+def check(out, lse, ref_out, ref_lse, tol=TOL):
+    torch.testing.assert_close(out.to(D64), ref_out, equal_nan=False, **tol)
+    if lse is not None:
+        torch.testing.assert_close(lse.to(D64), ref_lse, equal_nan=False,
+                                   **({"atol": 1e-5, "rtol": 1e-6} if lse.dtype == torch.float32
+                                      else tol))
+
+
+def indptr(lens):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+
+
+def make_paged(kv_lens, hkv, dqk, dvo, page, *, layout="NHD", fmt="5d", dtype=D64, seed=0,
+               spare_pages=3):
+    """Random per-request K/V, written into a shuffled paged cache. Returns (cache, indptr,
+    indices, last_page_len, ks, vs) with ks/vs the dense per-request tensors (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    npages = [(n + page - 1) // page for n in kv_lens]
+    total = sum(npages) + spare_pages
+    perm = torch.randperm(total, generator=g)[:sum(npages)].to(torch.int32)
+    dmax = max(dqk, dvo)
+    kc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dqk].clone()
+    vc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dvo].clone()
+    ks, vs, p0 = [], [], 0
+    for n, np_ in zip(kv_lens, npages):
+        pages = perm[p0:p0 + np_].long()
+        ks.append(kc[pages].reshape(-1, hkv, dqk)[:n])
+        vs.append(vc[pages].reshape(-1, hkv, dvo)[:n])
+        p0 += np_
+    last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv_lens], dtype=torch.int32)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    ks = [x.to(dtype).to(D64) for x in ks]
+    vs = [x.to(dtype).to(D64) for x in vs]
+    if layout == "HND":
+        kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
+    if fmt == "5d":
+        assert dqk == dvo
+        cache = torch.stack([kc, vc], dim=1)
+    else:
+        cache = (kc, vc)
+    return cache, indptr(npages), perm, last, ks, vs
+
+
+def rand(*shape, seed=0, dtype=D64):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# single prefill
+# --------------------------------------------------------------------------------------------
+SINGLE_CASES = [
+    # qo, kv, hq, hkv, dqk, dvo, causal, layout
+    (1, 1, 2, 2, 8, 8, True, "NHD"),
+    (5, 17, 4, 2, 16, 16, True, "NHD"),
+    (17, 17, 7, 1, 8, 8, True, "HND"),
+    (13, 40, 4, 4, 24, 16, False, "NHD"),
+    (9, 3, 2, 1, 8, 8, False, "HND"),
+]
+
+
+@pytest.mark.parametrize("qo,kv,hq,hkv,dqk,dvo,causal,layout", SINGLE_CASES)
+def test_single_prefill_grid(qo, kv, hq, hkv, dqk, dvo, causal, layout):
+    q, k, v = rand(qo, hq, dqk, seed=1), rand(kv, hkv, dqk, seed=2), rand(kv, hkv, dvo, seed=3)
+    kk, vv = (k, v) if layout == "NHD" else (k.transpose(0, 1).contiguous(),
+                                             v.transpose(0, 1).contiguous())
+    out, lse = fi.single_prefill_with_kv_cache(q, kk, vv, causal=causal, kv_layout=layout,
+                                               return_lse=True)
+    assert out.shape == (qo, hq, dvo) and lse.dtype == torch.float32
+    check(out, lse, *dense(q, k, v, causal=causal))
+    out2, lse2 = fi.single_prefill_with_kv_cache_return_lse(q, kk, vv, causal=causal,
+                                                            kv_layout=layout)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("feature", ["window", "window_noncausal", "soft_cap", "alibi", "rope",
+                                     "mask_bool", "mask_packed", "sm_scale"])
+def test_single_prefill_features(feature):
+    qo, kv, hq, hkv, d = 11, 19, 4, 2, 16
+    q, k, v = rand(qo, hq, d, seed=4), rand(kv, hkv, d, seed=5), rand(kv, hkv, d, seed=6)
+    mask = torch.rand(qo, kv, generator=torch.Generator().manual_seed(7)) > 0.4
+    mask[3] = False  # a row that sees nothing: output 0, LSE -inf
+    api, ref = {}, {}
+    if feature == "window":
+        api = ref = dict(causal=True, window_left=4)
+    elif feature == "window_noncausal":
+        api = ref = dict(window_left=3)
+    elif feature == "soft_cap":
+        api, ref = dict(causal=True, logits_soft_cap=2.5), dict(causal=True, soft_cap=2.5)
+    elif feature == "alibi":
+        api, ref = dict(causal=True, pos_encoding_mode="ALIBI"), dict(causal=True, alibi=True)
+    elif feature == "rope":
+        api = dict(causal=True, pos_encoding_mode="ROPE_LLAMA", rope_scale=2.0, rope_theta=500.0)
+        ref = dict(causal=True, rope=True, rope_scale=2.0, rope_theta=500.0)
+    elif feature == "mask_bool":
+        api, ref = dict(custom_mask=mask, causal=True, window_left=6), dict(mask=mask,
+                                                                            window_left=6)
+    elif feature == "mask_packed":
+        api = dict(packed_custom_mask=fi.packbits(mask.reshape(-1), bitorder="little"))
+        ref = dict(mask=mask)
+    elif feature == "sm_scale":
+        api = ref = dict(sm_scale=0.37, causal=True)
+    out, lse = fi.single_prefill_with_kv_cache(q, k, v, return_lse=True, **api)
+    r_out, r_lse = dense(q, k, v, **ref)
+    check(out, lse, r_out, r_lse)
+    if "mask" in feature:
+        assert torch.all(out[3] == 0) and torch.all(lse[3] == -math.inf)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_single_prefill_fp8_kv_scales_and_out_dtype(fp8):
+    q = rand(6, 4, 16, seed=8, dtype=torch.float32)
+    k8, v8 = rand(9, 2, 16, seed=9).to(fp8), rand(9, 2, 16, seed=10).to(fp8)
+    out, lse = fi.single_prefill_with_kv_cache(q, k8, v8, causal=True, k_scale=0.5,
+                                               v_scale=torch.tensor(3.0), return_lse=True,
+                                               o_dtype=torch.float64)
+    assert out.dtype == torch.float64
+    r_out, r_lse = dense(q, k8.to(D64) * 0.5, v8.to(D64) * 3.0, causal=True)
+    check(out, lse, r_out, r_lse, tol=dict(atol=1e-5, rtol=1e-5))
+
+
+def test_single_prefill_causal_needs_kv_ge_qo():
+    q, k = rand(5, 2, 8), rand(3, 2, 8)
+    with pytest.raises(ValueError, match="kv_len >= qo_len"):
+        fi.single_prefill_with_kv_cache(q, k, k, causal=True)
+    # A custom mask replaces causal, so the rule does not apply.
+    fi.single_prefill_with_kv_cache(q, k, k, causal=True,
+                                    custom_mask=torch.ones(5, 3, dtype=torch.bool))
+
+
+def test_single_prefill_unsupported_args_raise():
+    q, k = rand(3, 2, 8), rand(3, 2, 8)
+    with pytest.raises(NotImplementedError, match="scale_q"):
+        fi.single_prefill_with_kv_cache(q, k, k, scale_q=torch.ones(2))
+    with pytest.raises(NotImplementedError, match="kv_cache_sf"):
+        fi.single_prefill_with_kv_cache(q, k, k, kv_cache_sf=(k, k))
+    with pytest.raises(NotImplementedError, match="cudnn"):
+        fi.single_prefill_with_kv_cache(q, k, k, backend="cudnn")
+
+
+# --------------------------------------------------------------------------------------------
+# paged wrapper
+# --------------------------------------------------------------------------------------------
+# qo > kv (request 2), an empty query (request 1), kv 0 (request 4), odd lengths.
+QO, KV = [5, 0, 9, 1, 3], [13, 7, 4, 16, 0]
+
+
+@pytest.mark.parametrize("page,layout,fmt,hq,hkv", [
+    (1, "NHD", "5d", 4, 2),
+    (5, "HND", "tuple", 7, 1),
+    (16, "NHD", "tuple", 4, 4),
+    (5, "HND", "5d", 6, 3),
+])
+def test_paged_grid(page, layout, fmt, hq, hkv):
+    d = 8
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, page, layout=layout, fmt=fmt)
+    q = rand(sum(QO), hq, d, seed=11)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, layout)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+    out, lse = w.run(q, cache, return_lse=True)
+    check(out, lse, *dense_batch(q, QO, ks, vs, causal=True))
+    out2, lse2 = w.run_return_lse(q, cache)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("feature", ["window", "soft_cap", "alibi", "rope", "sinks",
+                                     "noncausal", "run_window"])
+def test_paged_features(feature):
+    page, hq, hkv, d = 5, 4, 2, 8
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, page, fmt="tuple", seed=12)
+    q = rand(sum(QO), hq, d, seed=13)
+    plan_kw, run_kw, ref = dict(causal=True), {}, dict(causal=True)
+    if feature == "window":
+        plan_kw["window_left"] = ref["window_left"] = 3
+    elif feature == "soft_cap":
+        plan_kw["logits_soft_cap"] = ref["soft_cap"] = 1.5
+    elif feature == "alibi":
+        plan_kw["pos_encoding_mode"], ref["alibi"] = "ALIBI", True
+    elif feature == "rope":
+        plan_kw.update(pos_encoding_mode="ROPE_LLAMA", rope_theta=1000.0)
+        ref.update(rope=True, rope_theta=1000.0)
+    elif feature == "sinks":
+        run_kw["sinks"] = ref["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    elif feature == "noncausal":
+        plan_kw, ref = {}, {}
+    elif feature == "run_window":
+        run_kw["window_left"] = ref["window_left"] = 2  # a run-time override takes effect
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, page, q_data_type=D64, **plan_kw)
+    out, lse = w.run(q, cache, return_lse=True, **run_kw)
+    check(out, lse, *dense_batch(q, QO, ks, vs, **ref))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_paged_custom_mask_batch(packed):
+    page, hq, hkv, d = 4, 4, 1, 8
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, page, seed=14)
+    q = rand(sum(QO), hq, d, seed=15)
+    g = torch.Generator().manual_seed(16)
+    masks = [torch.rand(a, b, generator=g) > 0.3 for a, b in zip(QO, KV)]
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    if packed:
+        mask_ind = indptr([a * b for a, b in zip(QO, KV)])
+        pk, new_ind = fi.segment_packbits(flat, mask_ind, bitorder="little")
+        # Per-request byte offsets (FlashInfer's plan uses bit offsets for B > 1).
+        assert new_ind.tolist() == indptr([(a * b + 7) // 8 for a, b in zip(QO, KV)]).tolist()
+        mask_kw = dict(packed_custom_mask=pk)
+    else:
+        mask_kw = dict(custom_mask=flat)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, page, causal=True, window_left=5,
+           q_data_type=D64, **mask_kw)
+    out, lse = w.run(q, cache, return_lse=True)
+    check(out, lse, *dense_batch(q, QO, ks, vs, masks=masks, window_left=5))
+
+
+def test_paged_fp8_scales_dqk_ne_dvo_out_lse_buffers():
+    page, hq, hkv, dqk, dvo = 5, 4, 2, 12, 8
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, dqk, dvo, page, fmt="tuple",
+                                               dtype=torch.float8_e4m3fn, seed=17)
+    q = rand(sum(QO), hq, dqk, seed=18, dtype=torch.float32)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, dqk, page, head_dim_vo=dvo, causal=True,
+           q_data_type=torch.float32, kv_data_type=torch.float8_e4m3fn,
+           o_data_type=torch.float64)
+    out = torch.full((sum(QO), hq, dvo), math.nan, dtype=D64)
+    lse = torch.full((sum(QO), hq), math.nan, dtype=torch.float32)
+    res = w.run(q, cache, k_scale=0.25, v_scale=2.0, q_scale=2.0, out=out, lse=lse,
+                return_lse=True)
+    assert res[0] is out and res[1] is lse
+    ref = dense_batch(q, QO, [k * 0.5 for k in ks], [v * 2.0 for v in vs], causal=True)
+    check(out, lse, *ref, tol=dict(atol=1e-5, rtol=1e-5))
+
+
+def test_paged_replan_new_lengths_and_no_stale_mask():
+    page, hq, hkv, d = 3, 2, 1, 8
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, page, seed=19)
+    q = rand(sum(QO), hq, d, seed=20)
+    flat = torch.zeros(sum(a * b for a, b in zip(QO, KV)), dtype=torch.bool)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, page, custom_mask=flat, q_data_type=D64)
+    out = w.run(q, cache)
+    assert torch.all(out == 0)
+    qo2, kv2 = [2, 7], [9, 3]
+    cache2, kvi2, idx2, last2, ks2, vs2 = make_paged(kv2, hkv, d, d, page, seed=21)
+    q2 = rand(9, hq, d, seed=22)
+    w.plan(indptr(qo2), kvi2, idx2, last2, hq, hkv, d, page, causal=True, q_data_type=D64)
+    out2, lse2 = w.run(q2, cache2, return_lse=True)
+    check(out2, lse2, *dense_batch(q2, qo2, ks2, vs2, causal=True))
+
+
+def test_paged_cuda_graph_buffers_path():
+    """use_cuda_graph=True on CPU: plan copies into the caller's buffers and a fixed work
+    buffer; re-plans within capacity reuse the same tensors (what a captured graph replays)."""
+    page, hq, hkv, d, b = 4, 4, 2, 8, 3
+    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
+                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
+                paged_kv_indices_buf=torch.zeros(32, dtype=torch.int32),
+                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32),
+                custom_mask_buf=torch.zeros(64, dtype=torch.uint8),
+                mask_indptr_buf=torch.zeros(b + 1, dtype=torch.int32))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+    assert w.is_cuda_graph_enabled
+    ids = None
+    for seed, (qo, kv) in enumerate([([6, 3, 5], [9, 3, 20]), ([2, 0, 4], [5, 1, 4])]):
+        cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=30 + seed)
+        w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+        p = w._plan
+        assert p.qo_indptr is bufs["qo_indptr_buf"] and p.kv_indices is bufs["paged_kv_indices_buf"]
+        work_ids = p.work.data_ptr()
+        ids = ids or work_ids
+        assert work_ids == ids  # the work list lives in one fixed buffer
+        n_items = sum(-(-(n * (hq // hkv)) // p.block_m) for n in qo)
+        assert torch.all(p.work[n_items:, 0] == -1)  # padding rows: request -1, skipped
+        q = rand(sum(qo), hq, d, seed=40 + seed)
+        out, lse = w.run(q, cache, return_lse=True)
+        check(out, lse, *dense_batch(q, qo, ks, vs, causal=True))
+    # Over capacity: more rows than the first plan, more pages than the buffer.
+    cache, kvi, idx, last, _, _ = make_paged([9, 3, 20], hkv, d, d, page)
+    with pytest.raises(ValueError, match="exceed the 14 of the first plan"):
+        w.plan(indptr([6, 3, 6]), kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    with pytest.raises(ValueError, match="batch size 2 differs"):
+        w.plan(indptr([1, 1]), kvi[:3], idx[:int(kvi[2])], last[:2], hq, hkv, d, page,
+               q_data_type=D64)
+    with pytest.raises(ValueError, match="paged_kv_indices_buf: holds 32 entries"):
+        big = make_paged([40, 40, 60], hkv, d, d, page)
+        w.plan(indptr([1, 1, 1]), big[1], big[2], big[3], hq, hkv, d, page, q_data_type=D64)
+
+
+# --------------------------------------------------------------------------------------------
+# ragged wrapper
+# --------------------------------------------------------------------------------------------
+def ragged_kv(kv_lens, hkv, dqk, dvo, seed, layout="NHD"):
+    k, v = rand(sum(kv_lens), hkv, dqk, seed=seed), rand(sum(kv_lens), hkv, dvo, seed=seed + 1)
+    ks = list(k.split(kv_lens))
+    vs = list(v.split(kv_lens))
+    if layout == "HND":
+        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+    return k, v, ks, vs
+
+
+@pytest.mark.parametrize("layout,hq,hkv,dqk,dvo,feature", [
+    ("NHD", 7, 1, 8, 8, "causal"),
+    ("HND", 4, 2, 12, 8, "causal"),
+    ("NHD", 4, 4, 8, 8, "mask"),
+    ("HND", 6, 2, 8, 8, "window_softcap"),
+    ("NHD", 4, 2, 8, 8, "alibi_rope_noncausal"),
+])
+def test_ragged(layout, hq, hkv, dqk, dvo, feature):
+    k, v, ks, vs = ragged_kv(KV, hkv, dqk, dvo, seed=50, layout=layout)
+    q = rand(sum(QO), hq, dqk, seed=52)
+    plan_kw, ref, masks = dict(causal=True), dict(causal=True), None
+    if feature == "mask":
+        g = torch.Generator().manual_seed(53)
+        masks = [torch.rand(a, b, generator=g) > 0.5 for a, b in zip(QO, KV)]
+        plan_kw = dict(custom_mask=torch.cat([m.reshape(-1) for m in masks]), causal=True)
+        ref = {}
+    elif feature == "window_softcap":
+        plan_kw.update(window_left=2, logits_soft_cap=3.0)
+        ref.update(window_left=2, soft_cap=3.0)
+    elif feature == "alibi_rope_noncausal":
+        plan_kw, ref = dict(pos_encoding_mode="ROPE_LLAMA"), dict(rope=True)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, layout)
+    w.plan(indptr(QO), indptr(KV), hq, hkv, dqk, dvo, q_data_type=D64, **plan_kw)
+    out, lse = w.run(q, k, v, return_lse=True)
+    check(out, lse, *dense_batch(q, QO, ks, vs, masks=masks, **ref))
+    if feature == "alibi_rope_noncausal":
+        w.plan(indptr(QO), indptr(KV), hq, hkv, dqk, dvo, pos_encoding_mode="ALIBI",
+               q_data_type=D64)
+        out, lse = w.run(q, k, v, return_lse=True)
+        check(out, lse, *dense_batch(q, QO, ks, vs, alibi=True))
+
+
+def test_ragged_fp8_scales_take_effect_and_replan_drops_mask():
+    hq, hkv, d = 4, 2, 8
+    k, v, ks, vs = ragged_kv(KV, hkv, d, d, seed=60)
+    k8, v8 = k.to(torch.float8_e5m2), v.to(torch.float8_e5m2)
+    q = rand(sum(QO), hq, d, seed=61, dtype=torch.float32)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    mask = torch.zeros(sum(a * b for a, b in zip(QO, KV)), dtype=torch.bool)
+    w.plan(indptr(QO), indptr(KV), hq, hkv, d, custom_mask=mask, q_data_type=torch.float32,
+           kv_data_type=torch.float8_e5m2)
+    assert torch.all(w.run(q, k8, v8) == 0)
+    w.plan(indptr(QO), indptr(KV), hq, hkv, d, causal=True, q_data_type=torch.float32,
+           kv_data_type=torch.float8_e5m2)  # the re-plan has no mask: none may survive
+    out, lse = w.run(q, k8, v8, k_scale=2.0, v_scale=0.5, return_lse=True)
+    ref = dense_batch(q, QO, [x.to(torch.float8_e5m2).to(D64) * 2.0 for x in ks],
+                      [x.to(torch.float8_e5m2).to(D64) * 0.5 for x in vs], causal=True)
+    check(out, lse, *ref, tol=dict(atol=1e-5, rtol=1e-5))
+
+
+def test_ragged_cuda_graph_buffers_path_with_mask():
+    hq, hkv, d, b = 2, 1, 8, 2
+    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
+                kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
+                custom_mask_buf=torch.zeros(40, dtype=torch.uint8),
+                mask_indptr_buf=torch.zeros(b + 1, dtype=torch.int32))
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD", True, **bufs)
+    qo, kv = [4, 3], [6, 11]
+    k, v, ks, vs = ragged_kv(kv, hkv, d, d, seed=70)
+    g = torch.Generator().manual_seed(71)
+    masks = [torch.rand(a, c, generator=g) > 0.5 for a, c in zip(qo, kv)]
+    w.plan(indptr(qo), indptr(kv), hq, hkv, d,
+           custom_mask=torch.cat([m.reshape(-1) for m in masks]), q_data_type=D64)
+    assert w._plan.packed_mask is bufs["custom_mask_buf"]
+    assert bufs["mask_indptr_buf"].tolist() == [0, 3, 3 + 5]
+    q = rand(7, hq, d, seed=72)
+    out, lse = w.run(q, k, v, return_lse=True)
+    check(out, lse, *dense_batch(q, qo, ks, vs, masks=masks))
+    with pytest.raises(ValueError, match="custom_mask_buf: holds 40 entries but this plan needs"):
+        w.plan(indptr([4, 3]), indptr([60, 60]), hq, hkv, d,
+               custom_mask=torch.ones(420, dtype=torch.bool), q_data_type=D64)
