@@ -187,3 +187,37 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
         assert ours["status"] == "ok" and ours["rel_err"] < 2e-2 and ours["tflops"] > 0
         assert st[(c.name, "flashinfer_fa2")]["status"] == "unavailable"
     assert "ratio_vs_sdpa_flash" in st[("dense D64 S128 causal", "compiled_attn")]
+
+
+def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
+    """A provider whose output differs from the reference is recorded as failed, untimed; a
+    provider that raises is failed with its error; neither stops the run."""
+    import torch
+
+    from benchmarks import providers, run
+
+    calls = {"n": 0}
+
+    def wrong(case, inps, opts):
+        def fn():
+            calls["n"] += 1
+            return torch.zeros(case.tokens, case.num_qo_heads, case.head_dim)
+        return providers.Runner([fn], lambda o: o)
+
+    def crash(case, inps, opts):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    monkeypatch.setitem(providers.SETUPS, "sdpa_efficient", wrong)
+    monkeypatch.setitem(providers.SETUPS, "flex", crash)
+    out = tmp_path / "w.json"
+    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers",
+                     "sdpa_efficient,flex", "--rep-ms", "1", "--warmup-ms", "1",
+                     "--out", str(out)]) == 0
+    rows = results.load(out)["rows"]
+    assert calls["n"] == len(cases.smoke_cases())  # one check call per case, no timing calls
+    for r in rows:
+        assert r["status"] == "failed" and r["median_ms"] is None and r["tflops"] is None
+        if r["provider"] == "sdpa_efficient":
+            assert "wrong output" in r["error"] and r["rel_err"] == pytest.approx(1.0)
+        else:
+            assert r["error"] == "RuntimeError: kernel exploded"
