@@ -1,0 +1,127 @@
+"""The helper functions (packbits, segment_packbits, page bookkeeping, merge_state(s), ALiBi
+slopes) against numpy / straightforward computations written here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import compiled_attn as fi
+
+from .test_api_prefill import D64, dense, rand, slopes
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 61])
+@pytest.mark.parametrize("bitorder", ["little", "big"])
+def test_packbits_matches_numpy(n, bitorder):
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    got = fi.packbits(x, bitorder=bitorder)
+    want = np.packbits(x.numpy(), bitorder=bitorder)
+    assert got.dtype == torch.uint8 and got.tolist() == want.tolist()
+
+
+def test_packbits_default_bitorder_is_flashinfers_big():
+    x = torch.tensor([1, 0, 0, 0, 0, 0, 0, 0], dtype=torch.bool)
+    assert fi.packbits(x).tolist() == [128]
+    assert fi.packbits(x, bitorder="little").tolist() == [1]
+
+
+def test_segment_packbits_per_segment_bytes():
+    lens = [4, 0, 11, 8, 3]
+    ind = torch.tensor([0] + np.cumsum(lens).tolist(), dtype=torch.int32)
+    x = torch.rand(sum(lens), generator=torch.Generator().manual_seed(1)) > 0.5
+    packed, new_ind = fi.segment_packbits(x, ind, bitorder="little")
+    want, ptr = [], [0]
+    for a, b in zip(ind[:-1].tolist(), ind[1:].tolist()):
+        seg = np.packbits(x[a:b].numpy(), bitorder="little").tolist()
+        want += seg
+        ptr.append(ptr[-1] + len(seg))
+    assert packed.tolist() == want and new_ind.tolist() == ptr
+    assert new_ind.dtype == torch.int32
+    with pytest.raises(ValueError, match=r"indptr: ends at 26 but x.numel\(\) is 25"):
+        fi.segment_packbits(x[:-1], ind)
+    with pytest.raises(ValueError, match="bitorder"):
+        fi.segment_packbits(x, ind, bitorder="middle")
+
+
+def test_get_seq_lens():
+    kv_indptr = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    last = torch.tensor([3, 0, 16], dtype=torch.int32)
+    assert fi.get_seq_lens(kv_indptr, last, 16).tolist() == [19, 0, 48]
+
+
+def test_get_batch_indices_positions():
+    append_indptr = torch.tensor([0, 1, 3, 6, 10], dtype=torch.int32)
+    seq_lens = torch.tensor([5, 5, 5, 5])
+    b, p = fi.get_batch_indices_positions(append_indptr, seq_lens, 12)
+    assert b.tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, -1, -1]
+    assert p.tolist() == [4, 3, 4, 2, 3, 4, 1, 2, 3, 4, 0, 0]
+    assert b.dtype == p.dtype == torch.int32
+    bi, pi = torch.empty(12, dtype=torch.int32), torch.empty(12, dtype=torch.int32)
+    rb, rp = fi.get_batch_indices_positions(append_indptr, seq_lens, 12, bi, pi)
+    assert rb is bi and rp is pi and bi.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("layout,fmt", [("NHD", "5d"), ("HND", "tuple")])
+def test_append_paged_kv_cache(layout, fmt):
+    page, h, d = 4, 2, 3
+    kv_lens, append = [6, 9], [2, 5]  # lengths after the append
+    kv_indptr = torch.tensor([0, 2, 5], dtype=torch.int32)
+    kv_indices = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+    last = torch.tensor([2, 1], dtype=torch.int32)
+    shape = (6, page, h, d) if layout == "NHD" else (6, h, page, d)
+    kc, vc = torch.zeros(shape, dtype=D64), torch.zeros(shape, dtype=D64)
+    cache = torch.stack([kc, vc], 1) if fmt == "5d" else (kc, vc)
+    ak, av = rand(7, h, d, seed=1), rand(7, h, d, seed=2)
+    app_indptr = torch.tensor([0, 2, 7], dtype=torch.int32)
+    b, p = fi.get_batch_indices_positions(app_indptr, torch.tensor(kv_lens), 8)  # one padding
+    fi.append_paged_kv_cache(torch.cat([ak, ak[:1]]), torch.cat([av, av[:1]]), b, p, cache,
+                             kv_indices, kv_indptr, last, kv_layout=layout)
+    k_all, v_all = (cache[:, 0], cache[:, 1]) if fmt == "5d" else cache
+    if layout == "HND":
+        k_all, v_all = k_all.transpose(1, 2), v_all.transpose(1, 2)
+    t = 0
+    for req in range(2):
+        for j in range(append[req]):
+            pos = kv_lens[req] - append[req] + j
+            pg = int(kv_indices[int(kv_indptr[req]) + pos // page])
+            assert torch.equal(k_all[pg, pos % page], ak[t])
+            assert torch.equal(v_all[pg, pos % page], av[t])
+            t += 1
+    assert int((k_all != 0).any(-1).any(-1).sum()) == 7  # nothing else written
+
+
+def test_merge_state_equals_attention_over_the_union():
+    q, k, v = rand(6, 4, 8, seed=3), rand(20, 4, 8, seed=4), rand(20, 4, 8, seed=5)
+    full_o, full_l = dense(q, k, v)
+    a_o, a_l = dense(q, k[:7], v[:7])
+    b_o, b_l = dense(q, k[7:], v[7:])
+    o, l = fi.merge_state(a_o, a_l, b_o, b_l)
+    torch.testing.assert_close(o, full_o, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(l.to(D64), full_l, atol=1e-5, rtol=1e-6)
+    parts = [dense(q, k[s], v[s]) for s in (slice(0, 3), slice(3, 11), slice(11, 20))]
+    o3, l3 = fi.merge_states(torch.stack([x[0] for x in parts], 1),
+                             torch.stack([x[1] for x in parts], 1))
+    torch.testing.assert_close(o3, full_o, atol=1e-12, rtol=1e-12)
+    assert l3.dtype == torch.float32 and o3.dtype == D64
+
+
+def test_merge_state_empty_rows_give_zero_and_minus_inf():
+    v = rand(3, 2, 4, seed=6)
+    s_inf = torch.full((3, 2), -math.inf)
+    o, l = fi.merge_state(v, s_inf, v * 2, s_inf)
+    assert torch.all(o == 0) and torch.all(l == -math.inf)
+    s = torch.zeros(3, 2)
+    o, l = fi.merge_state(v, s, v * 5, s_inf)  # one side empty: the other side unchanged
+    torch.testing.assert_close(o, v)
+    assert torch.all(l == 0)
+
+
+@pytest.mark.parametrize("h", [1, 7, 8, 12, 32])
+def test_get_alibi_slopes(h):
+    got = fi.get_alibi_slopes(h)
+    assert got.dtype == torch.float32 and got.shape == (h,)
+    torch.testing.assert_close(got.to(D64), slopes(h), atol=0, rtol=1e-7)
