@@ -36,7 +36,9 @@ _RETURN_DOC = """
 
 
 def _plan_dtypes(q_data_type, kv_data_type, data_type, device_type):
-    """FlashInfer's POD dtype arguments (data_type is the deprecated alias of both)."""
+    """FlashInfer's POD dtype arguments: data_type (deprecated) sets both q_data_type and
+    kv_data_type where those are None; q_data_type defaults to float16. (FlashInfer's signature
+    defaults q_data_type to "float16", which makes data_type silently miss q.)"""
     if data_type is not None:
         q_data_type = data_type if q_data_type is None else q_data_type
         kv_data_type = data_type if kv_data_type is None else kv_data_type
@@ -152,8 +154,9 @@ class _PODBase:
             work, packed_p, mask_indptr_p, p["alibi"], p["block_m"], mask_p, window_p, sm_p, 0.0,
             mask_d, window_d, sm_d, 0.0, pos, rope_scale, rope_theta, 1.0, q_p.dtype)
         if v_f != 1.0 or v_t is not None:
-            scale = v_t.to(torch.float32) if v_t is not None else v_f
-            out_d = (out_d.to(torch.float32) * scale).to(out_d.dtype)
+            ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
+            scale = v_t.to(ct) if v_t is not None else v_f
+            out_d = (out_d.to(ct) * scale).to(out_d.dtype)
         if want_lse_p or want_lse_d:
             return (out_p, out_d), (lse_p if want_lse_p else None, lse_d if want_lse_d else None)
         return out_p, out_d
@@ -203,7 +206,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type="float16",
+             pos_encoding_mode: str = "NONE", window_left: int = -1, q_data_type=None,
              kv_data_type=None, data_type=None, sm_scale: float | None = None,
              rope_scale: float | None = None, rope_theta: float | None = None,
              non_blocking: bool = True) -> None:
@@ -379,7 +382,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
              qo_indptr_d: torch.Tensor, kv_indptr_d: torch.Tensor, kv_indices_d: torch.Tensor,
              last_page_len_d: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE",
-             window_left: int = -1, q_data_type="float16", kv_data_type=None, data_type=None,
+             window_left: int = -1, q_data_type=None, kv_data_type=None, data_type=None,
              sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, non_blocking: bool = True) -> None:
         """Plan both batches: for each part x in (p, d), qo_indptr_x ``[B_x+1]`` (query rows per

@@ -57,7 +57,8 @@ def _split_v_scale(v_scale) -> tuple[float, torch.Tensor | None]:
 def _apply_v_scale_tensor(out: torch.Tensor, vt: torch.Tensor | None) -> torch.Tensor:
     if vt is None:
         return out
-    return (out.to(torch.float32) * vt.to(torch.float32)).to(out.dtype)
+    ct = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (out.to(ct) * vt.to(ct)).to(out.dtype)
 
 
 def _common_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_left,

@@ -1,0 +1,128 @@
+"""POD wrappers on CPU against the independent dense float64 oracle of test_api_prefill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import compiled_attn as fi
+
+from .test_api_prefill import D64, WS, check, dense, dense_batch, indptr, make_paged, rand
+
+KV_D = [13, 1, 8, 0]  # decode KV lengths, an empty one included
+
+
+@pytest.mark.parametrize("layout,fmt,hq,hkv,page", [("NHD", "5d", 4, 2, 5),
+                                                    ("HND", "tuple", 7, 1, 1)])
+def test_pod_single_prefill_plus_decode(layout, fmt, hq, hkv, page):
+    d, qo, kv = 8, 9, 14
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, layout=layout, fmt=fmt)
+    w = fi.PODWithPagedKVCacheWrapper(WS, layout)
+    w.plan(kvi, idx, last, hq, hkv, d, page, window_left=6, q_data_type=D64, sm_scale=0.3)
+    q_p, k_p, v_p = rand(qo, hq, d, seed=1), rand(kv, hkv, d, seed=2), rand(kv, hkv, d, seed=3)
+    q_d = rand(len(KV_D), hq, d, seed=4)
+    kk, vv = (k_p, v_p) if layout == "NHD" else (k_p.transpose(0, 1), v_p.transpose(0, 1))
+    (o_p, o_d), (l_p, l_d) = w.run(q_p, kk, vv, q_d, cache, causal_p=True, kv_layout_p=layout,
+                                   window_left_p=4, return_lse_p=True, return_lse_d=True,
+                                   v_scale=2.0, k_scale=0.5)
+    check(o_p, l_p, *dense(q_p, k_p, v_p, causal=True, window_left=4))
+    check(o_d, l_d, *dense_batch(q_d, [1] * len(KV_D), ks, vs, window_left=6, sm_scale=0.15,
+                                 v_scale=2.0))
+    # Without return_lse: the plain pair; with only one LSE asked, the other is None.
+    o_p2, o_d2 = w.run(q_p, kk, vv, q_d, cache, causal_p=True, kv_layout_p=layout,
+                       window_left_p=4, v_scale=2.0, k_scale=0.5)
+    assert torch.equal(o_p2, o_p) and torch.equal(o_d2, o_d)
+    (_, _), (lp, ld) = w.run(q_p, kk, vv, q_d, cache, kv_layout_p=layout, return_lse_d=True)
+    assert lp is None and ld is not None
+
+
+@pytest.mark.parametrize("feature", ["mask", "packed_mask", "alibi", "rope", "decode_overrides"])
+def test_pod_features(feature):
+    hq, hkv, d, page, qo, kv = 4, 2, 8, 4, 6, 10
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=5)
+    q_p, k_p, v_p = rand(qo, hq, d, seed=6), rand(kv, hkv, d, seed=7), rand(kv, hkv, d, seed=8)
+    q_d = rand(len(KV_D), hq, d, seed=9)
+    mask = torch.rand(qo, kv, generator=torch.Generator().manual_seed(10)) > 0.5
+    plan_kw, run_kw, ref_p, ref_d = {}, {}, {}, {}
+    if feature == "mask":
+        run_kw, ref_p = dict(custom_mask_p=mask), dict(mask=mask)
+    elif feature == "packed_mask":
+        run_kw = dict(packed_custom_mask_p=fi.packbits(mask, bitorder="little"))
+        ref_p = dict(mask=mask)
+    elif feature == "alibi":
+        plan_kw, run_kw = dict(pos_encoding_mode="ALIBI"), dict(pos_encoding_mode_p="ALIBI")
+        ref_p = ref_d = dict(alibi=True)
+    elif feature == "rope":
+        plan_kw = dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=100.0)
+        run_kw = dict(pos_encoding_mode_p="ROPE_LLAMA", rope_theta_p=100.0, causal_p=True)
+        ref_p, ref_d = dict(rope=True, rope_theta=100.0, causal=True), dict(rope=True,
+                                                                            rope_theta=100.0)
+    elif feature == "decode_overrides":  # FlashInfer ignores these; here they take effect
+        run_kw = dict(sm_scale_d=0.2, window_left_d=3, causal_d=True, sm_scale_p=0.7)
+        ref_p, ref_d = dict(sm_scale=0.7), dict(sm_scale=0.2, window_left=3)
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64, **plan_kw)
+    (o_p, o_d), (l_p, l_d) = w.run(q_p, k_p, v_p, q_d, cache, return_lse_p=True,
+                                   return_lse_d=True, **run_kw)
+    check(o_p, l_p, *dense(q_p, k_p, v_p, **ref_p))
+    check(o_d, l_d, *dense_batch(q_d, [1] * len(KV_D), ks, vs, **ref_d))
+
+
+def test_pod_cuda_graph_buffers_and_errors():
+    hq, hkv, d, page = 2, 1, 8, 3
+    b = len(KV_D)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(16, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32))
+    w = fi.PODWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=11)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    assert bufs["paged_kv_indices_buffer"][:idx.numel()].tolist() == idx.tolist()
+    q_p, k_p = rand(3, hq, d, seed=12), rand(5, hkv, d, seed=13)
+    q_d = rand(b, hq, d, seed=14)
+    o_p, o_d = w.run(q_p, k_p, k_p, q_d, cache)
+    check(o_p, None, *dense(q_p, k_p, k_p))
+    check(o_d, None, *dense_batch(q_d, [1] * b, ks, vs))
+    with pytest.raises(ValueError, match="kv_len >= qo_len"):
+        w.run(rand(6, hq, d), k_p, k_p, q_d, cache, causal_p=True)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode_p"):
+        w.run(q_p, k_p, k_p, q_d, cache, pos_encoding_mode_p="ALIBI")
+    with pytest.raises(NotImplementedError, match="custom_mask_d"):
+        w.run(q_p, k_p, k_p, q_d, cache, custom_mask_d=torch.ones(b, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="kv_layout_d"):
+        w.run(q_p, k_p, k_p, q_d, cache, kv_layout_d="HND")
+    with pytest.raises(ValueError, match="q_d: shape"):
+        w.run(q_p, k_p, k_p, q_d[:2], cache)
+    with pytest.raises(ValueError, match="custom_mask_p: has 14 entries but the plan needs 15"):
+        w.run(q_p, k_p, k_p, q_d, cache, custom_mask_p=torch.ones(14, dtype=torch.bool))
+
+
+def test_batch_pod():
+    hq, hkv, d, page = 6, 2, 8, 4
+    qo_p, kv_p = [5, 0, 7], [9, 3, 5]  # qo > kv in request 2
+    cache_p, kvi_p, idx_p, last_p, ks_p, vs_p = make_paged(kv_p, hkv, d, d, page, seed=20)
+    cache_d, kvi_d, idx_d, last_d, ks_d, vs_d = make_paged(KV_D, hkv, d, d, page, seed=21,
+                                                           fmt="tuple")
+    q_p, q_d = rand(sum(qo_p), hq, d, seed=22), rand(len(KV_D), hq, d, seed=23)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(qo_p), kvi_p, idx_p, last_p, indptr([1] * len(KV_D)), kvi_d, idx_d, last_d,
+           hq, hkv, d, page, window_left=5, data_type=D64)
+    (o_p, o_d), (l_p, l_d) = w.run(q_p, cache_p, q_d, cache_d, causal_p=True, return_lse=True,
+                                   q_scale=2.0, v_scale=torch.tensor(0.5))
+    check(o_p, l_p, *dense_batch(q_p, qo_p, ks_p, vs_p, causal=True, window_left=5))
+    check(o_d, l_d, *dense_batch(q_d, [1] * len(KV_D), ks_d, vs_d, window_left=5,
+                                 sm_scale=2.0 / math.sqrt(d), v_scale=0.5))
+    # Per-request custom masks (bool and segment-packed) for B > 1.
+    g = torch.Generator().manual_seed(24)
+    masks = [torch.rand(a, b, generator=g) > 0.4 for a, b in zip(qo_p, kv_p)]
+    flat = torch.cat([m.reshape(-1) for m in masks])
+    packed, _ = fi.segment_packbits(flat, indptr([a * b for a, b in zip(qo_p, kv_p)]),
+                                    bitorder="little")
+    ref = dense_batch(q_p, qo_p, ks_p, vs_p, masks=masks, window_left=5)
+    for kw in (dict(custom_mask_p=flat), dict(packed_custom_mask_p=packed)):
+        (o_p, _), (l_p, _) = w.run(q_p, cache_p, q_d, cache_d, return_lse=True, **kw)
+        check(o_p, l_p, *ref)
+    with pytest.raises(ValueError, match="packed_custom_mask_p: has 10 bytes but the plan needs"):
+        w.run(q_p, cache_p, q_d, cache_d, packed_custom_mask_p=fi.packbits(flat, "little"))
