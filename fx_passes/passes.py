@@ -1,0 +1,56 @@
+"""Entry points of the attention rewrite: the Inductor custom pass and the ExportedProgram
+rewrite.
+
+``AttentionRewritePass`` is installed as Inductor's ``joint_custom_pre_pass``: it sees the
+aten graph before Inductor's own pattern passes (so its SDPA-fusion does not rewrite hand-written
+attention first) and, in inference, that graph is the forward graph. Its ``uuid()`` hashes the
+source of every module of the rewrite plus the pass configuration, so Inductor's FX graph cache
+never serves a graph rewritten by other code. Note: on a cache hit the pass does not run, so
+``counters`` only count rewrites made by this process.
+
+``rewrite_exported_program`` rewrites an ExportedProgram's graph in place (its inputs, outputs
+and signature are untouched: only nodes between them change) and returns it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .rewrite import rewrite_graph
+
+_SOURCES = tuple(
+    os.path.join(os.path.dirname(__file__), f)
+    for f in ("__init__.py", "graph_utils.py", "masks.py", "rewrite.py", "passes.py",
+              "patterns.py")
+)
+
+
+class AttentionRewritePass(CustomGraphPass):
+    """Inductor custom graph pass: rewrites attention sites into compiled_attn ops.
+
+    Use as ``torch._inductor.config.joint_custom_pre_pass`` (``compiled_attn.compile`` does
+    this for you) or post_grad_custom_pre_pass. ``enabled=False`` makes it a no-op (with its
+    own uuid), for A/B comparisons.
+    """
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.enabled:
+            rewrite_graph(graph, inductor=True)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_SOURCES, extra=f"enabled={self.enabled}")
+
+
+def rewrite_exported_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrite the attention sites of an ExportedProgram (any IR: training or core ATen) into
+    compiled_attn ops, in place; returns ep. ``counters`` records what happened."""
+    gm = ep.graph_module
+    rewrite_graph(gm.graph)
+    gm.recompile()
+    return ep

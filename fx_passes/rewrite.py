@@ -1,0 +1,660 @@
+"""The attention rewrite: find attention sites in an aten FX graph and replace each with one
+``torch.ops.compiled_attn.single_prefill`` call.
+
+A site is anchored at its last op and read backwards (a hand-written walk rather than
+Inductor's pattern matcher, so that one matcher serves Inductor's joint graph, torch.export's
+training IR and core ATen, on torch 2.11 to 2.13):
+
+- ``sdpa``: any scaled-dot-product-attention op (``aten.scaled_dot_product_attention`` and the
+  backend ops it dispatches to: ``_scaled_dot_product_flash_attention_for_cpu``,
+  ``_scaled_dot_product_flash_attention``, ``_scaled_dot_product_efficient_attention``,
+  ``_scaled_dot_product_cudnn_attention``) with is_causal, a bool or additive mask, scale=,
+  enable_gqa.
+- ``matmul_softmax``: ``matmul(softmax(cap(scale * matmul(q, k^T)) + masks), v)`` with the
+  softmax whole (``softmax``/``_softmax``/``_safe_softmax``) or decomposed (amax, sub, exp,
+  sum, div), float32 upcast and cast back, eval-mode dropout, scale as mul or div, soft cap
+  ``tanh(x / c) * c``, any number of additive masks.
+
+Both then share: k/v un-repeated when they come from repeat_kv (unsqueeze, expand, reshape),
+repeat_interleave on the head axis or an expand of one head (-> GQA on the original k/v);
+masks analysed by ``masks`` (bool -> visible; additive -> proven 0/NEG -> ``m == 0``; head
+invariant; constant masks classified causal / causal+window / none); the replacement is
+``single_prefill(q^T, k^T, v^T)`` on [B, S, H, D] views of the [B, H, S, D] operands.
+
+Invariants: a site is rewritten only when every op between its inputs and its output is
+understood and the replacement computes the same function (up to float rounding, and except
+rows that see no key, which the kernel defines as 0; with finite-NEG additive masks such rows
+are patched to eager's uniform average over all keys). Everything else is left untouched, and
+sites that look like attention (softmax between two matmuls, or an SDPA op) are counted as
+``skipped:<reason>`` in ``counters``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+from torch.fx import Graph, Node
+
+from . import masks as M
+from .graph_utils import (
+    CAST_OPS, COPY_OPS, RESHAPE_OPS, Emitter, aten, arg, dtype, fake_mode_of, is_call,
+    is_noop_dropout, prims, rank, same_shape, same_size, shape, static_int, strip_identity, val,
+)
+
+#: Rewrite statistics: "rewritten", "pattern:<name>", feature keys ("gqa:<how>",
+#: "mask:<kind>", "soft_cap"), and "skipped:<reason>" per attention site left alone.
+counters: collections.Counter = collections.Counter()
+
+
+class Skip(Exception):
+    """An attention site that cannot be rewritten exactly; str(self) is the reason."""
+
+
+SDPA_OPS = {
+    aten.scaled_dot_product_attention.default: "aten",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "flash_cpu",
+    aten._scaled_dot_product_flash_attention.default: "flash",
+    aten._scaled_dot_product_efficient_attention.default: "efficient",
+}
+if hasattr(aten, "_scaled_dot_product_cudnn_attention"):
+    SDPA_OPS[aten._scaled_dot_product_cudnn_attention.default] = "cudnn"
+
+
+@dataclass
+class Site:
+    """What a matched attention site computes: softmax(cap(scale * q k^T) masked) v.
+
+    q, k, v: [B, H, S, D] nodes (k/v possibly already repeated to Hq heads); out: the node
+    whose value is the [B, Hq, Sq, Dvo] result; bool_masks: nodes, True = attend; add_masks:
+    additive-mask nodes (still to be proven 0/NEG); causal_top_left: SDPA's is_causal.
+    """
+
+    pattern: str
+    out: Node
+    q: Node
+    k: Node
+    v: Node
+    scale: float | None = None
+    soft_cap: float = 0.0
+    bool_masks: list = field(default_factory=list)
+    add_masks: list = field(default_factory=list)
+    causal_top_left: bool = False
+    enable_gqa: bool = False
+    drop: list = field(default_factory=list)  # nodes to erase with the site (e.g. asserts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Matching
+# ---------------------------------------------------------------------------------------------
+def _as_4d_operand(n: Node) -> Node | None:
+    """For a bmm operand [B*H, M, K], the 4-D node [B, H, M, K] it was flattened from."""
+    if not is_call(n, *RESHAPE_OPS):
+        return None
+    src = n.args[0]
+    while is_call(src, *COPY_OPS):
+        src = src.args[0]
+    s, so = shape(src), shape(n)
+    if s is None or so is None or len(s) != 4 or len(so) != 3:
+        return None
+    if not (same_size(s[0] * s[1], so[0]) and same_size(s[2], so[1]) and same_size(s[3], so[2])):
+        return None
+    return src
+
+
+def match_matmul(n: Node) -> tuple[Node, Node] | None:
+    """(a, b) when n == a @ b with a, b and n all 4-D; else None."""
+    if is_call(n, aten.matmul.default):
+        a, b = n.args[0], n.args[1]
+        if rank(a) == 4 and rank(b) == 4 and rank(n) == 4:
+            return a, b
+        return None
+    if is_call(n, *RESHAPE_OPS) and rank(n) == 4 and is_call(n.args[0], aten.bmm.default):
+        bmm = n.args[0]
+        a4, b4 = _as_4d_operand(bmm.args[0]), _as_4d_operand(bmm.args[1])
+        if a4 is None or b4 is None:
+            return None
+        s = shape(n)
+        if not (same_size(shape(bmm)[0], s[0] * s[1]) and same_shape(shape(bmm)[1:], s[2:])):
+            return None
+        return a4, b4
+    return None
+
+
+def match_softmax(n: Node) -> Node | None:
+    """The input x when n == softmax(x, dim=-1) (any spelling); else None."""
+    r = rank(n)
+    if r is None:
+        return None
+
+    def last(d):
+        return isinstance(d, int) and d % r == r - 1
+
+    if is_call(n, aten._softmax.default, aten.softmax.int, aten._safe_softmax.default):
+        return n.args[0] if last(n.args[1]) else None
+    # Decomposed: div(exp(x - amax(x, -1, keepdim)), sum(exp(...), -1, keepdim)).
+    if is_call(n, aten.div.Tensor):
+        e, s = n.args
+        if not (is_call(e, aten.exp.default) and is_call(s, aten.sum.dim_IntList)
+                and s.args[0] is e):
+            return None
+        dims = s.args[1]
+        if not (len(dims) == 1 and last(dims[0]) and arg(s, 2, "keepdim", False)):
+            return None
+        sub = e.args[0]
+        if not is_call(sub, aten.sub.Tensor):
+            return None
+        x, mx = sub.args
+        if not (is_call(mx, aten.amax.default) and mx.args[0] is x):
+            return None
+        mdims = mx.args[1]
+        if not (len(mdims) == 1 and last(mdims[0]) and arg(mx, 2, "keepdim", False)):
+            return None
+        return x
+    return None
+
+
+def _number(x) -> float | None:
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, (int, float)):
+        return float(x)
+    return None
+
+
+def _scale_factor(n: Node) -> tuple[Node, float] | None:
+    """(x, c) when n == x * c or x / c (c a Python number)."""
+    if is_call(n, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = n.args
+        if _number(b) is not None and isinstance(a, Node):
+            return a, _number(b)
+        if _number(a) is not None and isinstance(b, Node):
+            return b, _number(a)
+    if is_call(n, aten.div.Tensor, aten.div.Scalar):
+        a, b = n.args
+        if _number(b) is not None and isinstance(a, Node) and _number(b) != 0 \
+                and not n.kwargs.get("rounding_mode"):
+            return a, 1.0 / _number(b)
+    return None
+
+
+def _soft_cap(n: Node) -> tuple[Node, float] | None:
+    """(x, c) when n == tanh(x / c) * c (Gemma2's attn_logit_softcapping)."""
+    sf = _scale_factor(n)
+    if sf is None:
+        return None
+    t, c = sf
+    if not is_call(t, aten.tanh.default):
+        return None
+    inner = _scale_factor(t.args[0])
+    if inner is None or c <= 0 or not math.isclose(inner[1] * c, 1.0, rel_tol=1e-6):
+        return None
+    return inner[0], c
+
+
+def parse_scores(x: Node, full_shape) -> tuple[Node, float, float, list]:
+    """Read the logits fed to softmax back to q @ k^T.
+
+    Accepted order (outermost first): casts and additive masks, then the soft cap, then scale
+    factors, then the matmul. Returns (qk_matmul_node, scale, soft_cap, additive masks).
+    Raises Skip for an op we do not understand on this path.
+    """
+    masks: list = []
+    scale, cap = 1.0, 0.0
+    seen_scale = False  # order (outermost first): casts/masks, soft cap, scales, matmul
+    n = x
+    for _ in range(64):
+        n = strip_identity(n)
+        if match_matmul(n) is not None:
+            return n, scale, cap, masks
+        if is_call(n, aten.add.Tensor) and n.kwargs.get("alpha", 1) == 1:
+            if seen_scale or cap:
+                raise Skip("mask added before the scale or soft cap")
+            a, b = n.args
+            if not (isinstance(a, Node) and isinstance(b, Node)):
+                raise Skip("constant added to the logits")
+            if not same_shape(shape(n), full_shape):
+                raise Skip("additive mask broadcasts the logits to a larger shape")
+            # The logits side is the one leading back to the matmul; the other is the mask.
+            if _leads_to_matmul(a):
+                masks.append(b)
+                n = a
+            elif _leads_to_matmul(b):
+                masks.append(a)
+                n = b
+            else:
+                raise Skip("neither side of a logits add leads to q @ k^T")
+            continue
+        sc = _soft_cap(n)
+        if sc is not None:
+            if seen_scale or cap:
+                raise Skip("scale applied after the soft cap")
+            n, cap = sc
+            continue
+        sf = _scale_factor(n)
+        if sf is not None:
+            n, c = sf
+            scale *= c
+            seen_scale = True
+            continue
+        what = n.target if isinstance(n, Node) else n
+        raise Skip(f"unsupported op {getattr(what, '__name__', what)} between q @ k^T "
+                   "and softmax")
+    raise Skip("logits expression too deep")
+
+
+def _leads_to_matmul(n: Node, depth: int = 0) -> bool:
+    """Cheap test: does n reach a 4-D matmul through ops parse_scores can walk?"""
+    for _ in range(64):
+        n = strip_identity(n)
+        if not isinstance(n, Node):
+            return False
+        if match_matmul(n) is not None:
+            return True
+        sc = _soft_cap(n) or _scale_factor(n)
+        if sc is not None:
+            n = sc[0]
+            continue
+        if is_call(n, aten.add.Tensor) and depth < 8:
+            return any(isinstance(a, Node) and _leads_to_matmul(a, depth + 1) for a in n.args)
+        return False
+    return False
+
+
+def _has_matmul_ancestor(n: Node, depth: int) -> bool:
+    """A 4-D matmul within depth ops above n (through any ops)."""
+    frontier, seen = [n], set()
+    for _ in range(depth + 1):
+        nxt = []
+        for x in frontier:
+            if not isinstance(x, Node) or x in seen:
+                continue
+            seen.add(x)
+            if match_matmul(x) is not None:
+                return True
+            nxt.extend(x.all_input_nodes)
+        frontier = nxt
+    return False
+
+
+def match_matmul_softmax(n: Node) -> Site | None:
+    """A matmul(softmax(...), v) site anchored at n, or None if n is not such a matmul."""
+    mm = match_matmul(n)
+    if mm is None:
+        return None
+    p, v = mm
+    p0 = strip_identity(p)
+    x = match_softmax(p0)
+    if x is None:
+        return None
+    xs = strip_identity(x)
+    try:
+        qk, scale, cap, add_masks = parse_scores(xs, shape(p0))
+    except Skip:
+        if _has_matmul_ancestor(xs, 8):
+            raise  # softmax(f(q @ k^T)) @ v with an f we do not understand: counted as skipped
+        return None  # softmax of something that is not q @ k^T: not attention
+    q, kt = match_matmul(qk)
+    return Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
+                soft_cap=cap, add_masks=add_masks)
+
+
+def _untranspose(kt: Node):
+    """k when kt == k.transpose(-2, -1) is visible in the graph; else ("T", kt) to be
+    transposed by the emitter."""
+    n = strip_identity(kt, allow_casts=False)
+    if is_call(n, aten.transpose.int) and sorted(d % 4 for d in n.args[1:3]) == [2, 3]:
+        return n.args[0]
+    if is_call(n, aten.permute.default) and list(n.args[1]) in ([0, 1, 3, 2],):
+        return n.args[0]
+    if is_call(n, aten.t.default):
+        return n.args[0]
+    return ("T", kt)
+
+
+def match_sdpa(n: Node) -> Site | None:
+    """An SDPA-family site anchored at n (the op itself; tuple ops are read via getitem 0)."""
+    kind = SDPA_OPS.get(n.target) if n.op == "call_function" else None
+    if kind is None:
+        return None
+    q, k, v = n.args[:3]
+    if kind == "aten":
+        mask = arg(n, 3, "attn_mask")
+        dropout = arg(n, 4, "dropout_p", 0.0)
+        causal = arg(n, 5, "is_causal", False)
+        scale = n.kwargs.get("scale", n.args[6] if len(n.args) > 6 else None)
+        gqa = n.kwargs.get("enable_gqa", n.args[7] if len(n.args) > 7 else False)
+        out = n
+    else:
+        if kind == "flash_cpu":
+            dropout, causal = arg(n, 3, "dropout_p", 0.0), arg(n, 4, "is_causal", False)
+            mask = n.kwargs.get("attn_mask")
+        elif kind == "flash":
+            dropout, causal = arg(n, 3, "dropout_p", 0.0), arg(n, 4, "is_causal", False)
+            mask = None
+        elif kind == "efficient":
+            mask = arg(n, 3, "attn_bias")
+            dropout, causal = arg(n, 5, "dropout_p", 0.0), arg(n, 6, "is_causal", False)
+        else:  # cudnn
+            mask = arg(n, 3, "attn_bias")
+            dropout, causal = arg(n, 5, "dropout_p", 0.0), arg(n, 6, "is_causal", False)
+        scale = n.kwargs.get("scale")
+        gqa = False
+        users = list(n.users)
+        outs = [u for u in users if is_call(u, operator.getitem) and u.args[1] == 0]
+        others = [u for u in users if u not in outs]
+        if len(outs) != 1:
+            raise Skip("SDPA output not read exactly once")
+        if others:
+            raise Skip("SDPA's logsumexp/debug outputs are used")
+        out = outs[0]
+    if not (dropout == 0 or dropout == 0.0):
+        raise Skip("SDPA with dropout_p > 0")
+    if not isinstance(causal, bool):
+        raise Skip("is_causal is not a constant bool")
+    if scale is not None and _number(scale) is None:
+        raise Skip("SDPA scale is not a constant")
+    site = Site(pattern="sdpa", out=out, q=q, k=k, v=v,
+                scale=None if scale is None else float(scale),
+                causal_top_left=causal, enable_gqa=bool(gqa))
+    if mask is not None:
+        if dtype(mask) == torch.bool:
+            site.bool_masks.append(mask)
+        else:
+            site.add_masks.append(mask)
+    return site
+
+
+# ---------------------------------------------------------------------------------------------
+# GQA: un-repeat k/v
+# ---------------------------------------------------------------------------------------------
+def unrepeat(n: Node) -> tuple[Node, int, str | None]:
+    """(src, n_rep, how) with n == src's heads each repeated n_rep times consecutively (head h
+    reads src head h // n_rep, as single_prefill does for GQA); (n, 1, None) if no repeat."""
+    x = strip_identity(n, allow_casts=False)
+    s = shape(x)
+    if s is None or len(s) != 4:
+        return n, 1, None
+    # repeat_kv: reshape(expand(unsqueeze(src, 2), [B, Hkv, r, S, D]), [B, Hkv*r, S, D])
+    if is_call(x, *RESHAPE_OPS):
+        e = x.args[0]
+        while is_call(e, *COPY_OPS):
+            e = e.args[0]
+        if is_call(e, aten.expand.default) and rank(e) == 5:
+            u = strip_identity(e.args[0], allow_casts=False)
+            es = shape(e)
+            if is_call(u, aten.unsqueeze.default) and u.args[1] % 5 == 2:
+                src = u.args[0]
+                ss = shape(src)
+                r = static_int(es[2])
+                if (ss is not None and len(ss) == 4 and r is not None and same_size(ss[0], es[0])
+                        and same_size(ss[1], es[1]) and same_shape(ss[2:], es[3:])
+                        and same_shape(s, (es[0], es[1] * es[2], es[3], es[4]))):
+                    return src, r, "repeat_kv"
+    if is_call(x, aten.repeat_interleave.self_int):
+        src, r = x.args[0], x.args[1]
+        dim = arg(x, 2, "dim")
+        if isinstance(r, int) and dim is not None and dim % 4 == 1 \
+                and arg(x, 3, "output_size") in (None, shape(x)[1]):
+            return src, r, "repeat_interleave"
+    if is_call(x, aten.expand.default):
+        src = x.args[0]
+        ss = shape(src)
+        if ss is not None and len(ss) == 4 and static_int(ss[1]) == 1 \
+                and same_shape(ss[:1] + ss[2:], s[:1] + s[2:]):
+            r = static_int(s[1])
+            if r is not None and r > 1:
+                return src, r, "expand"
+    return n, 1, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewriting
+# ---------------------------------------------------------------------------------------------
+def _pack_bits(em: Emitter, mask3: Node) -> Node:
+    """uint8 little-endian bits of a bool [B, Sq, Skv] node, flattened row-major (the packed
+    custom-mask format of single_prefill). Traceable without reading sizes: pad 7 zero bits,
+    take non-overlapping windows of 8 (ceil(n / 8) of them), weight by 2^bit and sum."""
+    dev = val(mask3).device
+    flat = em(aten.view.default, em(aten.clone.default, mask3,
+                                    memory_format=torch.contiguous_format), [-1])
+    bits = em.cast(flat, torch.int32)
+    bits = em(aten.constant_pad_nd.default, bits, [0, 7], 0.0)
+    win = em(aten.unfold.default, bits, 0, 8, 8)  # [ceil(n/8), 8]
+    weights = em(aten.pow.Scalar, 2, em.arange(8, torch.int32, dev))
+    byte = em(aten.sum.dim_IntList, em(aten.mul.Tensor, win, weights), [1])
+    return em.cast(byte, torch.uint8)
+
+
+def _bool_of(em: Emitter, m: Node, additive: bool) -> Node:
+    """The visibility mask of one mask node, with its head axis reduced to size 1."""
+    b = em(aten.eq.Scalar, m, 0) if additive else m
+    hd = M.head_axis(b)
+    if hd is not None and static_int(shape(b)[hd]) != 1:
+        # head_invariant proved every head index holds the same values: keep index 0.
+        b = em(aten.slice.Tensor, b, hd, 0, 1)
+    return b
+
+
+def _to_b_sq_skv(c: torch.Tensor) -> torch.Tensor:
+    """A concrete head-invariant mask aligned to [B, H, Sq, Skv] from the right -> [b, Sq, Skv]."""
+    if c.dim() == 4:
+        c = c[:, 0]
+    elif c.dim() == 3:
+        c = c[0]
+    while c.dim() < 3:
+        c = c.unsqueeze(0)
+    return c
+
+
+def _transpose_last2(em: Emitter, x):
+    if isinstance(x, tuple):
+        return em(aten.permute.default, x[1], [0, 1, 3, 2])
+    return x
+
+
+def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
+    """Replace one matched site. Returns the mask kind used; raises Skip before any change."""
+    from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
+
+    q, v = strip_identity(site.q, allow_casts=False), strip_identity(site.v, allow_casts=False)
+    k_in = site.k if isinstance(site.k, tuple) else strip_identity(site.k, allow_casts=False)
+    qs, vs = shape(q), shape(v)
+    if qs is None or vs is None or len(qs) != 4 or len(vs) != 4:
+        raise Skip("q/v are not 4-D [B, H, S, D]")
+    k_shape = shape(k_in[1])[:2] + (shape(k_in[1])[3], shape(k_in[1])[2]) \
+        if isinstance(k_in, tuple) else shape(k_in)
+    if k_shape is None or len(k_shape) != 4:
+        raise Skip("k is not 4-D")
+    bsz, hq, sq, dqk = qs
+    skv = k_shape[2]
+    if not (same_size(k_shape[0], bsz) and same_size(vs[0], bsz) and same_size(vs[2], skv)
+            and same_size(k_shape[3], dqk)):
+        raise Skip("q/k/v batch or length mismatch (broadcast batch)")
+    if dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise Skip(f"q dtype {dtype(q)}")
+    out_dtype = dtype(site.out)
+
+    # GQA: the kernel maps query head h to kv head h // (Hq / Hkv).
+    gqa_how = None
+    k_src, v_src = k_in, v
+    if site.enable_gqa:
+        hkv = static_int(k_shape[1])
+        if hkv is None or static_int(hq) is None or static_int(hq) % hkv:
+            raise Skip("enable_gqa with heads that do not divide")
+        gqa_how = "enable_gqa" if hkv != static_int(hq) else None
+    elif not same_size(k_shape[1], hq) or not same_size(vs[1], hq):
+        raise Skip("k/v heads differ from q heads without enable_gqa (broadcast heads)")
+    elif not isinstance(k_in, tuple):
+        ks, kr, khow = unrepeat(k_in)
+        vsrc, vr, _ = unrepeat(v)
+        if kr == vr and kr > 1:
+            k_src, v_src, gqa_how = ks, vsrc, khow
+
+    # Scale: SDPA default 1/sqrt(Dqk).
+    scale = site.scale
+    if scale is None:
+        d = static_int(dqk)
+        if d is None:
+            raise Skip("symbolic head dim with the default scale")
+        scale = 1.0 / math.sqrt(d)
+
+    # Masks -> (mask_mode, window_left, bool mask nodes).
+    finite_neg = False
+    for m in site.add_masks:
+        try:
+            finite_neg |= M.zero_or_neg(m)
+        except M.NotProven as e:
+            raise Skip(f"additive bias: {e}") from None
+    for m in site.bool_masks + site.add_masks:
+        if isinstance(m, Node) and not M.head_invariant(m):
+            raise Skip("head-dependent mask")
+        mr = rank(m)
+        if mr is None or mr > 4:
+            raise Skip("mask rank > 4")
+
+    sq_i, skv_i = static_int(sq), static_int(skv)
+    mask_mode, window_left, kind = MASK_NONE, -1, "none"
+    need_mask = bool(site.bool_masks or site.add_masks)
+    top_left = False
+    if site.causal_top_left:
+        if same_size(sq, skv):  # top-left == bottom-right alignment
+            mask_mode, kind = MASK_CAUSAL, "causal"
+        else:
+            need_mask = top_left = True  # built as a custom mask below
+    if need_mask and not top_left and sq_i is not None and skv_i is not None:
+        # Constant masks (no input feeds them, static shapes) are classified at compile time.
+        visible = None
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the pass may run inside Inductor's fake mode
+            for m, additive in [(m, False) for m in site.bool_masks] + \
+                    [(m, True) for m in site.add_masks]:
+                c = M.evaluate(m)
+                if c is None:
+                    visible = None
+                    break
+                c = _to_b_sq_skv((c == 0) if additive else c.to(torch.bool))
+                visible = c if visible is None else (visible & c)
+            cls, w = M.classify(visible, sq_i, skv_i) if visible is not None else ("", -1)
+        if visible is not None:
+            if cls == "none":
+                need_mask, kind = False, "none"
+            elif cls == "causal":
+                need_mask, mask_mode, window_left = False, MASK_CAUSAL, w
+                kind = "causal" if w < 0 else "causal_window"
+
+    em = Emitter(graph, site.out, fake_mode, inductor)
+    packed = None
+    mask3 = None
+    if need_mask:
+        mask_mode, kind = MASK_CUSTOM, "custom"
+        parts = [_bool_of(em, m, False) for m in site.bool_masks] + \
+                [_bool_of(em, m, True) for m in site.add_masks]
+        if top_left:
+            dev = val(q).device
+            i = em.arange(em.size(q, 2), torch.int64, dev)
+            j = em.arange(em.size(v, 2), torch.int64, dev)
+            parts.append(em(aten.le.Tensor, em(aten.unsqueeze.default, j, 0),
+                            em(aten.unsqueeze.default, i, 1)))
+        b = parts[0]
+        for p in parts[1:]:
+            b = em(aten.bitwise_and.Tensor, b, p)
+        # [.., 1, Sq?, Skv?] (head axis already of size 1) -> [b?, Sq?, Skv?] -> [B, Sq, Skv]
+        if rank(b) == 4:
+            b = em(aten.select.int, b, 1, 0)
+        elif rank(b) == 3:
+            b = em(aten.select.int, b, 0, 0)
+        while rank(b) < 3:
+            b = em(aten.unsqueeze.default, b, 0)
+        mask3 = em(aten.expand.default, b, [em.size(q, 0), em.size(q, 2), em.size(v, 2)])
+        packed = _pack_bits(em, mask3)
+
+    qt = em(aten.permute.default, q, [0, 2, 1, 3])
+    kk = _transpose_last2(em, k_src)
+    kt = em(aten.permute.default, kk, [0, 2, 1, 3])
+    vt = em(aten.permute.default, v_src, [0, 2, 1, 3])
+    from compiled_attn.ops import contracts
+
+    res = em.call_op(contracts.single_prefill, qt, kt, vt, packed, None, None,
+             mask_mode, window_left, 0, float(scale), float(site.soft_cap), 0, 1.0, 1e4, 1.0,
+             out_dtype)
+    out = em(aten.permute.default, em.getitem(res, 0), [0, 2, 1, 3])  # [B, Hq, Sq, Dvo]
+    if mask3 is not None and finite_neg:
+        # Eager softmax over a row whose keys all carry a finite NEG (float32/bf16 min swallows
+        # any logit) gives uniform weights: the mean of v over all keys, not the kernel's 0.
+        seen = em(aten.any.dim, mask3, -1)  # [B, Sq]
+        seen = em(aten.unsqueeze.default, em(aten.unsqueeze.default, seen, 1), 3)
+        mean_v = em(aten.mean.dim, v, [2], True)  # [B, Hq, 1, Dvo] on the repeated v
+        mean_v = em.cast(mean_v, out_dtype)
+        out = em(aten.where.self, seen, out, mean_v)
+    ov = val(site.out)
+    if tuple(val(out).stride()) != tuple(ov.stride()) and ov.is_contiguous():
+        out = em(aten.clone.default, out, memory_format=torch.contiguous_format)
+    site.out.replace_all_uses_with(out)
+    counters[f"gqa:{gqa_how}"] += gqa_how is not None
+    if site.soft_cap:
+        counters["soft_cap"] += 1
+    return kind
+
+
+def _erase_dead(graph: Graph) -> None:
+    """DCE that also drops metadata asserts (export IR) hanging off dead nodes."""
+    assert_ops = {aten._assert_tensor_metadata.default} if hasattr(
+        aten, "_assert_tensor_metadata") else set()
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(graph.nodes)):
+            if n.op != "call_function" or n.users:
+                continue
+            if n.target in assert_ops:
+                src = n.args[0]
+                if isinstance(src, Node) and len(src.users) == 1:
+                    graph.erase_node(n)
+                    changed = True
+                continue
+            if n.is_impure() if hasattr(n, "is_impure") else False:
+                continue
+            graph.erase_node(n)
+            changed = True
+
+
+def _is_training_graph(graph: Graph) -> bool:
+    return any(n.op == "placeholder" and "tangents" in str(n.target) for n in graph.nodes)
+
+
+def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
+    """Rewrite every attention site of an aten graph in place. Returns the number rewritten.
+
+    inductor: the graph is Inductor's (post-decomposition; emit only directly-lowered ops)."""
+    if _is_training_graph(graph):
+        n_sites = sum(1 for n in graph.nodes if n.op == "call_function"
+                      and (n.target in SDPA_OPS))
+        if n_sites:
+            counters["skipped:training graph (ops are inference-only)"] += n_sites
+        return 0
+    fake_mode = fake_mode_of(graph)
+    done = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.graph is not graph:
+            continue
+        try:
+            site = match_sdpa(n) or match_matmul_softmax(n)
+            if site is None:
+                continue
+            kind = rewrite_site(graph, site, fake_mode, inductor)
+        except Skip as e:
+            counters[f"skipped:{e}"] += 1
+            continue
+        counters["rewritten"] += 1
+        counters[f"pattern:{site.pattern}"] += 1
+        counters[f"mask:{kind}"] += 1
+        done += 1
+    if done:
+        _erase_dead(graph)
+        graph.lint()
+    return done
