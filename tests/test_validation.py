@@ -1,0 +1,222 @@
+"""Bad inputs: each raises the right error type with a message that names the argument and
+says how to fix it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compiled_attn as fi
+from compiled_attn import _validate as V
+
+from .test_api_prefill import D64, WS, indptr, make_paged, rand
+
+QO, KV, PAGE, HQ, HKV, D = [3, 4], [5, 9], 4, 4, 2, 8
+
+
+@pytest.fixture()
+def paged():
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, PAGE, spare_pages=0)
+    return cache, kvi, idx, last
+
+
+def plan_paged(paged, **kw):
+    cache, kvi, idx, last = paged
+    args = dict(qo_indptr=indptr(QO), paged_kv_indptr=kvi, paged_kv_indices=idx,
+                paged_kv_last_page_len=last, num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=D,
+                page_size=PAGE, q_data_type=D64)
+    args.update(kw)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(**args)
+    return w
+
+
+PLAN_ERRORS = [
+    (dict(qo_indptr=torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError,
+     r"qo_indptr: must start at 0; got qo_indptr\[0\] = 1"),
+    (dict(qo_indptr=torch.tensor([0, 5, 3], dtype=torch.int32)), ValueError,
+     r"qo_indptr: must be non-decreasing; qo_indptr\[2\] = 3 < qo_indptr\[1\] = 5"),
+    (dict(qo_indptr=torch.tensor([0.0, 3.0, 7.0])), TypeError, "qo_indptr: expected an integer"),
+    (dict(paged_kv_indptr=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
+     r"paged_kv_indptr: has 2 entries but batch_size \+ 1 = 3"),
+    (dict(paged_kv_indices=torch.tensor([0, 1, 2, 3], dtype=torch.int32)), ValueError,
+     r"paged_kv_indptr: ends at 5 but paged_kv_indices.numel\(\) is 4"),
+    (dict(paged_kv_indices=torch.tensor([0, 1, -2, 3, 4], dtype=torch.int32)), ValueError,
+     "paged_kv_indices: entry 2 is -2; page indices must be >= 0"),
+    (dict(paged_kv_last_page_len=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
+     r"paged_kv_last_page_len: entry 0 is 0 but must be in \[1, page_size\] with page_size = 4"),
+    (dict(paged_kv_last_page_len=torch.tensor([1, 5], dtype=torch.int32)), ValueError,
+     r"paged_kv_last_page_len: entry 1 is 5"),
+    (dict(paged_kv_last_page_len=torch.tensor([1, 1, 1], dtype=torch.int32)), ValueError,
+     r"paged_kv_last_page_len: expected shape \(2,\)"),
+    (dict(page_size=0), ValueError, "page_size: got 0"),
+    (dict(num_qo_heads=6, num_kv_heads=4), ValueError,
+     "num_qo_heads = 6 is not a multiple of num_kv_heads = 4"),
+    (dict(window_left=-2), ValueError, "window_left: got -2"),
+    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap: got -1.0"),
+    (dict(pos_encoding_mode="ROPE"), ValueError, "pos_encoding_mode: got 'ROPE'; use one of"),
+    (dict(pos_encoding_mode="ROPE_LLAMA", head_dim_qk=7), ValueError, "even head_dim_qk"),
+    (dict(rope_theta=0.0), ValueError, "rope_theta: got 0.0"),
+    (dict(custom_mask=torch.ones(3 * 5 + 4 * 9 - 1, dtype=torch.bool)), ValueError,
+     "custom_mask: has 50 entries but the plan needs 51"),
+    (dict(custom_mask=torch.ones(51, dtype=torch.uint8)), TypeError,
+     "custom_mask: expected dtype torch.bool"),
+    (dict(packed_custom_mask=torch.zeros(8, dtype=torch.uint8)), ValueError,
+     r"packed_custom_mask: has 8 bytes but the plan needs 7 .*segment_packbits"),
+    (dict(seq_lens=torch.tensor([5, 8])), ValueError, r"seq_lens: \[5, 8\] disagrees"),
+    (dict(max_sequence_kv=8), ValueError, "max_sequence_kv = 8 is below"),
+    (dict(fixed_split_size=16), NotImplementedError, "fixed_split_size: compiled_attn never"),
+    (dict(prefix_len_ptr=torch.zeros(2)), NotImplementedError, "prefix_len_ptr: multi-item"),
+    (dict(block_tables=torch.zeros(2, 3)), NotImplementedError, "block_tables"),
+    (dict(q_data_type=torch.float8_e4m3fn), NotImplementedError, "q_data_type: .*fp8"),
+    (dict(q_data_type="float99"), TypeError, "q_data_type: got 'float99'"),
+    (dict(kv_data_type=torch.float32), TypeError, "kv_data_type torch.float32 differs"),
+    (dict(o_data_type=torch.int8), TypeError, "o_data_type: got torch.int8"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,match", PLAN_ERRORS,
+                         ids=[f"{i}-{next(iter(c[0]))}" for i, c in enumerate(PLAN_ERRORS)])
+def test_paged_plan_errors(paged, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        plan_paged(paged, **kw)
+
+
+def test_paged_run_errors(paged):
+    cache = paged[0]
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    q = rand(sum(QO), HQ, D)
+    with pytest.raises(RuntimeError, match=r"run\(\) before plan\(\)"):
+        w.run(q, cache)
+    w = plan_paged(paged)
+    cases = [
+        (lambda: w.run(q[:-1], cache), ValueError, r"q: shape \(6, 4, 8\) does not match"),
+        (lambda: w.run(q.float(), cache), TypeError, "q_data_type=torch.float32 to plan"),
+        (lambda: w.run(q, cache[:4]), ValueError,
+         r"paged_kv_indices: entry \d+ is 4 but paged_kv_cache has only 4 pages \(valid 0..3\)"),
+        (lambda: w.run(q, cache[:, :, :2]), ValueError, r"do not match the plan: \[P, 4, 2, 8\]"),
+        (lambda: w.run(q, cache.float()), TypeError, "kv_data_type=torch.float32 to plan"),
+        (lambda: w.run(q, cache[:, 0]), ValueError, "paged_kv_cache: expected a 5-D tensor"),
+        (lambda: w.run(q, (cache[:, 0],)), ValueError, r"must be \(k_cache, v_cache\)"),
+        (lambda: w.run(q, cache, out=torch.empty(7, 4, 8)), TypeError,
+         "out: expected dtype torch.float64"),
+        (lambda: w.run(q, cache, out=torch.empty(7, 4, 7, dtype=D64)), ValueError,
+         r"out: expected shape \(7, 4, 8\)"),
+        (lambda: w.run(q, cache, lse=torch.empty(7, 3)), ValueError, r"lse: expected shape"),
+        (lambda: w.run(q, cache, sinks=torch.zeros(3)), ValueError, r"sinks: expected shape \(4,\)"),
+        (lambda: w.run(q, cache, enable_pdl=True), NotImplementedError, "enable_pdl"),
+        (lambda: w.run(q, cache, skip_softmax_threshold_scale_factor=1.0), NotImplementedError,
+         "skip_softmax"),
+        (lambda: w.run(q, cache, use_fp16_softmax=True), NotImplementedError, "use_fp16_softmax"),
+        (lambda: w.run(q, cache, torch.ones(1)), NotImplementedError, r"\*args"),
+        (lambda: w.run(q, cache, kv_cache_sf=cache), NotImplementedError, "NVFP4"),
+        (lambda: w.run(q, cache, k_scale=torch.tensor(1.0, device="meta")), NotImplementedError,
+         r"k_scale: got a meta tensor.*pass float\(k_scale\)"),
+        (lambda: w.run(q, cache, v_scale=torch.ones(2, device="meta")), NotImplementedError,
+         "v_scale: got a tensor of shape"),
+        (lambda: w.run(q, cache, window_left=-3), ValueError, "window_left: got -3"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+
+
+def test_ragged_errors():
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "HND")
+    with pytest.raises(ValueError, match=r"kv_indptr: has 2 entries but batch_size \+ 1 = 3"):
+        w.plan(indptr(QO), torch.tensor([0, 5]), HQ, HKV, D)
+    with pytest.raises(NotImplementedError, match="v_indptr: separate value"):
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, v_indptr=indptr([2, 12]))
+    w.plan(indptr(QO), indptr(KV), HQ, HKV, D, q_data_type=D64, v_indptr=indptr(KV))
+    q, k = rand(7, HQ, D), rand(HKV, 14, D)
+    with pytest.raises(ValueError, match=r"k / v: shapes \(2, 13, 8\) / \(2, 14, 8\)"):
+        w.run(q, k[:, :13], k)
+    with pytest.raises(ValueError, match="k: expected a 3-D tensor"):
+        w.run(q, k[0], k)
+    with pytest.raises(NotImplementedError, match="o_scale"):
+        w.run(q, k, k, o_scale=2.0)
+    w.run(q, k, k, o_scale=1.0)  # the identity is accepted
+
+
+def test_constructor_errors():
+    with pytest.raises(ValueError, match="kv_layout: got 'NDH'"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NDH")
+    with pytest.raises(NotImplementedError, match="trtllm_fmha_v2_prefill"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(WS, backend="trtllm-gen")
+    with pytest.raises(ValueError, match="backend: got 'fast'"):
+        fi.BatchPrefillWithRaggedKVCacheWrapper(WS, backend="fast")
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        fi.BatchPrefillWithRaggedKVCacheWrapper(WS, jit_args=["x"])
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(ValueError, match="paged_kv_indices_buf: use_cuda_graph=True needs"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(
+            WS, "NHD", True, torch.zeros(3, **i32), torch.zeros(3, **i32), None,
+            torch.zeros(2, **i32))
+    with pytest.raises(ValueError, match="paged_kv_last_page_len_buf: has 3 entries;.* it needs 2"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(
+            WS, "NHD", True, torch.zeros(3, **i32), torch.zeros(3, **i32),
+            torch.zeros(8, **i32), torch.zeros(3, **i32))
+    with pytest.raises(TypeError, match="kv_indptr_buf: expected dtype torch.int32"):
+        fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD", True, torch.zeros(3, **i32),
+                                                torch.zeros(3))
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD", True, torch.zeros(3, **i32),
+                                                torch.zeros(3, **i32))
+    with pytest.raises(ValueError, match="custom_mask_buf: the plan uses a custom mask"):
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, q_data_type=D64,
+               custom_mask=torch.ones(51, dtype=torch.bool))
+
+
+def test_single_prefill_errors():
+    q, k = rand(3, 4, 8), rand(5, 2, 8)
+    cases = [
+        (lambda: fi.single_prefill_with_kv_cache(q, rand(5, 2, 6), k), ValueError,
+         "k: head dim 6 differs from q's 8"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k, rand(4, 2, 8)), ValueError,
+         r"v: shape \(4, 2, 8\) does not match k's"),
+        (lambda: fi.single_prefill_with_kv_cache(q, rand(5, 3, 8), rand(5, 3, 8)), ValueError,
+         "is not a multiple of"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k.float(), k.float()), TypeError,
+         "k.dtype torch.float32 differs from q.dtype torch.float64"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k, k.float()), TypeError,
+         "v.dtype torch.float32 differs from k.dtype"),
+        (lambda: fi.single_prefill_with_kv_cache(q[0], k, k), ValueError,
+         r"q: expected a 3-D tensor \[qo_len, Hq, D_qk\]"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k, k, kv_layout="HND"), ValueError,
+         "is not a multiple of"),  # HND reading of an NHD tensor: 5 heads vs 4
+        (lambda: fi.single_prefill_with_kv_cache(q, k, k, custom_mask=torch.ones(3, 4) > 0),
+         ValueError, "custom_mask: has 12 entries but the plan needs 15"),
+        (lambda: fi.single_prefill_with_kv_cache(
+            q, k, k, packed_custom_mask=torch.zeros(3, dtype=torch.uint8)), ValueError,
+         "packed_custom_mask: has 3 bytes but the plan needs 2"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k, k, o_dtype="int32"), TypeError,
+         "o_dtype: got torch.int32"),
+        (lambda: fi.single_prefill_with_kv_cache(q, k, k, sm_scale=float("nan")), ValueError,
+         "sm_scale: got nan"),
+    ]
+    for fn, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn()
+
+
+def test_cuda_head_dims_and_dtypes_rules():
+    for ok in [(64, 64), (128, 128), (256, 256), (192, 128)]:
+        V.check_head_dims(*ok, "cuda")
+    with pytest.raises(ValueError, match=r"\(head_dim_qk, head_dim_vo\) = \(96, 96\) has no CUDA"):
+        V.check_head_dims(96, 96, "cuda")
+    V.check_head_dims(96, 40, "cpu")  # any head dim on CPU
+    with pytest.raises(TypeError, match="q: got torch.float64; on cuda use one of"):
+        V.check_q_dtype("q", torch.float64, "cuda")
+
+
+def test_pod_plan_errors():
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, PAGE)
+    with pytest.raises(ValueError, match=r"last_page_len_d: expected shape \(2,\)"):
+        w.plan(indptr(QO), kvi, idx, last, indptr([1, 1]), kvi, idx, last[:1], HQ, HKV, D, PAGE)
+    with pytest.raises(ValueError, match=r"kv_indptr_p: has 3 entries but batch_size \+ 1 = 2"):
+        w.plan(indptr([3]), kvi, idx, last, indptr([1, 1]), kvi, idx, last, HQ, HKV, D, PAGE)
+    p = fi.PODWithPagedKVCacheWrapper(WS)
+    with pytest.raises(NotImplementedError, match="jit_args"):
+        fi.PODWithPagedKVCacheWrapper(WS, jit_args=[1])
+    with pytest.raises(ValueError, match="head_dim"):
+        p.plan(kvi, idx, last, HQ, HKV, 0, PAGE)
