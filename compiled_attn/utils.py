@@ -284,7 +284,7 @@ def _paged_kv_views(paged_kv_cache, kv_layout: str, name: str
                     f"(kv_layout={kv_layout!r}); got "
                     f"{tuple(t.shape) if torch.is_tensor(t) else type(t).__name__}")
             if t.dim() == 3:
-                t = t.unsqueeze(1)  # page size 1: [P, 1, H, D] in both layouts
+                t = t.unsqueeze(2 if hnd else 1)  # page size 1: the page axis is re-inserted
             out.append(t.transpose(1, 2) if hnd else t)
         return out[0], out[1]
     if not torch.is_tensor(paged_kv_cache):
@@ -292,7 +292,7 @@ def _paged_kv_views(paged_kv_cache, kv_layout: str, name: str
                         f"{type(paged_kv_cache).__name__}")
     t = paged_kv_cache
     if t.dim() == 4:
-        t = t.unsqueeze(2)  # page size 1: [P, 2, 1, H, D]
+        t = t.unsqueeze(3 if hnd else 2)  # page size 1: the page axis is re-inserted
     if t.dim() != 5 or t.shape[1] != 2:
         raise ValueError(
             f"{name}: expected a 5-D tensor "

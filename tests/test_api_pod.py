@@ -126,3 +126,20 @@ def test_batch_pod():
         check(o_p, l_p, *ref)
     with pytest.raises(ValueError, match="packed_custom_mask_p: has 10 bytes but the plan needs"):
         w.run(q_p, cache_p, q_d, cache_d, packed_custom_mask_p=fi.packbits(flat, "little"))
+
+
+def test_pod_run_traces_fullgraph():
+    """The one-page prefill cache, its page table and the work list are built with device ops
+    from shapes: dynamo traces run() as one graph."""
+    hq, hkv, d, page = 4, 2, 8, 4
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=90)
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    f = torch.compile(lambda qp, kp, qd, c: w.run(qp, kp, kp, qd, c, causal_p=True,
+                                                  return_lse_p=True),
+                      fullgraph=True, backend="eager")
+    q_p, k_p, q_d = rand(3, hq, d, seed=91), rand(5, hkv, d, seed=92), rand(len(KV_D), hq, d)
+    (o_p, o_d), (l_p, l_d) = f(q_p, k_p, q_d, cache)
+    check(o_p, l_p, *dense(q_p, k_p, k_p, causal=True))
+    assert l_d is None
+    check(o_d, None, *dense_batch(q_d, [1] * len(KV_D), ks, vs))

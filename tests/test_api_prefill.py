@@ -465,3 +465,37 @@ def test_ragged_cuda_graph_buffers_path_with_mask():
     with pytest.raises(ValueError, match="custom_mask_buf: holds 40 entries but this plan needs"):
         w.plan(indptr([4, 3]), indptr([60, 60]), hq, hkv, d,
                custom_mask=torch.ones(420, dtype=torch.bool), q_data_type=D64)
+
+
+def test_run_traces_fullgraph_without_host_reads():
+    """run() reads no device value: dynamo traces it as one graph (eager backend: tracing only)."""
+    cache, kvi, idx, last, ks, vs = make_paged([5, 9], 2, 8, 8, 4, seed=80)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr([3, 4]), kvi, idx, last, 4, 2, 8, 4, causal=True, q_data_type=D64)
+    q = rand(7, 4, 8, seed=81)
+    f = torch.compile(lambda q, c: w.run(q, c, return_lse=True, v_scale=2.0, k_scale=0.5),
+                      fullgraph=True, backend="eager")
+    out, lse = f(q, cache)
+    check(out, lse, *dense_batch(q, [3, 4], [k * 0.5 for k in ks], [v * 2 for v in vs],
+                                 causal=True))
+    r = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    r.plan(indptr([3, 4]), indptr([5, 9]), 4, 2, 8,
+           custom_mask=torch.ones(3 * 5 + 4 * 9, dtype=torch.bool), q_data_type=D64)
+    k = rand(14, 2, 8, seed=82)
+    g = torch.compile(lambda q, k: r.run(q, k, k), fullgraph=True, backend="eager")
+    check(g(q, k), None, *dense_batch(q, [3, 4], list(k.split([5, 9])), list(k.split([5, 9]))))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_paged_page_size_one_without_page_axis(layout):
+    """Page size 1 caches may drop the page axis: [P, 2, H, D] or a tuple of [P, H, D]."""
+    hq, hkv, d = 4, 2, 8
+    cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, 1, layout=layout, seed=95)
+    squeezed = cache.squeeze(3 if layout == "HND" else 2)
+    q = rand(sum(QO), hq, d, seed=96)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, layout)
+    w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, 1, causal=True, q_data_type=D64)
+    ref = dense_batch(q, QO, ks, vs, causal=True)
+    for c in (squeezed, (squeezed[:, 0], squeezed[:, 1])):
+        out, lse = w.run(q, c, return_lse=True)
+        check(out, lse, *ref)
