@@ -1,3 +1,311 @@
-"""(being written)"""
+"""FlashInfer's TRT-LLM FMHAv2 prefill entry point, ``trtllm_fmha_v2_prefill``, on our ops.
 
-__all__: list[str] = []
+This module gives ``flashinfer.trtllm_fmha_v2_prefill`` (FlashInfer's current signature, every
+argument accepted) on top of the ``compiled_attn`` torch.library ops. The five input layouts
+reduce to two calls: PACKED_QKV, CONTIGUOUS_Q_KV and SEPARATE_Q_K_V give ragged K/V
+(``torch.ops.compiled_attn.batch_ragged_prefill`` over views of the caller's tensors, no copy),
+Q_PAGED_KV_NHD / Q_PAGED_KV_HND give a paged cache addressed by a rectangular block table
+(``batch_paged_prefill``, the table compacted on the device). The mask modes (padding, causal,
+sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map onto the
+op's arguments. Nothing here reads a device value on the host: the work list is the uniform one
+over ``max_q_len`` and the consistency of the length arrays is asserted on the device, so the
+call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validate as V
+from . import plan
+from .cudnn import _compact_block_tables
+from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE
+from .utils import get_alibi_slopes
+
+__all__ = ["trtllm_fmha_v2_prefill"]
+
+_NAME = "trtllm_fmha_v2_prefill"
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+LAYOUTS = ("PACKED_QKV", "CONTIGUOUS_Q_KV", "Q_PAGED_KV_NHD", "Q_PAGED_KV_HND", "SEPARATE_Q_K_V")
+MASK_MODES = ("padding", "causal", "sliding_window", "chunked")
+
+
+def _fail(arg: str, problem: str, fix: str, exc=ValueError):
+    raise exc(f"{_NAME}: {arg} {problem}; {fix}")
+
+
+def _tuple_of(qkv, n: int, layout: str, what: str):
+    if not isinstance(qkv, (tuple, list)) or len(qkv) != n:
+        _fail("qkv", f"must be a tuple {what} for input_layout={layout!r}, got "
+                     f"{type(qkv).__name__}", f"pass {what}")
+    for i, t in enumerate(qkv):
+        if not torch.is_tensor(t):
+            _fail(f"qkv[{i}]", f"must be a tensor, got {type(t).__name__}", f"pass {what}")
+    return qkv
+
+
+def _int_vector(arg: str, t, n: int, device) -> torch.Tensor:
+    V.check_tensor(arg, t, what=f"[{n}] integers")
+    if t.dtype not in (torch.int32, torch.int64):
+        _fail(arg, f"must be int32, got {t.dtype}", "pass int32 lengths/offsets")
+    if t.numel() != n:
+        _fail(arg, f"must hold {n} entries, got shape {tuple(t.shape)}",
+              "check batch_size" if n else "")
+    if t.device != device:
+        _fail(arg, f"is on {t.device} but q is on {device}", "move it to q's device")
+    return t.reshape(-1).to(torch.int64)
+
+
+def _device_check(cond: torch.Tensor, msg: str):
+    """A check on device values without a host read (a device-side assert under CUDA; raises
+    at once on CPU)."""
+    torch._assert_async(cond.all(), f"{_NAME}: {msg}")
+
+
+def trtllm_fmha_v2_prefill(
+    qkv,
+    input_layout: str,
+    workspace_buffer: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    bmm1_scale: float,
+    bmm2_scale: float,
+    batch_size: int,
+    cum_seq_lens_q: torch.Tensor,
+    cum_seq_lens_kv: torch.Tensor,
+    block_tables: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | str | None = None,
+    sinks=None,
+    pos_encoding_mode: str | None = None,
+    logits_soft_cap_scale: float | None = None,
+    mask_mode: str = "causal",
+    window_left: int = -1,
+    chunked_attention_size: int = 0,
+    save_softmax_stats: bool = False,
+    skip_softmax_threshold_scale_factor: float | None = 0,
+):
+    """Ragged or paged prefill (FlashInfer's TRT-LLM FMHAv2 entry point).
+
+    Args:
+        qkv: by ``input_layout``:
+            PACKED_QKV: one tensor [T, 3, H, D] (q, k, v of each token; Hq = Hkv = H).
+            CONTIGUOUS_Q_KV: (q [T, Hq, D], kv [Tk, 2, Hkv, D]).
+            SEPARATE_Q_K_V: (q [T, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dvo]).
+            Q_PAGED_KV_NHD: (q [T, Hq, D], paged_kv [P, 2, page, Hkv, D]).
+            Q_PAGED_KV_HND: (q [T, Hq, D], paged_kv [P, 2, Hkv, page, D]).
+            Any strides. q fp16/bf16/fp32 (fp8 is upcast exactly to bf16); K/V also fp8 (fold
+            its scales into bmm1_scale / bmm2_scale).
+        workspace_buffer: accepted for compatibility; our kernel needs no workspace.
+        seq_lens: int32 [B], KV length of each request.
+        max_q_len: bound on each request's query length: the work list covers this many rows
+            per request (rows past a request's length are skipped by the kernel).
+        max_kv_len: bound on each KV length (asserted on the device).
+        bmm1_scale: multiplies q.k (the softmax scale, with any fp8 q/k scales folded in).
+        bmm2_scale: multiplies the output (e.g. the fp8 v scale); not the LSE.
+        batch_size: B.
+        cum_seq_lens_q: int32 [B+1] query indptr into q's tokens.
+        cum_seq_lens_kv: int32 [B+1] KV indptr (ragged layouts: into k/v's tokens; must match
+            seq_lens).
+        block_tables: int32 [B, max_pages] (paged layouts): request b's token t is in page
+            ``block_tables[b, t // page]``, slot ``t % page``.
+        out: optional [T, Hq, Dvo] output buffer (written in place, returned).
+        out_dtype: output dtype (torch dtype or name); default out's dtype, else q's.
+        sinks: float32 [Hq] attention sink logits (natural units; a list/tuple holding one such
+            tensor is accepted): out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink_h)).
+        pos_encoding_mode: None or "alibi" (slopes of get_alibi_slopes(Hq), bias
+            slope * (j - p_i)).
+        logits_soft_cap_scale: None/0 or c > 0: s = c * tanh(s / c) on the scaled logits.
+        mask_mode: "padding" (no mask), "causal" (bottom-right), "sliding_window" (causal and
+            keys j >= p_i - window_left) or "chunked" (keys in [floor(p_i / C) * C, p_i]).
+        window_left: >= 0 with mask_mode="sliding_window" only; -1 otherwise.
+        chunked_attention_size: C, a power of two, with mask_mode="chunked" only; 0 otherwise.
+        save_softmax_stats: raises NotImplementedError (see below).
+        skip_softmax_threshold_scale_factor: None or 0 only (skip-softmax is not implemented).
+
+    Returns:
+        out [T, Hq, Dvo]. Rows that see no key are 0.
+
+    save_softmax_stats=True raises: FlashInfer returns (row max, sum of exp) per row, and the
+    compiled_attn ops return only the LSE (base 2). The row max cannot be recovered from the
+    LSE, and FlashInfer does not document that its consumers accept any (m, s) pair with
+    m + ln(s) = LSE (such as (LSE, 1)); its stored max is even scaled differently per GPU
+    architecture. It needs an op that also returns the row max.
+    """
+    # ---- options
+    if input_layout not in LAYOUTS:
+        _fail("input_layout", f"= {input_layout!r} is not a layout", f"use one of {LAYOUTS}")
+    mode = mask_mode.lower() if isinstance(mask_mode, str) else mask_mode
+    if mode not in MASK_MODES:
+        _fail("mask_mode", f"= {mask_mode!r} is not a mask mode", f"use one of {MASK_MODES}")
+    window_left = V.check_window_left(-1 if window_left is None else window_left)
+    chunk = 0 if chunked_attention_size is None else chunked_attention_size
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        _fail("chunked_attention_size", f"= {chunk!r}", "use 0 or a power of two")
+    if window_left >= 0 and mode != "sliding_window":
+        _fail("window_left", f"= {window_left} needs mask_mode='sliding_window' (got "
+                             f"{mask_mode!r})", "pass mask_mode='sliding_window' or window_left=-1")
+    if chunk and mode != "chunked":
+        _fail("chunked_attention_size", f"= {chunk} needs mask_mode='chunked' (got "
+                                        f"{mask_mode!r})", "pass mask_mode='chunked' or 0")
+    if mode == "chunked" and (chunk <= 0 or chunk & (chunk - 1)):
+        _fail("chunked_attention_size", f"= {chunk} with mask_mode='chunked'",
+              "pass a power of two > 0")
+    cap = V.check_soft_cap(logits_soft_cap_scale, "logits_soft_cap_scale")
+    if pos_encoding_mode is None or str(pos_encoding_mode).lower() == "none":
+        pos = POS_NONE
+    elif str(pos_encoding_mode).lower() == "alibi":
+        pos = POS_ALIBI
+    else:
+        _fail("pos_encoding_mode", f"= {pos_encoding_mode!r} is not supported",
+              "use None or 'alibi' (apply RoPE to q/k before the call)", NotImplementedError)
+    if save_softmax_stats:
+        _fail("save_softmax_stats", "=True is not implemented: FlashInfer returns (row max, sum "
+              "of exp) and our ops return only the LSE, from which the row max cannot be "
+              "recovered (no FlashInfer documentation says (LSE, 1) is a valid pair)",
+              "pass save_softmax_stats=False; for the LSE use the compiled_attn prefill "
+              "wrappers with return_lse=True", NotImplementedError)
+    if skip_softmax_threshold_scale_factor not in (None, 0, 0.0):
+        _fail("skip_softmax_threshold_scale_factor",
+              f"= {skip_softmax_threshold_scale_factor!r}: skip-softmax is not implemented",
+              "pass 0 or None (exact attention)", NotImplementedError)
+    for arg, val in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
+        if torch.is_tensor(val):
+            _fail(arg, "is a tensor", "pass a Python float (the kernel takes it as a scalar)",
+                  NotImplementedError)
+    sm_scale = V.check_scale("bmm1_scale", bmm1_scale, 1.0)
+    out_scale = V.check_scale("bmm2_scale", bmm2_scale, 1.0)
+    for arg, val in (("batch_size", batch_size), ("max_q_len", max_q_len),
+                     ("max_kv_len", max_kv_len)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            _fail(arg, f"must be a non-negative int, got {val!r}", "pass an int")
+    V.check_tensor("workspace_buffer", workspace_buffer)
+
+    # ---- tensors by layout
+    paged = input_layout.startswith("Q_PAGED_KV")
+    if input_layout == "PACKED_QKV":
+        V.check_tensor("qkv", qkv, ndim=4, what="[tokens, 3, H, D]")
+        if qkv.shape[1] != 3:
+            _fail("qkv", f"has shape {tuple(qkv.shape)}", "PACKED_QKV takes [tokens, 3, H, D]")
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    elif input_layout == "CONTIGUOUS_Q_KV":
+        q, kv = _tuple_of(qkv, 2, input_layout, "(q [T, Hq, D], kv [Tk, 2, Hkv, D])")
+        V.check_tensor("qkv[1]", kv, ndim=4, what="[tokens, 2, Hkv, D]")
+        if kv.shape[1] != 2:
+            _fail("qkv[1]", f"has shape {tuple(kv.shape)}", "pass kv as [tokens, 2, Hkv, D]")
+        k, v = kv[:, 0], kv[:, 1]
+    elif input_layout == "SEPARATE_Q_K_V":
+        q, k, v = _tuple_of(qkv, 3, input_layout, "(q [T, Hq, Dqk], k [Tk, Hkv, Dqk], "
+                                                  "v [Tk, Hkv, Dvo])")
+        V.check_tensor("qkv[1]", k, ndim=3, what="[tokens, Hkv, D_qk]")
+        V.check_tensor("qkv[2]", v, ndim=3, what="[tokens, Hkv, D_vo]")
+    else:
+        if isinstance(qkv, (tuple, list)) and len(qkv) == 2 and isinstance(qkv[1], (tuple, list)):
+            _fail("qkv[1]", "is a (k_cache, v_cache) tuple: caches addressed relative to "
+                            "k_cache's base pointer ([B, 2, M] block tables) are not supported",
+                  "pass one stacked [pages, 2, ...] tensor", NotImplementedError)
+        q, kv = _tuple_of(qkv, 2, input_layout, "(q [T, Hq, D], paged_kv [pages, 2, ...])")
+        nhd = input_layout.endswith("NHD")
+        V.check_tensor("qkv[1]", kv, ndim=5,
+                       what="[pages, 2, page, Hkv, D]" if nhd else "[pages, 2, Hkv, page, D]")
+        if kv.shape[1] != 2:
+            _fail("qkv[1]", f"has shape {tuple(kv.shape)}", "the second dim must be 2 (K, V)")
+        k, v = kv[:, 0], kv[:, 1]
+        if not nhd:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [P, page, Hkv, D] views
+    V.check_tensor("q", q, ndim=3, what="[tokens, Hq, D_qk]")
+    dev = q.device
+    for name, t in (("k", k), ("v", v)):
+        if t.device != dev:
+            _fail(name, f"is on {t.device} but q is on {dev}", "move it to q's device")
+    hq, dqk = q.shape[1], q.shape[2]
+    hkv, dvo = k.shape[-2], v.shape[-1]
+    if k.shape[-1] != dqk:
+        _fail("qkv", f"has head dim {k.shape[-1]} for K but {dqk} for Q", "use the same D_qk")
+    if v.shape[:-1] != k.shape[:-1]:
+        _fail("qkv", f"has K {tuple(k.shape)} and V {tuple(v.shape)}",
+              "K and V must match except in the head dim")
+    group = V.check_heads(hq, hkv, names=("query heads", "KV heads"))
+    V.check_head_dims(dqk, dvo, dev.type)
+    if q.dtype not in _FP8:
+        V.check_q_dtype("q", q.dtype, dev.type)
+    V.check_kv_dtype("k/v", k.dtype, dev.type)
+
+    # ---- output dtype / buffer
+    if out is not None:
+        V.check_tensor("out", out, shape=(q.shape[0], hq, dvo), device=dev,
+                       what="[tokens, Hq, D_vo]")
+        if out_dtype is not None and V.canonical_dtype("out_dtype", out_dtype) != out.dtype:
+            _fail("out_dtype", f"= {out_dtype} but out is {out.dtype}", "pass one of them")
+        o_dtype = out.dtype
+    else:
+        o_dtype = q.dtype if out_dtype is None else V.canonical_dtype("out_dtype", out_dtype)
+    if o_dtype not in _FP8:
+        V.check_out_dtype("out_dtype", o_dtype, dev.type)
+
+    # ---- lengths (checked on the device: no host reads)
+    bsz = batch_size
+    kv_lens = _int_vector("seq_lens", seq_lens, bsz, dev)
+    cq = _int_vector("cum_seq_lens_q", cum_seq_lens_q, bsz + 1, dev)
+    ckv = _int_vector("cum_seq_lens_kv", cum_seq_lens_kv, bsz + 1, dev)
+    qo_lens = cq[1:] - cq[:-1]
+    _device_check((cq[:1] == 0) & (qo_lens >= 0).all() & (cq[-1:] <= q.shape[0]),
+                  "cum_seq_lens_q must start at 0, be non-decreasing and end at most at "
+                  "q's token count")
+    _device_check(qo_lens <= max_q_len, "a query length exceeds max_q_len")
+    _device_check((kv_lens >= 0) & (kv_lens <= max_kv_len),
+                  "seq_lens must be in [0, max_kv_len]")
+    if not paged:
+        _device_check((ckv[:1] == 0) & (ckv[1:] - ckv[:-1] == kv_lens).all()
+                      & (ckv[-1:] <= k.shape[0]),
+                      "cum_seq_lens_kv must be the cumulative sum of seq_lens (starting at 0) "
+                      "and end at most at K/V's token count")
+
+    # ---- the op
+    bm = plan.block_m_for(dqk, dvo, group)
+    work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
+    slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
+    if sinks is not None:
+        if isinstance(sinks, (list, tuple)):
+            if len(sinks) != 1:
+                _fail("sinks", f"is a sequence of {len(sinks)} tensors",
+                      "pass one float32 [Hq] tensor")
+            sinks = sinks[0]
+        V.check_tensor("sinks", sinks, shape=(hq,), device=dev, what="[Hq] float32")
+        sinks = sinks.to(torch.float32)
+    qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
+    mask_code = MASK_NONE if mode == "padding" else MASK_CAUSAL
+    params = (mask_code, window_left if mode == "sliding_window" else -1,
+              chunk if mode == "chunked" else 0, sm_scale, cap, pos, 1.0, 1e4, out_scale,
+              o_dtype)
+    cq32 = cq.to(torch.int32)
+    if paged:
+        if block_tables is None:
+            _fail("block_tables", f"is required for input_layout={input_layout!r}",
+                  "pass int32 [batch_size, max_pages] page indices")
+        V.check_tensor("block_tables", block_tables, ndim=2, device=dev,
+                       what="[batch_size, max_pages]")
+        if block_tables.shape[0] != bsz:
+            _fail("block_tables", f"has {block_tables.shape[0]} rows for batch_size {bsz}",
+                  "pass one row per request")
+        if block_tables.dtype not in (torch.int32, torch.int64):
+            _fail("block_tables", f"must be int32, got {block_tables.dtype}", "pass int32")
+        page = k.shape[1]
+        _device_check(kv_lens <= block_tables.shape[1] * page,
+                      "block_tables has too few columns for seq_lens")
+        pind, pidx, last = _compact_block_tables(block_tables, kv_lens, page)
+        _device_check((pidx >= 0) & (pidx < k.shape[0]),
+                      "block_tables holds page indices outside the cache")
+        o, _ = torch.ops.compiled_attn.batch_paged_prefill(
+            qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
+    else:
+        if block_tables is not None:
+            _fail("block_tables", f"was given with input_layout={input_layout!r}",
+                  "drop it (only the Q_PAGED_KV layouts use a page table)")
+        o, _ = torch.ops.compiled_attn.batch_ragged_prefill(
+            qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
