@@ -601,6 +601,15 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     return kind
 
 
+def _functional_op(t) -> bool:
+    """An aten op without mutation or side effects. Nondeterministic-seeded ops (SDPA,
+    dropout) count as impure for FX's DCE, but a dead one can go: nothing reads its result."""
+    from torch.fx.node import _side_effectful_functions
+
+    return (isinstance(t, torch._ops.OpOverload) and t not in _side_effectful_functions
+            and not t._schema.is_mutable)
+
+
 def _erase_dead(graph: Graph) -> None:
     """DCE that also drops metadata asserts (export IR) hanging off dead nodes."""
     assert_ops = {aten._assert_tensor_metadata.default} if hasattr(
@@ -617,7 +626,7 @@ def _erase_dead(graph: Graph) -> None:
                     graph.erase_node(n)
                     changed = True
                 continue
-            if n.is_impure() if hasattr(n, "is_impure") else False:
+            if n.is_impure() and not _functional_op(n.target):
                 continue
             graph.erase_node(n)
             changed = True

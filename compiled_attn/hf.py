@@ -1,0 +1,89 @@
+"""HF transformers integration: ``attn_implementation="compiled_attn"``.
+
+``register(name)`` adds one attention function to transformers' ``AttentionInterface`` and a
+mask function to its ``AttentionMaskInterface`` (without the latter, transformers would build
+no mask for an unknown implementation and padding would be silently dropped). The mask function
+is transformers' own ``sdpa_mask``: a bool [B, 1, Sq, Skv] mask (True = attend, sliding window
+and padding included), or None when plain causal attention is exact. The attention function runs
+``torch.ops.compiled_attn.single_prefill`` on [B, S, H, D] views of HF's [B, H, S, D] tensors
+(GQA without repeat_kv), with the mask as packed custom-mask bits, or MASK_CAUSAL when the mask
+is None, and Gemma2's ``softcap`` as logits_soft_cap. Rows that see no key return 0, as SDPA does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["register", "attention_forward"]
+
+
+def _packbits_rows(mask3: torch.Tensor) -> torch.Tensor:
+    """uint8 little-endian bits of a bool [B, Sq, Skv] tensor flattened row-major."""
+    flat = mask3.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    weights = (2 ** torch.arange(8, device=flat.device, dtype=torch.int32))
+    return (flat.view(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs):
+    """transformers attention function: query [B, Hq, Sq, D], key/value [B, Hkv, Skv, D];
+    attention_mask from sdpa_mask (bool [B, 1, Sq, Skv] or None). Returns ([B, Sq, Hq, Dv],
+    None)."""
+    from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
+
+    if dropout and module.training:
+        raise ValueError("compiled_attn attention is inference-only: dropout > 0 in training "
+                         "mode is not supported (call model.eval())")
+    if kwargs.get("output_attentions", False):
+        raise ValueError("compiled_attn attention does not return attention weights "
+                         "(output_attentions=True): use attn_implementation='eager'")
+    bsz, hq, sq, d = query.shape
+    skv = key.shape[2]
+    scale = float(scaling) if scaling is not None else d ** -0.5
+    window_left = -1
+    packed = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(
+                "compiled_attn attention expects the bool mask of its registered mask function "
+                f"(got {attention_mask.dtype}); register with compiled_attn.hf.register()")
+        m = attention_mask
+        if m.dim() == 4:
+            if m.shape[1] != 1:
+                raise ValueError("compiled_attn attention takes one mask for all heads "
+                                 f"(got mask of shape {tuple(m.shape)})")
+            m = m[:, 0]
+        m = m.expand(bsz, sq, skv)
+        packed = _packbits_rows(m)
+        mode = MASK_CUSTOM
+    else:
+        # Same rule as transformers' SDPA path: a None mask is causal for prefill (sq > 1) of a
+        # causal module; sdpa_mask only returns None when q and kv align (sq == skv), or sq == 1.
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(causal) and sq > 1
+        if causal and skv > sq:
+            # SDPA's is_causal is top-left aligned; transformers crops the keys to match.
+            key, value, skv = key[:, :, :sq], value[:, :, :sq], sq
+        mode = MASK_CAUSAL if causal else MASK_NONE
+        if causal and sliding_window:
+            window_left = int(sliding_window) - 1  # HF: key j visible iff j > i - window
+    out, _ = torch.ops.compiled_attn.single_prefill(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, None,
+        mode, window_left, 0, scale, float(softcap or 0.0), 0, 1.0, 1e4, 1.0, None)
+    return out, None
+
+
+def register(name: str = "compiled_attn") -> str:
+    """Register compiled_attn with transformers under ``name`` (AttentionInterface and
+    AttentionMaskInterface); then ``attn_implementation=name`` uses our kernels."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name
