@@ -35,19 +35,24 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int) -> int:
     """Tile height in packed rows for these head dims (plan() and the launch agree on it)."""
-    return 64 if INTERPRET else 128 if max(head_dim_qk, head_dim_vo) <= 128 else 64
+    return 64 if INTERPRET else 128
 
 
-def _config(block_m: int, dqk: int, dvo: int) -> dict:
-    """Launch configuration (BLOCK_N, warps, stages) for a tile height and head dims."""
+def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
+    """Launch configuration (BLOCK_N, warps, stages) for a tile height, head dims, KV
+    addressing and mask mode."""
     if INTERPRET:
         return dict(BLOCK_N=32, num_warps=4, num_stages=1)
+    # Measured on the H100 (benchmarks/NOTES.md): 128x64 for D 64, 128x128 for D 128 (both 8
+    # warps, 3 stages); D 256 needs fewer stages to fit shared memory, and so does a custom
+    # mask (its bytes are pipelined through shared memory with K and V).
     d = max(dqk, dvo)
+    stages = 2 if mask_mode == MASK_CUSTOM else 3
     if d <= 64:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_N=64, num_warps=8, num_stages=stages)
     if d <= 128:
-        return dict(BLOCK_N=64, num_warps=8 if block_m >= 128 else 4, num_stages=3)
-    return dict(BLOCK_N=32, num_warps=4, num_stages=2)
+        return dict(BLOCK_N=128, num_warps=8, num_stages=stages)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 @triton.jit
@@ -180,6 +185,12 @@ def _prefill_fwd(
 ):
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
+    # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
+    qk_scale = tl.cast(qk_scale, tl.float32)
+    soft_cap = tl.cast(soft_cap, tl.float32)
+    rope_rcp_scale = tl.cast(rope_rcp_scale, tl.float32)
+    log2_theta = tl.cast(log2_theta, tl.float32)
+    v_scale = tl.cast(v_scale, tl.float32)
 
     # ---- which request and rows this program owns -------------------------------------------
     if KV_MODE == 0:
@@ -375,7 +386,7 @@ def _launch(kv_mode, grid, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     group = hq // hkv
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
-    cfg = _config(block_m, q.shape[-1], v.shape[-1])
+    cfg = _config(block_m, q.shape[-1], v.shape[-1], kv_mode, consts["MASK_MODE"])
     dummy = work if work is not None else qo_indptr if qo_indptr is not None else q
     kernel = _prefill_fwd if INTERPRET else wrap_triton(_prefill_fwd)
     kernel[grid](

@@ -164,7 +164,7 @@ def attend(
         out = out * torch.sigmoid(safe_lse - sink).transpose(0, 1)[..., None]
     out = torch.where(finite.transpose(0, 1)[..., None], out, torch.zeros_like(out)) * v_scale
     lse2 = torch.where(finite, lse / LN2, lse).transpose(0, 1).to(torch.float32).contiguous()
-    return out.to(out_dtype), lse2
+    return out.to(out_dtype).contiguous(), lse2
 
 
 def _segments(indptr: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
