@@ -82,6 +82,8 @@ class Site:
     soft_cap: float = 0.0
     bool_masks: list = field(default_factory=list)
     add_masks: list = field(default_factory=list)
+    hide_masks: list = field(default_factory=list)  # bool, True = masked (masked_fill/where)
+    hide_finite: bool = False  # some hide mask fills a finite NEG (eager: uniform row)
     causal_top_left: bool = False
     enable_gqa: bool = False
     drop: list = field(default_factory=list)  # nodes to erase with the site (e.g. asserts)
@@ -195,7 +197,22 @@ def _soft_cap(n: Node) -> tuple[Node, float] | None:
     return inner[0], c
 
 
-def parse_scores(x: Node, full_shape) -> tuple[Node, float, float, list]:
+def _fill_mask(n: Node):
+    """(logits, hide, fill) when n fills masked logits with a NEG constant:
+    masked_fill(x, hide, NEG) or where(keep, x, NEG) (then hide is ("not", keep))."""
+    if is_call(n, aten.masked_fill.Scalar) and M.is_neg_value(n.args[2]):
+        return n.args[0], n.args[1], n.args[2]
+    if is_call(n, aten.where.ScalarOther) and M.is_neg_value(n.args[2]):
+        return n.args[1], ("not", n.args[0]), n.args[2]
+    if is_call(n, aten.where.self) and isinstance(n.args[2], Node):
+        c = M.evaluate(n.args[2]) if M.constant_ancestors(n.args[2]) else None
+        if c is not None and c.numel() == 1 and M.is_neg_value(float(c.reshape(()).item())):
+            return n.args[1], ("not", n.args[0]), float(c.reshape(()).item())
+    return None
+
+
+def parse_scores(x: Node, full_shape, hides: list | None = None
+                 ) -> tuple[Node, float, float, list]:
     """Read the logits fed to softmax back to q @ k^T.
 
     Accepted order (outermost first): casts and additive masks, then the soft cap, then scale
@@ -210,6 +227,16 @@ def parse_scores(x: Node, full_shape) -> tuple[Node, float, float, list]:
         n = strip_identity(n)
         if match_matmul(n) is not None:
             return n, scale, cap, masks
+        fm = _fill_mask(n) if hides is not None else None
+        if fm is not None:
+            if seen_scale or cap:
+                raise Skip("mask filled before the scale or soft cap")
+            if not same_shape(shape(n), full_shape) or dtype(fm[1] if not isinstance(
+                    fm[1], tuple) else fm[1][1]) != torch.bool:
+                raise Skip("masked_fill/where mask is not a bool of the logits' shape")
+            hides.append((fm[1], fm[2]))
+            n = fm[0]
+            continue
         if is_call(n, aten.add.Tensor) and n.kwargs.get("alpha", 1) == 1:
             if seen_scale or cap:
                 raise Skip("mask added before the scale or soft cap")
@@ -254,7 +281,7 @@ def _leads_to_matmul(n: Node, depth: int = 0) -> bool:
             return False
         if match_matmul(n) is not None:
             return True
-        sc = _soft_cap(n) or _scale_factor(n)
+        sc = _soft_cap(n) or _scale_factor(n) or _fill_mask(n)
         if sc is not None:
             n = sc[0]
             continue
@@ -291,15 +318,20 @@ def match_matmul_softmax(n: Node) -> Site | None:
     if x is None:
         return None
     xs = strip_identity(x)
+    hides: list = []
     try:
-        qk, scale, cap, add_masks = parse_scores(xs, shape(p0))
+        qk, scale, cap, add_masks = parse_scores(xs, shape(p0), hides)
     except Skip:
         if _has_matmul_ancestor(xs, 8):
             raise  # softmax(f(q @ k^T)) @ v with an f we do not understand: counted as skipped
         return None  # softmax of something that is not q @ k^T: not attention
     q, kt = match_matmul(qk)
-    return Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
+    site = Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
                 soft_cap=cap, add_masks=add_masks)
+    for hide, fill in hides:
+        site.hide_masks.append(hide)
+        site.hide_finite |= not (float(fill) == -math.inf)
+    return site
 
 
 def _untranspose(kt: Node):
@@ -422,16 +454,22 @@ def _pack_bits(em: Emitter, mask3: Node) -> Node:
     flat = em(aten.view.default, em(aten.clone.default, mask3,
                                     memory_format=torch.contiguous_format), [-1])
     bits = em.cast(flat, torch.int32)
-    bits = em(aten.constant_pad_nd.default, bits, [0, 7], 0.0)
-    win = em(aten.unfold.default, bits, 0, 8, 8)  # [ceil(n/8), 8]
+    n = static_int(shape(flat)[0])
+    if n is not None:  # static: pad to whole bytes, then rows of 8 bits
+        bits = em(aten.constant_pad_nd.default, bits, [0, (-n) % 8], 0.0)
+        win = em(aten.view.default, bits, [-1, 8])
+    else:
+        bits = em(aten.constant_pad_nd.default, bits, [0, 7], 0.0)
+        win = em(aten.unfold.default, bits, 0, 8, 8)  # [ceil(n/8), 8]
     weights = em(aten.pow.Scalar, 2, em.arange(8, torch.int32, dev))
     byte = em(aten.sum.dim_IntList, em(aten.mul.Tensor, win, weights), [1])
     return em.cast(byte, torch.uint8)
 
 
-def _bool_of(em: Emitter, m: Node, additive: bool) -> Node:
+def _bool_of(em: Emitter, m: Node, how: str) -> Node:
     """The visibility mask of one mask node, with its head axis reduced to size 1."""
-    b = em(aten.eq.Scalar, m, 0) if additive else m
+    b = em(aten.eq.Scalar, m, 0) if how == "add" else \
+        em(aten.logical_not.default, m) if how == "hide" else m
     hd = M.head_axis(b)
     if hd is not None and static_int(shape(b)[hd]) != 1:
         # head_invariant proved every head index holds the same values: keep index 0.
@@ -509,7 +547,9 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
             finite_neg |= M.zero_or_neg(m)
         except M.NotProven as e:
             raise Skip(f"additive bias: {e}") from None
-    for m in site.bool_masks + site.add_masks:
+    finite_neg |= site.hide_finite
+    hide_nodes = [h[1] if isinstance(h, tuple) else h for h in site.hide_masks]
+    for m in site.bool_masks + site.add_masks + hide_nodes:
         if isinstance(m, Node) and not M.head_invariant(m):
             raise Skip("head-dependent mask")
         mr = rank(m)
@@ -518,7 +558,10 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
 
     sq_i, skv_i = static_int(sq), static_int(skv)
     mask_mode, window_left, kind = MASK_NONE, -1, "none"
-    need_mask = bool(site.bool_masks or site.add_masks)
+    need_mask = bool(site.bool_masks or site.add_masks or site.hide_masks)
+    # Every mask as (node, how): "bool" True = attend, "add" additive 0/NEG, "hide" True = masked.
+    all_masks = [(m, "bool") for m in site.bool_masks] + [(m, "add") for m in site.add_masks] + \
+        [(h[1], "bool") if isinstance(h, tuple) else (h, "hide") for h in site.hide_masks]
     top_left = False
     if site.causal_top_left:
         if same_size(sq, skv):  # top-left == bottom-right alignment
@@ -531,13 +574,14 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # the pass may run inside Inductor's fake mode
-            for m, additive in [(m, False) for m in site.bool_masks] + \
-                    [(m, True) for m in site.add_masks]:
+            for m, how in all_masks:
                 c = M.evaluate(m)
                 if c is None:
                     visible = None
                     break
-                c = _to_b_sq_skv((c == 0) if additive else c.to(torch.bool))
+                c = (c == 0) if how == "add" else (~c.to(torch.bool)) if how == "hide" \
+                    else c.to(torch.bool)
+                c = _to_b_sq_skv(c)
                 visible = c if visible is None else (visible & c)
             cls, w = M.classify(visible, sq_i, skv_i) if visible is not None else ("", -1)
         if visible is not None:
@@ -552,8 +596,7 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     mask3 = None
     if need_mask:
         mask_mode, kind = MASK_CUSTOM, "custom"
-        parts = [_bool_of(em, m, False) for m in site.bool_masks] + \
-                [_bool_of(em, m, True) for m in site.add_masks]
+        parts = [_bool_of(em, m, how) for m, how in all_masks]
         if top_left:
             dev = val(q).device
             i = em.arange(em.size(q, 2), torch.int64, dev)
