@@ -46,10 +46,16 @@ def _use_kernel(t: Tensor) -> bool:
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
 
 
+# op name -> its Python implementation (the body the op runs; the FX rewrite traces it when it
+# inlines an op into an Inductor graph).
+IMPLEMENTATIONS: dict = {}
+
+
 def _register(name: str, fn, fake):
     """Define compiled_attn::<name> from fn (schema inferred from its annotations), with fake as
     its FakeTensor implementation and a backward that raises."""
     qualname = f"compiled_attn::{name}"
+    IMPLEMENTATIONS[name] = fn
     if INTERPRET:
         op = torch.library.custom_op(qualname, fn, mutates_args=())
     else:

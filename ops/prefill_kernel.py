@@ -79,16 +79,24 @@ def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
-                KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """int64 element offset of key j (in the request) from the request's first key (dense /
-    ragged) or from the cache's start (paged), before the head and dim offsets. Keys past
-    kv_len (j_ok False) never read the page table."""
+def _kv_offsets(n, j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp, stride_vt, stride_vp,
+                KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """int64 element offsets of keys j = n + arange(BLOCK_N) in K and in V: from the request's
+    first key (dense / ragged) or from the cache's start (paged), before the head and dim
+    offsets. The page table is read once per key (K and V share it), never past kv_len."""
     if KV_MODE == 2:
-        page = tl.load(page_idx_ptr + page_base + j // PAGE_SIZE, mask=j_ok, other=0)
-        return page.to(tl.int64) * stride_kp + (j % PAGE_SIZE).to(tl.int64) * stride_kt
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The whole tile lies in one page: one scalar read, contiguous slots.
+            page = tl.load(page_idx_ptr + page_base + n // PAGE_SIZE).to(tl.int64)
+            slot = (j % PAGE_SIZE).to(tl.int64)
+            return page * stride_kp + slot * stride_kt, page * stride_vp + slot * stride_vt
+        else:
+            page = tl.load(page_idx_ptr + page_base + j // PAGE_SIZE, mask=j_ok, other=0)
+            page = page.to(tl.int64)
+            slot = (j % PAGE_SIZE).to(tl.int64)
+            return page * stride_kp + slot * stride_kt, page * stride_vp + slot * stride_vt
     else:
-        return j.to(tl.int64) * stride_kt
+        return j.to(tl.int64) * stride_kt, j.to(tl.int64) * stride_vt
 
 
 @triton.jit
@@ -116,10 +124,8 @@ def _attend_range(
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
-        k_off = _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
-                            KV_MODE, PAGE_SIZE)
-        v_off = _kv_offsets(j, j_ok, page_base, page_idx_ptr, stride_vt, stride_vp,
-                            KV_MODE, PAGE_SIZE)
+        k_off, v_off = _kv_offsets(n, j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
+                                   stride_vt, stride_vp, KV_MODE, PAGE_SIZE, BLOCK_N)
         kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
         if ROPE:
             k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
