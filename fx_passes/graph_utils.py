@@ -166,9 +166,9 @@ class Emitter:
             return n[i]
         return self(operator.getitem, n, i)
 
-    def call_op(self, opdef, *args) -> Node:
-        """Call a compiled_attn op (its CustomOpDef) on args; returns the node of its output
-        tuple (index it with getitem).
+    def call_op(self, name: str, *args) -> Node:
+        """Call the compiled_attn op ``name`` (e.g. "single_prefill") on args; returns the node
+        of its output tuple (index it with getitem).
 
         In an export graph this is one op node (the ExportedProgram keeps the op; AOTInductor
         decomposes it later, as torch.compile does for ops it traces). Inductor's joint graph is
@@ -179,13 +179,16 @@ class Emitter:
         """
         from compiled_attn.ops import contracts
 
-        op = getattr(torch.ops.compiled_attn, opdef._name.split("::")[-1]).default
+        if name not in contracts.IMPLEMENTATIONS:
+            raise KeyError(f"no compiled_attn op named {name!r} (known: "
+                           f"{sorted(contracts.IMPLEMENTATIONS)})")
+        op = getattr(torch.ops.compiled_attn, name).default
         if not self.inductor or contracts.INTERPRET:
             return self(op, *args)
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        impl = opdef._init_fn
+        impl = contracts.IMPLEMENTATIONS[name]
         tensor_pos = [i for i, a in enumerate(args) if isinstance(a, Node)]
 
         def fn(*tensors):

@@ -620,11 +620,9 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     kk = _transpose_last2(em, k_src)
     kt = em(aten.permute.default, kk, [0, 2, 1, 3])
     vt = em(aten.permute.default, v_src, [0, 2, 1, 3])
-    from compiled_attn.ops import contracts
-
-    res = em.call_op(contracts.single_prefill, qt, kt, vt, packed, None, None,
-             mask_mode, window_left, 0, float(scale), float(site.soft_cap), 0, 1.0, 1e4, 1.0,
-             out_dtype)
+    res = em.call_op("single_prefill", qt, kt, vt, packed, None, None,
+                     mask_mode, window_left, 0, float(scale), float(site.soft_cap), 0, 1.0, 1e4,
+                     1.0, out_dtype)
     out = em(aten.permute.default, em.getitem(res, 0), [0, 2, 1, 3])  # [B, Hq, Sq, Dvo]
     if mask3 is not None and finite_neg:
         # Eager softmax over a row whose keys all carry a finite NEG (float32/bf16 min swallows
