@@ -172,16 +172,17 @@ def _attend_range(
 
 
 @triton.jit
-def _prefill_fwd(
+def _program(
+    req, row0, hkv,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr, work_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
     stride_qb, stride_qt, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt, stride_lh,
-    dense_qo_len, dense_kv_len, dense_tiles,
+    dense_qo_len, dense_kv_len,
     qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
     KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
@@ -189,8 +190,7 @@ def _prefill_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    hkv = tl.program_id(1)
+    """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv."""
     # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     soft_cap = tl.cast(soft_cap, tl.float32)
@@ -198,10 +198,8 @@ def _prefill_fwd(
     log2_theta = tl.cast(log2_theta, tl.float32)
     v_scale = tl.cast(v_scale, tl.float32)
 
-    # ---- which request and rows this program owns -------------------------------------------
+    # ---- the request's rows and keys ---------------------------------------------------------
     if KV_MODE == 0:
-        req = pid // dense_tiles
-        row0 = (pid % dense_tiles) * BLOCK_M
         qo_len = dense_qo_len
         kv_len = dense_kv_len
         q_base = req.to(tl.int64) * stride_qb
@@ -212,8 +210,6 @@ def _prefill_fwd(
         page_base = 0
         mask_base = req.to(tl.int64) * dense_qo_len * dense_kv_len
     else:
-        req = tl.load(work_ptr + pid * 2)
-        row0 = tl.load(work_ptr + pid * 2 + 1)
         req_c = tl.maximum(req, 0)
         qo_start = tl.load(qo_indptr_ptr + req_c)
         qo_len = tl.load(qo_indptr_ptr + req_c + 1) - qo_start
@@ -347,6 +343,113 @@ def _prefill_fwd(
     tl.store(l_ptrs, lse, mask=row_ok)
 
 
+@triton.jit
+def _prefill_fwd(
+    work_ptr, dense_tiles,
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+    qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
+    mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+    stride_qb, stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    dense_qo_len, dense_kv_len,
+    qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
+    KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid."""
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    if KV_MODE == 0:
+        req = pid // dense_tiles
+        row0 = (pid % dense_tiles) * BLOCK_M
+    else:
+        req = tl.load(work_ptr + pid * 2)
+        row0 = tl.load(work_ptr + pid * 2 + 1)
+    _program(
+        req, row0, hkv,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
+        mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+        stride_qb, stride_qt, stride_qh, stride_qd,
+        stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
+        stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+        stride_ob, stride_ot, stride_oh,
+        stride_lb, stride_lt, stride_lh,
+        dense_qo_len, dense_kv_len,
+        qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
+        KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        SINKS, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+
+
+@triton.jit
+def _pod_fwd(
+    work_ptr,
+    q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
+    qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
+    mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
+    stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p,
+    stride_kb_p, stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p,
+    stride_vb_p, stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p,
+    stride_ob_p, stride_ot_p, stride_oh_p,
+    stride_lb_p, stride_lt_p, stride_lh_p,
+    dense_qo_len_p, dense_kv_len_p,
+    qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
+    q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
+    qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
+    mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
+    stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d,
+    stride_kb_d, stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d,
+    stride_vb_d, stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d,
+    stride_ob_d, stride_ot_d, stride_oh_d,
+    stride_lb_d, stride_lt_d, stride_lh_d,
+    dense_qo_len_d, dense_kv_len_d,
+    qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
+    KV_MODE_P: tl.constexpr, PAGE_SIZE_P: tl.constexpr, GROUP_P: tl.constexpr, MASK_MODE_P: tl.constexpr, HAS_WINDOW_P: tl.constexpr, HAS_CHUNK_P: tl.constexpr, SOFT_CAP_P: tl.constexpr, ALIBI_P: tl.constexpr, ROPE_P: tl.constexpr, SINKS_P: tl.constexpr, BLOCK_M_P: tl.constexpr, BLOCK_N_P: tl.constexpr, BLOCK_DQK_P: tl.constexpr, BLOCK_DVO_P: tl.constexpr, DQK_P: tl.constexpr, DVO_P: tl.constexpr, NUM_STAGES_P: tl.constexpr,
+    KV_MODE_D: tl.constexpr, PAGE_SIZE_D: tl.constexpr, GROUP_D: tl.constexpr, MASK_MODE_D: tl.constexpr, HAS_WINDOW_D: tl.constexpr, HAS_CHUNK_D: tl.constexpr, SOFT_CAP_D: tl.constexpr, ALIBI_D: tl.constexpr, ROPE_D: tl.constexpr, SINKS_D: tl.constexpr, BLOCK_M_D: tl.constexpr, BLOCK_N_D: tl.constexpr, BLOCK_DQK_D: tl.constexpr, BLOCK_DVO_D: tl.constexpr, DQK_D: tl.constexpr, DVO_D: tl.constexpr, NUM_STAGES_D: tl.constexpr,
+):
+    """POD: grid (work items, KV heads); work item (part, request, first row), part 0 the
+    prefill batch (suffix _p) and part 1 the decode batch (suffix _d), in one launch."""
+    pid = tl.program_id(0)
+    hkv = tl.program_id(1)
+    part = tl.load(work_ptr + pid * 3)
+    req = tl.load(work_ptr + pid * 3 + 1)
+    row0 = tl.load(work_ptr + pid * 3 + 2)
+    if part == 0:
+        _program(req, row0, hkv,
+        q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
+    qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
+    mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
+    stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p,
+    stride_kb_p, stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p,
+    stride_vb_p, stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p,
+    stride_ob_p, stride_ot_p, stride_oh_p,
+    stride_lb_p, stride_lt_p, stride_lh_p,
+    dense_qo_len_p, dense_kv_len_p,
+    qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
+        KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P,
+        SINKS_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P)
+    else:
+        _program(req, row0, hkv,
+        q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
+    qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
+    mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
+    stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d,
+    stride_kb_d, stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d,
+    stride_vb_d, stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d,
+    stride_ob_d, stride_ot_d, stride_oh_d,
+    stride_lb_d, stride_lt_d, stride_lh_d,
+    dense_qo_len_d, dense_kv_len_d,
+    qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
+        KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D,
+        SINKS_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D)
+
+
 # ---------------------------------------------------------------------------------------------
 # launchers (called from the op implementations in contracts.py)
 # ---------------------------------------------------------------------------------------------
@@ -383,102 +486,155 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
     return dict(BLOCK_DQK=bdqk, BLOCK_DVO=triton.next_power_of_2(dvo), DQK=dqk, DVO=dvo)
 
 
-def _launch(kv_mode, grid, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
-            l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, work, packed_mask,
-            mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params):
-    from torch.library import wrap_triton
-
+def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
+                  l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
+                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params):
+    """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
+    and the launch configuration."""
     hq, hkv = q.shape[-2], k.shape[-2]
-    group = hq // hkv
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
     cfg = _config(block_m, q.shape[-1], v.shape[-1], kv_mode, consts["MASK_MODE"])
-    dummy = work if work is not None else qo_indptr if qo_indptr is not None else q
-    kernel = _prefill_fwd if INTERPRET else wrap_triton(_prefill_fwd)
-    kernel[grid](
+    dummy = qo_indptr if qo_indptr is not None else q  # never read: its constexpr is off
+    opt = lambda t: dummy if t is None else t  # noqa: E731
+    args = [
         q, k, v, out, lse,
-        qo_indptr if qo_indptr is not None else dummy,
-        kv_indptr if kv_indptr is not None else dummy,
-        page_idx if page_idx is not None else dummy,
-        last_page_len if last_page_len is not None else dummy,
-        work if work is not None else dummy,
-        packed_mask if packed_mask is not None else dummy,
-        mask_indptr if mask_indptr is not None else dummy,
-        alibi_slopes if alibi_slopes is not None else dummy,
-        sinks if sinks is not None else dummy,
+        opt(qo_indptr), opt(kv_indptr), opt(page_idx), opt(last_page_len),
+        opt(packed_mask), opt(mask_indptr), opt(alibi_slopes), opt(sinks),
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
-        *dense, **scalars,
-        KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=group, **consts,
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    return out, lse
+        *dense, *scalars.values(),
+    ]
+    consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
+                  BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"])
+    return args, consts, cfg
 
 
-def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **params):
-    """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]; grid (B * tiles, Hkv)."""
+def _kernel(fn):
+    from torch.library import wrap_triton
+
+    return fn if INTERPRET else wrap_triton(fn)
+
+
+def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params):
+    """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
-    skv, hkv = k.shape[1], k.shape[2]
-    group = hq // hkv
+    group = hq // k.shape[2]
     block_m = block_m_for(q.shape[-1], v.shape[-1], group)
-    tiles = triton.cdiv(sq * group, block_m)
     out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
-    if bsz == 0 or sq == 0:
-        return out, lse
-    return _launch(
-        KV_DENSE, (bsz * tiles, hkv), q, k, v, out, lse,
+    args = _program_args(
+        KV_DENSE, q, k, v, out, lse,
         (q.stride(0), q.stride(1), q.stride(2), q.stride(3)),
         (k.stride(0), k.stride(1), 0, k.stride(2), k.stride(3)),
         (v.stride(0), v.stride(1), 0, v.stride(2), v.stride(3)),
         (out.stride(0), out.stride(1), out.stride(2)),
         (lse.stride(0), lse.stride(1), lse.stride(2)),
-        None, None, None, None, None, packed_mask, None, alibi_slopes, sinks,
-        (sq, skv, tiles), block_m, 1, params)
+        None, None, None, None, packed_mask, None, alibi_slopes, sinks,
+        (sq, k.shape[1]), block_m, 1, params)
+    return out, lse, args
 
 
-def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,
-                  sinks, block_m, *, out_dtype, **params):
-    """batch_ragged_prefill: grid (work items, Hkv)."""
+def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_slopes,
+                 sinks, block_m, out_dtype, params):
+    """batch_ragged_prefill: q [Nq, Hq, Dqk], k/v [Nk, Hkv, D]."""
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-    if work.shape[0] == 0 or q.shape[0] == 0:
-        return out, lse
-    return _launch(
-        KV_RAGGED, (work.shape[0], k.shape[1]), q, k, v, out, lse,
+    args = _program_args(
+        KV_RAGGED, q, k, v, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
         (0, k.stride(0), 0, k.stride(1), k.stride(2)),
         (0, v.stride(0), 0, v.stride(1), v.stride(2)),
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
-        qo_indptr, kv_indptr, None, None, work, packed_mask, mask_indptr, alibi_slopes, sinks,
-        (0, 0, 1), block_m, 1, params)
+        qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
+        (0, 0), block_m, 1, params)
+    return out, lse, args
 
 
-def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
-                 kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes, sinks, block_m,
-                 *, out_dtype, **params):
-    """batch_paged_prefill: caches [P, page, Hkv, D] (any strides); grid (work items, Hkv)."""
-    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]), dtype=out_dtype)
+def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
+                packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params):
+    """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides)."""
+    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-    if work.shape[0] == 0 or q.shape[0] == 0:
-        return out, lse
-    kc, vc = k_cache, v_cache
-    return _launch(
-        KV_PAGED, (work.shape[0], kc.shape[2]), q, kc, vc, out, lse,
+    args = _program_args(
+        KV_PAGED, q, kc, vc, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
         (0, kc.stride(1), kc.stride(0), kc.stride(2), kc.stride(3)),
         (0, vc.stride(1), vc.stride(0), vc.stride(2), vc.stride(3)),
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
-        qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, work, packed_mask,
-        mask_indptr, alibi_slopes, sinks, (0, 0, 1), block_m, kc.shape[1], params)
+        qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
+        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params)
+    return out, lse, args
+
+
+def _launch_prefill(grid, work, tiles, out, lse, args):
+    prog_args, consts, cfg = args
+    _kernel(_prefill_fwd)[grid](
+        work, tiles, *prog_args, **consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out, lse
+
+
+def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **params):
+    """single_prefill: grid (B * tiles, Hkv)."""
+    out, lse, args = _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params)
+    bsz, sq = q.shape[0], q.shape[1]
+    if bsz == 0 or sq == 0:
+        return out, lse
+    consts = args[1]
+    tiles = triton.cdiv(sq * consts["GROUP"], consts["BLOCK_M"])
+    return _launch_prefill((bsz * tiles, k.shape[2]), q, tiles, out, lse, args)
+
+
+def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,
+                  sinks, block_m, *, out_dtype, **params):
+    """batch_ragged_prefill: grid (work items, Hkv)."""
+    out, lse, args = _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr,
+                                  alibi_slopes, sinks, block_m, out_dtype, params)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out, lse
+    return _launch_prefill((work.shape[0], k.shape[1]), work, 1, out, lse, args)
+
+
+def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
+                 kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes, sinks, block_m,
+                 *, out_dtype, **params):
+    """batch_paged_prefill: grid (work items, Hkv)."""
+    out, lse, args = _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
+                                 kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
+                                 alibi_slopes, sinks, block_m, out_dtype, params)
+    if work.shape[0] == 0 or q.shape[0] == 0:
+        return out, lse
+    return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args)
 
 
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
                kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
                kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
                alibi_slopes, block_m, p_params, d_params):
-    raise NotImplementedError(
-        "pod_prefill_decode has no Triton kernel yet: the fused prefill+decode launch is not "
-        "written; run the prefill and decode parts with batch_paged_prefill")
+    """pod_prefill_decode: one launch, grid (work items, Hkv); work rows (part, req, row)."""
+    if k_cache_p.shape[2] != k_cache_d.shape[2] or q_p.shape[1] != q_d.shape[1]:
+        raise ValueError(
+            "pod_prefill_decode: the prefill and decode parts must have the same numbers of "
+            f"query heads ({q_p.shape[1]} vs {q_d.shape[1]}) and KV heads "
+            f"({k_cache_p.shape[2]} vs {k_cache_d.shape[2]}): they share one launch grid")
+    p_params, d_params = dict(p_params), dict(d_params)
+    out_dtype = p_params.pop("out_dtype")
+    d_params.pop("out_dtype")
+    out_p, lse_p, args_p = _paged_args(
+        q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
+        kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
+        out_dtype, p_params)
+    out_d, lse_d, args_d = _paged_args(
+        q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
+        kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params)
+    if work.shape[0] == 0:
+        return out_p, lse_p, out_d, lse_d
+    cfg = args_p[2]
+    consts = {**{f"{k}_P": v for k, v in args_p[1].items()},
+              **{f"{k}_D": v for k, v in args_d[1].items()}}
+    _kernel(_pod_fwd)[(work.shape[0], k_cache_p.shape[2])](
+        work, *args_p[0], *args_d[0], **consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out_p, lse_p, out_d, lse_d

@@ -103,3 +103,44 @@ def test_padded_work_items_are_skipped():
     pad = torch.tensor([[-1, 0], [0, 4096], [1, 128]], dtype=torch.int32)
     c.work = torch.cat([c.work, pad])
     check(c, params(head_dim=32))
+
+
+@pytest.mark.parametrize("window_d", [-1, 7])
+def test_pod_one_launch(window_d):
+    # A paged prefill batch and a paged decode batch (qo_len 1 each) through the POD kernel,
+    # against the reference of each part; the decode part has its own window and soft cap.
+    import torch.nn.functional  # noqa: F401
+
+    from compiled_attn.ops import reference
+
+    pre = make_case("paged", [19, 0, 40], [30, 6, 40], hq=4, hkv=2, dqk=32, page_size=5,
+                    custom_mask=True, seed=21)
+    dec = make_case("paged", [1] * 5, [9, 1, 33, 0, 17], hq=4, hkv=2, dqk=32, page_size=16,
+                    seed=22)
+    work_p = torch.cat([torch.zeros(pre.work.shape[0], 1, dtype=torch.int32), pre.work], 1)
+    work_d = torch.cat([torch.ones(dec.work.shape[0], 1, dtype=torch.int32), dec.work], 1)
+    work = torch.cat([work_p, work_d])
+    sp, sd = 32 ** -0.5, 0.3
+    outs = ops.pod_prefill_decode(
+        pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices, pre.last_page_len,
+        dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr, dec.page_indices, dec.last_page_len,
+        work, pre.packed_mask, pre.mask_indptr, None, pre.block_m,
+        ops.MASK_CUSTOM, 4, sp, 0.0, ops.MASK_NONE, window_d, sd, 3.0, ops.POS_NONE, 1.0, 1e4,
+        1.0, None)
+    common = dict(chunk_size=0, pos_encoding_mode=0, rope_scale=1.0, rope_theta=1e4,
+                  v_scale=1.0)
+    refs = [
+        reference.batch_paged_prefill(
+            c.q.double(), c.k.double(), c.v.double(), c.qo_indptr, c.kv_indptr,
+            c.page_indices, c.last_page_len, mask, mi, None, None, out_dtype=torch.float64,
+            mask_mode=mm, window_left=w, sm_scale=sc, logits_soft_cap=cap, **common)
+        for c, mask, mi, mm, w, sc, cap in (
+            (pre, pre.packed_mask, pre.mask_indptr, ops.MASK_CUSTOM, 4, sp, 0.0),
+            (dec, None, None, ops.MASK_NONE, window_d, sd, 3.0))
+    ]
+    for (out, lse), (r_out, r_lse) in zip((outs[:2], outs[2:]), refs):
+        assert not torch.isnan(out).any()
+        fin = torch.isfinite(r_lse)
+        assert torch.equal(torch.isfinite(lse), fin)
+        assert (out.double() - r_out).abs().max() < 2e-3
+        assert (lse[fin].double() - r_lse[fin]).abs().max() < 1e-3
