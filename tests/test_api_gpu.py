@@ -1,0 +1,119 @@
+"""GPU tier of the public API (pytest -m gpu): the FlashInfer-style wrappers on CUDA tensors run
+our Triton kernels; each result is compared with the same call on CPU float64 copies (the
+reference path, itself checked against an independent oracle in the CPU tier). Includes the
+use_cuda_graph path: capture run(), re-plan with new lengths, replay."""
+
+import pytest
+import torch
+
+import compiled_attn
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+TOL = 3e-2  # bf16 outputs of O(1) values against float64
+
+
+def _indptr(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def _page_table(kv_lens, page, total_pages, gen):
+    npages = [(n + page - 1) // page for n in kv_lens]
+    indptr = _indptr(npages)
+    indices = torch.randperm(total_pages, generator=gen)[: sum(npages)].to(torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv_lens], dtype=torch.int32)
+    return indptr, indices, last
+
+
+def _close(gpu, cpu):
+    assert not torch.isnan(gpu).any()
+    err = (gpu.double().cpu() - cpu).abs().max().item()
+    assert err < TOL, err
+
+
+def test_paged_wrapper_cuda_graph_replay_after_replan():
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d, page, b, pages = 16, 4, 128, 16, 4, 256
+    cache = torch.randn(pages, 2, page, hkv, d, generator=g)
+    cache_gpu = cache.to("cuda", torch.bfloat16)
+    cap_rows, cap_pages = 900, pages
+    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buf=torch.zeros(cap_pages, dtype=torch.int32, device="cuda"),
+                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    ws = torch.empty(1, device="cuda")
+    w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, **bufs)
+    q_buf = torch.randn(cap_rows, hq, d, generator=g).to("cuda", torch.bfloat16)
+    plans = [([300, 1, 500, 99], [400, 1, 700, 99]), ([250, 0, 17, 600], [900, 3, 17, 1000])]
+    graph = None
+    for qo, kv in plans:
+        indptr, indices, last = _page_table(kv, page, pages, g)
+        w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
+               q_data_type=torch.bfloat16)
+        if graph is None:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                w.run(q_buf, cache_gpu)
+            torch.cuda.current_stream().wait_stream(s)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = w.run(q_buf, cache_gpu)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = sum(qo)
+        ref_w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        ref_w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
+                   q_data_type=torch.float64)
+        ref = ref_w.run(q_buf[:n].double().cpu(), cache_gpu.double().cpu())
+        _close(out[:n], ref)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_ragged_wrapper_custom_mask_and_single(layout):
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d = 8, 8, 64
+    qo, kv = [33, 200, 1], [70, 200, 5]
+    q = torch.randn(sum(qo), hq, d, generator=g)
+    shape = (sum(kv), hkv, d) if layout == "NHD" else (hkv, sum(kv), d)
+    k, v = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    mask = torch.cat([(torch.rand(a * b, generator=g) < 0.6) for a, b in zip(qo, kv)])
+    outs = []
+    for dev, dt in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        w = compiled_attn.BatchPrefillWithRaggedKVCacheWrapper(torch.empty(1, device=dev), layout)
+        w.plan(_indptr(qo), _indptr(kv), hq, hkv, d, custom_mask=mask, q_data_type=dt)
+        outs.append(w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), return_lse=True))
+    _close(outs[0][0], outs[1][0])
+    # single prefill, causal, same layout
+    q1, k1 = q[:33], (k[:70] if layout == "NHD" else k[:, :70])
+    v1 = v[:70] if layout == "NHD" else v[:, :70]
+    got = compiled_attn.single_prefill_with_kv_cache(q1.cuda().bfloat16(), k1.cuda().bfloat16(),
+                                                     v1.cuda().bfloat16(), causal=True,
+                                                     kv_layout=layout)
+    want = compiled_attn.single_prefill_with_kv_cache(q1.double(), k1.double(), v1.double(),
+                                                      causal=True, kv_layout=layout)
+    _close(got, want)
+
+
+def test_batch_pod_wrapper_one_launch():
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, page, pages = 16, 4, 128, 16, 128
+    cache = torch.randn(pages, 2, page, hkv, d, generator=g)
+    qo_p, kv_p = [100, 37], [300, 37]
+    kv_d = [77, 1, 500, 33]
+    ip, ii, il = _page_table(kv_p, page, pages, g)
+    dp, di, dl = _page_table(kv_d, page, pages, g)
+    q_p = torch.randn(sum(qo_p), hq, d, generator=g)
+    q_d = torch.randn(len(kv_d), hq, d, generator=g)
+    res = []
+    for dev, dt in (("cuda", torch.bfloat16), ("cpu", torch.float64)):
+        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
+        w.plan(_indptr(qo_p), ip, ii, il, _indptr([1] * len(kv_d)), dp, di, dl, hq, hkv, d,
+               page, q_data_type=dt, kv_data_type=dt)
+        c = cache.to(dev, dt)
+        res.append(w.run(q_p.to(dev, dt), c, q_d.to(dev, dt), c, causal_p=True))
+    _close(res[0][0], res[1][0])
+    _close(res[0][1], res[1][1])
