@@ -79,7 +79,7 @@ def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _kv_offsets(n, j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp, stride_vt, stride_vp,
+def _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_kp, stride_vt, stride_vp,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """int64 element offsets of keys j = n + arange(BLOCK_N) in K and in V: from the request's
     first key (dense / ragged) or from the cache's start (paged), before the head and dim
@@ -88,6 +88,17 @@ def _kv_offsets(n, j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp, strid
         if PAGE_SIZE % BLOCK_N == 0:
             # The whole tile lies in one page: one scalar read, contiguous slots.
             page = tl.load(page_idx_ptr + page_base + n // PAGE_SIZE).to(tl.int64)
+            slot = (j % PAGE_SIZE).to(tl.int64)
+            return page * stride_kp + slot * stride_kt, page * stride_vp + slot * stride_vt
+        elif PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
+            # BLOCK_N / PAGE_SIZE whole pages: one contiguous (vectorised) read of their
+            # indices, broadcast to the keys, instead of one read per key.
+            NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+            first = n + tl.arange(0, NP) * PAGE_SIZE
+            pages = tl.load(page_idx_ptr + page_base + n // PAGE_SIZE + tl.arange(0, NP),
+                            mask=first < kv_len, other=0)
+            page = tl.reshape(tl.broadcast_to(pages[:, None], [NP, PAGE_SIZE]), [BLOCK_N])
+            page = page.to(tl.int64)
             slot = (j % PAGE_SIZE).to(tl.int64)
             return page * stride_kp + slot * stride_kt, page * stride_vp + slot * stride_vt
         else:
@@ -124,7 +135,7 @@ def _attend_range(
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
-        k_off, v_off = _kv_offsets(n, j, j_ok, page_base, page_idx_ptr, stride_kt, stride_kp,
+        k_off, v_off = _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_kp,
                                    stride_vt, stride_vp, KV_MODE, PAGE_SIZE, BLOCK_N)
         kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
         if ROPE:
