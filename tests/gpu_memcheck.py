@@ -35,8 +35,9 @@ def main() -> int:
                   device="cuda", layout="HND")
     check(s, params())
     # The tile height the misaligned-address report came from (BLOCK_M 64, paged).
-    orig = K.block_m_for
+    orig, orig_cfg = K.block_m_for, K._config
     K.block_m_for = lambda *a: 64
+    K._config = lambda *a: dict(BLOCK_N=64, num_warps=4, num_stages=2)
     try:
         from compiled_attn.plan import build_work
         c = make_case("paged", [64, 300], [128, 300], hq=16, hkv=16, dqk=128,
@@ -45,7 +46,7 @@ def main() -> int:
         c.work = build_work([64, 300], 1, 64, "cuda")
         check(c, params(head_dim=128))
     finally:
-        K.block_m_for = orig
+        K.block_m_for, K._config = orig, orig_cfg
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases + 2} cases checked")
     return 0
