@@ -642,9 +642,13 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params)
     if work.shape[0] == 0:
         return out_p, lse_p, out_d, lse_d
-    cfg = args_p[2]
-    consts = {**{f"{k}_P": v for k, v in args_p[1].items()},
-              **{f"{k}_D": v for k, v in args_d[1].items()}}
+    # Both parts' loops live in one kernel and Triton gives each its own shared memory: halve
+    # each part's pipeline footprint (BLOCK_N and stages) so the sum fits.
+    d = max(q_p.shape[-1], v_cache_p.shape[-1])
+    pod_cfg = dict(BLOCK_N=32 if d > 128 else 64, NUM_STAGES=2)
+    cfg = dict(num_warps=args_p[2]["num_warps"], num_stages=2)
+    consts = {**{f"{k}_P": pod_cfg.get(k, v) for k, v in args_p[1].items()},
+              **{f"{k}_D": pod_cfg.get(k, v) for k, v in args_d[1].items()}}
     _kernel(_pod_fwd)[(work.shape[0], k_cache_p.shape[2])](
         work, *args_p[0], *args_d[0], **consts,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
