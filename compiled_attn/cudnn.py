@@ -353,7 +353,7 @@ def cudnn_batch_prefill_with_kv_cache(
         elif sum(kl) > k_cache.shape[0]:
             _fail("k_cache", f"has {k_cache.shape[0]} tokens, the lengths need {sum(kl)}",
                   "pass all KV tokens, packed")
-        work = plan.build_work(ql, group, bm, q.device)
+        work = plan.build_work(ql, group, bm, q.device, kv_lens=kl)
 
     # ---- scales, dtypes, the op
     sm_scale = float(scale) * _scale_value("q_scale", q_scale, graph_mode) \

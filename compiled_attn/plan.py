@@ -22,13 +22,26 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int) -> int:
 
 
 def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-    """int32 [W, 2] of (request, first packed row), request-major, from host-side lengths."""
+               device: torch.device | str = "cpu",
+               kv_lens: Sequence[int] | None = None) -> torch.Tensor:
+    """int32 [W, 2] of (request, first packed row), from host-side lengths.
+
+    With kv_lens, the items are ordered heaviest first (by the keys a tile's last row may
+    see, the causal bound), so that the GPU's tail runs short tiles: a longest-processing-time
+    schedule over the SMs. Without, they are request-major in row order.
+    """
     items = [
         (b, row)
         for b, n in enumerate(qo_lens)
         for row in range(0, int(n) * group_size, block_m)
     ]
+    if kv_lens is not None:
+        def cost(item):
+            b, row = item
+            last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
+            return -min(int(kv_lens[b]), int(kv_lens[b]) - int(qo_lens[b]) + last_tok)
+
+        items.sort(key=cost)  # stable: ties keep request-major order
     work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2)
     return work.to(device)
 

@@ -403,7 +403,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
                 page_size, qo_h.numel() - 1)
             qo_lens = qo_h[1:] - qo_h[:-1]
-            works.append(build_work(qo_lens.tolist(), p["group"], p["block_m"], "cpu"))
+            works.append(build_work(qo_lens.tolist(), p["group"], p["block_m"], "cpu",
+                                    kv_lens=kv_lens.tolist()))
             p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
                       f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
                       f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})

@@ -421,7 +421,7 @@ class _BatchPrefillBase:
 
         # ---- work list -----------------------------------------------------------------------
         block_m = block_m_for(head_dim_qk, hd_vo, group)
-        work = build_work(qo_lens.tolist(), group, block_m, "cpu")
+        work = build_work(qo_lens.tolist(), group, block_m, "cpu", kv_lens=kv_lens.tolist())
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "

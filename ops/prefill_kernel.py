@@ -377,8 +377,9 @@ def _prefill_fwd(
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     if KV_MODE == 0:
+        # Heaviest tile of each batch entry first (causal: the last rows see the most keys).
         req = pid // dense_tiles
-        row0 = (pid % dense_tiles) * BLOCK_M
+        row0 = (dense_tiles - 1 - pid % dense_tiles) * BLOCK_M
     else:
         req = tl.load(work_ptr + pid * 2)
         row0 = tl.load(work_ptr + pid * 2 + 1)

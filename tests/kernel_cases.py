@@ -76,7 +76,7 @@ def make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, *, dtype=torch.flo
         c.qo_indptr = _indptr(qo_lens, device)
         group = hq // hkv
         c.block_m = block_m_for(dqk, dvo, group)
-        c.work = build_work(qo_lens, group, c.block_m, device)
+        c.work = build_work(qo_lens, group, c.block_m, device, kv_lens=kv_lens)
     if kind == "ragged":
         nk = sum(kv_lens)
         c.kv_indptr = _indptr(kv_lens, device)
