@@ -228,6 +228,8 @@ def main(argv=None) -> int:
     import torch
 
     device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)  # torch 2.11's set_device needs an index
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: the benchmarks run on the GPU machine (docs/benchmarks.md); "
               "--list prints the cases here", file=sys.stderr)
