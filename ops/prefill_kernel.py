@@ -119,7 +119,7 @@ def _attend_range(
     rope_rcp_scale, log2_theta,
     MASKED: tl.constexpr, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr,
+    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DVO: tl.constexpr,
     DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -143,12 +143,18 @@ def _attend_range(
             k2 = tl.load(kt_ptrs + HALF * stride_kd, mask=j_ok[None, :], other=0.0).to(tl.float32)
             k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False)
             s = tl.dot(q, k1.to(q.dtype)) + tl.dot(q2, k2.to(q.dtype))
-        else:
+        elif MASKED or DQK != BLOCK_DQK:
             k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < DQK), other=0.0)
             s = tl.dot(q, k.to(q.dtype))
+        else:
+            k = tl.load(kt_ptrs)  # unmasked range: every key is < kv_len
+            s = tl.dot(q, k.to(q.dtype))
+        # FOLD (no cap, no ALiBi, positive scale): an unmasked tile keeps the raw products and
+        # folds the scale into the exp2 argument (one FMA per logit).
+        UNSCALED: tl.constexpr = FOLD and not MASKED
         if SOFT_CAP:
             s = _tanh(s * (qk_scale / soft_cap)) * (soft_cap * 1.4426950408889634)
-        else:
+        elif not UNSCALED:
             s = s * qk_scale
         if ALIBI:
             s += (slope * 1.4426950408889634)[:, None] * (j[None, :] - p_row[:, None]).to(tl.float32)
@@ -170,13 +176,22 @@ def _attend_range(
             # A row that has seen nothing yet keeps m = -inf; subtract 0 instead (no NaN).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            if UNSCALED:
+                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_new
-        p = tl.exp2(s - m_sub[:, None])
+        if UNSCALED:
+            p = tl.exp2(s * qk_scale - m_sub[:, None])
+        else:
+            p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
-        v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+        if MASKED or DVO != BLOCK_DVO:
+            v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, l_i, m_i
@@ -198,7 +213,7 @@ def _program(
     KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv."""
@@ -317,7 +332,7 @@ def _program(
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
         BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u0, u1, kv_len,
@@ -325,7 +340,7 @@ def _program(
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        False, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        False, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
         BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u1, n1, kv_len,
@@ -333,7 +348,7 @@ def _program(
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
         BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
@@ -370,7 +385,7 @@ def _prefill_fwd(
     KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
+    FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid."""
@@ -396,7 +411,7 @@ def _prefill_fwd(
         dense_qo_len, dense_kv_len,
         qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
         KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        SINKS, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
 
 
 @triton.jit
@@ -422,8 +437,18 @@ def _pod_fwd(
     stride_lb_d, stride_lt_d, stride_lh_d,
     dense_qo_len_d, dense_kv_len_d,
     qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
-    KV_MODE_P: tl.constexpr, PAGE_SIZE_P: tl.constexpr, GROUP_P: tl.constexpr, MASK_MODE_P: tl.constexpr, HAS_WINDOW_P: tl.constexpr, HAS_CHUNK_P: tl.constexpr, SOFT_CAP_P: tl.constexpr, ALIBI_P: tl.constexpr, ROPE_P: tl.constexpr, SINKS_P: tl.constexpr, BLOCK_M_P: tl.constexpr, BLOCK_N_P: tl.constexpr, BLOCK_DQK_P: tl.constexpr, BLOCK_DVO_P: tl.constexpr, DQK_P: tl.constexpr, DVO_P: tl.constexpr, NUM_STAGES_P: tl.constexpr,
-    KV_MODE_D: tl.constexpr, PAGE_SIZE_D: tl.constexpr, GROUP_D: tl.constexpr, MASK_MODE_D: tl.constexpr, HAS_WINDOW_D: tl.constexpr, HAS_CHUNK_D: tl.constexpr, SOFT_CAP_D: tl.constexpr, ALIBI_D: tl.constexpr, ROPE_D: tl.constexpr, SINKS_D: tl.constexpr, BLOCK_M_D: tl.constexpr, BLOCK_N_D: tl.constexpr, BLOCK_DQK_D: tl.constexpr, BLOCK_DVO_D: tl.constexpr, DQK_D: tl.constexpr, DVO_D: tl.constexpr, NUM_STAGES_D: tl.constexpr,
+    KV_MODE_P: tl.constexpr, PAGE_SIZE_P: tl.constexpr, GROUP_P: tl.constexpr, MASK_MODE_P:
+    tl.constexpr, HAS_WINDOW_P: tl.constexpr, HAS_CHUNK_P: tl.constexpr, SOFT_CAP_P:
+    tl.constexpr, ALIBI_P: tl.constexpr, ROPE_P: tl.constexpr, SINKS_P: tl.constexpr, FOLD_P:
+    tl.constexpr, BLOCK_M_P: tl.constexpr, BLOCK_N_P: tl.constexpr, BLOCK_DQK_P: tl.constexpr,
+    BLOCK_DVO_P: tl.constexpr, DQK_P: tl.constexpr, DVO_P: tl.constexpr, NUM_STAGES_P:
+    tl.constexpr,
+    KV_MODE_D: tl.constexpr, PAGE_SIZE_D: tl.constexpr, GROUP_D: tl.constexpr, MASK_MODE_D:
+    tl.constexpr, HAS_WINDOW_D: tl.constexpr, HAS_CHUNK_D: tl.constexpr, SOFT_CAP_D:
+    tl.constexpr, ALIBI_D: tl.constexpr, ROPE_D: tl.constexpr, SINKS_D: tl.constexpr, FOLD_D:
+    tl.constexpr, BLOCK_M_D: tl.constexpr, BLOCK_N_D: tl.constexpr, BLOCK_DQK_D: tl.constexpr,
+    BLOCK_DVO_D: tl.constexpr, DQK_D: tl.constexpr, DVO_D: tl.constexpr, NUM_STAGES_D:
+    tl.constexpr,
 ):
     """POD: grid (work items, KV heads); work item (part, request, first row), part 0 the
     prefill batch (suffix _p) and part 1 the decode batch (suffix _d), in one launch."""
@@ -445,7 +470,7 @@ def _pod_fwd(
     dense_qo_len_p, dense_kv_len_p,
     qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
         KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P,
-        SINKS_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P)
+        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P)
     else:
         _program(req, row0, hkv,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
@@ -459,7 +484,7 @@ def _pod_fwd(
     dense_qo_len_d, dense_kv_len_d,
     qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
         KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D,
-        SINKS_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D)
+        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,6 +510,7 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
         ALIBI=pos_encoding_mode == POS_ALIBI,
         ROPE=pos_encoding_mode == POS_ROPE_LLAMA,
         SINKS=sinks is not None,
+        FOLD=logits_soft_cap <= 0 and pos_encoding_mode != POS_ALIBI and sm_scale > 0,
     )
     return scalars, consts
 
