@@ -18,13 +18,15 @@ __all__ = ["register", "attention_forward"]
 
 
 def _packbits_rows(mask3: torch.Tensor) -> torch.Tensor:
-    """uint8 little-endian bits of a bool [B, Sq, Skv] tensor flattened row-major."""
-    flat = mask3.reshape(-1).to(torch.uint8)
+    """uint8 little-endian bits of a bool [B, Sq, Skv] tensor flattened row-major. Bit i is
+    shifted left by i (not weighted by ``2 ** arange``: AOTInductor's integer pow.Scalar
+    fallback returns float32 read as int32, see fx_passes.rewrite._pack_bits)."""
+    flat = mask3.reshape(-1).to(torch.int32)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    weights = (2 ** torch.arange(8, device=flat.device, dtype=torch.int32))
-    return (flat.view(-1, 8).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    shift = torch.arange(8, device=flat.device, dtype=torch.int32)
+    return (flat.view(-1, 8) << shift).sum(-1).to(torch.uint8)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,

@@ -449,7 +449,13 @@ def unrepeat(n: Node) -> tuple[Node, int, str | None]:
 def _pack_bits(em: Emitter, mask3: Node) -> Node:
     """uint8 little-endian bits of a bool [B, Sq, Skv] node, flattened row-major (the packed
     custom-mask format of single_prefill). Traceable without reading sizes: pad 7 zero bits,
-    take non-overlapping windows of 8 (ceil(n / 8) of them), weight by 2^bit and sum."""
+    take non-overlapping windows of 8 (ceil(n / 8) of them), shift bit i left by i and sum.
+
+    The weights are a shift (``bit << i``), not ``2 ** arange(8)``: Inductor lowers an integer
+    ``pow.Scalar`` to an ATen fallback, and AOTInductor's C shim for it
+    (``aoti_torch_<dev>_pow_Scalar(double self, ...)``) takes the base as a double, so the result
+    is float32 while the generated code reads it as int32 (float bit patterns as weights: every
+    packed byte wrong). torch 2.13; tests/test_fx_aoti.py pins it."""
     dev = val(mask3).device
     flat = em(aten.view.default, em(aten.clone.default, mask3,
                                     memory_format=torch.contiguous_format), [-1])
@@ -461,8 +467,8 @@ def _pack_bits(em: Emitter, mask3: Node) -> Node:
     else:
         bits = em(aten.constant_pad_nd.default, bits, [0, 7], 0.0)
         win = em(aten.unfold.default, bits, 0, 8, 8)  # [ceil(n/8), 8]
-    weights = em(aten.pow.Scalar, 2, em.arange(8, torch.int32, dev))
-    byte = em(aten.sum.dim_IntList, em(aten.mul.Tensor, win, weights), [1])
+    shifted = em(aten.bitwise_left_shift.Tensor, win, em.arange(8, torch.int32, dev))
+    byte = em(aten.sum.dim_IntList, shifted, [1])
     return em.cast(byte, torch.uint8)
 
 

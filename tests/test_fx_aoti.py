@@ -1,7 +1,15 @@
 """torch.export -> compiled_attn rewrite -> torch.export.save/load -> AOTInductor package ->
 load and run in a fresh process that imports compiled_attn -> output vs eager. Slow (an
-AOTInductor C++ build each), so two representative models: HF Llama (sdpa, GQA, left padding)
-causal and with left padding (custom mask: a known AOTI bug, strict xfail)."""
+AOTInductor C++ build each), so representative models: HF Llama (sdpa, GQA) causal and with
+left padding (custom mask), BERT with right padding (bidirectional custom mask) and the
+gpt-fast-style module (mask read from a causal buffer at input_pos, custom mask).
+
+The custom-mask cases once gave wrong outputs from the package (right from ep.module()): the
+rewrite packed the mask bits with ``2 ** arange(8)``, an integer ``pow.Scalar`` that Inductor
+hands to an ATen fallback, and AOTInductor's C shim for that op takes the base as a double, so
+it returned float32 that the generated code read as int32. The packing now shifts bits;
+``test_aoti_mask_packing_alone`` pins the packing itself through AOTInductor.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +17,15 @@ import subprocess
 import sys
 import textwrap
 
+import zipfile
+
 import pytest
 import torch
 
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import assert_close_rel, hf_model, inputs
+from .test_fx_models import GptFast, assert_close_rel, hf_model, inputs
 
 LOADER = textwrap.dedent("""
     import sys, torch
@@ -27,17 +37,26 @@ LOADER = textwrap.dedent("""
 """)
 
 
-def roundtrip(tmp_path, model, args):
+def _generated_cpp(pkg: str) -> str:
+    with zipfile.ZipFile(pkg) as z:
+        return "\n".join(z.read(n).decode(errors="replace") for n in z.namelist()
+                         if n.endswith(".cpp"))
+
+
+def roundtrip(tmp_path, model, args, rewrites=2):
     with torch.no_grad():
         ref = model(*args)
         fx_passes.counters.clear()
         ep = compiled_attn.export(model, args)
-    assert fx_passes.counters["rewritten"] == 2, dict(fx_passes.counters)
+    assert fx_passes.counters["rewritten"] == rewrites, dict(fx_passes.counters)
+    assert not [k for k in fx_passes.counters if k.startswith("skipped:")], dict(fx_passes.counters)
     torch.export.save(ep, tmp_path / "ep.pt2")
     ep2 = torch.export.load(tmp_path / "ep.pt2")
     assert any(n.target is torch.ops.compiled_attn.single_prefill.default
                for n in ep2.graph.nodes)
     pkg = torch._inductor.aoti_compile_and_package(ep2, package_path=str(tmp_path / "m.pt2"))
+    # The integer pow fallback whose C shim returns float32 (see the module docstring).
+    assert "_pow_Scalar(" not in _generated_cpp(pkg)
     torch.save(args, tmp_path / "io.pt")
     subprocess.run([sys.executable, "-c", LOADER, pkg, str(tmp_path / "io.pt"),
                     str(tmp_path / "out.pt")], check=True, timeout=300)
@@ -52,13 +71,83 @@ def test_aoti_llama_sdpa_causal(tmp_path):
     assert_close_rel(out, ref)
 
 
-# Known bug (open): with a custom mask (packed bits) the AOTInductor package computes wrong
-# outputs, while ep.module() and torch.compile(ep.module()) of the same rewritten program are
-# correct, and AOTI is correct for MASK_CAUSAL / MASK_NONE. Strict: passes -> remove the xfail.
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="AOTInductor + custom-mask single_prefill: wrong output")
 def test_aoti_llama_sdpa_padding(tmp_path):
     model = hf_model("llama", "sdpa")
     ids, am = inputs("left")
     out, ref = roundtrip(tmp_path, model, (ids, am))
     assert_close_rel(out, ref, am.bool())
+
+
+@pytest.mark.slow
+def test_aoti_bert_sdpa_padding(tmp_path):
+    model = hf_model("bert", "sdpa")
+    ids, am = inputs("right")
+    out, ref = roundtrip(tmp_path, model, (ids, am))
+    assert_close_rel(out, ref)  # every query row sees valid keys (bidirectional)
+
+
+@pytest.mark.slow
+def test_aoti_gpt_fast(tmp_path):
+    model = GptFast().eval()
+    idx = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
+    out, ref = roundtrip(tmp_path, model, (idx, torch.arange(12)))
+    assert fx_passes.counters["gqa:repeat_interleave"] == 2, dict(fx_passes.counters)
+    assert_close_rel(out, ref)
+
+
+def test_aoti_padding_mask_site(tmp_path):
+    """One SDPA site whose bool padding mask is built in the graph (Sq*Skv = 121 bits, not a
+    whole number of bytes): rewritten to a custom mask, AOTInductor package run in process vs
+    eager. One small build; pins the in-graph bit packing under AOTInductor. Batch 1: with
+    B = 2 at this size AOTInductor's CPU build of the op's reference is wrong on its own (see
+    test_aoti_reference_op_small_batch2)."""
+
+    class Site(torch.nn.Module):
+        def forward(self, q, k, v, am):
+            m = am.bool()[:, None, None, :]  # [B, 1, 1, Skv]
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    g = torch.Generator().manual_seed(3)
+    b, h, s, d = 1, 2, 11, 8
+    q, k, v = (torch.randn(b, h, s, d, generator=g) for _ in range(3))
+    am = torch.ones(b, s, dtype=torch.long)
+    am[0, :4] = 0
+    with torch.no_grad():
+        ref = Site()(q, k, v, am)
+        fx_passes.counters.clear()
+        ep = compiled_attn.export(Site(), (q, k, v, am))
+        assert fx_passes.counters["mask:custom"] == 1, dict(fx_passes.counters)
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "s.pt2"))
+        assert "_pow_Scalar(" not in _generated_cpp(pkg)
+        out = torch._inductor.aoti_load_package(pkg)(q, k, v, am)[0]
+    assert_close_rel(out, ref)
+
+
+# Open, not in the rewrite: torch.ops.compiled_attn.single_prefill alone (no rewrite, no mask),
+# q/k/v [2, 11, 2, 8] float32 on CPU, exported and built by AOTInductor: batch 1 of the package's
+# output is wrong (max err ~2), batch 0 right; eager and torch.compile are right. The package is
+# right with cpp.simdlen=1 (no vectorisation) and with
+# AOT_INDUCTOR_DEBUG_INTERMEDIATE_VALUE_PRINTER=3 (only the wrapper changes), and at B = 1. The
+# generated kernels equal torch.compile's, so the suspects are AOTInductor's CPU build or its
+# wrapper (torch 2.13 CPU). The HF/gpt-fast shapes above are not affected. Strict: passes ->
+# remove the xfail and go back to B = 2 in test_aoti_padding_mask_site.
+@pytest.mark.xfail(strict=True, reason="AOTInductor CPU: single_prefill reference, B=2 S=11 "
+                   "H=2 D=8, wrong batch 1 (torch bug, see comment)")
+def test_aoti_reference_op_small_batch2(tmp_path):
+    from compiled_attn.ops import MASK_NONE
+
+    class Op(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.compiled_attn.single_prefill(
+                q, k, v, None, None, None, MASK_NONE, -1, 0, 8 ** -0.5, 0.0, 0, 1.0, 1e4, 1.0,
+                None)[0]
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 11, 2, 8, generator=g) for _ in range(3))
+    with torch.no_grad():
+        ref = Op()(q, k, v)
+        ep = torch.export.export(Op(), (q, k, v))
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "o.pt2"))
+        out = torch._inductor.aoti_load_package(pkg)(q, k, v)[0]
+    assert_close_rel(out, ref)
