@@ -39,3 +39,21 @@ from .trtllm import *  # noqa: F401,F403  trtllm_fmha_v2_prefill
 from .compile import *  # noqa: F401,F403  compile(), export()
 
 __version__ = "0.1.0"
+
+# Imported on first access (module __getattr__): the FX rewrite pulls in torch._inductor, and
+# the HF integration transformers; neither is needed to call the prefill API.
+_LAZY_SUBMODULES = ("fx_passes", "hf")
+
+
+def __getattr__(name):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
