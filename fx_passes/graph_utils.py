@@ -198,8 +198,16 @@ class Emitter:
             return tuple(impl(*full))
 
         fake_in = [val(args[i]) for i in tensor_pos]
+        # Functionalized, so that the Triton launch (wrap_triton's in-place mutation of the
+        # outputs it allocates) becomes triton_kernel_wrapper_functional, whose results feed
+        # the graph: a mutation node with no users would be dead code to Inductor.
         with self.fake_mode:
-            gm = make_fx(fn, select_decomp_table(), tracing_mode="real")(*fake_in)
+            gm = make_fx(torch.func.functionalize(fn, remove="mutations_and_views"),
+                         select_decomp_table(), tracing_mode="real")(*fake_in)
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        if any("triton_kernel_wrapper_mutation" in t for t in targets):
+            raise RuntimeError(f"tracing compiled_attn::{name} left an in-place Triton launch in "
+                               "the graph; it would be dropped as dead code")
         env: dict = {}
         phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
         for ph, i in zip(phs, tensor_pos):
