@@ -88,6 +88,17 @@ def zero_or_neg(n, depth: int = 0) -> bool:
     dt = dtype(n)
     if dt is None or not dt.is_floating_point:
         raise NotProven(f"additive mask of dtype {dt} (not floating point)")
+    if n.op == "get_attr":
+        # A constant of the graph (e.g. a mask Dynamo folded into a tensor constant): its
+        # values are known at rewrite time and cannot change, so check them.
+        owner = n.graph.owning_module
+        const = getattr(owner, n.target, None) if owner is not None else None
+        if isinstance(const, torch.Tensor) and const.dtype.is_floating_point:
+            neg = (const == -math.inf) | (const <= -1e30) | (const == torch.finfo(const.dtype).min)
+            if bool(((const == 0) | neg).all()):
+                return bool((neg & torch.isfinite(const)).any())
+            raise NotProven(f"additive bias constant {n.target} holds values other than 0 and "
+                            "-inf/dtype-min")
     if n.op != "call_function":
         raise NotProven(f"additive bias from {n.op} {n.target} (a model input or constant, "
                         "values unknown)")

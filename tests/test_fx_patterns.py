@@ -135,3 +135,26 @@ def test_eager_fully_masked_rows_match():
     ref, out, _ = run_export(fn)
     assert not args[3][0, 0, 0].any()  # the case is really exercised
     close(out, ref)
+
+
+def test_additive_mask_constant_is_checked_by_value():
+    # Dynamo may fold a mask into a graph constant (get_attr): its values decide.
+    import math
+
+    import torch.fx as fx
+
+    from compiled_attn.fx_passes.masks import NotProven, zero_or_neg
+
+    for const, finite_neg in ((torch.tensor([[0.0, -math.inf]]), False),
+                              (torch.tensor([[0.0, torch.finfo(torch.float32).min]]), True)):
+        gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+        gm.register_buffer("m", const)
+        node = gm.graph.get_attr("m")
+        node.meta["val"] = const
+        assert zero_or_neg(node) is finite_neg
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.register_buffer("b", torch.tensor([[0.0, 0.5]]))
+    node = gm.graph.get_attr("b")
+    node.meta["val"] = gm.b
+    with pytest.raises(NotProven, match="values other than 0"):
+        zero_or_neg(node)
