@@ -21,7 +21,7 @@ import torch
 from . import _validate as V
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from .plan import block_m_for, build_work, uniform_work
-from .prefill import _split_v_scale
+from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
@@ -60,7 +60,7 @@ def _page_table(names, indptr, indices, last_page_len, page_size, b=None):
     return ind_h, idx_h, last_h, kv_lens
 
 
-class _PODBase:
+class _PODBase(_WrapperBase):
     """Plan options and the op call shared by both POD wrappers."""
 
     def _init_common(self, float_workspace_buffer, kv_layout):
@@ -71,24 +71,6 @@ class _PODBase:
         self._kv_layout = V.check_kv_layout(kv_layout)
         self._plan = None
         self._use_cuda_graph = False
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
-                               int_workspace_buffer: torch.Tensor | None = None) -> None:
-        """Replace the workspace buffers (they only fix the device; compiled_attn needs no
-        scratch)."""
-        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
-                          ("int_workspace_buffer", int_workspace_buffer)):
-            if buf is not None:
-                V.check_tensor(name, buf, device=self.device)
-        self._float_workspace_buffer = float_workspace_buffer
-        self._int_workspace_buffer = int_workspace_buffer
-
-    def end_forward(self) -> None:
-        """Deprecated in FlashInfer; nothing to release."""
 
     def _plan_options(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
                       window_left, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,

@@ -245,7 +245,31 @@ class _Plan:
         self.__dict__.update(kw)
 
 
-class _BatchPrefillBase:
+class _WrapperBase:
+    """What every FlashInfer-style wrapper has: the workspace buffers (which only fix the
+    device) and the CUDA-graph flag."""
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
+                               int_workspace_buffer: torch.Tensor | None = None) -> None:
+        """Replace the workspace buffers (1-D byte tensors on the wrapper's device). compiled_attn
+        keeps its plan in its own tensors and splits no KV, so the buffers only fix the device;
+        they must stay on it."""
+        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
+                          ("int_workspace_buffer", int_workspace_buffer)):
+            if buf is not None:
+                V.check_tensor(name, buf, device=self.device)
+        self._float_workspace_buffer = float_workspace_buffer
+        self._int_workspace_buffer = int_workspace_buffer
+
+    def end_forward(self) -> None:
+        """Deprecated in FlashInfer; nothing to release."""
+
+
+class _BatchPrefillBase(_WrapperBase):
     """Plan bookkeeping and run plumbing shared by the paged and ragged wrappers.
 
     Subclasses describe the KV side: ``_KV_BUFS`` names the index buffers their CUDA-graph
@@ -295,25 +319,6 @@ class _BatchPrefillBase:
                            dtypes=(torch.int32,), device=self.device)
         self._bufs = dict(index_bufs, custom_mask_buf=custom_mask_buf,
                           mask_indptr_buf=mask_indptr_buf)
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        return self._use_cuda_graph
-
-    def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
-                               int_workspace_buffer: torch.Tensor | None = None) -> None:
-        """Replace the workspace buffers (1-D byte tensors on the wrapper's device). compiled_attn
-        keeps its plan in its own tensors and splits no KV, so the buffers only fix the device;
-        they must stay on it."""
-        for name, buf in (("float_workspace_buffer", float_workspace_buffer),
-                          ("int_workspace_buffer", int_workspace_buffer)):
-            if buf is not None:
-                V.check_tensor(name, buf, device=self.device)
-        self._float_workspace_buffer = float_workspace_buffer
-        self._int_workspace_buffer = int_workspace_buffer
-
-    def end_forward(self) -> None:
-        """Deprecated in FlashInfer; nothing to release."""
 
     # ---- plan ---------------------------------------------------------------------------
     def _to_dev(self, t: torch.Tensor, non_blocking: bool, dtype=torch.int32) -> torch.Tensor:
