@@ -94,9 +94,15 @@ def zero_or_neg(n, depth: int = 0) -> bool:
         owner = n.graph.owning_module
         const = getattr(owner, n.target, None) if owner is not None else None
         if isinstance(const, torch.Tensor) and const.dtype.is_floating_point:
-            neg = (const == -math.inf) | (const <= -1e30) | (const == torch.finfo(const.dtype).min)
-            if bool(((const == 0) | neg).all()):
-                return bool((neg & torch.isfinite(const)).any())
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():  # the pass may run under Inductor's fake mode
+                neg = ((const == -math.inf) | (const <= -1e30)
+                       | (const == torch.finfo(const.dtype).min))
+                zero_or_neg_only = bool(((const == 0) | neg).all())
+                finite_neg = bool((neg & torch.isfinite(const)).any())
+            if zero_or_neg_only:
+                return finite_neg
             raise NotProven(f"additive bias constant {n.target} holds values other than 0 and "
                             "-inf/dtype-min")
     if n.op != "call_function":

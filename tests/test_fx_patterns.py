@@ -158,3 +158,20 @@ def test_additive_mask_constant_is_checked_by_value():
     node.meta["val"] = gm.b
     with pytest.raises(NotProven, match="values other than 0"):
         zero_or_neg(node)
+
+
+def test_additive_mask_constant_under_fake_mode():
+    # Inductor runs the pass with a FakeTensorMode active; the constant is a real tensor.
+    import math
+
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compiled_attn.fx_passes.masks import zero_or_neg
+
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.register_buffer("m", torch.tensor([[0.0, -math.inf]], dtype=torch.bfloat16))
+    node = gm.graph.get_attr("m")
+    node.meta["val"] = gm.m
+    with FakeTensorMode():
+        assert zero_or_neg(node) is False
