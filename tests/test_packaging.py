@@ -55,8 +55,8 @@ def test_wheel_contains_every_module(tmp_path):
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     out = tmp_path / "dist"
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out),
-         str(src)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--wheel-dir", str(out), str(src)],
         cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     wheels = list(out.glob("*.whl"))
