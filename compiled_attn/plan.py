@@ -54,3 +54,35 @@ def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
     req = torch.arange(batch_size, device=device, dtype=torch.int32).repeat_interleave(tiles)
     row = (torch.arange(tiles, device=device, dtype=torch.int32) * block_m).repeat(batch_size)
     return torch.stack([req, row], dim=1)
+
+
+def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size: int,
+                     block_m: int, num_kv_heads: int, device: torch.device | str = "cpu", *,
+                     num_sms: int | None = None, min_keys_per_chunk: int = 1024,
+                     max_chunks: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Split-KV plan: (work int32 [W, 4], merge int32 [T, 4] or None).
+
+    When the tiles times the KV heads would leave SMs idle (fewer programs than two per SM),
+    a tile with a long key range is cut into chunks of at least ``min_keys_per_chunk`` keys, so
+    that about two programs per SM run; its chunks are consecutive work rows (request, first
+    row, chunk, chunks) and one merge row (request, first row, first work row, chunks) combines
+    them. Otherwise the result is build_work's list with (0, 1) chunk columns and no merge.
+    num_sms: the GPU's multiprocessor count (default: the current CUDA device's, else 132).
+    """
+    if num_sms is None:
+        num_sms = (torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+                   if torch.cuda.is_available() else 132)
+    tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
+    programs = len(tiles) * num_kv_heads
+    want = max(1, -(-2 * num_sms // max(programs, 1))) if programs < 2 * num_sms else 1
+    rows, merges = [], []
+    for b, row in tiles:
+        last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
+        keys = min(int(kv_lens[b]), int(kv_lens[b]) - int(qo_lens[b]) + last_tok)
+        n = max(1, min(want, max_chunks, keys // max(min_keys_per_chunk, 1)))
+        if n > 1:
+            merges.append((b, row, len(rows), n))
+        rows.extend((b, row, s, n) for s in range(n))
+    work = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
+    merge = torch.tensor(merges, dtype=torch.int32).reshape(-1, 4).to(device) if merges else None
+    return work, merge

@@ -25,7 +25,7 @@ import torch
 
 from . import _validate as V
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
-from .plan import block_m_for, build_work
+from .plan import block_m_for, build_split_work, build_work
 from .utils import (_pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -357,12 +357,13 @@ class _BatchPrefillBase(_WrapperBase):
         if token_pos_in_items_len != 0:
             V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
         if fixed_split_size is not None and fixed_split_size != -1:
-            V.unsupported("fixed_split_size", "compiled_attn never splits a request's KV, so "
-                          "its outputs are already deterministic and batch-size invariant; "
-                          "pass None")
+            V.unsupported("fixed_split_size", "compiled_attn chooses its KV chunks itself "
+                          "(pass disable_split_kv=True for outputs that do not depend on the "
+                          "batch); pass None")
         if not isinstance(disable_split_kv, bool):
             raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
-        # disable_split_kv=True is honoured: the plan never splits KV.
+        # disable_split_kv=True is honoured: the plan then never splits KV. Otherwise a CUDA
+        # plan outside CUDA-graph mode splits long key ranges when tiles would leave SMs idle.
         dev = self.device.type
         b = qo_h.numel() - 1
         qo_lens = qo_h[1:] - qo_h[:-1]
@@ -461,7 +462,17 @@ class _BatchPrefillBase(_WrapperBase):
                 mask_indptr_dev = self._into_buf("mask_indptr_buf", mask_indptr, non_blocking)
             else:
                 packed_dev = mask_indptr_dev = None
+            merge_dev = None
         else:
+            merge_dev = None
+            if self.device.type == "cuda" and not disable_split_kv:
+                # Split-KV where the tiles would leave SMs idle (few query rows, long keys).
+                work, merge = build_split_work(qo_lens.tolist(), kv_lens.tolist(), group,
+                                               block_m, num_kv_heads, "cpu")
+                if merge is not None:
+                    merge_dev = self._to_dev(merge, non_blocking)
+                else:
+                    work = work[:, :2].contiguous()
             work_dev = self._to_dev(work, non_blocking)
             qo_dev = self._to_dev(qo_h, non_blocking)
             packed_dev = None if packed is None else packed.to(self.device, non_blocking=non_blocking)
@@ -473,7 +484,7 @@ class _BatchPrefillBase(_WrapperBase):
                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                      head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, group=group, block_m=block_m,
                      q_dtype=q_dt, kv_dtype=kv_dt, o_dtype=o_dt, mask_mode=mask_mode,
-                     qo_indptr=qo_dev, work=work_dev, packed_mask=packed_dev,
+                     qo_indptr=qo_dev, work=work_dev, merge=merge_dev, packed_mask=packed_dev,
                      mask_indptr=mask_indptr_dev, alibi=alibi, **opts)
 
     # ---- run -----------------------------------------------------------------------------
@@ -544,8 +555,10 @@ _PLAN_COMMON_DOC = """
         (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
         non_blocking: asynchronous host-to-device copies. seq_lens / seq_lens_q, if given, must
         equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
-        given, must bound them. disable_split_kv: honoured (the plan never splits KV);
-        fixed_split_size and the multi-item-scoring arguments raise NotImplementedError.
+        given, must bound them. disable_split_kv: True keeps every tile's keys in one program
+        (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
+        tiles would leave SMs idle); fixed_split_size and the multi-item-scoring arguments
+        raise NotImplementedError.
         With use_cuda_graph=True the index arrays are copied into the constructor's buffers
         (sizes checked) and the work list into a fixed buffer sized at the first plan, whose
         total query rows become the capacity (as in FlashInfer); padding work rows are
@@ -686,7 +699,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
             p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
-            p.o_dtype)
+            p.o_dtype, merge=p.merge)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
 
     run.__doc__ += _RUN_DOC
@@ -792,7 +805,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         res_out, res_lse = torch.ops.compiled_attn.batch_ragged_prefill(
             q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
             p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
-            p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype)
+            p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
 
     run.__doc__ += _RUN_DOC

@@ -135,7 +135,7 @@ def _batch_ragged_prefill(
     alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
     mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
-    out_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None, merge: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Ragged-batch prefill.
 
@@ -143,7 +143,11 @@ def _batch_ragged_prefill(
     by kv_indptr int32 [B+1] (any strides). work: int32 [W, 2] = (request, first packed row) of
     each tile of block_m packed rows (packed row r of a request = token r // G, head r % G of
     the group, G = Hq / Hkv). packed_mask: uint8, request b's bits of its bool [qo_len, kv_len]
-    mask start at byte mask_indptr[b] (int32 [B+1]). Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    mask start at byte mask_indptr[b] (int32 [B+1]). Split-KV: work int32 [W, 4] = (request,
+    first packed row, key chunk, number of chunks) with merge int32 [T, 4] = (request, first
+    packed row, first work item, number of chunks) for each tile cut into more than one chunk
+    (compiled_attn.plan.build_split_work); a tile's chunks are consecutive work items.
+    Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
@@ -151,7 +155,7 @@ def _batch_ragged_prefill(
         from . import prefill_kernel
 
         return prefill_kernel.launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask,
-                                            mask_indptr, alibi_slopes, sinks, block_m,
+                                            mask_indptr, alibi_slopes, sinks, block_m, merge,
                                             out_dtype=out_dtype or q.dtype, **params)
     return reference.batch_ragged_prefill(q, k, v, qo_indptr, kv_indptr, packed_mask,
                                           mask_indptr, alibi_slopes, sinks,
@@ -161,7 +165,7 @@ def _batch_ragged_prefill(
 def _batch_ragged_prefill_fake(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr,
                                alibi_slopes, sinks, block_m, mask_mode, window_left, chunk_size,
                                sm_scale, logits_soft_cap, pos_encoding_mode, rope_scale,
-                               rope_theta, v_scale, out_dtype):
+                               rope_theta, v_scale, out_dtype, merge=None):
     return _out_pair(q, (q.shape[0],), v.shape[-1], out_dtype)
 
 
@@ -179,15 +183,15 @@ def _batch_paged_prefill(
     alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
     mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
-    out_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None, merge: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Paged-KV batch prefill.
 
     q: [Nq, Hq, Dqk] split by qo_indptr int32 [B+1]. k_cache: [P, page, Hkv, Dqk], v_cache:
     [P, page, Hkv, Dvo] in logical NHD order with any strides (HND caches and 5-D caches come in
     as views). kv_page_indptr int32 [B+1] (in pages), kv_page_indices int32 [npages],
-    kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr: as
-    batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr, merge:
+    as batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
@@ -196,7 +200,7 @@ def _batch_paged_prefill(
 
         return prefill_kernel.launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                            kv_page_indices, kv_last_page_len, work, packed_mask,
-                                           mask_indptr, alibi_slopes, sinks, block_m,
+                                           mask_indptr, alibi_slopes, sinks, block_m, merge,
                                            out_dtype=out_dtype or q.dtype, **params)
     return reference.batch_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                          kv_page_indices, kv_last_page_len, packed_mask,
@@ -208,7 +212,7 @@ def _batch_paged_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv
                               kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes,
                               sinks, block_m, mask_mode, window_left, chunk_size, sm_scale,
                               logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta,
-                              v_scale, out_dtype):
+                              v_scale, out_dtype, merge=None):
     return _out_pair(q, (q.shape[0],), v_cache.shape[-1], out_dtype)
 
 

@@ -199,7 +199,7 @@ def _attend_range(
 
 @triton.jit
 def _program(
-    req, row0, hkv,
+    req, row0, hkv, split, nsplit, part_idx, part_o_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -215,8 +215,12 @@ def _program(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv."""
+    """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. With SPLIT,
+    the item covers key chunk ``split`` of ``nsplit`` of the tile's key range; when nsplit > 1
+    it writes its normalised partial output and LSE to slot part_idx of the partial buffers
+    (part_o [W, Hkv, BLOCK_M, BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd."""
     # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     soft_cap = tl.cast(soft_cap, tl.float32)
@@ -317,6 +321,12 @@ def _program(
     if MASK_MODE == 2:
         u0 = n1
     n1 = tl.maximum(n1, n0)
+    if SPLIT:
+        # Chunk `split` of `nsplit` of [n0, n1), in whole BLOCK_N blocks.
+        per = ((n1 - n0 + BLOCK_N - 1) // BLOCK_N + nsplit - 1) // nsplit
+        lo = tl.minimum(n0 + split * per * BLOCK_N, n1)
+        n1 = tl.minimum(lo + per * BLOCK_N, n1)
+        n0 = lo
     u0 = tl.minimum(tl.maximum(u0, n0), n1)
     u1 = tl.minimum(tl.maximum(u1, u0), n1)
 
@@ -352,6 +362,35 @@ def _program(
         BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
+    if SPLIT:
+        if nsplit > 1:
+            # A partial: normalised over this chunk's keys; _merge_fwd applies sinks, v_scale.
+            seen = l_i > 0
+            l_safe = tl.where(seen, l_i, 1.0)
+            offs_r = tl.arange(0, BLOCK_M)
+            offs_dv = tl.arange(0, BLOCK_DVO)
+            slot = (part_idx.to(tl.int64) * tl.num_programs(1) + hkv) * BLOCK_M
+            tl.store(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :],
+                     acc / l_safe[:, None])
+            tl.store(part_l_ptr + slot + offs_r,
+                     tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
+        else:
+            _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
+                         row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
+                         BLOCK_DVO, DVO)
+    else:
+        _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
+                     row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
+                     BLOCK_DVO, DVO)
+
+
+@triton.jit
+def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head, row_ok,
+                 stride_ot, stride_oh, stride_lt, stride_lh, v_scale,
+                 SINKS: tl.constexpr, BLOCK_DVO: tl.constexpr, DVO: tl.constexpr):
+    """Normalise (sinks add e^sink to the denominator; v_scale multiplies) and store the rows
+    of a tile: out (q's token/head layout) and the base-2 LSE; a row with l = 0 writes 0 and
+    -inf."""
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     scale = v_scale / l_safe
@@ -371,7 +410,7 @@ def _program(
 
 @triton.jit
 def _prefill_fwd(
-    work_ptr, dense_tiles,
+    work_ptr, dense_tiles, part_o_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -387,19 +426,29 @@ def _prefill_fwd(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid."""
+    """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid.
+    Otherwise work rows are (request, first row), or with SPLIT (request, first row, key
+    chunk, number of chunks)."""
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
+    split = 0
+    nsplit = 1
     if KV_MODE == 0:
         # Heaviest tile of each batch entry first (causal: the last rows see the most keys).
         req = pid // dense_tiles
         row0 = (dense_tiles - 1 - pid % dense_tiles) * BLOCK_M
+    elif SPLIT:
+        req = tl.load(work_ptr + pid * 4)
+        row0 = tl.load(work_ptr + pid * 4 + 1)
+        split = tl.load(work_ptr + pid * 4 + 2)
+        nsplit = tl.load(work_ptr + pid * 4 + 3)
     else:
         req = tl.load(work_ptr + pid * 2)
         row0 = tl.load(work_ptr + pid * 2 + 1)
     _program(
-        req, row0, hkv,
+        req, row0, hkv, split, nsplit, pid, part_o_ptr, part_l_ptr,
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
         mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -411,7 +460,7 @@ def _prefill_fwd(
         dense_qo_len, dense_kv_len,
         qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
         KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SPLIT)
 
 
 @triton.jit
@@ -458,7 +507,7 @@ def _pod_fwd(
     req = tl.load(work_ptr + pid * 3 + 1)
     row0 = tl.load(work_ptr + pid * 3 + 2)
     if part == 0:
-        _program(req, row0, hkv,
+        _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
         q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
     qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
     mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
@@ -470,9 +519,9 @@ def _pod_fwd(
     dense_qo_len_p, dense_kv_len_p,
     qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
         KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P,
-        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P)
+        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P, False)
     else:
-        _program(req, row0, hkv,
+        _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
     qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
     mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
@@ -484,7 +533,51 @@ def _pod_fwd(
     dense_qo_len_d, dense_kv_len_d,
     qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
         KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D,
-        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D)
+        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D, False)
+
+
+@triton.jit
+def _merge_fwd(
+    merge_ptr, part_o_ptr, part_l_ptr, o_ptr, lse_ptr, qo_indptr_ptr, sinks_ptr,
+    stride_ot, stride_oh, stride_lt, stride_lh, v_scale,
+    GROUP: tl.constexpr, SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DVO: tl.constexpr,
+    DVO: tl.constexpr,
+):
+    """Grid (split tiles, KV heads): combine a tile's partials (merge row: request, first
+    row, first work item, number of chunks) by their base-2 LSEs, then apply sinks and
+    v_scale and store like _store_final."""
+    t = tl.program_id(0)
+    hkv = tl.program_id(1)
+    req = tl.load(merge_ptr + t * 4)
+    row0 = tl.load(merge_ptr + t * 4 + 1)
+    first = tl.load(merge_ptr + t * 4 + 2)
+    n = tl.load(merge_ptr + t * 4 + 3)
+    qo_start = tl.load(qo_indptr_ptr + req)
+    qo_len = tl.load(qo_indptr_ptr + req + 1) - qo_start
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DVO)
+    rows = row0 + offs_r
+    tok = rows // GROUP
+    head = hkv * GROUP + rows % GROUP
+    row_ok = tok < qo_len
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    s_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)
+    for i in range(n):
+        slot = ((first + i).to(tl.int64) * tl.num_programs(1) + hkv) * BLOCK_M
+        lse_i = tl.load(part_l_ptr + slot + offs_r)
+        o_i = tl.load(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :])
+        m_new = tl.maximum(m_run, lse_i)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        a = tl.exp2(m_run - m_sub)
+        w = tl.exp2(lse_i - m_sub)
+        acc = acc * a[:, None] + o_i * w[:, None]
+        s_run = s_run * a + w
+        m_run = m_new
+    # In base-2 units: l = s_run * 2^m_run is the softmax denominator over all chunks.
+    _store_final(acc, s_run, m_run, o_ptr, lse_ptr, sinks_ptr, qo_start.to(tl.int64) * stride_ot,
+                 qo_start.to(tl.int64) * stride_lt, tok, head, row_ok, stride_ot, stride_oh,
+                 stride_lt, stride_lh, tl.cast(v_scale, tl.float32), SINKS, BLOCK_DVO, DVO)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,11 +699,32 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
     return out, lse, args
 
 
-def _launch_prefill(grid, work, tiles, out, lse, args):
+def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
+    """The prefill launch; with a split plan (work [W, 4], merge [T, 4]) the chunks of a split
+    tile write float32 partials and _merge_fwd combines them (a second launch)."""
     prog_args, consts, cfg = args
+    split = work is not None and work.shape[1] == 4
+    if work is None:
+        work = prog_args[0]  # dense mode reads no work list; any tensor stands in
+    part_o = part_l = work
+    if split:
+        # Allocated for every split plan (a chunk never writes outside these buffers, even if
+        # a plan forgot its merge row).
+        hkv = grid[1]
+        part_o = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
+                                dtype=torch.float32)
+        part_l = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"]), dtype=torch.float32)
     _kernel(_prefill_fwd)[grid](
-        work, tiles, *prog_args, **consts,
+        work, tiles, part_o, part_l, *prog_args, **consts, SPLIT=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if split and merge is not None and merge.shape[0] > 0:
+        qo_indptr = prog_args[5]
+        _kernel(_merge_fwd)[(merge.shape[0], grid[1])](
+            merge, part_o, part_l, out, lse, qo_indptr,
+            sinks if sinks is not None else qo_indptr,
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), float(v_scale),
+            GROUP=consts["GROUP"], SINKS=sinks is not None, BLOCK_M=consts["BLOCK_M"],
+            BLOCK_DVO=consts["BLOCK_DVO"], DVO=consts["DVO"], num_warps=4)
     return out, lse
 
 
@@ -622,29 +736,31 @@ def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **par
         return out, lse
     consts = args[1]
     tiles = triton.cdiv(sq * consts["GROUP"], consts["BLOCK_M"])
-    return _launch_prefill((bsz * tiles, k.shape[2]), q, tiles, out, lse, args)
+    return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args)
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,
-                  sinks, block_m, *, out_dtype, **params):
+                  sinks, block_m, merge=None, *, out_dtype, **params):
     """batch_ragged_prefill: grid (work items, Hkv)."""
     out, lse, args = _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr,
                                   alibi_slopes, sinks, block_m, out_dtype, params)
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
-    return _launch_prefill((work.shape[0], k.shape[1]), work, 1, out, lse, args)
+    return _launch_prefill((work.shape[0], k.shape[1]), work, 1, out, lse, args, merge, sinks,
+                           params["v_scale"])
 
 
 def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
                  kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes, sinks, block_m,
-                 *, out_dtype, **params):
+                 merge=None, *, out_dtype, **params):
     """batch_paged_prefill: grid (work items, Hkv)."""
     out, lse, args = _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                  kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
                                  alibi_slopes, sinks, block_m, out_dtype, params)
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
-    return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args)
+    return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args, merge,
+                           sinks, params["v_scale"])
 
 
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,

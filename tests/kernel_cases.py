@@ -35,6 +35,7 @@ class Case:
     mask_indptr: torch.Tensor | None = None
     alibi: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
+    merge: torch.Tensor | None = None  # split-KV merge rows (work then has 4 columns)
 
 
 def _indptr(lens, device):
@@ -137,10 +138,10 @@ def run(c: Case, p: dict, out_dtype=None):
     if c.kind == "ragged":
         return ops.batch_ragged_prefill(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.work,
                                         c.packed_mask, c.mask_indptr, c.alibi, c.sinks,
-                                        c.block_m, *args)
+                                        c.block_m, *args, merge=c.merge)
     return ops.batch_paged_prefill(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.page_indices,
                                    c.last_page_len, c.work, c.packed_mask, c.mask_indptr,
-                                   c.alibi, c.sinks, c.block_m, *args)
+                                   c.alibi, c.sinks, c.block_m, *args, merge=c.merge)
 
 
 def split_requests(c: Case) -> list[Case]:

@@ -239,3 +239,19 @@ def test_report_worst_ratio():
         worst = max(RATIOS, key=lambda x: x[1])
         print(f"\nGPU kernel cases: {len(RATIOS)}, worst error ratio vs torch's own error: "
               f"{worst[1]:.3f} ({worst[0]})")
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+@pytest.mark.parametrize("dt", DTYPES)
+def test_split_kv_grid(kind, dt):
+    # Few query rows against long keys: the split plan cuts tiles into chunks merged by
+    # _merge_fwd (sinks and v_scale applied after the merge).
+    from compiled_attn.plan import build_split_work
+
+    qo, kv = [1, 17, 5, 0, 64], [8000, 3001, 129, 7, 4096]
+    c = make_case(kind, qo, kv, hq=32, hkv=8, dqk=128, dtype=dt, device="cuda", page_size=16,
+                  sinks=True, seed=8)
+    c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 8, "cuda")
+    assert c.merge is not None
+    _check("split", c, params(head_dim=128, v_scale=0.5))
+    _check("split", c, params(head_dim=128, mask_mode=ops.MASK_NONE, window_left=1000))

@@ -65,7 +65,7 @@ PLAN_ERRORS = [
      r"packed_custom_mask: has 8 bytes but the plan needs 7 .*segment_packbits"),
     (dict(seq_lens=torch.tensor([5, 8])), ValueError, r"seq_lens: \[5, 8\] disagrees"),
     (dict(max_sequence_kv=8), ValueError, "max_sequence_kv = 8 is below"),
-    (dict(fixed_split_size=16), NotImplementedError, "fixed_split_size: compiled_attn never"),
+    (dict(fixed_split_size=16), NotImplementedError, "fixed_split_size: compiled_attn chooses"),
     (dict(prefix_len_ptr=torch.zeros(2)), NotImplementedError, "prefix_len_ptr: multi-item"),
     (dict(block_tables=torch.zeros(2, 3)), NotImplementedError, "block_tables"),
     (dict(q_data_type=torch.float8_e4m3fn), NotImplementedError, "q_data_type: .*fp8"),

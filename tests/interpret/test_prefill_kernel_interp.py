@@ -144,3 +144,31 @@ def test_pod_one_launch(window_d):
         assert torch.equal(torch.isfinite(lse), fin)
         assert (out.double() - r_out).abs().max() < 2e-3
         assert (lse[fin].double() - r_lse[fin]).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+@pytest.mark.parametrize("mode", ["causal", "none", "window", "sinks_vscale", "custom"])
+def test_split_kv(kind, mode):
+    # Few query rows, long keys: the plan cuts tiles into key chunks whose partials
+    # _merge_fwd combines; every chunk count (1 = no merge) appears.
+    from compiled_attn.plan import build_split_work
+
+    qo, kv = [3, 1, 40, 0, 2], [300, 97, 260, 5, 1]
+    c = make_case(kind, qo, kv, hq=4, hkv=2, dqk=32, page_size=16,
+                  custom_mask=mode == "custom", sinks=mode == "sinks_vscale", seed=31)
+    c.work, merge = build_split_work(qo, kv, 2, c.block_m, 2, num_sms=32, min_keys_per_chunk=64)
+    assert merge is not None and int(merge[:, 3].max()) > 2
+    assert c.work.shape[0] > merge.shape[0]
+    c.merge = merge
+    p = dict(MODES[mode])
+    p["head_dim"] = None
+    p.pop("head_dim")
+    p["sm_scale"] = 32 ** -0.5
+    check(c, p)
+
+
+def test_split_plan_without_idle_sms_is_unsplit():
+    from compiled_attn.plan import build_split_work
+
+    work, merge = build_split_work([512] * 8, [4096] * 8, 1, 64, 8, num_sms=16)
+    assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
