@@ -8,9 +8,14 @@ import compiled_attn
 
 
 def main():
+    for qo, kv in (([1] * 8 + [16] * 8, [8192] * 16), ([1, 16], [32768, 32768])):
+        case(qo, kv)
+
+
+def case(qo, kv):
     torch.manual_seed(0)
     page, hq, hkv, d = 16, 32, 8, 128
-    qo, kv = [1] * 8 + [16] * 8, [8192] * 16
+    print(f"qo_lens {qo}, kv_lens {kv}, Hq {hq} / Hkv {hkv}, D {d}, page {page}")
     pages = [(n + page - 1) // page for n in kv]
     qi = torch.tensor([0] + torch.tensor(qo).cumsum(0).tolist(), dtype=torch.int32)
     ki = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)

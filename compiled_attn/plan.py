@@ -62,9 +62,9 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
                      max_chunks: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV plan: (work int32 [W, 4], merge int32 [T, 4] or None).
 
-    When the tiles times the KV heads would leave SMs idle (fewer programs than two per SM),
-    a tile with a long key range is cut into chunks of at least ``min_keys_per_chunk`` keys, so
-    that about two programs per SM run; its chunks are consecutive work rows (request, first
+    When the tiles times the KV heads would leave most SMs idle (programs <= SMs / 2), a tile
+    with a long key range is cut into chunks of at least ``min_keys_per_chunk`` keys, so that
+    about one program per SM runs; its chunks are consecutive work rows (request, first
     row, chunk, chunks) and one merge row (request, first row, first work row, chunks) combines
     them. Otherwise the result is build_work's list with (0, 1) chunk columns and no merge.
     num_sms: the GPU's multiprocessor count (default: the current CUDA device's, else 132).
@@ -74,7 +74,10 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
                    if torch.cuda.is_available() else 132)
     tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
     programs = len(tiles) * num_kv_heads
-    want = max(1, -(-2 * num_sms // max(programs, 1))) if programs < 2 * num_sms else 1
+    # Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
+    # memory rate, and splitting them was slower (0.82x, benchmarks/NOTES.md); split only when
+    # at most half the SMs would have a program, up to about one program per SM.
+    want = -(-num_sms // max(programs, 1)) if 2 * programs <= num_sms else 1
     rows, merges = [], []
     for b, row in tiles:
         last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
