@@ -79,7 +79,8 @@ def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.
 
 
 @triton.jit
-def _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_kp, stride_vt, stride_vp,
+def _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_kp,
+                stride_vt, stride_vp,
                 KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """int64 element offsets of keys j = n + arange(BLOCK_N) in K and in V: from the request's
     first key (dense / ragged) or from the cache's start (paged), before the head and dim
@@ -135,8 +136,8 @@ def _attend_range(
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
-        k_off, v_off = _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_kp,
-                                   stride_vt, stride_vp, KV_MODE, PAGE_SIZE, BLOCK_N)
+        k_off, v_off = _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt,
+                                   stride_kp, stride_vt, stride_vp, KV_MODE, PAGE_SIZE, BLOCK_N)
         kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
         if ROPE:
             k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
@@ -157,7 +158,8 @@ def _attend_range(
         elif not UNSCALED:
             s = s * qk_scale
         if ALIBI:
-            s += (slope * 1.4426950408889634)[:, None] * (j[None, :] - p_row[:, None]).to(tl.float32)
+            dist = (j[None, :] - p_row[:, None]).to(tl.float32)
+            s += (slope * 1.4426950408889634)[:, None] * dist
         if MASKED:
             see = j_ok[None, :] & row_ok[:, None]
             if MASK_MODE == 1:
@@ -518,8 +520,10 @@ def _pod_fwd(
     stride_lb_p, stride_lt_p, stride_lh_p,
     dense_qo_len_p, dense_kv_len_p,
     qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
-        KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P,
-        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P, NUM_STAGES_P, False)
+        KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P,
+        ALIBI_P, ROPE_P,
+        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
+        NUM_STAGES_P, False)
     else:
         _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
@@ -532,8 +536,10 @@ def _pod_fwd(
     stride_lb_d, stride_lt_d, stride_lh_d,
     dense_qo_len_d, dense_kv_len_d,
     qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
-        KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D,
-        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D, NUM_STAGES_D, False)
+        KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D,
+        ALIBI_D, ROPE_D,
+        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
+        NUM_STAGES_D, False)
 
 
 @triton.jit
