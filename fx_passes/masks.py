@@ -237,6 +237,19 @@ def evaluate(n: Node) -> torch.Tensor | None:
     return out if isinstance(out, torch.Tensor) else None
 
 
+def scalar_value(n: Node) -> float | None:
+    """The Python float held by a one-element node built from constants alone, or None.
+    Read outside any active fake mode (the pass may run inside Inductor's, where even
+    ``reshape`` of the real tensor ``evaluate`` returns would raise)."""
+    c = evaluate(n)
+    if c is None or c.numel() != 1:
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return float(c.reshape(()).item())
+
+
 def classify(visible: torch.Tensor, sq: int, skv: int) -> tuple[str, int]:
     """Classify a concrete bool mask broadcastable to [b, Sq, Skv] (one for all heads).
 
@@ -265,4 +278,4 @@ def classify(visible: torch.Tensor, sq: int, skv: int) -> tuple[str, int]:
 
 
 __all__ = ["NotProven", "zero_or_neg", "head_invariant", "evaluate", "classify", "is_neg_value",
-           "head_axis", "operator"]
+           "head_axis", "scalar_value", "operator"]

@@ -87,6 +87,8 @@ class Site:
     causal_top_left: bool = False
     enable_gqa: bool = False
     drop: list = field(default_factory=list)  # nodes to erase with the site (e.g. asserts)
+    # Runtime scalar factors of the logits: (0-d tensor node, "mul" | "div"), folded into q.
+    scale_nodes: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +185,26 @@ def _scale_factor(n: Node) -> tuple[Node, float] | None:
     return None
 
 
+def _tensor_scale(n: Node) -> tuple[Node, Node, str] | None:
+    """(x, t, how) when n == x * t or x / t with t a 0-d floating tensor computed at run time
+    (e.g. HF's ``self.scaling`` float, which Dynamo with dynamic=True passes to the graph as a
+    0-d tensor input): a uniform factor, so exactly foldable into q."""
+    if not is_call(n, aten.mul.Tensor, aten.div.Tensor):
+        return None
+    if is_call(n, aten.div.Tensor) and n.kwargs.get("rounding_mode"):
+        return None
+    a, b = n.args[:2]
+    cands = [(a, b), (b, a)] if n.target is aten.mul.Tensor else [(a, b)]
+    for x, t in cands:
+        if not (isinstance(x, Node) and isinstance(t, Node)):
+            continue
+        tv = val(t)
+        if (isinstance(tv, torch.Tensor) and tv.dim() == 0 and tv.dtype.is_floating_point
+                and same_shape(shape(x), shape(n))):
+            return x, t, "mul" if n.target is aten.mul.Tensor else "div"
+    return None
+
+
 def _soft_cap(n: Node) -> tuple[Node, float] | None:
     """(x, c) when n == tanh(x / c) * c (Gemma2's attn_logit_softcapping)."""
     sf = _scale_factor(n)
@@ -205,19 +227,29 @@ def _fill_mask(n: Node):
     if is_call(n, aten.where.ScalarOther) and M.is_neg_value(n.args[2]):
         return n.args[1], ("not", n.args[0]), n.args[2]
     if is_call(n, aten.where.self) and isinstance(n.args[2], Node):
-        c = M.evaluate(n.args[2]) if M.constant_ancestors(n.args[2]) else None
-        if c is not None and c.numel() == 1 and M.is_neg_value(float(c.reshape(()).item())):
-            return n.args[1], ("not", n.args[0]), float(c.reshape(()).item())
+        c = M.scalar_value(n.args[2])
+        if c is not None and M.is_neg_value(c):
+            return n.args[1], ("not", n.args[0]), c
+    # where(hide, NEG, x): masked_fill as Inductor decomposes it.
+    if is_call(n, aten.where.ScalarSelf) and M.is_neg_value(n.args[1]) \
+            and isinstance(n.args[2], Node):
+        return n.args[2], n.args[0], n.args[1]
+    if is_call(n, aten.where.self) and isinstance(n.args[1], Node) \
+            and isinstance(n.args[2], Node):
+        c = M.scalar_value(n.args[1])
+        if c is not None and M.is_neg_value(c):
+            return n.args[2], n.args[0], c
     return None
 
 
-def parse_scores(x: Node, full_shape, hides: list | None = None
-                 ) -> tuple[Node, float, float, list]:
+def parse_scores(x: Node, full_shape, hides: list | None = None,
+                 scale_nodes: list | None = None) -> tuple[Node, float, float, list]:
     """Read the logits fed to softmax back to q @ k^T.
 
     Accepted order (outermost first): casts and additive masks, then the soft cap, then scale
     factors, then the matmul. Returns (qk_matmul_node, scale, soft_cap, additive masks).
-    Raises Skip for an op we do not understand on this path.
+    Runtime 0-d tensor factors are appended to scale_nodes (when given) as (node, "mul" |
+    "div"). Raises Skip for an op we do not understand on this path.
     """
     masks: list = []
     scale, cap = 1.0, 0.0
@@ -267,6 +299,16 @@ def parse_scores(x: Node, full_shape, hides: list | None = None
             scale *= c
             seen_scale = True
             continue
+        ts = _tensor_scale(n) if scale_nodes is not None else None
+        if ts is not None and is_call(strip_identity(ts[0]), aten.tanh.default):
+            # tanh(x / c) * c with c a 0-d tensor input (Dynamo's unspecialized float, e.g.
+            # Gemma2 under dynamic=True): the kernel's logits_soft_cap is a compile-time float.
+            raise Skip("soft cap by a runtime value (an unspecialized float)")
+        if ts is not None:
+            n, t, how = ts
+            scale_nodes.append((t, how))
+            seen_scale = True
+            continue
         what = n.target if isinstance(n, Node) else n
         raise Skip(f"unsupported op {getattr(what, '__name__', what)} between q @ k^T "
                    "and softmax")
@@ -281,9 +323,12 @@ def _leads_to_matmul(n: Node, depth: int = 0) -> bool:
             return False
         if match_matmul(n) is not None:
             return True
-        sc = _soft_cap(n) or _scale_factor(n) or _fill_mask(n)
+        sc = _soft_cap(n) or _scale_factor(n) or _fill_mask(n) or _tensor_scale(n)
         if sc is not None:
             n = sc[0]
+            continue
+        if is_call(n, aten.tanh.default):  # a soft cap parse_scores may still refuse
+            n = n.args[0]
             continue
         if is_call(n, aten.add.Tensor) and depth < 8:
             return any(isinstance(a, Node) and _leads_to_matmul(a, depth + 1) for a in n.args)
@@ -319,15 +364,16 @@ def match_matmul_softmax(n: Node) -> Site | None:
         return None
     xs = strip_identity(x)
     hides: list = []
+    scale_nodes: list = []
     try:
-        qk, scale, cap, add_masks = parse_scores(xs, shape(p0), hides)
+        qk, scale, cap, add_masks = parse_scores(xs, shape(p0), hides, scale_nodes)
     except Skip:
         if _has_matmul_ancestor(xs, 8):
             raise  # softmax(f(q @ k^T)) @ v with an f we do not understand: counted as skipped
         return None  # softmax of something that is not q @ k^T: not attention
     q, kt = match_matmul(qk)
     site = Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
-                soft_cap=cap, add_masks=add_masks)
+                soft_cap=cap, add_masks=add_masks, scale_nodes=scale_nodes)
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
@@ -622,7 +668,12 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         mask3 = em(aten.expand.default, b, [em.size(q, 0), em.size(q, 2), em.size(v, 2)])
         packed = _pack_bits(em, mask3)
 
-    qt = em(aten.permute.default, q, [0, 2, 1, 3])
+    q_scaled = q
+    for t, how in site.scale_nodes:
+        # (q * t) @ k^T == t * (q @ k^T) for a 0-d t: the kernel's sm_scale keeps the constant
+        # part. Same dtype as eager's product (a 0-d tensor does not promote q's dtype).
+        q_scaled = em(aten.mul.Tensor if how == "mul" else aten.div.Tensor, q_scaled, t)
+    qt = em(aten.permute.default, q_scaled, [0, 2, 1, 3])
     kk = _transpose_last2(em, k_src)
     kt = em(aten.permute.default, kk, [0, 2, 1, 3])
     vt = em(aten.permute.default, v_src, [0, 2, 1, 3])
@@ -645,6 +696,8 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     counters[f"gqa:{gqa_how}"] += gqa_how is not None
     if site.soft_cap:
         counters["soft_cap"] += 1
+    if site.scale_nodes:
+        counters["scale:runtime"] += 1
     return kind
 
 

@@ -46,3 +46,23 @@ def test_hf_attn_implementation(name, ref_impl, padding, monkeypatch):
     assert len(calls) == 2 and op is not None  # one call per layer went through our kernel
     rows = am.bool() if am is not None and name != "bert" else None
     assert_close_rel(out, ref, rows)
+
+
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_hf_attn_implementation_torch_compile(padding):
+    """attn_implementation="compiled_attn" under torch.compile(fullgraph=False): Dynamo traces
+    the attention function and our op (no graph break), output matches eager sdpa."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    ref_model = hf_model("llama", "sdpa")
+    ours = hf_model("llama", "sdpa")
+    ours.model.set_attn_implementation("compiled_attn")
+    ids, am = inputs(padding)
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        ref = ref_model(ids, am)
+        out = torch.compile(ours, fullgraph=False)(ids, am)
+    assert not dict(dynamo_counters["graph_break"]), dict(dynamo_counters["graph_break"])
+    rows = am.bool() if am is not None else None
+    assert_close_rel(out, ref, rows)
