@@ -1,8 +1,13 @@
 """torch.export -> compiled_attn rewrite -> torch.export.save/load -> AOTInductor package ->
 load and run in a fresh process that imports compiled_attn -> output vs eager. Slow (an
-AOTInductor C++ build each), so representative models: HF Llama (sdpa, GQA) causal and with
-left padding (custom mask), BERT with right padding (bidirectional custom mask) and the
-gpt-fast-style module (mask read from a causal buffer at input_pos, custom mask).
+AOTInductor C++ build each, ~10-15 s on 2 cores). Every tiny model of test_fx_models: HF Llama
+(sdpa, GQA) causal and with left padding (custom mask), BERT with right padding (bidirectional
+custom mask), the gpt-fast-style module (mask read from a causal buffer at input_pos, custom
+mask), and one configuration each, the one that exercises the model's own feature, for Mistral
+(sdpa, sliding window), Gemma2 (eager, soft cap + sliding window on alternate layers), Qwen2
+(sdpa, one KV head, left padding) and GPT-2 (eager, left padding). The last four are built
+once per module and their packages run in one fresh process (saves a Python + torch start
+each); each still passes or fails on its own.
 
 The custom-mask cases once gave wrong outputs from the package (right from ep.module()): the
 rewrite packed the mask bits with ``2 ** arange(8)``, an integer ``pow.Scalar`` that Inductor
@@ -27,13 +32,19 @@ from compiled_attn import fx_passes
 
 from .test_fx_models import GptFast, assert_close_rel, hf_model, inputs
 
+# Runs [(package, args), ...] in one process; an exception in one package is returned as its
+# text in that package's slot, so that the others still run.
 LOADER = textwrap.dedent("""
-    import sys, torch
+    import sys, traceback, torch
     import compiled_attn  # registers the compiled_attn ops the package calls
-    pkg, io, out_path = sys.argv[1:4]
-    args = torch.load(io)
-    runner = torch._inductor.aoti_load_package(pkg)
-    torch.save(runner(*args), out_path)
+    io, out_path = sys.argv[1:3]
+    outs = []
+    for pkg, args in torch.load(io):
+        try:
+            outs.append(torch._inductor.aoti_load_package(pkg)(*args))
+        except Exception:
+            outs.append(traceback.format_exc())
+    torch.save(outs, out_path)
 """)
 
 
@@ -43,13 +54,16 @@ def _generated_cpp(pkg: str) -> str:
                          if n.endswith(".cpp"))
 
 
-def roundtrip(tmp_path, model, args, rewrites=2):
+def build(tmp_path, model, args, rewrites=2):
+    """Eager output, export with the rewrite (``rewrites`` sites, nothing skipped), save/load,
+    AOTInductor package. Returns (package path, eager output, the rewrite's counters)."""
     with torch.no_grad():
         ref = model(*args)
         fx_passes.counters.clear()
         ep = compiled_attn.export(model, args)
-    assert fx_passes.counters["rewritten"] == rewrites, dict(fx_passes.counters)
-    assert not [k for k in fx_passes.counters if k.startswith("skipped:")], dict(fx_passes.counters)
+    counters = {k: v for k, v in fx_passes.counters.items() if v}
+    assert counters.get("rewritten") == rewrites, counters
+    assert not [k for k in counters if k.startswith("skipped:")], counters
     torch.export.save(ep, tmp_path / "ep.pt2")
     ep2 = torch.export.load(tmp_path / "ep.pt2")
     assert any(n.target is torch.ops.compiled_attn.single_prefill.default
@@ -57,10 +71,23 @@ def roundtrip(tmp_path, model, args, rewrites=2):
     pkg = torch._inductor.aoti_compile_and_package(ep2, package_path=str(tmp_path / "m.pt2"))
     # The integer pow fallback whose C shim returns float32 (see the module docstring).
     assert "_pow_Scalar(" not in _generated_cpp(pkg)
-    torch.save(args, tmp_path / "io.pt")
-    subprocess.run([sys.executable, "-c", LOADER, pkg, str(tmp_path / "io.pt"),
+    return pkg, ref, counters
+
+
+def run_packages(tmp_path, jobs):
+    """Runs [(package, args), ...] in one fresh process that imports compiled_attn; returns
+    each package's output, or the text of the exception it raised."""
+    torch.save(jobs, tmp_path / "io.pt")
+    subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "io.pt"),
                     str(tmp_path / "out.pt")], check=True, timeout=300)
-    return torch.load(tmp_path / "out.pt"), ref
+    return torch.load(tmp_path / "out.pt")
+
+
+def roundtrip(tmp_path, model, args, rewrites=2):
+    pkg, ref, _ = build(tmp_path, model, args, rewrites)
+    out = run_packages(tmp_path, [(pkg, args)])[0]
+    assert not isinstance(out, str), out
+    return out, ref
 
 
 @pytest.mark.slow
@@ -94,6 +121,56 @@ def test_aoti_gpt_fast(tmp_path):
     out, ref = roundtrip(tmp_path, model, (idx, torch.arange(12)))
     assert fx_passes.counters["gqa:repeat_interleave"] == 2, dict(fx_passes.counters)
     assert_close_rel(out, ref)
+
+
+# (model, impl, padding, the export's nonzero counters besides rewritten == 2): the
+# test_fx_models.HF_CASES configuration that exercises each model's own feature.
+HF_AOTI_CASES = [
+    ("mistral", "sdpa", None, {"pattern:sdpa": 2, "gqa:repeat_kv": 2, "mask:causal_window": 2}),
+    ("gemma2", "eager", None, {"pattern:matmul_softmax": 2, "gqa:repeat_kv": 2, "soft_cap": 2,
+                               "mask:causal_window": 1, "mask:causal": 1}),
+    ("qwen2", "sdpa", "left", {"pattern:sdpa": 2, "gqa:repeat_kv": 2, "mask:custom": 2}),
+    ("gpt2", "eager", "left", {"pattern:matmul_softmax": 2, "mask:custom": 2}),
+]
+
+
+def _aoti_id(case):
+    return f"{case[0]}-{case[1]}-{case[2] or 'nopad'}"
+
+
+@pytest.fixture(scope="module")
+def hf_aoti_results(tmp_path_factory):
+    """Builds every HF_AOTI_CASES package, then runs them all in one fresh process. Per case:
+    (eager output, counters, package output) or the exception its build raised."""
+    built, jobs = {}, []
+    for case in HF_AOTI_CASES:
+        name, impl, padding, _ = case
+        args = inputs(padding)
+        try:
+            pkg, ref, counters = build(tmp_path_factory.mktemp(_aoti_id(case)),
+                                       hf_model(name, impl), args)
+        except Exception as e:  # reported by that case's test alone
+            built[_aoti_id(case)] = e
+            continue
+        built[_aoti_id(case)] = (ref, counters, len(jobs))
+        jobs.append((pkg, args))
+    outs = run_packages(tmp_path_factory.mktemp("run"), jobs) if jobs else []
+    return {k: v if isinstance(v, Exception) else (v[0], v[1], outs[v[2]])
+            for k, v in built.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", HF_AOTI_CASES, ids=_aoti_id)
+def test_aoti_hf(case, hf_aoti_results):
+    _, _, padding, kinds = case
+    res = hf_aoti_results[_aoti_id(case)]
+    if isinstance(res, Exception):
+        raise res
+    ref, counters, out = res
+    assert counters == {"rewritten": 2, **kinds}
+    assert not isinstance(out, str), out  # the package raised in the fresh process
+    _, am = inputs(padding)
+    assert_close_rel(out, ref, am.bool() if am is not None else None)
 
 
 def test_aoti_padding_mask_site(tmp_path):
