@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import assert_lse, dense_request
+from tests.test_reference import assert_lse, dense_request, shuffled_block_table
 
 fn = compiled_attn.cudnn_batch_prefill_with_kv_cache
 WS = torch.empty(16, dtype=torch.uint8)
@@ -36,14 +36,9 @@ def _paged(ks, vs, page, max_pages, seed):
     total = bsz * max_pages + 2
     kc = torch.randn(total, hkv, page, dqk, dtype=torch.float64).to(ks[0].dtype)
     vc = torch.randn(total, hkv, page, dvo, dtype=torch.float64).to(vs[0].dtype)
-    perm = torch.randperm(total, generator=g)
-    table = torch.full((bsz, max_pages), -1, dtype=torch.int32)
-    nxt = 0
+    table = shuffled_block_table([k.shape[0] for k in ks], page, max_pages, total, g)
     for b, (k, v) in enumerate(zip(ks, vs)):
         for t in range(k.shape[0]):
-            if t % page == 0:
-                table[b, t // page] = int(perm[nxt])
-                nxt += 1
             pg = int(table[b, t // page])
             kc[pg, :, t % page] = k[t]
             vc[pg, :, t % page] = v[t]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import alibi_slopes_spec, dense_request
+from tests.test_reference import alibi_slopes_spec, dense_request, shuffled_block_table
 
 fn = compiled_attn.trtllm_fmha_v2_prefill
 WS = torch.empty(16, dtype=torch.uint8)
@@ -37,14 +37,9 @@ def _paged(ks, vs, page, layout, seed, dtype=None):
     max_pages = max(-(-k.shape[0] // page) for k in ks)
     total = bsz * max_pages + 1
     cache = torch.randn(total, 2, page, hkv, d, dtype=torch.float64)
-    perm = torch.randperm(total, generator=g)
-    table = torch.full((bsz, max_pages), -1, dtype=torch.int32)
-    nxt = 0
+    table = shuffled_block_table([k.shape[0] for k in ks], page, max_pages, total, g)
     for b, (k, v) in enumerate(zip(ks, vs)):
         for t in range(k.shape[0]):
-            if t % page == 0:
-                table[b, t // page] = int(perm[nxt])
-                nxt += 1
             pg = int(table[b, t // page])
             cache[pg, 0, t % page] = k[t].double()
             cache[pg, 1, t % page] = v[t].double()

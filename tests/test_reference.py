@@ -140,6 +140,21 @@ def pack_segments(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     return torch.tensor(data, dtype=torch.uint8), torch.tensor(offsets, dtype=torch.int32)
 
 
+def shuffled_block_table(kv_lens, page: int, max_pages: int, total: int,
+                         g: torch.Generator) -> torch.Tensor:
+    """int32 [B, max_pages] block table: request b's pages, in order, drawn without repetition
+    from a shuffled range of ``total`` pages; -1 where unused. Token t of request b is in page
+    ``table[b, t // page]``, slot ``t % page``."""
+    perm = torch.randperm(total, generator=g)
+    table = torch.full((len(kv_lens), max_pages), -1, dtype=torch.int32)
+    nxt = 0
+    for b, n in enumerate(kv_lens):
+        used = -(-int(n) // page)
+        table[b, :used] = perm[nxt:nxt + used].to(torch.int32)
+        nxt += used
+    return table
+
+
 def indptr(lens) -> torch.Tensor:
     out = [0]
     for n in lens:
