@@ -97,9 +97,8 @@ def test_counters_clear():
     assert fx_passes.counters["rewritten"] == 0
 
 
-def test_float_bias_skipped_under_compile():
-    # An additive learned bias through compiled_attn.compile: skipped (with reason), correct.
-    fn = P.matmul_softmax_with_bias
+def _compile_pattern(fn):
+    """(compiled output, eager output, counters) of pattern fn through compiled_attn.compile."""
     args = make_inputs(fn)
     model = Wrap(fn).eval()
     torch._dynamo.reset()
@@ -107,21 +106,18 @@ def test_float_bias_skipped_under_compile():
     with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
         ref = model(*args)
         out = compiled_attn.compile(model, fullgraph=True)(*args)
-    c = dict(fx_passes.counters)
+    return out, ref, dict(fx_passes.counters)
+
+
+def test_float_bias_skipped_under_compile():
+    # An additive learned bias through compiled_attn.compile: skipped (with reason), correct.
+    out, ref, c = _compile_pattern(P.matmul_softmax_with_bias)
     assert c.get("rewritten", 0) == 0 and any(k.startswith("skipped:additive bias") for k in c), c
     close(out, ref)
 
 
 def test_softcap_window_under_compile():
-    fn = P.gemma2_softcap_sliding
-    args = make_inputs(fn)
-    model = Wrap(fn).eval()
-    torch._dynamo.reset()
-    fx_passes.counters.clear()
-    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
-        ref = model(*args)
-        out = compiled_attn.compile(model, fullgraph=True)(*args)
-    c = dict(fx_passes.counters)
+    out, ref, c = _compile_pattern(P.gemma2_softcap_sliding)
     assert c.get("rewritten") == 1 and c.get("soft_cap") == 1 \
         and c.get("mask:causal_window") == 1, c
     close(out, ref)
@@ -137,41 +133,37 @@ def test_eager_fully_masked_rows_match():
     close(out, ref)
 
 
+def _const_node(t: torch.Tensor):
+    """A get_attr node of a one-buffer graph holding t (a mask constant as Dynamo leaves it)."""
+    import torch.fx as fx
+
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.register_buffer("m", t)
+    node = gm.graph.get_attr("m")
+    node.meta["val"] = t
+    return node
+
+
 def test_additive_mask_constant_is_checked_by_value():
     # Dynamo may fold a mask into a graph constant (get_attr): its values decide.
     import math
 
-    import torch.fx as fx
-
     from compiled_attn.fx_passes.masks import NotProven, zero_or_neg
 
-    for const, finite_neg in ((torch.tensor([[0.0, -math.inf]]), False),
-                              (torch.tensor([[0.0, torch.finfo(torch.float32).min]]), True)):
-        gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
-        gm.register_buffer("m", const)
-        node = gm.graph.get_attr("m")
-        node.meta["val"] = const
-        assert zero_or_neg(node) is finite_neg
-    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
-    gm.register_buffer("b", torch.tensor([[0.0, 0.5]]))
-    node = gm.graph.get_attr("b")
-    node.meta["val"] = gm.b
+    assert zero_or_neg(_const_node(torch.tensor([[0.0, -math.inf]]))) is False
+    assert zero_or_neg(_const_node(torch.tensor([[0.0, torch.finfo(torch.float32).min]]))) is True
     with pytest.raises(NotProven, match="values other than 0"):
-        zero_or_neg(node)
+        zero_or_neg(_const_node(torch.tensor([[0.0, 0.5]])))
 
 
 def test_additive_mask_constant_under_fake_mode():
     # Inductor runs the pass with a FakeTensorMode active; the constant is a real tensor.
     import math
 
-    import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from compiled_attn.fx_passes.masks import zero_or_neg
 
-    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
-    gm.register_buffer("m", torch.tensor([[0.0, -math.inf]], dtype=torch.bfloat16))
-    node = gm.graph.get_attr("m")
-    node.meta["val"] = gm.m
+    node = _const_node(torch.tensor([[0.0, -math.inf]], dtype=torch.bfloat16))
     with FakeTensorMode():
         assert zero_or_neg(node) is False
