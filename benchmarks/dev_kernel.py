@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--cases", default="128:4096:1,128:16384:1,128:16384:0,64:4096:1,256:8192:1")
     ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3")
     ap.add_argument("--paged", action="store_true")
+    ap.add_argument("--tma", default="1,0", help="K/V tensor descriptors on (1) / off (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
@@ -54,7 +55,8 @@ def main():
                 peers[name] = tflops(b, s, h, d, causal, ms)
             except Exception as e:  # a backend that refuses the case is reported, not hidden
                 peers[name] = f"n/a: {type(e).__name__}"
-        for cfg in a.configs.split(","):
+        for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
+            K.USE_TMA = tma == "1"
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
             K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
@@ -65,7 +67,7 @@ def main():
                 out, _ = fn()
                 err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
                 ms = bench(fn)
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, kind="single",
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA, kind="single",
                            tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
                 if a.paged:
                     for page in (16, 1):
@@ -93,19 +95,21 @@ def main():
                             mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
                         row["ragged"] = tflops(b, s, h, d, causal, bench(fr))
             except Exception as e:
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, error=f"{type(e).__name__}: {e}"[:300])
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA,
+                           error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.block_m_for, K._config = orig_bm, orig_cfg
+    K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n d    S     c  cfg            ours   flash  cudnn  paged16 paged1 ragged")
+    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged")
     for r in rows:
         if "error" in r:
-            print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:14} ERROR {r['error'][:80]}")
+            print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:12} {r['tma']:d} ERROR "
+                  f"{r['error'][:80]}")
             continue
         f = lambda x: f"{x:6.0f}" if isinstance(x, float) else "   n/a"
-        print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:14} {f(r['tflops'])} "
+        print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:12} {r['tma']:d} {f(r['tflops'])} "
               f"{f(r['sdpa_flash'])} {f(r['sdpa_cudnn'])} {f(r.get('paged16'))} "
               f"{f(r.get('paged1'))} {f(r.get('ragged'))}  err {r['err']:.2e}")
 

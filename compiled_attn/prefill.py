@@ -426,7 +426,9 @@ class _BatchPrefillBase(_WrapperBase):
             mask_mode = MASK_CAUSAL if causal else MASK_NONE
 
         # ---- work list -----------------------------------------------------------------------
-        block_m = block_m_for(head_dim_qk, hd_vo, group)
+        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed).
+        max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
+        block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE)
         work = build_work(qo_lens.tolist(), group, block_m, "cpu", kv_lens=kv_lens.tolist())
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:

@@ -26,33 +26,54 @@ import torch
 import triton
 import triton.language as tl
 
-from .contracts import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, POS_ALIBI, POS_ROPE_LLAMA
+from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
+                        POS_ROPE_LLAMA)
 
 LOG2E = 1.4426950408889634
 
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 
 
-def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int) -> int:
-    """Tile height in packed rows for these head dims (plan() and the launch agree on it)."""
-    return 64 if INTERPRET else 128
+# Tile choice (measured on the H100, benchmarks/NOTES.md): D <= 64 always and D 128 with short
+# keys use 64-row tiles (more programs, shorter causal tail): up to SHORT_KV keys for causal
+# batches, half that without a mask (there 128-row tiles win earlier). K/V tensor descriptors
+# pay a per-program setup that short key ranges do not amortise: pointer loads when the mean
+# KV length is at most TMA_MIN_KV.
+SHORT_KV = 4096
+TMA_MIN_KV = 1024
+
+
+def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
+                max_kv_len: int | None = None, causal: bool = True) -> int:
+    """Tile height in packed rows for these head dims (plan() and the launch agree on it).
+    max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
+    any length; CUDA-graph plans pass None so that one capture serves every re-plan)."""
+    if INTERPRET:
+        return 64
+    d = max(head_dim_qk, head_dim_vo)
+    if d <= 64:
+        return 64
+    short = SHORT_KV if causal else SHORT_KV // 2
+    if d <= 128 and max_kv_len is not None and max_kv_len <= short:
+        return 64
+    return 128
 
 
 def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
-    """Launch configuration (BLOCK_N, warps, stages) for a tile height, head dims, KV
-    addressing and mask mode."""
+    """Launch configuration (BLOCK_N, warps, stages, whether K/V may use tensor descriptors)
+    for a tile height, head dims, KV addressing and mask mode."""
     if INTERPRET:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1)
-    # Measured on the H100 (benchmarks/NOTES.md): 128x64 for D 64, 128x128 for D 128 (both 8
-    # warps, 3 stages); D 256 needs fewer stages to fit shared memory, and so does a custom
-    # mask (its bytes are pipelined through shared memory with K and V).
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
+    # 64x64 tiles with 4 warps, 128x128 with 8 (3 stages); D 256 needs fewer stages to fit
+    # shared memory, and so does a custom mask (its bytes are pipelined through shared memory
+    # with K and V). Descriptors never with 2 stages (ptxas of triton 3.6 crashes on that).
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
-    if d <= 64:
-        return dict(BLOCK_N=64, num_warps=8, num_stages=stages)
+    if d <= 128 and block_m == 64:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=stages >= 3)
     if d <= 128:
-        return dict(BLOCK_N=128, num_warps=8, num_stages=stages)
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=stages >= 3)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
 
 
 @triton.jit
@@ -114,18 +135,20 @@ def _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt, stride_k
 @triton.jit
 def _attend_range(
     acc, l_i, m_i, q, q2, p_row, tok, row_ok, n_lo, n_hi, kv_len,
-    k_ptr, v_ptr, page_base, page_idx_ptr,
+    k_ptr, v_ptr, k_desc, v_desc, page_base, page_idx_ptr,
     stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
     mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
     rope_rcp_scale, log2_theta,
-    MASKED: tl.constexpr, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, TMA: tl.constexpr, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DVO: tl.constexpr,
     DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi). MASKED tiles
-    apply the visibility rule; unmasked ones are known to be fully visible to every row."""
+    apply the visibility rule; unmasked ones are known to be fully visible to every row. With
+    TMA, K and V tiles come through the tensor descriptors k_desc / v_desc (shape [kv_len, D]
+    of this request and head: keys past kv_len and dims past D read as 0)."""
     offs_n = tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_DQK // 2
     if ROPE:
@@ -136,10 +159,15 @@ def _attend_range(
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
-        k_off, v_off = _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt,
-                                   stride_kp, stride_vt, stride_vp, KV_MODE, PAGE_SIZE, BLOCK_N)
-        kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
-        if ROPE:
+        if not TMA:
+            k_off, v_off = _kv_offsets(n, j, j_ok, kv_len, page_base, page_idx_ptr, stride_kt,
+                                       stride_kp, stride_vt, stride_vp, KV_MODE, PAGE_SIZE,
+                                       BLOCK_N)
+            kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
+        if TMA:
+            k = k_desc.load([n, 0])
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        elif ROPE:
             k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
             k2 = tl.load(kt_ptrs + HALF * stride_kd, mask=j_ok[None, :], other=0.0).to(tl.float32)
             k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False)
@@ -189,11 +217,14 @@ def _attend_range(
             p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
-        if MASKED or DVO != BLOCK_DVO:
-            v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+        if TMA:
+            v = v_desc.load([n, 0])
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
+            if MASKED or DVO != BLOCK_DVO:
+                v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, l_i, m_i
@@ -217,7 +248,7 @@ def _program(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr,
+    TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. With SPLIT,
     the item covers key chunk ``split`` of ``nsplit`` of the tile's key range; when nsplit > 1
@@ -338,30 +369,39 @@ def _program(
     # k_head / v_head: the request's first key (dense, ragged) or the cache (paged), this head.
     k_head = k_ptr + kv_base + hkv.to(tl.int64) * stride_kh
     v_head = v_ptr + vv_base + hkv.to(tl.int64) * stride_vh
+    if TMA:
+        # Dense / ragged only (the launch checks 16-byte alignment and unit dim strides).
+        k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, DQK], strides=[stride_kt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DQK])
+        v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, DVO], strides=[stride_vt, 1],
+                                           block_shape=[BLOCK_N, BLOCK_DVO])
+    else:
+        k_desc = k_head
+        v_desc = v_head
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, n0, u0, kv_len,
-        k_head, v_head, page_base, page_idx_ptr,
+        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
-        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u0, u1, kv_len,
-        k_head, v_head, page_base, page_idx_ptr,
+        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        False, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
-        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        False, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u1, n1, kv_len,
-        k_head, v_head, page_base, page_idx_ptr,
+        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
         stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
-        True, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE, FOLD,
-        BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
     if SPLIT:
@@ -428,7 +468,7 @@ def _prefill_fwd(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SPLIT: tl.constexpr,
+    TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid.
     Otherwise work rows are (request, first row), or with SPLIT (request, first row, key
@@ -462,7 +502,7 @@ def _prefill_fwd(
         dense_qo_len, dense_kv_len,
         qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
         KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SPLIT)
+        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA, SPLIT)
 
 
 @triton.jit
@@ -493,13 +533,13 @@ def _pod_fwd(
     tl.constexpr, ALIBI_P: tl.constexpr, ROPE_P: tl.constexpr, SINKS_P: tl.constexpr, FOLD_P:
     tl.constexpr, BLOCK_M_P: tl.constexpr, BLOCK_N_P: tl.constexpr, BLOCK_DQK_P: tl.constexpr,
     BLOCK_DVO_P: tl.constexpr, DQK_P: tl.constexpr, DVO_P: tl.constexpr, NUM_STAGES_P:
-    tl.constexpr,
+    tl.constexpr, TMA_P: tl.constexpr,
     KV_MODE_D: tl.constexpr, PAGE_SIZE_D: tl.constexpr, GROUP_D: tl.constexpr, MASK_MODE_D:
     tl.constexpr, HAS_WINDOW_D: tl.constexpr, HAS_CHUNK_D: tl.constexpr, SOFT_CAP_D:
     tl.constexpr, ALIBI_D: tl.constexpr, ROPE_D: tl.constexpr, SINKS_D: tl.constexpr, FOLD_D:
     tl.constexpr, BLOCK_M_D: tl.constexpr, BLOCK_N_D: tl.constexpr, BLOCK_DQK_D: tl.constexpr,
     BLOCK_DVO_D: tl.constexpr, DQK_D: tl.constexpr, DVO_D: tl.constexpr, NUM_STAGES_D:
-    tl.constexpr,
+    tl.constexpr, TMA_D: tl.constexpr,
 ):
     """POD: grid (work items, KV heads); work item (part, request, first row), part 0 the
     prefill batch (suffix _p) and part 1 the decode batch (suffix _d), in one launch."""
@@ -523,7 +563,7 @@ def _pod_fwd(
         KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P,
         ALIBI_P, ROPE_P,
         SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
-        NUM_STAGES_P, False)
+        NUM_STAGES_P, TMA_P, False)
     else:
         _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
@@ -539,7 +579,7 @@ def _pod_fwd(
         KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D,
         ALIBI_D, ROPE_D,
         SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
-        NUM_STAGES_D, False)
+        NUM_STAGES_D, TMA_D, False)
 
 
 @triton.jit
@@ -625,9 +665,11 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
 
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
                   l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
-                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params):
+                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params,
+                  mean_kv=None):
     """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
-    and the launch configuration."""
+    and the launch configuration. mean_kv: the batch's mean KV length when the shapes give it
+    (descriptors are skipped for short ones)."""
     hq, hkv = q.shape[-2], k.shape[-2]
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
@@ -641,9 +683,49 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         *dense, *scalars.values(),
     ]
+    short = isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV
+    tma = cfg.get("TMA", True) and not (short and not INTERPRET) and kv_mode != KV_PAGED \
+        and not consts["ROPE"] and all(
+        _tma_ok(t, st) for t, st in ((k, k_strides), (v, v_strides)))
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
-                  BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"])
+                  BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
+                  TMA=tma)
     return args, consts, cfg
+
+
+# Tensor descriptors (TMA) for K/V: on by default where the hardware has them; benchmarks and
+# tests turn them off to compare with the pointer loads (same results).
+USE_TMA = True
+
+
+def _tma_ok(t: torch.Tensor, strides) -> bool:
+    """Whether K or V (strides: batch, token, page, head, dim) can be read through a device
+    tensor descriptor: Hopper or newer (or the interpreter), unit dim stride, and every other
+    stride and the start 16-byte aligned (the storage itself is allocator-aligned; a real
+    tensor's pointer is checked too). Decided per launch; otherwise pointer loads."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not USE_TMA:
+        return False
+    if not INTERPRET:
+        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+    es = t.element_size()
+    if not statically_known_true(strides[4] == 1):
+        return False
+    for x in (strides[0], strides[1], strides[3], t.storage_offset()):
+        if not statically_known_true((x * es) % 16 == 0):
+            return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t) or INTERPRET or t.data_ptr() % 16 == 0
+
+
+def _mean(total, count):
+    """total / count for plain ints (None when symbolic or count is 0)."""
+    if isinstance(total, int) and isinstance(count, int) and count > 0:
+        return total / count
+    return None
 
 
 def _kernel(fn):
@@ -656,7 +738,9 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params):
     """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
     group = hq // k.shape[2]
-    block_m = block_m_for(q.shape[-1], v.shape[-1], group)
+    skv = k.shape[1]
+    block_m = block_m_for(q.shape[-1], v.shape[-1], group, skv if isinstance(skv, int) else None,
+                          params["mask_mode"] != MASK_NONE)
     out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
     args = _program_args(
@@ -667,7 +751,7 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params):
         (out.stride(0), out.stride(1), out.stride(2)),
         (lse.stride(0), lse.stride(1), lse.stride(2)),
         None, None, None, None, packed_mask, None, alibi_slopes, sinks,
-        (sq, k.shape[1]), block_m, 1, params)
+        (sq, skv), block_m, 1, params, skv)
     return out, lse, args
 
 
@@ -684,7 +768,7 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
-        (0, 0), block_m, 1, params)
+        (0, 0), block_m, 1, params, _mean(k.shape[0], qo_indptr.shape[0] - 1))
     return out, lse, args
 
 
@@ -705,6 +789,26 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
     return out, lse, args
 
 
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Device-built tensor descriptors need a little global scratch per program, which Triton
+    asks its allocator for at launch. Inductor's generated code installs its own; for eager
+    launches install a torch-backed one unless the caller already set one."""
+    if INTERPRET:
+        return
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+
+        if not isinstance(_allocator.get(), NullAllocator):
+            return
+    except ImportError:  # a Triton without the private module: set ours
+        pass
+    triton.set_allocator(_scratch)
+
+
 def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
     """The prefill launch; with a split plan (work [W, 4], merge [T, 4]) the chunks of a split
     tile write float32 partials and _merge_fwd combines them (a second launch)."""
@@ -720,6 +824,8 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         part_o = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
                                 dtype=torch.float32)
         part_l = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"]), dtype=torch.float32)
+    if consts["TMA"]:
+        _ensure_allocator()
     _kernel(_prefill_fwd)[grid](
         work, tiles, part_o, part_l, *prog_args, **consts, SPLIT=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -1,7 +1,9 @@
 """GPU tier of the FX rewrite (run on the H100: ``pytest -m gpu tests/test_fx_gpu.py``).
 
-Tiny HF Llama (GQA, sdpa; causal and left padding), Mistral (sdpa, sliding window) and Gemma2
-(eager, soft cap + sliding window) in bf16 on CUDA through ``compiled_attn.compile``: the exact
+Tiny HF Llama (GQA, sdpa; causal and left padding), Mistral (sdpa, sliding window), Gemma2
+(eager, soft cap + sliding window), Qwen2 (one KV head, left padding), GPT-2 (eager, left
+padding), BERT (bidirectional, right padding) and the gpt-fast-style module (repeat_interleave
+GQA, KV-cache mask) in bf16 on CUDA through ``compiled_attn.compile``: the exact
 rewrite counts (one per layer, nothing skipped), that Inductor's generated code launches our
 Triton kernel ``_prefill_fwd`` and no PyTorch attention, and the output error against the same
 model (same bf16-rounded weights) in float64 on the CPU: at most twice eager bf16's own error
@@ -17,6 +19,7 @@ import torch
 
 import compiled_attn
 from compiled_attn import fx_passes
+from tests.test_fx_models import GptFast, Logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,16 +29,6 @@ pytestmark = [
 ]
 
 B, S, LAYERS = 2, 128, 2
-
-
-class Logits(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask):
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          use_cache=False).logits
 
 
 def build(name: str, impl: str):
@@ -49,20 +42,39 @@ def build(name: str, impl: str):
     elif name == "gemma2":
         cfg = transformers.Gemma2Config(head_dim=64, sliding_window=48, query_pre_attn_scalar=64,
                                         attn_logit_softcapping=30.0, **common)
+    elif name == "qwen2":
+        cfg = transformers.Qwen2Config(**dict(common, num_key_value_heads=1))
+    elif name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=256, n_embd=256, n_layer=LAYERS, n_head=4,
+                                      n_positions=512, attn_implementation=impl)
+    elif name == "bert":
+        cfg = transformers.BertConfig(vocab_size=256, hidden_size=256, num_hidden_layers=LAYERS,
+                                      num_attention_heads=4, intermediate_size=512,
+                                      max_position_embeddings=512, attn_implementation=impl)
+    elif name == "gpt_fast":
+        return GptFast(max_seq=S, dim=256).eval().to("cuda", torch.bfloat16)
     else:
         raise KeyError(name)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = (transformers.BertModel(cfg) if name == "bert"
+             else transformers.AutoModelForCausalLM.from_config(cfg)).eval()
     return Logits(model.to("cuda", torch.bfloat16))
 
 
-def make_inputs(padding):
+def make_inputs(name, padding):
+    """(CPU arguments, rows compared [B, S] bool): padded query rows are excluded except for
+    BERT, whose padded rows see the valid keys."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (B, S), generator=g)
+    if name == "gpt_fast":
+        return (ids[:1] % 128, torch.arange(S)), torch.ones(1, S, dtype=torch.bool)
     am = torch.ones(B, S, dtype=torch.long)
     if padding == "left":
         am[0, :37] = 0
-    return ids, (am if padding else None)
+    elif padding == "right":
+        am[1, -29:] = 0
+    rows = am.bool() if padding and name != "bert" else torch.ones(B, S, dtype=torch.bool)
+    return (ids, am if padding else None), rows
 
 
 CASES = [
@@ -70,6 +82,12 @@ CASES = [
     ("llama", "sdpa", "left", {"mask:custom": 2}),
     ("mistral", "sdpa", None, {"mask:causal_window": 2}),
     ("gemma2", "eager", None, {"soft_cap": 2, "pattern:matmul_softmax": 2}),
+    ("qwen2", "sdpa", "left", {"gqa:repeat_kv": 2, "mask:custom": 2}),
+    ("gpt2", "eager", "left", {"pattern:matmul_softmax": 2, "mask:custom": 2}),
+    ("bert", "sdpa", "right", {"pattern:sdpa": 2, "mask:custom": 2}),
+    # gpt-fast: one prompt of S tokens at positions 0..S-1 (Inductor decomposes
+    # repeat_interleave into repeat_kv's expand/reshape).
+    ("gpt_fast", None, None, {"pattern:sdpa": 2, "gqa:repeat_kv": 2, "mask:custom": 2}),
 ]
 
 
@@ -79,17 +97,16 @@ def test_compile_bf16_runs_our_kernel(case):
 
     name, impl, padding, kinds = case
     model = build(name, impl)
-    ids, am = make_inputs(padding)
-    ids_c, am_c = ids.cuda(), (am.cuda() if am is not None else None)
+    args, rows = make_inputs(name, padding)
+    args_c = [a.cuda() if a is not None else None for a in args]
     m64 = copy.deepcopy(model).to("cpu", torch.float64)
     with torch.no_grad():
-        ref64 = m64(ids, am)
-        eager = model(ids_c, am_c).cpu().double()
+        ref64 = m64(*args)
+        eager = model(*args_c).cpu().double()
         fx_passes.counters.clear()
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False):
-            out, code = run_and_get_code(compiled_attn.compile(model, fullgraph=True),
-                                         ids_c, am_c)
+            out, code = run_and_get_code(compiled_attn.compile(model, fullgraph=True), *args_c)
     code = "\n".join(code)
     c = dict(fx_passes.counters)
     assert not [k for k in c if k.startswith("skipped:")], c
@@ -100,7 +117,6 @@ def test_compile_bf16_runs_our_kernel(case):
     assert "scaled_dot_product" not in code
     out = out.cpu().double()
     assert not torch.isnan(out).any()
-    rows = am.bool() if am is not None else torch.ones(B, S, dtype=torch.bool)
     err = (out - ref64)[rows].abs().max().item()
     eager_err = (eager - ref64)[rows].abs().max().item()
     scale = ref64[rows].abs().max().item()

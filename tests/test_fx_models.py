@@ -84,11 +84,11 @@ def inputs(padding: str | None):
 
 def rope(x, pos, theta=10000.0):
     d = x.shape[-1]
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     ang = pos[:, None].float() * inv[None]
     cos, sin = ang.cos()[None, :, None, :], ang.sin()[None, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
 
 
 class GptFastAttention(nn.Module):
@@ -124,14 +124,15 @@ class GptFastAttention(nn.Module):
 
 
 class GptFast(nn.Module):
-    def __init__(self, layers=LAYERS, max_seq=32):
+    def __init__(self, layers=LAYERS, max_seq=32, dim=64, n_head=4, n_local_heads=2):
         super().__init__()
         torch.manual_seed(0)
-        self.tok = nn.Embedding(128, 64)
-        self.layers = nn.ModuleList(GptFastAttention(max_seq=max_seq) for _ in range(layers))
+        self.tok = nn.Embedding(128, dim)
+        self.layers = nn.ModuleList(GptFastAttention(dim, n_head, n_local_heads, max_seq)
+                                    for _ in range(layers))
         self.register_buffer("causal_mask", torch.tril(torch.ones(max_seq, max_seq,
                                                                   dtype=torch.bool)))
-        self.out = nn.Linear(64, 128, bias=False)
+        self.out = nn.Linear(dim, 128, bias=False)
 
     def forward(self, idx, input_pos):
         mask = self.causal_mask[None, None, input_pos]  # [1, 1, S, max_seq]

@@ -172,3 +172,40 @@ def test_split_plan_without_idle_sms_is_unsplit():
 
     work, merge = build_split_work([512] * 8, [4096] * 8, 1, 64, 8, num_sms=16)
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
+
+
+@pytest.mark.parametrize("mode", ["causal", "window", "custom", "soft_cap"])
+@pytest.mark.parametrize("kind", ["ragged", "single"])
+def test_pointer_loads_without_tma(kind, mode, monkeypatch):
+    # Dense and ragged K/V go through tensor descriptors where the layout allows (the default
+    # above); the pointer loads they replace still serve unaligned inputs: same numbers.
+    from compiled_attn.ops import prefill_kernel
+
+    monkeypatch.setattr(prefill_kernel, "USE_TMA", False)
+    qo, kv = ([37], [50]) if kind == "single" else BATCH
+    c = make_case(kind, qo, kv, hq=4, hkv=2, dqk=64, custom_mask=mode == "custom", seed=41)
+    check(c, MODES[mode])
+
+
+def test_tma_choice_follows_alignment():
+    # Descriptors need a unit dim stride and 16-byte aligned strides and start; anything else
+    # takes the pointer loads (never a misaligned descriptor).
+    from compiled_attn.ops.prefill_kernel import _tma_ok
+
+    k = torch.randn(10, 2, 64, dtype=torch.float16)
+    st = lambda t: (0, t.stride(0), 0, t.stride(1), t.stride(2))  # noqa: E731
+    assert _tma_ok(k, st(k))
+    odd = torch.randn(10, 2, 65, dtype=torch.float16)[..., :64]  # token stride 130 elements
+    assert not _tma_ok(odd, st(odd))
+    shifted = torch.randn(10 * 2 * 64 + 1, dtype=torch.float16)[1:].view(10, 2, 64)
+    assert not _tma_ok(shifted, st(shifted))
+    hnd = torch.randn(2, 64, 10, dtype=torch.float16).permute(2, 0, 1)  # dim stride 10
+    assert not _tma_ok(hnd, st(hnd))
+
+
+def test_unaligned_kv_runs_pointer_loads():
+    # K/V views whose token stride is not 16-byte aligned: still correct (pointer path).
+    c = make_case("ragged", *BATCH, hq=4, hkv=2, dqk=64, seed=43)
+    c.k = torch.cat([c.k, torch.randn(c.k.shape[0], 2, 1, dtype=c.k.dtype)], -1)[..., :64]
+    c.v = torch.cat([c.v, torch.randn(c.v.shape[0], 2, 1, dtype=c.v.dtype)], -1)[..., :64]
+    check(c, MODES["causal"])
