@@ -159,7 +159,7 @@ def setup_compiled_attn(case: Case, inps: list[Inputs], opts) -> Runner:
                for i in inps]
         return Runner(fns, lambda r: r[0].reshape(n, hq, -1), note="op single_prefill")
     block_m = block_m_for(case.head_dim, case.head_dim, case.group, max(case.kv_lens),
-                          case.causal)
+                          case.causal, case.layout == "paged")
     work = build_work(case.qo_lens, case.group, block_m, inps[0].q.device, kv_lens=case.kv_lens)
     extra = {"block_m": block_m, "work_items": int(work.shape[0])}
     if case.layout == "ragged":

@@ -313,7 +313,7 @@ def cudnn_batch_prefill_with_kv_cache(
 
     # ---- host-side checks and the work list
     group = hq // hkv
-    bm = plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal)
+    bm = plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged)
     if paged:
         _check_tensor("block_tables", block_tables, 2)
         if block_tables.dtype not in (torch.int32, torch.int64):

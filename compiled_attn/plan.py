@@ -17,10 +17,11 @@ from compiled_attn.ops import prefill_kernel
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True) -> int:
-    """The tile height (packed rows) the kernel uses for these head dims and group size, and
-    the longest KV length of the batch when known (short batches get a smaller tile)."""
-    return prefill_kernel.block_m_for(head_dim_qk, head_dim_vo, group_size, max_kv_len, causal)
+                max_kv_len: int | None = None, causal: bool = True, paged: bool = False) -> int:
+    """The tile height (packed rows) the kernel uses for these head dims and group size, given
+    the longest KV length of the batch when known, its mask and its KV addressing."""
+    return prefill_kernel.block_m_for(head_dim_qk, head_dim_vo, group_size, max_kv_len, causal,
+                                      paged)
 
 
 def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,

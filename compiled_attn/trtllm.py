@@ -263,7 +263,7 @@ def trtllm_fmha_v2_prefill(
                       "and end at most at K/V's token count")
 
     # ---- the op
-    bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding")
+    bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged)
     work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
     slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
     if sinks is not None:

@@ -34,29 +34,31 @@ LOG2E = 1.4426950408889634
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 
 
-# Tile choice (measured on the H100, benchmarks/NOTES.md): D <= 64 always and D 128 with short
-# keys use 64-row tiles (more programs, shorter causal tail): up to SHORT_KV keys for causal
-# batches, half that without a mask (there 128-row tiles win earlier). K/V tensor descriptors
-# pay a per-program setup that short key ranges do not amortise: pointer loads when the mean
-# KV length is at most TMA_MIN_KV.
+# Tile choice (measured on the H100, benchmarks/NOTES.md). K/V tensor descriptors pay a
+# per-program setup that short key ranges do not amortise, so batches whose keys are short (at
+# most TMA_MIN_KV) use pointer loads and 64-row tiles. Longer D 128 batches read K/V through
+# descriptors, with 64-row tiles (more programs, a shorter causal tail) up to SHORT_KV keys for
+# causal batches (half that without a mask) and 128-row tiles beyond. Pointer-load batches
+# (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV.
 SHORT_KV = 4096
 TMA_MIN_KV = 1024
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True) -> int:
+                max_kv_len: int | None = None, causal: bool = True, paged: bool = False) -> int:
     """Tile height in packed rows for these head dims (plan() and the launch agree on it).
     max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
     any length; CUDA-graph plans pass None so that one capture serves every re-plan)."""
     if INTERPRET:
         return 64
     d = max(head_dim_qk, head_dim_vo)
-    if d <= 64:
+    if d > 128 or max_kv_len is None:
+        return 128
+    if max_kv_len <= TMA_MIN_KV:
         return 64
-    short = SHORT_KV if causal else SHORT_KV // 2
-    if d <= 128 and max_kv_len is not None and max_kv_len <= short:
-        return 64
-    return 128
+    if d <= 64 or paged:
+        return 128
+    return 64 if max_kv_len <= (SHORT_KV if causal else SHORT_KV // 2) else 128
 
 
 def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
@@ -64,13 +66,16 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     for a tile height, head dims, KV addressing and mask mode."""
     if INTERPRET:
         return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
-    # 64x64 tiles with 4 warps, 128x128 with 8 (3 stages); D 256 needs fewer stages to fit
-    # shared memory, and so does a custom mask (its bytes are pipelined through shared memory
-    # with K and V). Descriptors never with 2 stages (ptxas of triton 3.6 crashes on that).
+    # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
+    # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
+    # through shared memory with K and V). Descriptors never with 2 stages (ptxas of triton 3.6
+    # crashes on that combination) nor for 128-row D <= 64 tiles (slower there).
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
     if d <= 128 and block_m == 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=stages >= 3)
+    if d <= 64:
+        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
     if d <= 128:
         return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=stages >= 3)
     return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)

@@ -1,0 +1,37 @@
+"""Tile policy of the kernel launch (ops/prefill_kernel.py), checked on the host: the choices
+the launch and plan() must agree on, and the combinations known to break the compiler."""
+
+import pytest
+
+from compiled_attn.ops import contracts
+from compiled_attn.ops import prefill_kernel as K
+
+pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="the GPU policy (not interpreter)")
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("mask_mode", [contracts.MASK_NONE, contracts.MASK_CAUSAL,
+                                       contracts.MASK_CUSTOM])
+def test_configs_fit_and_never_pair_descriptors_with_two_stages(d, mask_mode):
+    for kv in (None, 512, 1024, 1025, 4096, 8192, 32768):
+        for causal in (True, False):
+            for paged in (True, False):
+                bm = K.block_m_for(d, d, 4, kv, causal, paged)
+                assert bm in (64, 128)
+                cfg = K._config(bm, d, d, K.KV_PAGED if paged else K.KV_RAGGED, mask_mode)
+                # triton 3.6's ptxas crashes on descriptor loads with a 2-stage pipeline.
+                assert not (cfg["TMA"] and cfg["num_stages"] < 3), (d, bm, cfg)
+
+
+def test_tile_heights():
+    # Unknown lengths (CUDA-graph plans, symbolic shapes): one tile for every re-plan.
+    assert K.block_m_for(128, 128, 1) == 128
+    # Short batches: 64-row tiles whatever the addressing.
+    assert K.block_m_for(128, 128, 1, 1024, True, True) == 64
+    assert K.block_m_for(64, 64, 1, 1000) == 64
+    # D 128 causal up to SHORT_KV keys through descriptors: 64 rows; paged (pointer loads): 128.
+    assert K.block_m_for(128, 128, 1, 4096) == 64
+    assert K.block_m_for(128, 128, 1, 4096, True, True) == 128
+    assert K.block_m_for(128, 128, 1, 4096, False) == 128
+    assert K.block_m_for(128, 128, 1, 8192) == 128
+    assert K.block_m_for(256, 256, 1, 1024) == 128
