@@ -134,9 +134,13 @@ def test_head_dim_192_128():
     _check("d192", c, params(head_dim=192))
 
 
-def test_cuda_graph_replay_after_replan():
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
+def test_cuda_graph_replay_after_replan(tma, monkeypatch):
     # Fixed buffers (batch size 4): capture once, then re-plan with new lengths into the same
-    # buffers and replay; the padded work rows (request -1) must be skipped.
+    # buffers and replay; the padded work rows (request -1) must be skipped. With descriptors
+    # (forced at these short lengths) their scratch is allocated inside the capture.
+    if tma:
+        monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)
     torch.manual_seed(0)
     hq, hkv, d, cap_tokens, max_work = 8, 2, 128, 1024, 64
     q = torch.randn(cap_tokens, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -199,10 +203,16 @@ def test_opcheck_cuda():
                            1.0, None))
 
 
-def test_torch_compile_fullgraph_cuda():
-    c = make_case("ragged", [64, 100], [64, 300], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+@pytest.mark.parametrize("kv", [[64, 300], [1500, 2600]], ids=["short", "long"])
+def test_torch_compile_fullgraph_cuda(kv):
+    # Short keys take pointer loads, long ones tensor descriptors, whose scratch Inductor's
+    # generated launch must provide.
+    c = make_case("ragged", [64, 100], kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                   device="cuda")
     p = params(head_dim=128)
+    args = ops.prefill_kernel._ragged_args(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, None, None,
+                                           None, None, c.block_m, torch.bfloat16, p)[2]
+    assert args[1]["TMA"] == (kv[0] > 1024)
 
     def f(q, k, v):
         out, lse = ops.batch_ragged_prefill(q, k, v, c.qo_indptr, c.kv_indptr, c.work, None,
@@ -214,6 +224,7 @@ def test_torch_compile_fullgraph_cuda():
     compiled = torch.compile(f, fullgraph=True)(c.q, c.k, c.v)
     torch.testing.assert_close(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1])
+    _check("compile", c, p)
 
 
 def test_more_than_2_31_kv_elements():
