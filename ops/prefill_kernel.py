@@ -108,22 +108,22 @@ def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.
 def _page_of_keys(n, kv_len, page_base, page_idx_ptr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """int32 [BLOCK_N]: the page of each key n + arange(BLOCK_N) (0 past kv_len), from the
-    request's row of the page table, read once per tile and never past kv_len."""
-    j = n + tl.arange(0, BLOCK_N)
+    request's row of the page table (one scalar read when the tile lies in one page)."""
     if PAGE_SIZE % BLOCK_N == 0:
-        # The whole tile lies in one page: one scalar read.
         page = tl.load(page_idx_ptr + page_base + n // PAGE_SIZE, mask=n < kv_len, other=0)
         return tl.zeros([BLOCK_N], dtype=tl.int32) + page
-    elif PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
-        # BLOCK_N / PAGE_SIZE whole pages: one contiguous (vectorised) read of their indices,
-        # broadcast to the keys, instead of one read per key.
-        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
-        first = n + tl.arange(0, NP) * PAGE_SIZE
-        pages = tl.load(page_idx_ptr + page_base + n // PAGE_SIZE + tl.arange(0, NP),
-                        mask=first < kv_len, other=0)
-        return tl.reshape(tl.broadcast_to(pages[:, None], [NP, PAGE_SIZE]), [BLOCK_N])
     else:
+        j = n + tl.arange(0, BLOCK_N)
         return tl.load(page_idx_ptr + page_base + j // PAGE_SIZE, mask=j < kv_len, other=0)
+
+
+@triton.jit
+def _whole_pages(n, kv_len, page_base, page_idx_ptr, PAGE_SIZE: tl.constexpr, NP: tl.constexpr):
+    """int32 [NP]: the NP pages holding keys [n, n + NP * PAGE_SIZE) (n a page start; 0 past
+    kv_len): one contiguous, vectorised read of the page table instead of one per key."""
+    first = n + tl.arange(0, NP) * PAGE_SIZE
+    return tl.load(page_idx_ptr + page_base + n // PAGE_SIZE + tl.arange(0, NP),
+                   mask=first < kv_len, other=0)
 
 
 @triton.jit
@@ -150,15 +150,21 @@ def _attend_range(
     else:
         offs_d1 = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DVO)
-    # Paged with a per-key page read (page 1, or pages that do not tile BLOCK_N): the page
-    # indices of a tile are read one tile ahead (loop-carried), so that its K/V addresses do
-    # not wait on a load of the same iteration (measured: page 1 +5-7%; the one-read-per-page
-    # path of page 16 lost 7-12% that way, so it reads its indices in the iteration).
+    # Paged: the page indices of a tile are read one tile ahead (loop-carried), so that its K/V
+    # addresses do not wait on a load of the same iteration (the pipeliner then streams K/V as
+    # deep as for contiguous keys). Per-key reads (page 1, pages that do not tile BLOCK_N)
+    # carry the [BLOCK_N] pages; whole-page tiles carry their [NP] page indices.
     AHEAD: tl.constexpr = KV_MODE == 2 and PAGE_SIZE % BLOCK_N != 0 and (
         PAGE_SIZE == 1 or BLOCK_N % PAGE_SIZE != 0)
+    AHEAD_NP: tl.constexpr = KV_MODE == 2 and PAGE_SIZE > 1 and PAGE_SIZE % BLOCK_N != 0 and \
+        BLOCK_N % PAGE_SIZE == 0
+    NP: tl.constexpr = BLOCK_N // PAGE_SIZE if AHEAD_NP else 1
     pages = tl.zeros([BLOCK_N], dtype=tl.int32)
+    pnp = tl.zeros([NP], dtype=tl.int32)
     if AHEAD:
         pages = _page_of_keys(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, BLOCK_N)
+    if AHEAD_NP:
+        pnp = _whole_pages(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
@@ -168,6 +174,10 @@ def _attend_range(
                     pg = pages.to(tl.int64)
                     pages = _page_of_keys(n + BLOCK_N, kv_len, page_base, page_idx_ptr,
                                           PAGE_SIZE, BLOCK_N)
+                elif AHEAD_NP:
+                    pg = tl.reshape(tl.broadcast_to(pnp[:, None], [NP, PAGE_SIZE]), [BLOCK_N])
+                    pg = pg.to(tl.int64)
+                    pnp = _whole_pages(n + BLOCK_N, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
                 else:
                     pg = _page_of_keys(n, kv_len, page_base, page_idx_ptr, PAGE_SIZE,
                                        BLOCK_N).to(tl.int64)
