@@ -35,3 +35,37 @@ def test_tile_heights():
     assert K.block_m_for(128, 128, 1, 4096, False) == 128
     assert K.block_m_for(128, 128, 1, 8192) == 128
     assert K.block_m_for(256, 256, 1, 1024) == 128
+
+
+def test_work_order_groups_requests_heaviest_first():
+    # Requests by their heaviest tile (longest first), each request's tiles heaviest first
+    # (causal: the last rows see the most keys): L2 reuse within a request, short tiles last.
+    from compiled_attn.plan import build_work
+
+    qo, kv = [100, 300, 0, 200], [100, 300, 5, 250]
+    w = build_work(qo, 1, 64, kv_lens=kv).tolist()
+    reqs = [r for r, _ in w]
+    assert reqs == [1] * 5 + [3] * 4 + [0] * 2  # request 2 has no rows
+    for r in (0, 1, 3):
+        rows = [row for b, row in w if b == r]
+        assert rows == sorted(rows, reverse=True)
+    # every tile exactly once
+    assert sorted(w) == sorted([b, row] for b, n in enumerate(qo) for row in range(0, n, 64))
+
+
+def test_eager_allocator_installed_only_when_none_is_set():
+    # Descriptor launches need Triton's scratch allocator; an allocator the caller set wins.
+    import triton
+    from triton.runtime import _allocation
+
+    saved = _allocation._allocator.get()
+    try:
+        triton.set_allocator(_allocation.NullAllocator())
+        K._ensure_allocator()
+        assert _allocation._allocator.get() is K._scratch
+        mine = lambda size, align, stream: None  # noqa: E731
+        triton.set_allocator(mine)
+        K._ensure_allocator()
+        assert _allocation._allocator.get() is mine
+    finally:
+        _allocation._allocator.set(saved)
