@@ -112,8 +112,12 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("kind", ["ragged", "paged"])
-def test_features(kind, feature):
+@pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_descriptors"])
+def test_features(kind, feature, monkeypatch):
+    # These lengths are short (pointer loads); ragged_descriptors forces the descriptor path.
+    if kind == "ragged_descriptors":
+        monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)
+        kind = "ragged"
     c = make_case(kind, [300, 17, 0, 129], [700, 17, 5, 129], hq=8, hkv=2, dqk=128,
                   dtype=torch.bfloat16, device="cuda", custom_mask=feature == "custom",
                   alibi=feature == "alibi", sinks=feature == "sinks", seed=len(feature))
@@ -122,8 +126,10 @@ def test_features(kind, feature):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dt", DTYPES)
-def test_fp8_kv(kv_dtype, dt):
-    c = make_case("paged", [100, 250], [400, 250], hq=8, hkv=2, dqk=128, dtype=dt,
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_fp8_kv(kv_dtype, dt, kind, monkeypatch):
+    monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)  # ragged: descriptors
+    c = make_case(kind, [100, 250], [400, 250], hq=8, hkv=2, dqk=128, dtype=dt,
                   kv_dtype=kv_dtype, device="cuda", seed=2)
     _check("fp8", c, params(head_dim=128, sm_scale=0.05, v_scale=2.0))
 

@@ -88,11 +88,12 @@ def test_fully_masked_rows_with_custom_mask():
     assert torch.isfinite(lse[[0, 1, 3, 4, 5]]).all()
 
 
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_fp8_kv(kv_dtype):
+def test_fp8_kv(kv_dtype, kind):
     # fp8 K/V are converted to q's dtype in the kernel; k_scale is folded into sm_scale and
     # v_scale multiplies the output by the API: here v_scale reaches the op directly.
-    c = make_case("paged", [9, 20], [30, 20], hq=2, hkv=1, dqk=32, kv_dtype=kv_dtype, seed=4)
+    c = make_case(kind, [9, 20], [30, 20], hq=2, hkv=1, dqk=32, kv_dtype=kv_dtype, seed=4)
     check(c, params(head_dim=32, v_scale=0.25))
 
 
