@@ -59,7 +59,8 @@ def main():
             K.USE_TMA = tma == "1"
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
-            K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
+                                                              num_stages=ns, TMA=True)
             mm = ops.MASK_CAUSAL if causal else ops.MASK_NONE
             try:
                 fn = lambda: ops.single_prefill(q, k, v, None, None, None, mm, -1, 0, d ** -0.5,

@@ -48,11 +48,12 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
             last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
             return min(int(kv_lens[b]), int(kv_lens[b]) - int(qo_lens[b]) + last_tok)
 
+        weight = {it: keys(it) for it in items}
         heaviest = {}
-        for it in items:
-            heaviest[it[0]] = max(heaviest.get(it[0], 0), keys(it))
+        for (b, _), w in weight.items():
+            heaviest[b] = max(heaviest.get(b, 0), w)
         # stable: ties keep request order, and row order within a request
-        items.sort(key=lambda it: (-heaviest[it[0]], it[0], -keys(it)))
+        items.sort(key=lambda it: (-heaviest[it[0]], it[0], -weight[it]))
     work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2)
     return work.to(device)
 

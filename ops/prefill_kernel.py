@@ -25,6 +25,13 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+try:  # Triton's allocator slot (private): None where this Triton lacks it
+    from triton.runtime._allocation import NullAllocator, _allocator
+except ImportError:
+    NullAllocator = _allocator = None
 
 from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                         POS_ROPE_LLAMA)
@@ -41,7 +48,9 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 # causal batches (half that without a mask) and 128-row tiles beyond. Pointer-load batches
 # (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV.
 SHORT_KV = 4096
-TMA_MIN_KV = 1024
+# The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
+# any length, so CI runs that path.
+TMA_MIN_KV = 0 if INTERPRET else 1024
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
@@ -159,8 +168,6 @@ def _attend_range(
     AHEAD_NP: tl.constexpr = KV_MODE == 2 and PAGE_SIZE > 1 and PAGE_SIZE % BLOCK_N != 0 and \
         BLOCK_N % PAGE_SIZE == 0
     NP: tl.constexpr = BLOCK_N // PAGE_SIZE if AHEAD_NP else 1
-    pages = tl.zeros([BLOCK_N], dtype=tl.int32)
-    pnp = tl.zeros([NP], dtype=tl.int32)
     if AHEAD:
         pages = _page_of_keys(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, BLOCK_N)
     if AHEAD_NP:
@@ -708,9 +715,8 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         *dense, *scalars.values(),
     ]
     short = isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV
-    tma = cfg.get("TMA", True) and not (short and not INTERPRET) and kv_mode != KV_PAGED \
-        and not consts["ROPE"] and all(
-        _tma_ok(t, st) for t, st in ((k, k_strides), (v, v_strides)))
+    tma = (cfg["TMA"] and USE_TMA and not short and kv_mode != KV_PAGED and not consts["ROPE"]
+           and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides))
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
                   BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
                   TMA=tma)
@@ -722,26 +728,23 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
 USE_TMA = True
 
 
-def _tma_ok(t: torch.Tensor, strides) -> bool:
-    """Whether K or V (strides: batch, token, page, head, dim) can be read through a device
-    tensor descriptor: Hopper or newer (or the interpreter), unit dim stride, and every other
-    stride and the start 16-byte aligned (the storage itself is allocator-aligned; a real
-    tensor's pointer is checked too). Decided per launch; otherwise pointer loads."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
+def _tma_hardware(device: torch.device) -> bool:
+    """Device tensor descriptors exist: Hopper or newer (or the interpreter)."""
+    return INTERPRET or (device.type == "cuda"
+                         and torch.cuda.get_device_capability(device)[0] >= 9)
 
-    if not USE_TMA:
-        return False
-    if not INTERPRET:
-        if t.device.type != "cuda" or torch.cuda.get_device_capability(t.device)[0] < 9:
-            return False
+
+def _tma_ok(t: torch.Tensor, strides) -> bool:
+    """Whether K or V (strides: batch, token, page, head, dim) is laid out for a device tensor
+    descriptor: unit dim stride, and every other stride and the start 16-byte aligned (the
+    storage itself is allocator-aligned; a real tensor's pointer is checked too). Decided per
+    launch; otherwise pointer loads."""
     es = t.element_size()
     if not statically_known_true(strides[4] == 1):
         return False
     for x in (strides[0], strides[1], strides[3], t.storage_offset()):
         if not statically_known_true((x * es) % 16 == 0):
             return False
-    from torch._subclasses.fake_tensor import is_fake
-
     return is_fake(t) or INTERPRET or t.data_ptr() % 16 == 0
 
 
@@ -823,13 +826,8 @@ def _ensure_allocator() -> None:
     launches install a torch-backed one unless the caller already set one."""
     if INTERPRET:
         return
-    try:
-        from triton.runtime._allocation import NullAllocator, _allocator
-
-        if not isinstance(_allocator.get(), NullAllocator):
-            return
-    except ImportError:  # a Triton without the private module: set ours
-        pass
+    if _allocator is not None and not isinstance(_allocator.get(), NullAllocator):
+        return
     triton.set_allocator(_scratch)
 
 

@@ -13,18 +13,23 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.plan import build_split_work, build_work
 from tests.kernel_cases import check, make_case, params
+
+# An empty request, a request with no keys, odd lengths, one request longer than a tile.
+QO, KV = [37, 0, 150, 3], [80, 9, 150, 0]
 
 
 def main() -> int:
     cases = 0
+    # padded work rows: request -1, and a first row past the request's rows
+    pad = torch.tensor([[-1, 0], [1, 4096]], dtype=torch.int32, device="cuda")
     for kind in ("ragged", "paged"):
         for page in (1, 5, 16):
             for mode in ("causal", "custom"):
-                c = make_case(kind, [37, 0, 150, 3], [80, 9, 150, 0], hq=8, hkv=2, dqk=128,
-                              dtype=torch.bfloat16, device="cuda", page_size=page,
-                              custom_mask=mode == "custom", seed=page)
-                pad = torch.tensor([[-1, 0], [1, 4096]], dtype=torch.int32, device="cuda")
+                c = make_case(kind, QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                              device="cuda", page_size=page, custom_mask=mode == "custom",
+                              seed=page)
                 c.work = torch.cat([c.work, pad])
                 p = params(mask_mode=ops.MASK_CUSTOM if mode == "custom" else ops.MASK_CAUSAL,
                            head_dim=128)
@@ -40,7 +45,6 @@ def main() -> int:
     K.block_m_for = lambda *a: 64
     K._config = lambda *a: dict(BLOCK_N=64, num_warps=4, num_stages=2, TMA=False)
     try:
-        from compiled_attn.plan import build_work
         c = make_case("paged", [64, 300], [128, 300], hq=16, hkv=16, dqk=128,
                       dtype=torch.bfloat16, device="cuda", page_size=16)
         c.block_m = 64
@@ -51,19 +55,15 @@ def main() -> int:
     cases += 2
     # Tensor descriptors at small sizes (the short-KV rule would pick pointer loads here):
     # ragged with both tile heights, windows and padded items, a dense batch, and a split plan.
-    from compiled_attn.plan import build_split_work, build_work
-
     orig_min = K.TMA_MIN_KV
     K.TMA_MIN_KV = 0
     try:
-        qo, kv = [37, 0, 150, 3], [80, 9, 150, 0]
         for bm in (64, 128):
             for mode in ("causal", "window"):
-                c = make_case("ragged", qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                               device="cuda", seed=bm)
                 c.block_m = bm
-                pad = torch.tensor([[-1, 0], [1, 4096]], dtype=torch.int32, device="cuda")
-                c.work = torch.cat([build_work(qo, 4, bm, "cuda", kv_lens=kv), pad])
+                c.work = torch.cat([build_work(QO, 4, bm, "cuda", kv_lens=KV), pad])
                 check(c, params(head_dim=128, **({"window_left": 40} if mode == "window"
                                                  else {})))
                 cases += 1
