@@ -1,6 +1,6 @@
-"""Public prefill API (single prefill, paged and ragged batch wrappers) on CPU against an
-independent dense float64 computation written here: a per-request, per-head loop with
-torch.softmax, never ops.reference. Outputs are poisoned with NaN before runs that write into
+"""Public prefill API (single prefill, paged and ragged batch wrappers) on CPU against the
+dense float64 oracle of tests/test_reference.py (a per-request, per-head loop with
+torch.softmax, never ops.reference). Outputs are poisoned with NaN before runs that write into
 caller buffers; NaN never passes (assert_close with equal_nan=False)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import compiled_attn as fi
+
+from .test_reference import dense_request, oracle_batch
 
 D64 = torch.float64
 TOL = dict(atol=1e-10, rtol=1e-10)
@@ -27,71 +29,22 @@ def slopes(h: int) -> torch.Tensor:
     return torch.tensor(s, dtype=D64)
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, scale: float, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE, pairs (c, c + D/2), angle pos / scale * theta^(-2c/D); x [N, H, D]."""
-    d = x.shape[-1]
-    out = x.clone()
-    for c in range(d // 2):
-        ang = pos.to(D64) / scale * theta ** (-2.0 * c / d)
-        cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
-        a, b = x[:, :, c], x[:, :, c + d // 2]
-        out[:, :, c] = a * cos - b * sin
-        out[:, :, c + d // 2] = b * cos + a * sin
-    return out
-
-
 def dense(q, k, v, *, causal=False, mask=None, window_left=-1, sm_scale=None, soft_cap=0.0,
           alibi=False, rope=False, rope_scale=1.0, rope_theta=1e4, sinks=None, v_scale=1.0):
-    """One request. q [qo, Hq, D], k [kv, Hkv, D], v [kv, Hkv, Dv] (float64). mask: bool
-    [qo, kv]. Returns out [qo, Hq, Dv] and base-2 lse [qo, Hq]."""
-    q, k, v = q.to(D64), k.to(D64), v.to(D64)
+    """One request through the float64 oracle (tests/test_reference.py dense_request), with the
+    API's argument names. q [qo, Hq, D], k [kv, Hkv, D], v [kv, Hkv, Dv]. mask: bool [qo, kv]
+    (or flat). Returns out [qo, Hq, Dv] and base-2 lse [qo, Hq]."""
     qo, hq, d = q.shape
-    kv, hkv, dv = v.shape
-    g = hq // hkv
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    pq = torch.arange(qo) + kv - qo
-    pk = torch.arange(kv)
-    if rope:
-        q, k = rotate(q, pq, rope_scale, rope_theta), rotate(k, pk, rope_scale, rope_theta)
-    out = torch.zeros(qo, hq, dv, dtype=D64)
-    lse = torch.full((qo, hq), -math.inf, dtype=D64)
-    allowed = torch.ones(qo, kv, dtype=torch.bool)
-    if mask is not None:
-        allowed = mask.reshape(qo, kv).clone()
-    elif causal:
-        allowed = pk[None, :] <= pq[:, None]
-    if window_left >= 0:
-        allowed &= pk[None, :] >= pq[:, None] - window_left
-    for h in range(hq):
-        s = (q[:, h] @ k[:, h // g].T) * scale
-        if soft_cap > 0:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        if alibi:
-            s = s + slopes(hq)[h] * (pk[None, :] - pq[:, None]).to(D64)
-        for i in range(qo):
-            if not allowed[i].any():
-                continue
-            row = s[i][allowed[i]]
-            p = torch.softmax(row, dim=0)
-            o = p @ v[allowed[i], h // g]
-            nat = torch.logsumexp(row, dim=0)
-            if sinks is not None:
-                o = o / (1.0 + torch.exp(sinks[h].to(D64) - nat))
-            out[i, h] = o * v_scale
-            lse[i, h] = nat / math.log(2.0)
-    return out, lse
+    return dense_request(
+        q, k, v, sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, causal=causal,
+        window_left=window_left, mask=None if mask is None else mask.reshape(qo, k.shape[0]),
+        soft_cap=soft_cap, alibi_slopes=slopes(hq) if alibi else None,
+        rope=(rope_scale, rope_theta) if rope else None, sinks=sinks, v_scale=v_scale)
 
 
 def dense_batch(q, qo_lens, ks, vs, masks=None, **kw):
     """Concatenate dense() over requests: ks / vs are per-request K/V lists."""
-    outs, lses, off = [], [], 0
-    for b, n in enumerate(qo_lens):
-        o, l = dense(q[off:off + n], ks[b], vs[b],
-                     mask=None if masks is None else masks[b], **kw)
-        outs.append(o)
-        lses.append(l)
-        off += n
-    return torch.cat(outs), torch.cat(lses)
+    return oracle_batch(q, ks, vs, qo_lens, masks=masks, one=dense, **kw)
 
 
 def check(out, lse, ref_out, ref_lse, tol=TOL):

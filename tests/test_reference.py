@@ -219,14 +219,15 @@ def call_paged(q, k_cache, v_cache, qo_lens, page_indptr, page_indices, last_len
                                    page_indices, last_len, *head, *tail)
 
 
-def oracle_batch(q, ks, vs, qo_lens, **kw):
-    """Concatenate the per-request oracle over a ragged q; ks/vs: per-request k/v."""
-    masks = kw.pop("masks", None)
+def oracle_batch(q, ks, vs, qo_lens, *, masks=None, one=None, **kw):
+    """Concatenate a per-request oracle (one: default dense_request) over a ragged q; ks/vs:
+    per-request k/v; masks: per-request masks or None."""
+    one = one or dense_request
     outs, lses = [], []
     start = 0
     for b, n in enumerate(qo_lens):
-        o, l = dense_request(q[start:start + n], ks[b], vs[b],
-                             mask=None if masks is None else masks[b], **kw)
+        o, l = one(q[start:start + n], ks[b], vs[b], mask=None if masks is None else masks[b],
+                   **kw)
         outs.append(o)
         lses.append(l)
         start += n
