@@ -24,7 +24,8 @@ def tflops(b, s, h, d, causal, ms):
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    # >= 100 ms of warm-up and 400 ms of timed calls: a 20 ms call still gets 20 samples
+    return triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median")
 
 
 def main():
@@ -32,6 +33,9 @@ def main():
     ap.add_argument("--cases", default="128:4096:1,128:16384:1,128:16384:0,64:4096:1,256:8192:1")
     ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3")
     ap.add_argument("--paged", action="store_true")
+    ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
+    ap.add_argument("--tokens", type=int, default=16384, help="B * S (B at least 1)")
+    ap.add_argument("--no-peers", action="store_true", help="skip SDPA flash / cuDNN")
     ap.add_argument("--tma", default="1,0", help="K/V tensor descriptors on (1) / off (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -39,15 +43,15 @@ def main():
     orig_bm, orig_cfg = K.block_m_for, K._config
     for case in a.cases.split(","):
         d, s, causal = (int(x) for x in case.split(":"))
-        h, b = 2048 // d, 16384 // s
+        h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
         peers = {}
-        for name, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
-                         ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        for name, be in (() if a.no_peers else (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                                 ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION))):
             try:
                 with sdpa_kernel(be):
                     ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(
@@ -55,6 +59,17 @@ def main():
                 peers[name] = tflops(b, s, h, d, causal, ms)
             except Exception as e:  # a backend that refuses the case is reported, not hidden
                 peers[name] = f"n/a: {type(e).__name__}"
+        if a.paged:
+            # our ragged op with the production tile policy: the paged/ragged denominator
+            bm0 = orig_bm(d, d, 1, s, bool(causal), False)
+            qi0 = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+            w0 = build_work([s] * b, 1, bm0, "cuda", kv_lens=[s] * b)
+            kr0, vr0, qf0 = (x.reshape(b * s, h, d) for x in (k, v, q))
+            mm0 = ops.MASK_CAUSAL if causal else ops.MASK_NONE
+            peers["ragged_prod"] = tflops(b, s, h, d, causal, bench(
+                lambda: ops.batch_ragged_prefill(qf0, kr0, vr0, qi0, qi0, w0, None, None, None,
+                                                 None, bm0, mm0, -1, 0, d ** -0.5, 0.0, 0, 1.0,
+                                                 1e4, 1.0, None)))
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
             K.USE_TMA = tma == "1"
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
@@ -67,7 +82,8 @@ def main():
                                                 0.0, 0, 1.0, 1e4, 1.0, None)
                 out, _ = fn()
                 err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
-                ms = bench(fn)
+                # --paged compares paged with ragged: the dense op is only its reference there
+                ms = float("nan") if a.paged else bench(fn)
                 row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA, kind="single",
                            tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
                 if a.paged:
@@ -81,7 +97,7 @@ def main():
                         qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
                         pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
                         last = torch.full((b,), page, device="cuda", dtype=torch.int32)
-                        work = build_work([s] * b, 1, bm, "cuda")
+                        work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
                         qf = q.reshape(b * s, h, d)
                         fp = lambda: ops.batch_paged_prefill(
                             qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
@@ -103,7 +119,7 @@ def main():
     K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged")
+    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged ragged_prod")
     for r in rows:
         if "error" in r:
             print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:12} {r['tma']:d} ERROR "
@@ -111,8 +127,8 @@ def main():
             continue
         f = lambda x: f"{x:6.0f}" if isinstance(x, float) else "   n/a"
         print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:12} {r['tma']:d} {f(r['tflops'])} "
-              f"{f(r['sdpa_flash'])} {f(r['sdpa_cudnn'])} {f(r.get('paged16'))} "
-              f"{f(r.get('paged1'))} {f(r.get('ragged'))}  err {r['err']:.2e}")
+              f"{f(r.get('sdpa_flash'))} {f(r.get('sdpa_cudnn'))} {f(r.get('paged16'))} "
+              f"{f(r.get('paged1'))} {f(r.get('ragged'))} {f(r.get('ragged_prod'))}  err {r['err']:.2e}")
 
 
 if __name__ == "__main__":

@@ -48,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flex-dynamic", action="store_true",
                    help="torch.compile flex_attention with dynamic=True (fewer recompiles, "
                         "possibly slower kernels); default static shapes")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--warmup-ms", type=float, default=100.0)
+    p.add_argument("--rep-ms", type=float, default=300.0)
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")
