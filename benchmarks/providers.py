@@ -401,11 +401,26 @@ SETUPS = {
 # ------------------------------------------------------------------------------------------
 # timing
 # ------------------------------------------------------------------------------------------
+def gpu_state() -> dict:
+    """The GPU's SM clock (MHz), power draw (W) and temperature (C) now, through NVML (None where
+    torch cannot read them): sampled while the timed calls run, to tell a throttled run."""
+    out = {}
+    for key, fn in (("sm_clock_mhz", "clock_rate"), ("power_w", "power_draw"),
+                    ("temp_c", "temperature")):
+        try:
+            v = getattr(torch.cuda, fn)()
+            out[key] = round(v / 1000) if key == "power_w" else v  # power_draw: milliwatts
+        except Exception:  # noqa: BLE001  (no pynvml, or an NVML error: not measured)
+            out[key] = None
+    return out
+
+
 def bench(fns: list[Callable[[], Any]], warmup_ms: float, rep_ms: float, cuda: bool,
-          max_iters: int = 2000) -> tuple[float, int]:
+          max_iters: int = 2000, state: dict | None = None) -> tuple[float, int]:
     """Median milliseconds of one call and the number of timed calls. CUDA: one event pair per
     call, calls rotating over fns (the input copies); warm-up calls are not timed. CPU (smoke
-    tests only): perf_counter."""
+    tests only): perf_counter. state: filled with gpu_state() sampled once the timed calls are
+    queued (the GPU is busy with them)."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     nf = len(fns)
     fns[0]()
@@ -440,6 +455,8 @@ def bench(fns: list[Callable[[], Any]], warmup_ms: float, rep_ms: float, cuda: b
             starts[j].record()
             fns[j % nf]()
             ends[j].record()
+        if state is not None:
+            state.update(gpu_state())
         sync()
         times = [a.elapsed_time(b) for a, b in zip(starts, ends)]
     else:

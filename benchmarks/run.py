@@ -156,7 +156,9 @@ def run_provider(name: str, case, inps, ref, args, cuda: bool) -> dict:
                 row["status"] = "failed"
                 row["error"] = f"wrong output: rel_err {err:.3g} > tol {args.tol:g} (not timed)"
                 return row
-            ms, iters = bench(runner.fns, args.warmup_ms, args.rep_ms, cuda)
+            state = {} if cuda else None
+            ms, iters = bench(runner.fns, args.warmup_ms, args.rep_ms, cuda, state=state)
+            row.update(state or {})
         row["median_ms"] = ms
         row["tflops"] = tflops(case.flops, ms)
         row["iters"] = iters
@@ -208,7 +210,8 @@ def run_case(case, args, device, dtype, progress: Progress) -> list[dict]:
 def summary_line(case, rows) -> str:
     def fmt(r):
         if r["status"] == "ok":
-            return f"{r['provider']} {r['tflops']:.0f}"
+            clock = f" @{r['sm_clock_mhz']}MHz" if r.get("sm_clock_mhz") else ""
+            return f"{r['provider']} {r['tflops']:.0f}{clock}"
         return f"{r['provider']} {'n/a' if r['status'] == 'unavailable' else 'FAILED'}"
     return f"{case.suite:10s} {case.name:28s} TFLOP/s: " + " | ".join(fmt(r) for r in rows)
 
