@@ -221,3 +221,27 @@ def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
             assert "wrong output" in r["error"] and r["rel_err"] == pytest.approx(1.0)
         else:
             assert r["error"] == "RuntimeError: kernel exploded"
+
+
+def test_gpu_state_and_clock_in_summary(monkeypatch):
+    """Each timed CUDA row carries the SM clock, power and temperature read while it ran; where
+    NVML cannot be read (this CPU machine) the values are None, never a made-up number; the
+    summary line shows a clock only when there is one."""
+    import torch
+
+    from benchmarks import providers, run
+
+    state = providers.gpu_state()
+    assert set(state) == {"sm_clock_mhz", "power_w", "temp_c"}
+    if not torch.cuda.is_available():
+        assert all(v is None for v in state.values())
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1755, raising=False)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 612_400, raising=False)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda: 61, raising=False)
+    assert providers.gpu_state() == {"sm_clock_mhz": 1755, "power_w": 612, "temp_c": 61}
+    case = cases.smoke_cases()[0]
+    rows = [{"provider": "compiled_attn", "status": "ok", "tflops": 400.0, "sm_clock_mhz": 1755},
+            {"provider": "flex", "status": "ok", "tflops": 300.0, "sm_clock_mhz": None}]
+    line = run.summary_line(case, rows)
+    assert "compiled_attn 400 @1755MHz" in line and "flex 300 |" not in line
+    assert line.endswith("flex 300")
