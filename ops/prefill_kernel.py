@@ -39,6 +39,8 @@ from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIB
 LOG2E = 1.4426950408889634
 
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
+# Dev switch (benchmarks/NOTES.md): whole-page tiles load [NP, PAGE_SIZE, D] blocks.
+PAGE3D_ON: tl.constexpr = tl.constexpr(True)
 
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). K/V tensor descriptors pay a
@@ -168,6 +170,15 @@ def _attend_range(
     AHEAD_NP: tl.constexpr = KV_MODE == 2 and PAGE_SIZE > 1 and PAGE_SIZE % BLOCK_N != 0 and \
         BLOCK_N % PAGE_SIZE == 0
     NP: tl.constexpr = BLOCK_N // PAGE_SIZE if AHEAD_NP else 1
+    # Whole-page tiles load K/V as [NP, PAGE_SIZE, D] blocks (one page per slice, reshaped to
+    # [BLOCK_N, D]): a thread's vectors then lie in one page, so it needs one page index and one
+    # 64-bit page offset per load instead of one per key it touches. Not with 2-stage pipelines
+    # (custom masks, D 256): ptxas of triton 3.6 crashes on that combination (seen on the GPU).
+    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES >= 3 and PAGE3D_ON
+    if PAGE3D:
+        offs_p3 = (tl.arange(0, NP) * PAGE_SIZE)[:, None, None] + \
+            tl.arange(0, PAGE_SIZE)[None, :, None]
+        slot3 = tl.arange(0, PAGE_SIZE).to(tl.int64)[None, :, None]
     if AHEAD:
         pages = _page_of_keys(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, BLOCK_N)
     if AHEAD_NP:
@@ -175,7 +186,11 @@ def _attend_range(
     for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
         j = n + offs_n
         j_ok = j < kv_len
-        if not TMA:
+        if PAGE3D:
+            pg3 = pnp.to(tl.int64)[:, None, None]
+            pnp = _whole_pages(n + BLOCK_N, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
+            ok3 = (n + offs_p3) < kv_len
+        elif not TMA:
             if KV_MODE == 2:
                 if AHEAD:
                     pg = pages.to(tl.int64)
@@ -197,6 +212,15 @@ def _attend_range(
             kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
         if TMA:
             k = k_desc.load([n, 0])
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        elif PAGE3D:
+            k3 = k_ptr + pg3 * stride_kp + slot3 * stride_kt + \
+                offs_d1.to(tl.int64)[None, None, :] * stride_kd
+            if MASKED or DQK != BLOCK_DQK:
+                k = tl.load(k3, mask=ok3 & (offs_d1[None, None, :] < DQK), other=0.0)
+            else:
+                k = tl.load(k3)
+            k = tl.reshape(k, [BLOCK_N, BLOCK_DQK])
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif ROPE:
             k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
@@ -250,6 +274,14 @@ def _attend_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
             v = v_desc.load([n, 0])
+        elif PAGE3D:
+            v3 = v_ptr + pg3 * stride_vp + slot3 * stride_vt + \
+                offs_dv.to(tl.int64)[None, None, :] * stride_vd
+            if MASKED or DVO != BLOCK_DVO:
+                v = tl.load(v3, mask=ok3 & (offs_dv[None, None, :] < DVO), other=0.0)
+            else:
+                v = tl.load(v3)
+            v = tl.reshape(v, [BLOCK_N, BLOCK_DVO])
         else:
             v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
             if MASKED or DVO != BLOCK_DVO:
