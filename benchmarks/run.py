@@ -257,6 +257,8 @@ def main(argv=None) -> int:
         with torch.no_grad():  # not inference_mode: friendlier to torch.compile (flex)
             for case in cases:
                 rows = run_case(case, args, device, dtype, progress)
+                for r in rows:  # a merged file keeps each suite's rows with their run's date
+                    r["run_date"] = env["date"]
                 new_rows += rows
                 results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites))
                 progress.write(summary_line(case, rows))

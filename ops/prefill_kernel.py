@@ -39,8 +39,6 @@ from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIB
 LOG2E = 1.4426950408889634
 
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
-# Dev switch (benchmarks/NOTES.md): whole-page tiles load [NP, PAGE_SIZE, D] blocks.
-PAGE3D_ON: tl.constexpr = tl.constexpr(True)
 
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). K/V tensor descriptors pay a
@@ -174,7 +172,7 @@ def _attend_range(
     # [BLOCK_N, D]): a thread's vectors then lie in one page, so it needs one page index and one
     # 64-bit page offset per load instead of one per key it touches. Not with 2-stage pipelines
     # (custom masks, D 256): ptxas of triton 3.6 crashes on that combination (seen on the GPU).
-    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES >= 3 and PAGE3D_ON
+    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES != 2
     if PAGE3D:
         offs_p3 = (tl.arange(0, NP) * PAGE_SIZE)[:, None, None] + \
             tl.arange(0, PAGE_SIZE)[None, :, None]

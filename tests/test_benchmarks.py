@@ -164,6 +164,14 @@ def test_plot_and_report(tmp_path):
     assert "| fa3 | D128 S4096 causal | 500 | 1.25 | 1.67 | 0.83 |" in md
     assert "| B32 S4096 | 16 | 1.00 | - |" in md and "| B32 S4096 | 1 | 0.90 | - |" in md
     assert "varlen / our fixed-length >= 1.0 | 2 (0 missing) | 1.00 | 2/2 |" in md
+    assert "Suites from more than one run" not in md
+    # a file merged from two runs says which suites came from which
+    rows = synthetic_rows()
+    for r in rows:
+        r["run_date"] = "2026-11-22T12:00" if r["suite"] == "paged" else "2026-11-22T11:00"
+    md = report.render(results.make_doc(ENV, rows))
+    assert ("Suites from more than one run: fa3, varlen at 2026-11-22T11:00; paged at "
+            "2026-11-22T12:00.") in md
 
 
 def test_cpu_smoke_run_end_to_end(tmp_path):
@@ -180,6 +188,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     doc = results.load(out)
     n_cases = len(cases.smoke_cases())
     assert len(doc["rows"]) == 5 * n_cases
+    assert {r["run_date"] for r in doc["rows"]} == {doc["date"]}
     st = {(r["case"], r["provider"]): r for r in doc["rows"]}
     assert all(r["status"] != "failed" for r in doc["rows"]), [r.get("error") for r in doc["rows"]]
     for c in cases.smoke_cases():
