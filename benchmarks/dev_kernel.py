@@ -59,27 +59,29 @@ def main():
                 peers[name] = tflops(b, s, h, d, causal, ms)
             except Exception as e:  # a backend that refuses the case is reported, not hidden
                 peers[name] = f"n/a: {type(e).__name__}"
+        mm = ops.MASK_CAUSAL if causal else ops.MASK_NONE
+        tail = (mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
+        qf, kr, vr = (x.reshape(b * s, h, d) for x in (q, k, v))
+        qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+
+        def ragged_tflops(bm_):
+            """Our ragged op on this case with tile height bm_ (the launch config is whatever
+            K._config says now)."""
+            work_ = build_work([s] * b, 1, bm_, "cuda", kv_lens=[s] * b)
+            return tflops(b, s, h, d, causal, bench(lambda: ops.batch_ragged_prefill(
+                qf, kr, vr, qi, qi, work_, None, None, None, None, bm_, *tail)))
+
         if a.paged:
             # our ragged op with the production tile policy: the paged/ragged denominator
-            bm0 = orig_bm(d, d, 1, s, bool(causal), False)
-            qi0 = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
-            w0 = build_work([s] * b, 1, bm0, "cuda", kv_lens=[s] * b)
-            kr0, vr0, qf0 = (x.reshape(b * s, h, d) for x in (k, v, q))
-            mm0 = ops.MASK_CAUSAL if causal else ops.MASK_NONE
-            peers["ragged_prod"] = tflops(b, s, h, d, causal, bench(
-                lambda: ops.batch_ragged_prefill(qf0, kr0, vr0, qi0, qi0, w0, None, None, None,
-                                                 None, bm0, mm0, -1, 0, d ** -0.5, 0.0, 0, 1.0,
-                                                 1e4, 1.0, None)))
+            peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
             K.USE_TMA = tma == "1"
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
             K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
                                                               num_stages=ns, TMA=True)
-            mm = ops.MASK_CAUSAL if causal else ops.MASK_NONE
             try:
-                fn = lambda: ops.single_prefill(q, k, v, None, None, None, mm, -1, 0, d ** -0.5,
-                                                0.0, 0, 1.0, 1e4, 1.0, None)
+                fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
                 out, _ = fn()
                 err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
                 # --paged compares paged with ragged: the dense op is only its reference there
@@ -87,6 +89,7 @@ def main():
                 row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA, kind="single",
                            tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
                 if a.paged:
+                    work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
                     for page in (16, 1):
                         npg = s // page
                         perm = torch.randperm(b * npg, device="cuda").to(torch.int32)
@@ -94,23 +97,16 @@ def main():
                         vc = torch.empty_like(kc)
                         kc[perm.long()] = k.reshape(b * npg, page, h, d)
                         vc[perm.long()] = v.reshape(b * npg, page, h, d)
-                        qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
                         pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
                         last = torch.full((b,), page, device="cuda", dtype=torch.int32)
-                        work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
-                        qf = q.reshape(b * s, h, d)
                         fp = lambda: ops.batch_paged_prefill(
                             qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
-                            mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
+                            *tail)
                         o2, _ = fp()
                         perr = (o2.reshape(b, s, h, d).float() - out.float()).abs().max().item()
                         row[f"paged{page}"] = tflops(b, s, h, d, causal, bench(fp))
                         row[f"paged{page}_err"] = perr
-                        kr, vr = k.reshape(b * s, h, d), v.reshape(b * s, h, d)
-                        fr = lambda: ops.batch_ragged_prefill(
-                            qf, kr, vr, qi, qi, work, None, None, None, None, bm,
-                            mm, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
-                        row["ragged"] = tflops(b, s, h, d, causal, bench(fr))
+                    row["ragged"] = ragged_tflops(bm)  # same tile and config as the paged rows
             except Exception as e:
                 row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA,
                            error=f"{type(e).__name__}: {e}"[:300])
@@ -119,7 +115,8 @@ def main():
     K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged ragged_prod")
+    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged "
+          "ragged_prod")
     for r in rows:
         if "error" in r:
             print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:12} {r['tma']:d} ERROR "
@@ -128,7 +125,8 @@ def main():
         f = lambda x: f"{x:6.0f}" if isinstance(x, float) else "   n/a"
         print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:12} {r['tma']:d} {f(r['tflops'])} "
               f"{f(r.get('sdpa_flash'))} {f(r.get('sdpa_cudnn'))} {f(r.get('paged16'))} "
-              f"{f(r.get('paged1'))} {f(r.get('ragged'))} {f(r.get('ragged_prod'))}  err {r['err']:.2e}")
+              f"{f(r.get('paged1'))} {f(r.get('ragged'))} {f(r.get('ragged_prod'))}  "
+              f"err {r['err']:.2e}")
 
 
 if __name__ == "__main__":

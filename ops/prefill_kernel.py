@@ -136,6 +136,20 @@ def _whole_pages(n, kv_len, page_base, page_idx_ptr, PAGE_SIZE: tl.constexpr, NP
 
 
 @triton.jit
+def _load_pages(base, pg3, slot3, ok3, offs_d, stride_p, stride_t, stride_d, MASKED: tl.constexpr,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] rows of K or V from whole pages: pg3 [NP, 1, 1] page indices (int64),
+    slot3 [1, PAGE_SIZE, 1] slots, ok3 [NP, PAGE_SIZE, 1] keys < kv_len (used when MASKED),
+    loaded as [NP, PAGE_SIZE, BLOCK_D] so a thread's vectors lie in one page; dims past D read 0."""
+    ptrs = base + pg3 * stride_p + slot3 * stride_t + offs_d.to(tl.int64)[None, None, :] * stride_d
+    if MASKED or D != BLOCK_D:
+        x = tl.load(ptrs, mask=ok3 & (offs_d[None, None, :] < D), other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return tl.reshape(x, [BLOCK_N, BLOCK_D])
+
+
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q, q2, p_row, tok, row_ok, n_lo, n_hi, kv_len,
     k_ptr, v_ptr, k_desc, v_desc, page_base, page_idx_ptr,
@@ -212,13 +226,8 @@ def _attend_range(
             k = k_desc.load([n, 0])
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif PAGE3D:
-            k3 = k_ptr + pg3 * stride_kp + slot3 * stride_kt + \
-                offs_d1.to(tl.int64)[None, None, :] * stride_kd
-            if MASKED or DQK != BLOCK_DQK:
-                k = tl.load(k3, mask=ok3 & (offs_d1[None, None, :] < DQK), other=0.0)
-            else:
-                k = tl.load(k3)
-            k = tl.reshape(k, [BLOCK_N, BLOCK_DQK])
+            k = _load_pages(k_ptr, pg3, slot3, ok3, offs_d1, stride_kp, stride_kt, stride_kd,
+                            MASKED, DQK, BLOCK_N, BLOCK_DQK)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif ROPE:
             k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
@@ -273,13 +282,8 @@ def _attend_range(
         if TMA:
             v = v_desc.load([n, 0])
         elif PAGE3D:
-            v3 = v_ptr + pg3 * stride_vp + slot3 * stride_vt + \
-                offs_dv.to(tl.int64)[None, None, :] * stride_vd
-            if MASKED or DVO != BLOCK_DVO:
-                v = tl.load(v3, mask=ok3 & (offs_dv[None, None, :] < DVO), other=0.0)
-            else:
-                v = tl.load(v3)
-            v = tl.reshape(v, [BLOCK_N, BLOCK_DVO])
+            v = _load_pages(v_ptr, pg3, slot3, ok3, offs_dv, stride_vp, stride_vt, stride_vd,
+                            MASKED, DVO, BLOCK_N, BLOCK_DVO)
         else:
             v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
             if MASKED or DVO != BLOCK_DVO:
