@@ -42,6 +42,8 @@ def main():
     rows = []
     orig_bm, orig_cfg = K.block_m_for, K._config
     for case in a.cases.split(","):
+        # each case starts from the production tile policy (the config loop below overrides it)
+        K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
