@@ -66,6 +66,15 @@ class Case:
         return attention_flops(self.qo_lens, self.kv_lens, self.num_qo_heads, self.head_dim,
                                self.head_dim, self.causal)
 
+    @property
+    def timing_group(self) -> str:
+        """Cases whose ratios compare with each other (paged vs ragged on the same lengths, a
+        varlen batch and its fixed-length companion) share this key: the harness times them
+        interleaved, so that drift of the clock over the run cannot tilt their ratio."""
+        if self.group_key:
+            return f"{self.suite}/{self.group_key}"
+        return f"{self.suite}/{self.fixed_case or self.name}"
+
     def row_fields(self) -> dict:
         """The case's columns in every result row (beside suite, case, provider, timings)."""
         d = {

@@ -415,56 +415,105 @@ def gpu_state() -> dict:
     return out
 
 
-def bench(fns: list[Callable[[], Any]], warmup_ms: float, rep_ms: float, cuda: bool,
-          max_iters: int = 2000, state: dict | None = None) -> tuple[float, int]:
-    """Median milliseconds of one call and the number of timed calls. CUDA: one event pair per
-    call, calls rotating over fns (the input copies); warm-up calls are not timed. CPU (smoke
-    tests only): perf_counter. state: filled with gpu_state() sampled once the timed calls are
-    queued (the GPU is busy with them)."""
+@dataclass
+class Timing:
+    """One runner's result from bench: median ms per call over ``iters`` timed calls and the
+    GPU state (median of the samples) while they ran, or the error it raised."""
+    median_ms: float | None = None
+    iters: int = 0
+    state: dict = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
+
+
+def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warmup_ms: float,
+          rep_ms: float, cuda: bool, rounds: int = 5, max_iters: int = 2000) -> list[Timing]:
+    """Time runners (each: its callables, one per input copy, and the context to call them in)
+    interleaved: after each runner's own warm-up, ``rounds`` rounds each time a slice of every
+    runner's calls, starting one runner later each round, so a clock that drifts while a group
+    is timed (power capping, temperature) lands on every runner alike and their ratios compare
+    like with like. Per slice: one untimed call (the first after another runner's), then CUDA
+    event pairs around each call, calls rotating over the input copies; CPU (smoke tests
+    only): perf_counter. Counts per runner: at least 3 warm-up calls and ``warmup_ms``, at
+    least 20 timed calls and ``rep_ms`` (at most ``max_iters``), estimated from 3 calls. A
+    runner that raises is recorded in its Timing and left out of later slices."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    nf = len(fns)
-    fns[0]()
-    sync()
-    # estimate one call
-    t0 = time.perf_counter()
-    if cuda:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for j in range(3):
-            fns[j % nf]()
-        e.record()
-        sync()
-        est = s.elapsed_time(e) / 3
-    else:
-        for j in range(3):
-            fns[j % nf]()
-        est = (time.perf_counter() - t0) * 1e3 / 3
-    est = max(est, 1e-3)
-    # CUDA: at least 3 warm-up and 20 timed calls, so a 20 ms case is not judged on a clock
-    # that is still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two runs of 1 + 5)
-    n_warm = max(3 if cuda else 1, int(warmup_ms / est))
-    n_rep = max(20 if cuda else 5, min(max_iters, int(rep_ms / est)))
-    for j in range(n_warm):
-        fns[j % nf]()
-    sync()
-    times = []
-    if cuda:
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
-        for j in range(n_rep):
-            starts[j].record()
-            fns[j % nf]()
-            ends[j].record()
-        if state is not None:
-            state.update(gpu_state())
-        sync()
-        times = [a.elapsed_time(b) for a, b in zip(starts, ends)]
-    else:
-        for j in range(n_rep):
-            t = time.perf_counter()
-            fns[j % nf]()
-            times.append((time.perf_counter() - t) * 1e3)
-    times.sort()
-    mid = len(times) // 2
-    med = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
-    return med, n_rep
+    out = [Timing() for _ in runners]
+    per_slice = [0] * len(runners)
+    turn = [0] * len(runners)  # the next input copy of each runner
+    for i, (fns, ctx) in enumerate(runners):
+        try:
+            with ctx():
+                nf = len(fns)
+                fns[0]()
+                sync()
+                t0 = time.perf_counter()
+                if cuda:
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                for j in range(3):
+                    fns[j % nf]()
+                if cuda:
+                    e.record()
+                    sync()
+                    est = s.elapsed_time(e) / 3
+                else:
+                    est = (time.perf_counter() - t0) * 1e3 / 3
+                est = max(est, 1e-3)
+                # CUDA: at least 3 warm-up and 20 timed calls, so a 20 ms case is not judged on
+                # a clock still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two runs
+                # of 1 + 5 calls)
+                n_warm = max(3 if cuda else 1, int(warmup_ms / est))
+                n_rep = max(20 if cuda else 5, min(max_iters, int(rep_ms / est)))
+                for j in range(n_warm):
+                    fns[j % nf]()
+                sync()
+                turn[i] = n_warm
+                per_slice[i] = -(-n_rep // rounds)
+        except Exception as e:  # noqa: BLE001  (the caller records it in the runner's row)
+            out[i].error = e
+    times: list[list[float]] = [[] for _ in runners]
+    states: list[list[dict]] = [[] for _ in runners]
+    n = len(runners)
+    for r in range(rounds):
+        for i in [(r + k) % n for k in range(n)]:
+            if out[i].error is not None:
+                continue
+            fns, ctx = runners[i]
+            nf = len(fns)
+            try:
+                with ctx():
+                    fns[turn[i] % nf]()  # untimed: the first call after another runner's
+                    turn[i] += 1
+                    if cuda:
+                        m = per_slice[i]
+                        starts = [torch.cuda.Event(enable_timing=True) for _ in range(m)]
+                        ends = [torch.cuda.Event(enable_timing=True) for _ in range(m)]
+                        for j in range(m):
+                            starts[j].record()
+                            fns[(turn[i] + j) % nf]()
+                            ends[j].record()
+                        states[i].append(gpu_state())  # sampled while the slice runs
+                        sync()
+                        times[i] += [a.elapsed_time(b) for a, b in zip(starts, ends)]
+                    else:
+                        for j in range(per_slice[i]):
+                            t = time.perf_counter()
+                            fns[(turn[i] + j) % nf]()
+                            times[i].append((time.perf_counter() - t) * 1e3)
+                    turn[i] += per_slice[i]
+            except Exception as e:  # noqa: BLE001
+                out[i].error = e
+    for i, t in enumerate(out):
+        if t.error is None:
+            t.median_ms, t.iters = _median(times[i]), len(times[i])
+            if cuda:
+                for key in ("sm_clock_mhz", "power_w", "temp_c"):
+                    vals = [st[key] for st in states[i] if st.get(key) is not None]
+                    t.state[key] = round(_median(vals)) if vals else None
+    return out

@@ -4,8 +4,10 @@
 Times compiled_attn's ops and the peers in this one process on the same inputs (docs/benchmarks.md).
 Per case: make the inputs (rotated copies when they would fit in L2), compute the reference (SDPA),
 then per provider: set up (plan / compile / JIT, untimed), run once and compare with the reference
-(a provider whose output is wrong is recorded as failed, not timed), then time it: median of
-per-call CUDA-event timings after warm-up. The results file is rewritten after every case, so a
+(a provider whose output is wrong is recorded as failed, not timed). Then every checked provider
+of the case's timing group (the case alone, or the cases whose ratios compare: paged vs ragged on
+the same lengths, a varlen batch and its fixed-length companion) is timed interleaved: median of
+per-call CUDA-event timings after warm-up, taken in rounds over all of them. The results file is rewritten after every case, so a
 run cut short keeps what it measured; rows of suites not run now are kept from the existing file
 (--fresh drops them).
 """
@@ -50,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "possibly slower kernels); default static shapes")
     p.add_argument("--warmup-ms", type=float, default=100.0)
     p.add_argument("--rep-ms", type=float, default=300.0)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timing rounds: each times a slice of every provider's calls of a case "
+                        "group, interleaved (default 5; 1 = one provider after another)")
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")
@@ -67,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [s for s in a.suites if s not in SUITES + ("smoke",)]
         if bad:
             p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
     a.provider_list = [s.strip() for s in a.providers.split(",") if s.strip()]
     bad = [s for s in a.provider_list if s not in ALL_PROVIDERS]
     if bad:
@@ -131,10 +138,12 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0] if msg else ''}"[:500]
 
 
-def run_provider(name: str, case, inps, ref, args, cuda: bool) -> dict:
+def prepare_provider(name: str, case, inps, ref, args, cuda: bool):
+    """(row, runner): the provider set up and its output checked against the reference, ready to
+    time; runner None when it is unavailable, failed, or gave a wrong output (then not timed)."""
     import torch
 
-    from .providers import SETUPS, Unavailable, bench
+    from .providers import SETUPS, Unavailable
 
     row = {"suite": case.suite, "case": case.name, "provider": name, "median_ms": None,
            "tflops": None, "status": "ok", **case.row_fields()}
@@ -152,25 +161,26 @@ def run_provider(name: str, case, inps, ref, args, cuda: bool) -> dict:
             err = rel_err(out, ref)
             row["rel_err"] = err
             del out
-            if not math.isfinite(err) or err > args.tol:
-                row["status"] = "failed"
-                row["error"] = f"wrong output: rel_err {err:.3g} > tol {args.tol:g} (not timed)"
-                return row
-            state = {} if cuda else None
-            ms, iters = bench(runner.fns, args.warmup_ms, args.rep_ms, cuda, state=state)
-            row.update(state or {})
-        row["median_ms"] = ms
-        row["tflops"] = tflops(case.flops, ms)
-        row["iters"] = iters
+        if not math.isfinite(err) or err > args.tol:
+            row["status"] = "failed"
+            row["error"] = f"wrong output: rel_err {err:.3g} > tol {args.tol:g} (not timed)"
+            return row, None
+        return row, runner
     except Unavailable as e:
         row["status"] = "unavailable"
         row["error"] = str(e)
     except Exception as e:  # noqa: BLE001  (recorded in the row: a crash is a result too)
-        row["status"] = "failed"
-        row["error"] = _err(e)
-        if cuda and isinstance(e, torch.cuda.OutOfMemoryError):
-            torch.cuda.empty_cache()
-    return row
+        _record_failure(row, e, cuda)
+    return row, None
+
+
+def _record_failure(row: dict, e: BaseException, cuda: bool) -> None:
+    import torch
+
+    row["status"] = "failed"
+    row["error"] = _err(e)
+    if cuda and isinstance(e, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -182,29 +192,64 @@ def add_ratios(rows: list[dict]) -> None:
                 o[f"ratio_vs_{r['provider']}"] = o["tflops"] / r["tflops"]
 
 
-def run_case(case, args, device, dtype, progress: Progress) -> list[dict]:
+def run_group(cases, args, device, dtype, progress: Progress) -> list[tuple[object, list[dict]]]:
+    """[(case, rows)] for cases of one timing group (Case.timing_group): every provider of every
+    case set up and checked first, then all of them timed together, interleaved (providers.bench),
+    so the ratios within a case and across the group (paged vs ragged, varlen vs fixed) come
+    from the same stretch of the run."""
     import torch
 
-    from .providers import make_inputs, reference
+    from .providers import bench, make_inputs, reference
 
     cuda = device.type == "cuda"
-    inps = [make_inputs(case, device, dtype, seed=args.seed)]
-    copies = 1
-    if inps[0].nbytes() < L2_BYTES:  # would stay in L2 across calls: rotate fresh copies
-        copies = min(32, math.ceil(3 * L2_BYTES / max(1, inps[0].nbytes())))
-        inps += [make_inputs(case, device, dtype, seed=args.seed + c) for c in range(1, copies)]
-    ref = reference(case, inps[0])
-    rows = []
-    for name in args.provider_list:
-        progress.step(f"{case.suite} {case.name}: {name}")
-        row = run_provider(name, case, inps, ref, args, cuda)
-        row["input_copies"] = copies
-        rows.append(row)
-    add_ratios(rows)
-    del inps, ref
+    out, ready = [], []  # ready: (case, row, runner) to time
+    for case in cases:
+        inps = [make_inputs(case, device, dtype, seed=args.seed)]
+        copies = 1
+        if inps[0].nbytes() < L2_BYTES:  # would stay in L2 across calls: rotate fresh copies
+            copies = min(32, math.ceil(3 * L2_BYTES / max(1, inps[0].nbytes())))
+            inps += [make_inputs(case, device, dtype, seed=args.seed + c)
+                     for c in range(1, copies)]
+        ref = reference(case, inps[0])
+        rows = []
+        for name in args.provider_list:
+            progress.step(f"{case.suite} {case.name}: {name}")
+            row, runner = prepare_provider(name, case, inps, ref, args, cuda)
+            row["input_copies"] = copies
+            rows.append(row)
+            if runner is not None:
+                ready.append((case, row, runner))
+        out.append((case, rows))
+        del inps, ref  # the runners keep what they call
+    timings = bench([(runner.fns, runner.context) for _, _, runner in ready], args.warmup_ms,
+                    args.rep_ms, cuda, rounds=args.rounds)
+    for (case, row, _), t in zip(ready, timings):
+        if t.error is not None:
+            _record_failure(row, t.error, cuda)
+            continue
+        row.update(t.state)
+        row["median_ms"] = t.median_ms
+        row["tflops"] = tflops(case.flops, t.median_ms)
+        row["iters"] = t.iters
+        row["timed_with"] = len(ready)
+    for _, rows in out:
+        add_ratios(rows)
+    del ready, timings
     if cuda:
         torch.cuda.empty_cache()
-    return rows
+    return out
+
+
+def _groups(cases) -> list[list]:
+    """Consecutive cases of one timing group together (the suites list a group's cases next to
+    each other)."""
+    out: list[list] = []
+    for c in cases:
+        if out and out[-1][0].timing_group == c.timing_group:
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
 
 
 def summary_line(case, rows) -> str:
@@ -255,13 +300,13 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     try:
         with torch.no_grad():  # not inference_mode: friendlier to torch.compile (flex)
-            for case in cases:
-                rows = run_case(case, args, device, dtype, progress)
-                for r in rows:  # a merged file keeps each suite's rows with their run's date
-                    r["run_date"] = env["date"]
-                new_rows += rows
+            for group in _groups(cases):
+                for case, rows in run_group(group, args, device, dtype, progress):
+                    for r in rows:  # a merged file keeps each suite's rows with their run's date
+                        r["run_date"] = env["date"]
+                    new_rows += rows
+                    progress.write(summary_line(case, rows))
                 results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites))
-                progress.write(summary_line(case, rows))
     finally:
         progress.close()
     failed = [r for r in new_rows if r["status"] == "failed"]

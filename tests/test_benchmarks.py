@@ -254,3 +254,63 @@ def test_gpu_state_and_clock_in_summary(monkeypatch):
     line = run.summary_line(case, rows)
     assert "compiled_attn 400 @1755MHz" in line and "flex 300 |" not in line
     assert line.endswith("flex 300")
+
+
+def test_timing_groups_pair_what_the_ratios_compare():
+    """Paged cases are grouped with their ragged twin of the same suite and lengths (not with the
+    flashinfer suite's case of the same lengths), a varlen batch with its fixed-length
+    companion; every other case is timed on its own."""
+    from benchmarks.run import _groups
+
+    all_cases = cases.cases_for(cases.SUITES)
+    groups = _groups(all_cases)
+    assert sum(len(g) for g in groups) == len(all_cases)
+    for g in groups:
+        assert len({c.timing_group for c in g}) == 1
+    paged = [g for g in groups if g[0].suite == "paged"]
+    assert len(paged) == len(cases.FLASHINFER_SWEEP)
+    assert all(sorted(c.page_size for c in g) == [0, 1, 16] for g in paged)
+    varlen = [sorted(c.uniform for c in g) for g in groups if g[0].suite == "varlen"]
+    assert varlen == [[False, True], [False, True]]
+    assert all(len(g) == 1 for g in groups if g[0].suite in ("fa3", "flashinfer", "gqa"))
+
+
+def test_bench_interleaves_rounds_and_isolates_errors():
+    """Each round times a slice of every runner, starting one runner later each round, inside
+    the runner's own context; a runner that raises mid-way is recorded and the others finish."""
+    import contextlib
+
+    from benchmarks import providers
+
+    log, inside = [], []
+
+    def runner(name, fail_at=None):
+        calls = {"n": 0}
+
+        def fn():
+            calls["n"] += 1
+            assert inside and inside[-1] == name, "called outside its context"
+            if fail_at is not None and calls["n"] == fail_at:
+                raise RuntimeError(f"{name} broke")
+            log.append(name)
+
+        @contextlib.contextmanager
+        def ctx():
+            inside.append(name)
+            try:
+                yield
+            finally:
+                inside.pop()
+        return [fn], ctx
+
+    # CPU counts: 1 + 3 estimate + 1 warm-up calls each, then 5 timed calls in 3 rounds: slices
+    # of 2 after one untimed call
+    res = providers.bench([runner("a"), runner("b"), runner("c", fail_at=9)],
+                          warmup_ms=0.0, rep_ms=0.0, cuda=False, rounds=3)
+    a, b, c = res
+    assert a.error is None and b.error is None and a.iters == b.iters == 6
+    assert a.median_ms >= 0 and b.median_ms >= 0
+    assert isinstance(c.error, RuntimeError) and c.median_ms is None and c.iters == 0
+    assert log[:15] == ["a"] * 5 + ["b"] * 5 + ["c"] * 5
+    # round 0: a b c; round 1: b, c (breaks on its first call), a; round 2: (c skipped) a b
+    assert "".join(log[15:]) == "aaabbbccc" + "bbbaaa" + "aaabbb"
