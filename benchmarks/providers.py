@@ -432,19 +432,22 @@ def _median(xs: list[float]) -> float:
 
 
 def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warmup_ms: float,
-          rep_ms: float, cuda: bool, rounds: int = 5, max_iters: int = 2000) -> list[Timing]:
+          rep_ms: float, cuda: bool, rounds: int = 3, max_iters: int = 2000) -> list[Timing]:
     """Time runners (each: its callables, one per input copy, and the context to call them in)
-    interleaved: after each runner's own warm-up, ``rounds`` rounds each time a slice of every
-    runner's calls, starting one runner later each round, so a clock that drifts while a group
-    is timed (power capping, temperature) lands on every runner alike and their ratios compare
-    like with like. Per slice: one untimed call (the first after another runner's), then CUDA
-    event pairs around each call, calls rotating over the input copies; CPU (smoke tests
-    only): perf_counter. Counts per runner: at least 3 warm-up calls and ``warmup_ms``, at
-    least 20 timed calls and ``rep_ms`` (at most ``max_iters``), estimated from 3 calls. A
-    runner that raises is recorded in its Timing and left out of later slices."""
+    interleaved: ``rounds`` rounds each time a slice of every runner's calls, starting one
+    runner later each round, so that drift of the clock over a group's timing (temperature,
+    power capping) is sampled alike for every runner. Each slice first settles: untimed calls
+    for ``warmup_ms`` (at least 3), because the clock the previous runner left behind takes
+    that long to become this runner's own (after 400 ms of SDPA cuDNN our kernel ran 452, 474,
+    495, 503, 508 TFLOP/s on its first five 20 ms calls; with one settling call per slice, the
+    runner following the most power-hungry peer read 5-15% low). Then CUDA event pairs around
+    each call, calls rotating over the input copies; CPU (smoke tests only): perf_counter.
+    Timed calls per runner: at least 20 and ``rep_ms`` (at most ``max_iters``), estimated from
+    3 calls. A runner that raises is recorded in its Timing and left out of later slices."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     out = [Timing() for _ in runners]
     per_slice = [0] * len(runners)
+    settle = [0] * len(runners)
     turn = [0] * len(runners)  # the next input copy of each runner
     for i, (fns, ctx) in enumerate(runners):
         try:
@@ -465,15 +468,12 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
                 else:
                     est = (time.perf_counter() - t0) * 1e3 / 3
                 est = max(est, 1e-3)
-                # CUDA: at least 3 warm-up and 20 timed calls, so a 20 ms case is not judged on
-                # a clock still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two runs
-                # of 1 + 5 calls)
-                n_warm = max(3 if cuda else 1, int(warmup_ms / est))
+                # CUDA: at least 3 settling and 20 timed calls, so a 20 ms case is not judged
+                # on a clock still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two
+                # runs of 1 + 5 calls)
+                settle[i] = max(3 if cuda else 1, int(warmup_ms / est))
                 n_rep = max(20 if cuda else 5, min(max_iters, int(rep_ms / est)))
-                for j in range(n_warm):
-                    fns[j % nf]()
-                sync()
-                turn[i] = n_warm
+                turn[i] = 4
                 per_slice[i] = -(-n_rep // rounds)
         except Exception as e:  # noqa: BLE001  (the caller records it in the runner's row)
             out[i].error = e
@@ -488,8 +488,9 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
             nf = len(fns)
             try:
                 with ctx():
-                    fns[turn[i] % nf]()  # untimed: the first call after another runner's
-                    turn[i] += 1
+                    for j in range(settle[i]):  # untimed: the clock becomes this runner's
+                        fns[(turn[i] + j) % nf]()
+                    turn[i] += settle[i]
                     if cuda:
                         m = per_slice[i]
                         starts = [torch.cuda.Event(enable_timing=True) for _ in range(m)]

@@ -50,11 +50,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flex-dynamic", action="store_true",
                    help="torch.compile flex_attention with dynamic=True (fewer recompiles, "
                         "possibly slower kernels); default static shapes")
-    p.add_argument("--warmup-ms", type=float, default=100.0)
+    p.add_argument("--warmup-ms", type=float, default=100.0,
+                   help="untimed settling calls before each timed slice (default 100)")
     p.add_argument("--rep-ms", type=float, default=300.0)
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=int, default=3,
                    help="timing rounds: each times a slice of every provider's calls of a case "
-                        "group, interleaved (default 5; 1 = one provider after another)")
+                        "group, interleaved, after --warmup-ms of settling calls (default 3; "
+                        "1 = one provider after another)")
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")

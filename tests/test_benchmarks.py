@@ -303,14 +303,14 @@ def test_bench_interleaves_rounds_and_isolates_errors():
                 inside.pop()
         return [fn], ctx
 
-    # CPU counts: 1 + 3 estimate + 1 warm-up calls each, then 5 timed calls in 3 rounds: slices
-    # of 2 after one untimed call
-    res = providers.bench([runner("a"), runner("b"), runner("c", fail_at=9)],
+    # CPU counts: 1 + 3 estimate calls each, then 5 timed calls in 3 rounds: slices of 2, each
+    # after one untimed settling call
+    res = providers.bench([runner("a"), runner("b"), runner("c", fail_at=8)],
                           warmup_ms=0.0, rep_ms=0.0, cuda=False, rounds=3)
     a, b, c = res
     assert a.error is None and b.error is None and a.iters == b.iters == 6
     assert a.median_ms >= 0 and b.median_ms >= 0
     assert isinstance(c.error, RuntimeError) and c.median_ms is None and c.iters == 0
-    assert log[:15] == ["a"] * 5 + ["b"] * 5 + ["c"] * 5
+    assert log[:12] == ["a"] * 4 + ["b"] * 4 + ["c"] * 4
     # round 0: a b c; round 1: b, c (breaks on its first call), a; round 2: (c skipped) a b
-    assert "".join(log[15:]) == "aaabbbccc" + "bbbaaa" + "aaabbb"
+    assert "".join(log[12:]) == "aaabbbccc" + "bbbaaa" + "aaabbb"
