@@ -9,6 +9,7 @@ the harness records it as an 'unavailable' row, never drops it.
 from __future__ import annotations
 
 import contextlib
+import random
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -434,8 +435,8 @@ def _median(xs: list[float]) -> float:
 def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warmup_ms: float,
           rep_ms: float, cuda: bool, rounds: int = 3, max_iters: int = 2000) -> list[Timing]:
     """Time runners (each: its callables, one per input copy, and the context to call them in)
-    interleaved: ``rounds`` rounds each time a slice of every runner's calls, starting one
-    runner later each round, so that drift of the clock over a group's timing (temperature,
+    interleaved: ``rounds`` rounds each time a slice of every runner's calls, in a different
+    (seeded random) order each round, so that drift of the clock over a group's timing (temperature,
     power capping) is sampled alike for every runner. Each slice first settles: untimed calls
     for ``warmup_ms`` (at least 3), because the clock the previous runner left behind takes
     that long to become this runner's own (after 400 ms of SDPA cuDNN our kernel ran 452, 474,
@@ -481,7 +482,9 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
     states: list[list[dict]] = [[] for _ in runners]
     n = len(runners)
     for r in range(rounds):
-        for i in [(r + k) % n for k in range(n)]:
+        # a fresh order every round (seeded: reproducible), so no runner always follows the same
+        # one (the clock it leaves behind is the next runner's start)
+        for i in random.Random(r).sample(range(n), n):
             if out[i].error is not None:
                 continue
             fns, ctx = runners[i]
