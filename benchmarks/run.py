@@ -7,9 +7,9 @@ then per provider: set up (plan / compile / JIT, untimed), run once and compare 
 (a provider whose output is wrong is recorded as failed, not timed). Then every checked provider
 of the case's timing group (the case alone, or the cases whose ratios compare: paged vs ragged on
 the same lengths, a varlen batch and its fixed-length companion) is timed interleaved: median of
-per-call CUDA-event timings after warm-up, taken in rounds over all of them. The results file is rewritten after every case, so a
-run cut short keeps what it measured; rows of suites not run now are kept from the existing file
-(--fresh drops them).
+per-call CUDA-event timings, taken in rounds over all of them, each slice after settling calls of
+its own. The results file is rewritten after every group, so a run cut short keeps what it
+measured; rows of suites not run now are kept from the existing file (--fresh drops them).
 """
 
 from __future__ import annotations
