@@ -458,7 +458,8 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
                 sync()
                 t0 = time.perf_counter()
                 if cuda:
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s = torch.cuda.Event(enable_timing=True)
+                    e = torch.cuda.Event(enable_timing=True)
                     s.record()
                 for j in range(3):
                     fns[j % nf]()
