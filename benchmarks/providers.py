@@ -432,93 +432,105 @@ def _median(xs: list[float]) -> float:
     return xs[mid] if len(xs) % 2 else 0.5 * (xs[mid - 1] + xs[mid])
 
 
+class _Slot:
+    """One runner under bench: its callables (one per input copy, called in rotation), its
+    context, how many calls settle a slice and how many a slice times, and what it measured."""
+
+    def __init__(self, fns: list[Callable[[], Any]], ctx: Callable[[], Any], cuda: bool):
+        self.fns, self.ctx, self.cuda = fns, ctx, cuda
+        self.turn = 0  # the next input copy
+        self.settle = self.per_slice = 0
+        self.times: list[float] = []
+        self.states: list[dict] = []
+
+    def call(self, count: int) -> None:
+        for _ in range(count):
+            self.fns[self.turn % len(self.fns)]()
+            self.turn += 1
+
+    def span_ms(self, count: int) -> float:
+        """Milliseconds of ``count`` calls back to back (one event pair / one clock reading)."""
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.call(count)
+            return (time.perf_counter() - t0) * 1e3
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        self.call(count)
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e)
+
+    def time_each(self, count: int) -> None:
+        """Time ``count`` calls one by one into self.times (CUDA: an event pair per call, with
+        the GPU state sampled while they run)."""
+        if not self.cuda:
+            for _ in range(count):
+                self.times.append(self.span_ms(1))
+            return
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(count)]
+        for s, e in ev:
+            s.record()
+            self.call(1)
+            e.record()
+        self.states.append(gpu_state())  # sampled while the slice runs
+        torch.cuda.synchronize()
+        self.times += [s.elapsed_time(e) for s, e in ev]
+
+
 def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warmup_ms: float,
           rep_ms: float, cuda: bool, rounds: int = 3, max_iters: int = 2000) -> list[Timing]:
     """Time runners (each: its callables, one per input copy, and the context to call them in)
     interleaved: ``rounds`` rounds each time a slice of every runner's calls, in a different
-    (seeded random) order each round, so that drift of the clock over a group's timing (temperature,
-    power capping) is sampled alike for every runner. Each slice first settles: untimed calls
-    for ``warmup_ms`` (at least 3), because the clock the previous runner left behind takes
-    that long to become this runner's own (after 400 ms of SDPA cuDNN our kernel ran 452, 474,
-    495, 503, 508 TFLOP/s on its first five 20 ms calls; with one settling call per slice, the
-    runner following the most power-hungry peer read 5-15% low). Then CUDA event pairs around
-    each call, calls rotating over the input copies; CPU (smoke tests only): perf_counter.
-    Timed calls per runner: at least 20 and ``rep_ms`` (at most ``max_iters``), estimated from
-    3 calls. A runner that raises is recorded in its Timing and left out of later slices."""
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    (seeded random) order each round, so that drift of the clock over a group's timing
+    (temperature, power capping) is sampled alike for every runner. Each slice first settles:
+    untimed calls for ``warmup_ms`` (at least 3), because the clock the previous runner left
+    behind takes that long to become this runner's own (after 400 ms of SDPA cuDNN our kernel
+    ran 452, 474, 495, 503, 508 TFLOP/s on its first five 20 ms calls; with one settling call
+    per slice, the runner following the most power-hungry peer read 5-15% low). Then CUDA event
+    pairs around each call, calls rotating over the input copies; CPU (smoke tests only):
+    perf_counter. Timed calls per runner: at least 20 and ``rep_ms`` (at most ``max_iters``),
+    estimated from 3 calls. A runner that raises is recorded in its Timing and left out of
+    later slices."""
+    slots = [_Slot(fns, ctx, cuda) for fns, ctx in runners]
     out = [Timing() for _ in runners]
-    per_slice = [0] * len(runners)
-    settle = [0] * len(runners)
-    turn = [0] * len(runners)  # the next input copy of each runner
-    for i, (fns, ctx) in enumerate(runners):
-        try:
-            with ctx():
-                nf = len(fns)
-                fns[0]()
-                sync()
-                t0 = time.perf_counter()
-                if cuda:
-                    s = torch.cuda.Event(enable_timing=True)
-                    e = torch.cuda.Event(enable_timing=True)
-                    s.record()
-                for j in range(3):
-                    fns[j % nf]()
-                if cuda:
-                    e.record()
-                    sync()
-                    est = s.elapsed_time(e) / 3
-                else:
-                    est = (time.perf_counter() - t0) * 1e3 / 3
-                est = max(est, 1e-3)
-                # CUDA: at least 3 settling and 20 timed calls, so a 20 ms case is not judged
-                # on a clock still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two
-                # runs of 1 + 5 calls)
-                settle[i] = max(3 if cuda else 1, int(warmup_ms / est))
-                n_rep = max(20 if cuda else 5, min(max_iters, int(rep_ms / est)))
-                turn[i] = 4
-                per_slice[i] = -(-n_rep // rounds)
-        except Exception as e:  # noqa: BLE001  (the caller records it in the runner's row)
-            out[i].error = e
-    times: list[list[float]] = [[] for _ in runners]
-    states: list[list[dict]] = [[] for _ in runners]
-    n = len(runners)
+
+    def attempt(i: int, work: Callable[[_Slot], None]) -> None:
+        if out[i].error is None:
+            try:
+                with slots[i].ctx():
+                    work(slots[i])
+            except Exception as e:  # noqa: BLE001  (the caller records it in the runner's row)
+                out[i].error = e
+
+    def size(sl: _Slot) -> None:
+        sl.call(1)
+        if cuda:
+            torch.cuda.synchronize()
+        est = max(sl.span_ms(3) / 3, 1e-3)
+        # CUDA: at least 3 settling and 20 timed calls, so a 20 ms case is not judged on a
+        # clock still ramping up (B1 S32k moved 437 -> 508 TFLOP/s between two runs of 1 + 5)
+        sl.settle = max(3 if cuda else 1, int(warmup_ms / est))
+        n_rep = max(20 if cuda else 5, min(max_iters, int(rep_ms / est)))
+        sl.per_slice = -(-n_rep // rounds)
+
+    def time_slice(sl: _Slot) -> None:
+        sl.call(sl.settle)  # untimed: the clock becomes this runner's
+        sl.time_each(sl.per_slice)
+
+    for i in range(len(slots)):
+        attempt(i, size)
     for r in range(rounds):
         # a fresh order every round (seeded: reproducible), so no runner always follows the same
         # one (the clock it leaves behind is the next runner's start)
-        for i in random.Random(r).sample(range(n), n):
-            if out[i].error is not None:
-                continue
-            fns, ctx = runners[i]
-            nf = len(fns)
-            try:
-                with ctx():
-                    for j in range(settle[i]):  # untimed: the clock becomes this runner's
-                        fns[(turn[i] + j) % nf]()
-                    turn[i] += settle[i]
-                    if cuda:
-                        m = per_slice[i]
-                        starts = [torch.cuda.Event(enable_timing=True) for _ in range(m)]
-                        ends = [torch.cuda.Event(enable_timing=True) for _ in range(m)]
-                        for j in range(m):
-                            starts[j].record()
-                            fns[(turn[i] + j) % nf]()
-                            ends[j].record()
-                        states[i].append(gpu_state())  # sampled while the slice runs
-                        sync()
-                        times[i] += [a.elapsed_time(b) for a, b in zip(starts, ends)]
-                    else:
-                        for j in range(per_slice[i]):
-                            t = time.perf_counter()
-                            fns[(turn[i] + j) % nf]()
-                            times[i].append((time.perf_counter() - t) * 1e3)
-                    turn[i] += per_slice[i]
-            except Exception as e:  # noqa: BLE001
-                out[i].error = e
-    for i, t in enumerate(out):
+        for i in random.Random(r).sample(range(len(slots)), len(slots)):
+            attempt(i, time_slice)
+    for t, sl in zip(out, slots):
         if t.error is None:
-            t.median_ms, t.iters = _median(times[i]), len(times[i])
+            t.median_ms, t.iters = _median(sl.times), len(sl.times)
             if cuda:
                 for key in ("sm_clock_mhz", "power_w", "temp_c"):
-                    vals = [st[key] for st in states[i] if st.get(key) is not None]
+                    vals = [st[key] for st in sl.states if st.get(key) is not None]
                     t.state[key] = round(_median(vals)) if vals else None
     return out
