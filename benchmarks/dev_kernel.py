@@ -36,14 +36,16 @@ def main():
     ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (B at least 1)")
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA flash / cuDNN")
-    ap.add_argument("--tma", default="1,0", help="K/V tensor descriptors on (1) / off (0)")
+    ap.add_argument("--tma", default="2,1,0",
+                    help="K/V through host-built descriptors (2), per-program device descriptors "
+                         "(1), or pointer loads (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
     orig_bm, orig_cfg = K.block_m_for, K._config
     for case in a.cases.split(","):
         # each case starts from the production tile policy (the config loop below overrides it)
-        K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
+        K.block_m_for, K._config, K.USE_TMA, K.HOST_TMA = orig_bm, orig_cfg, True, True
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -77,7 +79,7 @@ def main():
             # our ragged op with the production tile policy: the paged/ragged denominator
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
-            K.USE_TMA = tma == "1"
+            K.USE_TMA, K.HOST_TMA = tma != "0", tma == "2"
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
             K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
@@ -88,7 +90,7 @@ def main():
                 err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
                 # --paged compares paged with ragged: the dense op is only its reference there
                 ms = float("nan") if a.paged else bench(fn)
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA, kind="single",
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), kind="single",
                            tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
                 if a.paged:
                     work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
@@ -110,11 +112,11 @@ def main():
                         row[f"paged{page}_err"] = perr
                     row["ragged"] = ragged_tflops(bm)  # same tile and config as the paged rows
             except Exception as e:
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=K.USE_TMA,
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma),
                            error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.block_m_for, K._config, K.USE_TMA = orig_bm, orig_cfg, True
+    K.block_m_for, K._config, K.USE_TMA, K.HOST_TMA = orig_bm, orig_cfg, True, True
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged "

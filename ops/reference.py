@@ -111,8 +111,10 @@ def attend(
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf = q.to(ct)
-    kf = k.to(ct)
-    vf = v.to(ct)
+    # Slots of no request (past the last kv_indptr, unused page slots) may hold anything: they
+    # are masked out of the scores, and zeroed so that 0 * inf never reaches the output.
+    kf = torch.where(kv_valid[:, None, None], k.to(ct), 0)
+    vf = torch.where(kv_valid[:, None, None], v.to(ct), 0)
 
     b = qo_len.shape[0]
     has_req = q_req >= 0

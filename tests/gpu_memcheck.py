@@ -53,36 +53,39 @@ def main() -> int:
     finally:
         K.block_m_for, K._config = orig, orig_cfg
     cases += 2
-    # Tensor descriptors at small sizes (the short-KV rule would pick pointer loads here):
-    # ragged with both tile heights, windows and padded items, a dense batch, and a split plan.
-    orig_min = K.TMA_MIN_KV
+    # Tensor descriptors at small sizes, built on the host and per program (the short-KV rule
+    # would pick pointer loads for the latter): ragged with both tile heights, windows and
+    # padded items, a dense batch, and a split plan.
+    orig_min, orig_host = K.TMA_MIN_KV, K.HOST_TMA
     K.TMA_MIN_KV = 0
     try:
-        for bm in (64, 128):
-            for mode in ("causal", "window"):
-                c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
-                              device="cuda", seed=bm)
-                c.block_m = bm
-                c.work = torch.cat([build_work(QO, 4, bm, "cuda", kv_lens=KV), pad])
-                check(c, params(head_dim=128, **({"window_left": 40} if mode == "window"
-                                                 else {})))
+        for host in (True, False):
+            K.HOST_TMA = host
+            for bm in (64, 128):
+                for mode in ("causal", "window"):
+                    c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                                  device="cuda", seed=bm)
+                    c.block_m = bm
+                    c.work = torch.cat([build_work(QO, 4, bm, "cuda", kv_lens=KV), pad])
+                    check(c, params(head_dim=128, **({"window_left": 40} if mode == "window"
+                                                     else {})))
+                    cases += 1
+            s = make_case("single", [100], [260], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16,
+                          device="cuda")
+            check(s, params(head_dim=128))
+            qo, kv = [3, 1, 40, 0, 2], [3000, 970, 2600, 5, 1]
+            for kind in ("ragged", "paged"):
+                c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                              device="cuda", page_size=16, seed=31)
+                c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
+                                                   min_keys_per_chunk=256)
+                c.work, c.merge = c.work.cuda(), c.merge.cuda()
+                assert int(c.merge[:, 3].max()) > 2
+                check(c, params(head_dim=128))
                 cases += 1
-        s = make_case("single", [100], [260], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16,
-                      device="cuda")
-        check(s, params(head_dim=128))
-        qo, kv = [3, 1, 40, 0, 2], [3000, 970, 2600, 5, 1]
-        for kind in ("ragged", "paged"):
-            c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
-                          device="cuda", page_size=16, seed=31)
-            c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
-                                               min_keys_per_chunk=256)
-            c.work, c.merge = c.work.cuda(), c.merge.cuda()
-            assert int(c.merge[:, 3].max()) > 2
-            check(c, params(head_dim=128))
             cases += 1
-        cases += 1
     finally:
-        K.TMA_MIN_KV = orig_min
+        K.TMA_MIN_KV, K.HOST_TMA = orig_min, orig_host
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases} cases checked")
     return 0

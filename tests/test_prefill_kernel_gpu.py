@@ -111,12 +111,23 @@ FEATURES = {
 }
 
 
+def _kv_path(monkeypatch, path):
+    """Force a K/V load path of dense and ragged launches: "host" descriptors (the default),
+    "device" descriptors built per program (forced even for short keys), or "pointers"."""
+    K = ops.prefill_kernel
+    if path == "device":
+        monkeypatch.setattr(K, "HOST_TMA", False)
+        monkeypatch.setattr(K, "TMA_MIN_KV", 0)
+    elif path == "pointers":
+        monkeypatch.setattr(K, "USE_TMA", False)
+
+
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_descriptors"])
+@pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_device", "ragged_pointers"])
 def test_features(kind, feature, monkeypatch):
-    # These lengths are short (pointer loads); ragged_descriptors forces the descriptor path.
-    if kind == "ragged_descriptors":
-        monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)
+    # ragged: host-built descriptors; ragged_device / ragged_pointers force the other paths.
+    if kind.startswith("ragged_"):
+        _kv_path(monkeypatch, kind.split("_")[1])
         kind = "ragged"
     c = make_case(kind, [300, 17, 0, 129], [700, 17, 5, 129], hq=8, hkv=2, dqk=128,
                   dtype=torch.bfloat16, device="cuda", custom_mask=feature == "custom",
@@ -140,13 +151,13 @@ def test_head_dim_192_128():
     _check("d192", c, params(head_dim=192))
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "descriptors"])
-def test_cuda_graph_replay_after_replan(tma, monkeypatch):
+@pytest.mark.parametrize("path", ["host", "device", "pointers"])
+def test_cuda_graph_replay_after_replan(path, monkeypatch):
     # Fixed buffers (batch size 4): capture once, then re-plan with new lengths into the same
-    # buffers and replay; the padded work rows (request -1) must be skipped. With descriptors
-    # (forced at these short lengths) their scratch is allocated inside the capture.
-    if tma:
-        monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)
+    # buffers and replay; the padded work rows (request -1) must be skipped. Host descriptors
+    # are captured by value (the buffers stay put); per-program ones (forced at these short
+    # lengths) get their scratch allocated inside the capture.
+    _kv_path(monkeypatch, path)
     torch.manual_seed(0)
     hq, hkv, d, cap_tokens, max_work = 8, 2, 128, 1024, 64
     q = torch.randn(cap_tokens, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -210,15 +221,22 @@ def test_opcheck_cuda():
 
 
 @pytest.mark.parametrize("kv", [[64, 300], [1500, 2600]], ids=["short", "long"])
-def test_torch_compile_fullgraph_cuda(kv):
-    # Short keys take pointer loads, long ones tensor descriptors, whose scratch Inductor's
-    # generated launch must provide.
+def test_torch_compile_fullgraph_cuda(kv, monkeypatch):
+    # Eager calls build K/V descriptors on the host at any length. A traced graph cannot carry
+    # those (wrap_triton): it takes pointer loads for short keys and per-program descriptors
+    # for long ones, whose scratch Inductor's generated launch must provide.
+    K = ops.prefill_kernel
+    seen = []
+    orig = K._launch_prefill
+
+    def spy(grid, work, tiles, out, lse, args, *a, **kw):
+        seen.append(args[1]["TMA"])
+        return orig(grid, work, tiles, out, lse, args, *a, **kw)
+
+    monkeypatch.setattr(K, "_launch_prefill", spy)
     c = make_case("ragged", [64, 100], kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                   device="cuda")
     p = params(head_dim=128)
-    args = ops.prefill_kernel._ragged_args(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, None, None,
-                                           None, None, c.block_m, torch.bfloat16, p)[2]
-    assert args[1]["TMA"] == (kv[0] > 1024)
 
     def f(q, k, v):
         out, lse = ops.batch_ragged_prefill(q, k, v, c.qo_indptr, c.kv_indptr, c.work, None,
@@ -227,7 +245,10 @@ def test_torch_compile_fullgraph_cuda(kv):
         return out * 2, lse
 
     eager = f(c.q, c.k, c.v)
+    assert seen == [2]
     compiled = torch.compile(f, fullgraph=True)(c.q, c.k, c.v)
+    # the calls made while tracing (the compiled code then launches from Inductor's wrapper)
+    assert len(seen) > 1 and set(seen[1:]) == {int(kv[0] > 1024)}, seen
     torch.testing.assert_close(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1])
     _check("compile", c, p)
