@@ -227,3 +227,20 @@ def check(c: Case, p: dict, out_dtype=None) -> dict:
     assert err <= bound, f"output error {err:.3g} > bound {bound:.3g} (torch's own {terr:.3g})"
     assert lerr <= lbound, f"LSE error {lerr:.3g} > bound {lbound:.3g} (torch's own {lterr:.3g})"
     return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
+
+
+def record_tma(monkeypatch) -> list:
+    """The TMA constexpr of every prefill launch from here on, in order (0 pointer loads, 1
+    descriptors built per program, 2 descriptors built on the host), through a monkeypatched
+    launcher."""
+    from compiled_attn.ops import prefill_kernel
+
+    seen = []
+    orig = prefill_kernel._launch_prefill
+
+    def spy(grid, work, tiles, out, lse, args, *a, **kw):
+        seen.append(args[1]["TMA"])
+        return orig(grid, work, tiles, out, lse, args, *a, **kw)
+
+    monkeypatch.setattr(prefill_kernel, "_launch_prefill", spy)
+    return seen

@@ -13,7 +13,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.plan import build_work
-from tests.kernel_cases import check, make_case, params, ref, run
+from tests.kernel_cases import check, make_case, params, record_tma, ref, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -225,15 +225,7 @@ def test_torch_compile_fullgraph_cuda(kv, monkeypatch):
     # Eager calls build K/V descriptors on the host at any length. A traced graph cannot carry
     # those (wrap_triton): it takes pointer loads for short keys and per-program descriptors
     # for long ones, whose scratch Inductor's generated launch must provide.
-    K = ops.prefill_kernel
-    seen = []
-    orig = K._launch_prefill
-
-    def spy(grid, work, tiles, out, lse, args, *a, **kw):
-        seen.append(args[1]["TMA"])
-        return orig(grid, work, tiles, out, lse, args, *a, **kw)
-
-    monkeypatch.setattr(K, "_launch_prefill", spy)
+    seen = record_tma(monkeypatch)
     c = make_case("ragged", [64, 100], kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                   device="cuda")
     p = params(head_dim=128)

@@ -8,7 +8,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import contracts
-from tests.kernel_cases import _pack, check, make_case, params, run
+from tests.kernel_cases import _pack, check, make_case, params, record_tma, run
 
 
 def test_interpreter_mode_is_on():
@@ -175,22 +175,6 @@ def test_split_plan_without_idle_sms_is_unsplit():
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
 
 
-def _record_tma(monkeypatch):
-    """Record the TMA constexpr of every prefill launch (0 pointer loads, 1 descriptors built
-    per program, 2 descriptors built on the host)."""
-    from compiled_attn.ops import prefill_kernel
-
-    seen = []
-    orig = prefill_kernel._launch_prefill
-
-    def spy(grid, work, tiles, out, lse, args, *a, **kw):
-        seen.append(args[1]["TMA"])
-        return orig(grid, work, tiles, out, lse, args, *a, **kw)
-
-    monkeypatch.setattr(prefill_kernel, "_launch_prefill", spy)
-    return seen
-
-
 @pytest.mark.parametrize("tma", [2, 1, 0])
 @pytest.mark.parametrize("mode", ["causal", "window", "custom", "soft_cap"])
 @pytest.mark.parametrize("kind", ["ragged", "single"])
@@ -202,7 +186,7 @@ def test_kv_load_paths(kind, mode, tma, monkeypatch):
 
     monkeypatch.setattr(prefill_kernel, "USE_TMA", tma > 0)
     monkeypatch.setattr(prefill_kernel, "HOST_TMA", tma == 2)
-    seen = _record_tma(monkeypatch)
+    seen = record_tma(monkeypatch)
     qo, kv = ([37], [50]) if kind == "single" else BATCH
     c = make_case(kind, qo, kv, hq=4, hkv=2, dqk=64, custom_mask=mode == "custom", seed=41)
     check(c, MODES[mode])
@@ -213,7 +197,7 @@ def test_kv_load_paths(kind, mode, tma, monkeypatch):
 def test_ragged_tail_ignores_rows_past_the_request(mode, monkeypatch):
     # A host descriptor spans all of K/V: a request's last key tile reads the next request's
     # rows, or rows past the last request (here NaN), which must not reach the output.
-    seen = _record_tma(monkeypatch)
+    seen = record_tma(monkeypatch)
     c = make_case("ragged", *BATCH, hq=4, hkv=2, dqk=64, seed=44)
     pad = torch.full((40, 2, 64), float("nan"), dtype=c.k.dtype)
     c.k, c.v = torch.cat([c.k, pad]), torch.cat([c.v, pad])
@@ -224,7 +208,7 @@ def test_ragged_tail_ignores_rows_past_the_request(mode, monkeypatch):
 def test_empty_kv_takes_no_host_descriptor(monkeypatch):
     # A descriptor cannot describe an empty tensor: a batch without keys takes another path
     # (here the pointer loads: a mean KV length of 0 is short); its rows write 0 and -inf.
-    seen = _record_tma(monkeypatch)
+    seen = record_tma(monkeypatch)
     c = make_case("ragged", [3, 4], [0, 0], hq=2, hkv=1, dqk=64, seed=45)
     check(c, MODES["causal"])
     assert seen == [0]
