@@ -754,13 +754,24 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
     return scalars, consts
 
 
+def _known(cond) -> bool:
+    """A launch-time condition: plain ints compare to a bool directly (eager calls, no
+    statically_known_true per check); symbolic ones must be known true."""
+    return cond if type(cond) is bool else statically_known_true(cond)
+
+
+def _pow2(n):
+    """triton.next_power_of_2 without its constexpr-function wrapper for plain ints."""
+    return 1 << (n - 1).bit_length() if type(n) is int and n > 0 else triton.next_power_of_2(n)
+
+
 def _dims(dqk: int, dvo: int, rope: bool) -> dict:
-    bdqk = triton.next_power_of_2(dqk)
+    bdqk = _pow2(dqk)
     if rope and bdqk != dqk:
         raise NotImplementedError(
             f"in-kernel RoPE needs a power-of-two head_dim_qk, got {dqk}; apply RoPE outside "
             "(pos_encoding_mode='NONE') for this head dim")
-    return dict(BLOCK_DQK=bdqk, BLOCK_DVO=triton.next_power_of_2(dvo), DQK=dqk, DVO=dvo)
+    return dict(BLOCK_DQK=bdqk, BLOCK_DVO=_pow2(dvo), DQK=dqk, DVO=dvo)
 
 
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
@@ -824,11 +835,13 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
     block_d]); None where it would be empty (the launch then builds descriptors per program)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not all(statically_known_true(x > 0) for x in t.shape):
+    if not all(_known(x > 0) for x in t.shape):
         return None
-    if kv_mode == KV_DENSE:
-        return TensorDescriptor.from_tensor(t.permute(0, 2, 1, 3), [1, 1, block_n, block_d])
-    return TensorDescriptor.from_tensor(t.permute(1, 0, 2), [1, block_n, block_d])
+    # the permuted views' shapes and strides, without building the views
+    order = (0, 2, 1, 3) if kv_mode == KV_DENSE else (1, 0, 2)
+    shape, strides = t.shape, t.stride()
+    return TensorDescriptor(t, [shape[i] for i in order], [strides[i] for i in order],
+                            [1] * (len(order) - 2) + [block_n, block_d])
 
 
 # Tensor descriptors (TMA) for K/V: on by default where the hardware has them; benchmarks and
@@ -852,12 +865,12 @@ def _tma_ok(t: torch.Tensor, strides) -> bool:
     storage itself is allocator-aligned; a real tensor's pointer is checked too). Decided per
     launch; otherwise pointer loads."""
     es = t.element_size()
-    if not statically_known_true(strides[4] == 1):
+    if not _known(strides[4] == 1):
         return False
     for x in (strides[0], strides[1], strides[3], t.storage_offset()):
-        if not statically_known_true((x * es) % 16 == 0):
+        if not _known((x * es) % 16 == 0):
             return False
-    return is_fake(t) or INTERPRET or t.data_ptr() % 16 == 0
+    return INTERPRET or (type(t) is not torch.Tensor and is_fake(t)) or t.data_ptr() % 16 == 0
 
 
 def _mean(total, count):
@@ -981,7 +994,7 @@ def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **par
     if bsz == 0 or sq == 0:
         return out, lse
     consts = args[1]
-    tiles = triton.cdiv(sq * consts["GROUP"], consts["BLOCK_M"])
+    tiles = (sq * consts["GROUP"] + consts["BLOCK_M"] - 1) // consts["BLOCK_M"]  # cdiv
     return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args)
 
 
