@@ -832,10 +832,12 @@ def _eager_launch() -> bool:
 def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
     """A host tensor descriptor over K or V (dense [B, S, Hkv, D] seen as [B, Hkv, S, D], block
     [1, 1, block_n, block_d]; ragged [N, Hkv, D] seen as [Hkv, N, D], block [1, block_n,
-    block_d]); None where it would be empty (the launch then builds descriptors per program)."""
+    block_d]); None where it would be empty or a stride is 0 (an expanded batch or head: not
+    left to the driver's tensor-map checks), and the launch then builds descriptors per
+    program."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not all(_known(x > 0) for x in t.shape):
+    if not all(_known(x > 0) for x in t.shape) or not all(_known(x > 0) for x in t.stride()):
         return None
     # the permuted views' shapes and strides, without building the views
     order = (0, 2, 1, 3) if kv_mode == KV_DENSE else (1, 0, 2)

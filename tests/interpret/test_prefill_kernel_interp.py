@@ -3,6 +3,8 @@ float64 reference (tests/kernel_cases.py): every mask mode, transform, layout, p
 GQA 7:1, empty requests and fully masked rows, in fp16 and fp32 (the interpreter computes bf16
 dots wrongly: bf16 is tested on the GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -203,6 +205,23 @@ def test_ragged_tail_ignores_rows_past_the_request(mode, monkeypatch):
     c.k, c.v = torch.cat([c.k, pad]), torch.cat([c.v, pad])
     check(c, MODES[mode])
     assert seen == [2]
+
+
+def test_expanded_kv_takes_no_host_descriptor(monkeypatch):
+    # K/V shared by every batch entry through expand (batch stride 0): no host descriptor
+    # (a zero stride is not left to the driver's tensor-map checks); per-program descriptors.
+    seen = record_tma(monkeypatch)
+    c = make_case("single", [37], [50], hq=4, hkv=2, dqk=64, seed=46)
+    q2 = c.q.expand(2, -1, -1, -1).clone()
+    k2, v2 = c.k.expand(2, -1, -1, -1), c.v.expand(2, -1, -1, -1)
+    assert k2.stride(0) == 0
+    p = MODES["causal"]
+    out, lse = run(dataclasses.replace(c, q=q2, k=k2, v=v2), p)
+    ref_out, ref_lse = run(dataclasses.replace(c, q=q2, k=k2.contiguous(), v=v2.contiguous()), p)
+    assert seen == [1, 2]
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    check(c, p)
 
 
 def test_empty_kv_takes_no_host_descriptor(monkeypatch):
