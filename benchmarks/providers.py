@@ -419,9 +419,13 @@ def gpu_state() -> dict:
 @dataclass
 class Timing:
     """One runner's result from bench: median ms per call over ``iters`` timed calls and the
-    GPU state (median of the samples) while they ran, or the error it raised."""
+    GPU state (median of the samples) while they ran, or the error it raised. host_ms (CUDA):
+    the host's time to issue one timed call (median over the slices, event records included);
+    near median_ms, the GPU waited on the host and the row times the launch path, not the
+    kernel."""
     median_ms: float | None = None
     iters: int = 0
+    host_ms: float | None = None
     state: dict = field(default_factory=dict)
     error: BaseException | None = None
 
@@ -442,6 +446,7 @@ class _Slot:
         self.settle = self.per_slice = 0
         self.times: list[float] = []
         self.states: list[dict] = []
+        self.host: list[float] = []  # CUDA: host ms per call, one value per timed slice
 
     def call(self, count: int) -> None:
         for _ in range(count):
@@ -470,10 +475,12 @@ class _Slot:
             return
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(count)]
+        t0 = time.perf_counter()
         for s, e in ev:
             s.record()
             self.call(1)
             e.record()
+        self.host.append((time.perf_counter() - t0) * 1e3 / count)
         self.states.append(gpu_state())  # sampled while the slice runs
         torch.cuda.synchronize()
         self.times += [s.elapsed_time(e) for s, e in ev]
@@ -530,6 +537,7 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
         if t.error is None:
             t.median_ms, t.iters = _median(sl.times), len(sl.times)
             if cuda:
+                t.host_ms = _median(sl.host)
                 for key in ("sm_clock_mhz", "power_w", "temp_c"):
                     vals = [st[key] for st in sl.states if st.get(key) is not None]
                     t.state[key] = round(_median(vals)) if vals else None

@@ -145,10 +145,15 @@ def render(doc: dict) -> str:
     pr = peer_ratios(rows)
     peers = [p for p in PEERS if any(p in rat for *_, rat in pr)]
     L += ["", "## compiled_attn over each peer", "",
+          "`(cpu)`: issuing one of our calls took about as long as the call (host_ms >= "
+          f"{results.CPU_BOUND} x median_ms): the GPU waited on the host, and the row times our "
+          "launch path rather than the kernel.", "",
           "| suite | case | ours TFLOP/s | " + " | ".join(peers) + " |",
           "|---|---|---|" + "---|" * len(peers)]
     for suite, case, r, rat in pr:
         ours = _f(r.get("tflops"), 0) if _ok(r) else r.get("status", "?").upper()
+        if _ok(r) and r.get("cpu_bound"):
+            ours += " (cpu)"
         L.append(f"| {suite} | {case} | {ours} | "
                  + " | ".join(_f(rat.get(p)) if p in rat else "" for p in peers) + " |")
 

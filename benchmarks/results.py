@@ -3,7 +3,8 @@
 Every row has "suite", "case", "provider", "median_ms", "tflops" (null when the provider did not
 run: then "status" is "unavailable" or "failed" and "error" says why), plus the case's columns
 (B, S, Hq, Hkv, D, causal, layout, ...), "rel_err" against the reference and, on compiled_attn's
-rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run.
+rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run. Timed CUDA rows
+also carry "host_ms" and "cpu_bound" (CPU_BOUND below).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from pathlib import Path
 TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
 ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
 STATUSES = ("ok", "unavailable", "failed")
+# A CUDA row whose host time to issue a call ("host_ms") is at least this fraction of its median
+# time per call is flagged "cpu_bound": the GPU waited on the host, so it times the launch path.
+CPU_BOUND = 0.9
 
 
 def environment() -> dict:

@@ -229,17 +229,26 @@ def run_group(cases, args, device, dtype, progress: Progress) -> list[tuple[obje
         if t.error is not None:
             _record_failure(row, t.error, cuda)
             continue
-        row.update(t.state)
-        row["median_ms"] = t.median_ms
-        row["tflops"] = tflops(case.flops, t.median_ms)
-        row["iters"] = t.iters
-        row["timed_with"] = len(ready)
+        record_timing(row, case.flops, t, len(ready))
     for _, rows in out:
         add_ratios(rows)
     del ready, timings
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def record_timing(row: dict, flops: float, t, timed_with: int) -> None:
+    """Fill a timed row from bench's Timing t (no error): median, TFLOP/s, calls, GPU state,
+    how many runners were timed together, and (CUDA) the host time per call and cpu_bound."""
+    row.update(t.state)
+    row["median_ms"] = t.median_ms
+    row["tflops"] = tflops(flops, t.median_ms)
+    row["iters"] = t.iters
+    row["timed_with"] = timed_with
+    if t.host_ms is not None:
+        row["host_ms"] = t.host_ms
+        row["cpu_bound"] = t.host_ms >= results.CPU_BOUND * t.median_ms
 
 
 def _groups(cases) -> list[list]:

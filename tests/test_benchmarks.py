@@ -324,3 +324,53 @@ def test_bench_interleaves_rounds_and_isolates_errors():
     assert "".join(log[12:]) == want
     orders = ["".join("abc"[i] for i in random.Random(r).sample(range(3), 3)) for r in range(3)]
     assert len(set(orders)) > 1  # the order changes between rounds
+
+
+def test_host_time_per_call_flags_cpu_bound_rows(monkeypatch):
+    """CUDA timing also reads the host's time to issue each slice's calls; a row whose host
+    time per call comes near its median time per call is flagged cpu_bound (the GPU waited on
+    the host), and the report marks our TFLOP/s with (cpu). CUDA events are faked here with the
+    host clock, so the plumbing runs on this CPU machine."""
+    import contextlib
+    import time
+
+    import torch
+
+    from benchmarks import providers, report, results, run
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    res = providers.bench([([lambda: time.sleep(1e-3)], contextlib.nullcontext)],
+                          warmup_ms=0.0, rep_ms=0.0, cuda=True, rounds=2)
+    (t,) = res
+    assert t.error is None and t.iters >= 20 and t.host_ms is not None
+    assert 0.5 < t.host_ms < 50 and 0.5 < t.median_ms < 50
+
+    row = {}
+    run.record_timing(row, 4e9, providers.Timing(median_ms=1.0, iters=20, host_ms=0.95), 3)
+    assert row["cpu_bound"] and row["host_ms"] == 0.95 and row["tflops"] == 4.0
+    row = {}
+    run.record_timing(row, 4e9, providers.Timing(median_ms=1.0, iters=20, host_ms=0.5), 3)
+    assert row["cpu_bound"] is False
+    row = {}
+    run.record_timing(row, 4e9, providers.Timing(median_ms=1.0, iters=20), 3)  # CPU timing
+    assert "cpu_bound" not in row and "host_ms" not in row
+
+    base = dict(suite="fa3", case="D128 S512 causal", status="ok", median_ms=1.0)
+    doc = {"gpu": "g", "torch": "t", "triton": "tr", "date": "d", "rows": [
+        dict(base, provider="compiled_attn", tflops=140.0, cpu_bound=True, host_ms=1.0,
+             ratio_vs_flex=0.75),
+        dict(base, provider="flex", tflops=187.0)]}
+    md = report.render(doc)
+    assert "| fa3 | D128 S512 causal | 140 (cpu) | 0.75 |" in md
+    assert f"{results.CPU_BOUND} x median_ms" in md
