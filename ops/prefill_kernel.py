@@ -28,10 +28,16 @@ import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 try:  # Triton's allocator slot (private): None where this Triton lacks it
     from triton.runtime._allocation import NullAllocator, _allocator
 except ImportError:
     NullAllocator = _allocator = None
+try:  # whether wrap_triton traces (private): None where this torch lacks it
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:
+    is_wrap_triton_enabled = None
 
 from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                         POS_ROPE_LLAMA)
@@ -822,11 +828,7 @@ def _eager_launch() -> bool:
     2.11-2.13), so graphs traced by torch.compile / export build theirs per program."""
     if INTERPRET:
         return True
-    try:
-        from torch._library.triton import is_wrap_triton_enabled
-    except ImportError:
-        return False
-    return not is_wrap_triton_enabled()
+    return is_wrap_triton_enabled is not None and not is_wrap_triton_enabled()
 
 
 def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
@@ -835,8 +837,6 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
     block_d]); None where it would be empty or a stride is 0 (an expanded batch or head: not
     left to the driver's tensor-map checks), and the launch then builds descriptors per
     program."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     if not all(_known(x > 0) for x in t.shape) or not all(_known(x > 0) for x in t.stride()):
         return None
     # the permuted views' shapes and strides, without building the views

@@ -244,3 +244,16 @@ def record_tma(monkeypatch) -> list:
 
     monkeypatch.setattr(prefill_kernel, "_launch_prefill", spy)
     return seen
+
+
+def force_kv_path(monkeypatch, path: str) -> int:
+    """Force the K/V load path of dense and ragged launches and return its TMA constexpr:
+    "host" descriptors (the default: 2), "device" descriptors built per program (1, forced even
+    for short keys), or "pointers" (0)."""
+    from compiled_attn.ops import prefill_kernel
+
+    monkeypatch.setattr(prefill_kernel, "USE_TMA", path != "pointers")
+    monkeypatch.setattr(prefill_kernel, "HOST_TMA", path == "host")
+    if path == "device":
+        monkeypatch.setattr(prefill_kernel, "TMA_MIN_KV", 0)
+    return {"host": 2, "device": 1, "pointers": 0}[path]

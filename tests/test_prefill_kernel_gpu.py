@@ -13,7 +13,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.plan import build_work
-from tests.kernel_cases import check, make_case, params, record_tma, ref, run
+from tests.kernel_cases import check, force_kv_path, make_case, params, record_tma, ref, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,23 +111,12 @@ FEATURES = {
 }
 
 
-def _kv_path(monkeypatch, path):
-    """Force a K/V load path of dense and ragged launches: "host" descriptors (the default),
-    "device" descriptors built per program (forced even for short keys), or "pointers"."""
-    K = ops.prefill_kernel
-    if path == "device":
-        monkeypatch.setattr(K, "HOST_TMA", False)
-        monkeypatch.setattr(K, "TMA_MIN_KV", 0)
-    elif path == "pointers":
-        monkeypatch.setattr(K, "USE_TMA", False)
-
-
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 @pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_device", "ragged_pointers"])
 def test_features(kind, feature, monkeypatch):
     # ragged: host-built descriptors; ragged_device / ragged_pointers force the other paths.
     if kind.startswith("ragged_"):
-        _kv_path(monkeypatch, kind.split("_")[1])
+        force_kv_path(monkeypatch, kind.split("_")[1])
         kind = "ragged"
     c = make_case(kind, [300, 17, 0, 129], [700, 17, 5, 129], hq=8, hkv=2, dqk=128,
                   dtype=torch.bfloat16, device="cuda", custom_mask=feature == "custom",
@@ -157,7 +146,7 @@ def test_cuda_graph_replay_after_replan(path, monkeypatch):
     # buffers and replay; the padded work rows (request -1) must be skipped. Host descriptors
     # are captured by value (the buffers stay put); per-program ones (forced at these short
     # lengths) get their scratch allocated inside the capture.
-    _kv_path(monkeypatch, path)
+    force_kv_path(monkeypatch, path)
     torch.manual_seed(0)
     hq, hkv, d, cap_tokens, max_work = 8, 2, 128, 1024, 64
     q = torch.randn(cap_tokens, hq, d, device="cuda", dtype=torch.bfloat16)

@@ -10,7 +10,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import contracts
-from tests.kernel_cases import _pack, check, make_case, params, record_tma, run
+from tests.kernel_cases import _pack, check, force_kv_path, make_case, params, record_tma, run
 
 
 def test_interpreter_mode_is_on():
@@ -177,17 +177,14 @@ def test_split_plan_without_idle_sms_is_unsplit():
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
 
 
-@pytest.mark.parametrize("tma", [2, 1, 0])
+@pytest.mark.parametrize("path", ["host", "device", "pointers"])
 @pytest.mark.parametrize("mode", ["causal", "window", "custom", "soft_cap"])
 @pytest.mark.parametrize("kind", ["ragged", "single"])
-def test_kv_load_paths(kind, mode, tma, monkeypatch):
+def test_kv_load_paths(kind, mode, path, monkeypatch):
     # Dense and ragged K/V go through descriptors built on the host where the layout allows
     # (the default), else built per program; the pointer loads still serve unaligned inputs
     # (and on the GPU custom masks): the same numbers on every path.
-    from compiled_attn.ops import prefill_kernel
-
-    monkeypatch.setattr(prefill_kernel, "USE_TMA", tma > 0)
-    monkeypatch.setattr(prefill_kernel, "HOST_TMA", tma == 2)
+    tma = force_kv_path(monkeypatch, path)
     seen = record_tma(monkeypatch)
     qo, kv = ([37], [50]) if kind == "single" else BATCH
     c = make_case(kind, qo, kv, hq=4, hkv=2, dqk=64, custom_mask=mode == "custom", seed=41)
