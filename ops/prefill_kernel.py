@@ -46,6 +46,11 @@ LOG2E = 1.4426950408889634
 
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 
+# ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
+# as whole-page 3D blocks (seen on the H100): the launch (_config) and the kernel (PAGE3D) turn
+# both kinds of load off for this stage count.
+CRASH_STAGES = tl.constexpr(2)
+
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
 # TMA_MIN_KV) use 64-row tiles; descriptors built per program on the device do not pay there
@@ -83,16 +88,17 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
         return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
     # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
     # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
-    # through shared memory with K and V). Descriptors never with 2 stages (ptxas of triton 3.6
-    # crashes on that combination) nor for 128-row D <= 64 tiles (slower there).
+    # through shared memory with K and V). Descriptors never with CRASH_STAGES nor for 128-row
+    # D <= 64 tiles (slower there).
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
+    tma = stages != CRASH_STAGES.value
     if d <= 128 and block_m == 64:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=stages >= 3)
+        return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
     if d <= 64:
         return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
     if d <= 128:
-        return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=stages >= 3)
+        return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
     return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
 
 
@@ -204,9 +210,9 @@ def _attend_range(
     NP: tl.constexpr = BLOCK_N // PAGE_SIZE if AHEAD_NP else 1
     # Whole-page tiles load K/V as [NP, PAGE_SIZE, D] blocks (one page per slice, reshaped to
     # [BLOCK_N, D]): a thread's vectors then lie in one page, so it needs one page index and one
-    # 64-bit page offset per load instead of one per key it touches. Not with 2-stage pipelines
-    # (custom masks, D 256): ptxas of triton 3.6 crashes on that combination (seen on the GPU).
-    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES != 2
+    # 64-bit page offset per load instead of one per key it touches. Not with CRASH_STAGES
+    # (custom masks, D 256).
+    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES != CRASH_STAGES
     if PAGE3D:
         offs_p3 = (tl.arange(0, NP) * PAGE_SIZE)[:, None, None] + \
             tl.arange(0, PAGE_SIZE)[None, :, None]
@@ -469,19 +475,16 @@ def _program(
         # [B, Hkv, S, D] or ragged [Hkv, N, D], where this request's keys start at kv_coord.
         k_head = k_ptr
         v_head = v_ptr
-        k_desc = k_ptr
-        v_desc = v_ptr
-    elif TMA:
+    else:
         k_head = k_ptr + kv_base + hkv.to(tl.int64) * stride_kh
         v_head = v_ptr + vv_base + hkv.to(tl.int64) * stride_vh
+    if TMA == 1:
         # Dense / ragged only (the launch checks 16-byte alignment and unit dim strides).
         k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, DQK], strides=[stride_kt, 1],
                                            block_shape=[BLOCK_N, BLOCK_DQK])
         v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, DVO], strides=[stride_vt, 1],
                                            block_shape=[BLOCK_N, BLOCK_DVO])
     else:
-        k_head = k_ptr + kv_base + hkv.to(tl.int64) * stride_kh
-        v_head = v_ptr + vv_base + hkv.to(tl.int64) * stride_vh
         k_desc = k_head
         v_desc = v_head
     acc, l_i, m_i = _attend_range(
