@@ -36,16 +36,17 @@ def main():
     ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (B at least 1)")
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA flash / cuDNN")
-    ap.add_argument("--tma", default="2,1,0",
-                    help="K/V through host-built descriptors (2), per-program device descriptors "
-                         "(1), or pointer loads (0)")
+    ap.add_argument("--tma", default="2,3,1,0",
+                    help="K/V through host-built descriptors (2), descriptors built once per "
+                         "persistent program (3), per work item (1), or pointer loads (0)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
-    orig_bm, orig_cfg = K.block_m_for, K._config
+    orig_bm, orig_cfg, orig_persist = K.block_m_for, K._config, K.PERSIST_TMA
     for case in a.cases.split(","):
         # each case starts from the production tile policy (the config loop below overrides it)
-        K.block_m_for, K._config, K.USE_TMA, K.HOST_TMA = orig_bm, orig_cfg, True, True
+        K.block_m_for, K._config = orig_bm, orig_cfg
+        K.USE_TMA, K.HOST_TMA, K.PERSIST_TMA = True, True, orig_persist
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -80,6 +81,7 @@ def main():
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
             K.USE_TMA, K.HOST_TMA = tma != "0", tma == "2"
+            K.PERSIST_TMA = frozenset({64, 128} if tma == "3" else ())
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
             K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
@@ -116,7 +118,8 @@ def main():
                            error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.block_m_for, K._config, K.USE_TMA, K.HOST_TMA = orig_bm, orig_cfg, True, True
+    K.block_m_for, K._config = orig_bm, orig_cfg
+    K.USE_TMA, K.HOST_TMA, K.PERSIST_TMA = True, True, orig_persist
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged "

@@ -164,9 +164,10 @@ def _load_pages(base, pg3, slot3, ok3, offs_d, stride_p, stride_t, stride_d, MAS
 @triton.jit
 def _load_tile(desc, kv_coord, hkv, n, KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] keys n.. of K or V through a host-built descriptor: dense [B, Hkv, S,
-    D] (kv_coord = batch entry; keys past S read 0) or ragged [Hkv, N, D] (kv_coord = the
-    request's first key row; keys past its kv_len are the next request's)."""
+    """[BLOCK_N, BLOCK_D] keys n.. of K or V through a descriptor over the whole tensor (built
+    on the host, TMA 2, or once per persistent program, TMA 3): dense [B, Hkv, S, D] (kv_coord
+    = batch entry; keys past S read 0) or ragged [Hkv, N, D] (kv_coord = the request's first
+    key row; keys past its kv_len are the next request's)."""
     if KV_MODE == 0:
         x = desc.load([kv_coord, hkv, n, 0])
     else:
@@ -191,7 +192,7 @@ def _attend_range(
     apply the visibility rule; unmasked ones are known to be fully visible to every row. With
     TMA 1, K and V tiles come through the per-program descriptors k_desc / v_desc (shape
     [kv_len, D] of this request and head: keys past kv_len and dims past D read as 0); with
-    TMA 2 through the launch's host-built descriptors (_load_tile)."""
+    TMA 2 / 3 through descriptors over the whole K / V (_load_tile)."""
     offs_n = tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_DQK // 2
     if ROPE:
@@ -248,7 +249,7 @@ def _attend_range(
                 k_off = j.to(tl.int64) * stride_kt
                 v_off = j.to(tl.int64) * stride_vt
             kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
-        if TMA == 2:
+        if TMA >= 2:
             k = _load_tile(k_desc, kv_coord, hkv, n, KV_MODE, BLOCK_N, BLOCK_DQK)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif TMA:
@@ -308,7 +309,7 @@ def _attend_range(
             p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA == 2:
+        if TMA >= 2:
             v = _load_tile(v_desc, kv_coord, hkv, n, KV_MODE, BLOCK_N, BLOCK_DVO)
             if MASKED and KV_MODE == 1:
                 # Ragged rows past kv_len belong to the next request (finite or not): p is 0
@@ -332,7 +333,7 @@ def _attend_range(
 
 @triton.jit
 def _program(
-    req, row0, hkv, split, nsplit, part_idx, part_o_ptr, part_l_ptr,
+    req, row0, hkv, n_hkv, split, nsplit, part_idx, part_o_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -400,7 +401,11 @@ def _program(
         else:
             mask_base = 0
         qo_len = tl.where(req < 0, 0, qo_len)  # padding item: no rows
-    if row0 >= qo_len * GROUP:
+    if TMA == 3:
+        # Called in the persistent loop, where Triton allows no early return: an item past the
+        # request's rows (a padding item) sees no keys and stores nothing (row_ok is all off).
+        kv_len = tl.where(row0 < qo_len * GROUP, kv_len, 0)
+    elif row0 >= qo_len * GROUP:
         return
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
@@ -470,9 +475,10 @@ def _program(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)
     # k_head / v_head: the request's first key (dense, ragged) or the cache (paged), this head.
-    if TMA == 2:
-        # One descriptor per launch, built on the host (_host_descriptor): K/V as dense
-        # [B, Hkv, S, D] or ragged [Hkv, N, D], where this request's keys start at kv_coord.
+    if TMA >= 2:
+        # Descriptors over the whole K/V (built on the host, or by _prefill_fwd once per
+        # persistent program): dense [B, Hkv, S, D] or ragged [Hkv, N, D], where this request's
+        # keys start at kv_coord.
         k_head = k_ptr
         v_head = v_ptr
     else:
@@ -520,7 +526,7 @@ def _program(
             l_safe = tl.where(seen, l_i, 1.0)
             offs_r = tl.arange(0, BLOCK_M)
             offs_dv = tl.arange(0, BLOCK_DVO)
-            slot = (part_idx.to(tl.int64) * tl.num_programs(1) + hkv) * BLOCK_M
+            slot = (part_idx.to(tl.int64) * n_hkv + hkv) * BLOCK_M
             tl.store(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :],
                      acc / l_safe[:, None])
             tl.store(part_l_ptr + slot + offs_r,
@@ -560,8 +566,30 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
 
 
 @triton.jit
+def _work_item(work_ptr, x, dense_tiles, KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
+               SPLIT: tl.constexpr):
+    """(request, first row, key chunk, number of chunks) of work item x: dense mode derives it
+    (heaviest tile of each batch entry first: causal's last rows see the most keys), else row
+    x of the work list ([W, 2], or [W, 4] with SPLIT)."""
+    split = 0
+    nsplit = 1
+    if KV_MODE == 0:
+        req = x // dense_tiles
+        row0 = (dense_tiles - 1 - x % dense_tiles) * BLOCK_M
+    elif SPLIT:
+        req = tl.load(work_ptr + x * 4)
+        row0 = tl.load(work_ptr + x * 4 + 1)
+        split = tl.load(work_ptr + x * 4 + 2)
+        nsplit = tl.load(work_ptr + x * 4 + 3)
+    else:
+        req = tl.load(work_ptr + x * 2)
+        row0 = tl.load(work_ptr + x * 2 + 1)
+    return req, row0, split, nsplit
+
+
+@triton.jit
 def _prefill_fwd(
-    work_ptr, dense_tiles, part_o_ptr, part_l_ptr,
+    work_ptr, dense_tiles, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows, counter_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -579,39 +607,77 @@ def _prefill_fwd(
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
     TMA: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """Grid (work items, KV heads). Dense mode: work item = (batch, tile) from the grid.
-    Otherwise work rows are (request, first row), or with SPLIT (request, first row, key
-    chunk, number of chunks)."""
-    pid = tl.program_id(0)
-    hkv = tl.program_id(1)
-    split = 0
-    nsplit = 1
-    if KV_MODE == 0:
-        # Heaviest tile of each batch entry first (causal: the last rows see the most keys).
-        req = pid // dense_tiles
-        row0 = (dense_tiles - 1 - pid % dense_tiles) * BLOCK_M
-    elif SPLIT:
-        req = tl.load(work_ptr + pid * 4)
-        row0 = tl.load(work_ptr + pid * 4 + 1)
-        split = tl.load(work_ptr + pid * 4 + 2)
-        nsplit = tl.load(work_ptr + pid * 4 + 3)
+    """Grid (work items, KV heads), or with TMA 3 (persistent programs,). A work item is
+    (batch entry, tile) in dense mode, else a row of the work list: (request, first row), or
+    with SPLIT (request, first row, key chunk, number of chunks). n_items: work items per KV
+    head; n_hkv: KV heads; kv_rows: dense B, ragged N (the whole K/V's shape for TMA 3);
+    counter_ptr: int32 [1], zero at launch (TMA 3's item counter)."""
+    if TMA == 3:
+        # Persistent: each program builds descriptors over the whole K/V once (TMA 1 builds
+        # two per work item, and graphs traced by torch.compile / export cannot carry the
+        # host-built ones of TMA 2), then draws items from a global counter in the order the
+        # hardware would launch them (work item fastest, then KV head; heaviest first): a
+        # program that drew light items draws more, as with hardware scheduling. The next
+        # item is drawn before this one runs, so the atomic's latency hides behind it.
+        if KV_MODE == 0:
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, shape=[kv_rows, n_hkv, dense_kv_len, DQK],
+                strides=[stride_kb, stride_kh, stride_kt, 1],
+                block_shape=[1, 1, BLOCK_N, BLOCK_DQK])
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, shape=[kv_rows, n_hkv, dense_kv_len, DVO],
+                strides=[stride_vb, stride_vh, stride_vt, 1],
+                block_shape=[1, 1, BLOCK_N, BLOCK_DVO])
+        else:
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, shape=[n_hkv, kv_rows, DQK], strides=[stride_kh, stride_kt, 1],
+                block_shape=[1, BLOCK_N, BLOCK_DQK])
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, shape=[n_hkv, kv_rows, DVO], strides=[stride_vh, stride_vt, 1],
+                block_shape=[1, BLOCK_N, BLOCK_DVO])
+        total = n_items * n_hkv
+        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while item < total:
+            nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+            x = item % n_items
+            hkv = item // n_items
+            req, row0, split, nsplit = _work_item(work_ptr, x, dense_tiles, KV_MODE, BLOCK_M,
+                                                  SPLIT)
+            _program(
+                req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
+                q_ptr, k_desc, v_desc, o_ptr, lse_ptr,
+                qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
+                mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+                stride_qb, stride_qt, stride_qh, stride_qd,
+                stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
+                stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+                stride_ob, stride_ot, stride_oh,
+                stride_lb, stride_lt, stride_lh,
+                dense_qo_len, dense_kv_len,
+                qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta,
+                v_scale, KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK,
+                SOFT_CAP, ALIBI, ROPE, SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK,
+                DVO, NUM_STAGES, TMA, SPLIT)
+            item = nxt
     else:
-        req = tl.load(work_ptr + pid * 2)
-        row0 = tl.load(work_ptr + pid * 2 + 1)
-    _program(
-        req, row0, hkv, split, nsplit, pid, part_o_ptr, part_l_ptr,
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-        qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
-        mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
-        stride_qb, stride_qt, stride_qh, stride_qd,
-        stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
-        stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
-        stride_ob, stride_ot, stride_oh,
-        stride_lb, stride_lt, stride_lh,
-        dense_qo_len, dense_kv_len,
-        qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
-        KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA, SPLIT)
+        pid = tl.program_id(0)
+        req, row0, split, nsplit = _work_item(work_ptr, pid, dense_tiles, KV_MODE, BLOCK_M,
+                                              SPLIT)
+        _program(
+            req, row0, tl.program_id(1), n_hkv, split, nsplit, pid, part_o_ptr, part_l_ptr,
+            q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+            qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
+            mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
+            stride_qb, stride_qt, stride_qh, stride_qd,
+            stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
+            stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+            stride_ob, stride_ot, stride_oh,
+            stride_lb, stride_lt, stride_lh,
+            dense_qo_len, dense_kv_len,
+            qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
+            KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+            SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
+            SPLIT)
 
 
 @triton.jit
@@ -658,7 +724,7 @@ def _pod_fwd(
     req = tl.load(work_ptr + pid * 3 + 1)
     row0 = tl.load(work_ptr + pid * 3 + 2)
     if part == 0:
-        _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
+        _program(req, row0, hkv, tl.num_programs(1), 0, 1, pid, work_ptr, work_ptr,
         q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
     qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
     mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
@@ -674,7 +740,7 @@ def _pod_fwd(
         SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
         NUM_STAGES_P, TMA_P, False)
     else:
-        _program(req, row0, hkv, 0, 1, pid, work_ptr, work_ptr,
+        _program(req, row0, hkv, tl.num_programs(1), 0, 1, pid, work_ptr, work_ptr,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
     qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
     mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
@@ -803,25 +869,51 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         *dense, *scalars.values(),
     ]
-    # K/V through tensor descriptors where the layout allows: built once on the host (TMA 2),
-    # else per program on the device (TMA 1), which short key ranges do not amortise (pointer
-    # loads then, TMA 0).
+    # K/V through tensor descriptors where the layout allows: over the whole K/V, built once on
+    # the host (TMA 2: eager launches) or once per program of a persistent grid (TMA 3: traced
+    # graphs, 64-row tiles); else per program and work item on the device (TMA 1), which short
+    # key ranges do not amortise (pointer loads then, TMA 0).
     tma = 0
     if (cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
             and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
-        kd = vd = None
-        if HOST_TMA and _eager_launch():
-            kd = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
-            vd = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
-        if kd is not None and vd is not None:
-            args[1], args[2] = kd, vd
+        whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
+        eager = _eager_launch()
+        # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
+        # path (both cost more CPU per call than the pointer loads or per-item descriptors).
+        small = eager and HOST_TMA and _small_launch(q, kv_mode, mean_kv, v.shape[-1],
+                                                     consts["MASK_MODE"])
+        if whole and HOST_TMA and eager and not small:
+            args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
+            args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
             tma = 2
+        elif whole and block_m in PERSIST_TMA and not small:
+            tma = 3
         elif not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
             tma = 1
+    cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
                   BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
                   TMA=tma)
     return args, consts, cfg
+
+
+# Eager launches below this many FLOPs skip the whole-tensor descriptors. On the H100's host
+# an eager call with host descriptors costs ~170-300 us of CPU against ~130 us with pointer
+# loads, while the kernel of D128 causal B16 x 1k (69 GFLOP) takes ~200 us: such loops run at
+# the host's pace (eager TFLOP/s, S 512 / 1k: 103 / 194 with host descriptors, 201 / 282 with
+# pointer loads; at S 2k, 137 GFLOP, host descriptors win, 396 vs 372; benchmarks/NOTES.md).
+# The interpreter has no such cost: CI runs the descriptor paths at any size.
+HOST_TMA_MIN_FLOP = 0 if INTERPRET else 1e11
+
+
+def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
+    """Whether an eager launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
+    for causal) is below HOST_TMA_MIN_FLOP; False when a length is not a plain number."""
+    rows = q.shape[0] * q.shape[1] if kv_mode == KV_DENSE else q.shape[0]
+    if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
+        return False
+    flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
+    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < HOST_TMA_MIN_FLOP
 
 
 def _eager_launch() -> bool:
@@ -834,14 +926,17 @@ def _eager_launch() -> bool:
     return is_wrap_triton_enabled is not None and not is_wrap_triton_enabled()
 
 
+def _whole_tensor_ok(t: torch.Tensor) -> bool:
+    """Whether K or V can be seen through one descriptor over the whole tensor (TMA 2 / 3):
+    no empty dim and no zero stride (an expanded batch or head is not left to the tensor-map
+    checks of the driver or the device); otherwise descriptors per work item (TMA 1)."""
+    return all(_known(x > 0) for x in t.shape) and all(_known(x > 0) for x in t.stride())
+
+
 def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
     """A host tensor descriptor over K or V (dense [B, S, Hkv, D] seen as [B, Hkv, S, D], block
     [1, 1, block_n, block_d]; ragged [N, Hkv, D] seen as [Hkv, N, D], block [1, block_n,
-    block_d]); None where it would be empty or a stride is 0 (an expanded batch or head: not
-    left to the driver's tensor-map checks), and the launch then builds descriptors per
-    program."""
-    if not all(_known(x > 0) for x in t.shape) or not all(_known(x > 0) for x in t.stride()):
-        return None
+    block_d]); the caller checked _whole_tensor_ok."""
     # the permuted views' shapes and strides, without building the views
     order = (0, 2, 1, 3) if kv_mode == KV_DENSE else (1, 0, 2)
     shape, strides = t.shape, t.stride()
@@ -852,10 +947,14 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
 # Tensor descriptors (TMA) for K/V: on by default where the hardware has them; benchmarks and
 # tests turn them off to compare with the pointer loads (same results). HOST_TMA: built once
 # per launch on the host and passed to every program (3-10% faster at S <= 4k on the H100 than
-# two per program built on the device, benchmarks/NOTES.md) in eager calls; off, and in traced
-# graphs: per program.
+# two per program built on the device, benchmarks/NOTES.md) in eager calls. PERSIST_TMA: the
+# tile heights that, where host descriptors cannot go (traced graphs, or HOST_TMA off), run a
+# persistent grid whose programs build theirs once (H100, kernel time: +3-16% over per-item
+# descriptors or pointer loads at S <= 2k, even at 4k-8k; with 128-row tiles, which the policy
+# gives long keys, 5% slower at S 16k): other tiles build them per program and work item.
 USE_TMA = True
 HOST_TMA = True
+PERSIST_TMA = frozenset({64})
 
 
 def _tma_hardware(device: torch.device) -> bool:
@@ -961,10 +1060,31 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
+# Persistent programs per SM (TMA 3): two 64-row tiles (4 warps, ~113 KB of shared memory
+# each) or one 128-row tile fit an H100 SM at once. Twice that many are launched in case more
+# fit: programs that start late find the counter spent and exit.
+PERSIST_PER_SM = {64: 4, 128: 2}
+_SM_COUNT: dict = {}
+
+
+def _persistent_programs(device: torch.device, items, block_m: int):
+    """Programs of a persistent launch: at most PERSIST_PER_SM per SM (3 under the
+    interpreter, so that programs take several items), at most one per item."""
+    if INTERPRET:
+        cap = 3
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        cap = PERSIST_PER_SM.get(block_m, 2) * _SM_COUNT[index]
+    return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
+
+
 def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
     """The prefill launch; with a split plan (work [W, 4], merge [T, 4]) the chunks of a split
     tile write float32 partials and _merge_fwd combines them (a second launch)."""
     prog_args, consts, cfg = args
+    n_items, n_hkv = grid
     split = work is not None and work.shape[1] == 4
     if work is None:
         work = prog_args[0]  # dense mode reads no work list; any tensor stands in
@@ -972,18 +1092,22 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     if split:
         # Allocated for every split plan (a chunk never writes outside these buffers, even if
         # a plan forgot its merge row).
-        hkv = grid[1]
-        part_o = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
+        part_o = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
                                 dtype=torch.float32)
-        part_l = work.new_empty((work.shape[0], hkv, consts["BLOCK_M"]), dtype=torch.float32)
-    if consts["TMA"] == 1:
+        part_l = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"]), dtype=torch.float32)
+    counter = work
+    if consts["TMA"] == 3:
+        grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)
+        counter = torch.zeros(1, dtype=torch.int32, device=out.device)
+    if consts["TMA"] in (1, 3):
         _ensure_allocator()
     _kernel(_prefill_fwd)[grid](
-        work, tiles, part_o, part_l, *prog_args, **consts, SPLIT=split,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        work, tiles, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
+        **consts,
+        SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
         qo_indptr = prog_args[5]
-        _kernel(_merge_fwd)[(merge.shape[0], grid[1])](
+        _kernel(_merge_fwd)[(merge.shape[0], n_hkv)](
             merge, part_o, part_l, out, lse, qo_indptr,
             sinks if sinks is not None else qo_indptr,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), float(v_scale),

@@ -53,14 +53,16 @@ def main() -> int:
     finally:
         K.block_m_for, K._config = orig, orig_cfg
     cases += 2
-    # Tensor descriptors at small sizes, built on the host and per program (the short-KV rule
-    # would pick pointer loads for the latter): ragged with both tile heights, windows and
-    # padded items, a dense batch, and a split plan.
-    orig_min, orig_host = K.TMA_MIN_KV, K.HOST_TMA
-    K.TMA_MIN_KV = 0
+    # Tensor descriptors at small sizes, built on the host, once per persistent program, and
+    # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
+    # tile heights, windows and padded items, a dense batch, and a split plan.
+    orig_min, orig_host, orig_persist = K.TMA_MIN_KV, K.HOST_TMA, K.PERSIST_TMA
+    orig_flop = K.HOST_TMA_MIN_FLOP
+    K.TMA_MIN_KV = K.HOST_TMA_MIN_FLOP = 0
     try:
-        for host in (True, False):
-            K.HOST_TMA = host
+        for path in ("host", "persistent", "device"):
+            K.HOST_TMA = path == "host"
+            K.PERSIST_TMA = frozenset({64, 128} if path == "persistent" else ())
             for bm in (64, 128):
                 for mode in ("causal", "window"):
                     c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
@@ -85,7 +87,8 @@ def main() -> int:
                 cases += 1
             cases += 1
     finally:
-        K.TMA_MIN_KV, K.HOST_TMA = orig_min, orig_host
+        K.TMA_MIN_KV, K.HOST_TMA, K.PERSIST_TMA = orig_min, orig_host, orig_persist
+        K.HOST_TMA_MIN_FLOP = orig_flop
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases} cases checked")
     return 0

@@ -231,8 +231,8 @@ def check(c: Case, p: dict, out_dtype=None) -> dict:
 
 def record_tma(monkeypatch) -> list:
     """The TMA constexpr of every prefill launch from here on, in order (0 pointer loads, 1
-    descriptors built per program, 2 descriptors built on the host), through a monkeypatched
-    launcher."""
+    descriptors built per work item, 2 descriptors built on the host, 3 descriptors built once
+    per persistent program), through a monkeypatched launcher."""
     from compiled_attn.ops import prefill_kernel
 
     seen = []
@@ -246,14 +246,23 @@ def record_tma(monkeypatch) -> list:
     return seen
 
 
+KV_PATHS = {"host": 2, "persistent": 3, "device": 1, "pointers": 0}
+
+
 def force_kv_path(monkeypatch, path: str) -> int:
-    """Force the K/V load path of dense and ragged launches and return its TMA constexpr:
-    "host" descriptors (the default: 2), "device" descriptors built per program (1, forced even
-    for short keys), or "pointers" (0)."""
+    """Force the K/V load path of dense and ragged launches and return its TMA constexpr
+    (KV_PATHS): "host" descriptors (the eager default, forced even for small launches),
+    "persistent" (the traced default: descriptors built once per program of a persistent
+    grid), "device" descriptors built per work item (forced even for short keys), or
+    "pointers"."""
     from compiled_attn.ops import prefill_kernel
 
     monkeypatch.setattr(prefill_kernel, "USE_TMA", path != "pointers")
     monkeypatch.setattr(prefill_kernel, "HOST_TMA", path == "host")
+    monkeypatch.setattr(prefill_kernel, "PERSIST_TMA",
+                        frozenset({64, 128} if path == "persistent" else ()))
     if path == "device":
         monkeypatch.setattr(prefill_kernel, "TMA_MIN_KV", 0)
-    return {"host": 2, "device": 1, "pointers": 0}[path]
+    if path == "host":
+        monkeypatch.setattr(prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+    return KV_PATHS[path]

@@ -112,9 +112,11 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-@pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_device", "ragged_pointers"])
+@pytest.mark.parametrize("kind", ["ragged_host", "paged", "ragged_persistent", "ragged_device",
+                                  "ragged_pointers"])
 def test_features(kind, feature, monkeypatch):
-    # ragged: host-built descriptors; ragged_device / ragged_pointers force the other paths.
+    # Every K/V load path of ragged batches, forced (these launches are small: by default
+    # they would take the pointer loads).
     if kind.startswith("ragged_"):
         force_kv_path(monkeypatch, kind.split("_")[1])
         kind = "ragged"
@@ -140,12 +142,13 @@ def test_head_dim_192_128():
     _check("d192", c, params(head_dim=192))
 
 
-@pytest.mark.parametrize("path", ["host", "device", "pointers"])
+@pytest.mark.parametrize("path", ["host", "persistent", "device", "pointers"])
 def test_cuda_graph_replay_after_replan(path, monkeypatch):
     # Fixed buffers (batch size 4): capture once, then re-plan with new lengths into the same
     # buffers and replay; the padded work rows (request -1) must be skipped. Host descriptors
-    # are captured by value (the buffers stay put); per-program ones (forced at these short
-    # lengths) get their scratch allocated inside the capture.
+    # are captured by value (the buffers stay put); device-built ones (forced at these short
+    # lengths) get their scratch allocated inside the capture, and the persistent grid's item
+    # counter its zeroing.
     force_kv_path(monkeypatch, path)
     torch.manual_seed(0)
     hq, hkv, d, cap_tokens, max_work = 8, 2, 128, 1024, 64
@@ -195,6 +198,17 @@ def test_cuda_graph_replay_after_replan(path, monkeypatch):
         assert err < 2e-2, err
 
 
+@pytest.mark.parametrize("tokens,expect", [(1024, 0), (8192, 2)], ids=["small", "large"])
+def test_eager_small_launch_skips_host_descriptors(tokens, expect, monkeypatch):
+    # An eager launch below HOST_TMA_MIN_FLOP would wait on its own host-side cost: it takes
+    # the pointer loads (here, short keys) instead of host descriptors; a large one does not.
+    seen = record_tma(monkeypatch)
+    c = make_case("ragged", [tokens // 2] * 2, [tokens // 2] * 2, hq=32, hkv=8, dqk=128,
+                  dtype=torch.bfloat16, device="cuda", seed=3)
+    _check("small_launch", c, params(head_dim=128))
+    assert seen == [expect]
+
+
 def test_opcheck_cuda():
     c = make_case("paged", [33, 0, 70], [40, 5, 70], hq=4, hkv=2, dqk=64, dtype=torch.bfloat16,
                   device="cuda", page_size=16)
@@ -209,27 +223,40 @@ def test_opcheck_cuda():
                            1.0, None))
 
 
-@pytest.mark.parametrize("kv", [[64, 300], [1500, 2600]], ids=["short", "long"])
-def test_torch_compile_fullgraph_cuda(kv, monkeypatch):
+@pytest.mark.parametrize("kv,block_m,traced,dynamic", [
+    ([64, 300], 64, 3, False), ([64, 300], 64, 3, True), ([64, 300], 128, 0, False),
+    ([1500, 2600], 128, 1, False)], ids=["persistent", "persistent-dynamic", "short", "long"])
+def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch):
     # Eager calls build K/V descriptors on the host at any length. A traced graph cannot carry
-    # those (wrap_triton): it takes pointer loads for short keys and per-program descriptors
-    # for long ones, whose scratch Inductor's generated launch must provide.
+    # those (wrap_triton): 64-row tiles run a persistent grid that builds them once per
+    # program; 128-row tiles take pointer loads for short keys and per-item descriptors for
+    # long ones. Inductor's generated launch must provide the device descriptors' scratch.
+    torch._dynamo.reset()  # every case traces afresh (one f, several parametrizations)
     seen = record_tma(monkeypatch)
     c = make_case("ragged", [64, 100], kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                   device="cuda")
+    c.block_m = block_m
+    c.work = build_work([64, 100], 4, block_m, "cuda", kv_lens=kv)
     p = params(head_dim=128)
 
-    def f(q, k, v):
-        out, lse = ops.batch_ragged_prefill(q, k, v, c.qo_indptr, c.kv_indptr, c.work, None,
+    def f(q, k, v, work):
+        out, lse = ops.batch_ragged_prefill(q, k, v, c.qo_indptr, c.kv_indptr, work, None,
                                             None, None, None, c.block_m, 1, -1, 0,
                                             p["sm_scale"], 0.0, 0, 1.0, 1e4, 1.0, None)
         return out * 2, lse
 
-    eager = f(c.q, c.k, c.v)
+    force_kv_path(monkeypatch, "host")  # eager: host descriptors even for this small launch
+    monkeypatch.setattr(ops.prefill_kernel, "PERSIST_TMA", frozenset({64}))  # the default
+    eager = f(c.q, c.k, c.v, c.work)
     assert seen == [2]
-    compiled = torch.compile(f, fullgraph=True)(c.q, c.k, c.v)
-    # the calls made while tracing (the compiled code then launches from Inductor's wrapper)
-    assert len(seen) > 1 and set(seen[1:]) == {int(kv[0] > 1024)}, seen
+    # dynamic: the work list's length is symbolic, so is the persistent grid's size
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)(c.q, c.k, c.v, c.work)
+    # The calls made while tracing (the compiled code then launches from Inductor's wrapper).
+    # Under dynamic shapes the op's body is traced more than once and an earlier trace may
+    # take the pointer loads; the last is the launch Inductor compiles (its output code has
+    # the zeroed counter and a sym_min grid).
+    traces = seen[1:]
+    assert traces and traces[-1] == traced and (dynamic or set(traces) == {traced}), seen
     torch.testing.assert_close(compiled[0], eager[0])
     torch.testing.assert_close(compiled[1], eager[1])
     _check("compile", c, p)

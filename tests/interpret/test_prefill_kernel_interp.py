@@ -10,7 +10,8 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import contracts
-from tests.kernel_cases import _pack, check, force_kv_path, make_case, params, record_tma, run
+from tests.kernel_cases import (KV_PATHS, _pack, check, force_kv_path, make_case, params,
+                                record_tma, run)
 
 
 def test_interpreter_mode_is_on():
@@ -99,9 +100,12 @@ def test_fp8_kv(kv_dtype, kind):
     check(c, params(head_dim=32, v_scale=0.25))
 
 
-def test_padded_work_items_are_skipped():
+@pytest.mark.parametrize("path", ["host", "persistent"])
+def test_padded_work_items_are_skipped(path, monkeypatch):
     # use_cuda_graph / uniform plans pad the work list with request -1 and with tiles past a
-    # request's rows: both must write nothing and read nothing.
+    # request's rows: both must write nothing and read nothing (a persistent program goes on
+    # to its next item).
+    force_kv_path(monkeypatch, path)
     c = make_case("ragged", [5, 9], [5, 9], hq=2, hkv=2, dqk=32, seed=9)
     pad = torch.tensor([[-1, 0], [0, 4096], [1, 128]], dtype=torch.int32)
     c.work = torch.cat([c.work, pad])
@@ -149,12 +153,17 @@ def test_pod_one_launch(window_d):
         assert (lse[fin].double() - r_lse[fin]).abs().max() < 1e-3
 
 
-@pytest.mark.parametrize("kind", ["ragged", "paged"])
+@pytest.mark.parametrize("kind", ["ragged", "paged", "ragged_persistent"])
 @pytest.mark.parametrize("mode", ["causal", "none", "window", "sinks_vscale", "custom"])
-def test_split_kv(kind, mode):
+def test_split_kv(kind, mode, monkeypatch):
     # Few query rows, long keys: the plan cuts tiles into key chunks whose partials
-    # _merge_fwd combines; every chunk count (1 = no merge) appears.
+    # _merge_fwd combines; every chunk count (1 = no merge) appears. ragged_persistent: the
+    # chunks of a persistent grid (programs take several items).
     from compiled_attn.plan import build_split_work
+
+    if kind == "ragged_persistent":
+        force_kv_path(monkeypatch, "persistent")
+        kind = "ragged"
 
     qo, kv = [3, 1, 40, 0, 2], [300, 97, 260, 5, 1]
     c = make_case(kind, qo, kv, hq=4, hkv=2, dqk=32, page_size=16,
@@ -177,13 +186,15 @@ def test_split_plan_without_idle_sms_is_unsplit():
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
 
 
-@pytest.mark.parametrize("path", ["host", "device", "pointers"])
+@pytest.mark.parametrize("path", list(KV_PATHS))
 @pytest.mark.parametrize("mode", ["causal", "window", "custom", "soft_cap"])
 @pytest.mark.parametrize("kind", ["ragged", "single"])
 def test_kv_load_paths(kind, mode, path, monkeypatch):
-    # Dense and ragged K/V go through descriptors built on the host where the layout allows
-    # (the default), else built per program; the pointer loads still serve unaligned inputs
-    # (and on the GPU custom masks): the same numbers on every path.
+    # Dense and ragged K/V go through descriptors over the whole tensor where the layout allows
+    # (built on the host in eager calls, once per persistent program in traced graphs), else
+    # built per work item; the pointer loads still serve unaligned inputs (and on the GPU
+    # custom masks): the same numbers on every path. Persistent programs take several items
+    # here (3 programs under the interpreter).
     tma = force_kv_path(monkeypatch, path)
     seen = record_tma(monkeypatch)
     qo, kv = ([37], [50]) if kind == "single" else BATCH
@@ -192,16 +203,18 @@ def test_kv_load_paths(kind, mode, path, monkeypatch):
     assert seen == [tma]
 
 
+@pytest.mark.parametrize("path", ["host", "persistent"])
 @pytest.mark.parametrize("mode", ["causal", "none"])
-def test_ragged_tail_ignores_rows_past_the_request(mode, monkeypatch):
-    # A host descriptor spans all of K/V: a request's last key tile reads the next request's
+def test_ragged_tail_ignores_rows_past_the_request(mode, path, monkeypatch):
+    # A descriptor over the whole K/V: a request's last key tile reads the next request's
     # rows, or rows past the last request (here NaN), which must not reach the output.
+    tma = force_kv_path(monkeypatch, path)
     seen = record_tma(monkeypatch)
     c = make_case("ragged", *BATCH, hq=4, hkv=2, dqk=64, seed=44)
     pad = torch.full((40, 2, 64), float("nan"), dtype=c.k.dtype)
     c.k, c.v = torch.cat([c.k, pad]), torch.cat([c.v, pad])
     check(c, MODES[mode])
-    assert seen == [2]
+    assert seen == [tma]
 
 
 def test_expanded_kv_takes_no_host_descriptor(monkeypatch):
