@@ -231,7 +231,11 @@ def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch)
     # those (wrap_triton): 64-row tiles run a persistent grid that builds them once per
     # program; 128-row tiles take pointer loads for short keys and per-item descriptors for
     # long ones. Inductor's generated launch must provide the device descriptors' scratch.
-    torch._dynamo.reset()  # every case traces afresh (one f, several parametrizations)
+    # Every case traces afresh (one f, several parametrizations; a cached graph would skip
+    # the traces this test records).
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     seen = record_tma(monkeypatch)
     c = make_case("ragged", [64, 100], kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                   device="cuda")
