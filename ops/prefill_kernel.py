@@ -879,9 +879,11 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
         eager = _eager_launch()
         # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
-        # path (both cost more CPU per call than the pointer loads or per-item descriptors).
-        small = eager and HOST_TMA and _small_launch(q, kv_mode, mean_kv, v.shape[-1],
-                                                     consts["MASK_MODE"])
+        # path (both cost more CPU per call than the pointer loads or per-item descriptors),
+        # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
+        small = (eager and HOST_TMA and not INTERPRET
+                 and _small_launch(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"])
+                 and not torch.cuda.is_current_stream_capturing())
         if whole and HOST_TMA and eager and not small:
             args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
             args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])

@@ -198,15 +198,34 @@ def test_cuda_graph_replay_after_replan(path, monkeypatch):
         assert err < 2e-2, err
 
 
-@pytest.mark.parametrize("tokens,expect", [(1024, 0), (8192, 2)], ids=["small", "large"])
-def test_eager_small_launch_skips_host_descriptors(tokens, expect, monkeypatch):
+@pytest.mark.parametrize("tokens,captured,expect", [(1024, False, 0), (8192, False, 2),
+                                                     (1024, True, 2)],
+                         ids=["small", "large", "small-captured"])
+def test_eager_small_launch_skips_host_descriptors(tokens, captured, expect, monkeypatch):
     # An eager launch below HOST_TMA_MIN_FLOP would wait on its own host-side cost: it takes
-    # the pointer loads (here, short keys) instead of host descriptors; a large one does not.
-    seen = record_tma(monkeypatch)
+    # the pointer loads (here, short keys) instead of host descriptors; a large one does not,
+    # nor a small one captured into a CUDA graph (replays skip the host).
     c = make_case("ragged", [tokens // 2] * 2, [tokens // 2] * 2, hq=32, hkv=8, dqk=128,
                   dtype=torch.bfloat16, device="cuda", seed=3)
-    _check("small_launch", c, params(head_dim=128))
+    p = params(head_dim=128)
+    if not captured:
+        seen = record_tma(monkeypatch)
+        _check("small_launch", c, p)
+        assert seen == [expect]
+        return
+    with monkeypatch.context() as m:  # compile the host-descriptor kernel outside the capture
+        m.setattr(ops.prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+        run(c, p)
+    seen = record_tma(monkeypatch)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, _ = run(c, p)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
     assert seen == [expect]
+    r_out, _ = ref(c, p)
+    assert (out.double() - r_out).abs().max().item() < 2e-2
 
 
 def test_opcheck_cuda():
