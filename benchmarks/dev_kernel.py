@@ -38,15 +38,20 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="skip SDPA flash / cuDNN")
     ap.add_argument("--tma", default="2,3,1,0",
                     help="K/V through host-built descriptors (2), descriptors built once per "
-                         "persistent program (3), per work item (1), or pointer loads (0)")
+                         "persistent program (3), per work item (1), or pointer loads (0): "
+                         "the paths of prefill_kernel.KV_PATHS, forced at any size")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
-    orig_bm, orig_cfg, orig_persist = K.block_m_for, K._config, K.PERSIST_TMA
+    orig_bm, orig_cfg = K.block_m_for, K._config
+    # the K/V path of each --tma value (K.KV_PATHS), and the module settings to restore
+    paths = {str(t): name for name, (t, _) in K.KV_PATHS.items()}
+    flags = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
     for case in a.cases.split(","):
         # each case starts from the production tile policy (the config loop below overrides it)
         K.block_m_for, K._config = orig_bm, orig_cfg
-        K.USE_TMA, K.HOST_TMA, K.PERSIST_TMA = True, True, orig_persist
+        for n, val in flags.items():
+            setattr(K, n, val)
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -80,8 +85,8 @@ def main():
             # our ragged op with the production tile policy: the paged/ragged denominator
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
-            K.USE_TMA, K.HOST_TMA = tma != "0", tma == "2"
-            K.PERSIST_TMA = frozenset({64, 128} if tma == "3" else ())
+            for n, val in {**flags, **K.KV_PATHS[paths[tma]][1]}.items():
+                setattr(K, n, val)
             bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
             K.block_m_for = lambda *_a, bm=bm: bm
             K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
@@ -119,7 +124,8 @@ def main():
             rows.append(row)
             print(json.dumps(row), flush=True)
     K.block_m_for, K._config = orig_bm, orig_cfg
-    K.USE_TMA, K.HOST_TMA, K.PERSIST_TMA = True, True, orig_persist
+    for n, val in flags.items():
+        setattr(K, n, val)
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged "

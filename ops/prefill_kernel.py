@@ -53,8 +53,8 @@ CRASH_STAGES = tl.constexpr(2)
 
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
-# TMA_MIN_KV) use 64-row tiles; descriptors built per program on the device do not pay there
-# (pointer loads instead), descriptors built on the host do. Longer D 128 batches read K/V
+# TMA_MIN_KV) use 64-row tiles; descriptors built per work item do not pay there (pointer loads
+# instead), descriptors over the whole K/V (host-built, or once per persistent program) do. Longer D 128 batches read K/V
 # through descriptors, with 64-row tiles (more programs, a shorter causal tail) up to SHORT_KV
 # keys for causal batches (half that without a mask) and 128-row tiles beyond. Pointer-load
 # batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV.
@@ -881,7 +881,7 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
         # path (both cost more CPU per call than the pointer loads or per-item descriptors),
         # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
-        small = (eager and HOST_TMA and not INTERPRET
+        small = (eager and HOST_TMA
                  and _small_launch(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"])
                  and not torch.cuda.is_current_stream_capturing())
         if whole and HOST_TMA and eager and not small:
@@ -957,6 +957,17 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
 USE_TMA = True
 HOST_TMA = True
 PERSIST_TMA = frozenset({64})
+
+# The module settings that force each K/V load path of dense and ragged launches (tests and
+# benchmarks compare them; the results are the same): name -> (TMA constexpr, settings).
+# "host" even for small eager launches, "persistent" for both tile heights, "device" even for
+# short keys.
+KV_PATHS = {
+    "host": (2, dict(USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0, PERSIST_TMA=frozenset())),
+    "persistent": (3, dict(USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset({64, 128}))),
+    "device": (1, dict(USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset(), TMA_MIN_KV=0)),
+    "pointers": (0, dict(USE_TMA=False, HOST_TMA=False, PERSIST_TMA=frozenset())),
+}
 
 
 def _tma_hardware(device: torch.device) -> bool:
@@ -1069,16 +1080,19 @@ PERSIST_PER_SM = {64: 4, 128: 2}
 _SM_COUNT: dict = {}
 
 
+def sm_count(index: int | None = None) -> int:
+    """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
 def _persistent_programs(device: torch.device, items, block_m: int):
     """Programs of a persistent launch: at most PERSIST_PER_SM per SM (3 under the
     interpreter, so that programs take several items), at most one per item."""
-    if INTERPRET:
-        cap = 3
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SM_COUNT:
-            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        cap = PERSIST_PER_SM.get(block_m, 2) * _SM_COUNT[index]
+    cap = 3 if INTERPRET else PERSIST_PER_SM.get(block_m, 2) * sm_count(device.index)
     return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
 
 

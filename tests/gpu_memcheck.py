@@ -9,12 +9,13 @@ each result is also checked against the float64 reference. Exits non-zero on a m
 
 import sys
 
+import pytest
 import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_split_work, build_work
-from tests.kernel_cases import check, make_case, params
+from tests.kernel_cases import check, force_kv_path, make_case, params
 
 # An empty request, a request with no keys, odd lengths, one request longer than a tile.
 QO, KV = [37, 0, 150, 3], [80, 9, 150, 0]
@@ -56,13 +57,9 @@ def main() -> int:
     # Tensor descriptors at small sizes, built on the host, once per persistent program, and
     # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
     # tile heights, windows and padded items, a dense batch, and a split plan.
-    orig_min, orig_host, orig_persist = K.TMA_MIN_KV, K.HOST_TMA, K.PERSIST_TMA
-    orig_flop = K.HOST_TMA_MIN_FLOP
-    K.TMA_MIN_KV = K.HOST_TMA_MIN_FLOP = 0
-    try:
-        for path in ("host", "persistent", "device"):
-            K.HOST_TMA = path == "host"
-            K.PERSIST_TMA = frozenset({64, 128} if path == "persistent" else ())
+    for path in ("host", "persistent", "device"):
+        with pytest.MonkeyPatch.context() as m:
+            force_kv_path(m, path)
             for bm in (64, 128):
                 for mode in ("causal", "window"):
                     c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
@@ -86,9 +83,6 @@ def main() -> int:
                 check(c, params(head_dim=128))
                 cases += 1
             cases += 1
-    finally:
-        K.TMA_MIN_KV, K.HOST_TMA, K.PERSIST_TMA = orig_min, orig_host, orig_persist
-        K.HOST_TMA_MIN_FLOP = orig_flop
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases} cases checked")
     return 0

@@ -246,23 +246,12 @@ def record_tma(monkeypatch) -> list:
     return seen
 
 
-KV_PATHS = {"host": 2, "persistent": 3, "device": 1, "pointers": 0}
-
-
 def force_kv_path(monkeypatch, path: str) -> int:
-    """Force the K/V load path of dense and ragged launches and return its TMA constexpr
-    (KV_PATHS): "host" descriptors (the eager default, forced even for small launches),
-    "persistent" (the traced default: descriptors built once per program of a persistent
-    grid), "device" descriptors built per work item (forced even for short keys), or
-    "pointers"."""
+    """Force the K/V load path of dense and ragged launches (prefill_kernel.KV_PATHS: "host",
+    "persistent", "device" or "pointers") and return its TMA constexpr."""
     from compiled_attn.ops import prefill_kernel
 
-    monkeypatch.setattr(prefill_kernel, "USE_TMA", path != "pointers")
-    monkeypatch.setattr(prefill_kernel, "HOST_TMA", path == "host")
-    monkeypatch.setattr(prefill_kernel, "PERSIST_TMA",
-                        frozenset({64, 128} if path == "persistent" else ()))
-    if path == "device":
-        monkeypatch.setattr(prefill_kernel, "TMA_MIN_KV", 0)
-    if path == "host":
-        monkeypatch.setattr(prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
-    return KV_PATHS[path]
+    tma, settings = prefill_kernel.KV_PATHS[path]
+    for name, value in settings.items():
+        monkeypatch.setattr(prefill_kernel, name, value)
+    return tma

@@ -268,8 +268,8 @@ def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch)
                                             p["sm_scale"], 0.0, 0, 1.0, 1e4, 1.0, None)
         return out * 2, lse
 
-    force_kv_path(monkeypatch, "host")  # eager: host descriptors even for this small launch
-    monkeypatch.setattr(ops.prefill_kernel, "PERSIST_TMA", frozenset({64}))  # the default
+    # eager: host descriptors even for this small launch (traced: the default paths)
+    monkeypatch.setattr(ops.prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
     eager = f(c.q, c.k, c.v, c.work)
     assert seen == [2]
     # dynamic: the work list's length is symbolic, so is the persistent grid's size

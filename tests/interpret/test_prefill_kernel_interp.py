@@ -10,8 +10,8 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import contracts
-from tests.kernel_cases import (KV_PATHS, _pack, check, force_kv_path, make_case, params,
-                                record_tma, run)
+from compiled_attn.ops.prefill_kernel import KV_PATHS
+from tests.kernel_cases import _pack, check, force_kv_path, make_case, params, record_tma, run
 
 
 def test_interpreter_mode_is_on():
