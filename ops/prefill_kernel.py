@@ -162,17 +162,21 @@ def _load_pages(base, pg3, slot3, ok3, offs_d, stride_p, stride_t, stride_d, MAS
 
 
 @triton.jit
-def _load_tile(desc, kv_coord, hkv, n, KV_MODE: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr):
-    """[BLOCK_N, BLOCK_D] keys n.. of K or V through a descriptor over the whole tensor (built
-    on the host, TMA 2, or once per persistent program, TMA 3): dense [B, Hkv, S, D] (kv_coord
-    = batch entry; keys past S read 0) or ragged [Hkv, N, D] (kv_coord = the request's first
-    key row; keys past its kv_len are the next request's)."""
-    if KV_MODE == 0:
-        x = desc.load([kv_coord, hkv, n, 0])
+def _load_tile(desc, kv_coord, hkv, n, TMA: tl.constexpr, KV_MODE: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[BLOCK_N, BLOCK_D] keys n.. of K or V through a tensor descriptor. TMA 1: the work
+    item's own descriptor, [kv_len, D] of this request and head (keys past kv_len read 0).
+    TMA 2 / 3: a descriptor over the whole tensor (built on the host, or once per persistent
+    program): dense [B, Hkv, S, D] (kv_coord = batch entry; keys past S read 0) or ragged
+    [Hkv, N, D] (kv_coord = the request's first key row; keys past its kv_len are the next
+    request's)."""
+    if TMA == 1:
+        x = desc.load([n, 0])
+    elif KV_MODE == 0:
+        x = tl.reshape(desc.load([kv_coord, hkv, n, 0]), [BLOCK_N, BLOCK_D])
     else:
-        x = desc.load([hkv, kv_coord + n, 0])
-    return tl.reshape(x, [BLOCK_N, BLOCK_D])
+        x = tl.reshape(desc.load([hkv, kv_coord + n, 0]), [BLOCK_N, BLOCK_D])
+    return x
 
 
 @triton.jit
@@ -191,8 +195,8 @@ def _attend_range(
     """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi). MASKED tiles
     apply the visibility rule; unmasked ones are known to be fully visible to every row. With
     TMA 1, K and V tiles come through the per-program descriptors k_desc / v_desc (shape
-    [kv_len, D] of this request and head: keys past kv_len and dims past D read as 0); with
-    TMA 2 / 3 through descriptors over the whole K / V (_load_tile)."""
+    [kv_len, D] of this request and head: keys past kv_len and dims past D read as 0), with
+    TMA 2 / 3 through descriptors over the whole K / V: both by _load_tile."""
     offs_n = tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_DQK // 2
     if ROPE:
@@ -249,11 +253,8 @@ def _attend_range(
                 k_off = j.to(tl.int64) * stride_kt
                 v_off = j.to(tl.int64) * stride_vt
             kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
-        if TMA >= 2:
-            k = _load_tile(k_desc, kv_coord, hkv, n, KV_MODE, BLOCK_N, BLOCK_DQK)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        elif TMA:
-            k = k_desc.load([n, 0])
+        if TMA:
+            k = _load_tile(k_desc, kv_coord, hkv, n, TMA, KV_MODE, BLOCK_N, BLOCK_DQK)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif PAGE3D:
             k = _load_pages(k_ptr, pg3, slot3, ok3, offs_d1, stride_kp, stride_kt, stride_kd,
@@ -309,14 +310,12 @@ def _attend_range(
             p = tl.exp2(s - m_sub[:, None])
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA >= 2:
-            v = _load_tile(v_desc, kv_coord, hkv, n, KV_MODE, BLOCK_N, BLOCK_DVO)
-            if MASKED and KV_MODE == 1:
+        if TMA:
+            v = _load_tile(v_desc, kv_coord, hkv, n, TMA, KV_MODE, BLOCK_N, BLOCK_DVO)
+            if TMA >= 2 and MASKED and KV_MODE == 1:
                 # Ragged rows past kv_len belong to the next request (finite or not): p is 0
-                # there, but 0 * inf is NaN, so they are zeroed.
+                # there, but 0 * inf is NaN, so they are zeroed (TMA 1 reads them as 0).
                 v = tl.where(j_ok[:, None], v, 0.0)
-        elif TMA:
-            v = v_desc.load([n, 0])
         elif PAGE3D:
             v = _load_pages(v_ptr, pg3, slot3, ok3, offs_dv, stride_vp, stride_vt, stride_vd,
                             MASKED, DVO, BLOCK_N, BLOCK_DVO)
