@@ -8,7 +8,7 @@ layer). Checks the rewrite count (one per layer, nothing skipped) and that compi
 output agrees with plain torch.compile's and eager's; writes
 benchmarks/results/e2e_llama_<gpu>.json and prints a one-line summary.
 
-Run on the GPU machine from the repository root: ``python benchmarks/e2e_llama.py``
+Run on the GPU machine from the repository root: ``python3 -m benchmarks.e2e_llama``
 (about 2-3 minutes, mostly the two Inductor compiles).
 """
 
