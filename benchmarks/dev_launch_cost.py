@@ -1,0 +1,96 @@
+"""Dev tool: the CPU cost of one eager call of our dense op, per K/V load path
+(prefill_kernel.KV_PATHS), and its parts: the op through torch's dispatcher, our launcher
+called directly (no dispatcher; wrap_triton off, as inside the op), and our argument preparation alone (no Triton launch). Calls
+are queued behind a sleeping GPU so the host never waits on the device; the per-call time is
+then the host's alone. The paths and parts are timed in interleaved rounds and the best round
+kept (the host's own noise is large). Run on the GPU machine:
+``python3 -m benchmarks.dev_launch_cost`` (about a minute); writes dev_launch_cost.txt under
+$OUT. docs/design.md "Eager launch cost" quotes it."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+from compiled_attn import ops
+from compiled_attn.ops import prefill_kernel as K
+
+CALLS, ROUNDS = 300, 7  # at most ~600 launches queued (CUDA blocks the host near 1024)
+
+
+def _inputs(b, s, h, d):
+    """Fresh random bf16 q, k, v [b, s, h, d] and the causal launch parameters."""
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=d ** -0.5,
+                  logits_soft_cap=0.0, pos_encoding_mode=0, rope_scale=1.0, rope_theta=1e4,
+                  v_scale=1.0)
+    return q, k, v, params
+
+
+def _as_in_op(fn):
+    """fn run as triton_op runs its body in an eager call: with wrap_triton off, so the kernel
+    is launched directly (outside, wrap_triton would route it through its traceable wrapper)."""
+    def call():
+        with set_wrap_triton_enabled(False):
+            return fn()
+    return call
+
+
+def _parts(q, k, v, p):
+    """name -> a zero-argument call: the op, our launcher, our argument preparation."""
+    tail = tuple(p.values()) + (None,)
+    return {
+        "op": lambda: ops.single_prefill(q, k, v, None, None, None, *tail),
+        "launcher": _as_in_op(
+            lambda: K.launch_single(q, k, v, None, None, None, out_dtype=q.dtype, **p)),
+        "args": _as_in_op(lambda: K._dense_args(q, k, v, None, None, None, q.dtype, p)),
+    }
+
+
+def _host_us(fn) -> float:
+    """Host microseconds per call, with the GPU busy for the whole loop (a sleep kernel first)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9 * 0.4))  # ~0.4 s of GPU time: longer than the loop
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    us = (time.perf_counter() - t0) / CALLS * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    saved = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
+    cases = {"D128 causal B32 x 512 H16": (32, 512, 16, 128),
+             "D128 causal B4 x 4k H16": (4, 4096, 16, 128)}
+    lines = [f"{'case':28} {'path':11} " + " ".join(f"{n:>9}" for n in ("op", "launcher", "args"))
+             + "   (host us per call, best of rounds)"]
+    for name, shape in cases.items():
+        parts = _parts(*_inputs(*shape))
+        best = {}
+        for _ in range(ROUNDS):
+            for path, (_, settings) in K.KV_PATHS.items():
+                for n, val in {**saved, **settings}.items():
+                    setattr(K, n, val)
+                for part, fn in parts.items():
+                    for _ in range(10):  # warm (compiles on the first round)
+                        fn()
+                    us = _host_us(fn)
+                    best[path, part] = min(best.get((path, part), us), us)
+        for path in K.KV_PATHS:
+            lines.append(f"{name:28} {path:11} " +
+                         " ".join(f"{best[path, part]:9.1f}" for part in parts))
+            print(lines[-1], flush=True)
+    for n, val in saved.items():
+        setattr(K, n, val)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(os.environ.get("OUT", "."), "dev_launch_cost.txt"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
