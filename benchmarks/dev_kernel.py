@@ -31,7 +31,8 @@ def bench(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="128:4096:1,128:16384:1,128:16384:0,64:4096:1,256:8192:1")
-    ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3")
+    ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3",
+                    help="BLOCK_M:BLOCK_N:warps:stages tiles, or prod (the production policy)")
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (B at least 1)")
@@ -87,10 +88,14 @@ def main():
         for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
             for n, val in {**flags, **K.KV_PATHS[paths[tma]][1]}.items():
                 setattr(K, n, val)
-            bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
-            K.block_m_for = lambda *_a, bm=bm: bm
-            K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
-                                                              num_stages=ns, TMA=True)
+            if cfg == "prod":
+                K.block_m_for, K._config = orig_bm, orig_cfg
+                bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
+            else:
+                bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
+                K.block_m_for = lambda *_a, bm=bm: bm
+                K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
+                                                                  num_stages=ns, TMA=True)
             try:
                 fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
                 out, _ = fn()
