@@ -33,6 +33,10 @@ def main():
     ap.add_argument("--cases", default="128:4096:1,128:16384:1,128:16384:0,64:4096:1,256:8192:1")
     ap.add_argument("--configs", default="128:64:8:3,64:64:4:3,128:128:8:3,128:64:4:3",
                     help="BLOCK_M:BLOCK_N:warps:stages tiles, or prod (the production policy)")
+    ap.add_argument("--groups", default="auto",
+                    help="dense launch order: (batch entry, KV head) pairs per group, auto (the "
+                         "production rule, prefill_kernel._dense_group) or an int (1: one pair "
+                         "at a time)")
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
     ap.add_argument("--tokens", type=int, default=16384, help="B * S (B at least 1)")
@@ -44,7 +48,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
-    orig_bm, orig_cfg = K.block_m_for, K._config
+    orig_bm, orig_cfg, orig_group = K.block_m_for, K._config, K._dense_group
     # the K/V path of each --tma value (K.KV_PATHS), and the module settings to restore
     paths = {str(t): name for name, (t, _) in K.KV_PATHS.items()}
     flags = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
@@ -85,9 +89,11 @@ def main():
         if a.paged:
             # our ragged op with the production tile policy: the paged/ragged denominator
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
-        for cfg, tma in ((c, t) for c in a.configs.split(",") for t in a.tma.split(",")):
+        for cfg, tma, grp in ((c, t, g) for c in a.configs.split(",") for t in a.tma.split(",")
+                              for g in a.groups.split(",")):
             for n, val in {**flags, **K.KV_PATHS[paths[tma]][1]}.items():
                 setattr(K, n, val)
+            K._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
             if cfg == "prod":
                 K.block_m_for, K._config = orig_bm, orig_cfg
                 bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
@@ -102,7 +108,7 @@ def main():
                 err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
                 # --paged compares paged with ragged: the dense op is only its reference there
                 ms = float("nan") if a.paged else bench(fn)
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), kind="single",
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp, kind="single",
                            tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
                 if a.paged:
                     work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
@@ -124,24 +130,25 @@ def main():
                         row[f"paged{page}_err"] = perr
                     row["ragged"] = ragged_tflops(bm)  # same tile and config as the paged rows
             except Exception as e:
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma),
+                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp,
                            error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.block_m_for, K._config = orig_bm, orig_cfg
+    K.block_m_for, K._config, K._dense_group = orig_bm, orig_cfg, orig_group
     for n, val in flags.items():
         setattr(K, n, val)
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n d    S     c  cfg          tma  ours   flash  cudnn  paged16 paged1 ragged "
+    print("\n d    S     c  cfg          tma grp   ours   flash  cudnn  paged16 paged1 ragged "
           "ragged_prod")
     for r in rows:
         if "error" in r:
-            print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:12} {r['tma']:d} ERROR "
-                  f"{r['error'][:80]}")
+            print(f"{r['d']:4} {r['s']:6} {r['causal']} {r['cfg']:12} {r['tma']:d} "
+                  f"{r['group']:4} ERROR {r['error'][:80]}")
             continue
         f = lambda x: f"{x:6.0f}" if isinstance(x, float) else "   n/a"
-        print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:12} {r['tma']:d} {f(r['tflops'])} "
+        print(f"{r['d']:4} {r['s']:6} {r['causal']}  {r['cfg']:12} {r['tma']:d} {r['group']:4} "
+              f"{f(r['tflops'])} "
               f"{f(r.get('sdpa_flash'))} {f(r.get('sdpa_cudnn'))} {f(r.get('paged16'))} "
               f"{f(r.get('paged1'))} {f(r.get('ragged'))} {f(r.get('ragged_prod'))}  "
               f"err {r['err']:.2e}")

@@ -54,10 +54,11 @@ CRASH_STAGES = tl.constexpr(2)
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
 # TMA_MIN_KV) use 64-row tiles; descriptors built per work item do not pay there (pointer loads
-# instead), descriptors over the whole K/V (host-built, or once per persistent program) do. Longer D 128 batches read K/V
-# through descriptors, with 64-row tiles (more programs, a shorter causal tail) up to SHORT_KV
-# keys for causal batches (half that without a mask) and 128-row tiles beyond. Pointer-load
-# batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV.
+# instead), descriptors over the whole K/V (host-built, or once per persistent program) do.
+# Longer D 128 batches read K/V through descriptors, with 64-row tiles (more programs, a
+# shorter causal tail) up to SHORT_KV keys for causal batches (half that without a mask) and
+# 128-row tiles beyond. Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond
+# TMA_MIN_KV.
 SHORT_KV = 4096
 # The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
 # any length, so CI runs that path.
@@ -565,16 +566,29 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
 
 
 @triton.jit
-def _work_item(work_ptr, x, dense_tiles, KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr,
-               SPLIT: tl.constexpr):
-    """(request, first row, key chunk, number of chunks) of work item x: dense mode derives it
-    (heaviest tile of each batch entry first: causal's last rows see the most keys), else row
-    x of the work list ([W, 2], or [W, 4] with SPLIT)."""
+def _work_item(work_ptr, lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
+               KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+    """(request, first row, KV head, work-list row, key chunk, number of chunks) of the item at
+    place ``lin`` in launch order (program x of KV head h on the plain grid: x + h * n_items).
+    Ragged / paged: row x = lin % n_items of the work list ([W, 2], or [W, 4] with SPLIT), KV
+    head lin // n_items. Dense mode derives it: the n_req * n_hkv (batch entry, KV head) pairs
+    are taken dense_group at a time (the last group may hold fewer), and a group's tiles run
+    heaviest first (causal's last rows see the most keys) with the group's pairs side by side.
+    One pair at a time, the last pairs' heaviest tiles would start in the last wave and run
+    on alone (_dense_group)."""
     split = 0
     nsplit = 1
+    x = lin % n_items
+    hkv = lin // n_items
     if KV_MODE == 0:
-        req = x // dense_tiles
-        row0 = (dense_tiles - 1 - x % dense_tiles) * BLOCK_M
+        per_group = dense_group * dense_tiles
+        g = lin // per_group
+        r = lin - g * per_group
+        pairs = tl.minimum(dense_group, n_req * n_hkv - g * dense_group)
+        pair = g * dense_group + r % pairs
+        hkv = pair // n_req
+        req = pair % n_req
+        row0 = (dense_tiles - 1 - r // pairs) * BLOCK_M
     elif SPLIT:
         req = tl.load(work_ptr + x * 4)
         row0 = tl.load(work_ptr + x * 4 + 1)
@@ -583,12 +597,13 @@ def _work_item(work_ptr, x, dense_tiles, KV_MODE: tl.constexpr, BLOCK_M: tl.cons
     else:
         req = tl.load(work_ptr + x * 2)
         row0 = tl.load(work_ptr + x * 2 + 1)
-    return req, row0, split, nsplit
+    return req, row0, hkv, x, split, nsplit
 
 
 @triton.jit
 def _prefill_fwd(
-    work_ptr, dense_tiles, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows, counter_ptr,
+    work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows,
+    counter_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -610,12 +625,14 @@ def _prefill_fwd(
     (batch entry, tile) in dense mode, else a row of the work list: (request, first row), or
     with SPLIT (request, first row, key chunk, number of chunks). n_items: work items per KV
     head; n_hkv: KV heads; kv_rows: dense B, ragged N (the whole K/V's shape for TMA 3);
-    counter_ptr: int32 [1], zero at launch (TMA 3's item counter)."""
+    dense_tiles, dense_group: dense mode's tiles per batch entry and (entry, KV head) pairs
+    per group of its launch order (_work_item); counter_ptr: int32 [1], zero at launch (TMA
+    3's item counter)."""
     if TMA == 3:
         # Persistent: each program builds descriptors over the whole K/V once (TMA 1 builds
         # two per work item, and graphs traced by torch.compile / export cannot carry the
         # host-built ones of TMA 2), then draws items from a global counter in the order the
-        # hardware would launch them (work item fastest, then KV head; heaviest first): a
+        # hardware would launch them (_work_item's launch order; heaviest first): a
         # program that drew light items draws more, as with hardware scheduling. The next
         # item is drawn before this one runs, so the atomic's latency hides behind it.
         if KV_MODE == 0:
@@ -638,10 +655,9 @@ def _prefill_fwd(
         item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
         while item < total:
             nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-            x = item % n_items
-            hkv = item // n_items
-            req, row0, split, nsplit = _work_item(work_ptr, x, dense_tiles, KV_MODE, BLOCK_M,
-                                                  SPLIT)
+            req, row0, hkv, x, split, nsplit = _work_item(
+                work_ptr, item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, KV_MODE,
+                BLOCK_M, SPLIT)
             _program(
                 req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
                 q_ptr, k_desc, v_desc, o_ptr, lse_ptr,
@@ -659,11 +675,11 @@ def _prefill_fwd(
                 DVO, NUM_STAGES, TMA, SPLIT)
             item = nxt
     else:
-        pid = tl.program_id(0)
-        req, row0, split, nsplit = _work_item(work_ptr, pid, dense_tiles, KV_MODE, BLOCK_M,
-                                              SPLIT)
+        req, row0, hkv, x, split, nsplit = _work_item(
+            work_ptr, tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles,
+            dense_group, kv_rows, n_hkv, KV_MODE, BLOCK_M, SPLIT)
         _program(
-            req, row0, tl.program_id(1), n_hkv, split, nsplit, pid, part_o_ptr, part_l_ptr,
+            req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
             q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
             qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
             mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -1072,10 +1088,11 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-# Persistent programs per SM (TMA 3): two 64-row tiles (4 warps, ~113 KB of shared memory
-# each) or one 128-row tile fit an H100 SM at once. Twice that many are launched in case more
-# fit: programs that start late find the counter spent and exit.
-PERSIST_PER_SM = {64: 4, 128: 2}
+# Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one
+# 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
+# programs per SM in case more fit: programs that start late find the counter spent and exit.
+RESIDENT_PER_SM = {64: 2, 128: 1}
+PERSIST_PER_SM = {m: 2 * r for m, r in RESIDENT_PER_SM.items()}
 _SM_COUNT: dict = {}
 
 
@@ -1095,9 +1112,27 @@ def _persistent_programs(device: torch.device, items, block_m: int):
     return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
 
 
-def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
+def _dense_group(device: torch.device, tiles, pairs, block_m: int, causal: bool):
+    """(batch entry, KV head) pairs per group of the dense launch order (_work_item). Causal:
+    the largest divisor of ``pairs`` whose tiles fit one wave of resident programs. A group
+    then runs its tiles heaviest first side by side, so the launch ends on light tiles instead
+    of the last pair's heaviest ones, while the pairs running together are no more than one
+    pair at a time would have resident (their K/V stays in L2; groups twice as large measured
+    2-5% slower, benchmarks/NOTES.md). Tiles of equal weight (no causal mask) and symbolic
+    sizes keep one pair at a time. The interpreter takes 12 resident programs, so that small
+    test shapes form groups."""
+    if not causal or type(tiles) is not int or type(pairs) is not int or tiles <= 0:
+        return 1
+    resident = 12 if INTERPRET else RESIDENT_PER_SM.get(block_m, 1) * sm_count(device.index)
+    cap = max(1, min(pairs, resident // tiles))
+    return max(g for g in range(1, cap + 1) if pairs % g == 0)
+
+
+def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0,
+                    group=1):
     """The prefill launch; with a split plan (work [W, 4], merge [T, 4]) the chunks of a split
-    tile write float32 partials and _merge_fwd combines them (a second launch)."""
+    tile write float32 partials and _merge_fwd combines them (a second launch). Dense mode:
+    tiles per batch entry and (entry, KV head) pairs per group of the launch order."""
     prog_args, consts, cfg = args
     n_items, n_hkv = grid
     split = work is not None and work.shape[1] == 4
@@ -1117,7 +1152,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     if consts["TMA"] in (1, 3):
         _ensure_allocator()
     _kernel(_prefill_fwd)[grid](
-        work, tiles, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
+        work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
         **consts,
         SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
@@ -1139,7 +1174,9 @@ def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **par
         return out, lse
     consts = args[1]
     tiles = (sq * consts["GROUP"] + consts["BLOCK_M"] - 1) // consts["BLOCK_M"]  # cdiv
-    return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args)
+    group = _dense_group(q.device, tiles, bsz * k.shape[2], consts["BLOCK_M"],
+                         consts["MASK_MODE"] == MASK_CAUSAL)
+    return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args, group=group)
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,

@@ -77,6 +77,33 @@ def test_single_batched_dense_out_dtype():
     check(c, params(head_dim=32), out_dtype=torch.float32)
 
 
+@pytest.mark.parametrize("group", [None, 1, 4, 6])
+@pytest.mark.parametrize("path", ["host", "persistent"])
+def test_dense_launch_order_groups(group, path, monkeypatch):
+    # Dense launches take their (batch entry, KV head) pairs a group at a time, the group's
+    # heaviest tiles first: every tile is computed exactly once whatever the grouping. The
+    # default here (12 resident programs under the interpreter, 3 tiles per entry: at most 4
+    # pairs, a divisor of the 6) is 3; 4 leaves a last group of 2, 1 is one pair at a time, 6
+    # all at once. Persistent programs draw items in the same order.
+    from compiled_attn.ops import prefill_kernel
+
+    force_kv_path(monkeypatch, path)
+    used, orig = [], prefill_kernel._dense_group
+
+    def spy(*a):
+        used.append(orig(*a) if group is None else group)
+        return used[-1]
+
+    monkeypatch.setattr(prefill_kernel, "_dense_group", spy)
+    c = make_case("single", [70], [70], hq=4, hkv=2, dqk=32, seed=13)
+    g = torch.Generator().manual_seed(14)
+    c.q = torch.randn(3, 70, 4, 32, generator=g).half()
+    c.k = torch.randn(3, 70, 2, 32, generator=g).half()
+    c.v = torch.randn(3, 70, 2, 32, generator=g).half()
+    check(c, MODES["causal"])
+    assert used == [3 if group is None else group]
+
+
 def test_fully_masked_rows_with_custom_mask():
     c = make_case("ragged", [6], [10], hq=1, hkv=1, dqk=32, custom_mask=True, seed=5)
     # Row 2 of the single request sees nothing: its bits are cleared.
