@@ -1125,7 +1125,7 @@ def _dense_group(device: torch.device, tiles, pairs, block_m: int, causal: bool)
         return 1
     resident = 12 if INTERPRET else RESIDENT_PER_SM.get(block_m, 1) * sm_count(device.index)
     cap = max(1, min(pairs, resident // tiles))
-    return max(g for g in range(1, cap + 1) if pairs % g == 0)
+    return next(g for g in range(cap, 0, -1) if pairs % g == 0)  # the largest divisor <= cap
 
 
 def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0,
