@@ -1092,7 +1092,6 @@ def _ensure_allocator() -> None:
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.
 RESIDENT_PER_SM = {64: 2, 128: 1}
-PERSIST_PER_SM = {m: 2 * r for m, r in RESIDENT_PER_SM.items()}
 _SM_COUNT: dict = {}
 
 
@@ -1105,10 +1104,15 @@ def sm_count(index: int | None = None) -> int:
     return _SM_COUNT[index]
 
 
+def _resident_tiles(device: torch.device, block_m: int) -> int:
+    """Tiles of this height that the device runs at once (RESIDENT_PER_SM on every SM)."""
+    return RESIDENT_PER_SM.get(block_m, 1) * sm_count(device.index)
+
+
 def _persistent_programs(device: torch.device, items, block_m: int):
-    """Programs of a persistent launch: at most PERSIST_PER_SM per SM (3 under the
-    interpreter, so that programs take several items), at most one per item."""
-    cap = 3 if INTERPRET else PERSIST_PER_SM.get(block_m, 2) * sm_count(device.index)
+    """Programs of a persistent launch: twice the resident tiles (3 under the interpreter, so
+    that programs take several items), at most one per item."""
+    cap = 3 if INTERPRET else 2 * _resident_tiles(device, block_m)
     return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
 
 
@@ -1123,7 +1127,7 @@ def _dense_group(device: torch.device, tiles, pairs, block_m: int, causal: bool)
     test shapes form groups."""
     if not causal or type(tiles) is not int or type(pairs) is not int or tiles <= 0:
         return 1
-    resident = 12 if INTERPRET else RESIDENT_PER_SM.get(block_m, 1) * sm_count(device.index)
+    resident = 12 if INTERPRET else _resident_tiles(device, block_m)
     cap = max(1, min(pairs, resident // tiles))
     return next(g for g in range(cap, 0, -1) if pairs % g == 0)  # the largest divisor <= cap
 
