@@ -21,7 +21,9 @@ from .cases import Case
 
 DEFAULT_PROVIDERS = ("compiled_attn", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex",
                      "flashinfer_fa2", "flashinfer_fa3")
-OPT_IN_PROVIDERS = ("flashinfer_single_fa2", "flashinfer_single_fa3")
+# compiled_attn_twin: our op a second time, timed as a peer (an A/A control: its ratio to
+# compiled_attn is the harness's own spread, position in the interleaved order included).
+OPT_IN_PROVIDERS = ("flashinfer_single_fa2", "flashinfer_single_fa3", "compiled_attn_twin")
 ALL_PROVIDERS = DEFAULT_PROVIDERS + OPT_IN_PROVIDERS
 
 
@@ -396,6 +398,7 @@ SETUPS = {
     "flashinfer_fa3": setup_flashinfer("fa3"),
     "flashinfer_single_fa2": setup_flashinfer("fa2", single=True),
     "flashinfer_single_fa3": setup_flashinfer("fa3", single=True),
+    "compiled_attn_twin": setup_compiled_attn,
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from . import results
 
 PEERS = ("flex", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flashinfer_fa2",
-         "flashinfer_fa3", "flashinfer_single_fa2", "flashinfer_single_fa3")
+         "flashinfer_fa3", "flashinfer_single_fa2", "flashinfer_single_fa3", "compiled_attn_twin")
 OURS = "compiled_attn"
 
 
@@ -143,6 +143,11 @@ def render(doc: dict) -> str:
                  f"{npass}/{len(vals)} |")
 
     pr = peer_ratios(rows)
+    twin = [rat["compiled_attn_twin"] for *_, rat in pr if rat.get("compiled_attn_twin")]
+    if twin:
+        L += ["", f"A/A control (compiled_attn over compiled_attn_twin, the same op timed as a "
+              f"peer): {len(twin)} rows, {_f(min(twin), 3)} to {_f(max(twin), 3)}. A ratio to "
+              "a peer closer to its target than this spread is not resolved by this run."]
     peers = [p for p in PEERS if any(p in rat for *_, rat in pr)]
     L += ["", "## compiled_attn over each peer", "",
           "`(cpu)`: issuing one of our calls took about as long as the call (host_ms >= "

@@ -57,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="timing rounds: each times a slice of every provider's calls of a case "
                         "group, interleaved, after --warmup-ms of settling calls (default 3; "
                         "1 = one provider after another)")
+    p.add_argument("--precise", action="store_true",
+                   help="--rounds 9 --warmup-ms 300 --rep-ms 900 (about 5x the timing time): "
+                        "with the defaults, two copies of our op (provider compiled_attn_twin) "
+                        "read up to 10%% apart on the 20 ms FlashInfer-sweep rows on the H100, "
+                        "with these within 1%% (benchmarks/NOTES.md, 8th session)")
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")
@@ -74,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [s for s in a.suites if s not in SUITES + ("smoke",)]
         if bad:
             p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
+    if a.precise:
+        a.rounds, a.warmup_ms, a.rep_ms = 9, 300.0, 900.0
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")
     a.provider_list = [s.strip() for s in a.providers.split(",") if s.strip()]
@@ -230,6 +237,8 @@ def run_group(cases, args, device, dtype, progress: Progress) -> list[tuple[obje
             _record_failure(row, t.error, cuda)
             continue
         record_timing(row, case.flops, t, len(ready))
+        row["timing"] = (f"rounds {args.rounds}, settle {args.warmup_ms:g} ms, "
+                         f"rep {args.rep_ms:g} ms")
     for _, rows in out:
         add_ratios(rows)
     del ready, timings

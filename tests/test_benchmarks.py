@@ -198,6 +198,50 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert "ratio_vs_sdpa_flash" in st[("dense D64 S128 causal", "compiled_attn")]
 
 
+def test_twin_provider_is_an_a_a_control(tmp_path):
+    """compiled_attn_twin times our op again as a peer: same op, same output, and the report
+    gives its ratio (the harness's own spread) beside the real peers'."""
+    pytest.importorskip("compiled_attn.ops")
+    from benchmarks import report, run
+
+    out = tmp_path / "twin.json"
+    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers",
+                     "compiled_attn,compiled_attn_twin", "--warmup-ms", "1", "--rep-ms", "2",
+                     "--out", str(out)]) == 0
+    rows = results.load(out)["rows"]
+    st = {(r["case"], r["provider"]): r for r in rows}
+    for c in cases.smoke_cases():
+        a, b = st[(c.name, "compiled_attn")], st[(c.name, "compiled_attn_twin")]
+        assert a["status"] == b["status"] == "ok" and a["note"] == b["note"]
+        assert a["rel_err"] == b["rel_err"]
+    ratios = {(s, c): rat for s, c, _, rat in report.peer_ratios(rows)}
+    assert all(rat["compiled_attn_twin"] > 0 for rat in ratios.values())
+    md = report.render(results.load(out))
+    assert f"A/A control (compiled_attn over compiled_attn_twin, the same op timed as a peer): " \
+           f"{len(ratios)} rows" in md
+
+
+def test_precise_timing_settings_reach_the_harness_and_the_rows(tmp_path, monkeypatch):
+    """--precise times in 9 rounds with 300 ms of settling and 900 ms per runner, and every
+    timed row says how it was timed."""
+    from benchmarks import providers, run
+
+    seen = []
+
+    def fake_bench(runners, warmup_ms, rep_ms, cuda, rounds=3):
+        seen.append((warmup_ms, rep_ms, rounds))
+        return [providers.Timing(median_ms=1.0, iters=1) for _ in runners]
+
+    monkeypatch.setattr(providers, "bench", fake_bench)
+    out = tmp_path / "p.json"
+    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers", "compiled_attn",
+                     "--precise", "--out", str(out)]) == 0
+    assert seen and set(seen) == {(300.0, 900.0, 9)}
+    rows = results.load(out)["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows)
+    assert {r["timing"] for r in rows} == {"rounds 9, settle 300 ms, rep 900 ms"}
+
+
 def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
     """A provider whose output differs from the reference is recorded as failed, untimed; a
     provider that raises is failed with its error; neither stops the run."""
