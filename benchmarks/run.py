@@ -80,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
     if a.precise:
+        if (a.rounds, a.warmup_ms, a.rep_ms) != (3, 100.0, 300.0):
+            p.error("--precise sets --rounds 9 --warmup-ms 300 --rep-ms 900: pass either "
+                    "--precise or those three")
         a.rounds, a.warmup_ms, a.rep_ms = 9, 300.0, 900.0
     if a.rounds < 1:
         p.error(f"--rounds must be >= 1, got {a.rounds}")

@@ -240,6 +240,8 @@ def test_precise_timing_settings_reach_the_harness_and_the_rows(tmp_path, monkey
     rows = results.load(out)["rows"]
     assert rows and all(r["status"] == "ok" for r in rows)
     assert {r["timing"] for r in rows} == {"rounds 9, settle 300 ms, rep 900 ms"}
+    with pytest.raises(SystemExit):  # both: an error, not one silently overriding the other
+        run.main(["--suite", "smoke", "--device", "cpu", "--precise", "--rounds", "5"])
 
 
 def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
