@@ -12,7 +12,6 @@ device, pointers). List a variant twice for an A/A control: its spread is the no
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 
@@ -23,6 +22,7 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_work
 
+from .kv_paths import forced_kv_path
 from .providers import bench
 
 
@@ -53,7 +53,7 @@ def main():
             w = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
             fn = (lambda w=w, bm=bm: ops.batch_ragged_prefill(q, k, v, qi, qi, w, None, None,
                                                               None, None, bm, *tail))
-            ctx = (lambda path=path: _kv_path(path))
+            ctx = (lambda path=path: forced_kv_path(path))
             with ctx():
                 outs.append(fn()[0].float())
             runners.append(([fn], ctx))
@@ -85,20 +85,6 @@ def main():
                 print(f"{r['s']:5} {r['b']:4}  {kk:24} {x}")
                 continue
             print(f"{r['s']:5} {r['b']:4}  {kk:24} {x:7.0f} {x / x0:8.3f} {x / fl:7.3f}")
-
-
-@contextlib.contextmanager
-def _kv_path(path: str):
-    """prefill_kernel's module settings of one K/V path (KV_PATHS), restored on exit."""
-    new = K.KV_PATHS[path][1]
-    old = {n: getattr(K, n) for n in new}
-    for n, val in new.items():
-        setattr(K, n, val)
-    try:
-        yield
-    finally:
-        for n, val in old.items():
-            setattr(K, n, val)
 
 
 if __name__ == "__main__":

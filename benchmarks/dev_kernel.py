@@ -17,6 +17,8 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_work
 
+from .kv_paths import forced_kv_path
+
 
 def tflops(b, s, h, d, causal, ms):
     f = 4 * b * s * s * h * d * (0.5 if causal else 1.0)
@@ -49,14 +51,11 @@ def main():
     a = ap.parse_args()
     rows = []
     orig_bm, orig_cfg, orig_group = K.block_m_for, K._config, K._dense_group
-    # the K/V path of each --tma value (K.KV_PATHS), and the module settings to restore
+    # the K/V path of each --tma value (K.KV_PATHS)
     paths = {str(t): name for name, (t, _) in K.KV_PATHS.items()}
-    flags = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
     for case in a.cases.split(","):
         # each case starts from the production tile policy (the config loop below overrides it)
         K.block_m_for, K._config = orig_bm, orig_cfg
-        for n, val in flags.items():
-            setattr(K, n, val)
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -91,52 +90,51 @@ def main():
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma, grp in ((c, t, g) for c in a.configs.split(",") for t in a.tma.split(",")
                               for g in a.groups.split(",")):
-            for n, val in {**flags, **K.KV_PATHS[paths[tma]][1]}.items():
-                setattr(K, n, val)
-            K._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
-            if cfg == "prod":
-                K.block_m_for, K._config = orig_bm, orig_cfg
-                bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
-            else:
-                bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
-                K.block_m_for = lambda *_a, bm=bm: bm
-                K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
-                                                                  num_stages=ns, TMA=True)
-            try:
-                fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
-                out, _ = fn()
-                err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
-                # --paged compares paged with ragged: the dense op is only its reference there
-                ms = float("nan") if a.paged else bench(fn)
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp, kind="single",
-                           tflops=tflops(b, s, h, d, causal, ms), err=err, **peers)
-                if a.paged:
-                    work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
-                    for page in (16, 1):
-                        npg = s // page
-                        perm = torch.randperm(b * npg, device="cuda").to(torch.int32)
-                        kc = torch.empty(b * npg, page, h, d, device="cuda", dtype=torch.bfloat16)
-                        vc = torch.empty_like(kc)
-                        kc[perm.long()] = k.reshape(b * npg, page, h, d)
-                        vc[perm.long()] = v.reshape(b * npg, page, h, d)
-                        pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
-                        last = torch.full((b,), page, device="cuda", dtype=torch.int32)
-                        fp = lambda: ops.batch_paged_prefill(
-                            qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
-                            *tail)
-                        o2, _ = fp()
-                        perr = (o2.reshape(b, s, h, d).float() - out.float()).abs().max().item()
-                        row[f"paged{page}"] = tflops(b, s, h, d, causal, bench(fp))
-                        row[f"paged{page}_err"] = perr
-                    row["ragged"] = ragged_tflops(bm)  # same tile and config as the paged rows
-            except Exception as e:
-                row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp,
-                           error=f"{type(e).__name__}: {e}"[:300])
+            with forced_kv_path(paths[tma]):
+                K._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
+                if cfg == "prod":
+                    K.block_m_for, K._config = orig_bm, orig_cfg
+                    bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
+                else:
+                    bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
+                    K.block_m_for = lambda *_a, bm=bm: bm
+                    K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
+                                                                      num_stages=ns, TMA=True)
+                try:
+                    fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
+                    out, _ = fn()
+                    err = (out.transpose(1, 2).float() - ref.float()).abs().max().item()
+                    # --paged compares paged with ragged: the dense op is only its reference there
+                    ms = float("nan") if a.paged else bench(fn)
+                    row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp,
+                               kind="single", tflops=tflops(b, s, h, d, causal, ms), err=err,
+                               **peers)
+                    if a.paged:
+                        work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
+                        for page in (16, 1):
+                            npg = s // page
+                            perm = torch.randperm(b * npg, device="cuda").to(torch.int32)
+                            kc = torch.empty(b * npg, page, h, d, device="cuda",
+                                             dtype=torch.bfloat16)
+                            vc = torch.empty_like(kc)
+                            kc[perm.long()] = k.reshape(b * npg, page, h, d)
+                            vc[perm.long()] = v.reshape(b * npg, page, h, d)
+                            pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
+                            last = torch.full((b,), page, device="cuda", dtype=torch.int32)
+                            fp = lambda: ops.batch_paged_prefill(
+                                qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
+                                *tail)
+                            o2, _ = fp()
+                            perr = (o2.reshape(b, s, h, d).float() - out.float()).abs().max().item()
+                            row[f"paged{page}"] = tflops(b, s, h, d, causal, bench(fp))
+                            row[f"paged{page}_err"] = perr
+                        row["ragged"] = ragged_tflops(bm)  # same tile and config as the paged rows
+                except Exception as e:
+                    row = dict(d=d, s=s, causal=causal, cfg=cfg, tma=int(tma), group=grp,
+                               error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
     K.block_m_for, K._config, K._dense_group = orig_bm, orig_cfg, orig_group
-    for n, val in flags.items():
-        setattr(K, n, val)
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma grp   ours   flash  cudnn  paged16 paged1 ragged "

@@ -1,9 +1,10 @@
 """Dev tool: the CPU cost of one eager call of our dense op, per K/V load path
 (prefill_kernel.KV_PATHS), and its parts: the op through torch's dispatcher, our launcher
-called directly (no dispatcher; wrap_triton off, as inside the op), and our argument preparation alone (no Triton launch). Calls
-are queued behind a sleeping GPU so the host never waits on the device; the per-call time is
-then the host's alone. The paths and parts are timed in interleaved rounds and the best round
-kept (the host's own noise is large). Run on the GPU machine:
+called directly (no dispatcher; wrap_triton off, as inside the op), and our argument
+preparation alone (no Triton launch). Calls are queued behind a sleeping GPU so the host never
+waits on the device; the per-call time is then the host's alone. The paths and parts are
+timed in interleaved rounds and the best round kept (the host's own noise is large). Run on
+the GPU machine:
 ``python3 -m benchmarks.dev_launch_cost`` (about a minute); writes dev_launch_cost.txt under
 $OUT. docs/design.md "Eager launch cost" quotes it."""
 
@@ -17,6 +18,8 @@ from torch._library.triton import set_wrap_triton_enabled
 
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
+
+from .kv_paths import forced_kv_path
 
 CALLS, ROUNDS = 300, 7  # at most ~600 launches queued (CUDA blocks the host near 1024)
 
@@ -63,7 +66,6 @@ def _host_us(fn) -> float:
 
 
 def main() -> None:
-    saved = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
     cases = {"D128 causal B32 x 512 H16": (32, 512, 16, 128),
              "D128 causal B4 x 4k H16": (4, 4096, 16, 128)}
     lines = [f"{'case':28} {'path':11} " + " ".join(f"{n:>9}" for n in ("op", "launcher", "args"))
@@ -72,20 +74,17 @@ def main() -> None:
         parts = _parts(*_inputs(*shape))
         best = {}
         for _ in range(ROUNDS):
-            for path, (_, settings) in K.KV_PATHS.items():
-                for n, val in {**saved, **settings}.items():
-                    setattr(K, n, val)
-                for part, fn in parts.items():
-                    for _ in range(10):  # warm (compiles on the first round)
-                        fn()
-                    us = _host_us(fn)
-                    best[path, part] = min(best.get((path, part), us), us)
+            for path in K.KV_PATHS:
+                with forced_kv_path(path):
+                    for part, fn in parts.items():
+                        for _ in range(10):  # warm (compiles on the first round)
+                            fn()
+                        us = _host_us(fn)
+                        best[path, part] = min(best.get((path, part), us), us)
         for path in K.KV_PATHS:
             lines.append(f"{name:28} {path:11} " +
                          " ".join(f"{best[path, part]:9.1f}" for part in parts))
             print(lines[-1], flush=True)
-    for n, val in saved.items():
-        setattr(K, n, val)
     text = "\n".join(lines) + "\n"
     with open(os.path.join(os.environ.get("OUT", "."), "dev_launch_cost.txt"), "w") as f:
         f.write(text)

@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
     if a.precise:
-        if (a.rounds, a.warmup_ms, a.rep_ms) != (3, 100.0, 300.0):
+        if any(getattr(a, k) != p.get_default(k) for k in ("rounds", "warmup_ms", "rep_ms")):
             p.error("--precise sets --rounds 9 --warmup-ms 300 --rep-ms 900: pass either "
                     "--precise or those three")
         a.rounds, a.warmup_ms, a.rep_ms = 9, 300.0, 900.0

@@ -244,6 +244,23 @@ def test_precise_timing_settings_reach_the_harness_and_the_rows(tmp_path, monkey
         run.main(["--suite", "smoke", "--device", "cpu", "--precise", "--rounds", "5"])
 
 
+def test_forced_kv_path_sets_and_restores_every_path_setting():
+    """The dev tools' path switch: inside, the path's settings; after, even on an error, every
+    path setting as it was (the production policy)."""
+    from benchmarks.kv_paths import forced_kv_path
+    from compiled_attn.ops import prefill_kernel as K
+
+    names = {n for _, st in K.KV_PATHS.values() for n in st}
+    before = {n: getattr(K, n) for n in names}
+    for path, (tma, settings) in K.KV_PATHS.items():
+        with pytest.raises(RuntimeError):
+            with forced_kv_path(path) as got:
+                assert got == tma
+                assert {n: getattr(K, n) for n in settings} == settings
+                raise RuntimeError("a failed timing")
+        assert {n: getattr(K, n) for n in names} == before
+
+
 def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
     """A provider whose output differs from the reference is recorded as failed, untimed; a
     provider that raises is failed with its error; neither stops the run."""
