@@ -2,16 +2,22 @@
 (tile height, K/V path), timed interleaved in one process (providers.bench: rounds
 of slices in a fresh order, each slice settled first) beside SDPA flash, so that clock drift
 cannot tilt the ratios the way it tilts back-to-back do_bench calls (whichever variant ran
-first read up to 10% faster there). A variant is BM:PATH: tile height (64, 128 or prod,
-block_m_for's choice) and K/V path (a key of prefill_kernel.KV_PATHS: host, persistent,
-device, pointers). List a variant twice for an A/A control: its spread is the noise floor.
+first read up to 10% faster there). A variant is TILE:PATH: TILE a tile height (64, 128 or
+prod, block_m_for's choice, launched with _config's BLOCK_N / warps / stages) or a whole tile
+BM/BN/WARPS/STAGES (e.g. 256/64/16/3), and PATH a K/V path (a key of prefill_kernel.KV_PATHS:
+host, persistent, device, pointers). A third field pN runs the paged op instead, on page size N
+with a shuffled page table (its K/V are gathered by pointer loads whatever PATH says), so
+paged / ragged ratios come from one interleaved timing. List a variant twice for an A/A control:
+its spread is the noise floor.
 
-    python3 -m benchmarks.dev_ab --cases 4096,8192 --variants prod:host,prod:host,128:persistent
+    python3 -m benchmarks.dev_ab --cases 4096,8192 --variants prod:host,prod:host,256/64/16/3:host
+    python3 -m benchmarks.dev_ab --variants prod:host,prod:host:p16,256/64/16/3:host:p1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
@@ -22,8 +28,41 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_work
 
+from .flops import visible_pairs
 from .kv_paths import forced_kv_path
 from .providers import bench
+
+
+@contextlib.contextmanager
+def _variant(tile: str | None, path: str):
+    """K/V path ``path`` and, when ``tile`` is BM/BN/WARPS/STAGES, that launch config."""
+    saved = K._config
+    if tile is not None:
+        _, bn, nw, ns = (int(x) for x in tile.split("/"))
+        K._config = lambda *_a: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, TMA=True)
+    try:
+        with forced_kv_path(path):
+            yield
+    finally:
+        K._config = saved
+
+
+def _paged_cache(k, v, b: int, s: int, page: int):
+    """k, v [b * s, H, D] scattered into a paged cache of ``page``-key pages in a shuffled
+    order: (k_cache, v_cache [pages, page, H, D], page indptr [b + 1], page indices, last page
+    lengths [b])."""
+    if s % page:
+        raise SystemExit(f"--cases: S {s} is not a multiple of page size {page}")
+    npg = s // page
+    perm = torch.randperm(b * npg, device=k.device).to(torch.int32)
+    caches = []
+    for x in (k, v):
+        c = torch.empty(b * npg, page, *x.shape[1:], device=x.device, dtype=x.dtype)
+        c[perm.long()] = x.reshape(b * npg, page, *x.shape[1:])
+        caches.append(c)
+    pi = torch.arange(b + 1, device=k.device, dtype=torch.int32) * npg
+    last = torch.full((b,), page, device=k.device, dtype=torch.int32)
+    return caches[0], caches[1], pi, perm, last
 
 
 def main():
@@ -33,44 +72,72 @@ def main():
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=131072, help="B * S")
     ap.add_argument("--variants", default="prod:host,prod:host,prod:persistent",
-                    help="BM:PATH, comma-separated")
+                    help="TILE:PATH[:pPAGE], comma-separated")
+    ap.add_argument("--qo", type=int, default=0,
+                    help="query rows per request (default S; fewer: the last rows of each "
+                         "request, FlashInfer's bottom-right causal alignment)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="KV heads (default --heads)")
+    ap.add_argument("--mask", default="causal", choices=["causal", "none"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=1500.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     h, d, rows = a.heads, a.dim, []
-    tail = (ops.MASK_CAUSAL, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4, 1.0, None)
+    hkv, causal = a.kv_heads or h, a.mask == "causal"
+    tail = (ops.MASK_CAUSAL if causal else ops.MASK_NONE, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4,
+            1.0, None)
     for s in (int(x) for x in a.cases.split(",")):
-        b = max(1, a.tokens // s)
-        q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16)
-                   for _ in range(3))
-        qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
+        b, qo = max(1, a.tokens // s), min(a.qo or s, s)
+        q = torch.randn(b * qo, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
+        qi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * qo
+        ki = torch.arange(b + 1, device="cuda", dtype=torch.int32) * s
         variants = a.variants.split(",")
-        runners, outs = [], []
+        runners, outs, caches = [], [], {}
         for var in variants:
-            bm_s, path = var.split(":")
-            bm = K.block_m_for(d, d, 1, s, True, False) if bm_s == "prod" else int(bm_s)
-            w = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
-            fn = (lambda w=w, bm=bm: ops.batch_ragged_prefill(q, k, v, qi, qi, w, None, None,
-                                                              None, None, bm, *tail))
-            ctx = (lambda path=path: forced_kv_path(path))
+            bm_s, path, *layout = var.split(":")
+            page = int(layout[0][1:]) if layout else 0
+            tile = bm_s if "/" in bm_s else None
+            bm = (K.block_m_for(d, d, h // hkv, s, causal, page > 0, page_size=page,
+                                qo_lens=[qo] * b)
+                  if bm_s == "prod" else int(bm_s.split("/")[0]))
+            w = build_work([qo] * b, h // hkv, bm, "cuda", kv_lens=[s] * b)
+            if page:
+                if page not in caches:
+                    caches[page] = _paged_cache(k, v, b, s, page)
+                kc, vc, pi, perm, last = caches[page]
+                fn = (lambda w=w, bm=bm, kc=kc, vc=vc, pi=pi, perm=perm, last=last:
+                      ops.batch_paged_prefill(q, kc, vc, qi, pi, perm, last, w, None, None, None,
+                                              None, bm, *tail))
+            else:
+                fn = (lambda w=w, bm=bm: ops.batch_ragged_prefill(q, k, v, qi, ki, w, None, None,
+                                                                  None, None, bm, *tail))
+            ctx = (lambda tile=tile, path=path: _variant(tile, path))
             with ctx():
                 outs.append(fn()[0].float())
             runners.append(([fn], ctx))
-        qt, kt, vt = (x.reshape(b, s, h, d).transpose(1, 2) for x in (q, k, v))
-        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-            qt, kt, vt, is_causal=True)
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = sdpa().transpose(1, 2).reshape(b * s, h, d).float()
-        # the variants differ from SDPA flash by rounding only; NaN means a broken variant
+        names = [f"{i}:{v}" for i, v in enumerate(variants)]
+        if qo == s:  # SDPA's causal mask is FlashInfer's only for square requests
+            qt = q.reshape(b, s, h, d).transpose(1, 2)
+            kt, vt = (x.reshape(b, s, hkv, d).transpose(1, 2) for x in (k, v))
+            sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                qt, kt, vt, is_causal=causal, enable_gqa=hkv != h)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ref = sdpa().transpose(1, 2).reshape(b * s, h, d).float()
+            runners.append(([sdpa], lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)))
+            names.append("sdpa_flash")
+        else:  # no peer: the variants are checked against the first
+            ref = outs[0]
+        # the variants differ from the reference by rounding only; NaN means a broken variant
         errs = [(o - ref).abs().max().item() for o in outs]
         if any(e != e for e in errs):
             raise RuntimeError(f"S {s}: NaN in the output of {variants}: {errs}")
-        runners.append(([sdpa], lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)))
         times = bench(runners, warmup_ms=50, rep_ms=a.rep_ms, cuda=True, rounds=a.rounds)
-        flop = 2 * b * s * s * h * d  # causal: half of 4 * S * S * H * D per request
-        row = dict(s=s, b=b, h=h, d=d, max_err_vs_sdpa_flash=max(errs))
-        for name, t in zip([f"{i}:{v}" for i, v in enumerate(variants)] + ["sdpa_flash"], times):
+        flop = 4 * b * visible_pairs(qo, s, causal) * h * d  # the harness's count
+        row = dict(s=s, qo=qo, b=b, h=h, hkv=hkv, d=d, causal=causal, max_err=max(errs),
+                   err_vs="sdpa_flash" if qo == s else names[0])
+        for name, t in zip(names, times):
             row[name] = flop / t.median_ms / 1e9 if t.error is None else repr(t.error)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -80,11 +147,12 @@ def main():
     for r in rows:
         keys = [k for k in r if ":" in k]
         for kk in keys:
-            x, x0, fl = r[kk], r[keys[0]], r["sdpa_flash"]
-            if not all(isinstance(y, float) for y in (x, x0, fl)):
+            x, x0, fl = r[kk], r[keys[0]], r.get("sdpa_flash")
+            if not all(isinstance(y, float) for y in (x, x0)):
                 print(f"{r['s']:5} {r['b']:4}  {kk:24} {x}")
                 continue
-            print(f"{r['s']:5} {r['b']:4}  {kk:24} {x:7.0f} {x / x0:8.3f} {x / fl:7.3f}")
+            rel = f"{x / fl:7.3f}" if isinstance(fl, float) else "    n/a"
+            print(f"{r['s']:5} {r['b']:4}  {kk:24} {x:7.0f} {x / x0:8.3f} {rel}")
 
 
 if __name__ == "__main__":

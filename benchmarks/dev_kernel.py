@@ -97,7 +97,7 @@ def main():
                     bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
                 else:
                     bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
-                    K.block_m_for = lambda *_a, bm=bm: bm
+                    K.block_m_for = lambda *_a, bm=bm, **_kw: bm
                     K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
                                                                       num_stages=ns, TMA=True)
                 try:

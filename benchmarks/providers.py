@@ -161,8 +161,10 @@ def setup_compiled_attn(case: Case, inps: list[Inputs], opts) -> Runner:
         fns = [lambda i=i: ops.single_prefill(i.q4, i.k4, i.v4, None, None, None, *tail)
                for i in inps]
         return Runner(fns, lambda r: r[0].reshape(n, hq, -1), note="op single_prefill")
+    # the tile plan() would choose (BatchPrefillWithPagedKVCacheWrapper.plan)
     block_m = block_m_for(case.head_dim, case.head_dim, case.group, max(case.kv_lens),
-                          case.causal, case.layout == "paged")
+                          case.causal, case.layout == "paged", page_size=case.page_size,
+                          qo_lens=case.qo_lens)
     work = build_work(case.qo_lens, case.group, block_m, inps[0].q.device, kv_lens=case.kv_lens)
     extra = {"block_m": block_m, "work_items": int(work.shape[0])}
     if case.layout == "ragged":

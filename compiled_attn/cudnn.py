@@ -313,7 +313,11 @@ def cudnn_batch_prefill_with_kv_cache(
 
     # ---- host-side checks and the work list
     group = hq // hkv
-    bm = plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged)
+
+    def tile(qo_rows):  # paged caches are [P, Hkv, page, D]
+        return plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
+                                page_size=k_cache.shape[2] if paged else 0, qo_lens=qo_rows)
+
     if paged:
         _check_tensor("block_tables", block_tables, 2)
         if block_tables.dtype not in (torch.int32, torch.int64):
@@ -323,7 +327,8 @@ def cudnn_batch_prefill_with_kv_cache(
             _fail("block_tables", f"has {block_tables.shape[0]} rows for {bsz} requests",
                   "pass one row of page indices per request")
         page = k_cache.shape[2]
-    if graph_mode:
+    if graph_mode:  # every request gets max_token_per_sequence rows of tiles
+        bm = tile([max_token_per_sequence])
         work = plan.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
     else:
         ql = [int(x) for x in qo_lens.tolist()]
@@ -353,6 +358,7 @@ def cudnn_batch_prefill_with_kv_cache(
         elif sum(kl) > k_cache.shape[0]:
             _fail("k_cache", f"has {k_cache.shape[0]} tokens, the lengths need {sum(kl)}",
                   "pass all KV tokens, packed")
+        bm = tile(ql)
         work = plan.build_work(ql, group, bm, q.device, kv_lens=kl)
 
     # ---- scales, dtypes, the op

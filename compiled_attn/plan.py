@@ -17,11 +17,13 @@ from compiled_attn.ops import prefill_kernel
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True, paged: bool = False) -> int:
+                max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
+                page_size: int = 0, qo_lens: Sequence[int] | None = None) -> int:
     """The tile height (packed rows) the kernel uses for these head dims and group size, given
-    the longest KV length of the batch when known, its mask and its KV addressing."""
+    the longest KV length of the batch when known, its mask, its KV addressing and, paged, its
+    page size and the requests' query rows (prefill_kernel.block_m_for)."""
     return prefill_kernel.block_m_for(head_dim_qk, head_dim_vo, group_size, max_kv_len, causal,
-                                      paged)
+                                      paged, page_size=page_size, qo_lens=qo_lens)
 
 
 def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,

@@ -346,9 +346,11 @@ class _BatchPrefillBase(_WrapperBase):
                      rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking,
                      prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                      max_item_len_ptr, seq_lens, seq_lens_q, max_token_per_sequence,
-                     max_sequence_kv, fixed_split_size, disable_split_kv, paged) -> _Plan:
+                     max_sequence_kv, fixed_split_size, disable_split_kv, paged,
+                     page_size=0) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. qo_h: host
-        int64 qo_indptr (checked); kv_lens: host int64 [B]."""
+        int64 qo_indptr (checked); kv_lens: host int64 [B]; page_size: the paged cache's (0:
+        ragged)."""
         multi = "multi-item scoring (prefix_len_ptr / token_pos_in_items_* / max_item_len_ptr)"
         for name, val in (("prefix_len_ptr", prefix_len_ptr),
                           ("token_pos_in_items_ptr", token_pos_in_items_ptr),
@@ -428,8 +430,10 @@ class _BatchPrefillBase(_WrapperBase):
         # ---- work list -----------------------------------------------------------------------
         # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed).
         max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
-        block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE, paged)
-        work = build_work(qo_lens.tolist(), group, block_m, "cpu", kv_lens=kv_lens.tolist())
+        qo_list = qo_lens.tolist()
+        block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE, paged,
+                              page_size=page_size, qo_lens=qo_list)
+        work = build_work(qo_list, group, block_m, "cpu", kv_lens=kv_lens.tolist())
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
@@ -637,7 +641,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             seq_lens=seq_lens, seq_lens_q=seq_lens_q,
             max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            paged=True)
+            paged=True, page_size=page_size)
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
             p.kv_indices = self._into_buf("paged_kv_indices_buf", idx_h, non_blocking)

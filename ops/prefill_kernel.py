@@ -21,6 +21,7 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -58,21 +59,39 @@ CRASH_STAGES = tl.constexpr(2)
 # Longer D 128 batches read K/V through descriptors, with 64-row tiles (more programs, a
 # shorter causal tail) up to SHORT_KV keys for causal batches (half that without a mask) and
 # 128-row tiles beyond. Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond
-# TMA_MIN_KV.
+# TMA_MIN_KV. Small pages (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of
+# 64 keys with 16 warps (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill
+# them: their padded rows at most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384
+# packed rows ran 0.82x on two 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile
+# gathers every key from its own page;
+# 512 threads share a 64-key tile at 2 vectors each (8 in a 128x128 tile of 256 threads) and
+# gather K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over
+# our ragged rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at
+# S 4k 0.91-0.93 -> 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7%
+# slower), D 64 (0.97 -> 0.84), requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x).
 SHORT_KV = 4096
+SMALL_PAGE_BLOCK_M = 256
+SMALL_PAGE_MAX = 8
+SMALL_PAGE_PAD = 1.05
 # The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
 # any length, so CI runs that path.
 TMA_MIN_KV = 0 if INTERPRET else 1024
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True, paged: bool = False) -> int:
+                max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
+                page_size: int = 0, qo_lens: Sequence[int] | None = None) -> int:
     """Tile height in packed rows for these head dims (plan() and the launch agree on it).
     max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
-    any length; CUDA-graph plans pass None so that one capture serves every re-plan)."""
+    any length; CUDA-graph plans pass None so that one capture serves every re-plan).
+    page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
+    query rows as the work list tiles them (None: unknown)."""
     if INTERPRET:
         return 64
     d = max(head_dim_qk, head_dim_vo)
+    if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
+            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)):
+        return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
     if max_kv_len <= TMA_MIN_KV:
@@ -80,6 +99,15 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
     if d <= 64 or paged:
         return 128
     return 64 if max_kv_len <= (SHORT_KV if causal else SHORT_KV // 2) else 128
+
+
+def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
+    """Whether tiles of block_m packed rows cover these requests with at most SMALL_PAGE_PAD
+    times the rows (padding included) that tiles of ``smaller`` rows would."""
+    def padded(m):
+        return sum(-(-int(n) * group_size // m) * m for n in qo_lens)
+    rows = padded(smaller)
+    return rows > 0 and padded(block_m) <= SMALL_PAGE_PAD * rows
 
 
 def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
@@ -94,6 +122,8 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
     tma = stages != CRASH_STAGES.value
+    if block_m == SMALL_PAGE_BLOCK_M and d <= 128:  # four warpgroups of 64 rows (small pages)
+        return dict(BLOCK_N=64, num_warps=16, num_stages=stages, TMA=tma)
     if d <= 128 and block_m == 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
     if d <= 64:

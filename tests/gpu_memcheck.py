@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck python3 tests/gpu_memcheck.py
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
-read paths), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles), custom
+read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles), custom
 masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
 each result is also checked against the float64 reference. Exits non-zero on a mismatch."""
 
@@ -43,7 +43,7 @@ def main() -> int:
     check(s, params())
     # The tile height the misaligned-address report came from (BLOCK_M 64, paged).
     orig, orig_cfg = K.block_m_for, K._config
-    K.block_m_for = lambda *a: 64
+    K.block_m_for = lambda *a, **kw: 64
     K._config = lambda *a: dict(BLOCK_N=64, num_warps=4, num_stages=2, TMA=False)
     try:
         c = make_case("paged", [64, 300], [128, 300], hq=16, hkv=16, dqk=128,
@@ -54,6 +54,15 @@ def main() -> int:
     finally:
         K.block_m_for, K._config = orig, orig_cfg
     cases += 2
+    # Small pages on 256-row tiles of 16 warps (per-key gather and whole pages), padded rows.
+    for page in (1, 4, 5):
+        qo, kv = [300, 0, 37], [700, 9, 80]
+        c = make_case("paged", qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                      device="cuda", page_size=page, seed=40 + page)
+        c.block_m = K.SMALL_PAGE_BLOCK_M
+        c.work = torch.cat([build_work(qo, 4, c.block_m, "cuda", kv_lens=kv), pad])
+        check(c, params(head_dim=128))
+        cases += 1
     # Tensor descriptors at small sizes, built on the host, once per persistent program, and
     # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
     # tile heights, windows and padded items, a dense batch, and a split plan.

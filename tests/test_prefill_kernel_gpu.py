@@ -126,6 +126,48 @@ def test_features(kind, feature, monkeypatch):
     _check(feature, c, FEATURES[feature])
 
 
+# Pages of 1-8 keys run 256-row tiles of 16 warps (prefill_kernel.SMALL_PAGE_BLOCK_M) when the
+# requests fill them: every feature on that tile (page 1, the per-key gather), and page sizes
+# on the other gather paths (4: whole pages per tile; 5: per key, pages straddling tiles), with
+# odd lengths, qo != kv, a request without queries and one without keys, GQA 4:1 and 7:1.
+SMALL_PAGE = ([(f, 1) for f in sorted(FEATURES)]
+              + [("plain", 4), ("plain", 5), ("gqa7_fp16", 1), ("noncausal", 2), ("rope", 1),
+                 ("fp8", 8), ("split", 1)])
+SMALL_PAGE_EXTRA = {
+    "plain": params(head_dim=128),
+    "gqa7_fp16": params(head_dim=128),
+    "noncausal": params(mask_mode=ops.MASK_NONE, head_dim=128),
+    "rope": params(pos_encoding_mode=ops.POS_ROPE_LLAMA, head_dim=128),
+    "fp8": params(head_dim=128, sm_scale=0.05, v_scale=2.0),
+    "split": params(head_dim=128, v_scale=0.5),
+}
+
+
+@pytest.mark.parametrize("feature,page", SMALL_PAGE)
+def test_small_page_256_row_tiles(feature, page):
+    from compiled_attn.plan import block_m_for
+
+    qo, kv = [300, 17, 0, 129, 1500], [700, 17, 5, 129, 1501]
+    hq, hkv = (14, 2) if feature == "gqa7_fp16" else (8, 2)
+    c = make_case("paged", qo, kv, hq=hq, hkv=hkv, dqk=128,
+                  dtype=torch.float16 if feature == "gqa7_fp16" else torch.bfloat16,
+                  kv_dtype=torch.float8_e4m3fn if feature == "fp8" else None, device="cuda",
+                  page_size=page, custom_mask=feature == "custom", alibi=feature == "alibi",
+                  sinks=feature == "sinks", seed=page + len(feature))
+    c.block_m = block_m_for(128, 128, hq // hkv, max(kv), True, True, page_size=page,
+                            qo_lens=qo)
+    assert c.block_m == ops.prefill_kernel.SMALL_PAGE_BLOCK_M
+    if feature == "split":  # key ranges cut into chunks, merged by _merge_fwd
+        from compiled_attn.plan import build_split_work
+
+        c.work, c.merge = build_split_work(qo, kv, hq // hkv, c.block_m, hkv, "cuda",
+                                           num_sms=132, min_keys_per_chunk=128)
+        assert c.merge is not None
+    else:
+        c.work = build_work(qo, hq // hkv, c.block_m, "cuda", kv_lens=kv)
+    _check(f"page{page}_{feature}", c, FEATURES.get(feature) or SMALL_PAGE_EXTRA[feature])
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("kind", ["paged", "ragged"])

@@ -2,6 +2,7 @@
 the launch and plan() must agree on, and the combinations known to break the compiler."""
 
 import pytest
+import torch
 
 from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as K
@@ -15,12 +16,15 @@ pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="the GPU policy (not
 def test_configs_fit_and_never_pair_descriptors_with_two_stages(d, mask_mode):
     for kv in (None, 512, 1024, 1025, 4096, 8192, 32768):
         for causal in (True, False):
-            for paged in (True, False):
-                bm = K.block_m_for(d, d, 4, kv, causal, paged)
-                assert bm in (64, 128)
-                cfg = K._config(bm, d, d, K.KV_PAGED if paged else K.KV_RAGGED, mask_mode)
+            for page in (0, 1, 4, 16):
+                bm = K.block_m_for(d, d, 4, kv, causal, page > 0, page_size=page,
+                                   qo_lens=None if kv is None else [kv])
+                assert bm in (64, 128, 256)
+                cfg = K._config(bm, d, d, K.KV_PAGED if page else K.KV_RAGGED, mask_mode)
                 # triton 3.6's ptxas crashes on descriptor loads with a 2-stage pipeline.
                 assert not (cfg["TMA"] and cfg["num_stages"] < 3), (d, bm, cfg)
+                # 256-row tiles: four 64-row warpgroups (16 warps) of 64 keys
+                assert bm != 256 or (cfg["num_warps"], cfg["BLOCK_N"]) == (16, 64), cfg
 
 
 def test_tile_heights():
@@ -35,6 +39,48 @@ def test_tile_heights():
     assert K.block_m_for(128, 128, 1, 4096, False) == 128
     assert K.block_m_for(128, 128, 1, 8192) == 128
     assert K.block_m_for(256, 256, 1, 1024) == 128
+
+
+def test_small_pages_take_256_row_tiles_when_requests_fill_them():
+    bm = K.block_m_for
+    # pages of 1-8 keys, 64 < D <= 128, known lengths, requests that fill 256-row tiles
+    for page in (1, 2, 5, 8):
+        assert bm(128, 128, 1, 4096, True, True, page_size=page, qo_lens=[4096] * 3) == 256
+    assert bm(96, 96, 4, 1024, False, True, page_size=1, qo_lens=[64, 128]) == 256  # group 4
+    # padding: 384 packed rows (two 256-row tiles, three of 128: 1.33x) measured 0.82x; mixed
+    # batches weigh every request
+    assert bm(128, 128, 4, 4096, True, True, page_size=1, qo_lens=[96]) == 128
+    assert bm(128, 128, 1, 4096, True, True, page_size=1, qo_lens=[4096, 4096, 100]) == 256
+    assert bm(128, 128, 1, 4096, True, True, page_size=1, qo_lens=[300, 1, 1, 1]) == 128
+    # decode-like requests (64 and 128 packed rows measured 0.62x), page 16, D 64 / 256,
+    # unknown lengths (CUDA-graph plans), unknown or no rows, contiguous K/V: unchanged
+    assert bm(128, 128, 4, 4096, True, True, page_size=1, qo_lens=[16] * 64) == 128
+    assert bm(128, 128, 4, 4096, True, True, page_size=1, qo_lens=[32] * 64) == 128
+    assert bm(128, 128, 1, 4096, True, True, page_size=16, qo_lens=[4096]) == 128
+    assert bm(64, 64, 1, 4096, True, True, page_size=1, qo_lens=[4096]) == 128
+    assert bm(256, 256, 1, 4096, True, True, page_size=1, qo_lens=[4096]) == 128
+    assert bm(128, 128, 1, None, True, True, page_size=1, qo_lens=[4096]) == 128
+    assert bm(128, 128, 1, 4096, True, True, page_size=1) == 128
+    assert bm(128, 128, 1, 4096, True, True, page_size=1, qo_lens=[0, 0]) == 128
+    assert bm(128, 128, 1, 4096, True, False, page_size=1, qo_lens=[4096]) == 64
+
+
+@pytest.mark.parametrize("page_size,rows,want", [(1, 512, 256), (1, 40, 128), (1, 300, 128),
+                                                 (16, 512, 128)])
+def test_paged_plan_passes_page_size_and_rows(page_size, rows, want):
+    # plan() hands the tile policy the page size and the mean query rows per request (on the
+    # host: no kernel runs here).
+    import compiled_attn as fi
+
+    b, kv = 3, 2000
+    pages = -(-kv // page_size)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(torch.empty(16, dtype=torch.uint8), "NHD")
+    w.plan(torch.arange(b + 1, dtype=torch.int32) * rows,
+           torch.arange(b + 1, dtype=torch.int32) * pages,
+           torch.arange(b * pages, dtype=torch.int32),
+           torch.full((b,), kv - (pages - 1) * page_size, dtype=torch.int32),
+           8, 8, 128, page_size, causal=True)
+    assert w._plan.block_m == want
 
 
 def test_work_order_groups_requests_heaviest_first():
