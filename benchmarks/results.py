@@ -78,8 +78,13 @@ def make_doc(env: dict, rows: list[dict]) -> dict:
     return doc
 
 
-def merge_rows(old_rows: list[dict], new_rows: list[dict], suites) -> list[dict]:
-    """Keep old rows of suites not run now; replace those of the suites run now."""
+def merge_rows(old_rows: list[dict], new_rows: list[dict], suites, cases=None) -> list[dict]:
+    """Keep old rows of suites not run now; replace those of the suites run now. cases: the
+    (suite, case) pairs a filtered run (run --cases) ran: only their old rows are replaced, so
+    the suite's other cases keep theirs."""
+    if cases is not None:
+        run = set(cases)
+        return [r for r in old_rows if (r.get("suite"), r.get("case")) not in run] + list(new_rows)
     suites = set(suites)
     return [r for r in old_rows if r.get("suite") not in suites] + list(new_rows)
 

@@ -1,5 +1,5 @@
 """python -m benchmarks.run --suite fa3|flashinfer|paged|gqa|varlen|all [--quick] [--out PATH]
-[--providers a,b,...] [--no-flashinfer]
+[--providers a,b,...] [--no-flashinfer] [--cases REGEX] [--precise]
 
 Times compiled_attn's ops and the peers in this one process on the same inputs (docs/benchmarks.md).
 Per case: make the inputs (rotated copies when they would fit in L2), compute the reference (SDPA),
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--suite", default="all",
                    help=f"comma-separated of {', '.join(SUITES)}, or all (default all)")
     p.add_argument("--quick", action="store_true", help="reduced grid (a couple of minutes)")
+    p.add_argument("--cases", default=None, metavar="REGEX",
+                   help="only the cases whose name matches (re.search, e.g. 'D128 S(4096|8192)'); "
+                        "the results file keeps the suite's other cases from its earlier run")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     p.add_argument("--fresh", action="store_true",
                    help="drop the existing file's rows of other suites instead of keeping them")
@@ -287,6 +291,17 @@ def summary_line(case, rows) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cases = cases_for(args.suites, args.quick)
+    if args.cases is not None:
+        try:
+            pat = re.compile(args.cases)
+        except re.error as e:
+            print(f"--cases: not a regular expression ({e}): {args.cases!r}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if pat.search(c.name)]
+        if not cases:
+            print(f"--cases {args.cases!r} matches no case of {', '.join(args.suites)} "
+                  "(--list prints their names)", file=sys.stderr)
+            return 2
     if args.list:
         for c in cases:
             print(f"{c.suite:10s} {c.name:32s} {c.layout:6s} B={c.batch:<4d} Hq/Hkv="
@@ -329,7 +344,8 @@ def main(argv=None) -> int:
                         r["run_date"] = env["date"]
                     new_rows += rows
                     progress.write(summary_line(case, rows))
-                results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites))
+                ran = None if args.cases is None else [(c.suite, c.name) for c in cases]
+                results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites, ran))
     finally:
         progress.close()
     failed = [r for r in new_rows if r["status"] == "failed"]

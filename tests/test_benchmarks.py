@@ -143,6 +143,13 @@ def test_results_schema_roundtrip_and_merge(tmp_path):
                                                "median_ms": 1.0, "tflops": 1.0}], ["fa3"])
     assert {r["suite"] for r in merged} == {"fa3", "paged", "varlen"}
     assert sum(r["suite"] == "fa3" for r in merged) == 1
+    # a filtered run (--cases) replaces only the cases it ran
+    n_fa3 = sum(r["suite"] == "fa3" for r in doc["rows"])
+    case = next(r["case"] for r in doc["rows"] if r["suite"] == "fa3")
+    new = [{**r, "tflops": 1.0} for r in doc["rows"] if (r["suite"], r["case"]) == ("fa3", case)]
+    merged = results.merge_rows(doc["rows"], new, ["fa3"], [("fa3", case)])
+    assert len(merged) == len(doc["rows"]) and sum(r["suite"] == "fa3" for r in merged) == n_fa3
+    assert [r for r in merged if r["case"] == case and r["suite"] == "fa3"] == new
     with pytest.raises(ValueError):
         results.validate({"gpu": 1, "rows": []})
     with pytest.raises(ValueError):
