@@ -131,8 +131,12 @@ def render(doc: dict) -> str:
         if r.get("run_date") and r["suite"] not in runs.setdefault(r["run_date"], []):
             runs[r["run_date"]].append(r["suite"])
     if len(runs) > 1:
+        split = sorted({x for v in runs.values() for x in v
+                        if sum(x in w for w in runs.values()) > 1})
         L += ["Suites from more than one run: " + "; ".join(
-            f"{', '.join(v)} at {k}" for k, v in sorted(runs.items())) + ".", ""]
+            f"{', '.join(v)} at {k}" for k, v in sorted(runs.items())) + "."
+            + (f" {', '.join(split)}: re-timed in part (`run --cases`); each JSON row's "
+               "run_date says which run it is from." if split else ""), ""]
 
     L += ["## Targets of issue 5", "", "| target | rows | worst | pass |", "|---|---|---|---|"]
     for text, thr, vals in targets(rows):

@@ -178,7 +178,11 @@ def test_plot_and_report(tmp_path):
         r["run_date"] = "2026-11-22T12:00" if r["suite"] == "paged" else "2026-11-22T11:00"
     md = report.render(results.make_doc(ENV, rows))
     assert ("Suites from more than one run: fa3, varlen at 2026-11-22T11:00; paged at "
-            "2026-11-22T12:00.") in md
+            "2026-11-22T12:00.\n") in md
+    # a suite re-timed in part (run --cases) is named as such
+    rows[0]["run_date"] = "2026-11-22T13:00"
+    md = report.render(results.make_doc(ENV, rows))
+    assert f"{rows[0]['suite']}: re-timed in part (`run --cases`)" in md
 
 
 def test_cpu_smoke_run_end_to_end(tmp_path):
