@@ -6,7 +6,8 @@ first read up to 10% faster there). A variant is TILE:PATH: TILE a tile height (
 prod, block_m_for's choice, launched with _config's BLOCK_N / warps / stages) or a whole tile
 BM/BN/WARPS/STAGES (e.g. 256/64/16/3), and PATH a K/V path (a key of prefill_kernel.KV_PATHS:
 host, persistent, device, pointers). A third field pN runs the paged op instead, on page size N
-with a shuffled page table (its K/V are gathered by pointer loads whatever PATH says), so
+with a shuffled page table (providers.scatter_pages; K/V are gathered by pointer loads whatever
+PATH says), so
 paged / ragged ratios come from one interleaved timing. List a variant twice for an A/A control:
 its spread is the noise floor.
 
@@ -29,40 +30,16 @@ from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_work
 
 from .flops import visible_pairs
-from .kv_paths import forced_kv_path
-from .providers import bench
+from .kv_paths import forced_kv_path, forced_tile
+from .providers import bench, scatter_pages
 
 
 @contextlib.contextmanager
 def _variant(tile: str | None, path: str):
-    """K/V path ``path`` and, when ``tile`` is BM/BN/WARPS/STAGES, that launch config."""
-    saved = K._config
-    if tile is not None:
-        _, bn, nw, ns = (int(x) for x in tile.split("/"))
-        K._config = lambda *_a: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns, TMA=True)
-    try:
-        with forced_kv_path(path):
-            yield
-    finally:
-        K._config = saved
-
-
-def _paged_cache(k, v, b: int, s: int, page: int):
-    """k, v [b * s, H, D] scattered into a paged cache of ``page``-key pages in a shuffled
-    order: (k_cache, v_cache [pages, page, H, D], page indptr [b + 1], page indices, last page
-    lengths [b])."""
-    if s % page:
-        raise SystemExit(f"--cases: S {s} is not a multiple of page size {page}")
-    npg = s // page
-    perm = torch.randperm(b * npg, device=k.device).to(torch.int32)
-    caches = []
-    for x in (k, v):
-        c = torch.empty(b * npg, page, *x.shape[1:], device=x.device, dtype=x.dtype)
-        c[perm.long()] = x.reshape(b * npg, page, *x.shape[1:])
-        caches.append(c)
-    pi = torch.arange(b + 1, device=k.device, dtype=torch.int32) * npg
-    last = torch.full((b,), page, device=k.device, dtype=torch.int32)
-    return caches[0], caches[1], pi, perm, last
+    """K/V path ``path`` and, when ``tile`` is BM/BN/WARPS/STAGES, that tile."""
+    with forced_kv_path(path), (contextlib.nullcontext() if tile is None
+                                else forced_tile(*(int(x) for x in tile.split("/")))):
+        yield
 
 
 def main():
@@ -104,8 +81,8 @@ def main():
                   if bm_s == "prod" else int(bm_s.split("/")[0]))
             w = build_work([qo] * b, h // hkv, bm, "cuda", kv_lens=[s] * b)
             if page:
-                if page not in caches:
-                    caches[page] = _paged_cache(k, v, b, s, page)
+                if page not in caches:  # shuffled pages (a partial last page when S % N)
+                    caches[page] = scatter_pages(k, v, [s] * b, page)
                 kc, vc, pi, perm, last = caches[page]
                 fn = (lambda w=w, bm=bm, kc=kc, vc=vc, pi=pi, perm=perm, last=last:
                       ops.batch_paged_prefill(q, kc, vc, qi, pi, perm, last, w, None, None, None,

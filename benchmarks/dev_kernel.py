@@ -5,6 +5,7 @@ process. Prints a table; the full benchmark suite is benchmarks/run.py."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -17,7 +18,8 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.plan import build_work
 
-from .kv_paths import forced_kv_path
+from .kv_paths import forced_kv_path, forced_tile
+from .providers import scatter_pages
 
 
 def tflops(b, s, h, d, causal, ms):
@@ -50,12 +52,10 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
-    orig_bm, orig_cfg, orig_group = K.block_m_for, K._config, K._dense_group
+    orig_bm, orig_group = K.block_m_for, K._dense_group
     # the K/V path of each --tma value (K.KV_PATHS)
     paths = {str(t): name for name, (t, _) in K.KV_PATHS.items()}
     for case in a.cases.split(","):
-        # each case starts from the production tile policy (the config loop below overrides it)
-        K.block_m_for, K._config = orig_bm, orig_cfg
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
@@ -90,16 +90,12 @@ def main():
             peers["ragged_prod"] = ragged_tflops(orig_bm(d, d, 1, s, bool(causal), False))
         for cfg, tma, grp in ((c, t, g) for c in a.configs.split(",") for t in a.tma.split(",")
                               for g in a.groups.split(",")):
-            with forced_kv_path(paths[tma]):
+            tile = None if cfg == "prod" else [int(x) for x in cfg.split(":")]
+            # prod: the production policy (for --paged, its page-16 tile on both page sizes)
+            bm = orig_bm(d, d, 1, s, bool(causal), a.paged) if tile is None else tile[0]
+            with forced_kv_path(paths[tma]), (contextlib.nullcontext() if tile is None
+                                              else forced_tile(*tile)):
                 K._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
-                if cfg == "prod":
-                    K.block_m_for, K._config = orig_bm, orig_cfg
-                    bm = orig_bm(d, d, 1, s, bool(causal), a.paged)
-                else:
-                    bm, bn, nw, ns = (int(x) for x in cfg.split(":"))
-                    K.block_m_for = lambda *_a, bm=bm, **_kw: bm
-                    K._config = lambda *_a, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw,
-                                                                      num_stages=ns, TMA=True)
                 try:
                     fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
                     out, _ = fn()
@@ -112,15 +108,7 @@ def main():
                     if a.paged:
                         work = build_work([s] * b, 1, bm, "cuda", kv_lens=[s] * b)
                         for page in (16, 1):
-                            npg = s // page
-                            perm = torch.randperm(b * npg, device="cuda").to(torch.int32)
-                            kc = torch.empty(b * npg, page, h, d, device="cuda",
-                                             dtype=torch.bfloat16)
-                            vc = torch.empty_like(kc)
-                            kc[perm.long()] = k.reshape(b * npg, page, h, d)
-                            vc[perm.long()] = v.reshape(b * npg, page, h, d)
-                            pi = torch.arange(b + 1, device="cuda", dtype=torch.int32) * npg
-                            last = torch.full((b,), page, device="cuda", dtype=torch.int32)
+                            kc, vc, pi, perm, last = scatter_pages(kr, vr, [s] * b, page)
                             fp = lambda: ops.batch_paged_prefill(
                                 qf, kc, vc, qi, pi, perm, last, work, None, None, None, None, bm,
                                 *tail)
@@ -134,7 +122,7 @@ def main():
                                error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K.block_m_for, K._config, K._dense_group = orig_bm, orig_cfg, orig_group
+    K._dense_group = orig_group
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma grp   ours   flash  cudnn  paged16 paged1 ragged "

@@ -1,8 +1,8 @@
-"""The dev tools' switch between the kernel's K/V load paths (prefill_kernel.KV_PATHS: host,
-persistent, device, pointers): one context manager that forces a path at any launch size and
-puts every path setting back on exit, so that tools timing several paths in one process leave
-the production policy behind. (Tests force paths through pytest's monkeypatch instead:
-tests/kernel_cases.force_kv_path.)"""
+"""The dev tools' switches of the kernel's launch policy: forced_kv_path picks one of the K/V
+load paths (prefill_kernel.KV_PATHS: host, persistent, device, pointers) at any launch size,
+forced_tile one tile (height, key block, warps, stages); each puts every setting back on exit,
+so that tools timing several variants in one process leave the production policy behind.
+(Tests force paths through pytest's monkeypatch instead: tests/kernel_cases.force_kv_path.)"""
 
 from __future__ import annotations
 
@@ -23,3 +23,16 @@ def forced_kv_path(name: str):
     finally:
         for n, val in saved.items():
             setattr(K, n, val)
+
+
+@contextlib.contextmanager
+def forced_tile(block_m: int, block_n: int, num_warps: int, num_stages: int):
+    """Within the block, launches (and block_m_for) take this tile, K/V descriptors allowed."""
+    saved = K.block_m_for, K._config
+    K.block_m_for = lambda *_a, **_kw: block_m
+    K._config = lambda *_a: dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+                                 TMA=True)
+    try:
+        yield
+    finally:
+        K.block_m_for, K._config = saved

@@ -87,28 +87,36 @@ def make_inputs(case: Case, device, dtype, seed: int = 0) -> Inputs:
         inp.q4, inp.k4, inp.v4 = (inp.q.view(b, s, hq, d), inp.k.view(b, s, hkv, d),
                                   inp.v.view(b, s, hkv, d))
     if case.layout == "paged":
-        p = case.page_size
-        npages = [-(-n // p) for n in case.kv_lens]
-        total = sum(npages)
-        perm = torch.randperm(total, generator=gcpu)
-        k_cache = torch.zeros(total, p, hkv, d, device=device, dtype=dtype)
-        v_cache = torch.zeros_like(k_cache)
-        start_page, start_tok = 0, 0
-        for n, np_ in zip(case.kv_lens, npages):
-            pad = np_ * p - n
-            kk = torch.nn.functional.pad(inp.k[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
-            vv = torch.nn.functional.pad(inp.v[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
-            idx = perm[start_page:start_page + np_].to(device)
-            k_cache[idx] = kk.view(np_, p, hkv, d)
-            v_cache[idx] = vv.view(np_, p, hkv, d)
-            start_page += np_
-            start_tok += n
-        inp.k_cache, inp.v_cache = k_cache, v_cache
-        inp.page_indptr = _indptr(npages, device)
-        inp.page_indices = perm.to(device=device, dtype=torch.int32)
-        inp.last_page_len = torch.tensor([n - (np_ - 1) * p for n, np_ in zip(case.kv_lens, npages)],
-                                         dtype=torch.int32, device=device)
+        (inp.k_cache, inp.v_cache, inp.page_indptr, inp.page_indices,
+         inp.last_page_len) = scatter_pages(inp.k, inp.v, case.kv_lens, case.page_size, gcpu)
     return inp
+
+
+def scatter_pages(k: torch.Tensor, v: torch.Tensor, kv_lens, page_size: int,
+                  generator: torch.Generator | None = None):
+    """Ragged k, v [sum(kv_lens), Hkv, D] scattered into page caches through a shuffled page
+    table (the permutation drawn on the CPU from ``generator``): (k_cache, v_cache [P,
+    page_size, Hkv, D], page_indptr [B + 1], page_indices [P] int32, last_page_len [B])."""
+    p, device = page_size, k.device
+    npages = [-(-int(n) // p) for n in kv_lens]
+    total = sum(npages)
+    perm = torch.randperm(total, generator=generator)
+    k_cache = torch.zeros(total, p, *k.shape[1:], device=device, dtype=k.dtype)
+    v_cache = torch.zeros(total, p, *v.shape[1:], device=device, dtype=v.dtype)
+    start_page, start_tok = 0, 0
+    for n, np_ in zip(kv_lens, npages):
+        pad = np_ * p - n
+        kk = torch.nn.functional.pad(k[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
+        vv = torch.nn.functional.pad(v[start_tok:start_tok + n], (0, 0, 0, 0, 0, pad))
+        idx = perm[start_page:start_page + np_].to(device)
+        k_cache[idx] = kk.view(np_, p, *k.shape[1:])
+        v_cache[idx] = vv.view(np_, p, *v.shape[1:])
+        start_page += np_
+        start_tok += n
+    last = torch.tensor([n - (np_ - 1) * p for n, np_ in zip(kv_lens, npages)],
+                        dtype=torch.int32, device=device)
+    return (k_cache, v_cache, _indptr(npages, device),
+            perm.to(device=device, dtype=torch.int32), last)
 
 
 def _bottom_right_mask(qo: int, kv: int, device) -> torch.Tensor:

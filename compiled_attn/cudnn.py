@@ -313,10 +313,11 @@ def cudnn_batch_prefill_with_kv_cache(
 
     # ---- host-side checks and the work list
     group = hq // hkv
+    page = k_cache.shape[2] if paged else 0  # paged caches are [P, Hkv, page, D]
 
-    def tile(qo_rows):  # paged caches are [P, Hkv, page, D]
+    def tile(qo_rows):
         return plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
-                                page_size=k_cache.shape[2] if paged else 0, qo_lens=qo_rows)
+                                page_size=page, qo_lens=qo_rows)
 
     if paged:
         _check_tensor("block_tables", block_tables, 2)
@@ -326,7 +327,6 @@ def cudnn_batch_prefill_with_kv_cache(
         if block_tables.shape[0] != bsz:
             _fail("block_tables", f"has {block_tables.shape[0]} rows for {bsz} requests",
                   "pass one row of page indices per request")
-        page = k_cache.shape[2]
     if graph_mode:  # every request gets max_token_per_sequence rows of tiles
         bm = tile([max_token_per_sequence])
         work = plan.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)

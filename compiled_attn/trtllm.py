@@ -263,10 +263,10 @@ def trtllm_fmha_v2_prefill(
                       "and end at most at K/V's token count")
 
     # ---- the op
-    # paged: k is the [P, page, Hkv, D] view of the cache; the work list gives every request
-    # max_q_len rows of tiles
+    page = k.shape[1] if paged else 0  # paged: k is the [P, page, Hkv, D] view of the cache
+    # the work list gives every request max_q_len rows of tiles
     bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged,
-                          page_size=k.shape[1] if paged else 0, qo_lens=[max_q_len])
+                          page_size=page, qo_lens=[max_q_len])
     work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
     slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
     if sinks is not None:
@@ -294,7 +294,6 @@ def trtllm_fmha_v2_prefill(
                   "pass one row per request")
         if block_tables.dtype not in (torch.int32, torch.int64):
             _fail("block_tables", f"must be int32, got {block_tables.dtype}", "pass int32")
-        page = k.shape[1]
         _device_check(kv_lens <= block_tables.shape[1] * page,
                       "block_tables has too few columns for seq_lens")
         pind, pidx, last = _compact_block_tables(block_tables, kv_lens, page)

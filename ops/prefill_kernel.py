@@ -63,9 +63,8 @@ CRASH_STAGES = tl.constexpr(2)
 # 64 keys with 16 warps (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill
 # them: their padded rows at most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384
 # packed rows ran 0.82x on two 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile
-# gathers every key from its own page;
-# 512 threads share a 64-key tile at 2 vectors each (8 in a 128x128 tile of 256 threads) and
-# gather K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over
+# gathers every key from its own page; 512 threads share a 64-key tile at 2 vectors each (8 in
+# a 128x128 tile of 256 threads) and gather K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over
 # our ragged rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at
 # S 4k 0.91-0.93 -> 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7%
 # slower), D 64 (0.97 -> 0.84), requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x).

@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck python3 tests/gpu_memcheck.py
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
-read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles), custom
-masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
+read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged,
+64- and 128-row tiles), custom masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
 each result is also checked against the float64 reference. Exits non-zero on a mismatch."""
 
 import sys

@@ -272,6 +272,40 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
         assert {n: getattr(K, n) for n in names} == before
 
 
+def test_forced_tile_sets_and_restores_the_tile_policy():
+    from benchmarks.kv_paths import forced_tile
+    from compiled_attn.ops import prefill_kernel as K
+
+    before = K.block_m_for, K._config
+    with pytest.raises(RuntimeError):
+        with forced_tile(256, 64, 16, 3):
+            assert K.block_m_for(128, 128, 1, 4096, True, True, page_size=1) == 256
+            assert K._config(256, 128, 128) == dict(BLOCK_N=64, num_warps=16, num_stages=3,
+                                                    TMA=True)
+            raise RuntimeError("a failed timing")
+    assert (K.block_m_for, K._config) == before
+
+
+def test_scatter_pages_round_trips_through_the_page_table():
+    """The benchmarks' paged inputs (providers.scatter_pages): gathering each request's pages
+    back in page-table order gives its keys, a partial last page included."""
+    import torch
+
+    from benchmarks.providers import scatter_pages
+
+    kv_lens = [5, 16, 0, 33]
+    k = torch.randn(sum(kv_lens), 2, 4)
+    v = torch.randn(sum(kv_lens), 2, 4)
+    kc, vc, indptr, idx, last = scatter_pages(k, v, kv_lens, 8, torch.Generator().manual_seed(0))
+    assert indptr.tolist() == [0, 1, 3, 3, 8] and last.tolist() == [5, 8, 8, 1]
+    start = 0
+    for b, n in enumerate(kv_lens):
+        pages = idx[indptr[b]:indptr[b + 1]].long()
+        assert torch.equal(kc[pages].reshape(-1, 2, 4)[:n], k[start:start + n])
+        assert torch.equal(vc[pages].reshape(-1, 2, 4)[:n], v[start:start + n])
+        start += n
+
+
 def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
     """A provider whose output differs from the reference is recorded as failed, untimed; a
     provider that raises is failed with its error; neither stops the run."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from compiled_attn import ops
-from compiled_attn.plan import build_work
+from compiled_attn.plan import block_m_for, build_split_work, build_work
 from tests.kernel_cases import check, force_kv_path, make_case, params, record_tma, ref, run
 
 pytestmark = [
@@ -145,8 +145,6 @@ SMALL_PAGE_EXTRA = {
 
 @pytest.mark.parametrize("feature,page", SMALL_PAGE)
 def test_small_page_256_row_tiles(feature, page):
-    from compiled_attn.plan import block_m_for
-
     qo, kv = [300, 17, 0, 129, 1500], [700, 17, 5, 129, 1501]
     hq, hkv = (14, 2) if feature == "gqa7_fp16" else (8, 2)
     c = make_case("paged", qo, kv, hq=hq, hkv=hkv, dqk=128,
@@ -158,8 +156,6 @@ def test_small_page_256_row_tiles(feature, page):
                             qo_lens=qo)
     assert c.block_m == ops.prefill_kernel.SMALL_PAGE_BLOCK_M
     if feature == "split":  # key ranges cut into chunks, merged by _merge_fwd
-        from compiled_attn.plan import build_split_work
-
         c.work, c.merge = build_split_work(qo, kv, hq // hkv, c.block_m, hkv, "cuda",
                                            num_sms=132, min_keys_per_chunk=128)
         assert c.merge is not None
@@ -357,8 +353,6 @@ def test_report_worst_ratio():
 def test_split_kv_grid(kind, dt):
     # Few query rows against long keys: the split plan cuts tiles into chunks merged by
     # _merge_fwd (sinks and v_scale applied after the merge).
-    from compiled_attn.plan import build_split_work
-
     qo, kv = [1, 17, 5, 0, 64], [8000, 3001, 129, 7, 4096]
     c = make_case(kind, qo, kv, hq=32, hkv=8, dqk=128, dtype=dt, device="cuda", page_size=16,
                   sinks=True, seed=8)
