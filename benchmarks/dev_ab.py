@@ -42,6 +42,24 @@ def _variant(tile: str | None, path: str):
         yield
 
 
+def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group):
+    """The Gluon Hopper kernel (ops/prefill_gluon.py) on the same ragged inputs, called
+    directly (output buffers allocated per call, as the op does)."""
+    from compiled_attn.ops import prefill_gluon as G
+
+    _, tile, *opt = var.split(":")
+    bm, bn, warps, stages = (int(x) for x in tile.split("/"))
+    w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
+
+    def fn():
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        return G.launch_ragged(q, k, v, qi, ki, w, out, lse, sm_scale=d ** -0.5, causal=causal,
+                               block_m=bm, block_n=bn, stages=stages, num_warps=warps,
+                               p_smem=opt != ["r"])
+    return fn
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1024,2048,4096,8192", help="sequence lengths S")
@@ -73,6 +91,11 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
+            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r] (r: P in registers)
+                fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv)
+                outs.append(fn()[0].float())
+                runners.append(([fn], contextlib.nullcontext))
+                continue
             bm_s, path, *layout = var.split(":")
             page = int(layout[0][1:]) if layout else 0
             tile = bm_s if "/" in bm_s else None

@@ -200,10 +200,11 @@ def poison(c: Case, out_dtype=None):
         torch.full((nq, c.q.shape[-2]), float("nan"), device=c.q.device)
 
 
-def check(c: Case, p: dict, out_dtype=None) -> dict:
-    """Run the op and assert its error is within the bound. Returns the measured errors."""
+def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
+    """Run the op (or ``runner(c, p, out_dtype)``, another launcher of the same contract) and
+    assert its error is within the bound. Returns the measured errors."""
     poison(c, out_dtype)
-    out, lse = run(c, p, out_dtype)
+    out, lse = (runner or run)(c, p, out_dtype)
     r_out, r_lse = ref(c, p)
     dt = c.q.dtype
     lowp = dt if dt in (torch.float16, torch.bfloat16) else None

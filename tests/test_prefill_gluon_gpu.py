@@ -1,0 +1,63 @@
+"""GPU tier of the Gluon Hopper kernel (ops/prefill_gluon.py, pytest -m gpu on the H100): every
+tile it may run, against the float64 reference with the bound of tests/kernel_cases.py, on the
+edge cases of its scope: odd lengths and key tails (a partial last key tile, whose V rows past
+kv_len belong to the next request), an empty request, rows that see no key (causal qo > kv, and
+kv 0), GQA 7:1, D 64 and 128, bf16 and fp16, causal and no mask, and a key range long enough
+for the K/V rings to wrap many times."""
+
+import pytest
+import torch
+
+from compiled_attn import ops
+from compiled_attn.plan import build_work
+from tests.kernel_cases import check, make_case, params
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"),
+]
+
+# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory)
+TILES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True),
+         (128, 128, 8, 2, True), (64, 64, 4, 2, False), (128, 128, 8, 2, False),
+         (64, 64, 4, 3, False)]
+
+CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
+    "odd": ([1, 37, 200, 0, 64], [130, 37, 333, 50, 64], 4, 4, 128),
+    "gqa7": ([5, 77, 130], [5, 300, 131], 7, 1, 64),
+    "unseen": ([100, 9], [20, 0], 2, 2, 128),
+    "long": ([1000, 3000], [1000, 3100], 2, 1, 128),
+}
+
+
+def _runner(tile):
+    from compiled_attn.ops import prefill_gluon as G
+
+    bm, bn, warps, stages, p_smem = tile
+
+    def run(c, p, out_dtype=None):
+        qo = c.qo_indptr.diff().tolist()
+        kv = c.kv_indptr.diff().tolist()
+        group = c.q.shape[1] // c.k.shape[1]
+        work = build_work(qo, group, bm, c.q.device, kv_lens=kv)
+        out = torch.empty(c.q.shape[:2] + (c.v.shape[-1],), dtype=c.q.dtype, device=c.q.device)
+        lse = torch.empty(c.q.shape[:2], dtype=torch.float32, device=c.q.device)
+        return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
+                               sm_scale=p["sm_scale"], causal=p["mask_mode"] == ops.MASK_CAUSAL,
+                               block_m=bm, block_n=bn, stages=stages, num_warps=warps,
+                               p_smem=p_smem)
+    return run
+
+
+@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t[:4])) + ("s" if t[4] else "r"))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gluon_ragged(tile, case, causal, dt):
+    qo, kv, hq, hkv, d = CASES[case]
+    if causal and case != "unseen":
+        kv = [max(a, b) for a, b in zip(qo, kv)]
+    c = make_case("ragged", qo, kv, hq, hkv, d, dtype=dt, device="cuda", seed=len(qo) + d)
+    p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+    check(c, p, runner=_runner(tile))
