@@ -140,29 +140,61 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
 
 
 @gluon.jit
-def _ragged_fwd(
+def _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv, BLOCK_M: gl.constexpr):
+    """(batch entry, first packed row, KV head) of dense item ``lin`` in launch order: the
+    (entry, KV head) pairs taken dense_group at a time, a group's tiles heaviest first with its
+    pairs side by side (the order of prefill_kernel._work_item's dense mode, which
+    prefill_kernel._dense_group sizes)."""
+    per_group = dense_group * dense_tiles
+    g = lin // per_group
+    r = lin - g * per_group
+    pairs = gl.minimum(dense_group, n_req * n_hkv - g * dense_group)
+    pair = g * dense_group + r % pairs
+    return pair % n_req, (dense_tiles - 1 - r // pairs) * BLOCK_M, pair // n_req
+
+
+@gluon.jit
+def _gluon_fwd(
     work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh, qk_scale,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr, num_warps: gl.constexpr,
+    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
+    dense_kv_len,
+    DENSE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """Grid (work items, KV heads); work_ptr int32 [W, 2] of (request, first packed row) as
-    plan.build_work makes it. q [N, Hq, D] (strides stride_qt, stride_qh, unit dim stride);
-    k_desc / v_desc: host descriptors over K / V seen as [N_kv, Hkv * D], blocks [BLOCK_N, D];
-    o [N, Hq, D]; lse float32 [N, Hq] (base 2); indptrs int32 [R + 1]."""
+    """Grid (work items, KV heads). Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
+    first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o
+    [N, Hq, D], lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles
+    items derived by _dense_item, every request dense_qo_len rows against dense_kv_len keys, q
+    / o [B, Sq, Hq, D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as
+    [rows, Hkv * D] (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks
+    [BLOCK_N, D]. Unit dim strides; the LSE is base 2."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    x = gl.program_id(0)
-    hkv = gl.program_id(1)
-    req = gl.load(work_ptr + x * 2)
-    row0 = gl.load(work_ptr + x * 2 + 1)
-    req_c = gl.maximum(req, 0)
-    qo_start = gl.load(qo_indptr_ptr + req_c)
-    qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
-    kv_start = gl.load(kv_indptr_ptr + req_c)
-    kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
-    qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
+    if DENSE:
+        req, row0, hkv = _dense_item(gl.program_id(0) + gl.program_id(1) * n_items, n_items,
+                                     dense_tiles, dense_group, n_req, n_hkv, BLOCK_M)
+        qo_start = 0
+        qo_len = dense_qo_len
+        kv_start = req * dense_kv_len
+        kv_len = dense_kv_len
+    else:
+        x = gl.program_id(0)
+        hkv = gl.program_id(1)
+        req = gl.load(work_ptr + x * 2)
+        row0 = gl.load(work_ptr + x * 2 + 1)
+        req_c = gl.maximum(req, 0)
+        qo_start = gl.load(qo_indptr_ptr + req_c)
+        qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
+        kv_start = gl.load(kv_indptr_ptr + req_c)
+        kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
+        qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
+        req = req_c
     if row0 >= qo_len * GROUP:
         return
+    q_base = req.to(gl.int64) * stride_qb
+    o_base = req.to(gl.int64) * stride_ob
+    l_base = req.to(gl.int64) * stride_lb
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
@@ -182,7 +214,7 @@ def _ragged_fwd(
     tok = offs_m // GROUP
     head = hkv * GROUP + offs_m % GROUP
     row_ok = tok < qo_len
-    q_rows = (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
+    q_rows = q_base + (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
     q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout, q)
     fence_async_shared()
@@ -265,37 +297,91 @@ def _ragged_fwd(
     l_safe = gl.where(seen, l_i, 1.0)
     out = (acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
     out = gl.convert_layout(out, blk)
-    o_rows = (qo_start + tok).to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
+    o_rows = o_base + (qo_start + tok).to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
     gl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
     lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
     offs_l = row0 + gl.arange(0, BLOCK_M, layout=row_s)
     tok_l = offs_l // GROUP
     head_l = hkv * GROUP + offs_l % GROUP
-    gl.store(lse_ptr + (qo_start + tok_l).to(gl.int64) * stride_lt
+    gl.store(lse_ptr + l_base + (qo_start + tok_l).to(gl.int64) * stride_lt
              + head_l.to(gl.int64) * stride_lh, lse, mask=tok_l < qo_len)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
+# Tiles by the height plan() chose (prefill_kernel.block_m_for): (BLOCK_N, warps, stages, P
+# through shared memory). Measured on the H100 (benchmarks/NOTES.md, 10th session): 64-row tiles
+# keep P in registers (ptxas then waits for P V before the softmax, so nothing overlaps, but
+# two programs share each SM and the shared-memory round trip of P costs more than it hides);
+# 128-row tiles (one program per SM) stage P through shared memory, which lets the softmax run
+# under P V.
+TILES = {64: (64, 4, 2, False), 128: (128, 8, 2, True)}
 
-def kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
-    """Host descriptor over K or V [N, Hkv, D] seen as [N, Hkv * D], blocks [block_n, D]."""
-    n, hkv, d = t.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, [n, hkv * d], [t.stride(0), 1], [block_n, d], layout)
+
+def kv_2d(t: torch.Tensor, dense: bool) -> torch.Tensor | None:
+    """K or V (ragged [N, Hkv, D], dense [B, S, Hkv, D]) as the 2D [rows, Hkv * D] view the
+    descriptors read, or None where the layout has no such view (heads or dims not packed, a
+    dense batch not packed over its tokens, a pointer or row stride TMA cannot take)."""
+    d = t.shape[-1]
+    hkv = t.shape[-2]
+    if t.stride(-1) != 1 or t.stride(-2) != d:
+        return None
+    if dense and t.stride(0) != t.shape[1] * t.stride(1):
+        return None
+    rows = t.stride(-3)
+    if (rows * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    n = t.shape[0] * t.shape[1] if dense else t.shape[0]
+    return t.as_strided((n, hkv * d), (rows, 1))
+
+
+def kv_descriptor(t2: torch.Tensor, d: int, block_n: int) -> TensorDescriptor:
+    """Host descriptor over a kv_2d view, blocks [block_n, d] (one KV head's rows)."""
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], _GL_DTYPES[t2.dtype])
+    return TensorDescriptor(t2, list(t2.shape), [t2.stride(0), 1], [block_n, d], layout)
+
+
+def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | None,
+           qk_scale: float, causal: bool, block_m: int, tile: tuple | None = None):
+    """One launch of the Gluon kernel. Ragged (dense None): q [N, Hq, D], work int32 [W, 2],
+    indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
+    entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
+    views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, warps, stages, P through shared
+    memory), TILES[block_m] if None."""
+    d = q.shape[-1]
+    hq = q.shape[-2]
+    hkv = k2.shape[1] // d
+    block_n, warps, stages, p_smem = tile or TILES[block_m]
+    if dense is None:
+        n_items, n_req, tiles, group, sq, skv = work.shape[0], 0, 0, 1, 0, 0
+        qs = (0, q.stride(0), q.stride(1))
+        os_ = (0, out.stride(0), out.stride(1))
+        ls = (0, lse.stride(0), lse.stride(1))
+        work_arg, qo_arg, kv_arg = work, qo_indptr, kv_indptr
+    else:
+        n_req, sq, skv, tiles, group = dense
+        n_items = n_req * tiles
+        qs, os_, ls = q.stride()[:3], out.stride()[:3], lse.stride()
+        work_arg = qo_arg = kv_arg = lse  # never read in dense mode
+    _gluon_fwd[(n_items, hkv)](
+        work_arg, q, kv_descriptor(k2, d, block_n), kv_descriptor(v2, d, block_n), out, lse,
+        qo_arg, kv_arg, *qs, *os_, *ls, qk_scale, n_items, n_req, hkv,
+        tiles, group, sq, skv,
+        DENSE=dense is not None, GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m,
+        BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, num_warps=warps)
+    return out, lse
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
                   causal: bool, block_m: int, block_n: int, stages: int, num_warps: int,
                   p_smem: bool = True):
-    """q [N, Hq, D], k / v [N_kv, Hkv, D] (unit dim stride, heads packed: stride(1) == D),
-    indptrs int32 [R + 1], work int32 [W, 2]; writes out [N, Hq, D] and lse float32 [N, Hq]."""
-    d = q.shape[-1]
-    grid = (work.shape[0], k.shape[1])
-    _ragged_fwd[grid](
-        work, q, kv_descriptor(k, block_n), kv_descriptor(v, block_n), out, lse, qo_indptr,
-        kv_indptr, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse.stride(0),
-        lse.stride(1), sm_scale * 1.4426950408889634,
-        GROUP=q.shape[1] // k.shape[1], CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
-        STAGES=stages, P_SMEM=p_smem, num_warps=num_warps)
-    return out, lse
+    """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
+    [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
+    block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
+    k2, v2 = kv_2d(k, False), kv_2d(v, False)
+    if k2 is None or v2 is None:
+        raise ValueError("k / v need packed heads and dims (stride(-2) == D, stride(-1) == 1) "
+                         "and 16-byte aligned rows for the Gluon kernel")
+    return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
+                  qk_scale=sm_scale * 1.4426950408889634, causal=causal, block_m=block_m,
+                  tile=(block_n, num_warps, stages, p_smem))

@@ -43,6 +43,11 @@ except ImportError:
 from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                         POS_ROPE_LLAMA)
 
+try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
+    from . import prefill_gluon as _gluon
+except (ImportError, AttributeError):
+    _gluon = None
+
 LOG2E = 1.4426950408889634
 
 KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
@@ -929,8 +934,10 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
                  and _small_launch(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"])
                  and not torch.cuda.is_current_stream_capturing())
         if whole and HOST_TMA and eager and not small:
-            args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
-            args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
+            cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
+            if cfg["gluon"] is None:
+                args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
+                args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
             tma = 2
         elif whole and block_m in PERSIST_TMA and not small:
             tma = 3
@@ -941,6 +948,41 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
                   BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
                   TMA=tma)
     return args, consts, cfg
+
+
+def _gluon_device(device: torch.device) -> bool:
+    """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the interpreter)."""
+    return (not INTERPRET and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars):
+    """The 2D K / V views (and the base-2 scale) for the Gluon kernel (prefill_gluon.py) when this host-descriptor
+    launch is in its scope, else None (the Triton kernel runs it): USE_GLUON, a Hopper GPU,
+    dense or ragged K/V with packed heads and dims, fp16 / bf16 throughout, one head dim of 64
+    or 128, causal or no mask with a positive scale, none of window, chunks, soft cap, ALiBi,
+    RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans are
+    checked at the launch.)"""
+    if not (USE_GLUON and _gluon is not None and kv_mode in (KV_DENSE, KV_RAGGED)):
+        return None
+    if not _gluon_device(q.device) or block_m not in _gluon.TILES:
+        return None
+    dt = q.dtype
+    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out.dtype == dt):
+        return None
+    d = q.shape[-1]
+    if d not in (64, 128) or v.shape[-1] != d or q.stride(-1) != 1:
+        return None
+    if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
+        return None
+    if any(consts[f] for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
+                               "SINKS")) or scalars["v_scale"] != 1.0:
+        return None
+    k2 = _gluon.kv_2d(k, kv_mode == KV_DENSE)
+    v2 = _gluon.kv_2d(v, kv_mode == KV_DENSE)
+    if k2 is None or v2 is None:
+        return None
+    return dict(k2=k2, v2=v2, qk_scale=scalars["qk_scale"])
 
 
 # Eager launches below this many FLOPs skip the whole-tensor descriptors. On the H100's host
@@ -1000,6 +1042,10 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
 # gives long keys, 5% slower at S 16k): other tiles build them per program and work item.
 USE_TMA = True
 HOST_TMA = True
+# The Gluon Hopper kernel (prefill_gluon.py) for the host-descriptor launches in its scope
+# (_gluon_views): on by default; off in every KV_PATHS entry but "gluon", so that forcing a
+# path forces the Triton kernel on it.
+USE_GLUON = True
 PERSIST_TMA = frozenset({64})
 
 # The module settings that force each K/V load path of dense and ragged launches (tests and
@@ -1007,10 +1053,16 @@ PERSIST_TMA = frozenset({64})
 # "host" even for small eager launches, "persistent" for both tile heights, "device" even for
 # short keys.
 KV_PATHS = {
-    "host": (2, dict(USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0, PERSIST_TMA=frozenset())),
-    "persistent": (3, dict(USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset({64, 128}))),
-    "device": (1, dict(USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset(), TMA_MIN_KV=0)),
-    "pointers": (0, dict(USE_TMA=False, HOST_TMA=False, PERSIST_TMA=frozenset())),
+    "gluon": (2, dict(USE_GLUON=True, USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0,
+                      PERSIST_TMA=frozenset())),
+    "host": (2, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0,
+                     PERSIST_TMA=frozenset())),
+    "persistent": (3, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=False,
+                           PERSIST_TMA=frozenset({64, 128}))),
+    "device": (1, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset(),
+                       TMA_MIN_KV=0)),
+    "pointers": (0, dict(USE_GLUON=False, USE_TMA=False, HOST_TMA=False,
+                         PERSIST_TMA=frozenset())),
 }
 
 
@@ -1178,6 +1230,16 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         part_o = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
                                 dtype=torch.float32)
         part_l = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"]), dtype=torch.float32)
+    gl_args = cfg.get("gluon")
+    if gl_args is not None and not split:
+        # The Gluon kernel (_gluon_views chose it); dense mode keeps this launch's item order.
+        q = prog_args[0]
+        dense = None
+        if consts["KV_MODE"] == KV_DENSE:
+            dense = (q.shape[0], q.shape[1], gl_args["k2"].shape[0] // q.shape[0], tiles, group)
+        return _gluon.launch(q, gl_args["k2"], gl_args["v2"], out, lse, prog_args[5],
+                             prog_args[6], work, dense=dense, qk_scale=gl_args["qk_scale"],
+                             causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"])
     counter = work
     if consts["TMA"] == 3:
         grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)

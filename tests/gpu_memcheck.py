@@ -4,7 +4,7 @@
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
 read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged,
-64- and 128-row tiles), custom masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
+64- and 128-row tiles; the Gluon Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
 each result is also checked against the float64 reference. Exits non-zero on a mismatch."""
 
 import sys
@@ -65,8 +65,10 @@ def main() -> int:
         cases += 1
     # Tensor descriptors at small sizes, built on the host, once per persistent program, and
     # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
-    # tile heights, windows and padded items, a dense batch, and a split plan.
-    for path in ("host", "persistent", "device"):
+    # tile heights, windows and padded items, a dense batch, and a split plan. "gluon": the
+    # Gluon kernel takes the causal ragged cases (both tiles, a partial last key tile and the
+    # padded items) and the dense batch; windows and split plans stay on Triton's host path.
+    for path in ("gluon", "host", "persistent", "device"):
         with pytest.MonkeyPatch.context() as m:
             force_kv_path(m, path)
             for bm in (64, 128):

@@ -61,3 +61,51 @@ def test_gluon_ragged(tile, case, causal, dt):
     c = make_case("ragged", qo, kv, hq, hkv, d, dtype=dt, device="cuda", seed=len(qo) + d)
     p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
     check(c, p, runner=_runner(tile))
+
+
+def _spy(monkeypatch):
+    from compiled_attn.ops import prefill_kernel
+
+    seen = []
+    orig = prefill_kernel._gluon.launch
+
+    def spy(*a, **kw):
+        seen.append((kw["block_m"], kw["dense"] is not None))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(prefill_kernel._gluon, "launch", spy)
+    monkeypatch.setattr(prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+    return seen
+
+
+# The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
+# (the dense item order with several (entry, KV head) groups), both tile heights, GQA; a
+# launch out of its scope (soft cap; split-KV) runs the Triton kernel.
+@pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
+    ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("ragged", [1000, 600], [1000, 2600], 128, False),
+    ("single", [777], [1501], 64, True),
+    ("single", [2048], [2048], 128, True)])
+def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
+    seen = _spy(monkeypatch)
+    c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16, device="cuda",
+                  seed=5)
+    if kind == "single":
+        c.q = c.q.expand(3, -1, -1, -1).contiguous()
+        c.k = c.k.expand(3, -1, -1, -1).contiguous() * torch.randn(3, 1, 1, 1, device="cuda",
+                                                                   dtype=c.k.dtype)
+        c.v = c.v.expand(3, -1, -1, -1).contiguous()
+        monkeypatch.setattr(ops.prefill_kernel, "block_m_for", lambda *a, **k: block_m)
+    else:
+        c.block_m = block_m
+        c.work = build_work(qo, 4, block_m, "cuda", kv_lens=kv)
+    check(c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128))
+    assert seen == [(block_m, kind == "single")]
+
+
+def test_op_out_of_scope_runs_triton(monkeypatch):
+    seen = _spy(monkeypatch)
+    c = make_case("ragged", [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                  device="cuda", seed=6)
+    check(c, params(logits_soft_cap=30.0, head_dim=128))
+    assert seen == []

@@ -213,7 +213,8 @@ def test_split_plan_without_idle_sms_is_unsplit():
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4
 
 
-@pytest.mark.parametrize("path", list(KV_PATHS))
+# "gluon" is "host" under the interpreter (the Gluon kernel runs on Hopper GPUs only)
+@pytest.mark.parametrize("path", [p for p in KV_PATHS if p != "gluon"])
 @pytest.mark.parametrize("mode", ["causal", "window", "custom", "soft_cap"])
 @pytest.mark.parametrize("kind", ["ragged", "single"])
 def test_kv_load_paths(kind, mode, path, monkeypatch):

@@ -1,0 +1,92 @@
+"""The Gluon Hopper kernel's CPU tier: it compiles for sm_90 under the installed Triton (the
+Gluon dialect is experimental and its API moves between releases; the H100 runs triton 3.6, CI
+3.9), the 2D K/V views its descriptors read, and which launches the op gives it (every
+exclusion of its scope on its own). Its numbers are checked on the H100
+(tests/test_prefill_gluon_gpu.py)."""
+
+import pytest
+import torch
+
+from compiled_attn import ops
+from compiled_attn.ops import prefill_kernel as K
+
+gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
+
+
+@pytest.mark.parametrize("dense,block_m,d,causal", [(False, 64, 128, True), (True, 128, 64, False)])
+def test_compiles_for_sm90(dense, block_m, d, causal):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m]
+    fn = gluon_mod._gluon_fwd
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{block_n}, {d}],{layout}>"
+    consts = dict(DENSE=dense, GROUP=4, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+                  STAGES=stages, P_SMEM=p_smem, num_warps=warps)
+    types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
+                 lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32", qk_scale="fp32")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig,
+                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
+    assert "wgmma.wait_group.sync.aligned 1;" in ptx
+
+
+def test_kv_2d_views():
+    k = torch.randn(10, 4, 64, dtype=torch.bfloat16)
+    v2 = gluon_mod.kv_2d(k, dense=False)
+    assert v2.shape == (10, 256) and v2.data_ptr() == k.data_ptr()
+    assert torch.equal(v2[3, 64:128], k[3, 1])
+    kd = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
+    assert torch.equal(gluon_mod.kv_2d(kd, dense=True)[7, :64], kd[1, 2, 0])
+    hnd = torch.randn(2, 4, 5, 64, dtype=torch.bfloat16).transpose(1, 2)  # heads not packed
+    assert gluon_mod.kv_2d(hnd, dense=True) is None
+    sliced = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)[:, :5]  # batch not packed
+    assert gluon_mod.kv_2d(sliced, dense=True) is None
+    assert gluon_mod.kv_2d(torch.randn(10, 4, 64, dtype=torch.bfloat16)[:, :, :32],
+                           dense=False) is None  # dims not packed
+
+
+def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=None,
+           block_m=64, **flags):
+    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
+    q = torch.randn(6, 8, d, dtype=dtype)
+    k = torch.randn(9, 2, d, dtype=dtype)
+    v = torch.randn(9, 2, dv or d, dtype=dtype)
+    out = torch.empty(6, 8, dv or d, dtype=dtype)
+    params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.1,
+                  logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
+                  rope_theta=1e4, v_scale=1.0)
+    sinks = torch.zeros(8) if flags.pop("sinks", False) else None
+    params.update(flags)
+    scalars, consts = K._flags(q, None, sinks, **params)
+    return K._gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
+
+
+def test_scope_in(monkeypatch):
+    views = _scope(monkeypatch)
+    assert views["k2"].shape == (9, 256) and views["qk_scale"] == pytest.approx(0.1 * K.LOG2E)
+    assert _scope(monkeypatch, mask_mode=ops.MASK_NONE, d=64, block_m=128) is not None
+
+
+@pytest.mark.parametrize("change", [
+    dict(kv_mode=K.KV_PAGED), dict(dtype=torch.float32), dict(d=96), dict(d=128, dv=64),
+    dict(block_m=256), dict(mask_mode=ops.MASK_CUSTOM), dict(window_left=8),
+    dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
+    dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
+    dict(sinks=True)], ids=str)
+def test_scope_out(change, monkeypatch):
+    assert _scope(monkeypatch, **change) is None
+
+
+def test_scope_off_switch_and_device(monkeypatch):
+    monkeypatch.setattr(K, "USE_GLUON", False)
+    assert _scope(monkeypatch) is None
+    monkeypatch.undo()
+    assert not K._gluon_device(torch.device("cpu"))
