@@ -72,13 +72,32 @@ def _softmax_tile(s, m_i, l_i, t, kv_len, p_row, qk_scale,
 
 
 @gluon.jit
-def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr):
-    """TMA of key tile t of this request and KV head into slot t % STAGES of ring (when pred)."""
+def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, page, page_rows, PAGED: gl.constexpr,
+             PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """TMA of key tile t of this request and KV head into slot t % STAGES of ring (when pred).
+    Contiguous keys: one box from row kv_start + t * BLOCK_N. Paged (the cache seen as rows of
+    Hkv * D, page p from row p * page_rows; PAGE a multiple of BLOCK_N): one box inside page
+    ``page``, the one holding tile t (_page_of)."""
     slot = t % STAGES
     mbarrier.expect(bar.index(slot), BLOCK_N * D * desc.dtype.primitive_bitwidth // 8, pred=pred)
-    _tma_load(desc, [kv_start + t * BLOCK_N, hkv * D], bar.index(slot),
-                ring.index(slot), pred=pred)
+    if PAGED:
+        row = page * page_rows + (t * BLOCK_N) % PAGE
+    else:
+        row = kv_start + t * BLOCK_N
+    _tma_load(desc, [row, hkv * D], bar.index(slot), ring.index(slot), pred=pred)
+
+
+@gluon.jit
+def _page_of(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """The page holding key tile t (page 0 past the request's pages, whose rows lie past
+    kv_len: masked and zeroed); 0 when not PAGED. Read a tile ahead of its TMA."""
+    if PAGED:
+        j = (t * BLOCK_N) // PAGE
+        page = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
+    else:
+        page = 0
+    return page
 
 
 @gluon.jit
@@ -97,13 +116,18 @@ def _zero_tail(v_ring, slot, rows, D: gl.constexpr, BLOCK_N: gl.constexpr,
 
 @gluon.jit
 def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-          kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, P_SMEM: gl.constexpr,
+          kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
+          page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
+          PAGED: gl.constexpr, PAGE: gl.constexpr,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           STAGES: gl.constexpr, dtype: gl.constexpr, col_layout: gl.constexpr,
           row_o: gl.constexpr, p_layout: gl.constexpr, num_warps: gl.constexpr):
     """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together, the softmax of S_t under
     the second, then the rescale; refills the K slot of tile t and the V slot of tile t - 1."""
     slot = t % STAGES
+    # the refills' pages, read now: their latency hides under this tile's work
+    k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
+    v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
     mbarrier.wait(k_bar.index(slot), (t // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
@@ -126,16 +150,17 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
     else:
         p_next = gl.convert_layout(p.to(dtype), p_layout)
     alpha = gl.convert_layout(alpha, row_o)
-    # The softmax's results pass through the wait as dependencies: the compiler may not sink
-    # the softmax below it, so it runs while P_{t-1} V_{t-1} is on the tensor cores.
+    # The softmax's results pass through the wait as dependencies (LLVM keeps them before
+    # it; ptxas still waits for P V first when P sits in registers, see TILES).
     acc, p_op, p_next, alpha, m_i, l_i = warpgroup_mma_wait(
         0, deps=(o_tok, p_op, p_next, alpha, m_i, l_i))
     acc = acc * alpha[:, None]
-    # Both wgmmas reading the two slots have completed in every warp group: refill them.
-    _load_kv(k_desc, k_ring, k_bar, t + STAGES, kv_start, hkv, t + STAGES < n_tiles, BLOCK_N, D,
-             STAGES)
+    # Both wgmmas reading the two slots have completed (in every warp group: Gluon puts a CTA
+    # barrier before each TMA into a buffer read earlier): refill them.
+    _load_kv(k_desc, k_ring, k_bar, t + STAGES, kv_start, hkv, t + STAGES < n_tiles, k_page,
+             k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
     _load_kv(v_desc, v_ring, v_bar, t - 1 + STAGES, kv_start, hkv, t - 1 + STAGES < n_tiles,
-             BLOCK_N, D, STAGES)
+             v_page, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
     return acc, p_next, m_i, l_i
 
 
@@ -156,10 +181,12 @@ def _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv, BLOCK_M: g
 @gluon.jit
 def _gluon_fwd(
     work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
+    page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
     stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
     dense_kv_len,
-    DENSE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+    DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, GROUP: gl.constexpr,
+    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -169,7 +196,11 @@ def _gluon_fwd(
     items derived by _dense_item, every request dense_qo_len rows against dense_kv_len keys, q
     / o [B, Sq, Hq, D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as
     [rows, Hkv * D] (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks
-    [BLOCK_N, D]. Unit dim strides; the LSE is base 2."""
+    [BLOCK_N, D]. PAGED (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches
+    [pages, PAGE, Hkv, D] seen as rows of Hkv * D, page p from row p * k_page_rows /
+    v_page_rows (a combined [pages, 2, PAGE, Hkv, D] cache interleaves them), kv_indptr the
+    page indptr, page_idx_ptr the page table, last_page_len_ptr each request's keys in its
+    last page. Unit dim strides; the LSE is base 2."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     if DENSE:
         req, row0, hkv = _dense_item(gl.program_id(0) + gl.program_id(1) * n_items, n_items,
@@ -186,10 +217,20 @@ def _gluon_fwd(
         req_c = gl.maximum(req, 0)
         qo_start = gl.load(qo_indptr_ptr + req_c)
         qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
-        kv_start = gl.load(kv_indptr_ptr + req_c)
-        kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
+        if PAGED:
+            page_base = gl.load(kv_indptr_ptr + req_c)
+            npages = gl.load(kv_indptr_ptr + req_c + 1) - page_base
+            last = gl.load(last_page_len_ptr + req_c)
+            kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
+            kv_start = 0
+        else:
+            kv_start = gl.load(kv_indptr_ptr + req_c)
+            kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
         qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
         req = req_c
+    if not PAGED:
+        page_base = 0
+        npages = 0
     if row0 >= qo_len * GROUP:
         return
     q_base = req.to(gl.int64) * stride_qb
@@ -246,8 +287,13 @@ def _gluon_fwd(
             mbarrier.init(v_bar.index(i), count=1)
         fence_async_shared()
         for i in gl.static_range(STAGES):
-            _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, BLOCK_N, D, STAGES)
-            _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, BLOCK_N, D, STAGES)
+            page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
+            _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page, k_page_rows,
+                     PAGED, PAGE, BLOCK_N, D, STAGES)
+            _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page, v_page_rows,
+                     PAGED, PAGE, BLOCK_N, D, STAGES)
+        # tile STAGES's page, for the K refill once tile 0's scores are in
+        k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
 
         # tile 0: its scores alone (nothing to overlap yet)
         s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
@@ -260,8 +306,8 @@ def _gluon_fwd(
             p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, True,
                                                CAUSAL, BLOCK_N, col_s)
         _cta_barrier()
-        _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, BLOCK_N, D,
-                 STAGES)
+        _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, k_next,
+                 k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], q_smem_layout)
         if P_SMEM:
@@ -271,13 +317,15 @@ def _gluon_fwd(
         for t in range(1, gl.maximum(n_free, 1)):
             acc, p_op, m_i, l_i = _step(
                 t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, P_SMEM, False, CAUSAL,
-                BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
+                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
+                page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE, False,
+                CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
         for t in range(gl.maximum(n_free, 1), n_tiles):
             acc, p_op, m_i, l_i = _step(
                 t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, P_SMEM, True, CAUSAL,
-                BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
+                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
+                page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE, True,
+                CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
 
         # the last tile's P V
         last = n_tiles - 1
@@ -318,21 +366,32 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 TILES = {64: (64, 4, 2, False), 128: (128, 8, 2, True)}
 
 
-def kv_2d(t: torch.Tensor, dense: bool) -> torch.Tensor | None:
-    """K or V (ragged [N, Hkv, D], dense [B, S, Hkv, D]) as the 2D [rows, Hkv * D] view the
-    descriptors read, or None where the layout has no such view (heads or dims not packed, a
-    dense batch not packed over its tokens, a pointer or row stride TMA cannot take)."""
-    d = t.shape[-1]
-    hkv = t.shape[-2]
-    if t.stride(-1) != 1 or t.stride(-2) != d:
-        return None
-    if dense and t.stride(0) != t.shape[1] * t.stride(1):
-        return None
+def kv_2d(t: torch.Tensor, kind: str) -> torch.Tensor | None:
+    """K or V as the 2D [rows, Hkv * D] view the descriptors read (kind "ragged": [N, Hkv, D];
+    "dense": [B, S, Hkv, D], request b from row b * S; "paged": a cache [P, page, Hkv, D], page
+    p from row p * page_rows(t), so a combined [P, 2, page, Hkv, D] cache's K and V views
+    interleave, each spanning the other's rows), or None where the layout has no such view:
+    heads or dims not packed, a dense batch not packed over its tokens, pages not a whole
+    number of rows apart, a pointer or row stride TMA cannot take."""
+    d, hkv = t.shape[-1], t.shape[-2]
     rows = t.stride(-3)
-    if (rows * t.element_size()) % 16 or t.data_ptr() % 16:
+    if t.stride(-1) != 1 or t.stride(-2) != d or (rows * t.element_size()) % 16 \
+            or t.data_ptr() % 16:
         return None
-    n = t.shape[0] * t.shape[1] if dense else t.shape[0]
+    if kind == "ragged":
+        n = t.shape[0]
+    elif kind == "dense" and t.stride(0) == t.shape[1] * rows:
+        n = t.shape[0] * t.shape[1]
+    elif kind == "paged" and t.stride(0) % rows == 0:
+        n = (t.shape[0] - 1) * (t.stride(0) // rows) + t.shape[1]
+    else:
+        return None
     return t.as_strided((n, hkv * d), (rows, 1))
+
+
+def page_rows(t: torch.Tensor) -> int:
+    """Rows of a kv_2d "paged" view from one page of t [P, page, Hkv, D] to the next."""
+    return t.stride(0) // t.stride(-3)
 
 
 def kv_descriptor(t2: torch.Tensor, d: int, block_n: int) -> TensorDescriptor:
@@ -342,12 +401,15 @@ def kv_descriptor(t2: torch.Tensor, d: int, block_n: int) -> TensorDescriptor:
 
 
 def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | None,
-           qk_scale: float, causal: bool, block_m: int, tile: tuple | None = None):
+           qk_scale: float, causal: bool, block_m: int, tile: tuple | None = None,
+           paged: tuple | None = None):
     """One launch of the Gluon kernel. Ragged (dense None): q [N, Hq, D], work int32 [W, 2],
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
     views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, warps, stages, P through shared
-    memory), TILES[block_m] if None."""
+    memory), TILES[block_m] if None. paged: (page size, page table int32 [P], last page
+    lengths int32 [R], K and V page_rows) with k2 / v2 the caches' views and kv_indptr the
+    page indptr."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
@@ -363,13 +425,24 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         n_items = n_req * tiles
         qs, os_, ls = q.stride()[:3], out.stride()[:3], lse.stride()
         work_arg = qo_arg = kv_arg = lse  # never read in dense mode
+    page, page_idx, last, k_rows, v_rows = paged or (0, work_arg, work_arg, 0, 0)
     _gluon_fwd[(n_items, hkv)](
         work_arg, q, kv_descriptor(k2, d, block_n), kv_descriptor(v2, d, block_n), out, lse,
-        qo_arg, kv_arg, *qs, *os_, *ls, qk_scale, n_items, n_req, hkv,
+        qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items, n_req, hkv,
         tiles, group, sq, skv,
-        DENSE=dense is not None, GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m,
+        DENSE=dense is not None, PAGED=paged is not None, PAGE=page, GROUP=hq // hkv,
+        CAUSAL=causal, BLOCK_M=block_m,
         BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, num_warps=warps)
     return out, lse
+
+
+def page_fits(page: int, block_n: int) -> bool:
+    """Whether pages of this size hold whole key tiles (one box per tile). Smaller pages need a
+    box per page, and Gluon puts a CTA barrier before each TMA into a buffer already written:
+    page 16 on 64-key tiles (four boxes) ran 0.80-0.83 of the ragged rate on the H100, below
+    the Triton kernel's pointer gathers (0.86-0.92); page 64 (one box) 0.94-0.97
+    (benchmarks/NOTES.md, 10th session)."""
+    return page > 0 and page % block_n == 0
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
@@ -378,7 +451,7 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
     """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
     [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
     block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
-    k2, v2 = kv_2d(k, False), kv_2d(v, False)
+    k2, v2 = kv_2d(k, "ragged"), kv_2d(v, "ragged")
     if k2 is None or v2 is None:
         raise ValueError("k / v need packed heads and dims (stride(-2) == D, stride(-1) == 1) "
                          "and 16-byte aligned rows for the Gluon kernel")

@@ -923,6 +923,10 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     # graphs, 64-row tiles); else per program and work item on the device (TMA 1), which short
     # key ranges do not amortise (pointer loads then, TMA 0).
     tma = 0
+    if kv_mode == KV_PAGED and HOST_TMA and _eager_launch():
+        # Paged: the Gluon kernel reads whole pages (or page-aligned key blocks) through
+        # descriptors where its scope allows; otherwise the Triton kernel's pointer gathers.
+        cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
     if (cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
             and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
@@ -956,16 +960,20 @@ def _gluon_device(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] == 9)
 
 
-def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars):
-    """The 2D K / V views (and the base-2 scale) for the Gluon kernel (prefill_gluon.py) when this host-descriptor
-    launch is in its scope, else None (the Triton kernel runs it): USE_GLUON, a Hopper GPU,
-    dense or ragged K/V with packed heads and dims, fp16 / bf16 throughout, one head dim of 64
-    or 128, causal or no mask with a positive scale, none of window, chunks, soft cap, ALiBi,
-    RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans are
+def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
+    """The 2D K / V views, base-2 scale and page layout for the Gluon kernel (prefill_gluon.py)
+    when this launch is in its scope, else None (the Triton kernel runs it): USE_GLUON, a Hopper
+    GPU, eager host-descriptor launches (the caller's rule), K/V with packed heads and dims
+    (dense, ragged, or a page cache whose pages are a whole number of rows apart and hold
+    whole key tiles: prefill_gluon.kv_2d, page_fits), fp16 / bf16 throughout, one head dim of
+    64 or 128, causal or no mask with a positive scale, none of window, chunks, soft cap,
+    ALiBi, RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans are
     checked at the launch.)"""
-    if not (USE_GLUON and _gluon is not None and kv_mode in (KV_DENSE, KV_RAGGED)):
+    if not (USE_GLUON and _gluon is not None):
         return None
     if not _gluon_device(q.device) or block_m not in _gluon.TILES:
+        return None
+    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0]):
         return None
     dt = q.dtype
     if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out.dtype == dt):
@@ -978,11 +986,14 @@ def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars):
     if any(consts[f] for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
                                "SINKS")) or scalars["v_scale"] != 1.0:
         return None
-    k2 = _gluon.kv_2d(k, kv_mode == KV_DENSE)
-    v2 = _gluon.kv_2d(v, kv_mode == KV_DENSE)
+    kind = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}[kv_mode]
+    k2, v2 = _gluon.kv_2d(k, kind), _gluon.kv_2d(v, kind)
     if k2 is None or v2 is None:
         return None
-    return dict(k2=k2, v2=v2, qk_scale=scalars["qk_scale"])
+    paged = None
+    if kv_mode == KV_PAGED:
+        paged = (page_size, _gluon.page_rows(k), _gluon.page_rows(v))
+    return dict(k2=k2, v2=v2, qk_scale=scalars["qk_scale"], paged=paged)
 
 
 # Eager launches below this many FLOPs skip the whole-tensor descriptors. On the H100's host
@@ -1234,11 +1245,15 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     if gl_args is not None and not split:
         # The Gluon kernel (_gluon_views chose it); dense mode keeps this launch's item order.
         q = prog_args[0]
-        dense = None
+        dense = paged = None
         if consts["KV_MODE"] == KV_DENSE:
             dense = (q.shape[0], q.shape[1], gl_args["k2"].shape[0] // q.shape[0], tiles, group)
+        if consts["KV_MODE"] == KV_PAGED:
+            page, k_rows, v_rows = gl_args["paged"]
+            paged = (page, prog_args[7], prog_args[8], k_rows, v_rows)
         return _gluon.launch(q, gl_args["k2"], gl_args["v2"], out, lse, prog_args[5],
-                             prog_args[6], work, dense=dense, qk_scale=gl_args["qk_scale"],
+                             prog_args[6], work, dense=dense, paged=paged,
+                             qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"])
     counter = work
     if consts["TMA"] == 3:

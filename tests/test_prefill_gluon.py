@@ -13,8 +13,9 @@ from compiled_attn.ops import prefill_kernel as K
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
 
-@pytest.mark.parametrize("dense,block_m,d,causal", [(False, 64, 128, True), (True, 128, 64, False)])
-def test_compiles_for_sm90(dense, block_m, d, causal):
+@pytest.mark.parametrize("dense,page,block_m,d,causal", [
+    (False, 0, 64, 128, True), (True, 0, 128, 64, False), (False, 64, 64, 128, True)])
+def test_compiles_for_sm90(dense, page, block_m, d, causal):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -24,10 +25,12 @@ def test_compiles_for_sm90(dense, block_m, d, causal):
     fn = gluon_mod._gluon_fwd
     layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
     desc = f"tensordesc<bf16[{block_n}, {d}],{layout}>"
-    consts = dict(DENSE=dense, GROUP=4, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+    consts = dict(DENSE=dense, PAGED=page > 0, PAGE=page, GROUP=4, CAUSAL=causal,
+                  BLOCK_M=block_m, BLOCK_N=block_n, D=d,
                   STAGES=stages, P_SMEM=p_smem, num_warps=warps)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
-                 lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32", qk_scale="fp32")
+                 lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
+                 page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
@@ -40,25 +43,37 @@ def test_compiles_for_sm90(dense, block_m, d, causal):
 
 def test_kv_2d_views():
     k = torch.randn(10, 4, 64, dtype=torch.bfloat16)
-    v2 = gluon_mod.kv_2d(k, dense=False)
+    v2 = gluon_mod.kv_2d(k, "ragged")
     assert v2.shape == (10, 256) and v2.data_ptr() == k.data_ptr()
     assert torch.equal(v2[3, 64:128], k[3, 1])
     kd = torch.randn(2, 5, 4, 64, dtype=torch.bfloat16)
-    assert torch.equal(gluon_mod.kv_2d(kd, dense=True)[7, :64], kd[1, 2, 0])
+    assert torch.equal(gluon_mod.kv_2d(kd, "dense")[7, :64], kd[1, 2, 0])
     hnd = torch.randn(2, 4, 5, 64, dtype=torch.bfloat16).transpose(1, 2)  # heads not packed
-    assert gluon_mod.kv_2d(hnd, dense=True) is None
+    assert gluon_mod.kv_2d(hnd, "dense") is None and gluon_mod.kv_2d(hnd, "paged") is None
     sliced = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)[:, :5]  # batch not packed
-    assert gluon_mod.kv_2d(sliced, dense=True) is None
+    assert gluon_mod.kv_2d(sliced, "dense") is None
     assert gluon_mod.kv_2d(torch.randn(10, 4, 64, dtype=torch.bfloat16)[:, :, :32],
-                           dense=False) is None  # dims not packed
+                           "ragged") is None  # dims not packed
+    # a combined cache [P, 2, page, Hkv, D]: K page p at row p * 2 * page, V's page p after it
+    cache = torch.randn(3, 2, 16, 4, 64, dtype=torch.bfloat16)
+    for i, t in enumerate((cache[:, 0], cache[:, 1])):
+        t2, rows = gluon_mod.kv_2d(t, "paged"), gluon_mod.page_rows(t)
+        assert rows == 32 and t2.shape == (2 * 32 + 16, 256)
+        assert torch.equal(t2[2 * rows + 5, 128:192], cache[2, i, 5, 2])
 
 
 def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=None,
-           block_m=64, **flags):
+           block_m=64, page=0, hnd=False, **flags):
     monkeypatch.setattr(K, "_gluon_device", lambda device: True)
     q = torch.randn(6, 8, d, dtype=dtype)
-    k = torch.randn(9, 2, d, dtype=dtype)
-    v = torch.randn(9, 2, dv or d, dtype=dtype)
+    if page:  # a combined cache [P, 2, page, Hkv, D] (or its HND form)
+        kv_mode = K.KV_PAGED
+        cache = torch.randn(5, 2, 2, page, d, dtype=dtype).transpose(2, 3) if hnd else \
+            torch.randn(5, 2, page, 2, d, dtype=dtype)
+        k, v = cache[:, 0], cache[:, 1]
+    else:
+        k = torch.randn(9, 2, d, dtype=dtype)
+        v = torch.randn(9, 2, dv or d, dtype=dtype)
     out = torch.empty(6, 8, dv or d, dtype=dtype)
     params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.1,
                   logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
@@ -66,21 +81,26 @@ def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=Non
     sinks = torch.zeros(8) if flags.pop("sinks", False) else None
     params.update(flags)
     scalars, consts = K._flags(q, None, sinks, **params)
-    return K._gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
+    return K._gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page)
 
 
 def test_scope_in(monkeypatch):
     views = _scope(monkeypatch)
     assert views["k2"].shape == (9, 256) and views["qk_scale"] == pytest.approx(0.1 * K.LOG2E)
+    assert views["paged"] is None
     assert _scope(monkeypatch, mask_mode=ops.MASK_NONE, d=64, block_m=128) is not None
+    for page, block_m in ((64, 64), (128, 128), (128, 64), (256, 128)):
+        views = _scope(monkeypatch, page=page, block_m=block_m)
+        assert views["paged"] == (page, 2 * page, 2 * page)
 
 
 @pytest.mark.parametrize("change", [
-    dict(kv_mode=K.KV_PAGED), dict(dtype=torch.float32), dict(d=96), dict(d=128, dv=64),
+    dict(dtype=torch.float32), dict(d=96), dict(d=128, dv=64),
     dict(block_m=256), dict(mask_mode=ops.MASK_CUSTOM), dict(window_left=8),
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
-    dict(sinks=True)], ids=str)
+    dict(sinks=True), dict(page=16), dict(page=64, block_m=128), dict(page=96),
+    dict(page=64, hnd=True)], ids=str)
 def test_scope_out(change, monkeypatch):
     assert _scope(monkeypatch, **change) is None
 

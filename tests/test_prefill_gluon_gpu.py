@@ -38,19 +38,30 @@ def _runner(tile):
 
     def run(c, p, out_dtype=None):
         qo = c.qo_indptr.diff().tolist()
-        kv = c.kv_indptr.diff().tolist()
-        group = c.q.shape[1] // c.k.shape[1]
-        work = build_work(qo, group, bm, c.q.device, kv_lens=kv)
+        group = c.q.shape[1] // c.k.shape[-2]
+        causal = p["mask_mode"] == ops.MASK_CAUSAL
         out = torch.empty(c.q.shape[:2] + (c.v.shape[-1],), dtype=c.q.dtype, device=c.q.device)
         lse = torch.empty(c.q.shape[:2], dtype=torch.float32, device=c.q.device)
+        if c.kind == "paged":
+            work = build_work(qo, group, bm, c.q.device)
+            paged = (c.k.shape[1], c.page_indices, c.last_page_len, G.page_rows(c.k),
+                     G.page_rows(c.v))
+            return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
+                            c.qo_indptr, c.kv_indptr, work, dense=None,
+                            qk_scale=p["sm_scale"] * 1.4426950408889634, causal=causal,
+                            block_m=bm, tile=(bn, warps, stages, p_smem), paged=paged)
+        work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())
         return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
-                               sm_scale=p["sm_scale"], causal=p["mask_mode"] == ops.MASK_CAUSAL,
-                               block_m=bm, block_n=bn, stages=stages, num_warps=warps,
-                               p_smem=p_smem)
+                               sm_scale=p["sm_scale"], causal=causal, block_m=bm, block_n=bn,
+                               stages=stages, num_warps=warps, p_smem=p_smem)
     return run
 
 
-@pytest.mark.parametrize("tile", TILES, ids=lambda t: "x".join(map(str, t[:4])) + ("s" if t[4] else "r"))
+def _tile_id(t):
+    return "x".join(map(str, t[:4])) + ("s" if t[4] else "r")
+
+
+@pytest.mark.parametrize("tile", TILES, ids=_tile_id)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
@@ -63,6 +74,24 @@ def test_gluon_ragged(tile, case, causal, dt):
     check(c, p, runner=_runner(tile))
 
 
+# Paged caches (pages holding whole key tiles: one box per tile, inside a page): pages as large
+# as a key tile or larger, a shuffled page table in a combined K/V cache, partial last pages, a
+# request without keys, GQA 4:1.
+@pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4]], ids=_tile_id)
+@pytest.mark.parametrize("page", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_paged(tile, page, causal):
+    from compiled_attn.ops import prefill_gluon as G
+
+    if not G.page_fits(page, tile[1]):
+        pytest.skip("page size does not tile this key block")
+    qo, kv = [37, 0, 200, 5, 64], [300, 9, 333, 5, 1000]
+    c = make_case("paged", qo, kv, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
+                  page_size=page, seed=page)
+    p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128)
+    check(c, p, runner=_runner(tile))
+
+
 def _spy(monkeypatch):
     from compiled_attn.ops import prefill_kernel
 
@@ -70,7 +99,8 @@ def _spy(monkeypatch):
     orig = prefill_kernel._gluon.launch
 
     def spy(*a, **kw):
-        seen.append((kw["block_m"], kw["dense"] is not None))
+        seen.append((kw["block_m"], "single" if kw["dense"] is not None else
+                     "paged" if kw["paged"] is not None else "ragged"))
         return orig(*a, **kw)
 
     monkeypatch.setattr(prefill_kernel._gluon, "launch", spy)
@@ -79,17 +109,22 @@ def _spy(monkeypatch):
 
 
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
-# (the dense item order with several (entry, KV head) groups), both tile heights, GQA; a
-# launch out of its scope (soft cap; split-KV) runs the Triton kernel.
+# (the dense item order with several (entry, KV head) groups), paged with pages of whole key
+# tiles, both tile heights, GQA; a launch out of its scope (soft cap, a window, page 16) runs
+# the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("paged64", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("paged128", [1000, 600], [1000, 2600], 128, False),
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
     ("single", [2048], [2048], 128, True)])
 def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
     seen = _spy(monkeypatch)
+    page = int(kind[5:]) if kind.startswith("paged") else 16
+    kind = kind[:5] if kind.startswith("paged") else kind
     c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16, device="cuda",
-                  seed=5)
+                  page_size=page, seed=5)
     if kind == "single":
         c.q = c.q.expand(3, -1, -1, -1).contiguous()
         c.k = c.k.expand(3, -1, -1, -1).contiguous() * torch.randn(3, 1, 1, 1, device="cuda",
@@ -100,12 +135,16 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
         c.block_m = block_m
         c.work = build_work(qo, 4, block_m, "cuda", kv_lens=kv)
     check(c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128))
-    assert seen == [(block_m, kind == "single")]
+    assert seen == [(block_m, kind)]
 
 
-def test_op_out_of_scope_runs_triton(monkeypatch):
+@pytest.mark.parametrize("kind,page,p", [
+    ("ragged", 16, params(logits_soft_cap=30.0, head_dim=128)),
+    ("paged", 64, params(window_left=100, head_dim=128)),
+    ("paged", 16, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page16"])
+def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
     seen = _spy(monkeypatch)
-    c = make_case("ragged", [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
-                  device="cuda", seed=6)
-    check(c, params(logits_soft_cap=30.0, head_dim=128))
+    c = make_case(kind, [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                  device="cuda", page_size=page, seed=6)
+    check(c, p)
     assert seen == []
