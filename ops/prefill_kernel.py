@@ -1255,6 +1255,13 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                              prog_args[6], work, dense=dense, paged=paged,
                              qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"])
+    if gl_args is not None and consts["TMA"] == 2:
+        # A split plan is the Triton kernel's: dense / ragged K/V take the host descriptors
+        # that the Gluon scope check left unbuilt (paged K/V: pointer gathers, TMA 0).
+        prog_args[1] = _host_descriptor(prog_args[1], consts["KV_MODE"], consts["BLOCK_N"],
+                                        consts["BLOCK_DQK"])
+        prog_args[2] = _host_descriptor(prog_args[2], consts["KV_MODE"], consts["BLOCK_N"],
+                                        consts["BLOCK_DVO"])
     counter = work
     if consts["TMA"] == 3:
         grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)

@@ -148,3 +148,21 @@ def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
                   device="cuda", page_size=page, seed=6)
     check(c, p)
     assert seen == []
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_split_plan_in_scope_runs_triton(kind, monkeypatch):
+    # A split-KV plan of a launch otherwise in the Gluon scope: the Triton kernel runs it
+    # (ragged: with the host descriptors the scope check left unbuilt; paged: gathers).
+    from compiled_attn.plan import build_split_work
+
+    seen = _spy(monkeypatch)
+    qo, kv = [3, 1, 40, 0, 2], [3000, 970, 2600, 5, 1]
+    c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16, device="cuda",
+                  page_size=128, seed=31)
+    c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
+                                       min_keys_per_chunk=256)
+    c.work, c.merge = c.work.cuda(), c.merge.cuda()
+    assert int(c.merge[:, 3].max()) > 2
+    check(c, params(head_dim=128))
+    assert seen == []
