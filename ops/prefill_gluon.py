@@ -6,14 +6,15 @@ iteration reads (docs/design.md, "Not built"). Gluon exposes the wgmma's issue a
 (``warpgroup_mma(..., is_async=True)``, ``warpgroup_mma_wait``), TMA copies and mbarriers, so
 this kernel writes FA3's intra-warpgroup schedule by hand: each iteration issues S_t = Q K_t^T
 and O += P_{t-1} V_{t-1} back to back, waits for S_t only, runs the softmax of S_t while
-P_{t-1} V_{t-1} is still on the tensor cores, then waits for it and rescales O. K and V stream
-through STAGES-deep shared-memory rings filled by TMA (host-built descriptors), each slot
-refilled as soon as the wgmma reading it has completed.
+P_{t-1} V_{t-1} is still on the tensor cores (where P goes through shared memory: see TILES),
+then waits for it and rescales O. K and V stream through STAGES-deep shared-memory rings filled
+by TMA (host-built descriptors), each slot refilled as soon as the wgmma reading it has
+completed.
 
-Scope (the caller checks it; everything else takes the Triton kernel): ragged K/V through
-host descriptors (dense batches are ragged ones with uniform offsets), bf16 / fp16, head dim
-64 or 128 for Q/K and V alike, causal or no mask, none of the logit transforms, positional
-encodings, sinks or fp8 K/V. Invariants as in prefill_kernel.py: packed row r of a request is
+Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
+ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles), bf16 /
+fp16, head dim 64 or 128 for Q/K and V alike, causal or no mask, none of the logit transforms,
+positional encodings, sinks or fp8 K/V, no split-KV. Invariants as in prefill_kernel.py: packed row r of a request is
 token r // GROUP of query head hkv * GROUP + r % GROUP; positions are bottom-right aligned;
 logits are base 2 (log2(e) folded into qk_scale) and the LSE written is base 2; a row that
 sees no key writes 0 and LSE -inf; element offsets are int64.
