@@ -376,6 +376,8 @@ def kv_2d(t: torch.Tensor, kind: str) -> torch.Tensor | None:
     number of rows apart, a pointer or row stride TMA cannot take."""
     d, hkv = t.shape[-1], t.shape[-2]
     rows = t.stride(-3)
+    if t.numel() == 0:  # a descriptor needs every dim positive (an empty cache or batch)
+        return None
     if t.stride(-1) != 1 or t.stride(-2) != d or (rows * t.element_size()) % 16 \
             or t.data_ptr() % 16:
         return None

@@ -54,6 +54,7 @@ def test_kv_2d_views():
     assert gluon_mod.kv_2d(sliced, "dense") is None
     assert gluon_mod.kv_2d(torch.randn(10, 4, 64, dtype=torch.bfloat16)[:, :, :32],
                            "ragged") is None  # dims not packed
+    assert gluon_mod.kv_2d(torch.zeros(0, 16, 4, 64, dtype=torch.bfloat16), "paged") is None
     # a combined cache [P, 2, page, Hkv, D]: K page p at row p * 2 * page, V's page p after it
     cache = torch.randn(3, 2, 16, 4, 64, dtype=torch.bfloat16)
     for i, t in enumerate((cache[:, 0], cache[:, 1])):
