@@ -901,10 +901,12 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
                   l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
                   mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params,
-                  mean_kv=None):
+                  mean_kv=None, gluon=False):
     """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
     and the launch configuration. mean_kv: the batch's mean KV length when the shapes give it
-    (descriptors are skipped for short ones)."""
+    (descriptors are skipped for short ones). gluon: the launcher can run the Gluon kernel
+    (single, ragged and paged launches without a split plan; not POD): cfg["gluon"] then holds its arguments
+    where the launch is in its scope (_gluon_views), and no Triton descriptors are built."""
     hq, hkv = q.shape[-2], k.shape[-2]
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
@@ -923,7 +925,7 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     # graphs, 64-row tiles); else per program and work item on the device (TMA 1), which short
     # key ranges do not amortise (pointer loads then, TMA 0).
     tma = 0
-    if kv_mode == KV_PAGED and HOST_TMA and _eager_launch():
+    if gluon and kv_mode == KV_PAGED and HOST_TMA and _eager_launch():
         # Paged: the Gluon kernel reads whole pages (or page-aligned key blocks) through
         # descriptors where its scope allows; otherwise the Triton kernel's pointer gathers.
         cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
@@ -938,8 +940,9 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
                  and _small_launch(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"])
                  and not torch.cuda.is_current_stream_capturing())
         if whole and HOST_TMA and eager and not small:
-            cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
-            if cfg["gluon"] is None:
+            if gluon:
+                cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
+            if cfg.get("gluon") is None:
                 args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
                 args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
             tma = 2
@@ -967,8 +970,8 @@ def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
     (dense, ragged, or a page cache whose pages are a whole number of rows apart and hold
     whole key tiles: prefill_gluon.kv_2d, page_fits), fp16 / bf16 throughout, one head dim of
     64 or 128, causal or no mask with a positive scale, none of window, chunks, soft cap,
-    ALiBi, RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans are
-    checked at the launch.)"""
+    ALiBi, RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans and
+    POD launches never ask: _program_args' gluon.)"""
     if not (USE_GLUON and _gluon is not None):
         return None
     if not _gluon_device(q.device) or block_m not in _gluon.TILES:
@@ -1110,7 +1113,7 @@ def _kernel(fn):
     return fn if INTERPRET else wrap_triton(fn)
 
 
-def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params):
+def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gluon=False):
     """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
     group = hq // k.shape[2]
@@ -1127,12 +1130,12 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params):
         (out.stride(0), out.stride(1), out.stride(2)),
         (lse.stride(0), lse.stride(1), lse.stride(2)),
         None, None, None, None, packed_mask, None, alibi_slopes, sinks,
-        (sq, skv), block_m, 1, params, skv)
+        (sq, skv), block_m, 1, params, skv, gluon)
     return out, lse, args
 
 
 def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_slopes,
-                 sinks, block_m, out_dtype, params):
+                 sinks, block_m, out_dtype, params, gluon=False):
     """batch_ragged_prefill: q [Nq, Hq, Dqk], k/v [Nk, Hkv, D]."""
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
@@ -1144,12 +1147,13 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
-        (0, 0), block_m, 1, params, _mean(k.shape[0], qo_indptr.shape[0] - 1))
+        (0, 0), block_m, 1, params, _mean(k.shape[0], qo_indptr.shape[0] - 1), gluon)
     return out, lse, args
 
 
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
-                packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params):
+                packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
+                gluon=False):
     """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides)."""
     out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
@@ -1161,7 +1165,7 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params)
+        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params, gluon=gluon)
     return out, lse, args
 
 
@@ -1242,12 +1246,12 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                                 dtype=torch.float32)
         part_l = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"]), dtype=torch.float32)
     gl_args = cfg.get("gluon")
-    if gl_args is not None and not split:
+    if gl_args is not None:
         # The Gluon kernel (_gluon_views chose it); dense mode keeps this launch's item order.
         q = prog_args[0]
         dense = paged = None
         if consts["KV_MODE"] == KV_DENSE:
-            dense = (q.shape[0], q.shape[1], gl_args["k2"].shape[0] // q.shape[0], tiles, group)
+            dense = (q.shape[0], q.shape[1], prog_args[1].shape[1], tiles, group)
         if consts["KV_MODE"] == KV_PAGED:
             page, k_rows, v_rows = gl_args["paged"]
             paged = (page, prog_args[7], prog_args[8], k_rows, v_rows)
@@ -1255,13 +1259,6 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                              prog_args[6], work, dense=dense, paged=paged,
                              qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"])
-    if gl_args is not None and consts["TMA"] == 2:
-        # A split plan is the Triton kernel's: dense / ragged K/V take the host descriptors
-        # that the Gluon scope check left unbuilt (paged K/V: pointer gathers, TMA 0).
-        prog_args[1] = _host_descriptor(prog_args[1], consts["KV_MODE"], consts["BLOCK_N"],
-                                        consts["BLOCK_DQK"])
-        prog_args[2] = _host_descriptor(prog_args[2], consts["KV_MODE"], consts["BLOCK_N"],
-                                        consts["BLOCK_DVO"])
     counter = work
     if consts["TMA"] == 3:
         grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)
@@ -1285,7 +1282,8 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
 
 def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **params):
     """single_prefill: grid (B * tiles, Hkv)."""
-    out, lse, args = _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params)
+    out, lse, args = _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params,
+                                 gluon=True)
     bsz, sq = q.shape[0], q.shape[1]
     if bsz == 0 or sq == 0:
         return out, lse
@@ -1300,7 +1298,8 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr,
                   sinks, block_m, merge=None, *, out_dtype, **params):
     """batch_ragged_prefill: grid (work items, Hkv)."""
     out, lse, args = _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr,
-                                  alibi_slopes, sinks, block_m, out_dtype, params)
+                                  alibi_slopes, sinks, block_m, out_dtype, params,
+                                  gluon=work.shape[1] == 2)  # not a split plan
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
     return _launch_prefill((work.shape[0], k.shape[1]), work, 1, out, lse, args, merge, sinks,
@@ -1313,7 +1312,8 @@ def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices
     """batch_paged_prefill: grid (work items, Hkv)."""
     out, lse, args = _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                  kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-                                 alibi_slopes, sinks, block_m, out_dtype, params)
+                                 alibi_slopes, sinks, block_m, out_dtype, params,
+                                 gluon=work.shape[1] == 2)  # not a split plan
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
     return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args, merge,

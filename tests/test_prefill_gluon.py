@@ -111,3 +111,24 @@ def test_scope_off_switch_and_device(monkeypatch):
     assert _scope(monkeypatch) is None
     monkeypatch.undo()
     assert not K._gluon_device(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("gluon", [True, False])
+def test_only_asking_launches_get_it(gluon, monkeypatch):
+    # A launch that may not run the Gluon kernel (a split plan, POD) never gets its views and
+    # keeps Triton's host descriptors; one that may gets the views and no descriptors.
+    for name in ("_gluon_device", "_tma_hardware", "_eager_launch"):
+        monkeypatch.setattr(K, name, lambda *a: True)
+    monkeypatch.setattr(K, "_tma_ok", lambda *a: True)
+    monkeypatch.setattr(K, "HOST_TMA_MIN_FLOP", 0)
+    q = torch.randn(256, 8, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(512, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    indptr = torch.tensor([0, 256], dtype=torch.int32)
+    params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.1,
+                  logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
+                  rope_theta=1e4, v_scale=1.0)
+    _, _, (args, consts, cfg) = K._ragged_args(q, k, v, indptr, indptr * 2, None, None, None,
+                                               None, 64, torch.bfloat16, params, gluon=gluon)
+    assert consts["TMA"] == 2
+    assert (cfg.get("gluon") is not None) == gluon
+    assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
