@@ -56,7 +56,7 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         return G.launch_ragged(q, k, v, qi, ki, w, out, lse, sm_scale=d ** -0.5, causal=causal,
                                block_m=bm, block_n=bn, stages=stages, num_warps=warps,
-                               p_smem=opt != ["r"])
+                               p_smem="r" not in opt, ws="ws" in opt)
     return fn
 
 
@@ -91,7 +91,8 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
-            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r] (r: P in registers)
+            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r][:ws] (r: P in
+                # registers; ws: warp-specialized, a load warp issuing the TMAs)
                 fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv)
                 outs.append(fn()[0].float())
                 runners.append(([fn], contextlib.nullcontext))

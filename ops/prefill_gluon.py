@@ -103,6 +103,57 @@ def _page_of(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.c
 
 
 @gluon.jit
+def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, PAGED: gl.constexpr,
+               PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+               BOXES: gl.constexpr):
+    """The producer's TMA of key tile t into slot buf [BLOCK_N, D], completing on bar: one box
+    (contiguous keys, or a page holding whole tiles: ``page``), or BOXES boxes of one page
+    each (pages smaller than a tile: ``pages`` [BOXES], the tile's pages in order)."""
+    mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8)
+    if BOXES == 1:
+        if PAGED:
+            row = page * stride_p + (t * BLOCK_N) % PAGE
+        else:
+            row = kv_start + t * BLOCK_N
+        _tma_load(src, [row, hkv * D], bar, buf)
+    else:
+        box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        b_idx = gl.arange(0, BOXES, layout=box_layout)
+        for b in gl.static_range(BOXES):
+            page_b = gl.sum(gl.where(b_idx == b, pages, 0), 0)
+            _tma_load(src, [page_b * stride_p, hkv * D], bar, buf.slice(b * PAGE, PAGE))
+
+
+@gluon.jit
+def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
+                 kv_start, hkv, page_idx_ptr, page_base, npages, stride_kp, stride_vp,
+                 PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr):
+    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V
+    into ring slot t % STAGES once the compute partition has released it (k_empty / v_empty;
+    a fresh barrier counts as released), signalling k_full / v_full. Its page reads and TMA
+    issues leave the compute warps' critical path (and Gluon's barrier before each copy into
+    a buffer read earlier syncs this one warp only)."""
+    box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    for t in range(n_tiles):
+        slot = t % STAGES
+        phase = ((t // STAGES) & 1) ^ 1
+        if BOXES == 1:
+            page = _page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
+            pages = page
+        else:  # the tile's pages, one per box (page 0 past the request's: masked, zeroed)
+            j = t * BOXES + gl.arange(0, BOXES, layout=box_layout)
+            pages = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
+            page = 0
+        mbarrier.wait(k_empty.index(slot), phase)
+        _fill_slot(k_src, k_ring.index(slot), k_full.index(slot), t, kv_start, hkv, page, pages,
+                   stride_kp, PAGED, PAGE, BLOCK_N, D, BOXES)
+        mbarrier.wait(v_empty.index(slot), phase)
+        _fill_slot(v_src, v_ring.index(slot), v_full.index(slot), t, kv_start, hkv, page, pages,
+                   stride_vp, PAGED, PAGE, BLOCK_N, D, BOXES)
+
+
+@gluon.jit
 def _zero_tail(v_ring, slot, rows, D: gl.constexpr, BLOCK_N: gl.constexpr,
                num_warps: gl.constexpr):
     """Zero the rows >= rows of a V slot: past kv_len they hold the next request's values,
@@ -119,17 +170,19 @@ def _zero_tail(v_ring, slot, rows, D: gl.constexpr, BLOCK_N: gl.constexpr,
 @gluon.jit
 def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
           kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-          page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
-          PAGED: gl.constexpr, PAGE: gl.constexpr,
+          page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM: gl.constexpr,
+          PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           STAGES: gl.constexpr, dtype: gl.constexpr, col_layout: gl.constexpr,
           row_o: gl.constexpr, p_layout: gl.constexpr, num_warps: gl.constexpr):
     """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together, the softmax of S_t under
-    the second, then the rescale; refills the K slot of tile t and the V slot of tile t - 1."""
+    the second, then the rescale; refills the K slot of tile t and the V slot of tile t - 1
+    (WS: releases them to the load partition instead)."""
     slot = t % STAGES
-    # the refills' pages, read now: their latency hides under this tile's work
-    k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
-    v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
+    if not WS:
+        # the refills' pages, read now: their latency hides under this tile's work
+        k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
+        v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
     mbarrier.wait(k_bar.index(slot), (t // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
@@ -143,6 +196,8 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
     else:
         o_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if WS:
+        mbarrier.arrive(k_empty.index(slot), count=1)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, kv_len, p_row, qk_scale, MASKED, CAUSAL,
                                        BLOCK_N, col_layout)
     if P_SMEM:
@@ -157,13 +212,85 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
     acc, p_op, p_next, alpha, m_i, l_i = warpgroup_mma_wait(
         0, deps=(o_tok, p_op, p_next, alpha, m_i, l_i))
     acc = acc * alpha[:, None]
-    # Both wgmmas reading the two slots have completed (in every warp group: Gluon puts a CTA
-    # barrier before each TMA into a buffer read earlier): refill them.
-    _load_kv(k_desc, k_ring, k_bar, t + STAGES, kv_start, hkv, t + STAGES < n_tiles, k_page,
-             k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-    _load_kv(v_desc, v_ring, v_bar, t - 1 + STAGES, kv_start, hkv, t - 1 + STAGES < n_tiles,
-             v_page, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+    if WS:
+        mbarrier.arrive(v_empty.index(prev), count=1)
+    else:
+        # Both wgmmas reading the two slots have completed (in every warp group: Gluon puts a
+        # CTA barrier before each TMA into a buffer read earlier): refill them.
+        _load_kv(k_desc, k_ring, k_bar, t + STAGES, kv_start, hkv, t + STAGES < n_tiles,
+                 k_page, k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+        _load_kv(v_desc, v_ring, v_bar, t - 1 + STAGES, kv_start, hkv,
+                 t - 1 + STAGES < n_tiles, v_page, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
     return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _consume(acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring,
+             k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
+             page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
+             PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, CAUSAL: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+             STAGES: gl.constexpr, NW: gl.constexpr):
+    """The compute warps' walk over the key tiles [0, n_tiles) (the first n_free unmasked)
+    from slots k_ring / v_ring filled on k_bar / v_bar: returns (acc [BLOCK_M, D], m_i, l_i).
+    Without WS it also refills the slots (the first STAGES tiles are in flight already); WS:
+    the default partition, releasing each slot on k_empty / v_empty to the load partition."""
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    if not WS:
+        # tile STAGES's page, for the K refill once tile 0's scores are in
+        k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
+
+    # tile 0: its scores alone (nothing to overlap yet)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    mbarrier.wait(k_bar.index(0), 0)
+    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    if n_free > 0:
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, False,
+                                           CAUSAL, BLOCK_N, col_s)
+    else:
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, True,
+                                           CAUSAL, BLOCK_N, col_s)
+    if WS:
+        mbarrier.arrive(k_empty.index(0), count=1)
+    else:
+        _cta_barrier()
+        _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, k_next,
+                 k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    if P_SMEM:
+        p_ring.index(0).store(p.to(dtype))
+        fence_async_shared()
+
+    for t in range(1, gl.maximum(n_free, 1)):
+        acc, p_op, m_i, l_i = _step(
+            t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
+            kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
+            page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
+            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, NW)
+    for t in range(gl.maximum(n_free, 1), n_tiles):
+        acc, p_op, m_i, l_i = _step(
+            t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
+            kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
+            page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
+            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, NW)
+
+    # the last tile's P V
+    last = n_tiles - 1
+    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    if n_tiles * BLOCK_N > kv_len:
+        _zero_tail(v_ring, last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, NW)
+    if P_SMEM:
+        acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(last % STAGES), acc)
+    else:
+        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+    return acc, m_i, l_i
 
 
 @gluon.jit
@@ -190,7 +317,7 @@ def _gluon_fwd(
     DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, GROUP: gl.constexpr,
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    num_warps: gl.constexpr,
+    WS: gl.constexpr, BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (work items, KV heads). Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
     first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o
@@ -282,65 +409,47 @@ def _gluon_fwd(
     if n_tiles > 0:
         k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+        # k_bar / v_bar: slot filled; k_empty / v_empty (WS): slot released by the compute warps
         k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], q_smem_layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=1)
         fence_async_shared()
-        for i in gl.static_range(STAGES):
-            page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
-            _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page, k_page_rows,
-                     PAGED, PAGE, BLOCK_N, D, STAGES)
-            _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page, v_page_rows,
-                     PAGED, PAGE, BLOCK_N, D, STAGES)
-        # tile STAGES's page, for the K refill once tile 0's scores are in
-        k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
-
-        # tile 0: its scores alone (nothing to overlap yet)
-        s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-        mbarrier.wait(k_bar.index(0), 0)
-        s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
-        if n_free > 0:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, False,
-                                               CAUSAL, BLOCK_N, col_s)
+        if WS:
+            acc, m_i, l_i = gl.warp_specialize([
+                (_consume, (acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
+                            v_empty, p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles,
+                            n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
+                            v_page_rows, P_SMEM, PAGED, PAGE, WS, CAUSAL, BLOCK_M, BLOCK_N, D,
+                            STAGES, num_warps)),
+                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+                                n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
+                                k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES,
+                                BOXES)),
+            ], [1], [PRODUCER_REGS])
         else:
-            p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, True,
-                                               CAUSAL, BLOCK_N, col_s)
-        _cta_barrier()
-        _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, k_next,
-                 k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], q_smem_layout)
-        if P_SMEM:
-            p_ring.index(0).store(p.to(dtype))
-            fence_async_shared()
-
-        for t in range(1, gl.maximum(n_free, 1)):
-            acc, p_op, m_i, l_i = _step(
-                t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-                page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE, False,
-                CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
-        for t in range(gl.maximum(n_free, 1), n_tiles):
-            acc, p_op, m_i, l_i = _step(
-                t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-                kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-                page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE, True,
-                CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, num_warps)
-
-        # the last tile's P V
-        last = n_tiles - 1
-        mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
-        if n_tiles * BLOCK_N > kv_len:
-            _zero_tail(v_ring, last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, num_warps)
-        if P_SMEM:
-            acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(last % STAGES), acc)
-        else:
-            acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+            for i in gl.static_range(STAGES):
+                page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
+                _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page, k_page_rows,
+                         PAGED, PAGE, BLOCK_N, D, STAGES)
+                _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page, v_page_rows,
+                         PAGED, PAGE, BLOCK_N, D, STAGES)
+            acc, m_i, l_i = _consume(
+                acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+                p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
+                page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE,
+                WS, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, num_warps)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bar.index(i))
             mbarrier.invalidate(v_bar.index(i))
+            mbarrier.invalidate(k_empty.index(i))
+            mbarrier.invalidate(v_empty.index(i))
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
     seen = l_i > 0
@@ -365,7 +474,10 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # two programs share each SM and the shared-memory round trip of P costs more than it hides);
 # 128-row tiles (one program per SM) stage P through shared memory, which lets the softmax run
 # under P V.
-TILES = {64: (64, 4, 2, False), 128: (128, 8, 2, True)}
+TILES = {64: (64, 4, 2, False, True), 128: (128, 8, 2, True, False)}
+# Programs per SM the register budget is split for under warp specialization (the load
+# partition's warp group included): 64-row tiles keep two, 128-row ones have one.
+_WS_CTAS = {4: 2, 8: 1}
 
 
 def kv_2d(t: torch.Tensor, kind: str) -> torch.Tensor | None:
@@ -417,13 +529,23 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
     views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, warps, stages, P through shared
-    memory), TILES[block_m] if None. paged: (page size, page table int32 [P], last page
-    lengths int32 [R], K and V page_rows) with k2 / v2 the caches' views and kv_indptr the
-    page indptr."""
+    memory, warp-specialized), TILES[block_m] if None. paged: (page size, page
+    table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
+    views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
+    box per page by the warp-specialized kernel."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
-    block_n, warps, stages, p_smem = tile or TILES[block_m]
+    block_n, warps, stages, p_smem, ws = tile or TILES[block_m]
+    page = paged[0] if paged is not None else 0
+    boxes = block_n // page if 0 < page < block_n else 1
+    if not page_fits(page, block_n) and paged is not None:
+        raise ValueError(f"page size {page} neither holds whole {block_n}-key tiles nor divides "
+                         "them into boxes of 16 keys or more (page_fits)")
+    ws = ws or boxes > 1
+    opts = {}
+    if ws:  # the register budget split over the compute warps and the load warp group
+        opts["maxnreg"] = 65536 // (_WS_CTAS[warps] * (warps + 4) * 32) // 8 * 8
     if dense is None:
         n_items, n_req, tiles, group, sq, skv = work.shape[0], 0, 0, 1, 0, 0
         qs = (0, q.stride(0), q.stride(1))
@@ -436,28 +558,30 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         qs, os_, ls = q.stride()[:3], out.stride()[:3], lse.stride()
         work_arg = qo_arg = kv_arg = lse  # never read in dense mode
     page, page_idx, last, k_rows, v_rows = paged or (0, work_arg, work_arg, 0, 0)
+    box = block_n // boxes
     _gluon_fwd[(n_items, hkv)](
-        work_arg, q, kv_descriptor(k2, d, block_n), kv_descriptor(v2, d, block_n), out, lse,
+        work_arg, q, kv_descriptor(k2, d, box), kv_descriptor(v2, d, box), out, lse,
         qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items, n_req, hkv,
         tiles, group, sq, skv,
         DENSE=dense is not None, PAGED=paged is not None, PAGE=page, GROUP=hq // hkv,
         CAUSAL=causal, BLOCK_M=block_m,
-        BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, num_warps=warps)
+        BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, WS=ws, BOXES=boxes,
+        PRODUCER_REGS=24, num_warps=warps, **opts)
     return out, lse
 
 
 def page_fits(page: int, block_n: int) -> bool:
-    """Whether pages of this size hold whole key tiles (one box per tile). Smaller pages need a
-    box per page, and Gluon puts a CTA barrier before each TMA into a buffer already written:
-    page 16 on 64-key tiles (four boxes) ran 0.80-0.83 of the ragged rate on the H100, below
-    the Triton kernel's pointer gathers (0.86-0.92); page 64 (one box) 0.94-0.97
-    (benchmarks/NOTES.md, 10th session)."""
-    return page > 0 and page % block_n == 0
+    """Whether the Gluon kernel reads pages of this size: pages holding whole key tiles (one
+    box per tile), or pages of 16 keys or more dividing a tile (a box per page, issued by the
+    warp-specialized kernel's load warp: from the compute warps, Gluon's CTA barrier before
+    each box cost page 16 0.80-0.83 of the ragged rate on the H100, benchmarks/NOTES.md, 10th
+    session). Smaller pages (1 to 8) stay on the Triton kernel's pointer gathers."""
+    return page > 0 and (page % block_n == 0 or (page >= 16 and block_n % page == 0))
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
                   causal: bool, block_m: int, block_n: int, stages: int, num_warps: int,
-                  p_smem: bool = True):
+                  p_smem: bool = True, ws: bool = False):
     """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
     [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
     block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
@@ -467,4 +591,4 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
                          "and 16-byte aligned rows for the Gluon kernel")
     return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
                   qk_scale=sm_scale * 1.4426950408889634, causal=causal, block_m=block_m,
-                  tile=(block_n, num_warps, stages, p_smem))
+                  tile=(block_n, num_warps, stages, p_smem, ws))

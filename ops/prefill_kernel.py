@@ -64,7 +64,8 @@ CRASH_STAGES = tl.constexpr(2)
 # Longer D 128 batches read K/V through descriptors, with 64-row tiles (more programs, a
 # shorter causal tail) up to SHORT_KV keys for causal batches (half that without a mask) and
 # 128-row tiles beyond. Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond
-# TMA_MIN_KV. Small pages (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of
+# TMA_MIN_KV; paged KV that the Gluon kernel reads by TMA boxes is tiled as contiguous K/V
+# (_gluon_pages). Small pages (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of
 # 64 keys with 16 warps (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill
 # them: their padded rows at most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384
 # packed rows ran 0.82x on two 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile
@@ -100,9 +101,21 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
         return 128
     if max_kv_len <= TMA_MIN_KV:
         return 64
-    if d <= 64 or paged:
+    if d <= 64 or (paged and not _gluon_pages(page_size)):
         return 128
     return 64 if max_kv_len <= (SHORT_KV if causal else SHORT_KV // 2) else 128
+
+
+def _gluon_pages(page_size: int) -> bool:
+    """Whether eager paged launches of this page size go to the Gluon kernel's TMA boxes in
+    this process (a Hopper GPU, USE_GLUON, pages it reads on either tile height): they are then
+    tiled as contiguous K/V are. Page 16, D 128, causal, over our ragged rate on the H100
+    (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
+    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96. (Traced graphs run the Triton kernel, which
+    prefers 128-row tiles for paged K/V: they take these tiles too.)"""
+    return (USE_GLUON and _gluon is not None and page_size > 0 and torch.cuda.is_available()
+            and _gluon_device(torch.device("cuda"))
+            and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0]) for bm in _gluon.TILES))
 
 
 def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:

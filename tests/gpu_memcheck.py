@@ -80,6 +80,18 @@ def main() -> int:
                     check(c, params(head_dim=128, **({"window_left": 40} if mode == "window"
                                                      else {})))
                     cases += 1
+            if path == "gluon":
+                # pages of whole key tiles and of 16 keys (a box each, warp-specialized), both
+                # tile heights (the ragged cases above: 64-row tiles warp-specialized)
+                for bm in (64, 128):
+                    for page in (16, 64):
+                        c = make_case("paged", QO, KV, hq=8, hkv=2, dqk=128,
+                                      dtype=torch.bfloat16, device="cuda", page_size=page,
+                                      seed=bm + page)
+                        c.block_m = bm
+                        c.work = build_work(QO, 4, bm, "cuda", kv_lens=KV)
+                        check(c, params(head_dim=128))
+                        cases += 1
             s = make_case("single", [100], [260], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16,
                           device="cuda")
             check(s, params(head_dim=128))

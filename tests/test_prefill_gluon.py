@@ -13,30 +13,42 @@ from compiled_attn.ops import prefill_kernel as K
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
 
-@pytest.mark.parametrize("dense,page,block_m,d,causal", [
-    (False, 0, 64, 128, True), (True, 0, 128, 64, False), (False, 64, 64, 128, True)])
-def test_compiles_for_sm90(dense, page, block_m, d, causal):
+@pytest.mark.parametrize("dense,page,block_m,d,causal,ws", [
+    (False, 0, 64, 128, True, False), (True, 0, 128, 64, False, False),
+    (False, 64, 64, 128, True, False), (False, 16, 128, 128, True, True),
+    (True, 0, 64, 64, False, True)])
+def test_compiles_for_sm90(dense, page, block_m, d, causal, ws):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m]
+    block_n, warps, stages, p_smem, _ = gluon_mod.TILES[block_m]
     fn = gluon_mod._gluon_fwd
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, d], gl.bfloat16)
-    desc = f"tensordesc<bf16[{block_n}, {d}],{layout}>"
+    box = min(page, block_n) if page else block_n  # pages smaller than a tile: a box each
+    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
     consts = dict(DENSE=dense, PAGED=page > 0, PAGE=page, GROUP=4, CAUSAL=causal,
-                  BLOCK_M=block_m, BLOCK_N=block_n, D=d,
-                  STAGES=stages, P_SMEM=p_smem, num_warps=warps)
+                  BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
+                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, num_warps=warps)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+    opts = dict(num_warps=warps)
+    if ws:  # as launch() sets it
+        opts["maxnreg"] = 65536 // (gluon_mod._WS_CTAS[warps] * (warps + 4) * 32) // 8 * 8
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    # warp specialized: the load warp's registers given back, the compute warps' raised; the
+    # compute warps release each slot (mbarrier arrive) instead of issuing its copy
+    assert ("setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx) == ws
+    assert ("mbarrier.arrive.shared" in ptx) == ws
+    if page and page < block_n:
+        assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
     # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
 
@@ -93,6 +105,9 @@ def test_scope_in(monkeypatch):
     for page, block_m in ((64, 64), (128, 128), (128, 64), (256, 128)):
         views = _scope(monkeypatch, page=page, block_m=block_m)
         assert views["paged"] == (page, 2 * page, 2 * page)
+    for page, block_m in ((16, 64), (16, 128), (32, 128), (64, 128)):  # a box per page (WS)
+        assert _scope(monkeypatch, page=page, block_m=block_m)["paged"] == (page, 2 * page,
+                                                                            2 * page)
 
 
 @pytest.mark.parametrize("change", [
@@ -100,7 +115,7 @@ def test_scope_in(monkeypatch):
     dict(block_m=256), dict(mask_mode=ops.MASK_CUSTOM), dict(window_left=8),
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
-    dict(sinks=True), dict(page=16), dict(page=64, block_m=128), dict(page=96),
+    dict(sinks=True), dict(page=8), dict(page=1), dict(page=96), dict(page=48, block_m=128),
     dict(page=64, hnd=True)], ids=str)
 def test_scope_out(change, monkeypatch):
     assert _scope(monkeypatch, **change) is None

@@ -18,10 +18,11 @@ pytestmark = [
                        or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"),
 ]
 
-# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory)
-TILES = [(64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 2, True),
-         (128, 128, 8, 2, True), (64, 64, 4, 2, False), (128, 128, 8, 2, False),
-         (64, 64, 4, 3, False)]
+# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory, warp-specialized)
+TILES = [(64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False), (128, 64, 8, 2, True, False),
+         (128, 128, 8, 2, True, False), (64, 64, 4, 2, False, False),
+         (128, 128, 8, 2, False, False), (64, 64, 4, 3, False, False),
+         (128, 128, 8, 2, True, True), (64, 64, 4, 2, False, True)]
 
 CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
     "odd": ([1, 37, 200, 0, 64], [130, 37, 333, 50, 64], 4, 4, 128),
@@ -34,7 +35,7 @@ CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
 def _runner(tile):
     from compiled_attn.ops import prefill_gluon as G
 
-    bm, bn, warps, stages, p_smem = tile
+    bm, bn, warps, stages, p_smem, ws = tile
 
     def run(c, p, out_dtype=None):
         qo = c.qo_indptr.diff().tolist()
@@ -49,16 +50,16 @@ def _runner(tile):
             return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
                             c.qo_indptr, c.kv_indptr, work, dense=None,
                             qk_scale=p["sm_scale"] * 1.4426950408889634, causal=causal,
-                            block_m=bm, tile=(bn, warps, stages, p_smem), paged=paged)
+                            block_m=bm, tile=(bn, warps, stages, p_smem, ws), paged=paged)
         work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())
         return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
                                sm_scale=p["sm_scale"], causal=causal, block_m=bm, block_n=bn,
-                               stages=stages, num_warps=warps, p_smem=p_smem)
+                               stages=stages, num_warps=warps, p_smem=p_smem, ws=ws)
     return run
 
 
 def _tile_id(t):
-    return "x".join(map(str, t[:4])) + ("s" if t[4] else "r")
+    return "x".join(map(str, t[:4])) + ("s" if t[4] else "r") + ("-ws" if t[5] else "")
 
 
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
@@ -74,20 +75,37 @@ def test_gluon_ragged(tile, case, causal, dt):
     check(c, p, runner=_runner(tile))
 
 
-# Paged caches (pages holding whole key tiles: one box per tile, inside a page): pages as large
-# as a key tile or larger, a shuffled page table in a combined K/V cache, partial last pages, a
-# request without keys, GQA 4:1.
-@pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4]], ids=_tile_id)
-@pytest.mark.parametrize("page", [64, 128, 256])
+def _nan_unused(c):
+    """Poison every cache slot no request owns (spare pages, the tails of last pages) with NaN:
+    a kernel that lets one reach an output fails the check."""
+    page = c.k.shape[1]
+    used = torch.zeros(c.k.shape[:2], dtype=torch.bool, device=c.k.device)
+    ind, last = c.kv_indptr.tolist(), c.last_page_len.tolist()
+    pages = c.page_indices.tolist()
+    for r in range(len(ind) - 1):
+        for j in range(ind[r], ind[r + 1]):
+            used[pages[j], :last[r] if j == ind[r + 1] - 1 else page] = True
+    c.k[~used] = float("nan")
+    c.v[~used] = float("nan")
+
+
+# Paged caches: pages as large as a key tile or larger (one box per tile, inside a page) and
+# pages of 16 or 32 keys (a box per page, the warp-specialized kernel), a shuffled page table
+# in a combined K/V cache, partial last pages, a request without keys, a long one wrapping
+# the rings, GQA 4:1; every slot no request owns holds NaN.
+@pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4], TILES[7], TILES[8]],
+                         ids=_tile_id)
+@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gluon_paged(tile, page, causal):
     from compiled_attn.ops import prefill_gluon as G
 
     if not G.page_fits(page, tile[1]):
         pytest.skip("page size does not tile this key block")
-    qo, kv = [37, 0, 200, 5, 64], [300, 9, 333, 5, 1000]
+    qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
     c = make_case("paged", qo, kv, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
                   page_size=page, seed=page)
+    _nan_unused(c)
     p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128)
     check(c, p, runner=_runner(tile))
 
@@ -110,12 +128,14 @@ def _spy(monkeypatch):
 
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
 # (the dense item order with several (entry, KV head) groups), paged with pages of whole key
-# tiles, both tile heights, GQA; a launch out of its scope (soft cap, a window, page 16) runs
-# the Triton kernel.
+# tiles and page 16 (a box per page), both tile heights, GQA; a launch out of its scope (soft
+# cap, a window, page 8) runs the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged64", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged128", [1000, 600], [1000, 2600], 128, False),
+    ("paged16", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("paged16", [1000, 600], [1000, 2600], 128, True),
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
     ("single", [2048], [2048], 128, True)])
@@ -141,7 +161,7 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
 @pytest.mark.parametrize("kind,page,p", [
     ("ragged", 16, params(logits_soft_cap=30.0, head_dim=128)),
     ("paged", 64, params(window_left=100, head_dim=128)),
-    ("paged", 16, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page16"])
+    ("paged", 8, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page8"])
 def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
     seen = _spy(monkeypatch)
     c = make_case(kind, [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
