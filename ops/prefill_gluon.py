@@ -9,10 +9,13 @@ and O += P_{t-1} V_{t-1} back to back, waits for S_t only, runs the softmax of S
 P_{t-1} V_{t-1} is still on the tensor cores (where P goes through shared memory: see TILES),
 then waits for it and rescales O. K and V stream through STAGES-deep shared-memory rings filled
 by TMA (host-built descriptors), each slot refilled as soon as the wgmma reading it has
-completed.
+completed: by the compute warps themselves, or (WS) by a one-warp load partition that the
+compute warps release each slot to (gl.warp_specialize), which also issues a box per page for
+pages smaller than a key tile.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
-ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles), bf16 /
+ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of
+16+ keys dividing one: page_fits), bf16 /
 fp16, head dim 64 or 128 for Q/K and V alike, causal or no mask, none of the logit transforms,
 positional encodings, sinks or fp8 K/V, no split-KV. Invariants as in prefill_kernel.py: packed row r of a request is
 token r // GROUP of query head hkv * GROUP + r % GROUP; positions are bottom-right aligned;

@@ -116,7 +116,7 @@ def test_scope_in(monkeypatch):
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
     dict(sinks=True), dict(page=8), dict(page=1), dict(page=96), dict(page=48, block_m=128),
-    dict(page=64, hnd=True)], ids=str)
+    dict(page=64, hnd=True), dict(page=16, d=64)], ids=str)
 def test_scope_out(change, monkeypatch):
     assert _scope(monkeypatch, **change) is None
 
@@ -147,3 +147,18 @@ def test_only_asking_launches_get_it(gluon, monkeypatch):
     assert consts["TMA"] == 2
     assert (cfg.get("gluon") is not None) == gluon
     assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
+
+
+def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
+    # Where the Gluon kernel reads a page size by TMA boxes (D 128, pages of 16+ keys dividing
+    # both tiles), block_m_for tiles paged K/V as it tiles contiguous K/V (64-row tiles up to
+    # SHORT_KV causal keys); the Triton kernel's pages keep 128-row tiles.
+    monkeypatch.setattr(K, "INTERPRET", False)
+    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tile = lambda page, d=128, kv=2048: K.block_m_for(d, d, 4, kv, True, True,  # noqa: E731
+                                                      page_size=page)
+    assert tile(16) == tile(64) == tile(128) == 64 and tile(16, kv=8192) == 128
+    assert tile(0) == 128 and tile(48) == 128 and tile(16, d=64) == 128
+    monkeypatch.setattr(K, "USE_GLUON", False)
+    assert tile(16) == 128
