@@ -6,8 +6,8 @@ first read up to 10% faster there). A variant is TILE:PATH: TILE a tile height (
 prod, block_m_for's choice, launched with _config's BLOCK_N / warps / stages) or a whole tile
 BM/BN/WARPS/STAGES (e.g. 256/64/16/3), and PATH a K/V path (a key of prefill_kernel.KV_PATHS:
 host, persistent, device, pointers). A third field pN runs the paged op instead, on page size N
-with a shuffled page table (providers.scatter_pages; K/V are gathered by pointer loads whatever
-PATH says), so
+with a shuffled page table (providers.scatter_pages; PATH gluon reads pages the Gluon kernel
+takes by TMA boxes, every other PATH by the Triton kernel's pointer gathers), so
 paged / ragged ratios come from one interleaved timing. List a variant twice for an A/A control:
 its spread is the noise floor.
 

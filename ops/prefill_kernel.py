@@ -117,7 +117,7 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     return (USE_GLUON and _gluon is not None and page_size > 0 and dqk == dvo == 128
             and torch.cuda.is_available()
             and _gluon_device(torch.device("cuda"))
-            and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0]) for bm in _gluon.TILES))
+            and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 
 
 def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
@@ -991,11 +991,8 @@ def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
         return None
     if not _gluon_device(q.device) or block_m not in _gluon.TILES:
         return None
-    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0]):
-        return None
-    if kv_mode == KV_PAGED and page_size < _gluon.TILES[block_m][0] and q.shape[-1] != 128:
-        # A box per page is GPU-tested at D 128 only; D 64 took it once on the H100 and
-        # test_opcheck_cuda failed there (cause not isolated: benchmarks/NOTES.md, 11th session).
+    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0],
+                                                    q.shape[-1]):
         return None
     dt = q.dtype
     if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out.dtype == dt):

@@ -39,7 +39,7 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws):
                          constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
     opts = dict(num_warps=warps)
     if ws:  # as launch() sets it
-        opts["maxnreg"] = 65536 // (gluon_mod._WS_CTAS[warps] * (warps + 4) * 32) // 8 * 8
+        opts["maxnreg"] = gluon_mod.ws_maxnreg(warps)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx

@@ -100,7 +100,7 @@ def _nan_unused(c):
 def test_gluon_paged(tile, page, causal):
     from compiled_attn.ops import prefill_gluon as G
 
-    if not G.page_fits(page, tile[1]):
+    if not G.page_fits(page, tile[1], 128):
         pytest.skip("page size does not tile this key block")
     qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
     c = make_case("paged", qo, kv, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
