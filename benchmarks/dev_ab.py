@@ -42,21 +42,32 @@ def _variant(tile: str | None, path: str):
         yield
 
 
-def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group):
+def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches):
     """The Gluon Hopper kernel (ops/prefill_gluon.py) on the same ragged inputs, called
-    directly (output buffers allocated per call, as the op does)."""
+    directly (output buffers allocated per call, as the op does); with a pN field, on the
+    shuffled page-N caches of the paged variants (``caches``, filled on first use)."""
     from compiled_attn.ops import prefill_gluon as G
 
     _, tile, *opt = var.split(":")
     bm, bn, warps, stages = (int(x) for x in tile.split("/"))
+    page = next((int(o[1:]) for o in opt if o.startswith("p")), 0)
     w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
+    cfg = (bn, warps, stages, "r" not in opt, "ws" in opt)
+    if page and page not in caches:
+        caches[page] = scatter_pages(k, v, [s] * b, page)
 
     def fn():
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if page:
+            kc, vc, pi, perm, last = caches[page]
+            return G.launch(q, G.kv_2d(kc, "paged"), G.kv_2d(vc, "paged"), out, lse, qi, pi, w,
+                            dense=None, qk_scale=d ** -0.5 * 1.4426950408889634, causal=causal,
+                            block_m=bm, tile=cfg, paged=(page, perm, last, G.page_rows(kc),
+                                                         G.page_rows(vc)))
         return G.launch_ragged(q, k, v, qi, ki, w, out, lse, sm_scale=d ** -0.5, causal=causal,
                                block_m=bm, block_n=bn, stages=stages, num_warps=warps,
-                               p_smem="r" not in opt, ws="ws" in opt)
+                               p_smem=cfg[3], ws=cfg[4])
     return fn
 
 
@@ -91,9 +102,9 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
-            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r][:ws] (r: P in
-                # registers; ws: warp-specialized, a load warp issuing the TMAs)
-                fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv)
+            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pN] (r: P in
+                # registers; ws: warp-specialized, a load warp issuing the TMAs; pN: page N)
+                fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches)
                 outs.append(fn()[0].float())
                 runners.append(([fn], contextlib.nullcontext))
                 continue
