@@ -50,6 +50,12 @@ def _row_layout(d, num_warps):
 
 
 @constexpr_function
+def _box_layout(num_warps):
+    """A blocked layout for the [BOXES] page indices of a tile (read by every thread)."""
+    return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+
+@constexpr_function
 def _mma_layout(n, num_warps):
     """The wgmma accumulator layout of a [rows, n] result (scores: n = BLOCK_N; O: n = D)."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -92,7 +98,7 @@ def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, page, page_rows, PAGED: gl
     ``page``, the one holding tile t (_page_of)."""
     slot = t % STAGES
     _fill_slot(desc, ring.index(slot), bar.index(slot), t, kv_start, hkv, page, page, page_rows,
-               pred, PAGED, PAGE, BLOCK_N, D, 1)
+               pred, PAGED, PAGE, BLOCK_N, D, 1, 1)
 
 
 @gluon.jit
@@ -109,13 +115,29 @@ def _page_of(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.c
 
 
 @gluon.jit
+def _tile_pages(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                BLOCK_N: gl.constexpr, BOXES: gl.constexpr, NW: gl.constexpr):
+    """(page, pages) of key tile t for _fill_slot: one box, the page holding it (_page_of);
+    BOXES boxes, its pages in order [BOXES] (page 0 past the request's: masked, zeroed)."""
+    if BOXES == 1:
+        page = _page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
+        pages = page
+    else:
+        j = t * BOXES + gl.arange(0, BOXES, layout=_box_layout(NW))
+        pages = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
+        page = 0
+    return page, pages
+
+
+@gluon.jit
 def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
                PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-               BOXES: gl.constexpr):
+               BOXES: gl.constexpr, NW: gl.constexpr):
     """TMA of key tile t into slot buf [BLOCK_N, D], completing on bar (when pred; boxes
     always): one box (contiguous keys, or a page holding whole tiles: ``page``, page p from
-    row p * stride_p), or BOXES boxes of one page each (pages smaller than a tile, the load
-    partition only: ``pages`` [BOXES], the tile's pages in order)."""
+    row p * stride_p), or BOXES boxes of one page each (pages smaller than a tile,
+    warp-specialized launches only: ``pages`` [BOXES], the tile's pages in order, in
+    _box_layout(NW), NW the issuing warps)."""
     mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
     if BOXES == 1:
         if PAGED:
@@ -124,8 +146,7 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
             row = kv_start + t * BLOCK_N
         _tma_load(src, [row, hkv * D], bar, buf, pred=pred)
     else:
-        box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        b_idx = gl.arange(0, BOXES, layout=box_layout)
+        b_idx = gl.arange(0, BOXES, layout=_box_layout(NW))
         for b in gl.static_range(BOXES):
             page_b = gl.sum(gl.where(b_idx == b, pages, 0), 0)
             _tma_load(src, [page_b * stride_p, hkv * D], bar, buf.slice(b * PAGE, PAGE))
@@ -136,28 +157,23 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
                  kv_start, hkv, page_idx_ptr, page_base, npages, stride_kp, stride_vp,
                  PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                  D: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr):
-    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V
-    into ring slot t % STAGES once the compute partition has released it (k_empty / v_empty;
-    a fresh barrier counts as released), signalling k_full / v_full. Its page reads and TMA
-    issues leave the compute warps' critical path (and Gluon's barrier before each copy into
-    a buffer read earlier syncs this one warp only)."""
-    box_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    for t in range(n_tiles):
+    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V (t
+    >= 1; the kernel issues tile 0 before the split) into ring slot t % STAGES once the
+    compute partition has released it (k_empty / v_empty; a fresh barrier counts as
+    released), signalling k_full / v_full. Its page reads and TMA issues leave the compute
+    warps' critical path (and Gluon's barrier before each copy into a buffer read earlier
+    syncs this one warp only)."""
+    for t in range(1, n_tiles):  # (tile 0: issued before the partitions split)
         slot = t % STAGES
         phase = ((t // STAGES) & 1) ^ 1
-        if BOXES == 1:
-            page = _page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
-            pages = page
-        else:  # the tile's pages, one per box (page 0 past the request's: masked, zeroed)
-            j = t * BOXES + gl.arange(0, BOXES, layout=box_layout)
-            pages = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
-            page = 0
+        page, pages = _tile_pages(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N,
+                                  BOXES, 1)
         mbarrier.wait(k_empty.index(slot), phase)
         _fill_slot(k_src, k_ring.index(slot), k_full.index(slot), t, kv_start, hkv, page, pages,
-                   stride_kp, True, PAGED, PAGE, BLOCK_N, D, BOXES)
+                   stride_kp, True, PAGED, PAGE, BLOCK_N, D, BOXES, 1)
         mbarrier.wait(v_empty.index(slot), phase)
         _fill_slot(v_src, v_ring.index(slot), v_full.index(slot), t, kv_start, hkv, page, pages,
-                   stride_vp, True, PAGED, PAGE, BLOCK_N, D, BOXES)
+                   stride_vp, True, PAGED, PAGE, BLOCK_N, D, BOXES, 1)
 
 
 @gluon.jit
@@ -387,9 +403,6 @@ def _gluon_fwd(
     row_ok = tok < qo_len
     q_rows = q_base + (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
     q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout, q)
-    fence_async_shared()
-    _cta_barrier()
 
     # ---- the key range: tiles [0, n_free) are visible to every row, [n_free, n_tiles) masked -
     tok_lo = row0 // GROUP
@@ -422,6 +435,25 @@ def _gluon_fwd(
             mbarrier.init(k_empty.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=1)
         fence_async_shared()
+        # The first K / V copies go out while Q's loads are in flight (WS: tile 0, the load
+        # partition issues the rest; else the first STAGES tiles); then Q to shared memory.
+        if WS:
+            page0, pages0 = _tile_pages(page_idx_ptr, page_base, npages, 0, PAGED, PAGE,
+                                        BLOCK_N, BOXES, num_warps)
+            _fill_slot(k_desc, k_ring.index(0), k_bar.index(0), 0, kv_start, hkv, page0,
+                       pages0, k_page_rows, True, PAGED, PAGE, BLOCK_N, D, BOXES, num_warps)
+            _fill_slot(v_desc, v_ring.index(0), v_bar.index(0), 0, kv_start, hkv, page0,
+                       pages0, v_page_rows, True, PAGED, PAGE, BLOCK_N, D, BOXES, num_warps)
+        else:
+            for i in gl.static_range(STAGES):
+                page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
+                _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
+                         k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+                _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
+                         v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout, q)
+        fence_async_shared()
+        _cta_barrier()
         if WS:
             acc, m_i, l_i = gl.warp_specialize([
                 (_consume, (acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
@@ -435,12 +467,6 @@ def _gluon_fwd(
                                 BOXES)),
             ], [1], [PRODUCER_REGS])
         else:
-            for i in gl.static_range(STAGES):
-                page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
-                _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page, k_page_rows,
-                         PAGED, PAGE, BLOCK_N, D, STAGES)
-                _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page, v_page_rows,
-                         PAGED, PAGE, BLOCK_N, D, STAGES)
             acc, m_i, l_i = _consume(
                 acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
                 p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
