@@ -62,7 +62,7 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches):
         if page:
             kc, vc, pi, perm, last = caches[page]
             return G.launch(q, G.kv_2d(kc, "paged"), G.kv_2d(vc, "paged"), out, lse, qi, pi, w,
-                            dense=None, qk_scale=d ** -0.5 * 1.4426950408889634, causal=causal,
+                            dense=None, qk_scale=d ** -0.5 * K.LOG2E, causal=causal,
                             block_m=bm, tile=cfg, paged=(page, perm, last, G.page_rows(kc),
                                                          G.page_rows(vc)))
         return G.launch_ragged(q, k, v, qi, ki, w, out, lse, sm_scale=d ** -0.5, causal=causal,

@@ -571,11 +571,11 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
     block_n, warps, stages, p_smem, ws = tile or TILES[block_m]
-    page = paged[0] if paged is not None else 0
-    boxes = block_n // page if 0 < page < block_n else 1
+    page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
                          "divides them into boxes of 16 keys or more at D 128 (page_fits)")
+    boxes = block_n // page if 0 < page < block_n else 1
     ws = ws or boxes > 1
     opts = {}
     if ws:  # the register budget split over the compute warps and the load warp group
@@ -591,12 +591,13 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         n_items = n_req * tiles
         qs, os_, ls = q.stride()[:3], out.stride()[:3], lse.stride()
         work_arg = qo_arg = kv_arg = lse  # never read in dense mode
-    page, page_idx, last, k_rows, v_rows = paged or (0, work_arg, work_arg, 0, 0)
+    if paged is None:  # never read
+        page_idx = last = work_arg
     box = block_n // boxes
     _gluon_fwd[(n_items, hkv)](
         work_arg, q, kv_descriptor(k2, d, box), kv_descriptor(v2, d, box), out, lse,
-        qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items, n_req, hkv,
-        tiles, group, sq, skv,
+        qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
+        n_req, hkv, tiles, group, sq, skv,
         DENSE=dense is not None, PAGED=paged is not None, PAGE=page, GROUP=hq // hkv,
         CAUSAL=causal, BLOCK_M=block_m,
         BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, WS=ws, BOXES=boxes,

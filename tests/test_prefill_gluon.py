@@ -162,3 +162,47 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     assert tile(0) == 128 and tile(48) == 128 and tile(16, d=64) == 128
     monkeypatch.setattr(K, "USE_GLUON", False)
     assert tile(16) == 128
+
+
+class _Recorder:
+    """Stands in for _gluon_fwd: records the grid and keywords of the launch."""
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.grid, self.args, self.kw = grid, args, kw
+        return call
+
+
+@pytest.mark.parametrize("page,block_m,boxes,ws", [
+    (0, 64, 1, True), (0, 128, 1, False), (64, 64, 1, True), (128, 128, 1, False),
+    (16, 64, 4, True), (16, 128, 8, True)])
+def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
+    # launch() (host side of the GPU-only kernel): pages below a key tile take a box each and
+    # force warp specialization, with its register cap; a page size it cannot read raises.
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    q = torch.randn(40, 8, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 8)
+    work = torch.zeros(3, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    if page:
+        cache = torch.randn(6, page, 2, 128, dtype=torch.bfloat16)
+        k2 = v2 = gluon_mod.kv_2d(cache, "paged")
+        table, last = torch.arange(6, dtype=torch.int32), torch.tensor([5], dtype=torch.int32)
+        paged = (page, table, last, page, page)
+    else:
+        k2 = v2 = gluon_mod.kv_2d(torch.randn(50, 2, 128, dtype=torch.bfloat16), "ragged")
+        paged = None
+    gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                     causal=True, block_m=block_m, paged=paged)
+    block_n, warps = gluon_mod.TILES[block_m][:2]
+    assert rec.grid == (3, 2)
+    assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
+    assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
+    assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
+    if page:
+        assert rec.args[8] is table and rec.args[9] is last
+        with pytest.raises(ValueError, match="page size 8"):
+            gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
+                             qk_scale=0.1, causal=True, block_m=block_m,
+                             paged=(8, table, last, page, page))
