@@ -9,7 +9,8 @@ host, persistent, device, pointers). A third field pN runs the paged op instead,
 with a shuffled page table (providers.scatter_pages; PATH gluon reads pages the Gluon kernel
 takes by TMA boxes, every other PATH by the Triton kernel's pointer gathers), so
 paged / ragged ratios come from one interleaved timing. List a variant twice for an A/A control:
-its spread is the noise floor.
+its spread is the noise floor. A variant prev:BM/BN/WARPS/STAGES[:...] runs a gluon: variant on
+another copy of ops/prefill_gluon.py (--prev FILE, e.g. the last commit's), for kernel A/B.
 
     python3 -m benchmarks.dev_ab --cases 4096,8192 --variants prod:host,prod:host,256/64/16/3:host
     python3 -m benchmarks.dev_ab --variants prod:host,prod:host:p16,256/64/16/3:host:p1
@@ -42,12 +43,21 @@ def _variant(tile: str | None, path: str):
         yield
 
 
-def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches):
-    """The Gluon Hopper kernel (ops/prefill_gluon.py) on the same ragged inputs, called
-    directly (output buffers allocated per call, as the op does); with a pN field, on the
-    shuffled page-N caches of the paged variants (``caches``, filled on first use)."""
-    from compiled_attn.ops import prefill_gluon as G
+def _load_prev(path):
+    """The module at ``path``: another copy of ops/prefill_gluon.py (prev: variants)."""
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("prev_prefill_gluon", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
+    """The Gluon Hopper kernel (module G: ops/prefill_gluon.py or a prev: copy) on the same
+    ragged inputs, called directly (output buffers allocated per call, as the op does); with a
+    pN field, on the shuffled page-N caches of the paged variants (``caches``, filled on first
+    use)."""
     _, tile, *opt = var.split(":")
     bm, bn, warps, stages = (int(x) for x in tile.split("/"))
     page = next((int(o[1:]) for o in opt if o.startswith("p")), 0)
@@ -86,8 +96,12 @@ def main():
     ap.add_argument("--mask", default="causal", choices=["causal", "none"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=1500.0)
+    ap.add_argument("--prev", default="", help="another prefill_gluon.py for prev: variants")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
+    from compiled_attn.ops import prefill_gluon
+
+    mods = {"gluon": prefill_gluon, "prev": _load_prev(a.prev) if a.prev else None}
     h, d, rows = a.heads, a.dim, []
     hkv, causal = a.kv_heads or h, a.mask == "causal"
     tail = (ops.MASK_CAUSAL if causal else ops.MASK_NONE, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4,
@@ -102,9 +116,11 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
-            if var.startswith("gluon:"):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pN] (r: P in
-                # registers; ws: warp-specialized, a load warp issuing the TMAs; pN: page N)
-                fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches)
+            if var.startswith(("gluon:", "prev:")):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pN]
+                # (r: P in registers; ws: warp-specialized, a load warp issuing the TMAs; pN:
+                # page N); prev: the same on the --prev module
+                fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches,
+                                   mods[var.split(":")[0]])
                 outs.append(fn()[0].float())
                 runners.append(([fn], contextlib.nullcontext))
                 continue

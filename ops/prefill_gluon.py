@@ -157,13 +157,13 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
                  kv_start, hkv, page_idx_ptr, page_base, npages, stride_kp, stride_vp,
                  PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                  D: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr):
-    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V (t
-    >= 1; the kernel issues tile 0 before the split) into ring slot t % STAGES once the
-    compute partition has released it (k_empty / v_empty; a fresh barrier counts as
-    released), signalling k_full / v_full. Its page reads and TMA issues leave the compute
-    warps' critical path (and Gluon's barrier before each copy into a buffer read earlier
-    syncs this one warp only)."""
-    for t in range(1, n_tiles):  # (tile 0: issued before the partitions split)
+    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V into
+    ring slot t % STAGES once the compute partition has released it (k_empty / v_empty; a
+    fresh barrier counts as released), signalling k_full / v_full, from tile 0 on (the split
+    comes right after the barriers' init, while Q's loads are in flight). Its page reads and
+    TMA issues leave the compute warps' critical path (and Gluon's barrier before each copy
+    into a buffer already written syncs this one warp only)."""
+    for t in range(n_tiles):
         slot = t % STAGES
         phase = ((t // STAGES) & 1) ^ 1
         page, pages = _tile_pages(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N,
@@ -248,14 +248,15 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring,
-             k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
-             page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
+def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+             p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
+             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
              PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, NW: gl.constexpr):
     """The compute warps' walk over the key tiles [0, n_tiles) (the first n_free unmasked)
-    from slots k_ring / v_ring filled on k_bar / v_bar: returns (acc [BLOCK_M, D], m_i, l_i).
+    from slots k_ring / v_ring filled on k_bar / v_bar, after storing q [BLOCK_M, D] into
+    q_smem: returns (acc [BLOCK_M, D], m_i, l_i).
     Without WS it also refills the slots (the first STAGES tiles are in flight already); WS:
     the default partition, releasing each slot on k_empty / v_empty to the load partition."""
     dtype: gl.constexpr = q_smem.dtype
@@ -264,6 +265,9 @@ def _consume(acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    q_smem.store(q)  # (Q's loads were in flight under the first K / V copies)
+    fence_async_shared()
+    _cta_barrier()
     if not WS:
         # tile STAGES's page, for the K refill once tile 0's scores are in
         k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
@@ -435,28 +439,19 @@ def _gluon_fwd(
             mbarrier.init(k_empty.index(i), count=1)
             mbarrier.init(v_empty.index(i), count=1)
         fence_async_shared()
-        # The first K / V copies go out while Q's loads are in flight (WS: tile 0, the load
-        # partition issues the rest; else the first STAGES tiles); then Q to shared memory.
-        if WS:
-            page0, pages0 = _tile_pages(page_idx_ptr, page_base, npages, 0, PAGED, PAGE,
-                                        BLOCK_N, BOXES, num_warps)
-            _fill_slot(k_desc, k_ring.index(0), k_bar.index(0), 0, kv_start, hkv, page0,
-                       pages0, k_page_rows, True, PAGED, PAGE, BLOCK_N, D, BOXES, num_warps)
-            _fill_slot(v_desc, v_ring.index(0), v_bar.index(0), 0, kv_start, hkv, page0,
-                       pages0, v_page_rows, True, PAGED, PAGE, BLOCK_N, D, BOXES, num_warps)
-        else:
+        # The first K / V copies go out while Q's loads are in flight (WS: the load partition
+        # from the split on; else the first STAGES tiles, here); _consume then stores Q.
+        if not WS:
             for i in gl.static_range(STAGES):
                 page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
                 _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
                          k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
                          v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout, q)
-        fence_async_shared()
-        _cta_barrier()
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout)
         if WS:
             acc, m_i, l_i = gl.warp_specialize([
-                (_consume, (acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
+                (_consume, (acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
                             v_empty, p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles,
                             n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
                             v_page_rows, P_SMEM, PAGED, PAGE, WS, CAUSAL, BLOCK_M, BLOCK_N, D,
@@ -468,7 +463,7 @@ def _gluon_fwd(
             ], [1], [PRODUCER_REGS])
         else:
             acc, m_i, l_i = _consume(
-                acc, m_i, l_i, p_row, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+                acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
                 p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
                 page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE,
                 WS, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, num_warps)
