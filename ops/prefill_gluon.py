@@ -50,9 +50,9 @@ def _row_layout(d, num_warps):
 
 
 @constexpr_function
-def _box_layout(num_warps):
-    """A blocked layout for the [BOXES] page indices of a tile (read by every thread)."""
-    return gl.BlockedLayout([1], [32], [num_warps], [0])
+def _box_layout():
+    """A blocked layout for the [BOXES] page indices of a tile, read by the load warp."""
+    return gl.BlockedLayout([1], [32], [1], [0])
 
 
 @constexpr_function
@@ -98,7 +98,7 @@ def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, page, page_rows, PAGED: gl
     ``page``, the one holding tile t (_page_of)."""
     slot = t % STAGES
     _fill_slot(desc, ring.index(slot), bar.index(slot), t, kv_start, hkv, page, page, page_rows,
-               pred, PAGED, PAGE, BLOCK_N, D, 1, 1)
+               pred, PAGED, PAGE, BLOCK_N, D, 1)
 
 
 @gluon.jit
@@ -116,14 +116,14 @@ def _page_of(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.c
 
 @gluon.jit
 def _tile_pages(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.constexpr,
-                BLOCK_N: gl.constexpr, BOXES: gl.constexpr, NW: gl.constexpr):
+                BLOCK_N: gl.constexpr, BOXES: gl.constexpr):
     """(page, pages) of key tile t for _fill_slot: one box, the page holding it (_page_of);
     BOXES boxes, its pages in order [BOXES] (page 0 past the request's: masked, zeroed)."""
     if BOXES == 1:
         page = _page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
         pages = page
     else:
-        j = t * BOXES + gl.arange(0, BOXES, layout=_box_layout(NW))
+        j = t * BOXES + gl.arange(0, BOXES, layout=_box_layout())
         pages = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
         page = 0
     return page, pages
@@ -132,12 +132,12 @@ def _tile_pages(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: g
 @gluon.jit
 def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
                PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-               BOXES: gl.constexpr, NW: gl.constexpr):
+               BOXES: gl.constexpr):
     """TMA of key tile t into slot buf [BLOCK_N, D], completing on bar (when pred; boxes
     always): one box (contiguous keys, or a page holding whole tiles: ``page``, page p from
-    row p * stride_p), or BOXES boxes of one page each (pages smaller than a tile,
-    warp-specialized launches only: ``pages`` [BOXES], the tile's pages in order, in
-    _box_layout(NW), NW the issuing warps)."""
+    row p * stride_p), or BOXES boxes of one page each (pages smaller than a tile, issued by
+    the warp-specialized kernel's load warp: ``pages`` [BOXES], the tile's pages in order, in
+    _box_layout())."""
     mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
     if BOXES == 1:
         if PAGED:
@@ -146,7 +146,7 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
             row = kv_start + t * BLOCK_N
         _tma_load(src, [row, hkv * D], bar, buf, pred=pred)
     else:
-        b_idx = gl.arange(0, BOXES, layout=_box_layout(NW))
+        b_idx = gl.arange(0, BOXES, layout=_box_layout())
         for b in gl.static_range(BOXES):
             page_b = gl.sum(gl.where(b_idx == b, pages, 0), 0)
             _tma_load(src, [page_b * stride_p, hkv * D], bar, buf.slice(b * PAGE, PAGE))
@@ -167,13 +167,13 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
         slot = t % STAGES
         phase = ((t // STAGES) & 1) ^ 1
         page, pages = _tile_pages(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N,
-                                  BOXES, 1)
+                                  BOXES)
         mbarrier.wait(k_empty.index(slot), phase)
         _fill_slot(k_src, k_ring.index(slot), k_full.index(slot), t, kv_start, hkv, page, pages,
-                   stride_kp, True, PAGED, PAGE, BLOCK_N, D, BOXES, 1)
+                   stride_kp, True, PAGED, PAGE, BLOCK_N, D, BOXES)
         mbarrier.wait(v_empty.index(slot), phase)
         _fill_slot(v_src, v_ring.index(slot), v_full.index(slot), t, kv_start, hkv, page, pages,
-                   stride_vp, True, PAGED, PAGE, BLOCK_N, D, BOXES, 1)
+                   stride_vp, True, PAGED, PAGE, BLOCK_N, D, BOXES)
 
 
 @gluon.jit
