@@ -169,7 +169,7 @@ def test_plot_and_report(tmp_path):
     assert report.main([str(path)]) == 0
     md = (tmp_path / "h100_ratios.md").read_text()
     assert "| fa3 | D128 S4096 causal | 500 | 1.25 | 1.67 | 0.83 |" in md
-    assert "| B32 S4096 | 16 | 1.00 | - |" in md and "| B32 S4096 | 1 | 0.90 | - |" in md
+    assert "| B32 S4096 | 16 | 1.000 | - |" in md and "| B32 S4096 | 1 | 0.900 | - |" in md
     assert "varlen / our fixed-length >= 1.0 | 2 (0 missing) | 1.00 | 2/2 |" in md
     assert "Suites from more than one run" not in md
     # a file merged from two runs says which suites came from which
