@@ -60,9 +60,11 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
     use)."""
     _, tile, *opt = var.split(":")
     bm, bn, warps, stages = (int(x) for x in tile.split("/"))
-    page = next((int(o[1:]) for o in opt if o.startswith("p")), 0)
+    page = next((int(o[1:]) for o in opt if o[:1] == "p" and o[1:].isdigit()), 0)
     w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
-    cfg = (bn, warps, stages, "r" not in opt, "ws" in opt)
+    cfg = (bn, warps, stages, "r" not in opt, "ws" in opt, "pp" in opt)
+    if len(G.TILES[64]) == 5:  # a prev: copy from before ping-pong (5-field tiles)
+        cfg = cfg[:5]
     if page and page not in caches:
         caches[page] = scatter_pages(k, v, [s] * b, page)
 
@@ -77,7 +79,8 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
                                                          G.page_rows(vc)))
         return G.launch_ragged(q, k, v, qi, ki, w, out, lse, sm_scale=d ** -0.5, causal=causal,
                                block_m=bm, block_n=bn, stages=stages, num_warps=warps,
-                               p_smem=cfg[3], ws=cfg[4])
+                               p_smem=cfg[3], ws=cfg[4],
+                               **({"pingpong": cfg[5]} if cfg[5:] else {}))
     return fn
 
 
@@ -116,9 +119,9 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
-            if var.startswith(("gluon:", "prev:")):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pN]
-                # (r: P in registers; ws: warp-specialized, a load warp issuing the TMAs; pN:
-                # page N); prev: the same on the --prev module
+            if var.startswith(("gluon:", "prev:")):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pp]
+                # [:pN] (r: P in registers; ws: warp-specialized, a load warp issuing the TMAs;
+                # pp: ping-pong, two groups of WARPS / 2; pN: page N); prev: on --prev
                 fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches,
                                    mods[var.split(":")[0]])
                 outs.append(fn()[0].float())

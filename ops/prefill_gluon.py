@@ -180,14 +180,37 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
 def _zero_tail(v_ring, slot, rows, D: gl.constexpr, BLOCK_N: gl.constexpr,
                num_warps: gl.constexpr):
     """Zero the rows >= rows of a V slot: past kv_len they hold the next request's values,
-    which p = 0 would turn into NaN if they are not finite."""
+    which p = 0 would turn into NaN if they are not finite. 16 rows at a time (few registers
+    beside the live accumulator). Under ping-pong both groups zero the slot they share: each
+    before its own P V reads it, and the other's writes are zeros or the values already
+    there."""
+    CHUNK: gl.constexpr = 16
     blk: gl.constexpr = _row_layout(D, num_warps)
     buf = v_ring.index(slot)
-    x = buf.load(blk)
-    r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, blk))
-    buf.store(gl.where((r < rows)[:, None], x, 0.0))
+    r = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, blk))
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        part = buf.slice(c * CHUNK, CHUNK)
+        part.store(gl.where((c * CHUNK + r < rows)[:, None], part.load(blk), 0.0))
     fence_async_shared()
     _cta_barrier()
+
+
+@gluon.jit
+def _take_turn(turn, t, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: group WG waits, before issuing tile t's wgmmas, until the other group has
+    issued its previous round (group 0 first: a fresh barrier's phase 1 reads as complete).
+    The groups alternate on the tensor cores, so each one's softmax runs under the other's
+    matmuls (FA3's inter-warpgroup schedule). A group can never be two rounds ahead: its next
+    turn needs the other's arrival on this round."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (t & 1) ^ WG ^ 1)
+
+
+@gluon.jit
+def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: group WG's wgmmas of this round are issued; the other group's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
 
 
 @gluon.jit
@@ -197,15 +220,17 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
           PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           STAGES: gl.constexpr, dtype: gl.constexpr, col_layout: gl.constexpr,
-          row_o: gl.constexpr, p_layout: gl.constexpr, num_warps: gl.constexpr):
-    """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together, the softmax of S_t under
-    the second, then the rescale; refills the K slot of tile t and the V slot of tile t - 1
-    (WS: releases them to the load partition instead)."""
+          row_o: gl.constexpr, p_layout: gl.constexpr, turn, WG: gl.constexpr,
+          PINGPONG: gl.constexpr, num_warps: gl.constexpr):
+    """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together (PINGPONG: in group WG's
+    turn), the softmax of S_t under the second, then the rescale; refills the K slot of tile t
+    and the V slot of tile t - 1 (WS: releases them to the load partition instead)."""
     slot = t % STAGES
     if not WS:
         # the refills' pages, read now: their latency hides under this tile's work
         k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
         v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
+    _take_turn(turn, t, WG, PINGPONG)
     mbarrier.wait(k_bar.index(slot), (t // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
@@ -218,6 +243,7 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
         o_tok = warpgroup_mma(p_ring.index((t - 1) % 2), v_ring.index(prev), acc, is_async=True)
     else:
         o_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
+    _pass_turn(turn, WG, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     if WS:
         mbarrier.arrive(k_empty.index(slot), count=1)
@@ -250,15 +276,17 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
 @gluon.jit
 def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
              p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
-             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, P_SMEM: gl.constexpr,
-             PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, CAUSAL: gl.constexpr,
+             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, turn,
+             WG: gl.constexpr, P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+             WS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr, NW: gl.constexpr):
-    """The compute warps' walk over the key tiles [0, n_tiles) (the first n_free unmasked)
+    """A compute group's walk over the key tiles [0, n_tiles) (the first n_free unmasked)
     from slots k_ring / v_ring filled on k_bar / v_bar, after storing q [BLOCK_M, D] into
     q_smem: returns (acc [BLOCK_M, D], m_i, l_i).
     Without WS it also refills the slots (the first STAGES tiles are in flight already); WS:
-    the default partition, releasing each slot on k_empty / v_empty to the load partition."""
+    releases each slot on k_empty / v_empty to the load partition. PINGPONG: group WG of two,
+    issuing its wgmmas in turns with the other (_take_turn)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
     o_layout: gl.constexpr = _mma_layout(D, NW)
@@ -274,8 +302,10 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
 
     # tile 0: its scores alone (nothing to overlap yet)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    _take_turn(turn, 0, WG, PINGPONG)
     mbarrier.wait(k_bar.index(0), 0)
     s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    _pass_turn(turn, WG, PINGPONG)
     if n_free > 0:
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, False,
                                            CAUSAL, BLOCK_N, col_s)
@@ -298,13 +328,15 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
             t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
             kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
             page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, NW)
+            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, WG,
+            PINGPONG, NW)
     for t in range(gl.maximum(n_free, 1), n_tiles):
         acc, p_op, m_i, l_i = _step(
             t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
             kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
             page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, NW)
+            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, WG,
+            PINGPONG, NW)
 
     # the last tile's P V
     last = n_tiles - 1
@@ -316,6 +348,97 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
     else:
         acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _row_map(r0, qo_len, hkv, GROUP: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
+    """Packed rows [r0, r0 + ROWS) in ``layout``: (token, query head, row < the request's)."""
+    offs = r0 + gl.arange(0, ROWS, layout=layout)
+    tok = offs // GROUP
+    return tok, hkv * GROUP + offs % GROUP, tok < qo_len
+
+
+@gluon.jit
+def _load_q(q_ptr, q_base, qo_start, qo_len, hkv, r0, stride_qt, stride_qh,
+            GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """Q of packed rows [r0, r0 + ROWS) [ROWS, D] through registers (rows past qo_len read 0)."""
+    blk: gl.constexpr = _row_layout(D, NW)
+    tok, head, ok = _row_map(r0, qo_len, hkv, GROUP, ROWS, gl.SliceLayout(1, blk))
+    rows = q_base + (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    return gl.load(q_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+
+@gluon.jit
+def _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP: gl.constexpr,
+              ROWS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """(element offsets [ROWS, D], rows < the request's [ROWS]) of O's packed rows [r0, r0 +
+    ROWS), in _row_layout(D, NW)."""
+    blk: gl.constexpr = _row_layout(D, NW)
+    tok, head, ok = _row_map(r0, qo_len, hkv, GROUP, ROWS, gl.SliceLayout(1, blk))
+    rows = o_base + (qo_start + tok).to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
+    return rows[:, None] + gl.arange(0, D, layout=gl.SliceLayout(0, blk))[None, :], ok
+
+
+@gluon.jit
+def _store_lse(lse, lse_ptr, l_base, qo_start, qo_len, hkv, r0, stride_lt, stride_lh,
+               GROUP: gl.constexpr, ROWS: gl.constexpr, layout: gl.constexpr):
+    """Store the base-2 LSE [ROWS] (in ``layout``) of packed rows [r0, r0 + ROWS)."""
+    tok, head, ok = _row_map(r0, qo_len, hkv, GROUP, ROWS, layout)
+    gl.store(lse_ptr + l_base + (qo_start + tok).to(gl.int64) * stride_lt
+             + head.to(gl.int64) * stride_lh, lse, mask=ok)
+
+
+@gluon.jit
+def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len,
+                hkv, stride_ot, stride_oh, stride_lt, stride_lh, GROUP: gl.constexpr,
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """Epilogue of packed rows [r0, r0 + ROWS): O = acc / l and the base-2 LSE m + log2(l);
+    rows that saw nothing (l = 0) write 0 and -inf. O changes layout for 16-byte stores
+    through ``scratch`` [ROWS, D] (the group's Q buffer, free once its last wgmma is done: a
+    layout conversion's own scratch could not reuse the rings, live across the partition)."""
+    dtype: gl.constexpr = o_ptr.dtype.element_ty
+    row_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, NW))
+    row_o: gl.constexpr = gl.SliceLayout(1, _mma_layout(D, NW))
+    seen = l_i > 0
+    l_safe = gl.where(seen, l_i, 1.0)
+    scratch.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
+    offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP, ROWS, D,
+                         NW)
+    gl.store(o_ptr + offs, scratch.load(_row_layout(D, NW)), mask=ok[:, None])
+    _store_lse(gl.where(seen, m_i + gl.log2(l_safe), float("-inf")), lse_ptr, l_base, qo_start,
+               qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, row_s)
+
+
+@gluon.jit
+def _group(WG: gl.constexpr, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
+           k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start,
+           qo_len, kv_start, kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
+           page_base, npages, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot,
+           stride_oh, stride_lt, stride_lh, P_SMEM: gl.constexpr, PAGED: gl.constexpr,
+           PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr, GROUP: gl.constexpr,
+           CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+           STAGES: gl.constexpr, NW: gl.constexpr):
+    """Compute group WG (NW warps): packed rows [row0 + WG * ROWS, + ROWS) of the tile, from
+    Q's load to the epilogue (a worker partition returns nothing, so each group writes its
+    own rows). q_smem [BLOCK_M, D]: the group's Q goes to its ROWS-row slice."""
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    r0 = row0 + WG * ROWS
+    q = _load_q(q_ptr, q_base, qo_start, qo_len, hkv, r0, stride_qt, stride_qh, GROUP, ROWS,
+                D, NW)
+    p_row = kv_len - qo_len + (r0 + gl.arange(0, ROWS, layout=row_s)) // GROUP
+    acc, m_i, l_i = _consume(
+        gl.zeros([ROWS, D], gl.float32, layout=_mma_layout(D, NW)),
+        gl.full([ROWS], float("-inf"), gl.float32, layout=row_s),
+        gl.zeros([ROWS], gl.float32, layout=row_s), p_row, q, q_smem.slice(WG * ROWS, ROWS),
+        k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, k_desc, v_desc, kv_start, kv_len,
+        hkv, n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
+        v_page_rows, turn, WG, P_SMEM, PAGED, PAGE, WS, PINGPONG, CAUSAL, ROWS, BLOCK_N, D,
+        STAGES, NW)
+    _store_rows(acc, m_i, l_i, r0, q_smem.slice(WG * ROWS, ROWS), o_ptr, lse_ptr, o_base,
+                l_base, qo_start, qo_len, hkv, stride_ot, stride_oh, stride_lt, stride_lh, GROUP,
+                ROWS, BLOCK_N, D, NW)
 
 
 @gluon.jit
@@ -342,7 +465,8 @@ def _gluon_fwd(
     DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, GROUP: gl.constexpr,
     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    WS: gl.constexpr, BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    WS: gl.constexpr, BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Grid (work items, KV heads). Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
     first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o
@@ -391,23 +515,6 @@ def _gluon_fwd(
     o_base = req.to(gl.int64) * stride_ob
     l_base = req.to(gl.int64) * stride_lb
 
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
-    o_layout: gl.constexpr = _mma_layout(D, num_warps)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    blk: gl.constexpr = _row_layout(D, num_warps)
-    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-        swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2)
-
-    # ---- Q through registers into shared memory (any GROUP, rows past qo_len read 0) --------
-    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    tok = offs_m // GROUP
-    head = hkv * GROUP + offs_m % GROUP
-    row_ok = tok < qo_len
-    q_rows = q_base + (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-
     # ---- the key range: tiles [0, n_free) are visible to every row, [n_free, n_tiles) masked -
     tok_lo = row0 // GROUP
     tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
@@ -419,28 +526,36 @@ def _gluon_fwd(
         free = kv_len
     n_tiles = (gl.maximum(n_end, 0) + BLOCK_N - 1) // BLOCK_N
     n_free = gl.maximum(free, 0) // BLOCK_N
-    p_row = kv_len - qo_len + (row0 + gl.arange(0, BLOCK_M, layout=row_s)) // GROUP
 
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_s)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=o_layout)
     if n_tiles > 0:
+        # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
+        ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+        RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
+        P_ROWS: gl.constexpr = BLOCK_M if P_SMEM else 8  # (a stand-in unless P_SMEM)
+        P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 64
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+            swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2)
         k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
         v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        # k_bar / v_bar: slot filled; k_empty / v_empty (WS): slot released by the compute warps
+        # k_bar / v_bar: slot filled; k_empty / v_empty (WS): slot released by the compute
+        # warps; turn (PINGPONG): the groups' turns to issue their wgmmas
         k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, BLOCK_N], q_smem_layout)
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ring = gl.allocate_shared_memory(dtype, [2, P_ROWS, P_COLS], q_smem_layout)
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_bar.index(i), count=1)
             mbarrier.init(v_bar.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=RELEASES)
+            mbarrier.init(v_empty.index(i), count=RELEASES)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
         fence_async_shared()
-        # The first K / V copies go out while Q's loads are in flight (WS: the load partition
-        # from the split on; else the first STAGES tiles, here); _consume then stores Q.
+        # The first K / V copies go out before Q's loads (WS: the load partition from the
+        # split on; else the first STAGES tiles, here); each group then loads and stores Q.
         if not WS:
             for i in gl.static_range(STAGES):
                 page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
@@ -448,58 +563,80 @@ def _gluon_fwd(
                          k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
                          v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout)
-        if WS:
-            acc, m_i, l_i = gl.warp_specialize([
-                (_consume, (acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
-                            v_empty, p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles,
-                            n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-                            v_page_rows, P_SMEM, PAGED, PAGE, WS, CAUSAL, BLOCK_M, BLOCK_N, D,
-                            STAGES, num_warps)),
-                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
-                                n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
+        if PINGPONG:
+            gl.warp_specialize([
+                (_group, (0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
+                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
+                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
+                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
+                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                          BLOCK_N, D, STAGES, num_warps)),
+                (_group, (1, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
+                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
+                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
+                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
+                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                          BLOCK_N, D, STAGES, num_warps)),
+                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
+                                k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES,
+                                BOXES)),
+            ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
+        elif WS:
+            gl.warp_specialize([
+                (_group, (0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
+                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
+                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
+                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
+                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                          BLOCK_N, D, STAGES, num_warps)),
+                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
                                 k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES,
                                 BOXES)),
             ], [1], [PRODUCER_REGS])
         else:
-            acc, m_i, l_i = _consume(
-                acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
-                p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
-                page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, P_SMEM, PAGED, PAGE,
-                WS, CAUSAL, BLOCK_M, BLOCK_N, D, STAGES, num_warps)
+            _group(0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
+                   v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start,
+                   qo_len, kv_start, kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
+                   page_base, npages, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot,
+                   stride_oh, stride_lt, stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
+                   CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bar.index(i))
             mbarrier.invalidate(v_bar.index(i))
             mbarrier.invalidate(k_empty.index(i))
             mbarrier.invalidate(v_empty.index(i))
-
-    # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
-    seen = l_i > 0
-    l_safe = gl.where(seen, l_i, 1.0)
-    out = (acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype)
-    out = gl.convert_layout(out, blk)
-    o_rows = o_base + (qo_start + tok).to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
-    gl.store(o_ptr + o_rows[:, None] + offs_d[None, :], out, mask=row_ok[:, None])
-    lse = gl.where(seen, m_i + gl.log2(l_safe), float("-inf"))
-    offs_l = row0 + gl.arange(0, BLOCK_M, layout=row_s)
-    tok_l = offs_l // GROUP
-    head_l = hkv * GROUP + offs_l % GROUP
-    gl.store(lse_ptr + l_base + (qo_start + tok_l).to(gl.int64) * stride_lt
-             + head_l.to(gl.int64) * stride_lh, lse, mask=tok_l < qo_len)
+        mbarrier.invalidate(turn.index(0))
+        mbarrier.invalidate(turn.index(1))
+    else:  # no key for any row of the tile: 0 and LSE -inf
+        offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, row0, stride_ot, stride_oh, GROUP,
+                             BLOCK_M, D, num_warps)
+        gl.store(o_ptr + offs, gl.zeros([BLOCK_M, D], dtype, layout=_row_layout(D, num_warps)),
+                 mask=ok[:, None])
+        row_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        _store_lse(gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l), lse_ptr, l_base,
+                   qo_start, qo_len, hkv, row0, stride_lt, stride_lh, GROUP, BLOCK_M, row_l)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
-# Tiles by the height plan() chose (prefill_kernel.block_m_for): (BLOCK_N, warps, stages, P
-# through shared memory). Measured on the H100 (benchmarks/NOTES.md, 10th session): 64-row tiles
-# keep P in registers (ptxas then waits for P V before the softmax, so nothing overlaps, but
-# two programs share each SM and the shared-memory round trip of P costs more than it hides);
-# 128-row tiles (one program per SM) stage P through shared memory, which lets the softmax run
-# under P V.
-TILES = {64: (64, 4, 2, False, True), 128: (128, 8, 2, True, False)}
+# Tiles by the height plan() chose (prefill_kernel.block_m_for): (BLOCK_N, compute warps,
+# stages, P through shared memory, warp-specialized, ping-pong). Measured on the H100
+# (benchmarks/NOTES.md): 64-row tiles keep P in registers (ptxas then waits for P V before the
+# softmax, so nothing overlaps within the warp group, but two programs share each SM) and run
+# warp-specialized (11th session: +6-10% at S 1k-4k); 128-row tiles run ping-pong (13th
+# session: two warp groups of 64 rows taking turns on the tensor cores, a load warp; +15-17%
+# over the 8-warp single-group tile, which staged P through shared memory to overlap).
+TILES = {64: (64, 4, 2, False, True, False), 128: (128, 8, 2, False, True, True)}
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
 _WS_CTAS = {4: 2, 8: 1}
+# setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
+PINGPONG_REGS = 240
 
 
 def ws_maxnreg(warps: int) -> int:
@@ -557,21 +694,25 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     """One launch of the Gluon kernel. Ragged (dense None): q [N, Hq, D], work int32 [W, 2],
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
-    views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, warps, stages, P through shared
-    memory, warp-specialized), TILES[block_m] if None. paged: (page size, page
+    views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, compute warps, stages, P through
+    shared memory, warp-specialized, ping-pong: two groups of half the warps), TILES[block_m]
+    if None. paged: (page size, page
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
     box per page by the warp-specialized kernel."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
-    block_n, warps, stages, p_smem, ws = tile or TILES[block_m]
+    block_n, warps, stages, p_smem, ws, pingpong = tile or TILES[block_m]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
                          "divides them into boxes of 16 keys or more at D 128 (page_fits)")
     boxes = block_n // page if 0 < page < block_n else 1
-    ws = ws or boxes > 1
+    ws = ws or boxes > 1 or pingpong
+    if pingpong and (warps != 8 or p_smem or block_m != 128):
+        raise ValueError("a ping-pong tile is 128 rows, 8 compute warps (two groups of 4), P in "
+                         f"registers; got block_m {block_m}, warps {warps}, p_smem {p_smem}")
     opts = {}
     if ws:  # the register budget split over the compute warps and the load warp group
         opts["maxnreg"] = ws_maxnreg(warps)
@@ -596,7 +737,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         DENSE=dense is not None, PAGED=paged is not None, PAGE=page, GROUP=hq // hkv,
         CAUSAL=causal, BLOCK_M=block_m,
         BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, WS=ws, BOXES=boxes,
-        PRODUCER_REGS=24, num_warps=warps, **opts)
+        PRODUCER_REGS=24, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
+        num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 
 
@@ -614,7 +756,7 @@ def page_fits(page: int, block_n: int, d: int) -> bool:
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
                   causal: bool, block_m: int, block_n: int, stages: int, num_warps: int,
-                  p_smem: bool = True, ws: bool = False):
+                  p_smem: bool = True, ws: bool = False, pingpong: bool = False):
     """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
     [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
     block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
@@ -624,4 +766,4 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
                          "and 16-byte aligned rows for the Gluon kernel")
     return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
                   qk_scale=sm_scale * 1.4426950408889634, causal=causal, block_m=block_m,
-                  tile=(block_n, num_warps, stages, p_smem, ws))
+                  tile=(block_n, num_warps, stages, p_smem, ws, pingpong))

@@ -74,7 +74,12 @@ CRASH_STAGES = tl.constexpr(2)
 # our ragged rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at
 # S 4k 0.91-0.93 -> 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7%
 # slower), D 64 (0.97 -> 0.84), requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x).
+# Where the Gluon kernel runs (eager launches on a Hopper GPU, _gluon_tiles), its 128-row tiles
+# are two warp groups in ping-pong, which beat 64-row tiles from 2k causal keys on (H100 dev_ab,
+# 13th session, D128 causal H32: S 1k 343 / 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574
+# vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
 SHORT_KV = 4096
+GLUON_SHORT_KV = 1024
 SMALL_PAGE_BLOCK_M = 256
 SMALL_PAGE_MAX = 8
 SMALL_PAGE_PAD = 1.05
@@ -103,7 +108,16 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
         return 64
     if d <= 64 or (paged and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
         return 128
-    return 64 if max_kv_len <= (SHORT_KV if causal else SHORT_KV // 2) else 128
+    short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo) else SHORT_KV
+    return 64 if max_kv_len <= (short if causal else short // 2) else 128
+
+
+def _gluon_tiles(dqk: int, dvo: int) -> bool:
+    """Whether eager launches at these head dims go to the Gluon kernel in this process (USE_GLUON,
+    a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Traced graphs run
+    the Triton kernel on the same tiles (a plan serves both)."""
+    return (USE_GLUON and _gluon is not None and dqk == dvo == 128
+            and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
 
 
 def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
@@ -114,9 +128,7 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96. (Traced
     graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they take these
     tiles too.)"""
-    return (USE_GLUON and _gluon is not None and page_size > 0 and dqk == dvo == 128
-            and torch.cuda.is_available()
-            and _gluon_device(torch.device("cuda"))
+    return (page_size > 0 and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 
 

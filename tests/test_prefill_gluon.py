@@ -4,6 +4,8 @@ Gluon dialect is experimental and its API moves between releases; the H100 runs 
 exclusion of its scope on its own). Its numbers are checked on the H100
 (tests/test_prefill_gluon_gpu.py)."""
 
+import re
+
 import pytest
 import torch
 
@@ -13,31 +15,34 @@ from compiled_attn.ops import prefill_kernel as K
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
 
-@pytest.mark.parametrize("dense,page,block_m,d,causal,ws", [
-    (False, 0, 64, 128, True, False), (True, 0, 128, 64, False, False),
-    (False, 64, 64, 128, True, False), (False, 16, 128, 128, True, True),
-    (True, 0, 64, 64, False, True)])
-def test_compiles_for_sm90(dense, page, block_m, d, causal, ws):
+# (ws, pp): warp-specialized, ping-pong (two compute groups of half the warps; implies ws)
+@pytest.mark.parametrize("dense,page,block_m,d,causal,ws,pp", [
+    (False, 0, 64, 128, True, False, False), (True, 0, 128, 64, False, True, True),
+    (False, 64, 64, 128, True, False, False), (False, 16, 128, 128, True, True, True),
+    (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False)])
+def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, warps, stages, p_smem, _ = gluon_mod.TILES[block_m]
+    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m][:4]
+    p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
     fn = gluon_mod._gluon_fwd
     box = min(page, block_n) if page else block_n  # pages smaller than a tile: a box each
     layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
     desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
     consts = dict(DENSE=dense, PAGED=page > 0, PAGE=page, GROUP=4, CAUSAL=causal,
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
-                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, num_warps=warps)
+                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, PINGPONG=pp,
+                  GROUP_REGS=gluon_mod.PINGPONG_REGS, num_warps=warps // 2 if pp else warps)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
-    opts = dict(num_warps=warps)
+    opts = dict(num_warps=consts["num_warps"])
     if ws:  # as launch() sets it
         opts["maxnreg"] = gluon_mod.ws_maxnreg(warps)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
@@ -51,6 +56,9 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws):
         assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
     # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
+    # ping-pong: the worker compute group's registers raised to PINGPONG_REGS
+    raised = {int(n) for n in re.findall(r"setmaxnreg\.inc\S*\s+(\d+)", ptx)}
+    assert (gluon_mod.PINGPONG_REGS in raised) == pp
 
 
 def test_kv_2d_views():
@@ -152,16 +160,30 @@ def test_only_asking_launches_get_it(gluon, monkeypatch):
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     # Where the Gluon kernel reads a page size by TMA boxes (D 128, pages of 16+ keys dividing
     # both tiles), block_m_for tiles paged K/V as it tiles contiguous K/V (64-row tiles up to
-    # SHORT_KV causal keys); the Triton kernel's pages keep 128-row tiles.
+    # GLUON_SHORT_KV causal keys, then its ping-pong 128-row tiles); the Triton kernel's pages
+    # keep 128-row tiles.
     monkeypatch.setattr(K, "INTERPRET", False)
     monkeypatch.setattr(K, "_gluon_device", lambda device: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    tile = lambda page, d=128, kv=2048: K.block_m_for(d, d, 4, kv, True, True,  # noqa: E731
+    tile = lambda page, d=128, kv=1024: K.block_m_for(d, d, 4, kv, True, True,  # noqa: E731
                                                       page_size=page)
-    assert tile(16) == tile(64) == tile(128) == 64 and tile(16, kv=8192) == 128
-    assert tile(0) == 128 and tile(48) == 128 and tile(16, d=64) == 128
+    assert tile(16) == tile(64) == tile(128) == 64 and tile(16, kv=2048) == 128
+    assert tile(0, kv=2048) == tile(48, kv=2048) == tile(16, d=64, kv=2048) == 128
     monkeypatch.setattr(K, "USE_GLUON", False)
-    assert tile(16) == 128
+    assert tile(16, kv=2048) == 128
+
+
+def test_gluon_short_kv_bound(monkeypatch):
+    # Eager D 128 launches on Hopper (the Gluon kernel) take 128-row ping-pong tiles beyond
+    # GLUON_SHORT_KV causal keys (half that without a mask); elsewhere SHORT_KV holds.
+    monkeypatch.setattr(K, "INTERPRET", False)
+    tile = lambda kv, causal=True, d=128: K.block_m_for(d, d, 1, kv, causal)  # noqa: E731
+    monkeypatch.setattr(K, "_gluon_device", lambda device: False)
+    assert (tile(2048), tile(4096), tile(8192), tile(2048, False)) == (64, 64, 128, 64)
+    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (tile(K.GLUON_SHORT_KV), tile(K.GLUON_SHORT_KV + 1)) == (64, 128)
+    assert (tile(2048), tile(2048, False), tile(4096, d=64)) == (128, 128, 128)
 
 
 class _Recorder:
@@ -174,7 +196,7 @@ class _Recorder:
 
 
 @pytest.mark.parametrize("page,block_m,boxes,ws", [
-    (0, 64, 1, True), (0, 128, 1, False), (64, 64, 1, True), (128, 128, 1, False),
+    (0, 64, 1, True), (0, 128, 1, True), (64, 64, 1, True), (128, 128, 1, True),
     (16, 64, 4, True), (16, 128, 8, True)])
 def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # launch() (host side of the GPU-only kernel): pages below a key tile take a box each and
@@ -199,6 +221,9 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     assert rec.grid == (3, 2)
     assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
+    # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
+    pp = block_m == 128
+    assert (rec.kw["PINGPONG"], rec.kw["num_warps"]) == (pp, warps // 2 if pp else warps)
     assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
         assert rec.args[8] is table and rec.args[9] is last

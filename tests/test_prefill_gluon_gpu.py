@@ -18,11 +18,12 @@ pytestmark = [
                        or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"),
 ]
 
-# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory, warp-specialized)
-TILES = [(64, 64, 4, 2, True, False), (64, 64, 4, 3, True, False), (128, 64, 8, 2, True, False),
-         (128, 128, 8, 2, True, False), (64, 64, 4, 2, False, False),
-         (128, 128, 8, 2, False, False), (64, 64, 4, 3, False, False),
-         (128, 128, 8, 2, True, True), (64, 64, 4, 2, False, True)]
+# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory, warp-specialized, ping-pong)
+TILES = [(64, 64, 4, 2, True, False, False), (64, 64, 4, 3, True, False, False),
+         (128, 64, 8, 2, True, False, False), (128, 128, 8, 2, True, False, False),
+         (64, 64, 4, 2, False, False, False), (128, 128, 8, 2, False, False, False),
+         (64, 64, 4, 3, False, False, False), (128, 128, 8, 2, True, True, False),
+         (64, 64, 4, 2, False, True, False), (128, 128, 8, 2, False, True, True)]
 
 CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
     "odd": ([1, 37, 200, 0, 64], [130, 37, 333, 50, 64], 4, 4, 128),
@@ -35,7 +36,7 @@ CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
 def _runner(tile):
     from compiled_attn.ops import prefill_gluon as G
 
-    bm, bn, warps, stages, p_smem, ws = tile
+    bm, bn, warps, stages, p_smem, ws, pp = tile
 
     def run(c, p, out_dtype=None):
         qo = c.qo_indptr.diff().tolist()
@@ -50,16 +51,19 @@ def _runner(tile):
             return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
                             c.qo_indptr, c.kv_indptr, work, dense=None,
                             qk_scale=p["sm_scale"] * 1.4426950408889634, causal=causal,
-                            block_m=bm, tile=(bn, warps, stages, p_smem, ws), paged=paged)
+                            block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp),
+                            paged=paged)
         work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())
         return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
                                sm_scale=p["sm_scale"], causal=causal, block_m=bm, block_n=bn,
-                               stages=stages, num_warps=warps, p_smem=p_smem, ws=ws)
+                               stages=stages, num_warps=warps, p_smem=p_smem, ws=ws,
+                               pingpong=pp)
     return run
 
 
 def _tile_id(t):
-    return "x".join(map(str, t[:4])) + ("s" if t[4] else "r") + ("-ws" if t[5] else "")
+    return ("x".join(map(str, t[:4])) + ("s" if t[4] else "r") + ("-ws" if t[5] else "")
+            + ("-pp" if t[6] else ""))
 
 
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
@@ -93,7 +97,7 @@ def _nan_unused(c):
 # pages of 16 or 32 keys (a box per page, the warp-specialized kernel), a shuffled page table
 # in a combined K/V cache, partial last pages, a request without keys, a long one wrapping
 # the rings, GQA 4:1; every slot no request owns holds NaN.
-@pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4], TILES[7], TILES[8]],
+@pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4], TILES[7], TILES[8], TILES[9]],
                          ids=_tile_id)
 @pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
