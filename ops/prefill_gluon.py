@@ -11,7 +11,9 @@ then waits for it and rescales O. K and V stream through STAGES-deep shared-memo
 by TMA (host-built descriptors), each slot refilled as soon as the wgmma reading it has
 completed: by the compute warps themselves, or (WS) by a one-warp load partition that the
 compute warps release each slot to (gl.warp_specialize), which also issues a box per page for
-pages smaller than a key tile.
+pages smaller than a key tile. 128-row tiles run FA3's inter-warpgroup schedule too
+(PINGPONG): two compute groups of 64 rows share the slots and take turns issuing their
+wgmmas, so one group's softmax runs under the other's matmuls.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of
@@ -478,7 +480,9 @@ def _gluon_fwd(
     [pages, PAGE, Hkv, D] seen as rows of Hkv * D, page p from row p * k_page_rows /
     v_page_rows (a combined [pages, 2, PAGE, Hkv, D] cache interleaves them), kv_indptr the
     page indptr, page_idx_ptr the page table, last_page_len_ptr each request's keys in its
-    last page. Unit dim strides; the LSE is base 2."""
+    last page. Unit dim strides; the LSE is base 2. PINGPONG (with WS): two compute groups
+    of num_warps warps and BLOCK_M / 2 rows each, the second a worker partition at GROUP_REGS
+    registers."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     if DENSE:
         req, row0, hkv = _dense_item(gl.program_id(0) + gl.program_id(1) * n_items, n_items,
