@@ -413,17 +413,19 @@ def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_s
 
 
 @gluon.jit
-def _group(WG: gl.constexpr, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
-           k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start,
-           qo_len, kv_start, kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
-           page_base, npages, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot,
-           stride_oh, stride_lt, stride_lh, P_SMEM: gl.constexpr, PAGED: gl.constexpr,
+def _group(WG: gl.constexpr, ctx, P_SMEM: gl.constexpr, PAGED: gl.constexpr,
            PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr, GROUP: gl.constexpr,
            CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
            STAGES: gl.constexpr, NW: gl.constexpr):
     """Compute group WG (NW warps): packed rows [row0 + WG * ROWS, + ROWS) of the tile, from
     Q's load to the epilogue (a worker partition returns nothing, so each group writes its
-    own rows). q_smem [BLOCK_M, D]: the group's Q goes to its ROWS-row slice."""
+    own rows). ctx: the tile's runtime values, shared by every group (_gluon_fwd builds it;
+    constexprs stay separate arguments, a tuple would not carry them as such). q_smem [BLOCK_M,
+    D]: the group's Q goes to its ROWS-row slice."""
+    (q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn,
+     k_desc, v_desc, q_base, o_base, l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv,
+     n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
+     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh) = ctx
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     r0 = row0 + WG * ROWS
@@ -567,21 +569,16 @@ def _gluon_fwd(
                          k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
                          v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+        ctx = (q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+               p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start, qo_len, kv_start,
+               kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages,
+               k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+               stride_lh)
         if PINGPONG:
             gl.warp_specialize([
-                (_group, (0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
-                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
-                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
-                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                (_group, (0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
                           BLOCK_N, D, STAGES, num_warps)),
-                (_group, (1, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
-                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
-                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
-                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                (_group, (1, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
                           BLOCK_N, D, STAGES, num_warps)),
                 (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
                                 v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
@@ -590,12 +587,7 @@ def _gluon_fwd(
             ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
         elif WS:
             gl.warp_specialize([
-                (_group, (0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar,
-                          k_empty, v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base,
-                          l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv, n_tiles,
-                          n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-                          v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-                          stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
+                (_group, (0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
                           BLOCK_N, D, STAGES, num_warps)),
                 (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
                                 v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
@@ -603,12 +595,8 @@ def _gluon_fwd(
                                 BOXES)),
             ], [1], [PRODUCER_REGS])
         else:
-            _group(0, q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty,
-                   v_empty, p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start,
-                   qo_len, kv_start, kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr,
-                   page_base, npages, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot,
-                   stride_oh, stride_lt, stride_lh, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
-                   CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
+            _group(0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D,
+                   STAGES, num_warps)
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(k_bar.index(i))
             mbarrier.invalidate(v_bar.index(i))

@@ -60,24 +60,23 @@ CRASH_STAGES = tl.constexpr(2)
 
 # Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
 # TMA_MIN_KV) use 64-row tiles; descriptors built per work item do not pay there (pointer loads
-# instead), descriptors over the whole K/V (host-built, or once per persistent program) do.
-# Longer D 128 batches read K/V through descriptors, with 64-row tiles (more programs, a
-# shorter causal tail) up to SHORT_KV keys for causal batches (half that without a mask) and
-# 128-row tiles beyond. Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond
-# TMA_MIN_KV; paged KV that the Gluon kernel reads by TMA boxes is tiled as contiguous K/V
-# (_gluon_pages). Small pages (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of
-# 64 keys with 16 warps (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill
-# them: their padded rows at most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384
-# packed rows ran 0.82x on two 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile
-# gathers every key from its own page; 512 threads share a 64-key tile at 2 vectors each (8 in
-# a 128x128 tile of 256 threads) and gather K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over
-# our ragged rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at
-# S 4k 0.91-0.93 -> 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7%
-# slower), D 64 (0.97 -> 0.84), requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x).
-# Where the Gluon kernel runs (eager launches on a Hopper GPU, _gluon_tiles), its 128-row tiles
-# are two warp groups in ping-pong, which beat 64-row tiles from 2k causal keys on (H100 dev_ab,
-# 13th session, D128 causal H32: S 1k 343 / 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574
-# vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
+# instead), descriptors over the whole K/V (host-built, or once per persistent program) do. Longer D
+# 128 batches read K/V through descriptors, with 64-row tiles (more programs, a shorter causal tail)
+# up to SHORT_KV keys for causal batches (half that without a mask) and 128-row tiles beyond.
+# Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV; paged KV that the
+# Gluon kernel reads by TMA boxes is tiled as contiguous K/V (_gluon_pages). Small pages
+# (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
+# (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill them: their padded rows at
+# most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384 packed rows ran 0.82x on two
+# 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile gathers every key from its own page;
+# 512 threads share a 64-key tile at 2 vectors each (8 in a 128x128 tile of 256 threads) and gather
+# K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over our ragged
+# rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at S 4k 0.91-0.93 ->
+# 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7% slower), D 64 (0.97 -> 0.84),
+# requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x). Where the Gluon kernel runs (eager
+# launches on a Hopper GPU, _gluon_tiles), its 128-row tiles are two warp groups in ping-pong, which
+# beat 64-row tiles from 2k causal keys on (H100 dev_ab, 13th session, D128 causal H32: S 1k 343 /
+# 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574 vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
 SHORT_KV = 4096
 GLUON_SHORT_KV = 1024
 SMALL_PAGE_BLOCK_M = 256
