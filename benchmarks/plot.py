@@ -11,6 +11,10 @@ from pathlib import Path
 from . import results
 
 
+_ORDER = ["compiled_attn", "compiled_attn_twin", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
+          "flex", "flashinfer_fa2", "flashinfer_fa3"]
+
+
 def _panels(rows):
     order = []
     for r in rows:
@@ -31,13 +35,15 @@ def plot_suite(doc: dict, suite: str, path: Path) -> Path:
     ncols = min(3, len(panels)) or 1
     nrows = -(-len(panels) // ncols) or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), squeeze=False)
-    providers = []
+    providers = [p for p in _ORDER if any(r["provider"] == p for r in rows)]
     for r in rows:
         if r["provider"] not in providers:
             providers.append(r["provider"])
     cmap = plt.get_cmap("tab10")
-    style = {p: dict(color=cmap(i % 10), marker="os^vDP*Xhp"[i % 10],
-                     lw=2.4 if p == "compiled_attn" else 1.4) for i, p in enumerate(providers)}
+    # one color and marker per provider in every suite's plot (_ORDER first, then any other)
+    slot = {p: i for i, p in enumerate(_ORDER + [p for p in providers if p not in _ORDER])}
+    style = {p: dict(color=cmap(slot[p] % 10), marker="os^vDP*Xhp"[slot[p] % 10],
+                     lw=2.4 if p == "compiled_attn" else 1.4) for p in providers}
     for ax, panel in zip(axes.flat, panels):
         prow = [r for r in rows if r.get("panel", "") == panel]
         xs = [r.get("x", r.get("S")) for r in prow]
@@ -80,12 +86,16 @@ def plot_suite(doc: dict, suite: str, path: Path) -> Path:
             if lab not in labels:
                 handles.append(h)
                 labels.append(lab)
+    # a one-panel figure is too narrow for 7 legend entries or the title on one line
+    ncol = min(len(labels), 4 if ncols == 1 else 7) if handles else 1
+    legend_rows = -(-len(labels) // ncol)
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8,
-                   frameon=False)
-    fig.suptitle(f"{suite}: {doc['gpu']}, torch {doc['torch']}, triton {doc['triton']}, "
+        fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    sep = "\n" if ncols == 1 else ", "
+    fig.suptitle(f"{suite}: {doc['gpu']}{sep}torch {doc['torch']}, triton {doc['triton']}, "
                  f"{doc['date'][:10]}", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 if handles else 0, 1, 0.95))
+    bottom = 0.06 * legend_rows / nrows if handles else 0
+    fig.tight_layout(rect=(0, bottom, 1, 0.95 if ncols > 1 else 0.9))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
