@@ -482,3 +482,31 @@ def test_host_time_per_call_flags_cpu_bound_rows(monkeypatch):
     md = report.render(doc)
     assert "| fa3 | D128 S512 causal | 140 (cpu) | 0.75 |" in md
     assert f"{results.CPU_BOUND} x median_ms" in md
+
+
+def test_merge_folds_device_files(tmp_path):
+    # two device calls, each returning the committed rows plus its own run: folding both keeps
+    # both runs, replaces re-timed cases whole (a peer row the new run lacks goes too), keeps
+    # untouched cases, and a later file's stale copy of a replaced row does not come back
+    from benchmarks import merge
+
+    def row(case, provider, date, tflops=100.0):
+        return {"suite": "fa3", "case": case, "provider": provider, "median_ms": 1.0,
+                "tflops": tflops, "run_date": date}
+
+    # case a's only run d0a is replaced by call 1, so its date leaves the file
+    committed = [row("a", "ours", "d0a"), row("a", "eff", "d0a"), row("b", "ours", "d0b")]
+    call1 = committed + [row("a", "ours", "d1", 200.0)]  # run d1 re-times case a
+    call2 = committed + [row("b", "ours", "d2", 300.0), row("b", "eff", "d2")]
+    target = tmp_path / "h100.json"
+    results.write(target, ENV, committed)
+    paths = []
+    for i, rows in enumerate((call1, call2)):
+        paths.append(tmp_path / f"call{i}.json")
+        results.write(paths[-1], {**ENV, "date": f"call{i}"}, rows)
+    assert merge.main([str(target)] + [str(p) for p in paths]) == 0
+    doc = json.loads(target.read_text())
+    got = sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"])
+    assert got == [("a", "ours", "d1"), ("b", "eff", "d2"), ("b", "ours", "d2")]
+    assert doc["date"] == "call1"
+
