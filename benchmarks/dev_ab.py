@@ -63,8 +63,7 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
     page = next((int(o[1:]) for o in opt if o[:1] == "p" and o[1:].isdigit()), 0)
     w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
     cfg = (bn, warps, stages, "r" not in opt, "ws" in opt, "pp" in opt)
-    if len(G.TILES[64]) == 5:  # a prev: copy from before ping-pong (5-field tiles)
-        cfg = cfg[:5]
+    cfg = cfg[:len(G.TILES[64])]  # a prev: copy may take fewer fields (5 before ping-pong)
     if page and page not in caches:
         caches[page] = scatter_pages(k, v, [s] * b, page)
 

@@ -11,10 +11,6 @@ from pathlib import Path
 from . import results
 
 
-_ORDER = ["compiled_attn", "compiled_attn_twin", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-          "flex", "flashinfer_fa2", "flashinfer_fa3"]
-
-
 def _panels(rows):
     order = []
     for r in rows:
@@ -30,18 +26,22 @@ def plot_suite(doc: dict, suite: str, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .providers import ALL_PROVIDERS
+
     rows = [r for r in doc["rows"] if r["suite"] == suite]
     panels = _panels(rows)
     ncols = min(3, len(panels)) or 1
     nrows = -(-len(panels) // ncols) or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.9 * nrows), squeeze=False)
-    providers = [p for p in _ORDER if any(r["provider"] == p for r in rows)]
+    providers = [p for p in ALL_PROVIDERS if any(r["provider"] == p for r in rows)]
     for r in rows:
         if r["provider"] not in providers:
             providers.append(r["provider"])
     cmap = plt.get_cmap("tab10")
-    # one color and marker per provider in every suite's plot (_ORDER first, then any other)
-    slot = {p: i for i, p in enumerate(_ORDER + [p for p in providers if p not in _ORDER])}
+    # one color and marker per provider in every suite's plot (the harness's providers in its
+    # order, then any other)
+    order = list(ALL_PROVIDERS) + [p for p in providers if p not in ALL_PROVIDERS]
+    slot = {p: i for i, p in enumerate(order)}
     style = {p: dict(color=cmap(slot[p] % 10), marker="os^vDP*Xhp"[slot[p] % 10],
                      lw=2.4 if p == "compiled_attn" else 1.4) for p in providers}
     for ax, panel in zip(axes.flat, panels):
