@@ -13,16 +13,19 @@ completed: by the compute warps themselves, or (WS) by a one-warp load partition
 compute warps release each slot to (gl.warp_specialize), which also issues a box per page for
 pages smaller than a key tile. 128-row tiles run FA3's inter-warpgroup schedule too
 (PINGPONG): two compute groups of 64 rows share the slots and take turns issuing their
-wgmmas, so one group's softmax runs under the other's matmuls.
+wgmmas, so one group's softmax runs under the other's matmuls. Warp-specialized programs take
+their work items from the load warp, which decodes each item and (one query head per KV head)
+brings its Q by TMA an item ahead; persistent ones (persistent_default) stay resident and take
+items from a global counter, the load warp starting the next item under this one's last tiles.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
-ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of
-16+ keys dividing one: page_fits), bf16 /
-fp16, head dim 64 or 128 for Q/K and V alike, causal or no mask, none of the logit transforms,
-positional encodings, sinks or fp8 K/V, no split-KV. Invariants as in prefill_kernel.py: packed row r of a request is
-token r // GROUP of query head hkv * GROUP + r % GROUP; positions are bottom-right aligned;
-logits are base 2 (log2(e) folded into qk_scale) and the LSE written is base 2; a row that
-sees no key writes 0 and LSE -inf; element offsets are int64.
+ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 16+
+keys dividing one: page_fits), bf16 / fp16, head dim 64 or 128 for Q/K and V alike, causal or no
+mask, none of the logit transforms, positional encodings, sinks or fp8 K/V, no split-KV.
+Invariants as in prefill_kernel.py: packed row r of a request is token r // GROUP of query head
+hkv * GROUP + r % GROUP; positions are bottom-right aligned; logits are base 2 (log2(e) folded
+into qk_scale) and the LSE written is base 2; a row that sees no key writes 0 and LSE -inf;
+element offsets are int64.
 """
 
 from __future__ import annotations
@@ -155,19 +158,20 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
 
 
 @gluon.jit
-def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
+def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles, it,
                  kv_start, hkv, page_idx_ptr, page_base, npages, stride_kp, stride_vp,
                  PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                  D: gl.constexpr, STAGES: gl.constexpr, BOXES: gl.constexpr):
-    """The load partition (one warp) of the warp-specialized kernel: key tile t's K and V into
-    ring slot t % STAGES once the compute partition has released it (k_empty / v_empty; a
-    fresh barrier counts as released), signalling k_full / v_full, from tile 0 on (the split
-    comes right after the barriers' init, while Q's loads are in flight). Its page reads and
-    TMA issues leave the compute warps' critical path (and Gluon's barrier before each copy
-    into a buffer already written syncs this one warp only)."""
+    """The load partition's (one warp's) work on one work item: its key tile t's K and V into
+    ring slot (it + t) % STAGES (it: the tiles the program's earlier items used) once the
+    compute groups have released it (k_empty / v_empty; a fresh barrier counts as released),
+    signalling k_full / v_full. Its page reads and TMA issues leave the compute warps'
+    critical path (and Gluon's barrier before each copy into a buffer already written syncs
+    this one warp only)."""
     for t in range(n_tiles):
-        slot = t % STAGES
-        phase = ((t // STAGES) & 1) ^ 1
+        g = it + t
+        slot = g % STAGES
+        phase = ((g // STAGES) & 1) ^ 1
         page, pages = _tile_pages(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N,
                                   BOXES)
         mbarrier.wait(k_empty.index(slot), phase)
@@ -222,22 +226,24 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
           PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           STAGES: gl.constexpr, dtype: gl.constexpr, col_layout: gl.constexpr,
-          row_o: gl.constexpr, p_layout: gl.constexpr, turn, WG: gl.constexpr,
+          row_o: gl.constexpr, p_layout: gl.constexpr, turn, it, WG: gl.constexpr,
           PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together (PINGPONG: in group WG's
     turn), the softmax of S_t under the second, then the rescale; refills the K slot of tile t
-    and the V slot of tile t - 1 (WS: releases them to the load partition instead)."""
-    slot = t % STAGES
+    and the V slot of tile t - 1 (WS: releases them to the load partition instead). Tile t
+    sits in ring position it + t (it: the program's earlier items' tiles; 0 without WS)."""
+    g = it + t
+    slot = g % STAGES
     if not WS:
         # the refills' pages, read now: their latency hides under this tile's work
         k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
         v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
-    _take_turn(turn, t, WG, PINGPONG)
-    mbarrier.wait(k_bar.index(slot), (t // STAGES) & 1)
+    _take_turn(turn, g, WG, PINGPONG)
+    mbarrier.wait(k_bar.index(slot), (g // STAGES) & 1)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    prev = (t - 1) % STAGES
-    mbarrier.wait(v_bar.index(prev), ((t - 1) // STAGES) & 1)
+    prev = (g - 1) % STAGES
+    mbarrier.wait(v_bar.index(prev), ((g - 1) // STAGES) & 1)
     if MASKED:
         if t * BLOCK_N > kv_len:  # tile t - 1 is the request's partial last tile
             _zero_tail(v_ring, prev, kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
@@ -278,35 +284,39 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
 @gluon.jit
 def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
              p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
-             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, turn,
+             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, turn, it,
              WG: gl.constexpr, P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
              WS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, NW: gl.constexpr):
+             STAGES: gl.constexpr, NW: gl.constexpr, Q_READY: gl.constexpr):
     """A compute group's walk over the key tiles [0, n_tiles) (the first n_free unmasked)
     from slots k_ring / v_ring filled on k_bar / v_bar, after storing q [BLOCK_M, D] into
     q_smem: returns (acc [BLOCK_M, D], m_i, l_i).
     Without WS it also refills the slots (the first STAGES tiles are in flight already); WS:
     releases each slot on k_empty / v_empty to the load partition. PINGPONG: group WG of two,
-    issuing its wgmmas in turns with the other (_take_turn)."""
+    issuing its wgmmas in turns with the other (_take_turn). Tile t sits in ring position
+    it + t (WS: it counts the program's earlier items' tiles; else 0)."""
     dtype: gl.constexpr = q_smem.dtype
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
     o_layout: gl.constexpr = _mma_layout(D, NW)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    q_smem.store(q)  # (Q's loads were in flight under the first K / V copies)
-    fence_async_shared()
-    _cta_barrier()
+    if not Q_READY:  # (Q_READY: the load warp's TMA has filled q_smem)
+        _cta_barrier()  # every warp of the group is done with q_smem (the last item's O)
+        q_smem.store(q)  # (Q's loads were in flight under the first K / V copies)
+        fence_async_shared()
+        _cta_barrier()
     if not WS:
         # tile STAGES's page, for the K refill once tile 0's scores are in
         k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
 
     # tile 0: its scores alone (nothing to overlap yet)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    _take_turn(turn, 0, WG, PINGPONG)
-    mbarrier.wait(k_bar.index(0), 0)
-    s = warpgroup_mma(q_smem, k_ring.index(0).permute((1, 0)), s_zero, use_acc=False)
+    slot0 = it % STAGES
+    _take_turn(turn, it, WG, PINGPONG)
+    mbarrier.wait(k_bar.index(slot0), (it // STAGES) & 1)
+    s = warpgroup_mma(q_smem, k_ring.index(slot0).permute((1, 0)), s_zero, use_acc=False)
     _pass_turn(turn, WG, PINGPONG)
     if n_free > 0:
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, False,
@@ -315,7 +325,7 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, True,
                                            CAUSAL, BLOCK_N, col_s)
     if WS:
-        mbarrier.arrive(k_empty.index(0), count=1)
+        mbarrier.arrive(k_empty.index(slot0), count=1)
     else:
         _cta_barrier()
         _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, k_next,
@@ -330,25 +340,28 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
             t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
             kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
             page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, WG,
+            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, it, WG,
             PINGPONG, NW)
     for t in range(gl.maximum(n_free, 1), n_tiles):
         acc, p_op, m_i, l_i = _step(
             t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
             kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
             page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, WG,
+            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, it, WG,
             PINGPONG, NW)
 
     # the last tile's P V
     last = n_tiles - 1
-    mbarrier.wait(v_bar.index(last % STAGES), (last // STAGES) & 1)
+    g_last = it + last
+    mbarrier.wait(v_bar.index(g_last % STAGES), (g_last // STAGES) & 1)
     if n_tiles * BLOCK_N > kv_len:
-        _zero_tail(v_ring, last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, NW)
+        _zero_tail(v_ring, g_last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, NW)
     if P_SMEM:
-        acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(last % STAGES), acc)
+        acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(g_last % STAGES), acc)
     else:
-        acc = warpgroup_mma(p_op, v_ring.index(last % STAGES), acc)
+        acc = warpgroup_mma(p_op, v_ring.index(g_last % STAGES), acc)
+    if WS:  # the last V slot back to the load partition
+        mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
     return acc, m_i, l_i
 
 
@@ -413,36 +426,271 @@ def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_s
 
 
 @gluon.jit
-def _group(WG: gl.constexpr, ctx, P_SMEM: gl.constexpr, PAGED: gl.constexpr,
+def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh,
+               stride_lt, stride_lh, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
+               NW: gl.constexpr):
+    """Packed rows [r0, r0 + ROWS) that see no key: O = 0 and LSE -inf (NW warps)."""
+    dtype: gl.constexpr = o_ptr.dtype.element_ty
+    offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP, ROWS, D,
+                         NW)
+    gl.store(o_ptr + offs, gl.zeros([ROWS, D], dtype, layout=_row_layout(D, NW)),
+             mask=ok[:, None])
+    row_l: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    _store_lse(gl.full([ROWS], float("-inf"), gl.float32, layout=row_l), lse_ptr, l_base,
+               qo_start, qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, row_l)
+
+
+@gluon.jit
+def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: gl.constexpr,
+           PAGED: gl.constexpr,
            PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr, GROUP: gl.constexpr,
            CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
            STAGES: gl.constexpr, NW: gl.constexpr):
-    """Compute group WG (NW warps): packed rows [row0 + WG * ROWS, + ROWS) of the tile, from
-    Q's load to the epilogue (a worker partition returns nothing, so each group writes its
-    own rows). ctx: the tile's runtime values, shared by every group (_gluon_fwd builds it;
-    constexprs stay separate arguments, a tuple would not carry them as such). q_smem [BLOCK_M,
-    D]: the group's Q goes to its ROWS-row slice."""
+    """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
+    [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
+    returns nothing, so each group writes its own rows). ctx: the launch's runtime values
+    (_gluon_fwd builds it; constexprs stay separate arguments, a tuple would not carry them as
+    such); item: the work item's (_item); it: the ring position of its first key tile.
+    q_smem [BLOCK_M, D]: the group's Q goes to its ROWS-row slice."""
     (q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn,
-     k_desc, v_desc, q_base, o_base, l_base, qo_start, qo_len, kv_start, kv_len, row0, hkv,
-     n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
-     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh) = ctx
+     k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows, stride_qb, stride_qt,
+     stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh) = ctx[:27]
+    (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
+     valid) = item
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     r0 = row0 + WG * ROWS
-    q = _load_q(q_ptr, q_base, qo_start, qo_len, hkv, r0, stride_qt, stride_qh, GROUP, ROWS,
-                D, NW)
     p_row = kv_len - qo_len + (r0 + gl.arange(0, ROWS, layout=row_s)) // GROUP
+    if Q_TMA:  # q_buf holds Q already (the load warp's TMA)
+        q = p_row  # (a stand-in)
+    else:
+        q = _load_q(q_ptr, req.to(gl.int64) * stride_qb, qo_start, qo_len, hkv, r0, stride_qt,
+                    stride_qh, GROUP, ROWS, D, NW)
     acc, m_i, l_i = _consume(
         gl.zeros([ROWS, D], gl.float32, layout=_mma_layout(D, NW)),
         gl.full([ROWS], float("-inf"), gl.float32, layout=row_s),
-        gl.zeros([ROWS], gl.float32, layout=row_s), p_row, q, q_smem.slice(WG * ROWS, ROWS),
+        gl.zeros([ROWS], gl.float32, layout=row_s), p_row, q, q_buf.slice(WG * ROWS, ROWS),
         k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, k_desc, v_desc, kv_start, kv_len,
         hkv, n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-        v_page_rows, turn, WG, P_SMEM, PAGED, PAGE, WS, PINGPONG, CAUSAL, ROWS, BLOCK_N, D,
-        STAGES, NW)
-    _store_rows(acc, m_i, l_i, r0, q_smem.slice(WG * ROWS, ROWS), o_ptr, lse_ptr, o_base,
-                l_base, qo_start, qo_len, hkv, stride_ot, stride_oh, stride_lt, stride_lh, GROUP,
-                ROWS, BLOCK_N, D, NW)
+        v_page_rows, turn, it, WG, P_SMEM, PAGED, PAGE, WS, PINGPONG, CAUSAL, ROWS, BLOCK_N, D,
+        STAGES, NW, Q_TMA)
+    _store_rows(acc, m_i, l_i, r0, q_buf.slice(WG * ROWS, ROWS), o_ptr, lse_ptr,
+                req.to(gl.int64) * stride_ob, req.to(gl.int64) * stride_lb, qo_start, qo_len, hkv,
+                stride_ot, stride_oh, stride_lt, stride_lh, GROUP, ROWS, BLOCK_N, D, NW)
+
+
+@gluon.jit
+def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+             GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr):
+    """Work item ``lin`` (of n_items * n_hkv: the work list's items for KV head 0, then head
+    1, ...) of the launch ctx: (request, first packed row, KV head, qo_start, qo_len, kv_start,
+    kv_len, page_base, npages, n_tiles, n_free, valid). Its key tiles [0, n_free) are visible
+    to every row, [n_free, n_tiles) masked; n_tiles is 0 when the item is not valid (padding,
+    or rows past the request's)."""
+    (work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, n_req, n_hkv,
+     dense_tiles, dense_group, dense_qo_len, dense_kv_len) = ctx[27:38]
+    if DENSE:
+        req, row0, hkv = _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
+                                     BLOCK_M)
+        qo_start = 0
+        qo_len = dense_qo_len
+        kv_start = req * dense_kv_len
+        kv_len = dense_kv_len
+    else:
+        hkv = lin // n_items
+        x = lin - hkv * n_items
+        req = gl.load(work_ptr + x * 2)
+        row0 = gl.load(work_ptr + x * 2 + 1)
+        req_c = gl.maximum(req, 0)
+        qo_start = gl.load(qo_indptr_ptr + req_c)
+        qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
+        if PAGED:
+            page_base = gl.load(kv_indptr_ptr + req_c)
+            npages = gl.load(kv_indptr_ptr + req_c + 1) - page_base
+            last = gl.load(last_page_len_ptr + req_c)
+            kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
+            kv_start = 0
+        else:
+            kv_start = gl.load(kv_indptr_ptr + req_c)
+            kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
+        qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
+        req = req_c
+    if not PAGED:
+        page_base = 0
+        npages = 0
+    valid = row0 < qo_len * GROUP
+    tok_lo = row0 // GROUP
+    tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
+    if CAUSAL:
+        n_end = gl.minimum(kv_len, kv_len - qo_len + tok_hi + 1)
+        free = gl.minimum(kv_len, kv_len - qo_len + tok_lo + 1)
+    else:
+        n_end = kv_len
+        free = kv_len
+    n_tiles = gl.where(valid, (gl.maximum(n_end, 0) + BLOCK_N - 1) // BLOCK_N, 0)
+    n_free = gl.maximum(free, 0) // BLOCK_N
+    return (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles,
+            n_free, valid)
+
+
+@constexpr_function
+def _lane_layout(num_warps):
+    """A [32] tensor over num_warps warps: a lane's value in every warp (a work item's index
+    passed through shared memory)."""
+    return gl.BlockedLayout([1], [32], [num_warps], [0])
+
+
+@constexpr_function
+def _rec_layout(num_warps):
+    """A [32] record every thread of num_warps warps holds whole (fields read without
+    shuffles)."""
+    return gl.BlockedLayout([32], [32], [num_warps], [0])
+
+
+@gluon.jit
+def _next_item(sched_ptr):
+    """The load warp's next work item: num_programs + a global counter's old value (every
+    program starts on item program_id; the counter, zeroed per launch, hands out the rest in
+    order, so each item goes to the first program free for it, as the hardware hands out
+    programs, and concurrent items stay neighbours in the work list, their K / V shared in
+    L2). One lane's atomic, summed over the warp."""
+    lane = gl.arange(0, 32, layout=_lane_layout(1))
+    old = gl.atomic_add(sched_ptr + lane * 0, lane * 0 + 1, mask=lane == 0)
+    return gl.num_programs(0) + gl.sum(gl.where(lane == 0, old, 0), 0)
+
+
+@gluon.jit
+def _pack_item(lin, item):
+    """The load warp's record of work item lin for the compute groups: [32] int32 in
+    _lane_layout(1), lane 0 lin, lanes 1-12 _item_of's fields in order."""
+    lane = gl.arange(0, 32, layout=_lane_layout(1))
+    v = gl.full([32], 0, gl.int32, layout=_lane_layout(1))
+    v = gl.where(lane == 0, lin, v)
+    for f in gl.static_range(12):
+        v = gl.where(lane == f + 1, item[f].to(gl.int32), v)
+    return v
+
+
+@gluon.jit
+def _field(v, f: gl.constexpr):
+    """Lane f of a record v (_pack_item) as a scalar."""
+    lane = gl.arange(0, 32, layout=v.type.layout)
+    return gl.sum(gl.where(lane == f, v, 0), 0)
+
+
+@gluon.jit
+def _publish_item(items, item_full, item_empty, k, lin):
+    """The load warp hands the program's k-th work item ``lin`` (past the launch's items:
+    stop) to the compute groups through slot k % 2 of ``items`` [2, 32], once every group has
+    read the item two before it."""
+    slot = k % 2
+    mbarrier.wait(item_empty.index(slot), ((k // 2) & 1) ^ 1)
+    items.index(slot).store(lin)
+    mbarrier.arrive(item_full.index(slot), count=1)
+
+
+@gluon.jit
+def _take_item(items, item_full, item_empty, k, NW: gl.constexpr):
+    """A compute group's (NW warps') k-th work item from the load warp (_publish_item)."""
+    slot = k % 2
+    mbarrier.wait(item_full.index(slot), (k // 2) & 1)
+    rec = items.index(slot).load(_rec_layout(NW))
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return rec
+
+
+@gluon.jit
+def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
+              P_SMEM: gl.constexpr,
+              PAGED: gl.constexpr, PAGE: gl.constexpr, PINGPONG: gl.constexpr,
+              GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr, NW: gl.constexpr):
+    """Compute group WG of a warp-specialized (persistent) program: its rows of the work items
+    the load warp hands it (_take_item; _group, or _zero_rows for rows that see no key), the
+    ring position running on across items in step with the load warp's."""
+    (q_ptr, o_ptr, lse_ptr, _q_smem, _k_ring, _v_ring, _k_bar, _v_bar, _k_empty, _v_empty,
+     _p_ring, _turn, _k_desc, _v_desc, _qk_scale, _page_idx_ptr, _k_page_rows, _v_page_rows,
+     stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+     stride_lh) = ctx[:27]
+    total = ctx[31] * ctx[33]
+    items, item_full, item_empty = ctx[38:41]
+    q_ring = ctx[3]
+    q_full, q_empty = ctx[42:44]
+    it = 0
+    k = 0
+    qk = 0  # items with keys so far: Q_TMA's slot qk % 2
+    rec = _take_item(items, item_full, item_empty, k, NW)
+    while _field(rec, 0) < total:
+        item = (_field(rec, 1), _field(rec, 2), _field(rec, 3), _field(rec, 4), _field(rec, 5),
+                _field(rec, 6), _field(rec, 7), _field(rec, 8), _field(rec, 9), _field(rec, 10),
+                _field(rec, 11), _field(rec, 12) != 0)
+        (req, row0, hkv, qo_start, qo_len, _kv_start, _kv_len, _page_base, _npages, n_tiles,
+         _n_free, valid) = item
+        if n_tiles > 0:
+            qs = qk % 2
+            if Q_TMA:
+                mbarrier.wait(q_full.index(qs), (qk // 2) & 1)
+                q_buf = q_ring.index(qs)
+            else:
+                q_buf = q_ring.index(0)
+            _group(WG, ctx, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
+                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
+            if Q_TMA:  # the slot (its O written through it) back to the load warp
+                fence_async_shared()
+                mbarrier.arrive(q_empty.index(qs), count=1)
+            qk += 1
+        elif valid:
+            _zero_rows(o_ptr, lse_ptr, req.to(gl.int64) * stride_ob,
+                       req.to(gl.int64) * stride_lb, qo_start, qo_len, hkv, row0 + WG * ROWS,
+                       stride_ot, stride_oh, stride_lt, stride_lh, GROUP, ROWS, D, NW)
+        it += n_tiles
+        k += 1
+        rec = _take_item(items, item_full, item_empty, k, NW)
+
+
+@gluon.jit
+def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr,
+               PAGE: gl.constexpr,
+               GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+               BOXES: gl.constexpr):
+    """The load partition of a warp-specialized (persistent) program: takes work items
+    (program_id first, then _next_item), hands each to the compute groups (_publish_item) and
+    issues its K / V tiles (_ws_producer), running on into the next item while the groups
+    finish this one; a last index past the items stops them."""
+    (_q_ptr, _o_ptr, _lse_ptr, _q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
+     _turn, k_desc, v_desc, _qk_scale, page_idx_ptr, k_page_rows, v_page_rows) = ctx[:18]
+    total = ctx[31] * ctx[33]
+    items, item_full, item_empty, sched_ptr = ctx[38:42]
+    q_ring = ctx[3]
+    q_full, q_empty, q_desc, q_req_rows = ctx[42:46]
+    it = 0
+    k = 0
+    qk = 0
+    lin = gl.program_id(0)
+    while lin < total:
+        item = _item_of(lin, ctx, DENSE, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+        _publish_item(items, item_full, item_empty, k, _pack_item(lin, item))
+        n_tiles = item[9]
+        if Q_TMA:
+            if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
+                qs = qk % 2
+                mbarrier.wait(q_empty.index(qs), ((qk // 2) & 1) ^ 1)
+                mbarrier.expect(q_full.index(qs),
+                                BLOCK_M * D * q_desc.dtype.primitive_bitwidth // 8)
+                _tma_load(q_desc, [item[0] * q_req_rows + item[3] + item[1], item[2] * D],
+                          q_full.index(qs), q_ring.index(qs))
+                qk += 1
+        _ws_producer(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, n_tiles, it,
+                     item[5], item[2], page_idx_ptr, item[7], item[8], k_page_rows, v_page_rows,
+                     PAGED, PAGE, BLOCK_N, D, STAGES, BOXES)
+        it += n_tiles
+        k += 1
+        lin = _next_item(sched_ptr)
+    _publish_item(items, item_full, item_empty, k,
+                  gl.full([32], lin, gl.int32, layout=_lane_layout(1)))
 
 
 @gluon.jit
@@ -465,153 +713,133 @@ def _gluon_fwd(
     page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
     stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
-    dense_kv_len,
-    DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, GROUP: gl.constexpr,
-    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
+    dense_kv_len, sched_ptr, q_desc, q_req_rows,
+    DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+    GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
     WS: gl.constexpr, BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Grid (work items, KV heads). Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
-    first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o
-    [N, Hq, D], lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles
-    items derived by _dense_item, every request dense_qo_len rows against dense_kv_len keys, q
-    / o [B, Sq, Hq, D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as
-    [rows, Hkv * D] (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks
-    [BLOCK_N, D]. PAGED (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches
-    [pages, PAGE, Hkv, D] seen as rows of Hkv * D, page p from row p * k_page_rows /
-    v_page_rows (a combined [pages, 2, PAGE, Hkv, D] cache interleaves them), kv_indptr the
-    page indptr, page_idx_ptr the page table, last_page_len_ptr each request's keys in its
-    last page. Unit dim strides; the LSE is base 2. PINGPONG (with WS): two compute groups
-    of num_warps warps and BLOCK_M / 2 rows each, the second a worker partition at GROUP_REGS
-    registers."""
+    """Work items: n_items per KV head, item lin = x + head * n_items. Without WS the grid is
+    (n_items, KV heads), a program per item; WS programs take their items from the load warp
+    (_ws_loader): program_id first, then the next from sched_ptr (int32 [1], zeroed per launch)
+    until none is left, so a 1D grid of one program per item or (persistent) of at most the
+    programs the GPU holds at once. Q_TMA (WS, GROUP 1): the load warp also brings each item's Q
+    rows by TMA through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows
+    from b * q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
+    first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N,
+    Hq, D], lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items
+    derived by _dense_item, every request dense_qo_len rows against dense_kv_len keys, q / o [B,
+    Sq, Hq, D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as [rows, Hkv
+    * D] (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks [BLOCK_N, D].
+    PAGED (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE,
+    Hkv, D] seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined
+    [pages, 2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr
+    the page table, last_page_len_ptr each request's keys in its last page. Unit dim strides;
+    the LSE is base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2
+    rows each, the second a worker partition at GROUP_REGS registers."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
-    if DENSE:
-        req, row0, hkv = _dense_item(gl.program_id(0) + gl.program_id(1) * n_items, n_items,
-                                     dense_tiles, dense_group, n_req, n_hkv, BLOCK_M)
-        qo_start = 0
-        qo_len = dense_qo_len
-        kv_start = req * dense_kv_len
-        kv_len = dense_kv_len
+    # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
+    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+    RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
+    P_ROWS: gl.constexpr = BLOCK_M if P_SMEM else 8  # (a stand-in unless P_SMEM)
+    P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 64
+    q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
+        swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
+    # k_bar / v_bar: slot filled; k_empty / v_empty (WS): slot released by the compute
+    # warps; turn (PINGPONG): the groups' turns to issue their wgmmas
+    k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ring = gl.allocate_shared_memory(dtype, [2, P_ROWS, P_COLS], q_smem_layout)
+    # Q: two slots with Q_TMA (filled by the load warp's TMA, an item ahead), else one (stored
+    # by the compute groups)
+    if Q_TMA:
+        q_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_M, D], q_desc.layout)
     else:
-        x = gl.program_id(0)
-        hkv = gl.program_id(1)
-        req = gl.load(work_ptr + x * 2)
-        row0 = gl.load(work_ptr + x * 2 + 1)
-        req_c = gl.maximum(req, 0)
-        qo_start = gl.load(qo_indptr_ptr + req_c)
-        qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
-        if PAGED:
-            page_base = gl.load(kv_indptr_ptr + req_c)
-            npages = gl.load(kv_indptr_ptr + req_c + 1) - page_base
-            last = gl.load(last_page_len_ptr + req_c)
-            kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
-            kv_start = 0
+        q_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_M, D], q_smem_layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_bar.index(i), count=1)
+        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=RELEASES)
+        mbarrier.init(v_empty.index(i), count=RELEASES)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    # WS: the work item handed from the load warp to the compute groups (_publish_item): two
+    # slots, each read by every group before it is refilled
+    items = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(item_full.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=RELEASES)
+        mbarrier.init(q_full.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=RELEASES)
+    fence_async_shared()
+    # the launch's runtime values: [:27] the compute groups', [27:38] the work items'
+    # (_item_of), [38:] the persistent programs' item hand-off (_ws_loader)
+    ctx = (q_ptr, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring,
+           turn, k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows, stride_qb,
+           stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+           stride_lh, work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items,
+           n_req, n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len, items, item_full,
+           item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows)
+    if WS:
+        # Persistent: the load warp takes the work items (program_id, then a global counter's)
+        # and starts the next item's K / V while the groups finish this one.
+        if PINGPONG:
+            gl.warp_specialize([
+                (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                (_ws_group, (1, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
+                              STAGES, BOXES)),
+            ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
         else:
-            kv_start = gl.load(kv_indptr_ptr + req_c)
-            kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
-        qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
-        req = req_c
-    if not PAGED:
-        page_base = 0
-        npages = 0
-    if row0 >= qo_len * GROUP:
-        return
-    q_base = req.to(gl.int64) * stride_qb
-    o_base = req.to(gl.int64) * stride_ob
-    l_base = req.to(gl.int64) * stride_lb
-
-    # ---- the key range: tiles [0, n_free) are visible to every row, [n_free, n_tiles) masked -
-    tok_lo = row0 // GROUP
-    tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
-    if CAUSAL:
-        n_end = gl.minimum(kv_len, kv_len - qo_len + tok_hi + 1)
-        free = gl.minimum(kv_len, kv_len - qo_len + tok_lo + 1)
-    else:
-        n_end = kv_len
-        free = kv_len
-    n_tiles = (gl.maximum(n_end, 0) + BLOCK_N - 1) // BLOCK_N
-    n_free = gl.maximum(free, 0) // BLOCK_N
-
-    if n_tiles > 0:
-        # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
-        ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
-        RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
-        P_ROWS: gl.constexpr = BLOCK_M if P_SMEM else 8  # (a stand-in unless P_SMEM)
-        P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 64
-        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
-            swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2)
-        k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
-        v_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], v_desc.layout)
-        # k_bar / v_bar: slot filled; k_empty / v_empty (WS): slot released by the compute
-        # warps; turn (PINGPONG): the groups' turns to issue their wgmmas
-        k_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bar = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_ring = gl.allocate_shared_memory(dtype, [2, P_ROWS, P_COLS], q_smem_layout)
-        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, D], q_smem_layout)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_bar.index(i), count=1)
-            mbarrier.init(v_bar.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=RELEASES)
-            mbarrier.init(v_empty.index(i), count=RELEASES)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        fence_async_shared()
-        # The first K / V copies go out before Q's loads (WS: the load partition from the
-        # split on; else the first STAGES tiles, here); each group then loads and stores Q.
-        if not WS:
+            gl.warp_specialize([
+                (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
+                              STAGES, BOXES)),
+            ], [1], [PRODUCER_REGS])
+    else:  # one work item per program
+        item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
+                        GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+        (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
+         valid) = item
+        if n_tiles > 0:
+            # The first STAGES K / V copies go out before Q's loads.
             for i in gl.static_range(STAGES):
                 page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
                 _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
                          k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
                          v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-        ctx = (q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
-               p_ring, turn, k_desc, v_desc, q_base, o_base, l_base, qo_start, qo_len, kv_start,
-               kv_len, row0, hkv, n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages,
-               k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
-               stride_lh)
-        if PINGPONG:
-            gl.warp_specialize([
-                (_group, (0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
-                          BLOCK_N, D, STAGES, num_warps)),
-                (_group, (1, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
-                          BLOCK_N, D, STAGES, num_warps)),
-                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
-                                k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                BOXES)),
-            ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
-        elif WS:
-            gl.warp_specialize([
-                (_group, (0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS,
-                          BLOCK_N, D, STAGES, num_warps)),
-                (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                v_empty, n_tiles, kv_start, hkv, page_idx_ptr, page_base, npages,
-                                k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                BOXES)),
-            ], [1], [PRODUCER_REGS])
-        else:
-            _group(0, ctx, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D,
-                   STAGES, num_warps)
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(k_bar.index(i))
-            mbarrier.invalidate(v_bar.index(i))
-            mbarrier.invalidate(k_empty.index(i))
-            mbarrier.invalidate(v_empty.index(i))
-        mbarrier.invalidate(turn.index(0))
-        mbarrier.invalidate(turn.index(1))
-    else:  # no key for any row of the tile: 0 and LSE -inf
-        offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, row0, stride_ot, stride_oh, GROUP,
-                             BLOCK_M, D, num_warps)
-        gl.store(o_ptr + offs, gl.zeros([BLOCK_M, D], dtype, layout=_row_layout(D, num_warps)),
-                 mask=ok[:, None])
-        row_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        _store_lse(gl.full([BLOCK_M], float("-inf"), gl.float32, layout=row_l), lse_ptr, l_base,
-                   qo_start, qo_len, hkv, row0, stride_lt, stride_lh, GROUP, BLOCK_M, row_l)
+            _group(0, ctx, item, 0, q_ring.index(0), False, P_SMEM, PAGED, PAGE, False,
+                   PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
+        elif valid:  # no key for any row of the tile: 0 and LSE -inf
+            _zero_rows(o_ptr, lse_ptr, req.to(gl.int64) * stride_ob, req.to(gl.int64) * stride_lb,
+                       qo_start, qo_len, hkv, row0, stride_ot, stride_oh, stride_lt, stride_lh,
+                       GROUP, BLOCK_M, D, num_warps)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(k_bar.index(i))
+        mbarrier.invalidate(v_bar.index(i))
+        mbarrier.invalidate(k_empty.index(i))
+        mbarrier.invalidate(v_empty.index(i))
+    mbarrier.invalidate(turn.index(0))
+    mbarrier.invalidate(turn.index(1))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(item_full.index(i))
+        mbarrier.invalidate(item_empty.index(i))
+        mbarrier.invalidate(q_full.index(i))
+        mbarrier.invalidate(q_empty.index(i))
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -629,6 +857,22 @@ TILES = {64: (64, 4, 2, False, True, False), 128: (128, 8, 2, False, True, True)
 _WS_CTAS = {4: 2, 8: 1}
 # setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
 PINGPONG_REGS = 240
+
+
+def persistent_default(pingpong: bool, boxes: int) -> bool:
+    """Whether a warp-specialized launch runs persistent programs (they stay resident and take
+    work items from a counter; the load warp brings the next item's Q and first K / V tiles
+    under this one's last tiles). Measured on the H100 (benchmarks/NOTES.md, 15th session,
+    with Q by TMA): 64-row tiles +11 / +4 / +2 / 0% at S 1k / 2k / 4k / 8k; ping-pong tiles
+    with a box per page (page 16) +5 / +4 / +2.5% at S 2k / 4k / 8k, but on contiguous K / V
+    -2 to -7%: those keep a program per item."""
+    return not pingpong or boxes > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (the persistent grid's size)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def ws_maxnreg(warps: int) -> int:
@@ -687,15 +931,15 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
     views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, compute warps, stages, P through
-    shared memory, warp-specialized, ping-pong: two groups of half the warps), TILES[block_m]
-    if None. paged: (page size, page
+    shared memory, warp-specialized, ping-pong: two groups of half the warps[, persistent
+    (WS): default persistent_default]), TILES[block_m] if None. paged: (page size, page
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
     box per page by the warp-specialized kernel."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
-    block_n, warps, stages, p_smem, ws, pingpong = tile or TILES[block_m]
+    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
@@ -722,13 +966,40 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     if paged is None:  # never read
         page_idx = last = work_arg
     box = block_n // boxes
-    _gluon_fwd[(n_items, hkv)](
+    # WS: a 1D grid; persistent, as many programs as fit on the GPU at once (_WS_CTAS per SM),
+    # else one per item (each still takes its item through the same hand-off)
+    persistent = rest[0] if rest else persistent_default(pingpong, boxes)
+    total = n_items * hkv
+    if not ws:
+        grid = (n_items, hkv)
+    else:
+        grid = (max(1, min(total, _sm_count(q.device) * _WS_CTAS[warps]) if persistent
+                    else total), )
+    # the persistent programs' item counter (never read without WS)
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if ws else work_arg
+    # Q by the load warp's TMA (WS, one query head per KV head, Q's rows a 2D view; not with P
+    # through shared memory: a 128-row tile's P ring leaves no room for Q's second slot)
+    q2 = None
+    if (ws and not p_smem and hq == hkv and q.numel() and q.stride(-1) == 1 and q.stride(-2) == d
+            and q.data_ptr() % 16 == 0):
+        if dense is None and (q.stride(0) * q.element_size()) % 16 == 0:
+            q2, q_req_rows = q.as_strided((q.shape[0], hq * d), (q.stride(0), 1)), 0
+        elif dense is not None and q.stride(0) == q.shape[1] * q.stride(1) \
+                and (q.stride(1) * q.element_size()) % 16 == 0:
+            q2 = q.as_strided((q.shape[0] * q.shape[1], hq * d), (q.stride(1), 1))
+            q_req_rows = q.shape[1]
+    if q2 is not None:
+        q_desc = TensorDescriptor(q2, list(q2.shape), [q2.stride(0), 1], [block_m, d],
+                                  _smem_layout(block_m, d, q.dtype))
+    else:
+        q_desc, q_req_rows = kv_descriptor(k2, d, box), 0  # (never read)
+    _gluon_fwd[grid](
         work_arg, q, kv_descriptor(k2, d, box), kv_descriptor(v2, d, box), out, lse,
         qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
-        n_req, hkv, tiles, group, sq, skv,
-        DENSE=dense is not None, PAGED=paged is not None, PAGE=page, GROUP=hq // hkv,
-        CAUSAL=causal, BLOCK_M=block_m,
-        BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem, WS=ws, BOXES=boxes,
+        n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows,
+        DENSE=dense is not None, Q_TMA=q2 is not None, PAGED=paged is not None, PAGE=page,
+        GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages,
+        P_SMEM=p_smem, WS=ws, BOXES=boxes,
         PRODUCER_REGS=24, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
@@ -748,7 +1019,8 @@ def page_fits(page: int, block_n: int, d: int) -> bool:
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
                   causal: bool, block_m: int, block_n: int, stages: int, num_warps: int,
-                  p_smem: bool = True, ws: bool = False, pingpong: bool = False):
+                  p_smem: bool = True, ws: bool = False, pingpong: bool = False,
+                  persistent: bool | None = None):
     """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
     [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
     block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
@@ -758,4 +1030,5 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
                          "and 16-byte aligned rows for the Gluon kernel")
     return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
                   qk_scale=sm_scale * 1.4426950408889634, causal=causal, block_m=block_m,
-                  tile=(block_n, num_warps, stages, p_smem, ws, pingpong))
+                  tile=(block_n, num_warps, stages, p_smem, ws, pingpong,
+                        *(() if persistent is None else (persistent, ))))

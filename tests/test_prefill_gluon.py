@@ -32,13 +32,17 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     box = min(page, block_n) if page else block_n  # pages smaller than a tile: a box each
     layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
     desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
-    consts = dict(DENSE=dense, PAGED=page > 0, PAGE=page, GROUP=4, CAUSAL=causal,
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
+    # warp-specialized launches here take Q by the load warp's TMA (one query head per KV head)
+    consts = dict(DENSE=dense, Q_TMA=ws, PAGED=page > 0, PAGE=page, GROUP=1 if ws else 4,
+                  CAUSAL=causal,
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
                   WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, PINGPONG=pp,
                   GROUP_REGS=gluon_mod.PINGPONG_REGS, num_warps=warps // 2 if pp else warps)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
-                 page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32")
+                 page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
+                 sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     src = GluonASTSource(fn=fn, signature=sig,
                          constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
@@ -54,6 +58,9 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     assert ("mbarrier.arrive.shared" in ptx) == ws
     if page and page < block_n:
         assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
+    # K, V and (Q_TMA) Q boxes from the load warp; work items from a global counter
+    assert ptx.count("cp.async.bulk.tensor") >= (3 if ws else 2)
+    assert ("atom.global" in ptx) == ws
     # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # ping-pong: the worker compute group's registers raised to PINGPONG_REGS
@@ -203,6 +210,7 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # force warp specialization, with its register cap; a page size it cannot read raises.
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)  # a 1-SM GPU
     q = torch.randn(40, 8, 128, dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(40, 8)
     work = torch.zeros(3, 2, dtype=torch.int32)
@@ -218,7 +226,12 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                      causal=True, block_m=block_m, paged=paged)
     block_n, warps = gluon_mod.TILES[block_m][:2]
-    assert rec.grid == (3, 2)
+    # warp-specialized launches take a 1D grid: persistent programs (64-row tiles, ping-pong
+    # with a box per page) as many as the GPU holds at once (1 SM x _WS_CTAS), for 3 items x 2
+    # KV heads; other ping-pong launches a program per item
+    persistent = block_m == 64 or boxes > 1
+    assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (6, ))
+    assert not rec.kw["Q_TMA"] and rec.args[-1] == 0  # GQA 4:1: Q through registers
     assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
@@ -231,3 +244,38 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
                              paged=(8, table, last, page, page))
+
+
+@pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",
+                                    "p-smem"])
+def test_launch_q_box(layout, monkeypatch):
+    # Warp-specialized launches with one query head per KV head take Q by the load warp's TMA:
+    # a descriptor over Q seen as [rows, Hq * D], boxes of the tile's rows, a dense entry's
+    # rows Sq apart; GQA, heads not packed, no load warp, or P through shared memory (no room
+    # for Q's second slot): Q through registers.
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
+    hq = 8 if layout == "gqa" else 2
+    k2 = gluon_mod.kv_2d(torch.randn(50, 2, 128, dtype=torch.bfloat16), "ragged")
+    work = torch.zeros(3, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    tile = {"no-ws": (64, 4, 2, False, False, False),
+            "p-smem": (64, 4, 2, True, True, False)}.get(layout)
+    if layout.startswith("dense"):
+        q = torch.randn(3, 40, hq, 128, dtype=torch.bfloat16)
+        if layout == "dense-heads-strided":
+            q = torch.randn(3, hq, 40, 128, dtype=torch.bfloat16).transpose(1, 2)
+        out, lse, dense = torch.empty_like(q), torch.empty(3, 40, hq), (3, 40, 40, 1, 1)
+    else:
+        q = torch.randn(40, hq, 128, dtype=torch.bfloat16)
+        out, lse, dense = torch.empty_like(q), torch.empty(40, hq), None
+    gluon_mod.launch(q, k2, k2, out, lse, indptr, indptr, work, dense=dense, qk_scale=0.1,
+                     causal=True, block_m=64, tile=tile)
+    q_desc, q_req_rows = rec.args[-2:]
+    if layout in ("ragged", "dense"):
+        assert rec.kw["Q_TMA"] and list(q_desc.block_shape) == [64, 128]
+        assert tuple(q_desc.base.shape) == (120 if dense else 40, hq * 128)
+        assert q_desc.base.data_ptr() == q.data_ptr() and q_req_rows == (40 if dense else 0)
+    else:
+        assert not rec.kw["Q_TMA"] and q_req_rows == 0

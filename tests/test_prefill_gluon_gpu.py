@@ -18,7 +18,9 @@ pytestmark = [
                        or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"),
 ]
 
-# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory, warp-specialized, ping-pong)
+# (BLOCK_M, BLOCK_N, warps, stages, P through shared memory, warp-specialized, ping-pong);
+# warp-specialized tiles run persistent programs or not as prefill_gluon.persistent_default
+# says, and take Q by TMA where a query head has its own KV head ("odd", "unseen")
 TILES = [(64, 64, 4, 2, True, False, False), (64, 64, 4, 3, True, False, False),
          (128, 64, 8, 2, True, False, False), (128, 128, 8, 2, True, False, False),
          (64, 64, 4, 2, False, False, False), (128, 128, 8, 2, False, False, False),
@@ -36,7 +38,7 @@ CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
 def _runner(tile):
     from compiled_attn.ops import prefill_gluon as G
 
-    bm, bn, warps, stages, p_smem, ws, pp = tile
+    bm, bn, warps, stages, p_smem, ws, pp, *persistent = tile  # persistent: the default's
 
     def run(c, p, out_dtype=None):
         qo = c.qo_indptr.diff().tolist()
@@ -51,13 +53,13 @@ def _runner(tile):
             return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
                             c.qo_indptr, c.kv_indptr, work, dense=None,
                             qk_scale=p["sm_scale"] * 1.4426950408889634, causal=causal,
-                            block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp),
+                            block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp, *persistent),
                             paged=paged)
         work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())
         return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
                                sm_scale=p["sm_scale"], causal=causal, block_m=bm, block_n=bn,
                                stages=stages, num_warps=warps, p_smem=p_smem, ws=ws,
-                               pingpong=pp)
+                               pingpong=pp, persistent=persistent[0] if persistent else None)
     return run
 
 
@@ -106,12 +108,44 @@ def test_gluon_paged(tile, page, causal):
 
     if not G.page_fits(page, tile[1], 128):
         pytest.skip("page size does not tile this key block")
+    check(*_paged_case(page, 8, 2, causal), runner=_runner(tile))
+
+
+def _paged_case(page, hq, hkv, causal):
+    """The paged case above (unowned slots NaN) and its parameters."""
     qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
-    c = make_case("paged", qo, kv, 8, 2, 128, dtype=torch.bfloat16, device="cuda",
+    c = make_case("paged", qo, kv, hq, hkv, 128, dtype=torch.bfloat16, device="cuda",
                   page_size=page, seed=page)
     _nan_unused(c)
-    p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128)
-    check(c, p, runner=_runner(tile))
+    return c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128)
+
+
+# Persistent programs on a GPU pretending to have one SM: each of the one or two programs
+# then takes every work item in turn, so the K / V rings, the ping-pong turns, the item
+# hand-off and the Q slots run on across items (on the real GPU the small cases above have
+# fewer items than programs); and the same tiles with a program per item. "paged16-mha" (one
+# query head per KV head) takes Q by TMA, as do "odd" and "unseen".
+PAGED = {"paged16": (16, 8, 2), "paged128": (128, 8, 2), "paged16-mha": (16, 2, 2)}
+
+
+@pytest.mark.parametrize("tile", [TILES[8], TILES[9]], ids=_tile_id)
+@pytest.mark.parametrize("case", list(CASES) + list(PAGED))
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_gluon_persistent_few_programs(tile, case, causal, persistent, monkeypatch):
+    from compiled_attn.ops import prefill_gluon as G
+
+    monkeypatch.setattr(G, "_sm_count", lambda device: 1)
+    if case in PAGED:
+        c, p = _paged_case(*PAGED[case], causal)
+    else:
+        qo, kv, hq, hkv, d = CASES[case]
+        if causal and case != "unseen":
+            kv = [max(a, b) for a, b in zip(qo, kv)]
+        c = make_case("ragged", qo, kv, hq, hkv, d, dtype=torch.bfloat16, device="cuda",
+                      seed=len(qo) + d)
+        p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+    check(c, p, runner=_runner(tile + (persistent, )))
 
 
 def _spy(monkeypatch):
@@ -143,11 +177,12 @@ def _spy(monkeypatch):
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
     ("single", [2048], [2048], 128, True)])
-def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])  # 4 / 4: Q by the load warp's TMA
+def test_op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, monkeypatch):
     seen = _spy(monkeypatch)
     page = int(kind[5:]) if kind.startswith("paged") else 16
     kind = kind[:5] if kind.startswith("paged") else kind
-    c = make_case(kind, qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16, device="cuda",
+    c = make_case(kind, qo, kv, hq=hq, hkv=hkv, dqk=128, dtype=torch.bfloat16, device="cuda",
                   page_size=page, seed=5)
     if kind == "single":
         c.q = c.q.expand(3, -1, -1, -1).contiguous()
@@ -157,7 +192,7 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, monkeypatch):
         monkeypatch.setattr(ops.prefill_kernel, "block_m_for", lambda *a, **k: block_m)
     else:
         c.block_m = block_m
-        c.work = build_work(qo, 4, block_m, "cuda", kv_lens=kv)
+        c.work = build_work(qo, hq // hkv, block_m, "cuda", kv_lens=kv)
     check(c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128))
     assert seen == [(block_m, kind)]
 
