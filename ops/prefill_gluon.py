@@ -13,10 +13,10 @@ completed: by the compute warps themselves, or (WS) by a one-warp load partition
 compute warps release each slot to (gl.warp_specialize), which also issues a box per page for
 pages smaller than a key tile. 128-row tiles run FA3's inter-warpgroup schedule too
 (PINGPONG): two compute groups of 64 rows share the slots and take turns issuing their
-wgmmas, so one group's softmax runs under the other's matmuls. Warp-specialized programs take
-their work items from the load warp, which decodes each item and (one query head per KV head)
-brings its Q by TMA an item ahead; persistent ones (persistent_default) stay resident and take
-items from a global counter, the load warp starting the next item under this one's last tiles.
+wgmmas, so one group's softmax runs under the other's matmuls. Persistent warp-specialized
+programs (persistent_default) stay resident and take work items from a global counter through
+the load warp, which decodes each item for the compute groups, brings its Q by TMA (one query
+head per KV head) and starts its K / V under the previous item's last tiles.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 16+
@@ -303,7 +303,8 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
     col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     if not Q_READY:  # (Q_READY: the load warp's TMA has filled q_smem)
-        _cta_barrier()  # every warp of the group is done with q_smem (the last item's O)
+        if it > 0:
+            _cta_barrier()  # every warp of the group is done with q_smem (the last item's O)
         q_smem.store(q)  # (Q's loads were in flight under the first K / V copies)
         fence_async_shared()
         _cta_barrier()
@@ -717,27 +718,28 @@ def _gluon_fwd(
     DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    WS: gl.constexpr, BOXES: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-    PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
+    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    """Work items: n_items per KV head, item lin = x + head * n_items. Without WS the grid is
-    (n_items, KV heads), a program per item; WS programs take their items from the load warp
-    (_ws_loader): program_id first, then the next from sched_ptr (int32 [1], zeroed per launch)
-    until none is left, so a 1D grid of one program per item or (persistent) of at most the
-    programs the GPU holds at once. Q_TMA (WS, GROUP 1): the load warp also brings each item's Q
-    rows by TMA through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows
-    from b * q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request,
-    first packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N,
-    Hq, D], lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items
-    derived by _dense_item, every request dense_qo_len rows against dense_kv_len keys, q / o [B,
-    Sq, Hq, D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as [rows, Hkv
-    * D] (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks [BLOCK_N, D].
-    PAGED (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE,
-    Hkv, D] seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined
-    [pages, 2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr
-    the page table, last_page_len_ptr each request's keys in its last page. Unit dim strides;
-    the LSE is base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2
-    rows each, the second a worker partition at GROUP_REGS registers."""
+    """Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
+    grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
+    from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
+    zeroed per launch) until none is left, a 1D grid of at most the programs the GPU holds at
+    once. Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA
+    through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
+    q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request, first
+    packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N, Hq, D],
+    lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items derived by
+    _dense_item, every request dense_qo_len rows against dense_kv_len keys, q / o [B, Sq, Hq,
+    D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as [rows, Hkv * D]
+    (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks [BLOCK_N, D]. PAGED
+    (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE, Hkv, D]
+    seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined [pages,
+    2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr the page
+    table, last_page_len_ptr each request's keys in its last page. Unit dim strides; the LSE is
+    base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
+    the second a worker partition at GROUP_REGS registers."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
@@ -790,9 +792,9 @@ def _gluon_fwd(
            stride_lh, work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items,
            n_req, n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len, items, item_full,
            item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows)
-    if WS:
-        # Persistent: the load warp takes the work items (program_id, then a global counter's)
-        # and starts the next item's K / V while the groups finish this one.
+    if PERSISTENT:
+        # The load warp takes the work items (program_id, then a global counter's) and starts
+        # the next item's Q and K / V while the groups finish this one.
         if PINGPONG:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
@@ -809,21 +811,44 @@ def _gluon_fwd(
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
                               STAGES, BOXES)),
             ], [1], [PRODUCER_REGS])
-    else:  # one work item per program
+    else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
                         GROUP, CAUSAL, BLOCK_M, BLOCK_N)
         (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
          valid) = item
+        q_smem = q_ring.index(0)
         if n_tiles > 0:
-            # The first STAGES K / V copies go out before Q's loads.
-            for i in gl.static_range(STAGES):
-                page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
-                _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
-                         k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-                _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
-                         v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-            _group(0, ctx, item, 0, q_ring.index(0), False, P_SMEM, PAGED, PAGE, False,
-                   PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
+            # The first K / V copies go out before Q's loads (WS: the load warp from the split
+            # on; else the first STAGES tiles, here); each group then loads and stores Q.
+            if PINGPONG:
+                gl.warp_specialize([
+                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                    v_empty, n_tiles, 0, kv_start, hkv, page_idx_ptr, page_base,
+                                    npages, k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D,
+                                    STAGES, BOXES)),
+                ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
+            elif WS:
+                gl.warp_specialize([
+                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                    v_empty, n_tiles, 0, kv_start, hkv, page_idx_ptr, page_base,
+                                    npages, k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D,
+                                    STAGES, BOXES)),
+                ], [1], [PRODUCER_REGS])
+            else:
+                for i in gl.static_range(STAGES):
+                    page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
+                    _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
+                             k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+                    _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
+                             v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+                _group(0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
+                       CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
         elif valid:  # no key for any row of the tile: 0 and LSE -inf
             _zero_rows(o_ptr, lse_ptr, req.to(gl.int64) * stride_ob, req.to(gl.int64) * stride_lb,
                        qo_start, qo_len, hkv, row0, stride_ot, stride_oh, stride_lt, stride_lh,
@@ -966,22 +991,21 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     if paged is None:  # never read
         page_idx = last = work_arg
     box = block_n // boxes
-    # WS: a 1D grid; persistent, as many programs as fit on the GPU at once (_WS_CTAS per SM),
-    # else one per item (each still takes its item through the same hand-off)
-    persistent = rest[0] if rest else persistent_default(pingpong, boxes)
-    total = n_items * hkv
-    if not ws:
-        grid = (n_items, hkv)
+    # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
+    # per SM); else a program per item
+    persistent = ws and (rest[0] if rest else persistent_default(pingpong, boxes))
+    if persistent:
+        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps])), )
     else:
-        grid = (max(1, min(total, _sm_count(q.device) * _WS_CTAS[warps]) if persistent
-                    else total), )
-    # the persistent programs' item counter (never read without WS)
-    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if ws else work_arg
-    # Q by the load warp's TMA (WS, one query head per KV head, Q's rows a 2D view; not with P
-    # through shared memory: a 128-row tile's P ring leaves no room for Q's second slot)
+        grid = (n_items, hkv)
+    # the persistent programs' item counter (never read otherwise)
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else work_arg
+    # Q by the load warp's TMA (persistent, one query head per KV head, Q's rows a 2D view;
+    # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
+    # slot)
     q2 = None
-    if (ws and not p_smem and hq == hkv and q.numel() and q.stride(-1) == 1 and q.stride(-2) == d
-            and q.data_ptr() % 16 == 0):
+    if (persistent and not p_smem and hq == hkv and q.numel() and q.stride(-1) == 1
+            and q.stride(-2) == d and q.data_ptr() % 16 == 0):
         if dense is None and (q.stride(0) * q.element_size()) % 16 == 0:
             q2, q_req_rows = q.as_strided((q.shape[0], hq * d), (q.stride(0), 1)), 0
         elif dense is not None and q.stride(0) == q.shape[1] * q.stride(1) \
@@ -999,7 +1023,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows,
         DENSE=dense is not None, Q_TMA=q2 is not None, PAGED=paged is not None, PAGE=page,
         GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages,
-        P_SMEM=p_smem, WS=ws, BOXES=boxes,
+        P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, BOXES=boxes,
         PRODUCER_REGS=24, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse

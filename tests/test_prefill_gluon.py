@@ -33,9 +33,11 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
     desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
-    # warp-specialized launches here take Q by the load warp's TMA (one query head per KV head)
-    consts = dict(DENSE=dense, Q_TMA=ws, PAGED=page > 0, PAGE=page, GROUP=1 if ws else 4,
-                  CAUSAL=causal,
+    # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
+    # head per KV head)
+    persistent = ws and gluon_mod.persistent_default(pp, block_n // box)
+    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=page > 0, PAGE=page,
+                  GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
                   WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, PINGPONG=pp,
                   GROUP_REGS=gluon_mod.PINGPONG_REGS, num_warps=warps // 2 if pp else warps)
@@ -58,9 +60,9 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     assert ("mbarrier.arrive.shared" in ptx) == ws
     if page and page < block_n:
         assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
-    # K, V and (Q_TMA) Q boxes from the load warp; work items from a global counter
-    assert ptx.count("cp.async.bulk.tensor") >= (3 if ws else 2)
-    assert ("atom.global" in ptx) == ws
+    # K, V and (persistent: Q_TMA) Q boxes; persistent: work items from a global counter
+    assert ptx.count("cp.async.bulk.tensor") >= (3 if persistent else 2)
+    assert ("atom.global" in ptx) == persistent
     # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
     # ping-pong: the worker compute group's registers raised to PINGPONG_REGS
@@ -226,11 +228,12 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                      causal=True, block_m=block_m, paged=paged)
     block_n, warps = gluon_mod.TILES[block_m][:2]
-    # warp-specialized launches take a 1D grid: persistent programs (64-row tiles, ping-pong
-    # with a box per page) as many as the GPU holds at once (1 SM x _WS_CTAS), for 3 items x 2
-    # KV heads; other ping-pong launches a program per item
+    # persistent programs (64-row tiles, ping-pong with a box per page): a 1D grid of as many
+    # as the GPU holds at once (1 SM x _WS_CTAS) for 3 items x 2 KV heads; other ping-pong
+    # launches a program per item
     persistent = block_m == 64 or boxes > 1
-    assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (6, ))
+    assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (3, 2))
+    assert rec.kw["PERSISTENT"] == persistent
     assert not rec.kw["Q_TMA"] and rec.args[-1] == 0  # GQA 4:1: Q through registers
     assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
@@ -247,12 +250,12 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",
-                                    "p-smem"])
+                                    "p-smem", "per-item"])
 def test_launch_q_box(layout, monkeypatch):
-    # Warp-specialized launches with one query head per KV head take Q by the load warp's TMA:
-    # a descriptor over Q seen as [rows, Hq * D], boxes of the tile's rows, a dense entry's
-    # rows Sq apart; GQA, heads not packed, no load warp, or P through shared memory (no room
-    # for Q's second slot): Q through registers.
+    # Persistent launches with one query head per KV head take Q by the load warp's TMA: a
+    # descriptor over Q seen as [rows, Hq * D], boxes of the tile's rows, a dense entry's rows
+    # Sq apart; GQA, heads not packed, no load warp, P through shared memory (no room for Q's
+    # second slot) or a program per item (ping-pong on contiguous K / V): Q through registers.
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
     monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
@@ -260,8 +263,8 @@ def test_launch_q_box(layout, monkeypatch):
     k2 = gluon_mod.kv_2d(torch.randn(50, 2, 128, dtype=torch.bfloat16), "ragged")
     work = torch.zeros(3, 2, dtype=torch.int32)
     indptr = torch.tensor([0, 40], dtype=torch.int32)
-    tile = {"no-ws": (64, 4, 2, False, False, False),
-            "p-smem": (64, 4, 2, True, True, False)}.get(layout)
+    tile = {"no-ws": (64, 4, 2, False, False, False), "p-smem": (64, 4, 2, True, True, False),
+            "per-item": (128, 8, 2, False, True, True)}.get(layout)
     if layout.startswith("dense"):
         q = torch.randn(3, 40, hq, 128, dtype=torch.bfloat16)
         if layout == "dense-heads-strided":
@@ -271,7 +274,7 @@ def test_launch_q_box(layout, monkeypatch):
         q = torch.randn(40, hq, 128, dtype=torch.bfloat16)
         out, lse, dense = torch.empty_like(q), torch.empty(40, hq), None
     gluon_mod.launch(q, k2, k2, out, lse, indptr, indptr, work, dense=dense, qk_scale=0.1,
-                     causal=True, block_m=64, tile=tile)
+                     causal=True, block_m=128 if layout == "per-item" else 64, tile=tile)
     q_desc, q_req_rows = rec.args[-2:]
     if layout in ("ragged", "dense"):
         assert rec.kw["Q_TMA"] and list(q_desc.block_shape) == [64, 128]
