@@ -581,19 +581,20 @@ def _field(v, f: gl.constexpr):
 
 
 @gluon.jit
-def _publish_item(items, item_full, item_empty, k, lin):
-    """The load warp hands the program's k-th work item ``lin`` (past the launch's items:
-    stop) to the compute groups through slot k % 2 of ``items`` [2, 32], once every group has
-    read the item two before it."""
+def _publish_item(items, item_full, item_empty, k, rec):
+    """The load warp hands the program's k-th work item's record ``rec`` [32] (_pack_item; a
+    lin past the launch's items: stop) to the compute groups through slot k % 2 of ``items``
+    [2, 32], once every group has read the item two before it."""
     slot = k % 2
     mbarrier.wait(item_empty.index(slot), ((k // 2) & 1) ^ 1)
-    items.index(slot).store(lin)
+    items.index(slot).store(rec)
     mbarrier.arrive(item_full.index(slot), count=1)
 
 
 @gluon.jit
 def _take_item(items, item_full, item_empty, k, NW: gl.constexpr):
-    """A compute group's (NW warps') k-th work item from the load warp (_publish_item)."""
+    """A compute group's (NW warps') k-th work item's record from the load warp
+    (_publish_item), every thread holding it whole (_rec_layout)."""
     slot = k % 2
     mbarrier.wait(item_full.index(slot), (k // 2) & 1)
     rec = items.index(slot).load(_rec_layout(NW))
@@ -608,9 +609,10 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, NW: gl.constexpr):
-    """Compute group WG of a warp-specialized (persistent) program: its rows of the work items
-    the load warp hands it (_take_item; _group, or _zero_rows for rows that see no key), the
-    ring position running on across items in step with the load warp's."""
+    """Compute group WG of a persistent program: its rows of the work items the load warp
+    hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
+    and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
+    goes back to the load warp once the item's O, staged through it, is written."""
     (q_ptr, o_ptr, lse_ptr, _q_smem, _k_ring, _v_ring, _k_bar, _v_bar, _k_empty, _v_empty,
      _p_ring, _turn, _k_desc, _v_desc, _qk_scale, _page_idx_ptr, _k_page_rows, _v_page_rows,
      stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
@@ -657,10 +659,11 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
                BOXES: gl.constexpr):
-    """The load partition of a warp-specialized (persistent) program: takes work items
-    (program_id first, then _next_item), hands each to the compute groups (_publish_item) and
-    issues its K / V tiles (_ws_producer), running on into the next item while the groups
-    finish this one; a last index past the items stops them."""
+    """The load partition of a persistent program: takes work items (program_id first, then
+    _next_item), decodes each and hands its record to the compute groups (_publish_item),
+    brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
+    tiles (_ws_producer), running on into the next item while the groups finish this one; a
+    last index past the items stops them."""
     (_q_ptr, _o_ptr, _lse_ptr, _q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
      _turn, k_desc, v_desc, _qk_scale, page_idx_ptr, k_page_rows, v_page_rows) = ctx[:18]
     total = ctx[31] * ctx[33]
