@@ -443,17 +443,17 @@ def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride
 
 @gluon.jit
 def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: gl.constexpr,
-           PAGED: gl.constexpr,
-           PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr, GROUP: gl.constexpr,
-           CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-           STAGES: gl.constexpr, NW: gl.constexpr):
+           PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
+           GROUP: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr):
     """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
     [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
     returns nothing, so each group writes its own rows). ctx: the launch's runtime values
     (_gluon_fwd builds it; constexprs stay separate arguments, a tuple would not carry them as
-    such); item: the work item's (_item); it: the ring position of its first key tile.
-    q_smem [BLOCK_M, D]: the group's Q goes to its ROWS-row slice."""
-    (q_ptr, o_ptr, lse_ptr, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn,
+    such); item: the work item's fields (_item_of); it: the ring position of its first key
+    tile. q_buf [BLOCK_M, D]: the Q buffer whose ROWS-row slice is the group's (Q_TMA: filled
+    already; else the group stores its Q there), then its O's staging."""
+    (q_ptr, o_ptr, lse_ptr, _q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn,
      k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows, stride_qb, stride_qt,
      stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh) = ctx[:27]
     (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
@@ -537,8 +537,8 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
 
 @constexpr_function
 def _lane_layout(num_warps):
-    """A [32] tensor over num_warps warps: a lane's value in every warp (a work item's index
-    passed through shared memory)."""
+    """A [32] tensor over num_warps warps: a lane's value in every warp (the load warp's item
+    record, _pack_item)."""
     return gl.BlockedLayout([1], [32], [num_warps], [0])
 
 
@@ -604,22 +604,20 @@ def _take_item(items, item_full, item_empty, k, NW: gl.constexpr):
 
 @gluon.jit
 def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
-              P_SMEM: gl.constexpr,
-              PAGED: gl.constexpr, PAGE: gl.constexpr, PINGPONG: gl.constexpr,
-              GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+              PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, NW: gl.constexpr):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
     goes back to the load warp once the item's O, staged through it, is written."""
-    (q_ptr, o_ptr, lse_ptr, _q_smem, _k_ring, _v_ring, _k_bar, _v_bar, _k_empty, _v_empty,
+    (q_ptr, o_ptr, lse_ptr, q_ring, _k_ring, _v_ring, _k_bar, _v_bar, _k_empty, _v_empty,
      _p_ring, _turn, _k_desc, _v_desc, _qk_scale, _page_idx_ptr, _k_page_rows, _v_page_rows,
      stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
      stride_lh) = ctx[:27]
     total = ctx[31] * ctx[33]
     items, item_full, item_empty = ctx[38:41]
-    q_ring = ctx[3]
     q_full, q_empty = ctx[42:44]
     it = 0
     k = 0
@@ -655,20 +653,18 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
 
 @gluon.jit
 def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr,
-               PAGE: gl.constexpr,
-               GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-               BOXES: gl.constexpr):
+               PAGE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+               STAGES: gl.constexpr, BOXES: gl.constexpr):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
     tiles (_ws_producer), running on into the next item while the groups finish this one; a
     last index past the items stops them."""
-    (_q_ptr, _o_ptr, _lse_ptr, _q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
+    (_q_ptr, _o_ptr, _lse_ptr, q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
      _turn, k_desc, v_desc, _qk_scale, page_idx_ptr, k_page_rows, v_page_rows) = ctx[:18]
     total = ctx[31] * ctx[33]
     items, item_full, item_empty, sched_ptr = ctx[38:42]
-    q_ring = ctx[3]
     q_full, q_empty, q_desc, q_req_rows = ctx[42:46]
     it = 0
     k = 0
@@ -776,8 +772,8 @@ def _gluon_fwd(
         mbarrier.init(v_empty.index(i), count=RELEASES)
     mbarrier.init(turn.index(0), count=1)
     mbarrier.init(turn.index(1), count=1)
-    # WS: the work item handed from the load warp to the compute groups (_publish_item): two
-    # slots, each read by every group before it is refilled
+    # PERSISTENT: the work item's record handed from the load warp to the compute groups
+    # (_publish_item): two slots, each read by every group before it is refilled
     items = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     item_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
