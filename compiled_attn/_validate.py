@@ -47,6 +47,24 @@ def check_pos_encoding_mode(mode, name: str = "pos_encoding_mode") -> int:
     return POS_ENCODING_CODES[mode]
 
 
+LSE_BASES = ("log2", "ln")
+LSE_LAYOUTS = ("NH", "HN")
+
+
+def check_lse_base(base, name: str = "lse_base") -> str:
+    if base not in LSE_BASES:
+        raise ValueError(f"{name}: got {base!r}; use 'log2' (FlashInfer's base-2 LSE, the "
+                         "default) or 'ln' (natural log, as torch.logsumexp)")
+    return base
+
+
+def check_lse_layout(layout, name: str = "lse_layout") -> str:
+    if layout not in LSE_LAYOUTS:
+        raise ValueError(f"{name}: got {layout!r}; use 'NH' ([tokens, Hq], the default) or "
+                         "'HN' (its contiguous transpose [Hq, tokens])")
+    return layout
+
+
 def check_window_left(w, name: str = "window_left") -> int:
     if isinstance(w, bool) or not isinstance(w, int) or w < -1:
         raise ValueError(f"{name}: got {w!r}; use an int >= 0 (keys j >= position - window_left "

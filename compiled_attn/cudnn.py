@@ -18,6 +18,7 @@ import torch
 from . import _validate as V
 from . import plan
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
+from .utils import LN2
 
 __all__ = ["cudnn_batch_prefill_with_kv_cache"]
 
@@ -159,6 +160,7 @@ def cudnn_batch_prefill_with_kv_cache(
     is_cuda_graph_compatible: bool = False,
     backend: str | None = None,
     o_data_type: torch.dtype | None = None,
+    lse_base: str = "log2",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Batched prefill over a paged or ragged KV cache (FlashInfer's cuDNN entry point).
 
@@ -196,14 +198,17 @@ def cudnn_batch_prefill_with_kv_cache(
             checked on the device; tensor fp8 scales then raise.
         backend: None, "cudnn" or "cubin": all run our kernel (same numbers).
         o_data_type: output dtype (default: out's dtype, else q's).
+        lse_base: "log2" (default) returns the LSE in base 2, as every FlashInfer backend;
+            "ln" in natural log (cuDNN's own stats).
 
     Returns:
         (out [Nq, Hq, Dvo], lse or None). lse: float32 [B, max_token_per_sequence, Hq], base 2
-        (natural logsumexp / ln 2 over the scaled logits); entries past a request's length
+        (natural logsumexp / ln 2 over the scaled logits; natural with lse_base="ln"); entries past a request's length
         and rows that see no key hold -inf, whose output rows are 0. Query rows past
         sum(actual_seq_lens_q) belong to no request and are written as 0.
     """
     graph_mode = bool(is_cuda_graph_compatible)
+    V.check_lse_base(lse_base)
     _check_tensor("q", q, 3)
     _check_tensor("workspace_buffer", workspace_buffer)
     if backend not in (None, "cudnn", "cubin"):
@@ -405,6 +410,8 @@ def cudnn_batch_prefill_with_kv_cache(
     flat = torch.full((size + hq,), float("-inf"), device=q.device, dtype=torch.float32)
     dest = torch.where(inside, base, torch.full_like(base, size))[:, None] \
         + torch.arange(hq, device=q.device)[None, :]
+    if lse_base == "ln":
+        lse_tok = lse_tok * LN2
     flat.index_put_((dest.reshape(-1),), lse_tok.reshape(-1))
     padded = flat[:size].reshape(bsz, max_token_per_sequence, hq)
     if lse is None:

@@ -26,7 +26,7 @@ import torch
 from . import _validate as V
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .plan import block_m_for, build_split_work, build_work
-from .utils import (_pack_from_sources, _paged_kv_views, _segment_bit_sources,
+from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
 __all__ = [
@@ -82,17 +82,33 @@ def _common_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_lef
     )
 
 
-def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device):
+def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
+                   lse_layout: str = "NH"):
     if out is not None:
         V.check_tensor("out", out, shape=(rows, hq, dvo), dtypes=(o_dtype,), device=device,
                        what="[tokens, Hq, D_vo] in the plan's output dtype")
     if lse is not None:
-        V.check_tensor("lse", lse, shape=(rows, hq), dtypes=(torch.float32,), device=device,
-                       what="[tokens, Hq] float32")
+        if lse_layout == "NH":
+            V.check_tensor("lse", lse, shape=(rows, hq), dtypes=(torch.float32,), device=device,
+                           what="[tokens, Hq] float32 (lse_layout='NH')")
+        else:
+            V.check_tensor("lse", lse, shape=(hq, rows), dtypes=(torch.float32,), device=device,
+                           what="[Hq, tokens] float32 (lse_layout='HN')")
+            if not lse.is_contiguous():
+                raise ValueError("lse: with lse_layout='HN' it must be contiguous (a [Hq, tokens] "
+                                 "buffer, not a transposed view of [tokens, Hq]); pass "
+                                 "lse.contiguous() or let run() allocate it")
 
 
-def _deliver(res_out, res_lse, out, lse, return_lse):
-    """Copy the op's results into caller buffers (out=, lse=) and shape the return value."""
+def _deliver(res_out, res_lse, out, lse, return_lse, lse_base: str = "log2",
+             lse_layout: str = "NH"):
+    """Copy the op's results into caller buffers (out=, lse=) and shape the return value.
+    res_lse is the op's base-2 ``[tokens, Hq]``; lse_base "ln" scales it by ln 2, lse_layout
+    "HN" returns its contiguous transpose ``[Hq, tokens]`` (FlashInfer's run() options)."""
+    if lse_base == "ln":
+        res_lse = res_lse * LN2
+    if lse_layout == "HN":
+        res_lse = res_lse.t().contiguous()
     if out is not None:
         out.copy_(res_out)
         res_out = out
@@ -238,6 +254,20 @@ single_prefill_with_kv_cache_return_lse.__doc__ += _LSE_DOC
 # --------------------------------------------------------------------------------------------
 # batch wrappers: shared plan / run machinery
 # --------------------------------------------------------------------------------------------
+def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
+    """FlashInfer's uniform_q_len: None, or a promise that every request has that many query
+    rows (0 or less: no promise). A promise that qo_indptr (host int64) breaks is a ValueError."""
+    if uniform_q_len is None:
+        return
+    if isinstance(uniform_q_len, bool) or not isinstance(uniform_q_len, int):
+        raise TypeError(f"uniform_q_len: got {uniform_q_len!r}; pass an int or None")
+    lens = qo_h[1:] - qo_h[:-1]
+    if uniform_q_len > 0 and lens.numel() and not bool((lens == uniform_q_len).all()):
+        raise ValueError(f"uniform_q_len={uniform_q_len} does not describe this batch (query "
+                         f"lengths {int(lens.min())}..{int(lens.max())}); pass None, or the "
+                         "length every request has")
+
+
 class _Plan:
     """What plan() fixed: host numbers (never device values) and device tensors for the op."""
 
@@ -278,12 +308,16 @@ class _BatchPrefillBase(_WrapperBase):
     _KV_BUFS: tuple[str, ...] = ()
 
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, index_bufs: dict,
-                     custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs):
+                     custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs,
+                     variant_owns_mask):
         V.check_tensor("float_workspace_buffer", float_workspace_buffer)
         V.check_backend(backend)
         V.reject_if_set("jit_args", jit_args, "custom JIT attention variants are not supported")
         V.reject_if_set("jit_kwargs", jit_kwargs, "custom JIT attention variants are not "
                         "supported")
+        V.reject_if_set("variant_owns_mask", variant_owns_mask, "a mask computed by a custom "
+                        "JIT attention variant needs jit_args, which are not supported; pass "
+                        "False and a custom_mask / packed_custom_mask to plan()", default=False)
         self._float_workspace_buffer = float_workspace_buffer
         self._int_workspace_buffer = None
         self.device = float_workspace_buffer.device
@@ -346,7 +380,7 @@ class _BatchPrefillBase(_WrapperBase):
                      rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking,
                      prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
                      max_item_len_ptr, seq_lens, seq_lens_q, max_token_per_sequence,
-                     max_sequence_kv, fixed_split_size, disable_split_kv, paged,
+                     max_sequence_kv, fixed_split_size, disable_split_kv, uniform_q_len, paged,
                      page_size=0) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. qo_h: host
         int64 qo_indptr (checked); kv_lens: host int64 [B]; page_size: the paged cache's (0:
@@ -364,6 +398,7 @@ class _BatchPrefillBase(_WrapperBase):
                           "batch); pass None")
         if not isinstance(disable_split_kv, bool):
             raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
+        _check_uniform_q_len(uniform_q_len, qo_h)
         # disable_split_kv=True is honoured: the plan then never splits KV. Otherwise a CUDA
         # plan outside CUDA-graph mode splits long key ranges when tiles would leave SMs idle.
         dev = self.device.type
@@ -493,6 +528,27 @@ class _BatchPrefillBase(_WrapperBase):
                      qo_indptr=qo_dev, work=work_dev, merge=merge_dev, packed_mask=packed_dev,
                      mask_indptr=mask_indptr_dev, alibi=alibi, **opts)
 
+    def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
+                         window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
+        """FlashInfer's deprecated forward(): its options replace the plan's, for that call and
+        every later run() (as FlashInfer sets them on the wrapper). They are run-time scalars of
+        the op, so the plan's work list and tiles stay (they hold for any mask); a planned
+        custom mask still replaces causal."""
+        p = self._plan
+        if p is None:
+            raise RuntimeError("forward() before plan(): call plan(...) with the batch's index "
+                               "arrays first")
+        opts = _common_options(head_dim_qk=p.head_dim_qk, pos_encoding_mode=pos_encoding_mode,
+                               sm_scale=sm_scale, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+                               rope_theta=rope_theta,
+                               use_fp16_qk_reduction=use_fp16_qk_reduction)
+        mask_mode = (p.mask_mode if p.mask_mode == MASK_CUSTOM else
+                     MASK_CAUSAL if causal else MASK_NONE)
+        alibi = (get_alibi_slopes(p.num_qo_heads, self.device)
+                 if opts["pos_encoding_mode"] == POS_ALIBI else None)
+        self._plan = _Plan(**{**p.__dict__, **opts, "mask_mode": mask_mode, "alibi": alibi})
+
     # ---- run -----------------------------------------------------------------------------
     def _check_q(self, q: torch.Tensor) -> _Plan:
         p = self._plan
@@ -536,7 +592,9 @@ class _BatchPrefillBase(_WrapperBase):
 
 _RUN_DOC = """
         Returns out ``[qo_indptr[-1], Hq, D_vo]`` in the plan's o_data_type, and with
-        return_lse=True also lse float32 ``[qo_indptr[-1], Hq]``. out / lse: optional
+        return_lse=True also lse float32 ``[qo_indptr[-1], Hq]`` (lse_layout "NH", the
+        default) or its contiguous transpose ``[Hq, qo_indptr[-1]]`` ("HN"), in base 2
+        (lse_base "log2", the default) or natural log ("ln"). out / lse: optional
         preallocated outputs of those shapes (written and returned). q_scale and k_scale (float
         or one-element CPU tensor) multiply sm_scale; v_scale multiplies the output, not the
         LSE (a one-element device tensor is applied on the device). enable_pdl: None/False
@@ -561,7 +619,10 @@ _PLAN_COMMON_DOC = """
         (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
         non_blocking: asynchronous host-to-device copies. seq_lens / seq_lens_q, if given, must
         equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
-        given, must bound them. disable_split_kv: True keeps every tile's keys in one program
+        given, must bound them; so must uniform_q_len (FlashInfer's promise that every request
+        has that many query rows, a tile-sizing hint for its CUDA-graph planner: ours sizes tiles
+        from the lengths themselves, so a hint that holds changes nothing, and one that does not
+        is a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every tile's keys in one program
         (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
         tiles would leave SMs idle); fixed_split_size and the multi-item-scoring arguments
         raise NotImplementedError.
@@ -588,19 +649,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                  paged_kv_last_page_len_buf: torch.Tensor | None = None,
                  custom_mask_buf: torch.Tensor | None = None,
                  mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto",
-                 jit_args=None, jit_kwargs=None) -> None:
+                 jit_args=None, jit_kwargs=None, variant_owns_mask: bool = False) -> None:
         """float_workspace_buffer: any tensor on the device the wrapper runs on (compiled_attn
         needs no scratch; it fixes the device). kv_layout: "NHD" or "HND". use_cuda_graph:
         fixed batch size B; then qo_indptr_buf int32 ``[B+1]``, paged_kv_indptr_buf int32
         ``[B+1]``, paged_kv_indices_buf int32 ``[max pages]``, paged_kv_last_page_len_buf int32
         ``[B]`` are required, custom_mask_buf uint8 ``[max mask bytes]`` and mask_indptr_buf
         int32 ``[B+1]`` when a custom mask will be planned. backend: "auto"/"fa2"/"fa3" (all
-        run compiled_attn's kernel). jit_args / jit_kwargs raise NotImplementedError."""
+        run compiled_attn's kernel). jit_args / jit_kwargs / variant_owns_mask=True (custom
+        JIT attention variants) raise NotImplementedError."""
         self._init_common(float_workspace_buffer, kv_layout, use_cuda_graph,
                           dict(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                                paged_kv_indices_buf=paged_kv_indices_buf,
                                paged_kv_last_page_len_buf=paged_kv_last_page_len_buf),
-                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs)
+                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs,
+                          variant_owns_mask)
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
              paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
@@ -615,7 +678,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
              max_item_len_ptr=None, seq_lens=None, seq_lens_q=None, block_tables=None,
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
-             disable_split_kv: bool = False) -> None:
+             disable_split_kv: bool = False, uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` (query rows per request), paged_kv_indptr ``[B+1]``
         (pages per request), paged_kv_indices ``[paged_kv_indptr[-1]]``,
         paged_kv_last_page_len ``[B]``, all integer, on CPU or GPU (read on the host here).
@@ -641,7 +704,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             seq_lens=seq_lens, seq_lens_q=seq_lens_q,
             max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            paged=True, page_size=page_size)
+            uniform_q_len=uniform_q_len, paged=True, page_size=page_size)
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
             p.kv_indices = self._into_buf("paged_kv_indices_buf", idx_h, non_blocking)
@@ -659,7 +722,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args, q_scale=None, k_scale=None,
             v_scale=None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-            return_lse: bool = False, enable_pdl: bool | None = None,
+            return_lse: bool = False, lse_base: str = "log2", lse_layout: str = "NH",
+            enable_pdl: bool | None = None,
             window_left: int | None = None, sinks: torch.Tensor | None = None,
             kv_cache_sf=None, skip_softmax_threshold_scale_factor: float | None = None,
             use_fp16_softmax: bool | None = None, uses_spcompress: bool | None = None):
@@ -672,6 +736,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         kv_cache_sf and extra positional args raise NotImplementedError.
         """
         p = self._check_q(q)
+        lse_base, lse_layout = V.check_lse_base(lse_base), V.check_lse_layout(lse_layout)
         V.reject_if_set("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor,
                         "skip-softmax sparsity is only in compiled_attn.trtllm_fmha_v2_prefill")
         for name, val in (("use_fp16_softmax", use_fp16_softmax),
@@ -701,16 +766,35 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             V.check_tensor("sinks", sinks, shape=(p.num_qo_heads,), dtypes=(torch.float32,),
                            device=self.device, what="[Hq] float32")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
-                       self.device)
+                       self.device, lse_layout)
         res_out, res_lse = torch.ops.compiled_attn.batch_paged_prefill(
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
             p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
             p.o_dtype, merge=p.merge)
-        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
+        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
+                        lse_base, lse_layout)
 
     run.__doc__ += _RUN_DOC
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(self, q: torch.Tensor, paged_kv_cache, causal: bool = False,
+                pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+                k_scale=None, v_scale=None, window_left: int = -1,
+                logits_soft_cap: float | None = None, sm_scale: float | None = None,
+                rope_scale: float | None = None, rope_theta: float | None = None,
+                *, _return_lse: bool = False):
+        """Deprecated in FlashInfer (use run()). The options replace the plan's, for this call
+        and later run()s, FlashInfer's defaults included (causal=False unless passed); then
+        run(q, paged_kv_cache, k_scale=, v_scale=)."""
+        self._forward_options(causal=causal, pos_encoding_mode=pos_encoding_mode,
+                              use_fp16_qk_reduction=use_fp16_qk_reduction,
+                              window_left=window_left, logits_soft_cap=logits_soft_cap,
+                              sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self.run(q, paged_kv_cache, k_scale=k_scale, v_scale=v_scale,
+                        return_lse=_return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, _return_lse=True)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
@@ -722,13 +806,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                  kv_indptr_buf: torch.Tensor | None = None,
                  custom_mask_buf: torch.Tensor | None = None,
                  mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto",
-                 jit_args=None, jit_kwargs=None) -> None:
+                 jit_args=None, jit_kwargs=None, variant_owns_mask: bool = False) -> None:
         """As BatchPrefillWithPagedKVCacheWrapper; with use_cuda_graph=True, qo_indptr_buf and
         kv_indptr_buf (int32 ``[B+1]``) are required, custom_mask_buf / mask_indptr_buf when a
         custom mask will be planned."""
         self._init_common(float_workspace_buffer, kv_layout, use_cuda_graph,
                           dict(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf),
-                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs)
+                          custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs,
+                          variant_owns_mask)
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim_qk: int, head_dim_vo: int | None = None,
@@ -742,7 +827,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              token_pos_in_items_ptr=None, token_pos_in_items_len: int = 0,
              max_item_len_ptr=None, fixed_split_size=None, disable_split_kv: bool = False,
              seq_lens=None, seq_lens_q=None, max_token_per_sequence=None,
-             max_sequence_kv=None, v_indptr=None, o_indptr=None) -> None:
+             max_sequence_kv=None, v_indptr=None, o_indptr=None,
+             uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` and kv_indptr ``[B+1]`` (rows of q and of k/v per
         request), integer, on CPU or GPU (read on the host here). Note FlashInfer's ragged
         plan orders window_left, logits_soft_cap, sm_scale differently from the paged one; so
@@ -770,7 +856,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             seq_lens=seq_lens, seq_lens_q=seq_lens_q,
             max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
             fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            paged=False)
+            uniform_q_len=uniform_q_len, paged=False)
         p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
                        if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))
         p.total_kv = int(kv_h[-1])
@@ -781,8 +867,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, q_scale=None,
             k_scale=None, v_scale=None, o_scale=None, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None, return_lse: bool = False,
-            enable_pdl: bool | None = None, kv_cache_sf=None):
+            lse: torch.Tensor | None = None, return_lse: bool = False, lse_base: str = "log2",
+            lse_layout: str = "NH", enable_pdl: bool | None = None, kv_cache_sf=None):
         """Attention of q ``[qo_indptr[-1], Hq, D_qk]`` against k ``[kv_indptr[-1], Hkv, D_qk]``
         and v ``[kv_indptr[-1], Hkv, D_vo]`` (HND: ``[Hkv, kv_indptr[-1], D]``; any strides).
         o_scale other than None/1.0, kv_cache_sf and extra positional args raise
@@ -790,6 +876,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         this path).
         """
         p = self._check_q(q)
+        lse_base, lse_layout = V.check_lse_base(lse_base), V.check_lse_layout(lse_layout)
         sm, v_f, v_t, w = self._run_scalars(p, args=args, q_scale=q_scale, k_scale=k_scale,
                                             v_scale=v_scale, o_scale=o_scale,
                                             enable_pdl=enable_pdl, kv_cache_sf=kv_cache_sf,
@@ -809,12 +896,29 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 f"{p.total_kv} rows (kv_indptr[-1]), {p.num_kv_heads} KV heads, head dims "
                 f"{p.head_dim_qk} / {p.head_dim_vo} (kv_layout={self._kv_layout!r})")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
-                       self.device)
+                       self.device, lse_layout)
         res_out, res_lse = torch.ops.compiled_attn.batch_ragged_prefill(
             q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
             p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
             p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge)
-        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse)
+        return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
+                        lse_base, lse_layout)
 
     run.__doc__ += _RUN_DOC
     run_return_lse = functools.partialmethod(run, return_lse=True)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
+                window_left: int = -1, logits_soft_cap: float | None = None,
+                sm_scale: float | None = None, rope_scale: float | None = None,
+                rope_theta: float | None = None, *, _return_lse: bool = False):
+        """Deprecated in FlashInfer (use run()). The options replace the plan's, for this call
+        and later run()s, FlashInfer's defaults included (causal=False unless passed); then
+        run(q, k, v)."""
+        self._forward_options(causal=causal, pos_encoding_mode=pos_encoding_mode,
+                              use_fp16_qk_reduction=use_fp16_qk_reduction,
+                              window_left=window_left, logits_soft_cap=logits_soft_cap,
+                              sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta)
+        return self.run(q, k, v, return_lse=_return_lse)
+
+    forward_return_lse = functools.partialmethod(forward, _return_lse=True)

@@ -202,6 +202,17 @@ def test_base_case_runs():
     assert not torch.isnan(o).any() and l.shape == (2, 3, 4)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_lse_base_ln(graph):
+    """lse_base="ln": cuDNN's natural-log stats, the base-2 LSE times ln 2; the padding past a
+    request's rows stays -inf."""
+    o2, l2 = fn(**_base(is_cuda_graph_compatible=graph))
+    on, ln = fn(**_base(is_cuda_graph_compatible=graph, lse_base="ln"))
+    assert torch.equal(o2, on) and torch.isneginf(l2).any()
+    torch.testing.assert_close(ln, l2 * math.log(2.0), rtol=1e-6, atol=0)
+    assert torch.equal(torch.isneginf(ln), torch.isneginf(l2))
+
+
 @pytest.mark.parametrize("over,exc,match", [
     (dict(max_token_per_sequence=2), ValueError, "max_token_per_sequence.*longest query"),
     (dict(max_sequence_kv=5), ValueError, "max_sequence_kv.*longest KV"),
@@ -212,6 +223,7 @@ def test_base_case_runs():
     (dict(lse=torch.empty(2, 5, 4)), ValueError, r"lse.*\[2, 3, 4\]"),
     (dict(return_lse=False, lse=torch.empty(2, 3, 4)), ValueError, "return_lse=True"),
     (dict(backend="flash"), ValueError, "backend"),
+    (dict(lse_base="e"), ValueError, "lse_base: got 'e'"),
     (dict(batch_offsets_units="bytes"), ValueError, "batch_offsets_units"),
     (dict(q=torch.randn(5, 3, 8, dtype=torch.float64)), ValueError, "not a multiple"),
     (dict(q=torch.randn(5, 4, 4, dtype=torch.float64)), ValueError, "head dim"),

@@ -452,3 +452,101 @@ def test_paged_page_size_one_without_page_axis(layout):
     for c in (squeezed, (squeezed[:, 0], squeezed[:, 1])):
         out, lse = w.run(q, c, return_lse=True)
         check(out, lse, *ref)
+
+
+# --------------------------------------------------------------------------------------------
+# FlashInfer 0.7.2's newer wrapper options: the LSE's base and layout, uniform_q_len,
+# variant_owns_mask, and the deprecated forward() / forward_return_lse()
+# --------------------------------------------------------------------------------------------
+def _planned(kind, plan_kw=None, hq=4, hkv=2, d=8, seed=120):
+    """A planned wrapper of `kind` over QO / KV, its run(q) closure and the oracle's inputs."""
+    plan_kw = dict(q_data_type=D64, **(plan_kw or {}))
+    q = rand(sum(QO), hq, d, seed=seed)
+    if kind == "paged":
+        cache, kvi, idx, last, ks, vs = make_paged(KV, hkv, d, d, 3, seed=seed + 1)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+        w.plan(indptr(QO), kvi, idx, last, hq, hkv, d, 3, **plan_kw)
+        kv_args = (cache,)
+    else:
+        k, v, ks, vs = ragged_kv(KV, hkv, d, d, seed=seed + 1)
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+        w.plan(indptr(QO), indptr(KV), hq, hkv, d, **plan_kw)
+        kv_args = (k, v)
+    return w, q, kv_args, ks, vs
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_run_lse_base_and_layout(kind):
+    """lse_base="ln" gives the natural-log LSE (base 2 times ln 2), lse_layout="HN" its
+    contiguous [Hq, tokens] transpose, into a caller's buffer of that layout too; rows that
+    see no key (request 4 has no keys) stay -inf in every form."""
+    w, q, kv, ks, vs = _planned(kind, dict(causal=True))
+    ref_out, ref_lse = dense_batch(q, QO, ks, vs, causal=True)
+    assert torch.isneginf(ref_lse).any()
+    ln2 = math.log(2.0)
+    out, lse = w.run(q, *kv, return_lse=True, lse_base="ln")
+    check(out, lse, ref_out, ref_lse * ln2)
+    out, lse = w.run_return_lse(q, *kv, lse_layout="HN")
+    assert lse.shape == (4, sum(QO)) and lse.is_contiguous()
+    check(out, lse.t(), ref_out, ref_lse)
+    buf = torch.full((4, sum(QO)), math.nan, dtype=torch.float32)
+    out, lse = w.run(q, *kv, return_lse=True, lse=buf, lse_base="ln", lse_layout="HN")
+    assert lse is buf
+    check(out, lse.t(), ref_out, ref_lse * ln2)
+    assert torch.equal(w.run(q, *kv, lse_base="ln"), out)  # no LSE asked: the output alone
+
+
+def test_plan_uniform_q_len_is_checked():
+    """uniform_q_len promises every request's query length: a promise that holds plans as
+    without it, one that does not is a ValueError (FlashInfer drops it with a warning)."""
+    hq, hkv, d = 4, 2, 8
+    k, v, ks, vs = ragged_kv([6, 9], hkv, d, d, seed=130)
+    q = rand(6, hq, d, seed=131)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    for hint in (3, 0, -1, None):
+        w.plan(indptr([3, 3]), indptr([6, 9]), hq, hkv, d, causal=True, q_data_type=D64,
+               uniform_q_len=hint)
+        check(*w.run(q, k, v, return_lse=True), *dense_batch(q, [3, 3], ks, vs, causal=True))
+    with pytest.raises(ValueError, match=r"uniform_q_len=4 does not describe this batch "
+                                         r"\(query lengths 3..3\)"):
+        w.plan(indptr([3, 3]), indptr([6, 9]), hq, hkv, d, uniform_q_len=4)
+    cache, kvi, idx, last, _, _ = make_paged([6, 9], hkv, d, d, 4, seed=132)
+    wp = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    with pytest.raises(ValueError, match="uniform_q_len=2 does not describe"):
+        wp.plan(indptr([2, 3]), kvi, idx, last, hq, hkv, d, 4, uniform_q_len=2)
+    with pytest.raises(TypeError, match="uniform_q_len: got True; pass an int or None"):
+        wp.plan(indptr([2, 3]), kvi, idx, last, hq, hkv, d, 4, uniform_q_len=True)
+
+
+@pytest.mark.parametrize("cls", [fi.BatchPrefillWithPagedKVCacheWrapper,
+                                 fi.BatchPrefillWithRaggedKVCacheWrapper])
+def test_variant_owns_mask_needs_jit_variants(cls):
+    cls(WS, variant_owns_mask=False)
+    with pytest.raises(NotImplementedError, match="variant_owns_mask: a mask computed by a "
+                                                  "custom JIT attention variant"):
+        cls(WS, variant_owns_mask=True)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
+def test_deprecated_forward_replaces_the_plan_options(kind):
+    """forward() as FlashInfer's: its options (defaults included) replace the plan's, for that
+    call and later run()s; a planned custom mask still replaces causal."""
+    w, q, kv, ks, vs = _planned(kind)  # planned non-causal
+    out = w.forward(q, *kv, causal=True, window_left=2, logits_soft_cap=2.0, sm_scale=0.3)
+    ref = dense_batch(q, QO, ks, vs, causal=True, window_left=2, soft_cap=2.0, sm_scale=0.3)
+    check(out, None, *ref)
+    check(*w.run(q, *kv, return_lse=True), *ref)  # the options stay
+    out, lse = w.forward_return_lse(q, *kv, pos_encoding_mode="ALIBI")  # causal=False again
+    check(out, lse, *dense_batch(q, QO, ks, vs, alibi=True))
+    if kind == "paged":  # FlashInfer's paged forward() takes the fp8 scales too
+        out = w.forward(q, *kv, causal=True, k_scale=0.5, v_scale=2.0)
+        check(out, None, *dense_batch(q, QO, [k * 0.5 for k in ks], [v * 2.0 for v in vs],
+                                      causal=True))
+    g = torch.Generator().manual_seed(140)
+    masks = [torch.rand(a, b, generator=g) > 0.4 for a, b in zip(QO, KV)]
+    w, q, kv, ks, vs = _planned(kind, dict(custom_mask=torch.cat([m.reshape(-1)
+                                                                 for m in masks])))
+    check(*w.forward_return_lse(q, *kv, causal=True), *dense_batch(q, QO, ks, vs, masks=masks))
+    fresh = type(w)(WS)
+    with pytest.raises(RuntimeError, match=r"forward\(\) before plan\(\)"):
+        fresh.forward(q, *kv)

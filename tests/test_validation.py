@@ -115,6 +115,14 @@ def test_paged_run_errors(paged):
         (lambda: w.run(q, cache, v_scale=torch.ones(2, device="meta")), NotImplementedError,
          "v_scale: got a tensor of shape"),
         (lambda: w.run(q, cache, window_left=-3), ValueError, "window_left: got -3"),
+        (lambda: w.run(q, cache, lse_base="e"), ValueError,
+         r"lse_base: got 'e'; use 'log2' .* or 'ln'"),
+        (lambda: w.run(q, cache, lse_layout="TN"), ValueError,
+         r"lse_layout: got 'TN'; use 'NH' .* or 'HN'"),
+        (lambda: w.run(q, cache, return_lse=True, lse=torch.empty(7, 4), lse_layout="HN"),
+         ValueError, r"lse: expected shape \(4, 7\).*\(lse_layout='HN'\)"),
+        (lambda: w.run(q, cache, return_lse=True, lse=torch.empty(7, 4).t(), lse_layout="HN"),
+         ValueError, "lse: with lse_layout='HN' it must be contiguous"),
     ]
     for fn, exc, match in cases:
         with pytest.raises(exc, match=match):
