@@ -4,18 +4,25 @@ Every row has "suite", "case", "provider", "median_ms", "tflops" (null when the 
 run: then "status" is "unavailable" or "failed" and "error" says why), plus the case's columns
 (B, S, Hq, Hkv, D, causal, layout, ...), "rel_err" against the reference and, on compiled_attn's
 rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run. Timed CUDA rows
-also carry "host_ms" and "cpu_bound" (CPU_BOUND below).
+also carry "host_ms" and "cpu_bound" (CPU_BOUND below). Rows timed since the 16th session carry
+"kernel_src" (kernel_fingerprint: the code of our kernels when the row was timed).
 """
 
 from __future__ import annotations
 
+import ast
 import datetime
+import hashlib
 import json
 import math
 import os
 from pathlib import Path
 
 TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
+# The sources that decide what a timed compiled_attn op runs (the kernels, their launchers and
+# the op contracts; the work list): a row's "kernel_src" fingerprints them as they were when it
+# was timed, and the report marks rows whose fingerprint is not the tree's.
+KERNEL_SOURCES = ("ops", "compiled_attn/plan.py")
 ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
 STATUSES = ("ok", "unavailable", "failed")
 # A CUDA row whose host time to issue a call ("host_ms") is at least this fraction of its median
@@ -40,6 +47,43 @@ def environment() -> dict:
         "triton": triton_version,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _code_key(node) -> str:
+    """A node's code as text: node types and field values, without positions, docstrings or
+    empty fields (so the key is the same under the Pythons that read it: 3.12 adds empty
+    type_params fields that 3.11 lacks)."""
+    if isinstance(node, ast.AST):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body = body[1:]
+        parts = []
+        for name, value in ast.iter_fields(node):
+            value = body if name == "body" and body is not None else value
+            if value is None or value == []:
+                continue
+            parts.append(f"{name}={_code_key(value)}")
+        return f"{type(node).__name__}({','.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_code_key(x) for x in node) + "]"
+    return repr(node)
+
+
+def kernel_fingerprint(root: str | os.PathLike | None = None) -> str:
+    """12 hex digits over the code of KERNEL_SOURCES under root (default: this checkout): a
+    change to what runs moves it; comments, docstrings and formatting do not."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    files = []
+    for rel in KERNEL_SOURCES:
+        p = root / rel
+        files += sorted(p.glob("*.py")) if p.is_dir() else [p]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(_code_key(ast.parse(f.read_text())).encode() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def _clean(v):

@@ -324,6 +324,7 @@ def main(argv=None) -> int:
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     env = results.environment()
+    kernel_src = results.kernel_fingerprint()
     out = Path(args.out)
     old_rows = []
     if out.exists() and not args.fresh:
@@ -340,8 +341,9 @@ def main(argv=None) -> int:
         with torch.no_grad():  # not inference_mode: friendlier to torch.compile (flex)
             for group in _groups(cases):
                 for case, rows in run_group(group, args, device, dtype, progress):
-                    for r in rows:  # a merged file keeps each suite's rows with their run's date
-                        r["run_date"] = env["date"]
+                    for r in rows:  # a merged file keeps each suite's rows with their run's
+                        r["run_date"] = env["date"]  # date and kernel source
+                        r["kernel_src"] = kernel_src
                     new_rows += rows
                     progress.write(summary_line(case, rows))
                 ran = None if args.cases is None else [(c.suite, c.name) for c in cases]

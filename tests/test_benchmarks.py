@@ -5,6 +5,7 @@ end-to-end run of the loop on CPU (our ops run the reference there; SDPA's CPU f
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -107,6 +108,7 @@ def test_parse_args():
         parse_args(["--providers", "nope"])
 
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "triton": "3.6.0",
        "date": "2026-01-01T00:00:00+00:00"}
 
@@ -168,7 +170,8 @@ def test_plot_and_report(tmp_path):
         assert png.stat().st_size > 5000 and png.read_bytes()[:4] == b"\x89PNG"
     assert report.main([str(path)]) == 0
     md = (tmp_path / "h100_ratios.md").read_text()
-    assert "| fa3 | D128 S4096 causal | 500 | 1.25 | 1.67 | 0.83 |" in md
+    # synthetic rows carry no kernel fingerprint: each of ours is marked as such
+    assert "| fa3 | D128 S4096 causal | 500 ? | 1.25 | 1.67 | 0.83 |" in md
     assert "| B32 S4096 | 16 | 1.000 | - |" in md and "| B32 S4096 | 1 | 0.900 | - |" in md
     assert "varlen / our fixed-length >= 1.0 | 2 (0 missing) | 1.00 | 2/2 |" in md
     assert "Suites from more than one run" not in md
@@ -183,6 +186,41 @@ def test_plot_and_report(tmp_path):
     rows[0]["run_date"] = "2026-11-22T13:00"
     md = report.render(results.make_doc(ENV, rows))
     assert f"{rows[0]['suite']}: re-timed in part (`run --cases`)" in md
+
+
+def test_kernel_fingerprint_follows_code_not_comments(tmp_path):
+    """kernel_fingerprint moves with the code of ops/ and compiled_attn/plan.py, not with their
+    comments, docstrings or formatting, nor with other files; the report marks our rows timed
+    on another source (*) or on none recorded (?)."""
+    from benchmarks import report
+
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "compiled_attn").mkdir()
+    kernel = tmp_path / "ops" / "kernel.py"
+    kernel.write_text('"""Doc."""\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n')
+    (tmp_path / "compiled_attn" / "plan.py").write_text("W = 2\n")
+    base = results.kernel_fingerprint(tmp_path)
+    assert len(base) == 12 and base == results.kernel_fingerprint(tmp_path)
+    kernel.write_text('"""Other doc."""\n\ndef f(x):\n    return (x\n            + 1)  # two\n')
+    assert results.kernel_fingerprint(tmp_path) == base
+    (tmp_path / "compiled_attn" / "api.py").write_text("X = 1\n")  # not a kernel source
+    assert results.kernel_fingerprint(tmp_path) == base
+    kernel.write_text("def f(x):\n    return x + 2\n")
+    assert results.kernel_fingerprint(tmp_path) != base
+    kernel.write_text("def f(x):\n    return x + 1\n")
+    (tmp_path / "compiled_attn" / "plan.py").write_text("W = 3\n")
+    assert results.kernel_fingerprint(tmp_path) != base
+    # the checkout's own sources are found and parse
+    assert results.kernel_fingerprint() == results.kernel_fingerprint(ROOT)
+
+    rows = [r for r in synthetic_rows() if r["suite"] == "fa3"]
+    ours = [r for r in rows if r["provider"] == "compiled_attn"]
+    ours[0]["kernel_src"], ours[1]["kernel_src"] = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+    md = report.render(results.make_doc(ENV, rows), kernel_src="aaaaaaaaaaaa")
+    assert (f"Of our {len(ours)} timed rows, 1 were timed on it, 1 on another source (`*` "
+            f"below) and {len(ours) - 2} before rows recorded theirs") in md
+    assert f"| fa3 | {ours[0]['case']} | {ours[0]['tflops']:.0f} |" in md
+    assert f"| fa3 | {ours[1]['case']} | {ours[1]['tflops']:.0f} * |" in md
 
 
 def test_cpu_smoke_run_end_to_end(tmp_path):
@@ -200,6 +238,7 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     n_cases = len(cases.smoke_cases())
     assert len(doc["rows"]) == 5 * n_cases
     assert {r["run_date"] for r in doc["rows"]} == {doc["date"]}
+    assert {r["kernel_src"] for r in doc["rows"]} == {results.kernel_fingerprint()}
     st = {(r["case"], r["provider"]): r for r in doc["rows"]}
     assert all(r["status"] != "failed" for r in doc["rows"]), [r.get("error") for r in doc["rows"]]
     for c in cases.smoke_cases():
@@ -480,7 +519,7 @@ def test_host_time_per_call_flags_cpu_bound_rows(monkeypatch):
              ratio_vs_flex=0.75),
         dict(base, provider="flex", tflops=187.0)]}
     md = report.render(doc)
-    assert "| fa3 | D128 S512 causal | 140 (cpu) | 0.75 |" in md
+    assert "| fa3 | D128 S512 causal | 140 (cpu) ? | 0.75 |" in md
     assert f"{results.CPU_BOUND} x median_ms" in md
 
 
