@@ -43,6 +43,8 @@ def unpack_bits(packed: torch.Tensor, bit_index: torch.Tensor) -> torch.Tensor:
     """
     nbits = packed.numel() * 8
     inside = (bit_index >= 0) & (bit_index < nbits)
+    if nbits == 0:  # no bits (every request's qo_len * kv_len is 0): nothing to read
+        return inside
     idx = torch.where(inside, bit_index, torch.zeros_like(bit_index))
     byte = packed.reshape(-1)[torch.div(idx, 8, rounding_mode="floor")].to(torch.int32)
     bit = (byte >> (idx % 8).to(torch.int32)) & 1
@@ -207,7 +209,7 @@ def single_prefill(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **pa
         packed_mask=packed_mask, mask_bit_offset=ar * (sq * skv),
         alibi_slopes=alibi_slopes, sinks=sinks, out_dtype=out_dtype, **params,
     )
-    return out.reshape(bsz, sq, hq, -1), lse.reshape(bsz, sq, hq)
+    return out.reshape(bsz, sq, hq, v.shape[-1]), lse.reshape(bsz, sq, hq)
 
 
 def batch_ragged_prefill(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_slopes,
@@ -235,10 +237,18 @@ def paged_kv_slots(k_cache, v_cache, kv_page_indptr, kv_page_indices, kv_last_pa
     """
     page = k_cache.shape[1]
     npages = kv_page_indices.shape[0]
-    idx = kv_page_indices.to(torch.int64)
-    k = k_cache[idx].reshape(npages * page, k_cache.shape[2], k_cache.shape[3])
-    v = v_cache[idx].reshape(npages * page, v_cache.shape[2], v_cache.shape[3])
     page_req, page_in_req = _segments(kv_page_indptr, npages)
+    # Entries past kv_page_indptr[-1] (a CUDA-graph buffer's tail) are padding: their slots are
+    # invalid below, and they read page 0, or nothing from a cache without pages.
+    idx = torch.where(page_req >= 0, kv_page_indices.to(torch.int64), 0)
+    if k_cache.shape[0] == 0:
+        if bool((page_req >= 0).any()):
+            raise IndexError("kv_page_indices: the page table has pages but the cache has none")
+        k = k_cache.new_zeros((npages * page, k_cache.shape[2], k_cache.shape[3]))
+        v = v_cache.new_zeros((npages * page, v_cache.shape[2], v_cache.shape[3]))
+    else:
+        k = k_cache[idx].reshape(npages * page, k_cache.shape[2], k_cache.shape[3])
+        v = v_cache[idx].reshape(npages * page, v_cache.shape[2], v_cache.shape[3])
     slot = torch.arange(page, device=k.device, dtype=torch.int64)
     kv_req = page_req.repeat_interleave(page)
     kv_pos = (page_in_req[:, None] * page + slot[None, :]).reshape(-1)

@@ -126,6 +126,14 @@ def test_batch_pod():
         check(o_p, l_p, *ref)
     with pytest.raises(ValueError, match="packed_custom_mask_p: has 10 bytes but the plan needs"):
         w.run(q_p, cache_p, q_d, cache_d, packed_custom_mask_p=fi.packbits(flat, "little"))
+    # a prefill part whose masks have no bits (no request has both rows and keys)
+    w.plan(indptr([0, 1]), *make_paged([11, 0], hkv, d, d, page, seed=25)[1:4],
+           indptr([1] * len(KV_D)), kvi_d, idx_d, last_d, hq, hkv, d, page, data_type=D64)
+    cache_e = make_paged([11, 0], hkv, d, d, page, seed=25)[0]
+    for kw in (dict(custom_mask_p=torch.zeros(0, dtype=torch.bool)),
+               dict(packed_custom_mask_p=torch.zeros(0, dtype=torch.uint8))):
+        (o_p, _), (l_p, _) = w.run(q_p[:1], cache_e, q_d, cache_d, return_lse=True, **kw)
+        assert torch.equal(o_p, torch.zeros_like(o_p)) and torch.isneginf(l_p).all()
 
 
 def test_pod_run_traces_fullgraph():

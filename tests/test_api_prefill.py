@@ -550,3 +550,48 @@ def test_deprecated_forward_replaces_the_plan_options(kind):
     fresh = type(w)(WS)
     with pytest.raises(RuntimeError, match=r"forward\(\) before plan\(\)"):
         fresh.forward(q, *kv)
+
+
+# --------------------------------------------------------------------------------------------
+# empty edges: a mask without bits, no query rows, a cache without pages
+# --------------------------------------------------------------------------------------------
+def _assert_no_key(out, lse):
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_custom_mask_without_bits_beside_keys():
+    """Every request's qo_len * kv_len is 0 but the batch has keys: the mask has no bits (0
+    bytes), and every query row sees no key."""
+    hq, hkv, d = 2, 1, 8
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    w.plan(indptr([0, 2]), indptr([3, 0]), hq, hkv, d, custom_mask=torch.zeros(0, dtype=torch.bool),
+           q_data_type=D64)
+    k = rand(3, hkv, d, seed=150)
+    _assert_no_key(*w.run(rand(2, hq, d, seed=151), k, k, return_lse=True))
+    cache, kvi, idx, last, _, _ = make_paged([3, 0], hkv, d, d, 2, seed=152)
+    wp = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    wp.plan(indptr([0, 2]), kvi, idx, last, hq, hkv, d, 2,
+            packed_custom_mask=torch.zeros(0, dtype=torch.uint8), q_data_type=D64)
+    _assert_no_key(*wp.run(rand(2, hq, d, seed=153), cache, return_lse=True))
+
+
+def test_single_prefill_without_query_rows():
+    k = rand(4, 1, 8, seed=154)
+    for kw in (dict(), dict(causal=True), dict(custom_mask=torch.zeros(0, 4, dtype=torch.bool))):
+        out, lse = fi.single_prefill_with_kv_cache(rand(0, 2, 8), k, k[..., :6], return_lse=True,
+                                                   **kw)
+        assert out.shape == (0, 2, 6) and lse.shape == (0, 2)
+
+
+def test_cuda_graph_paged_plan_on_a_cache_without_pages():
+    """The index buffers' tail past the plan is padding (page 0); a cache with no pages at all
+    reads none of it."""
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(
+        WS, "NHD", True, qo_indptr_buf=torch.zeros(2, dtype=torch.int32),
+        paged_kv_indptr_buf=torch.zeros(2, dtype=torch.int32),
+        paged_kv_indices_buf=torch.zeros(4, dtype=torch.int32),
+        paged_kv_last_page_len_buf=torch.zeros(1, dtype=torch.int32))
+    w.plan(indptr([3]), indptr([0]), torch.zeros(0, dtype=torch.int32),
+           torch.zeros(1, dtype=torch.int32), 2, 1, 4, 16, causal=True, q_data_type=D64)
+    _assert_no_key(*w.run(rand(3, 2, 4, seed=155), torch.zeros(0, 2, 16, 1, 4, dtype=D64),
+                          return_lse=True))
