@@ -83,13 +83,21 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
     return c
 
 
+def _number(name: str, x) -> float:
+    """A real number (not a string, not a bool) as a float."""
+    if isinstance(x, (str, bytes, bool)) or not isinstance(x, (int, float)) and \
+            not hasattr(x, "__float__"):
+        raise TypeError(f"{name}: got {x!r}; pass a number")
+    return float(x)
+
+
 def check_scale(name: str, x, default: float, *, positive: bool = True) -> float:
     """A float option (sm_scale, rope_scale, rope_theta); None -> default."""
     if x is None:
         return float(default)
     if torch.is_tensor(x):
         raise TypeError(f"{name}: got a tensor; pass a Python float")
-    x = float(x)
+    x = _number(name, x)
     if not math.isfinite(x) or (positive and x <= 0):
         raise ValueError(f"{name}: got {x!r}; use a finite value{' > 0' if positive else ''}")
     return x
@@ -112,7 +120,7 @@ def host_scale(name: str, x) -> float:
                 f"float and run() never reads device values: pass float({name}) (or a CPU "
                 "tensor) instead")
         x = float(x.item())
-    x = float(x)
+    x = _number(name, x)
     if not math.isfinite(x):
         raise ValueError(f"{name}: got {x!r}; use a finite float")
     return x
@@ -127,6 +135,12 @@ def check_backend(backend, name: str = "backend") -> str:
             f"name in {BACKENDS}; for the cuDNN / TRT-LLM entry points call "
             "compiled_attn.cudnn_batch_prefill_with_kv_cache / compiled_attn.trtllm_fmha_v2_prefill")
     raise ValueError(f"{name}: got {backend!r}; use one of {BACKENDS}")
+
+
+def device_check(cond: torch.Tensor, msg: str) -> None:
+    """A check on device values without a host read (capturable in a CUDA graph): a device-side
+    assert under CUDA, which surfaces at the next synchronisation; on CPU it raises at once."""
+    torch._assert_async(cond.all(), msg)
 
 
 def unsupported(name: str, what: str) -> None:
@@ -179,6 +193,19 @@ def check_kv_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
     if dt not in ok:
         raise TypeError(f"{name}: got {dt}; on {device_type} use one of {list(ok)} (fp8 K/V "
                         "take k_scale / v_scale at run time)")
+
+
+def check_qkv_dtypes(q_dt: torch.dtype, k_dt: torch.dtype, v_dt: torch.dtype,
+                     names: Sequence[str] = ("q", "k", "v")) -> None:
+    """K and V share one dtype, and unless it is fp8 it is q's (an fp8 q runs as bf16, so it
+    goes with bf16 or fp8 K/V)."""
+    if k_dt != v_dt:
+        raise TypeError(f"{names[1]} / {names[2]}: dtypes {k_dt} and {v_dt} differ; pass K and "
+                        "V in one dtype")
+    q_run = torch.bfloat16 if q_dt in FP8_DTYPES else q_dt
+    if k_dt not in FP8_DTYPES and k_dt != q_run:
+        raise TypeError(f"{names[1]}: dtype {k_dt} differs from {names[0]}'s {q_dt}; use one "
+                        "dtype (only fp8 K/V may differ from q)")
 
 
 def check_out_dtype(name: str, dt: torch.dtype, device_type: str) -> None:

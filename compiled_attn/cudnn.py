@@ -81,8 +81,8 @@ def _check_packed(arg: str, offs_tok: torch.Tensor, indptr: torch.Tensor, units:
         exact = torch.ones_like(offs_tok, dtype=torch.bool)
     ok = (offs_tok == indptr) & exact
     if graph_mode:
-        torch._assert_async(ok.all(), f"{_NAME}: {arg} must equal the cumulative sum of the "
-                                      "sequence lengths (packed requests)")
+        V.device_check(ok, f"{_NAME}: {arg} must equal the cumulative sum of the sequence "
+                           "lengths (packed requests)")
     elif not bool(ok.all()):
         _fail(arg, f"= {raw.reshape(-1).tolist()} is not the packed layout "
                    f"{(indptr * (1 if units == 'tokens' else row_elems)).tolist()} "
@@ -247,6 +247,7 @@ def cudnn_batch_prefill_with_kv_cache(
         V.check_q_dtype("q", q.dtype, q.device.type)
     V.check_kv_dtype("k_cache", k_cache.dtype, q.device.type)
     V.check_kv_dtype("v_cache", v_cache.dtype, q.device.type)
+    V.check_qkv_dtypes(q.dtype, k_cache.dtype, v_cache.dtype, names=("q", "k_cache", "v_cache"))
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != q.device:
             _fail(arg, f"is on {t.device} but q is on {q.device}", "move it to q's device")
@@ -333,6 +334,26 @@ def cudnn_batch_prefill_with_kv_cache(
             _fail("block_tables", f"has {block_tables.shape[0]} rows for {bsz} requests",
                   "pass one row of page indices per request")
     if graph_mode:  # every request gets max_token_per_sequence rows of tiles
+        # the checks below on the host, here on the device (no host read: capturable)
+        V.device_check((qo_lens >= 0) & (qo_lens <= max_token_per_sequence),
+                       f"{_NAME}: actual_seq_lens_q must be in [0, max_token_per_sequence]")
+        V.device_check((kv_lens >= 0) & (kv_lens <= max_sequence_kv),
+                       f"{_NAME}: actual_seq_lens_kv must be in [0, max_sequence_kv]")
+        V.device_check(qo_indptr[-1:] <= nq, f"{_NAME}: q has fewer tokens than "
+                                             "sum(actual_seq_lens_q)")
+        if paged:
+            npages = torch.div(kv_lens + page - 1, page, rounding_mode="floor")
+            V.device_check(npages <= block_tables.shape[1], f"{_NAME}: block_tables has too "
+                           "few columns for actual_seq_lens_kv")
+            used = torch.arange(block_tables.shape[1], device=q.device)[None, :] \
+                < npages.to(q.device)[:, None]
+            bt = block_tables.to(q.device)
+            V.device_check(~used | ((bt >= 0) & (bt < k_cache.shape[0])),
+                           f"{_NAME}: block_tables holds page indices outside "
+                           f"[0, {k_cache.shape[0]}) for pages the KV lengths use")
+        else:
+            V.device_check(kv_indptr[-1:] <= k_cache.shape[0], f"{_NAME}: k_cache has fewer "
+                           "tokens than sum(actual_seq_lens_kv)")
         bm = tile([max_token_per_sequence])
         work = plan.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
     else:

@@ -59,7 +59,7 @@ def _int_vector(arg: str, t, n: int, device) -> torch.Tensor:
 def _device_check(cond: torch.Tensor, msg: str):
     """A check on device values without a host read (a device-side assert under CUDA; raises
     at once on CPU)."""
-    torch._assert_async(cond.all(), f"{_NAME}: {msg}")
+    V.device_check(cond, f"{_NAME}: {msg}")
 
 
 def trtllm_fmha_v2_prefill(
@@ -231,6 +231,7 @@ def trtllm_fmha_v2_prefill(
     if q.dtype not in _FP8:
         V.check_q_dtype("q", q.dtype, dev.type)
     V.check_kv_dtype("k/v", k.dtype, dev.type)
+    V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype, names=("q", "k", "v"))
 
     # ---- output dtype / buffer
     if out is not None:

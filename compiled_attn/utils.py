@@ -14,6 +14,7 @@ wrappers in ``prefill.py`` and ``pod.py``.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -122,6 +123,16 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     return packed, torch.tensor(byte_ptr, dtype=torch.int32, device=indptr.device)
 
 
+def _count(name: str, n, least: int) -> None:
+    """n is an integer (anything with __index__, a traced size included; not a bool) >= least."""
+    try:
+        ok = not isinstance(n, bool) and operator.index(n) >= least
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: got {n!r}; pass an int >= {least}")
+
+
 # --------------------------------------------------------------------------------------------
 # paged KV bookkeeping
 # --------------------------------------------------------------------------------------------
@@ -134,6 +145,10 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     kv_last_page_len's dtype. FlashInfer returns last_page_len for a request with no pages (it
     clamps pages - 1 at 0); a request without pages holds no token, so this returns 0.
     """
+    V.check_tensor("kv_indptr", kv_indptr, ndim=1, what="[B+1] (pages per request, cumulated)")
+    V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,),
+                   device=kv_indptr.device, what="[B], one entry per request of kv_indptr")
+    _count("page_size", page_size, 1)
     npages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (npages - 1) * page_size + kv_last_page_len
     return torch.where(npages > 0, lens, torch.zeros_like(lens)).to(kv_last_page_len.dtype)
@@ -154,6 +169,10 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     written in place. Returns (batch_indices, positions), int32 ``[nnz]``, on append_indptr's
     device. No host reads.
     """
+    V.check_tensor("append_indptr", append_indptr, ndim=1, what="[B+1]")
+    V.check_tensor("seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
+                   what="[B], one KV length per request of append_indptr")
+    _count("nnz", nnz, 0)
     dev = append_indptr.device
     ind = append_indptr.to(torch.int64)
     i = torch.arange(nnz, dtype=torch.int64, device=dev)
@@ -185,8 +204,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     ``[P, Hkv, page, D]`` (page size 1 may drop the page axis). kv_indices ``[kv_indptr[-1]]``,
     kv_indptr ``[B+1]``, kv_last_page_len ``[B]``: the page table after the append. Token t goes
     to page ``kv_indices[kv_indptr[b] + pos // page]``, slot ``pos % page``; the position fixes
-    the slot, so kv_last_page_len is only checked for shape. Positions are trusted to lie inside
-    each request's pages (as in FlashInfer).
+    the slot, so kv_last_page_len is only checked for shape. A batch index past the page
+    table, or a position outside its request's pages (which FlashInfer writes into another
+    request's page), fails a device-side check (no host read; on CPU it raises at once).
     """
     layout = V.check_kv_layout(kv_layout)
     k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
@@ -202,7 +222,15 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     keep = batch_indices >= 0
     b = batch_indices[keep].to(torch.int64)
     pos = positions[keep].to(torch.int64)
-    page_idx = kv_indices.to(torch.int64)[kv_indptr.to(torch.int64)[b] + pos // page]
+    ind = kv_indptr.to(torch.int64)
+    bsz = ind.shape[0] - 1
+    V.device_check(b < bsz, f"append_paged_kv_cache: batch_indices has entries >= the page "
+                            f"table's {bsz} requests (kv_indptr)")
+    b = b.clamp(max=max(bsz - 1, 0))
+    entry = ind[b] + torch.div(pos, page, rounding_mode="floor")
+    V.device_check((pos >= 0) & (entry < ind[b + 1]), "append_paged_kv_cache: positions holds "
+                   "a position outside its request's pages (kv_indptr / kv_indices)")
+    page_idx = kv_indices.to(torch.int64)[entry]
     slot = pos % page
     k_cache[page_idx, slot] = append_key[keep].to(k_cache.dtype)
     v_cache[page_idx, slot] = append_value[keep].to(v_cache.dtype)
@@ -221,6 +249,10 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     ``s = log2(2^s_a + 2^s_b)`` and ``v = v_a 2^(s_a - s) + v_b 2^(s_b - s)``. A row where both
     LSEs are -inf (no key seen) merges to output 0, LSE -inf.
     """
+    V.check_tensor("v_a", v_a, ndim=3, what="[N, H, D]")
+    V.check_tensor("v_b", v_b, shape=v_a.shape, device=v_a.device, what="[N, H, D] as v_a")
+    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device, what="[N, H] of v_a")
     v, s = merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
     return v, s
 
@@ -232,6 +264,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     ``[N, H, D]`` in v's dtype, s float32 ``[N, H]``); rows whose states all have LSE -inf
     give output 0, LSE -inf.
     """
+    V.check_tensor("v", v, ndim=4, what="[N, S, H, D]")
+    V.check_tensor("s", s, shape=v.shape[:3], device=v.device, what="[N, S, H] of v")
     ct = torch.float64 if v.dtype == torch.float64 else torch.float32
     sf = s.to(ct)
     m = sf.amax(dim=1, keepdim=True)  # [N, 1, H]
@@ -251,8 +285,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
 def get_alibi_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
     """ALiBi slopes, float32 ``[n_heads]``: with n = 2^floor(log2 n_heads), head h < n gets
     ``2^(-8 (h + 1) / n)``; the remaining heads take ``2^(-4 / n)`` to the odd powers 1, 3, 5..."""
-    if int(n_heads) < 1:
-        raise ValueError(f"n_heads: got {n_heads}; the number of heads must be >= 1")
+    _count("n_heads", n_heads, 1)
     n = 2 ** int(math.floor(math.log2(n_heads)))
     p = torch.arange(1, n + 1, dtype=torch.float64)
     slopes = torch.pow(2.0, -8.0 * p / n)

@@ -243,6 +243,40 @@ def test_bad_inputs(over, exc, match):
         fn(**_base(**over))
 
 
+@pytest.mark.parametrize("over,match", [
+    (dict(block_tables=torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)),
+     r"block_tables holds page indices outside \[0, 4\)"),
+    (dict(block_tables=torch.tensor([[0, 1], [2, 4]], dtype=torch.int32),
+          actual_seq_lens_kv=_lens([6, 5])), r"block_tables holds page indices outside"),
+    (dict(block_tables=torch.tensor([[0], [2]], dtype=torch.int32)), "too few columns"),
+    (dict(actual_seq_lens_kv=_lens([7, 4])), r"actual_seq_lens_kv must be in \[0, max_seq"),
+    (dict(actual_seq_lens_kv=_lens([-1, 4])), r"actual_seq_lens_kv must be in"),
+    (dict(actual_seq_lens_q=_lens([4, 1])), r"actual_seq_lens_q must be in \[0, max_token"),
+    (dict(q=torch.randn(4, 4, 8, dtype=torch.float64)), "q has fewer tokens"),
+    (dict(k_cache=torch.randn(7, 2, 8, dtype=torch.float64),
+          v_cache=torch.randn(7, 2, 8, dtype=torch.float64), block_tables=None),
+     "k_cache has fewer tokens than sum"),
+])
+def test_graph_mode_checks_values_on_device(over, match):
+    """is_cuda_graph_compatible reads no value on the host: what the eager call checks there
+    (page indices, lengths against their bounds and the tensors) is asserted on the device."""
+    with pytest.raises(ValueError):  # the eager call checks these on the host ...
+        fn(**_base(**over))
+    fn(**_base(is_cuda_graph_compatible=True))
+    with pytest.raises(RuntimeError, match=match):  # ... the capturable one on the device
+        fn(**_base(**over, is_cuda_graph_compatible=True))
+
+
+def test_mixed_dtypes_raise():
+    with pytest.raises(TypeError, match="k_cache: dtype torch.float64 differs from q's "
+                                        "torch.float32"):
+        fn(**_base(q=torch.randn(5, 4, 8)))
+    kc = torch.randn(4, 2, 4, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match="k_cache / v_cache: dtypes torch.float64 and "
+                                        "torch.float32 differ"):
+        fn(**_base(k_cache=kc, v_cache=kc.float()))
+
+
 def test_graph_mode_checks_offsets_on_device():
     bad = torch.tensor([0, 2, 5], dtype=torch.int32)  # lengths are [3, 2]: cumsum [0, 3, 5]
     with pytest.raises(RuntimeError, match="batch_offsets_q"):

@@ -211,6 +211,12 @@ def test_bad_base_runs():
     ("Q_PAGED_KV_NHD", dict(table=torch.zeros(3, 2, dtype=torch.int32)), ValueError,
      "block_tables.*one row per request"),
     ("CONTIGUOUS_Q_KV", dict(qkv=torch.zeros(5, 4, 8)), ValueError, "qkv.*tuple"),
+    ("SEPARATE_Q_K_V", dict(qkv=(torch.zeros(5, 4, 8), torch.zeros(9, 2, 8, dtype=torch.float64),
+                                 torch.zeros(9, 2, 8, dtype=torch.float64))), TypeError,
+     "k: dtype torch.float64 differs from q's torch.float32"),
+    ("SEPARATE_Q_K_V", dict(qkv=(torch.zeros(5, 4, 8), torch.zeros(9, 2, 8),
+                                 torch.zeros(9, 2, 8, dtype=torch.float64))), TypeError,
+     "k / v: dtypes torch.float32 and torch.float64 differ"),
 ])
 def test_bad_inputs(layout, kw, exc, match):
     with pytest.raises(exc, match=match):

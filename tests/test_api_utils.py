@@ -125,3 +125,45 @@ def test_get_alibi_slopes(h):
     got = fi.get_alibi_slopes(h)
     assert got.dtype == torch.float32 and got.shape == (h,)
     torch.testing.assert_close(got.to(D64), slopes(h), atol=0, rtol=1e-7)
+
+
+def test_helpers_bad_inputs():
+    """Bad inputs to the helpers name the argument (ValueError / TypeError), or, for values on
+    the device, fail a device-side check (RuntimeError at once on CPU): never an IndexError, a
+    broadcast, or a write into another request's page."""
+    ind = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"kv_last_page_len: expected shape \(2,\)"):
+        fi.get_seq_lens(ind, torch.tensor([1], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="page_size: got 0"):
+        fi.get_seq_lens(ind, torch.tensor([1, 2], dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match=r"seq_lens: expected shape \(2,\)"):
+        fi.get_batch_indices_positions(ind, torch.tensor([5]), 5)
+    with pytest.raises(ValueError, match="nnz: got -1"):
+        fi.get_batch_indices_positions(ind, torch.tensor([5, 5]), -1)
+    for bad in (2.5, True, 0, "8"):
+        with pytest.raises(ValueError, match="n_heads: got"):
+            fi.get_alibi_slopes(bad)
+    v = rand(3, 2, 4, seed=7)
+    with pytest.raises(ValueError, match=r"v_b: expected shape \(3, 2, 4\)"):
+        fi.merge_state(v, torch.zeros(3, 2), v[:2], torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"s_b: expected shape \(3, 2\)"):
+        fi.merge_state(v, torch.zeros(3, 2), v, torch.zeros(3, 1))
+    with pytest.raises(ValueError, match=r"s: expected shape \(3, 2, 2\)"):
+        fi.merge_states(torch.stack([v, v], 1), torch.zeros(3, 2))
+    # append: a batch index past the table, a position past its request's pages
+    page, h, d = 4, 2, 3
+    kv_indices = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+    last = torch.tensor([2, 1], dtype=torch.int32)
+    cache = torch.zeros(6, 2, page, h, d, dtype=D64)
+    k = rand(2, h, d, seed=8)
+    for b, p, match in (([0, 2], [0, 1], "batch_indices has entries >= the page table's 2"),
+                        ([0, 0], [0, 8], "a position outside its request's pages"),
+                        ([1, 1], [-1, 0], "a position outside its request's pages")):
+        with pytest.raises(RuntimeError, match=match):
+            fi.append_paged_kv_cache(k, k, torch.tensor(b, dtype=torch.int32),
+                                     torch.tensor(p, dtype=torch.int32), cache, kv_indices, ind,
+                                     last)
+    assert not cache.any()
+    # a scale given as a string is not a number
+    with pytest.raises(TypeError, match="k_scale: got '2'; pass a number"):
+        fi.single_prefill_with_kv_cache(rand(2, 2, 8), rand(3, 2, 8), rand(3, 2, 8), k_scale="2")
