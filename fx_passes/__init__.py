@@ -4,7 +4,9 @@
 - ``rewrite_exported_program(ep)``: the same rewrite on a torch.export ExportedProgram.
 - ``rewrite_graph(graph)``: the rewrite on any aten FX graph.
 - ``counters``: ``collections.Counter`` of rewrites ("rewritten", "pattern:<name>",
-  "mask:<kind>", "gqa:<how>", "soft_cap") and "skipped:<reason>" per attention site left alone.
+  "mask:<kind>", "gqa:<how>", "soft_cap"), "skipped:<reason>" per attention site left alone,
+  and "unmatched:softmax @ v" per softmax feeding a matmul that is neither (a form the pass
+  does not know).
 - ``patterns``: the source-level patterns recognised, as named plain torch functions.
 """
 

@@ -110,6 +110,18 @@ def strip_identity(n: Node, allow_casts: bool = True) -> Node:
             return n
         if t in COPY_OPS or is_noop_dropout(n) or (allow_casts and t in CAST_OPS):
             n = src
+        elif t in RESHAPE_OPS and not same_shape(shape(n), shape(src)):
+            # A chain of reshapes back to an earlier shape is that earlier tensor (reshapes keep
+            # the row-major order): functionalization writes an in-place op on a view of x as
+            # view(op(view(x, s1)), s0) -> view(., shape(x)) (Falcon's `scores /= sqrt(d)`).
+            m = src
+            while is_call(m, *RESHAPE_OPS) and isinstance(m.args[0], Node):
+                m = m.args[0]
+                if same_shape(shape(n), shape(m)):
+                    break
+            else:
+                return n
+            n = m
         elif t in RESHAPE_OPS or t in (aten.expand.default, aten.slice.Tensor):
             if not same_shape(shape(n), shape(src)):
                 return n

@@ -111,6 +111,24 @@ def bert_eager_padding(q, k, v, keep):
     return torch.matmul(torch.softmax(att + mask, dim=-1), v)
 
 
+def falcon_inplace_scale(q, k, v, keep):
+    # Falcon eager (HF modeling_falcon.py): scores = q @ k^T; scores /= sqrt(d) in place;
+    # softmax(scores + mask) @ v. Export keeps the in-place div_ on the matmul's result;
+    # torch.compile functionalizes it into a reshape round trip around the div.
+    # -> single_prefill(MASK_CUSTOM); the dead matmul and div_ are dropped
+    mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min)
+    scores = q @ k.transpose(-1, -2)
+    scores /= math.sqrt(q.shape[-1])
+    return F.softmax(scores + mask, dim=-1) @ v
+
+
+def falcon_mqa_sdpa(q, k, v):
+    # Falcon (multi-query, HF sdpa attention): one K/V head [B, 1, S, D] that SDPA broadcasts
+    # to every query head, without enable_gqa or repeat_kv.
+    # -> single_prefill(MASK_CAUSAL) with Hkv = 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 # --- left alone (skipped with a reason) ---------------------------------------------------------
 def sdpa_learned_bias(q, k, v, bias):
     # T5 / ALiBi-style: a general float bias added to the logits. Not a 0/-inf mask: skipped.
@@ -146,6 +164,10 @@ PATTERNS = {
     "nanogpt_masked_fill": (nanogpt_masked_fill, {"pattern:matmul_softmax": 1,
                                                   "mask:causal": 1}),
     "bert_eager_padding": (bert_eager_padding, {"pattern:matmul_softmax": 1, "mask:custom": 1}),
+    "falcon_inplace_scale": (falcon_inplace_scale, {"pattern:matmul_softmax": 1,
+                                                    "mask:custom": 1}),
+    "falcon_mqa_sdpa": (falcon_mqa_sdpa, {"pattern:sdpa": 1, "gqa:broadcast": 1,
+                                          "mask:causal": 1}),
 }
 
 NOT_REWRITTEN = {

@@ -169,15 +169,33 @@ def _number(x) -> float | None:
     return None
 
 
+def _private_inplace(n: Node) -> bool:
+    """n is an in-place op (export's training IR keeps them) on a temporary that nothing else
+    reads: its result is then a plain function of its arguments (Falcon's `scores /= ...`)."""
+    src = n.args[0] if n.args else None
+    return (isinstance(src, Node) and src.op == "call_function" and len(src.users) == 1
+            and _functional_op(src.target))
+
+
+_INPLACE_SCALES = {aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
+                   aten.div_.Tensor: aten.div.Tensor, aten.div_.Scalar: aten.div.Scalar}
+
+
 def _scale_factor(n: Node) -> tuple[Node, float] | None:
-    """(x, c) when n == x * c or x / c (c a Python number)."""
-    if is_call(n, aten.mul.Tensor, aten.mul.Scalar):
+    """(x, c) when n == x * c or x / c (c a Python number), in place on a private temporary
+    included."""
+    if not (isinstance(n, Node) and n.op == "call_function"):
+        return None
+    target = n.target
+    if target in _INPLACE_SCALES and _private_inplace(n):
+        target = _INPLACE_SCALES[target]
+    if target in (aten.mul.Tensor, aten.mul.Scalar):
         a, b = n.args
         if _number(b) is not None and isinstance(a, Node):
             return a, _number(b)
         if _number(a) is not None and isinstance(b, Node):
             return b, _number(a)
-    if is_call(n, aten.div.Tensor, aten.div.Scalar):
+    if target in (aten.div.Tensor, aten.div.Scalar):
         a, b = n.args
         if _number(b) is not None and isinstance(a, Node) and _number(b) != 0 \
                 and not n.kwargs.get("rounding_mode"):
@@ -576,6 +594,8 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         if hkv is None or static_int(hq) is None or static_int(hq) % hkv:
             raise Skip("enable_gqa with heads that do not divide")
         gqa_how = "enable_gqa" if hkv != static_int(hq) else None
+    elif static_int(k_shape[1]) == 1 and static_int(vs[1]) == 1 and static_int(hq) != 1:
+        gqa_how = "broadcast"  # one K/V head broadcast to every query head (MQA): a group of Hq
     elif not same_size(k_shape[1], hq) or not same_size(vs[1], hq):
         raise Skip("k/v heads differ from q heads without enable_gqa (broadcast heads)")
     elif not isinstance(k_in, tuple):
@@ -693,7 +713,8 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     if tuple(val(out).stride()) != tuple(ov.stride()) and ov.is_contiguous():
         out = em(aten.clone.default, out, memory_format=torch.contiguous_format)
     site.out.replace_all_uses_with(out)
-    counters[f"gqa:{gqa_how}"] += gqa_how is not None
+    if gqa_how is not None:
+        counters[f"gqa:{gqa_how}"] += 1
     if site.soft_cap:
         counters["soft_cap"] += 1
     if site.scale_nodes:
@@ -726,7 +747,8 @@ def _erase_dead(graph: Graph) -> None:
                     graph.erase_node(n)
                     changed = True
                 continue
-            if n.is_impure() and not _functional_op(n.target):
+            if n.is_impure() and not _functional_op(n.target) and not (
+                    n.target in _INPLACE_SCALES and _private_inplace(n)):
                 continue
             graph.erase_node(n)
             changed = True
@@ -748,6 +770,7 @@ def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
         return 0
     fake_mode = fake_mode_of(graph)
     done = 0
+    skipped: set[Node] = set()
     for n in list(graph.nodes):
         if n.op != "call_function" or n.graph is not graph:
             continue
@@ -758,6 +781,7 @@ def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
             kind = rewrite_site(graph, site, fake_mode, inductor)
         except Skip as e:
             counters[f"skipped:{e}"] += 1
+            skipped.add(n)
             continue
         counters["rewritten"] += 1
         counters[f"pattern:{site.pattern}"] += 1
@@ -766,4 +790,32 @@ def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
     if done:
         _erase_dead(graph)
         graph.lint()
+    _count_unmatched(graph, skipped)
     return done
+
+
+_MATMULS = (aten.matmul.default, aten.bmm.default, aten.mm.default)
+
+
+def _count_unmatched(graph: Graph, skipped: set[Node]) -> None:
+    """Count, as "unmatched:softmax @ v", each softmax left in the graph whose result reaches
+    the left operand of a matmul (through reshapes, copies, casts, expands and where): attention
+    the pass neither rewrote nor skipped with a reason, which would otherwise leave no trace in
+    the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads, whose softmax
+    is wrapped in a where that zeroes fully masked rows)."""
+    through = RESHAPE_OPS | COPY_OPS | CAST_OPS | {aten.expand.default, aten.where.self}
+    for n in graph.nodes:
+        if n.op != "call_function" or match_softmax(n) is None:
+            continue
+        frontier, reached = [n], False
+        for _ in range(8):
+            nxt = []
+            for x in frontier:
+                for u in x.users:
+                    if is_call(u, *_MATMULS) and u.args[0] is x:
+                        reached |= u not in skipped and not (set(u.users) & skipped)
+                    elif is_call(u, *through):
+                        nxt.append(u)
+            frontier = nxt
+        if reached:
+            counters["unmatched:softmax @ v"] += 1

@@ -30,7 +30,7 @@ def make_inputs(fn):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, HQ, S, D, generator=g)
     hkv = HKV if any(w in fn.__name__ for w in ("gqa", "interleave", "hf_eager", "gemma2")) \
-        else HQ
+        else 1 if "mqa" in fn.__name__ else HQ
     k = torch.randn(B, hkv, S, D, generator=g)
     v = torch.randn(B, hkv, S, D, generator=g)
     args = [q, k, v]
@@ -77,6 +77,8 @@ def test_pattern_rewritten(name):
     assert not [k for k in c if k.startswith("skipped:")], c
     assert torch.ops.compiled_attn.single_prefill.default in ops
     assert not [o for o in ops if "softmax" in str(o) or "scaled_dot" in str(o)], ops
+    assert not [o for o in ops if "matmul" in str(o) or "bmm" in str(o)], ops  # no dead scores
+    assert "gqa:None" not in c, c  # no GQA: no gqa key at all
     close(out, ref)
 
 
@@ -120,6 +122,13 @@ def test_softcap_window_under_compile():
     out, ref, c = _compile_pattern(P.gemma2_softcap_sliding)
     assert c.get("rewritten") == 1 and c.get("soft_cap") == 1 \
         and c.get("mask:causal_window") == 1, c
+    close(out, ref)
+
+
+def test_inplace_scale_under_compile():
+    # Falcon's `scores /= sqrt(d)`, functionalized: div between two reshapes of the scores.
+    out, ref, c = _compile_pattern(P.falcon_inplace_scale)
+    assert c.get("rewritten") == 1 and c.get("mask:custom") == 1, c
     close(out, ref)
 
 
@@ -167,3 +176,16 @@ def test_additive_mask_constant_under_fake_mode():
     node = _const_node(torch.tensor([[0.0, -math.inf]], dtype=torch.bfloat16))
     with FakeTensorMode():
         assert zero_or_neg(node) is False
+
+
+def test_unknown_attention_form_is_counted_as_unmatched():
+    # Inductor's CPU decomposition of SDPA with a broadcast K/V head wraps the softmax in a
+    # where that zeroes fully masked rows, a form the pass does not match: it is neither
+    # rewritten nor skipped, and the counters say so (the output stays eager's).
+    out, ref, c = _compile_pattern(P.falcon_mqa_sdpa)
+    assert c.get("rewritten", 0) == 0 and c.get("unmatched:softmax @ v") == 1, c
+    close(out, ref)
+    # a skipped site is not counted again, and a rewritten one leaves nothing to count
+    for fn in (P.matmul_softmax_with_bias, P.bert_eager_padding):
+        ref, out, _ = run_export(fn)
+        assert "unmatched:softmax @ v" not in fx_passes.counters, dict(fx_passes.counters)
