@@ -163,7 +163,9 @@ def single_prefill_with_kv_cache(
     k, rope_scale / rope_theta) or "ALIBI" (slopes of get_alibi_slopes(Hq), bias
     ``slope * (j - p_i)`` with absolute positions: FlashInfer's kernel uses the row index
     without the kv_len - qo_len offset, which gives the same output but an LSE larger by
-    ``slope * (kv_len - qo_len) / ln 2``). o_dtype: output dtype (default q's). backend:
+    ``slope * (kv_len - qo_len) / ln 2``). With both, the ALiBi bias is added to the capped
+    logits; FlashInfer's fa2 kernel adds it inside the tanh (and applies sm_scale twice there),
+    so the two differ for that combination. o_dtype: output dtype (default q's). backend:
     "auto" / "fa2" / "fa3" all run compiled_attn's kernel. use_fp16_qk_reduction: a permission
     (we always reduce in fp32). scale_q / scale_k / scale_v (per-head fp8-q scales) and
     kv_cache_sf (NVFP4) raise NotImplementedError.
