@@ -117,3 +117,56 @@ def test_batch_pod_wrapper_one_launch():
         res.append(w.run(q_p.to(dev, dt), c, q_d.to(dev, dt), c, causal_p=True))
     _close(res[0][0], res[1][0])
     _close(res[0][1], res[1][1])
+
+
+def _capture(fn):
+    """fn() captured in a CUDA graph (after a warm-up on a side stream); returns (graph, out)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def test_cudnn_graph_mode_captures_and_replays_new_lengths():
+    """cuDNN's is_cuda_graph_compatible call reads no device value on the host (its value
+    checks are device asserts): it captures in a CUDA graph and replays correctly after the
+    captured length tensors change in place. (Written in the 16th session without a GPU: not
+    yet run.)"""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, page, b, max_pages = 8, 2, 128, 16, 3, 8
+    max_q, max_kv = 64, page * max_pages
+    cache = torch.randn(b * max_pages, hkv, page, d, generator=g)
+    kc, vc = cache.to("cuda", torch.bfloat16), cache.flip(0).to("cuda", torch.bfloat16)
+    table = torch.randperm(b * max_pages, generator=g)[:b * max_pages].reshape(b, max_pages)
+    table = table.to("cuda", torch.int32)
+    q = torch.randn(b * max_q, hq, d, generator=g).to("cuda", torch.bfloat16)
+    ws = torch.empty(1, device="cuda")
+    qo_t = torch.zeros(b, dtype=torch.int32, device="cuda")
+    kv_t = torch.zeros(b, dtype=torch.int32, device="cuda")
+
+    def cudnn_call():
+        return compiled_attn.cudnn_batch_prefill_with_kv_cache(
+            q, kc, vc, 0.1, ws, max_token_per_sequence=max_q, max_sequence_kv=max_kv,
+            actual_seq_lens_q=qo_t, actual_seq_lens_kv=kv_t, block_tables=table, causal=True,
+            return_lse=False, is_cuda_graph_compatible=True)[0]
+
+    graph = None
+    for qo, kv in (([64, 1, 30], [100, 1, 128]), ([10, 64, 0], [10, 90, 5])):
+        qo_t.copy_(torch.tensor(qo))
+        kv_t.copy_(torch.tensor(kv))
+        if graph is None:
+            graph, out = _capture(cudnn_call)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = compiled_attn.cudnn_batch_prefill_with_kv_cache(
+            q.double().cpu(), kc.double().cpu(), vc.double().cpu(), 0.1, torch.empty(1),
+            max_token_per_sequence=max_q, max_sequence_kv=max_kv,
+            actual_seq_lens_q=torch.tensor(qo), actual_seq_lens_kv=torch.tensor(kv),
+            block_tables=table.cpu(), causal=True, return_lse=False)[0]
+        _close(out[:sum(qo)], ref[:sum(qo)])
