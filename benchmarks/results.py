@@ -21,8 +21,10 @@ from pathlib import Path
 TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
 # The sources that decide what a timed compiled_attn op runs (the kernels, their launchers and
 # the op contracts; the work list): a row's "kernel_src" fingerprints them as they were when it
-# was timed, and the report marks rows whose fingerprint is not the tree's.
+# was timed, and the report marks rows whose fingerprint is not the tree's. The reference (the
+# CPU path) is not among them: a timed CUDA op never runs it.
 KERNEL_SOURCES = ("ops", "compiled_attn/plan.py")
+NOT_KERNEL_SOURCES = ("ops/reference.py",)
 ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
 STATUSES = ("ok", "unavailable", "failed")
 # A CUDA row whose host time to issue a call ("host_ms") is at least this fraction of its median
@@ -79,6 +81,7 @@ def kernel_fingerprint(root: str | os.PathLike | None = None) -> str:
     for rel in KERNEL_SOURCES:
         p = root / rel
         files += sorted(p.glob("*.py")) if p.is_dir() else [p]
+    files = [f for f in files if f.relative_to(root).as_posix() not in NOT_KERNEL_SOURCES]
     h = hashlib.sha256()
     for f in files:
         h.update(f.relative_to(root).as_posix().encode() + b"\0")

@@ -204,6 +204,7 @@ def test_kernel_fingerprint_follows_code_not_comments(tmp_path):
     kernel.write_text('"""Other doc."""\n\ndef f(x):\n    return (x\n            + 1)  # two\n')
     assert results.kernel_fingerprint(tmp_path) == base
     (tmp_path / "compiled_attn" / "api.py").write_text("X = 1\n")  # not a kernel source
+    (tmp_path / "ops" / "reference.py").write_text("Y = 1\n")  # the CPU path: nor is this
     assert results.kernel_fingerprint(tmp_path) == base
     kernel.write_text("def f(x):\n    return x + 2\n")
     assert results.kernel_fingerprint(tmp_path) != base
