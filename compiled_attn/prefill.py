@@ -631,7 +631,9 @@ _PLAN_COMMON_DOC = """
         With use_cuda_graph=True the index arrays are copied into the constructor's buffers
         (sizes checked) and the work list into a fixed buffer sized at the first plan, whose
         total query rows become the capacity (as in FlashInfer); padding work rows are
-        (request -1, row 0).
+        (request -1, row 0). run() then takes q (and ragged k / v) with more rows than the plan
+        uses (a captured buffer): output and LSE rows past qo_indptr[-1] belong to no request
+        and are not written on CUDA, as in FlashInfer (0 / -inf on CPU); slice them off.
         """
 
 
