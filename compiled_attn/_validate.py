@@ -13,6 +13,7 @@ argument whose feature compiled_attn does not have.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -85,10 +86,19 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
 
 def _number(name: str, x) -> float:
     """A real number (not a string, not a bool) as a float."""
-    if isinstance(x, (str, bytes, bool)) or not isinstance(x, (int, float)) and \
-            not hasattr(x, "__float__"):
+    if isinstance(x, (str, bytes, bool)) or not hasattr(x, "__float__"):
         raise TypeError(f"{name}: got {x!r}; pass a number")
     return float(x)
+
+
+def check_count(name: str, n, least: int) -> None:
+    """n is an integer (anything with __index__, a traced size included; not a bool) >= least."""
+    try:
+        ok = not isinstance(n, bool) and operator.index(n) >= least
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name}: got {n!r}; pass an int >= {least}")
 
 
 def check_scale(name: str, x, default: float, *, positive: bool = True) -> float:

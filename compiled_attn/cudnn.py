@@ -92,6 +92,14 @@ def _check_packed(arg: str, offs_tok: torch.Tensor, indptr: torch.Tensor, units:
               NotImplementedError)
 
 
+def _pages_used(kv_lens: torch.Tensor, page: int, max_pages: int):
+    """(npages [B], used [B, max_pages]): each request's page count and which of its
+    block-table columns hold its pages."""
+    npages = torch.div(kv_lens + page - 1, page, rounding_mode="floor")
+    j = torch.arange(max_pages, device=kv_lens.device, dtype=torch.int64)[None, :]
+    return npages, j < npages[:, None]
+
+
 def _compact_block_tables(block_tables: torch.Tensor, kv_lens: torch.Tensor, page: int):
     """block_tables [B, M] + kv lengths -> (page_indptr [B+1], page_indices [B*M],
     last_page_len [B]) without host reads. Request b's first ceil(kv_len/page) table entries
@@ -99,11 +107,10 @@ def _compact_block_tables(block_tables: torch.Tensor, kv_lens: torch.Tensor, pag
     never read as keys)."""
     bsz, m = block_tables.shape
     dev = block_tables.device
-    npages = torch.div(kv_lens + page - 1, page, rounding_mode="floor")
+    npages, valid = _pages_used(kv_lens.to(dev), page, m)
     indptr = _exclusive_cumsum(npages)
     start = indptr[:-1, None]
     j = torch.arange(m, device=dev, dtype=torch.int64)[None, :]
-    valid = j < npages[:, None]
     flat = torch.arange(bsz * m, device=dev, dtype=torch.int64).reshape(bsz, m)
     invalid_before = flat - (start + torch.minimum(j, npages[:, None]))
     dest = torch.where(valid, start + j, indptr[-1] + invalid_before)
@@ -203,9 +210,9 @@ def cudnn_batch_prefill_with_kv_cache(
 
     Returns:
         (out [Nq, Hq, Dvo], lse or None). lse: float32 [B, max_token_per_sequence, Hq], base 2
-        (natural logsumexp / ln 2 over the scaled logits; natural with lse_base="ln"); entries past a request's length
-        and rows that see no key hold -inf, whose output rows are 0. Query rows past
-        sum(actual_seq_lens_q) belong to no request and are written as 0.
+        (natural logsumexp / ln 2 over the scaled logits; natural with lse_base="ln"); entries
+        past a request's length and rows that see no key hold -inf, whose output rows are 0.
+        Query rows past sum(actual_seq_lens_q) belong to no request and are written as 0.
     """
     graph_mode = bool(is_cuda_graph_compatible)
     V.check_lse_base(lse_base)
@@ -342,11 +349,9 @@ def cudnn_batch_prefill_with_kv_cache(
         V.device_check(qo_indptr[-1:] <= nq, f"{_NAME}: q has fewer tokens than "
                                              "sum(actual_seq_lens_q)")
         if paged:
-            npages = torch.div(kv_lens + page - 1, page, rounding_mode="floor")
+            npages, used = _pages_used(kv_lens, page, block_tables.shape[1])
             V.device_check(npages <= block_tables.shape[1], f"{_NAME}: block_tables has too "
                            "few columns for actual_seq_lens_kv")
-            used = torch.arange(block_tables.shape[1], device=q.device)[None, :] \
-                < npages.to(q.device)[:, None]
             bt = block_tables.to(q.device)
             V.device_check(~used | ((bt >= 0) & (bt < k_cache.shape[0])),
                            f"{_NAME}: block_tables holds page indices outside "

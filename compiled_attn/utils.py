@@ -14,7 +14,6 @@ wrappers in ``prefill.py`` and ``pod.py``.
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 
@@ -123,16 +122,6 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     return packed, torch.tensor(byte_ptr, dtype=torch.int32, device=indptr.device)
 
 
-def _count(name: str, n, least: int) -> None:
-    """n is an integer (anything with __index__, a traced size included; not a bool) >= least."""
-    try:
-        ok = not isinstance(n, bool) and operator.index(n) >= least
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name}: got {n!r}; pass an int >= {least}")
-
-
 # --------------------------------------------------------------------------------------------
 # paged KV bookkeeping
 # --------------------------------------------------------------------------------------------
@@ -148,7 +137,7 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     V.check_tensor("kv_indptr", kv_indptr, ndim=1, what="[B+1] (pages per request, cumulated)")
     V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,),
                    device=kv_indptr.device, what="[B], one entry per request of kv_indptr")
-    _count("page_size", page_size, 1)
+    V.check_count("page_size", page_size, 1)
     npages = kv_indptr[1:] - kv_indptr[:-1]
     lens = (npages - 1) * page_size + kv_last_page_len
     return torch.where(npages > 0, lens, torch.zeros_like(lens)).to(kv_last_page_len.dtype)
@@ -172,7 +161,7 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     V.check_tensor("append_indptr", append_indptr, ndim=1, what="[B+1]")
     V.check_tensor("seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
                    what="[B], one KV length per request of append_indptr")
-    _count("nnz", nnz, 0)
+    V.check_count("nnz", nnz, 0)
     dev = append_indptr.device
     ind = append_indptr.to(torch.int64)
     i = torch.arange(nnz, dtype=torch.int64, device=dev)
@@ -285,7 +274,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
 def get_alibi_slopes(n_heads: int, device: torch.device | str | None = None) -> torch.Tensor:
     """ALiBi slopes, float32 ``[n_heads]``: with n = 2^floor(log2 n_heads), head h < n gets
     ``2^(-8 (h + 1) / n)``; the remaining heads take ``2^(-4 / n)`` to the odd powers 1, 3, 5..."""
-    _count("n_heads", n_heads, 1)
+    V.check_count("n_heads", n_heads, 1)
     n = 2 ** int(math.floor(math.log2(n_heads)))
     p = torch.arange(1, n + 1, dtype=torch.float64)
     slopes = torch.pow(2.0, -8.0 * p / n)

@@ -230,6 +230,20 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
 
 
+def capture_graph(fn):
+    """fn() captured in a CUDA graph, after a warm-up call on a side stream (compiles and
+    allocates outside the capture); returns (graph, fn's result inside the graph)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def record_tma(monkeypatch) -> list:
     """The TMA constexpr of every prefill launch from here on, in order (0 pointer loads, 1
     descriptors built per work item, 2 descriptors built on the host, 3 descriptors built once

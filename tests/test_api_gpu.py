@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compiled_attn
+from tests.kernel_cases import capture_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,14 +54,7 @@ def test_paged_wrapper_cuda_graph_replay_after_replan():
         w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
                q_data_type=torch.bfloat16)
         if graph is None:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                w.run(q_buf, cache_gpu)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = w.run(q_buf, cache_gpu)
+            graph, out = capture_graph(lambda: w.run(q_buf, cache_gpu))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
@@ -119,19 +113,6 @@ def test_batch_pod_wrapper_one_launch():
     _close(res[0][1], res[1][1])
 
 
-def _capture(fn):
-    """fn() captured in a CUDA graph (after a warm-up on a side stream); returns (graph, out)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 def test_cudnn_graph_mode_captures_and_replays_new_lengths():
     """cuDNN's is_cuda_graph_compatible call reads no device value on the host (its value
     checks are device asserts): it captures in a CUDA graph and replays correctly after the
@@ -160,7 +141,7 @@ def test_cudnn_graph_mode_captures_and_replays_new_lengths():
         qo_t.copy_(torch.tensor(qo))
         kv_t.copy_(torch.tensor(kv))
         if graph is None:
-            graph, out = _capture(cudnn_call)
+            graph, out = capture_graph(cudnn_call)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()

@@ -13,7 +13,8 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.plan import block_m_for, build_split_work, build_work
-from tests.kernel_cases import check, force_kv_path, make_case, params, record_tma, ref, run
+from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, params,
+                                record_tma, ref, run)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -214,14 +215,7 @@ def test_cuda_graph_replay_after_replan(path, monkeypatch):
                                         None, block_m, *args)
 
     replan([100, 50, 7, 200], [100, 300, 7, 200])
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out, lse = step()
+    g, (out, lse) = capture_graph(step)
     for qo, kv in ([[100, 50, 7, 200], [100, 300, 7, 200]], [[300, 0, 1, 99], [310, 3, 600, 99]]):
         replan(qo, kv)
         out.fill_(float("nan"))
