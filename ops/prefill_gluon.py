@@ -19,7 +19,7 @@ the load warp, which decodes each item for the compute groups, brings its Q by T
 head per KV head) and starts its K / V under the previous item's last tiles.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
-ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 16+
+ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 8+
 keys dividing one: page_fits), bf16 / fp16, head dim 64 or 128 for Q/K and V alike, causal or no
 mask, none of the logit transforms, positional encodings, sinks or fp8 K/V, no split-KV.
 Invariants as in prefill_kernel.py: packed row r of a request is token r // GROUP of query head
@@ -52,12 +52,6 @@ def _row_layout(d, num_warps):
     along d, the warp's threads across rows then d."""
     tpw_d = min(d // 8, 32)
     return gl.BlockedLayout([1, 8], [32 // tpw_d, tpw_d], [num_warps, 1], [1, 0])
-
-
-@constexpr_function
-def _box_layout():
-    """A blocked layout for the [BOXES] page indices of a tile, read by the load warp."""
-    return gl.BlockedLayout([1], [32], [1], [0])
 
 
 @constexpr_function
@@ -123,13 +117,13 @@ def _page_of(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.c
 def _tile_pages(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr, PAGE: gl.constexpr,
                 BLOCK_N: gl.constexpr, BOXES: gl.constexpr):
     """(page, pages) of key tile t for _fill_slot: one box, the page holding it (_page_of);
-    BOXES boxes, its pages in order [BOXES] (page 0 past the request's: masked, zeroed)."""
+    BOXES boxes, (the address of its first page-table entry, the request's pages from there
+    on)."""
     if BOXES == 1:
         page = _page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
         pages = page
     else:
-        j = t * BOXES + gl.arange(0, BOXES, layout=_box_layout())
-        pages = gl.load(page_idx_ptr + page_base + j, mask=j < npages, other=0)
+        pages = (page_idx_ptr + page_base + t * BOXES, npages - t * BOXES)
         page = 0
     return page, pages
 
@@ -141,8 +135,8 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
     """TMA of key tile t into slot buf [BLOCK_N, D], completing on bar (when pred; boxes
     always): one box (contiguous keys, or a page holding whole tiles: ``page``, page p from
     row p * stride_p), or BOXES boxes of one page each (pages smaller than a tile, issued by
-    the warp-specialized kernel's load warp: ``pages`` [BOXES], the tile's pages in order, in
-    _box_layout())."""
+    the warp-specialized kernel's load warp: ``pages`` from _tile_pages; entries past the
+    request's pages read page 0, whose rows lie past kv_len: masked, zeroed)."""
     mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
     if BOXES == 1:
         if PAGED:
@@ -151,9 +145,12 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
             row = kv_start + t * BLOCK_N
         _tma_load(src, [row, hkv * D], bar, buf, pred=pred)
     else:
-        b_idx = gl.arange(0, BOXES, layout=_box_layout())
+        # Each box's page read by a warp-uniform load of its own (an immediate offset from the
+        # tile's first entry): taking it out of a [BOXES] vector read once per tile (a
+        # cross-lane reduction per box) cost page 8 8-13% on the H100 (NOTES, 17th session).
+        table, left = pages
         for b in gl.static_range(BOXES):
-            page_b = gl.sum(gl.where(b_idx == b, pages, 0), 0)
+            page_b = gl.load(table + b, mask=b < left, other=0)
             _tma_load(src, [page_b * stride_p, hkv * D], bar, buf.slice(b * PAGE, PAGE))
 
 
@@ -967,7 +964,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
-                         "divides them into boxes of 16 keys or more at D 128 (page_fits)")
+                         f"divides them into boxes of {MIN_BOX_PAGE} keys or more at D 128 (page_fits)")
     boxes = block_n // page if 0 < page < block_n else 1
     ws = ws or boxes > 1 or pingpong
     if pingpong and (warps != 8 or p_smem or block_m != 128):
@@ -1028,16 +1025,26 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     return out, lse
 
 
+# The smallest page read a box per page: a TMA box into the 128-byte-swizzled slots spans at
+# least the swizzle pattern's 8 rows (Triton's TMA lowering refuses fewer, "Illegal shared
+# layout", triton 3.6 and 3.9), so pages of 1 to 4 keys, a box per key, cannot be issued from
+# Gluon; and each box costs the load warp (page 8's 32 per 128-key tile and tensor run 0.91 of
+# the ragged rate, page 16's 16 level with it: NOTES, 17th session).
+MIN_BOX_PAGE = 8
+
+
 def page_fits(page: int, block_n: int, d: int) -> bool:
     """Whether the Gluon kernel reads pages of this size at head dim d: pages holding whole
-    key tiles (one box per tile), or at D 128 pages of 16 keys or more dividing a tile (a box
-    per page, issued by the warp-specialized kernel's load warp: from the compute warps,
-    Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate on the H100,
-    benchmarks/NOTES.md, 10th session). Smaller pages (1 to 8) stay on the Triton kernel's
-    pointer gathers; so do D 64 pages below a tile (the one D 64 launch of them on the H100,
-    test_opcheck_cuda, failed, cause not isolated: NOTES, 11th session)."""
+    key tiles (one box per tile), or at D 128 pages of MIN_BOX_PAGE keys or more dividing a
+    tile (a box per page, issued by the warp-specialized kernel's load warp: from the compute
+    warps, Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate on the
+    H100, benchmarks/NOTES.md, 10th session). Page 8 over our ragged rate there (17th session,
+    D128 causal H32): 0.94 / 0.91 / 0.91 at S 1k / 4k / 8k, where the Triton kernel's gathers
+    ran 0.75 / 0.78 / 0.74. Smaller pages (1 to 4) stay on those gathers; so do D 64 pages below
+    a tile (the one D 64 launch of them on the H100, test_opcheck_cuda, failed, cause not
+    isolated: NOTES, 11th session)."""
     whole = page > 0 and page % block_n == 0
-    return whole or (d == 128 and page >= 16 and block_n % page == 0)
+    return whole or (d == 128 and page >= MIN_BOX_PAGE and block_n % page == 0)
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,

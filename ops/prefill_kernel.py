@@ -64,7 +64,7 @@ CRASH_STAGES = tl.constexpr(2)
 # 128 batches read K/V through descriptors, with 64-row tiles (more programs, a shorter causal tail)
 # up to SHORT_KV keys for causal batches (half that without a mask) and 128-row tiles beyond.
 # Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV; paged KV that the
-# Gluon kernel reads by TMA boxes is tiled as contiguous K/V (_gluon_pages). Small pages
+# Gluon kernel reads by TMA boxes is tiled as contiguous K/V (_gluon_pages). Other small pages
 # (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
 # (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill them: their padded rows at
 # most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384 packed rows ran 0.82x on two
@@ -99,7 +99,8 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
         return 64
     d = max(head_dim_qk, head_dim_vo)
     if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
-            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)):
+            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
+            and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
         return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
@@ -122,11 +123,12 @@ def _gluon_tiles(dqk: int, dvo: int) -> bool:
 def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     """Whether eager paged launches of this page size and head dims go to the Gluon kernel's
     TMA boxes in this process (a Hopper GPU, USE_GLUON, D 128, pages it reads on either tile
-    height: _gluon_views): they are then tiled as contiguous K/V are. Page 16, D 128, causal,
-    over our ragged rate on the H100 (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k:
-    64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96. (Traced
-    graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they take these
-    tiles too.)"""
+    height: _gluon_views): they are then tiled as contiguous K/V are (page 8 too, rather than
+    the small pages' 256-row tiles). Page 16, D 128, causal, over our ragged rate on the H100
+    (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
+    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96; page 8 (17th session) 0.94 / - / 0.91, S 8k
+    0.91. (Traced graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they
+    take these tiles too.)"""
     return (page_size > 0 and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 

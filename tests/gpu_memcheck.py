@@ -81,10 +81,10 @@ def main() -> int:
                                                      else {})))
                     cases += 1
             if path == "gluon":
-                # pages of whole key tiles and of 16 keys (a box each, warp-specialized), both
-                # tile heights (the ragged cases above: 64-row tiles warp-specialized)
+                # pages of whole key tiles and of 8 and 16 keys (a box each, warp-specialized),
+                # both tile heights (the ragged cases above: 64-row tiles warp-specialized)
                 for bm in (64, 128):
-                    for page in (16, 64):
+                    for page in (8, 16, 64):
                         c = make_case("paged", QO, KV, hq=8, hkv=2, dqk=128,
                                       dtype=torch.bfloat16, device="cuda", page_size=page,
                                       seed=bm + page)

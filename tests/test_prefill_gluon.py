@@ -18,6 +18,7 @@ gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 # (ws, pp): warp-specialized, ping-pong (two compute groups of half the warps; implies ws)
 @pytest.mark.parametrize("dense,page,block_m,d,causal,ws,pp", [
     (False, 0, 64, 128, True, False, False), (True, 0, 128, 64, False, True, True),
+    (False, 8, 64, 128, True, True, False),
     (False, 64, 64, 128, True, False, False), (False, 16, 128, 128, True, True, True),
     (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False)])
 def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
@@ -122,7 +123,8 @@ def test_scope_in(monkeypatch):
     for page, block_m in ((64, 64), (128, 128), (128, 64), (256, 128)):
         views = _scope(monkeypatch, page=page, block_m=block_m)
         assert views["paged"] == (page, 2 * page, 2 * page)
-    for page, block_m in ((16, 64), (16, 128), (32, 128), (64, 128)):  # a box per page (WS)
+    for page, block_m in ((8, 64), (8, 128), (16, 64), (16, 128), (32, 128), (64, 128)):
+        # a box per page (WS)
         assert _scope(monkeypatch, page=page, block_m=block_m)["paged"] == (page, 2 * page,
                                                                             2 * page)
 
@@ -132,7 +134,7 @@ def test_scope_in(monkeypatch):
     dict(block_m=256), dict(mask_mode=ops.MASK_CUSTOM), dict(window_left=8),
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
-    dict(sinks=True), dict(page=8), dict(page=1), dict(page=96), dict(page=48, block_m=128),
+    dict(sinks=True), dict(page=4), dict(page=1), dict(page=96), dict(page=48, block_m=128),
     dict(page=64, hnd=True), dict(page=16, d=64)], ids=str)
 def test_scope_out(change, monkeypatch):
     assert _scope(monkeypatch, **change) is None
@@ -167,7 +169,7 @@ def test_only_asking_launches_get_it(gluon, monkeypatch):
 
 
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
-    # Where the Gluon kernel reads a page size by TMA boxes (D 128, pages of 16+ keys dividing
+    # Where the Gluon kernel reads a page size by TMA boxes (D 128, pages of 8+ keys dividing
     # both tiles), block_m_for tiles paged K/V as it tiles contiguous K/V (64-row tiles up to
     # GLUON_SHORT_KV causal keys, then its ping-pong 128-row tiles); the Triton kernel's pages
     # keep 128-row tiles.
@@ -176,10 +178,15 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     tile = lambda page, d=128, kv=1024: K.block_m_for(d, d, 4, kv, True, True,  # noqa: E731
                                                       page_size=page)
-    assert tile(16) == tile(64) == tile(128) == 64 and tile(16, kv=2048) == 128
+    assert tile(16) == tile(64) == tile(128) == tile(8) == 64 and tile(16, kv=2048) == 128
     assert tile(0, kv=2048) == tile(48, kv=2048) == tile(16, d=64, kv=2048) == 128
+    # page 8 keeps these tiles where requests would fill the Triton kernel's 256-row small-page
+    # tiles; page 4 (a key per box: not Gluon's) takes those
+    full = lambda page: K.block_m_for(128, 128, 4, 2048, True, True,  # noqa: E731
+                                      page_size=page, qo_lens=[2048] * 4)
+    assert (full(8), full(4)) == (128, K.SMALL_PAGE_BLOCK_M)
     monkeypatch.setattr(K, "USE_GLUON", False)
-    assert tile(16, kv=2048) == 128
+    assert tile(16, kv=2048) == 128 and full(8) == K.SMALL_PAGE_BLOCK_M
 
 
 def test_gluon_short_kv_bound(monkeypatch):
@@ -206,7 +213,7 @@ class _Recorder:
 
 @pytest.mark.parametrize("page,block_m,boxes,ws", [
     (0, 64, 1, True), (0, 128, 1, True), (64, 64, 1, True), (128, 128, 1, True),
-    (16, 64, 4, True), (16, 128, 8, True)])
+    (16, 64, 4, True), (16, 128, 8, True), (8, 64, 8, True)])
 def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # launch() (host side of the GPU-only kernel): pages below a key tile take a box each and
     # force warp specialization, with its register cap; a page size it cannot read raises.
@@ -243,10 +250,10 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
         assert rec.args[8] is table and rec.args[9] is last
-        with pytest.raises(ValueError, match="page size 8"):
+        with pytest.raises(ValueError, match="page size 4"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
-                             paged=(8, table, last, page, page))
+                             paged=(4, table, last, page, page))
 
 
 @pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",

@@ -96,12 +96,12 @@ def _nan_unused(c):
 
 
 # Paged caches: pages as large as a key tile or larger (one box per tile, inside a page) and
-# pages of 16 or 32 keys (a box per page, the warp-specialized kernel), a shuffled page table
+# pages of 8 to 32 keys (a box per page, the warp-specialized kernel), a shuffled page table
 # in a combined K/V cache, partial last pages, a request without keys, a long one wrapping
 # the rings, GQA 4:1; every slot no request owns holds NaN.
 @pytest.mark.parametrize("tile", [TILES[0], TILES[3], TILES[4], TILES[7], TILES[8], TILES[9]],
                          ids=_tile_id)
-@pytest.mark.parametrize("page", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 32, 64, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
 def test_gluon_paged(tile, page, causal):
     from compiled_attn.ops import prefill_gluon as G
@@ -166,14 +166,16 @@ def _spy(monkeypatch):
 
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
 # (the dense item order with several (entry, KV head) groups), paged with pages of whole key
-# tiles and page 16 (a box per page), both tile heights, GQA; a launch out of its scope (soft
-# cap, a window, page 8) runs the Triton kernel.
+# tiles and pages of 16 and 8 keys (a box per page), both tile heights, GQA; a launch out of
+# its scope (soft cap, a window, page 4) runs the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged64", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged128", [1000, 600], [1000, 2600], 128, False),
     ("paged16", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged16", [1000, 600], [1000, 2600], 128, True),
+    ("paged8", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("paged8", [1000, 600], [1000, 2600], 128, True),
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
     ("single", [2048], [2048], 128, True)])
@@ -200,7 +202,7 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, monkeypatch):
 @pytest.mark.parametrize("kind,page,p", [
     ("ragged", 16, params(logits_soft_cap=30.0, head_dim=128)),
     ("paged", 64, params(window_left=100, head_dim=128)),
-    ("paged", 8, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page8"])
+    ("paged", 4, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page4"])
 def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
     seen = _spy(monkeypatch)
     c = make_case(kind, [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,

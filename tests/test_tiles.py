@@ -43,7 +43,8 @@ def test_tile_heights():
 
 def test_small_pages_take_256_row_tiles_when_requests_fill_them():
     bm = K.block_m_for
-    # pages of 1-8 keys, 64 < D <= 128, known lengths, requests that fill 256-row tiles
+    # pages of 1-8 keys, 64 < D <= 128, known lengths, requests that fill 256-row tiles (no
+    # GPU here: page 8 is not the Gluon kernel's, which tiles it as contiguous K/V)
     for page in (1, 2, 5, 8):
         assert bm(128, 128, 1, 4096, True, True, page_size=page, qo_lens=[4096] * 3) == 256
     assert bm(96, 96, 4, 1024, False, True, page_size=1, qo_lens=[64, 128]) == 256  # group 4
