@@ -3,11 +3,13 @@ calls returned into the committed one.
 
 Each device call runs on a copy of the working tree, so the file it returns holds the committed
 rows plus its own run's; copying the last one over TARGET would drop the other calls' runs of the
-session. A returned file's own runs are its rows whose run_date neither TARGET nor a file folded
-before it has; they replace TARGET's rows of the same cases whole (results.merge_rows' rule, as
-run --cases does on the device), so no peer row of an earlier run stays beside a re-timed case.
-The files are folded in the order given, and the header (gpu, torch, triton, date) comes from
-the last one.
+session. A returned file's own run is its rows whose run_date is the file's header date (run
+stamps its rows with it); they replace TARGET's rows of the same cases whole (results.merge_rows'
+rule, as run --cases does on the device), so no peer row of an earlier run stays beside a
+re-timed case. A run TARGET already holds is skipped, so folding a file twice (in one call or
+two) changes nothing, and the stale copies of replaced rows every returned file carries never
+come back. The files are folded in the order given, and the header (gpu, torch, triton, date)
+comes from the last one.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ def fold(target: dict, returned: list[dict]) -> dict:
     """TARGET's document with each returned document's own runs folded in (see the module)."""
     rows = list(target["rows"])
     env = {k: target[k] for k in results.TOP_KEYS[:-1]}
-    # runs already here: TARGET's and those folded so far (a later file still carries the rows
-    # an earlier one replaced, under their old dates: they must not come back)
+    # runs already here: TARGET's and those folded so far
     known = {r.get("run_date") for r in rows}
     for doc in returned:
-        new = [r for r in doc["rows"] if r.get("run_date") not in known]
+        env = {k: doc[k] for k in results.TOP_KEYS[:-1]}
+        if doc["date"] in known:
+            continue
+        new = [r for r in doc["rows"] if r.get("run_date") == doc["date"]]
         cases = {(r["suite"], r["case"]) for r in new}
         rows = results.merge_rows(rows, new, {s for s, _ in cases}, cases)
-        known |= {r.get("run_date") for r in new}
-        env = {k: doc[k] for k in results.TOP_KEYS[:-1]}
+        known.add(doc["date"])
     return results.make_doc(env, rows)
 
 

@@ -527,7 +527,8 @@ def test_host_time_per_call_flags_cpu_bound_rows(monkeypatch):
 def test_merge_folds_device_files(tmp_path):
     # two device calls, each returning the committed rows plus its own run: folding both keeps
     # both runs, replaces re-timed cases whole (a peer row the new run lacks goes too), keeps
-    # untouched cases, and a later file's stale copy of a replaced row does not come back
+    # untouched cases, and a later file's stale copy of a replaced row does not come back, nor
+    # does one when the files are folded again (a second merge of the same calls)
     from benchmarks import merge
 
     def row(case, provider, date, tflops=100.0):
@@ -543,10 +544,11 @@ def test_merge_folds_device_files(tmp_path):
     paths = []
     for i, rows in enumerate((call1, call2)):
         paths.append(tmp_path / f"call{i}.json")
-        results.write(paths[-1], {**ENV, "date": f"call{i}"}, rows)
-    assert merge.main([str(target)] + [str(p) for p in paths]) == 0
-    doc = json.loads(target.read_text())
-    got = sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"])
-    assert got == [("a", "ours", "d1"), ("b", "eff", "d2"), ("b", "ours", "d2")]
-    assert doc["date"] == "call1"
+        results.write(paths[-1], {**ENV, "date": f"d{i + 1}"}, rows)
+    want = [("a", "ours", "d1"), ("b", "eff", "d2"), ("b", "ours", "d2")]
+    for _ in range(2):
+        assert merge.main([str(target)] + [str(p) for p in paths]) == 0
+        doc = json.loads(target.read_text())
+        assert sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"]) == want
+        assert doc["date"] == "d2"
 
