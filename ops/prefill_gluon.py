@@ -147,7 +147,7 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
     else:
         # Each box's page read by a warp-uniform load of its own (an immediate offset from the
         # tile's first entry): taking it out of a [BOXES] vector read once per tile (a
-        # cross-lane reduction per box) cost page 8 8-13% on the H100 (NOTES, 17th session).
+        # cross-lane reduction per box) cost page 8 8-15% on the H100 (NOTES, 17th session).
         table, left = pages
         for b in gl.static_range(BOXES):
             page_b = gl.load(table + b, mask=b < left, other=0)

@@ -1,6 +1,6 @@
 """A small subset of kernel cases for compute-sanitizer (run on the GPU machine):
 
-    compute-sanitizer --tool memcheck python3 tests/gpu_memcheck.py
+    compute-sanitizer --tool memcheck python3 -m tests.gpu_memcheck
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
 read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged,
