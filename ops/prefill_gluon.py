@@ -964,7 +964,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
-                         f"divides them into boxes of {MIN_BOX_PAGE} keys or more at D 128 (page_fits)")
+                         f"divides them into boxes of {MIN_BOX_PAGE} keys or more at D 128 "
+                         "(page_fits)")
     boxes = block_n // page if 0 < page < block_n else 1
     ws = ws or boxes > 1 or pingpong
     if pingpong and (warps != 8 or p_smem or block_m != 128):
