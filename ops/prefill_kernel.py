@@ -98,15 +98,16 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
     if INTERPRET:
         return 64
     d = max(head_dim_qk, head_dim_vo)
-    if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
-            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
-            and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
+    gluon_pages = paged and _gluon_pages(page_size, head_dim_qk, head_dim_vo)
+    if (paged and not gluon_pages and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128
+            and max_kv_len is not None and qo_lens is not None
+            and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)):
         return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
     if max_kv_len <= TMA_MIN_KV:
         return 64
-    if d <= 64 or (paged and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
+    if d <= 64 or (paged and not gluon_pages):
         return 128
     short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo) else SHORT_KV
     return 64 if max_kv_len <= (short if causal else short // 2) else 128
@@ -126,9 +127,9 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     height: _gluon_views): they are then tiled as contiguous K/V are (page 8 too, rather than
     the small pages' 256-row tiles). Page 16, D 128, causal, over our ragged rate on the H100
     (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
-    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96; page 8 (17th session) 0.94 / - / 0.91, S 8k
-    0.91. (Traced graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they
-    take these tiles too.)"""
+    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96; page 8 (17th session) 0.94 at S 1k, 0.91 at
+    4k and 8k. (Traced graphs run the Triton kernel, which prefers 128-row tiles for paged K/V:
+    they take these tiles too.)"""
     return (page_size > 0 and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 
