@@ -98,16 +98,15 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
     if INTERPRET:
         return 64
     d = max(head_dim_qk, head_dim_vo)
-    gluon_pages = paged and _gluon_pages(page_size, head_dim_qk, head_dim_vo)
-    if (paged and not gluon_pages and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128
-            and max_kv_len is not None and qo_lens is not None
-            and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)):
+    if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
+            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
+            and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
         return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
     if max_kv_len <= TMA_MIN_KV:
         return 64
-    if d <= 64 or (paged and not gluon_pages):
+    if d <= 64 or (paged and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
         return 128
     short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo) else SHORT_KV
     return 64 if max_kv_len <= (short if causal else short // 2) else 128
