@@ -1029,8 +1029,9 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
 # The smallest page read a box per page: a TMA box into the 128-byte-swizzled slots spans at
 # least the swizzle pattern's 8 rows (Triton's TMA lowering refuses fewer, "Illegal shared
 # layout", triton 3.6 and 3.9), so pages of 1 to 4 keys, a box per key, cannot be issued from
-# Gluon; and each box costs the load warp (page 8's 32 per 128-key tile and tensor run 0.91 of
-# the ragged rate, page 16's 16 level with it: NOTES, 17th session).
+# Gluon; and each box costs the load warp (page 8's 32 per 128-key tile and tensor run 0.94 /
+# 0.91 / 0.91 of the ragged rate at S 1k / 4k / 8k, where the Triton kernel's gathers ran 0.75 /
+# 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session).
 MIN_BOX_PAGE = 8
 
 
@@ -1039,11 +1040,10 @@ def page_fits(page: int, block_n: int, d: int) -> bool:
     key tiles (one box per tile), or at D 128 pages of MIN_BOX_PAGE keys or more dividing a
     tile (a box per page, issued by the warp-specialized kernel's load warp: from the compute
     warps, Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate on the
-    H100, benchmarks/NOTES.md, 10th session). Page 8 over our ragged rate there (17th session,
-    D128 causal H32): 0.94 / 0.91 / 0.91 at S 1k / 4k / 8k, where the Triton kernel's gathers
-    ran 0.75 / 0.78 / 0.74. Smaller pages (1 to 4) stay on those gathers; so do D 64 pages below
-    a tile (the one D 64 launch of them on the H100, test_opcheck_cuda, failed, cause not
-    isolated: NOTES, 11th session)."""
+    H100, benchmarks/NOTES.md, 10th session). Smaller pages (1 to 4; MIN_BOX_PAGE says why)
+    stay on the Triton kernel's pointer gathers; so do D 64 pages below a tile (the one D 64
+    launch of them on the H100, test_opcheck_cuda, failed, cause not isolated: NOTES, 11th
+    session)."""
     whole = page > 0 and page % block_n == 0
     return whole or (d == 128 and page >= MIN_BOX_PAGE and block_n % page == 0)
 

@@ -126,9 +126,9 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     height: _gluon_views): they are then tiled as contiguous K/V are (page 8 too, rather than
     the small pages' 256-row tiles). Page 16, D 128, causal, over our ragged rate on the H100
     (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
-    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96; page 8 (17th session) 0.94 at S 1k, 0.91 at
-    4k and 8k. (Traced graphs run the Triton kernel, which prefers 128-row tiles for paged K/V:
-    they take these tiles too.)"""
+    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE). (Traced
+    graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they take these
+    tiles too.)"""
     return (page_size > 0 and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 
