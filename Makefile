@@ -27,9 +27,10 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/interpret
 
 # On the GPU machine (torch and triton preinstalled there): pip install --no-deps
-# --no-build-isolation -e . first.
+# --no-build-isolation -e . first. The GPU tier runs as 8 pytest processes at once (most of it
+# is compiling kernels on the CPUs): tests/gpu_tier.py, logs under $OUT or here.
 test-gpu:
-	python3 -m pytest -q -m gpu tests
+	python3 tests/gpu_tier.py --shards 8 tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

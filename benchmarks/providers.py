@@ -433,14 +433,20 @@ def gpu_state() -> dict:
 class Timing:
     """One runner's result from bench: median ms per call over ``iters`` timed calls and the
     GPU state (median of the samples) while they ran, or the error it raised. host_ms (CUDA):
-    the host's time to issue one timed call (median over the slices, event records included);
-    near median_ms, the GPU waited on the host and the row times the launch path, not the
-    kernel."""
+    the host's time to issue one timed call (median over the slices of their first HOST_CALLS
+    calls, issued on an empty launch queue, event records included); near median_ms, the GPU
+    waited on the host and the row times the launch path, not the kernel."""
     median_ms: float | None = None
     iters: int = 0
     host_ms: float | None = None
     state: dict = field(default_factory=dict)
     error: BaseException | None = None
+
+
+# Calls per slice whose issuing the host's time per call is read over: few enough that their
+# launches and event records (a handful each) stay far below CUDA's launch queue depth (~1024),
+# so the host never blocks on the GPU while it is timed.
+HOST_CALLS = 32
 
 
 def _median(xs: list[float]) -> float:
@@ -481,19 +487,25 @@ class _Slot:
 
     def time_each(self, count: int) -> None:
         """Time ``count`` calls one by one into self.times (CUDA: an event pair per call, with
-        the GPU state sampled while they run)."""
+        the GPU state sampled while they run). CUDA also reads the host's time to issue the
+        slice's first HOST_CALLS calls into self.host: the settling calls' backlog is drained
+        first, so that no call of these waits on a full launch queue (one that did would count
+        the GPU's time as the host's; the rows timed before the 19th session's harness did)."""
         if not self.cuda:
             for _ in range(count):
                 self.times.append(self.span_ms(1))
             return
         ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(count)]
+        n_host = min(count, HOST_CALLS)
+        torch.cuda.synchronize()  # (an idle gap of microseconds: the clock stays settled)
         t0 = time.perf_counter()
-        for s, e in ev:
+        for i, (s, e) in enumerate(ev):
             s.record()
             self.call(1)
             e.record()
-        self.host.append((time.perf_counter() - t0) * 1e3 / count)
+            if i + 1 == n_host:
+                self.host.append((time.perf_counter() - t0) * 1e3 / n_host)
         self.states.append(gpu_state())  # sampled while the slice runs
         torch.cuda.synchronize()
         self.times += [s.elapsed_time(e) for s, e in ev]

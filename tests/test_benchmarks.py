@@ -504,6 +504,24 @@ def test_host_time_per_call_flags_cpu_bound_rows(monkeypatch):
     assert t.error is None and t.iters >= 20 and t.host_ms is not None
     assert 0.5 < t.host_ms < 50 and 0.5 < t.median_ms < 50
 
+    # the host time is read over a slice's first HOST_CALLS calls, issued after a synchronize
+    # (the settling calls' backlog drained): later calls, which could block on a full launch
+    # queue and count GPU time as the host's, do not enter it (here they take 5 ms, not 1)
+    since_sync = [0]
+
+    def sync(*a):
+        since_sync[0] = 0
+
+    def call():
+        since_sync[0] += 1
+        time.sleep(1e-3 if since_sync[0] <= 2 else 5e-3)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sync)
+    monkeypatch.setattr(providers, "HOST_CALLS", 2)
+    (t,) = providers.bench([([call], contextlib.nullcontext)], warmup_ms=0.0, rep_ms=0.0,
+                           cuda=True, rounds=2)
+    assert t.error is None and t.host_ms < 3.0 < 5.0 <= t.median_ms
+
     row = {}
     run.record_timing(row, 4e9, providers.Timing(median_ms=1.0, iters=20, host_ms=0.95), 3)
     assert row["cpu_bound"] and row["host_ms"] == 0.95 and row["tflops"] == 4.0
@@ -551,4 +569,12 @@ def test_merge_folds_device_files(tmp_path):
         doc = json.loads(target.read_text())
         assert sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"]) == want
         assert doc["date"] == "d2"
+    # one call that ran twice into its file (two benchmarks.run): both runs are its own
+    call3 = doc["rows"] + [row("c", "ours", "d3"), row("a", "ours", "d4", 400.0)]
+    paths.append(tmp_path / "call3.json")
+    results.write(paths[-1], {**ENV, "date": "d4"}, call3)
+    assert merge.main([str(target), str(paths[-1])]) == 0
+    doc = json.loads(target.read_text())
+    assert sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"]) == [
+        ("a", "ours", "d4"), ("b", "eff", "d2"), ("b", "ours", "d2"), ("c", "ours", "d3")]
 
