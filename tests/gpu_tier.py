@@ -31,7 +31,8 @@ def _collect(selection: list[str]) -> list[str]:
 
 def _counts(log: str) -> dict[str, int]:
     tail = log.strip().splitlines()[-1] if log.strip() else ""
-    return {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed)", tail)}
+    found = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed)", tail)
+    return {k: int(n) for n, k in found}
 
 
 def main() -> int:
