@@ -187,15 +187,20 @@ class Emitter:
         past that decomposition, and a custom op left there becomes an opaque fallback call, so
         here the op's implementation (what triton_op's decomposition runs: the Triton launch
         through wrap_triton on GPU, the reference on CPU) is traced with make_fx and inlined.
-        Under TRITON_INTERPRET=1 the op is opaque (ops/contracts.py) and stays a node.
+        Under TRITON_INTERPRET=1 the op is opaque (ops/contracts.py) and stays a node, and so
+        does a call that compiled_attn.graph_dispatch keeps for the Gluon kernel (a Hopper GPU,
+        Python wrapper code, a call in that kernel's scope): Inductor runs it as a fallback
+        call of the op, the eager launcher.
         """
+        from compiled_attn import graph_dispatch
         from compiled_attn.ops import contracts
 
         if name not in contracts.IMPLEMENTATIONS:
             raise KeyError(f"no compiled_attn op named {name!r} (known: "
                            f"{sorted(contracts.IMPLEMENTATIONS)})")
         op = getattr(torch.ops.compiled_attn, name).default
-        if not self.inductor or contracts.INTERPRET:
+        if (not self.inductor or contracts.INTERPRET
+                or graph_dispatch.keep_opaque(name, tuple(map_arg(args, val)))):
             return self(op, *args)
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx

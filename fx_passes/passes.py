@@ -4,7 +4,8 @@ rewrite.
 ``AttentionRewritePass`` is installed as Inductor's ``joint_custom_pre_pass``: it sees the
 aten graph before Inductor's own pattern passes (so its SDPA-fusion does not rewrite hand-written
 attention first) and, in inference, that graph is the forward graph. Its ``uuid()`` hashes the
-source of every module of the rewrite plus the pass configuration, so Inductor's FX graph cache
+source of every module of the rewrite (compiled_attn.graph_dispatch included) plus the pass
+configuration and graph_dispatch.GRAPH_GLUON, so Inductor's FX graph cache
 never serves a graph rewritten by other code. Note: on a cache hit the pass does not run, so
 ``counters`` only count rewrites made by this process.
 
@@ -44,7 +45,12 @@ class AttentionRewritePass(CustomGraphPass):
             rewrite_graph(graph, inductor=True)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_SOURCES, extra=f"enabled={self.enabled}")
+        from compiled_attn import graph_dispatch
+
+        # graph_dispatch decides which rewritten calls stay opaque: its code and switch too
+        return get_hash_for_files(_SOURCES + (graph_dispatch.__file__,),
+                                  extra=f"enabled={self.enabled} "
+                                        f"graph_gluon={graph_dispatch.GRAPH_GLUON}")
 
 
 def rewrite_exported_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:

@@ -438,7 +438,10 @@ def match_sdpa(n: Node) -> Site | None:
             mask = arg(n, 3, "attn_bias")
             dropout, causal = arg(n, 5, "dropout_p", 0.0), arg(n, 6, "is_causal", False)
         scale = n.kwargs.get("scale")
-        gqa = False
+        # A backend op receives K/V with fewer heads than Q only where SDPA was called with
+        # enable_gqa and the backend groups heads itself (CUDA's flash / efficient / cuDNN):
+        # query head h reads kv head h // (Hq / Hkv), as enable_gqa does.
+        gqa = True
         users = list(n.users)
         outs = [u for u in users if is_call(u, operator.getitem) and u.args[1] == 0]
         others = [u for u in users if u not in outs]
@@ -589,11 +592,11 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     # GQA: the kernel maps query head h to kv head h // (Hq / Hkv).
     gqa_how = None
     k_src, v_src = k_in, v
-    if site.enable_gqa:
+    if site.enable_gqa and not (same_size(k_shape[1], hq) and same_size(vs[1], hq)):
         hkv = static_int(k_shape[1])
         if hkv is None or static_int(hq) is None or static_int(hq) % hkv:
             raise Skip("enable_gqa with heads that do not divide")
-        gqa_how = "enable_gqa" if hkv != static_int(hq) else None
+        gqa_how = "enable_gqa"
     elif static_int(k_shape[1]) == 1 and static_int(vs[1]) == 1 and static_int(hq) != 1:
         gqa_how = "broadcast"  # one K/V head broadcast to every query head (MQA): a group of Hq
     elif not same_size(k_shape[1], hq) or not same_size(vs[1], hq):

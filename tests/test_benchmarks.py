@@ -578,3 +578,32 @@ def test_merge_folds_device_files(tmp_path):
     assert sorted((r["case"], r["provider"], r["run_date"]) for r in doc["rows"]) == [
         ("a", "ours", "d4"), ("b", "eff", "d2"), ("b", "ours", "d2"), ("c", "ours", "d3")]
 
+
+
+def test_compile_path_cases_calls_and_plot(tmp_path):
+    """benchmarks.compile_path off the GPU: its cases, the op calls it builds (each one the
+    op's full argument list, run on CPU inputs against the ragged reference), distinct code
+    objects for its two compiled providers, and the plot of a results file."""
+    import torch
+
+    from benchmarks import compile_path as cp
+    from benchmarks import providers as P
+
+    cases_ = cp.select_cases(quick=False)
+    assert {c.layout for c in cases_} == {"dense", "ragged", "paged"}
+    for layout in ("dense", "ragged", "paged"):
+        case = next(c for c in cases_ if c.layout == layout)
+        small = cases.Case(case.suite, case.name, layout, (32, 32), (32, 32), 2, 2, 64,
+                           case.causal, page_size=case.page_size)
+        inp = P.make_inputs(small, "cpu", torch.float32)
+        name, tensors, full = cp._op_call(small, inp)
+        out = getattr(torch.ops.compiled_attn, name)(*full(*tensors))[0]
+        torch.testing.assert_close(out.reshape(64, 2, 64), P.reference(small, inp))
+    f = lambda x: x + 1  # noqa: E731
+    g = cp._fresh(f, "other")
+    assert g.__code__ is not f.__code__ and g(1) == 2
+    rows = [{"case": f"c{i}", "provider": p, "tflops": 100.0 + i} for i in range(3)
+            for p in cp.PROVIDERS]
+    doc = {"gpu": "cpu", "torch": torch.__version__, "triton": "-", "rows": rows}
+    png = cp.plot(doc, tmp_path / "cp.png")
+    assert png.stat().st_size > 1000

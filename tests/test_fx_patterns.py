@@ -189,3 +189,37 @@ def test_unknown_attention_form_is_counted_as_unmatched():
     for fn in (P.matmul_softmax_with_bias, P.bert_eager_padding):
         ref, out, _ = run_export(fn)
         assert "unmatched:softmax @ v" not in fx_passes.counters, dict(fx_passes.counters)
+
+
+_BACKEND_CALLS = {
+    "efficient": lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, False, 0.0, True)[0],
+    "flash": lambda q, k, v: torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, True)[0],
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    _BACKEND_CALLS["cudnn"] = lambda q, k, v: torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, False, 0.0, True, False)[0]
+
+
+@pytest.mark.parametrize("backend", list(_BACKEND_CALLS))
+def test_backend_op_with_fewer_kv_heads_is_gqa(backend):
+    """CUDA's SDPA backend ops (what Inductor's graph holds for SDPA(enable_gqa=True) there)
+    take K/V with fewer heads than Q and group them as enable_gqa does: the rewrite reads that
+    as GQA (it skipped such sites before). Traced on the meta device (the backends have no CPU
+    kernel); the GPU tier runs the numbers (tests/test_graph_dispatch_gpu.py)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compiled_attn.fx_passes import rewrite_graph
+
+    q = torch.randn(B, HQ, S, 64, device="meta", dtype=torch.float16)
+    k, v = (torch.randn(B, HKV, S, 64, device="meta", dtype=torch.float16) for _ in range(2))
+    gm = make_fx(_BACKEND_CALLS[backend], tracing_mode="fake")(q, k, v)
+    gm.graph.eliminate_dead_code()  # the op's unused outputs (logsumexp, ...)
+    fx_passes.counters.clear()
+    rewrite_graph(gm.graph)
+    c = dict(fx_passes.counters)
+    assert c == {"rewritten": 1, "pattern:sdpa": 1, "gqa:enable_gqa": 1, "mask:causal": 1}, c
+    ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.compiled_attn.single_prefill.default in ops
+    assert not any("scaled_dot_product" in str(t) for t in ops)

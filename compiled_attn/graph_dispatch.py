@@ -1,0 +1,166 @@
+"""Which kernel a compiled_attn op runs inside a graph that torch.compile traces.
+
+The ops are ``torch.library.triton_op`` (ops/contracts.py): torch.compile decomposes each call
+into its Triton launch, which Inductor inlines and AOTInductor packages. Eager calls on a Hopper
+GPU run the Gluon kernel (ops/prefill_gluon.py) instead wherever its scope allows, and on the
+H100 that kernel runs a ragged D128 causal batch 1.2-1.3x faster than the inlined Triton one
+(benchmarks/NOTES.md, 19th session); wrap_triton cannot take a Gluon kernel, so inlined graphs
+never reach it. This module keeps such calls opaque instead: in a torch.compile graph built for
+the Python wrapper (not AOTInductor, not C++ wrapper code, not torch.export) on a Hopper GPU, a
+call of single_prefill / batch_ragged_prefill / batch_paged_prefill that the eager launcher
+would send to the Gluon kernel stays one op node, which Inductor runs as a fallback call of the
+op: the eager launcher, Gluon included. Every other call decomposes into the Triton launch as
+before (POD never runs Gluon; CPU calls decompose into the reference, which Inductor fuses).
+
+Two entries, one rule (``keep_opaque``): the FunctionalTensorMode rule installed on each op
+here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attention rewrite's
+``Emitter.call_op``, which otherwise inlines the op's implementation into Inductor's graph).
+
+``eager_gluon`` is the static part of the eager launcher's own choice
+(prefill_kernel._gluon_views and its callers): what a trace can know (device, dtypes, head
+dims, options, tile height, page size, the launch's size when shapes are static), not what only
+a launch can (pointer alignment, strides of symbolic shapes). A call it admits that the
+launcher then declines runs the Triton kernel from the fallback call: the same numbers, with
+the eager call's host cost. tests/test_graph_dispatch.py checks it against _gluon_views.
+
+``GRAPH_GLUON`` switches the rule off (every traced call decomposes, as before this module). It
+is read when a graph is traced; AOTAutograd's cache does not key on it, so turn the caches off
+(or start a new process) when comparing both settings.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch.fx.experimental.symbolic_shapes import guard_int
+
+from compiled_attn.ops import contracts
+
+__all__ = ["GRAPH_GLUON", "GLUON_OPS", "ahead_of_time", "eager_gluon", "keep_opaque"]
+
+GRAPH_GLUON = True
+# The ops whose eager launch can take the Gluon kernel (pod_prefill_decode never does).
+GLUON_OPS = ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill")
+
+_SIGNATURES = {name: inspect.signature(contracts.IMPLEMENTATIONS[name]) for name in GLUON_OPS}
+
+
+def ahead_of_time() -> bool:
+    """Whether Inductor is compiling for AOTInductor or emitting C++ wrapper code: the package
+    must run without Python, so our ops decompose into their Triton launches there."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    return bool(V.aot_compilation) or bool(config.cpp_wrapper)
+
+
+def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether an eager call of op ``name`` with these arguments (real, fake or functional
+    tensors; the op's own argument order) would run the Gluon kernel, as far as its static
+    properties tell (module docstring)."""
+    from compiled_attn.ops import prefill_kernel as pk
+
+    if name not in GLUON_OPS or not (pk.USE_GLUON and pk._gluon is not None and pk.HOST_TMA):
+        return False
+    b = _SIGNATURES[name].bind(*args, **(kwargs or {}))
+    b.apply_defaults()
+    a = b.arguments
+    q = a["q"]
+    paged = name == "batch_paged_prefill"
+    k, v = (a["k_cache"], a["v_cache"]) if paged else (a["k"], a["v"])
+    if not pk._gluon_device(q.device):  # a Hopper GPU
+        return False
+    params = contracts._params(*(a[p] for p in (
+        "mask_mode", "window_left", "chunk_size", "sm_scale", "logits_soft_cap",
+        "pos_encoding_mode", "rope_scale", "rope_theta", "v_scale")))
+    scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params)
+    # Head dims, heads, tile height and page size are constexprs of either kernel: a symbolic
+    # one (torch.compile(dynamic=True)) is specialised here, as the Triton launch would.
+    dqk, dvo = guard_int(q.shape[-1]), guard_int(v.shape[-1])
+    mask_mode = consts["MASK_MODE"]
+    if name == "single_prefill":
+        kv_mode, skv, mean_kv = pk.KV_DENSE, k.shape[1], k.shape[1]
+        block_m = pk.block_m_for(dqk, dvo, guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
+                                 skv if isinstance(skv, int) else None, mask_mode != pk.MASK_NONE)
+    else:
+        if guard_int(a["work"].shape[1]) != 2:  # a split-KV plan: the Triton kernel and its merge
+            return False
+        block_m = guard_int(a["block_m"])
+        kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
+        mean_kv = None if paged else pk._mean(k.shape[0], a["qo_indptr"].shape[0] - 1)
+    if block_m not in pk._gluon.TILES:
+        return False
+    if paged:
+        if not pk._gluon.page_fits(guard_int(k.shape[1]), pk._gluon.TILES[block_m][0], dqk):
+            return False
+    else:
+        # _program_args: the host-descriptor launch, not below HOST_TMA_MIN_FLOP
+        cfg = pk._config(block_m, dqk, dvo, kv_mode, mask_mode)
+        if not (cfg["TMA"] and pk.USE_TMA) or consts["ROPE"]:
+            return False
+        if pk._small_launch(q, kv_mode, mean_kv, dvo, mask_mode):
+            return False
+    # _gluon_views' static conditions
+    dt = q.dtype
+    out_dtype = a["out_dtype"] or dt
+    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
+        return False
+    if dqk not in (64, 128) or dvo != dqk:
+        return False
+    if mask_mode not in (pk.MASK_NONE, pk.MASK_CAUSAL) or not consts["FOLD"]:
+        return False
+    off = ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE", "SINKS")
+    if any(consts[f] for f in off) or scalars["v_scale"] != 1.0:
+        return False
+    kind = "paged" if paged else "dense" if name == "single_prefill" else "ragged"
+    return pk._known(q.stride(-1) == 1) and _kv_2d_layout(k, kind) and _kv_2d_layout(v, kind)
+
+
+def _kv_2d_layout(t, kind: str) -> bool:
+    """prefill_gluon.kv_2d's layout conditions, but the pointer's alignment (a trace knows
+    the storage offset, not the address): heads and dims packed, 16-byte rows, and a dense
+    batch packed over its tokens or pages a whole number of rows apart."""
+    from compiled_attn.ops.prefill_kernel import _known
+
+    es, d, rows = t.element_size(), t.shape[-1], t.stride(-3)
+    if not (_known(t.stride(-1) == 1) and _known(t.stride(-2) == d)
+            and _known(rows * es % 16 == 0) and _known(t.storage_offset() * es % 16 == 0)
+            and all(_known(x > 0) for x in t.shape)):
+        return False
+    if kind == "dense":
+        return _known(t.stride(0) == t.shape[1] * rows)
+    return kind == "ragged" or _known(t.stride(0) % rows == 0)
+
+
+def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether a traced call of op ``name`` stays an opaque op node (its eager launcher runs it
+    at run time) rather than decomposing into its Triton launch: GRAPH_GLUON, not ahead of
+    time, and eager_gluon."""
+    return GRAPH_GLUON and not ahead_of_time() and eager_gluon(name, args, kwargs)
+
+
+def _install() -> bool:
+    """Put keep_opaque in front of triton_op's decomposition of each GLUON_OPS op under
+    FunctionalTensorMode (where torch.compile's AOTDispatcher decomposes it). Returns whether
+    it is installed: not under TRITON_INTERPRET=1, where the ops are plain opaque custom ops."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    installed = True
+    for name in GLUON_OPS:
+        op = getattr(contracts, name)
+        decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
+        if decompose is None:
+            installed = False
+            continue
+
+        def rule(mode, func, types, args, kwargs, _name=name, _decompose=decompose):
+            if keep_opaque(_name, args, kwargs):
+                return mode.__torch_dispatch__(func, types, args, kwargs)
+            return _decompose(mode, func, types, args, kwargs)
+
+        op.register_torch_dispatch(FunctionalTensorMode, rule)
+    return installed
+
+
+INSTALLED = _install()

@@ -1,0 +1,277 @@
+"""compiled_attn.graph_dispatch on CPU: which traced calls stay opaque (for the Gluon kernel)
+and which decompose into the Triton launch.
+
+The Hopper check (prefill_kernel._gluon_device, and _tma_hardware for the launcher) is replaced
+so that CPU tensors stand in for a Hopper GPU's; the ops then still run their CPU
+implementation (the reference), so what is checked is the graph: an opaque call in
+torch.compile's generated code, none in the decomposed one, none in an AOTInductor package.
+The GPU tier (tests/test_fx_gpu.py) runs the same choice on the H100 with the Gluon kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import zipfile
+
+import pytest
+import torch
+from torch._library.triton import set_wrap_triton_enabled
+
+import compiled_attn
+from compiled_attn import graph_dispatch as gd
+from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
+from compiled_attn.ops import contracts
+from compiled_attn.ops import prefill_kernel as pk
+
+pytestmark = pytest.mark.skipif(not gd.INSTALLED, reason="ops are plain custom ops here "
+                                "(TRITON_INTERPRET=1): nothing decomposes")
+
+OPS = gd.GLUON_OPS
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """CPU tensors pass for a Hopper GPU's (the device checks of the rule and the launcher)."""
+    monkeypatch.setattr(pk, "_gluon_device", lambda device: True)
+    monkeypatch.setattr(pk, "_tma_hardware", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
+def call(name, dtype=torch.bfloat16, d=128, dvo=None, mask=MASK_CAUSAL, page=16, split=False,
+         out_dtype=None, kv_layout="packed", **opts):
+    """The op's arguments (its own order) for a small call on fresh random CPU tensors:
+    2 requests of 24 / 40 query and key tokens, 4 query heads over 2 KV heads. kv_layout:
+    "packed" (NHD), "hnd" (K/V heads outermost, seen through a permuted view) or "offset"
+    (NHD starting one element into their storage: not 16-byte aligned)."""
+    dvo = dvo or d
+    g = torch.Generator().manual_seed(0)
+    lens = [24, 40]
+    n = sum(lens)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dt)
+
+    def kv_rnd(*shape):  # K or V [..., tokens, Hkv, D] in kv_layout
+        if kv_layout == "hnd":
+            return rnd(*shape[:-3], shape[-2], shape[-3], shape[-1]).transpose(-3, -2)
+        if kv_layout == "offset":
+            return rnd(math.prod(shape) + 1)[1:].view(shape)
+        return rnd(*shape)
+
+    indptr = torch.tensor([0, 24, 64], dtype=torch.int32)
+    params = dict(mask_mode=mask, window_left=-1, chunk_size=0, sm_scale=d ** -0.5,
+                  logits_soft_cap=0.0, pos_encoding_mode=0, rope_scale=1.0, rope_theta=1e4,
+                  v_scale=1.0)
+    params.update({k: v for k, v in opts.items() if k in params})
+    alibi = torch.ones(4) if params["pos_encoding_mode"] == POS_ALIBI else None
+    sinks = torch.zeros(4) if opts.get("sinks") else None
+    mask_bits = torch.zeros(64 * 64, dtype=torch.uint8) if mask == MASK_CUSTOM else None
+    tail = (*params.values(), out_dtype)
+    if name == "single_prefill":
+        return (rnd(1, n, 4, d), kv_rnd(1, n, 2, d), kv_rnd(1, n, 2, dvo), mask_bits, alibi, sinks,
+                *tail)
+    group = 2
+    paged = name == "batch_paged_prefill"
+    block_m = pk.block_m_for(d, dvo, group, max(lens), mask != MASK_NONE, paged=paged,
+                             page_size=page if paged else 0, qo_lens=lens)
+    work = torch.zeros(3, 4 if split else 2, dtype=torch.int32)
+    mask_indptr = torch.tensor([0, 72, 272], dtype=torch.int32) if mask_bits is not None else None
+    head = (rnd(n, 4, d),)
+    if paged:
+        pages = [-(-x // page) for x in lens]
+        kv = (kv_rnd(sum(pages), page, 2, d), kv_rnd(sum(pages), page, 2, dvo),
+              indptr, torch.tensor([0, pages[0], sum(pages)], dtype=torch.int32),
+              torch.randperm(sum(pages), generator=g).to(torch.int32),
+              torch.tensor([x - (p - 1) * page for x, p in zip(lens, pages)], dtype=torch.int32))
+    else:
+        kv = (kv_rnd(n, 2, d), kv_rnd(n, 2, dvo), indptr, indptr)
+    return (*head, *kv, work, mask_bits, mask_indptr, alibi, sinks, block_m, *tail)
+
+
+def launcher_takes_gluon(name, args) -> bool:
+    """The eager launcher's own choice for these arguments (prefill_kernel's argument builders
+    with gluon as the op's launch passes it, as in an eager call: wrap_triton off)."""
+    b = gd._SIGNATURES[name].bind(*args)
+    b.apply_defaults()
+    a = b.arguments
+    params = contracts._params(*(a[p] for p in (
+        "mask_mode", "window_left", "chunk_size", "sm_scale", "logits_soft_cap",
+        "pos_encoding_mode", "rope_scale", "rope_theta", "v_scale")))
+    common = (a["alibi_slopes"], a["sinks"])
+    out_dtype = a["out_dtype"] or a["q"].dtype
+    with set_wrap_triton_enabled(False):
+        if name == "single_prefill":
+            built = pk._dense_args(a["q"], a["k"], a["v"], a["packed_mask"], *common, out_dtype,
+                                   params, gluon=True)
+        elif name == "batch_ragged_prefill":
+            built = pk._ragged_args(a["q"], a["k"], a["v"], a["qo_indptr"], a["kv_indptr"],
+                                    a["packed_mask"], a["mask_indptr"], *common, a["block_m"],
+                                    out_dtype, params, gluon=a["work"].shape[1] == 2)
+        else:
+            built = pk._paged_args(a["q"], a["k_cache"], a["v_cache"], a["qo_indptr"],
+                                   a["kv_page_indptr"], a["kv_page_indices"],
+                                   a["kv_last_page_len"], a["packed_mask"], a["mask_indptr"],
+                                   *common, a["block_m"], out_dtype, params,
+                                   gluon=a["work"].shape[1] == 2)
+    return built[2][2].get("gluon") is not None
+
+
+# One property away from the base call (bf16, D 128, causal, page 16, NHD K/V) each.
+VARIANTS = [
+    {}, {"mask": MASK_NONE}, {"mask": MASK_CUSTOM}, {"dtype": torch.float16},
+    {"dtype": torch.float32}, {"d": 64}, {"d": 256}, {"dvo": 64}, {"window_left": 8},
+    {"chunk_size": 16}, {"logits_soft_cap": 30.0}, {"pos_encoding_mode": POS_ALIBI},
+    {"pos_encoding_mode": POS_ROPE_LLAMA}, {"sinks": True}, {"v_scale": 0.5},
+    {"sm_scale": -0.1}, {"out_dtype": torch.float32}, {"split": True}, {"page": 1},
+    {"page": 4}, {"page": 8}, {"page": 64}, {"kv_layout": "hnd"}, {"kv_layout": "offset"},
+]
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch, name):
+    """eager_gluon (static: what a trace knows) equals the launcher's own choice on real,
+    contiguous tensors, for every variant; the launcher's size rule both ways."""
+    seen = set()
+    for threshold in (pk.HOST_TMA_MIN_FLOP, 0):
+        monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", threshold)
+        for var in VARIANTS:
+            if name != "batch_paged_prefill" and "page" in var:
+                continue
+            if name == "single_prefill" and "split" in var:
+                continue
+            args = call(name, **var)
+            want = launcher_takes_gluon(name, args)
+            assert gd.eager_gluon(name, args) == want, (name, var, threshold, want)
+            seen.add(want)
+    assert seen == {True, False}, (name, seen)  # the grid has calls on both sides
+
+
+def test_not_hopper_never_opaque():
+    args = call("batch_ragged_prefill")
+    assert not gd.eager_gluon("batch_ragged_prefill", args)  # CPU tensors: no Gluon kernel
+
+
+def test_keep_opaque_only_for_python_wrapper_graphs(hopper, monkeypatch):
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    args = call("batch_ragged_prefill")
+    assert gd.keep_opaque("batch_ragged_prefill", args)
+    with V.set_aot_compilation(True):
+        assert not gd.keep_opaque("batch_ragged_prefill", args)
+    with config.patch(cpp_wrapper=True):
+        assert not gd.keep_opaque("batch_ragged_prefill", args)
+    monkeypatch.setattr(gd, "GRAPH_GLUON", False)
+    assert not gd.keep_opaque("batch_ragged_prefill", args)
+    assert not gd.keep_opaque("pod_prefill_decode", ())
+
+
+def _compiled(compiled, *args):
+    """Run a torch.compile'd callable with the caches off; returns (output, generated code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        out, code = run_and_get_code(compiled, *args)
+    return out, "\n".join(code)
+
+
+def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
+    """A direct call of the op under torch.compile: one fallback call of the op in the
+    generated code (the eager launcher runs it), equal to the eager call; GRAPH_GLUON off: the
+    op decomposed, no call of it left."""
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    args = call("batch_ragged_prefill")
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def fn(*ts):
+        full = list(args)
+        for i, t in zip(tensors, ts):
+            full[i] = t
+        return torch.ops.compiled_attn.batch_ragged_prefill(*full)
+
+    ts = [args[i] for i in tensors]
+    eager = fn(*ts)
+    out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
+    assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1, code
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    monkeypatch.setattr(gd, "GRAPH_GLUON", False)
+    out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
+    assert "compiled_attn.batch_ragged_prefill" not in code
+    torch.testing.assert_close(out[0], eager[0])
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_dynamic_shapes_stay_opaque(hopper, monkeypatch, name):
+    """torch.compile(dynamic=True): the rule reads symbolic sizes (head dims, tile and page
+    specialised as constexprs are) and still keeps the call opaque, equal to eager."""
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    args = call(name)
+    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def fn(*ts):
+        full = list(args)
+        for i, t in zip(tensors, ts):
+            full[i] = t
+        return getattr(torch.ops.compiled_attn, name)(*full)
+
+    ts = [args[i] for i in tensors]
+    out, code = _compiled(torch.compile(fn, fullgraph=True, dynamic=True), *ts)
+    assert code.count(f"torch.ops.compiled_attn.{name}.default(") == 1, code
+    eager = fn(*ts)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+class _Causal(torch.nn.Module):
+    """Causal SDPA on [B, S, H, D] projections seen as [B, H, S, D] (as HF models do): the
+    rewrite hands the op K/V with packed heads, which the Gluon kernel reads."""
+
+    def forward(self, q, k, v):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _sdpa_inputs():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(1, 32, 4, 128, generator=g).to(torch.bfloat16) for _ in range(3)]
+
+
+def test_rewrite_keeps_gluon_calls_opaque(hopper, monkeypatch):
+    """compiled_attn.compile: the rewritten SDPA site becomes one opaque single_prefill call
+    (not the inlined implementation) where the Gluon kernel would take it."""
+    from compiled_attn import fx_passes
+
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    qkv = _sdpa_inputs()
+    fx_passes.counters.clear()
+    with torch.no_grad():
+        out, code = _compiled(compiled_attn.compile(_Causal(), fullgraph=True), *qkv)
+        ref = _Causal()(*qkv)
+    assert fx_passes.counters["rewritten"] == 1, dict(fx_passes.counters)
+    assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1, code
+    assert "aten._scaled_dot_product" not in code  # no PyTorch attention call left
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow
+def test_aoti_package_decomposes(hopper, monkeypatch, tmp_path):
+    """AOTInductor: even for a call the rule would keep opaque under torch.compile, the package
+    holds no call of our op (the C++ runs without Python): the op decomposed."""
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    qkv = _sdpa_inputs()
+    with torch.no_grad():
+        ep = compiled_attn.export(_Causal(), qkv)
+        node = next(n for n in ep.graph.nodes
+                    if n.target is torch.ops.compiled_attn.single_prefill.default)
+        vals = tuple(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args)
+        assert gd.eager_gluon("single_prefill", vals)  # torch.compile would keep it opaque
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "m.pt2"))
+        with zipfile.ZipFile(pkg) as z:
+            text = "\n".join(z.read(n).decode(errors="replace") for n in z.namelist()
+                             if n.endswith((".cpp", ".json")))
+        assert "compiled_attn" not in text
+        out = torch._inductor.aoti_load_package(pkg)(*qkv)
+        ref = _Causal()(*qkv)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
