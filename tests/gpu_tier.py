@@ -4,7 +4,9 @@ kernels on the host's CPUs, which one process does one at a time. The collected 
 dealt round-robin to SHARDS processes (each its own CUDA context on the one GPU; Triton's cache
 is shared and written atomically); each shard's log goes to $OUT (or the current folder), and a
 table of passed / failed / error counts per shard is printed last. Exit status 0 only when every
-shard passed. Tests never time anything, so sharing the GPU changes no result.
+shard passed. Tests marked ``gpu_solo`` (they need most of the GPU's memory) run after the
+shards, in one process of their own. Tests never time anything, so sharing the GPU changes no
+result.
 
     python3 tests/gpu_tier.py [--shards 8] [pytest selection args, default: tests]
 """
@@ -19,14 +21,11 @@ import sys
 import time
 
 
-def _collect(selection: list[str]) -> list[str]:
+def _collect(selection: list[str], marks: str) -> list[str]:
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "gpu", *selection],
+        [sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", marks, *selection],
         capture_output=True, text=True, check=False)
-    ids = [line.strip() for line in out.stdout.splitlines() if "::" in line]
-    if not ids:
-        raise SystemExit(f"gpu_tier: nothing collected\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
-    return ids
+    return [line.strip() for line in out.stdout.splitlines() if "::" in line]
 
 
 def _counts(log: str) -> dict[str, int]:
@@ -41,16 +40,26 @@ def main() -> int:
     ap.add_argument("selection", nargs="*", default=["tests"])
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
-    ids = _collect(args.selection)
+    ids = _collect(args.selection, "gpu and not gpu_solo")
+    solo = _collect(args.selection, "gpu and gpu_solo")
+    if not ids and not solo:
+        raise SystemExit(f"gpu_tier: nothing collected from {args.selection}")
     shards = [ids[i::args.shards] for i in range(args.shards) if ids[i::args.shards]]
-    print(f"gpu_tier: {len(ids)} tests in {len(shards)} shards", flush=True)
+    print(f"gpu_tier: {len(ids)} tests in {len(shards)} shards, then {len(solo)} alone",
+          flush=True)
     t0 = time.time()
-    procs = []
-    for i, shard in enumerate(shards):
+
+    def start(i, shard):
         log = open(os.path.join(out_dir, f"gpu_tier_{i}.log"), "w")
-        procs.append((subprocess.Popen(
+        return (subprocess.Popen(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *shard],
-            stdout=log, stderr=subprocess.STDOUT), log, len(shard)))
+            stdout=log, stderr=subprocess.STDOUT), log, len(shard))
+
+    procs = [start(i, shard) for i, shard in enumerate(shards)]
+    if solo:  # tests that need the GPU's memory to themselves (gpu_solo): after the shards
+        for p, _, _ in procs:
+            p.wait()
+        procs.append(start(len(shards), solo))
     ok = True
     print(f"{'shard':>5} {'tests':>5} {'rc':>3}  counts")
     for i, (p, log, n) in enumerate(procs):
