@@ -1,6 +1,6 @@
 """Our ops called eagerly and inside torch.compile, timed side by side in one process.
 
-Three providers per case, the same inputs:
+Four providers per case, the same inputs:
 - ``eager``: the op called directly (the Gluon kernel on a Hopper GPU where its scope allows).
 - ``compiled``: the same call inside ``torch.compile(fullgraph=True, dynamic=False)`` as
   shipped: compiled_attn.graph_dispatch keeps a call the Gluon kernel would take as one opaque
@@ -8,6 +8,9 @@ Three providers per case, the same inputs:
 - ``compiled_triton``: the same, traced with ``graph_dispatch.GRAPH_GLUON = False``: the op
   decomposed into the Triton kernel that Inductor inlines (what every compiled graph ran
   before the 20th session, and what AOTInductor packages).
+- ``compiled_cudagraphs``: ``compiled`` under ``mode="reduce-overhead"`` (CUDA graphs replay
+  the opaque call's launch; the inputs marked static, so no copy per call): the kernel without
+  the host's cost.
 
 Each compiled provider's generated code is checked (an opaque op call in ``compiled`` where
 eager_gluon admits the call, none in ``compiled_triton``), ``compiled`` must equal ``eager``
@@ -18,7 +21,7 @@ its S 4k lengths, and dense FA3-sweep rows (D128 causal S 4k / 16k, non-causal 4
 4k). Writes benchmarks/results/compile_path_<gpu>.json and prints a table.
 
 Run on the GPU machine from the repository root: ``python3 -m benchmarks.compile_path``
-(about 3 minutes: two Inductor compiles per case).
+(about 4 minutes: three Inductor compiles per case).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-PROVIDERS = ("eager", "compiled", "compiled_triton")
+PROVIDERS = ("eager", "compiled", "compiled_triton", "compiled_cudagraphs")
 
 
 def select_cases(quick: bool):
@@ -77,20 +80,28 @@ def _fresh(fn, name: str):
                               fn.__defaults__, fn.__closure__)
 
 
-def _compile(fn, tensors, graph_gluon: bool):
-    """torch.compile fn with GRAPH_GLUON as given while it traces (caches off, so nothing
-    traced under the other setting is reused); returns (compiled fn, its output, code)."""
-    from torch._inductor.utils import run_and_get_code
+def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
+    """torch.compile fn (mode as given) with GRAPH_GLUON as given while it traces (caches off,
+    so nothing traced under the other setting is reused); returns (compiled fn, its output,
+    code)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
 
     from compiled_attn import graph_dispatch
 
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
     saved = graph_dispatch.GRAPH_GLUON
     graph_dispatch.GRAPH_GLUON = graph_gluon
+    code: list[str] = []
+    # Inductor's output code, captured as run_and_get_code does but without its
+    # torch._dynamo.reset(): that would drop the providers compiled before this one, which
+    # would then re-trace while timed, under the shipped GRAPH_GLUON rather than theirs
     try:
         with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            out, code = run_and_get_code(compiled, *tensors)
+                torch._functorch.config.patch(enable_autograd_cache=False), \
+                mock.patch.object(GraphLowering, "save_output_code", code.append):
+            out = compiled(*tensors)
     finally:
         graph_dispatch.GRAPH_GLUON = saved
     return compiled, out, "\n".join(code)
@@ -140,14 +151,25 @@ def run_case(case, args) -> list[dict]:
     eager_out = eager_fn()[0].clone()
     fns = {"eager": eager_fn}
     info = {"eager": dict(gluon_launches=_gluon_launches(eager_fn))}
-    for prov, gg in (("compiled", True), ("compiled_triton", False)):
+    for prov, gg, mode in (("compiled", True, None), ("compiled_triton", False, None),
+                           ("compiled_cudagraphs", True, "reduce-overhead")):
+        ts = tensors
+        if mode == "reduce-overhead":
+            # CUDA graphs replay from these tensors (copies marked static: no copy into static
+            # inputs per call, and the other providers' guards never see the mark)
+            ts = [t.clone() for t in tensors]
+            for t in ts:
+                torch._dynamo.mark_static_address(t)
         t0 = time.perf_counter()
-        compiled, out, code = _compile(_fresh(call, prov), tensors, gg)
+        compiled, out, code = _compile(_fresh(call, prov), ts, gg, mode)
         opaque = f"torch.ops.compiled_attn.{name}.default(" in code
-        fn = (lambda c=compiled: c(*tensors))
+        fn = (lambda c=compiled, ts=ts: c(*ts))
+        # Gluon launches made from Python: under CUDA graphs those of the warm-up and the
+        # capture (replays launch nothing from Python)
+        launches = sum(_gluon_launches(fn) for _ in range(3 if mode else 1))
+        out = fn()  # a replay under CUDA graphs
         info[prov] = dict(compile_s=round(time.perf_counter() - t0, 1), opaque_op=opaque,
-                          gluon_launches=_gluon_launches(fn), rel_err_vs_eager=rel_err(
-                              out[0], eager_out))
+                          gluon_launches=launches, rel_err_vs_eager=rel_err(out[0], eager_out))
         if opaque != (gg and opaque_expected):
             raise RuntimeError(f"{case.name} {prov}: opaque op call {opaque}, expected "
                                f"{gg and opaque_expected}")
@@ -156,6 +178,10 @@ def run_case(case, args) -> list[dict]:
         fns[prov] = fn
     timings = P.bench([([fns[p]], lambda: torch.no_grad()) for p in PROVIDERS],
                       args.warmup_ms, args.rep_ms, cuda=True, rounds=args.rounds)
+    # what each compiled provider launches after its timing (a re-trace would change it)
+    for prov in ("compiled", "compiled_triton"):
+        if _gluon_launches(fns[prov]) != info[prov]["gluon_launches"]:
+            raise RuntimeError(f"{case.name} {prov}: launches changed while timed (re-traced)")
     rows = []
     for prov, t in zip(PROVIDERS, timings):
         if t.error is not None:
@@ -184,7 +210,7 @@ def plot(doc: dict, path: Path) -> Path:
     width = 0.8 / len(PROVIDERS)
     for j, prov in enumerate(PROVIDERS):
         tf = {r["case"]: r["tflops"] for r in doc["rows"] if r["provider"] == prov}
-        ax.bar([i + (j - 1) * width for i in range(len(cases))],
+        ax.bar([i + (j - (len(PROVIDERS) - 1) / 2) * width for i in range(len(cases))],
                [tf.get(c, 0) for c in cases], width, label=prov)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([c.replace(" ", "\n") for c in cases], fontsize=7)
@@ -227,11 +253,13 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for case in cases:
             rows += run_case(case, args)
-            by = {r["provider"]: r for r in rows[-3:]}
+            by = {r["provider"]: r for r in rows[-len(PROVIDERS):]}
             print(f"{case.suite:10s} {case.name:20s} " + "  ".join(
                 f"{p} {by[p]['tflops']:6.1f}" for p in PROVIDERS)
                 + f"  compiled/triton {by['compiled']['ratio_vs_compiled_triton']:.3f}"
-                + f"  compiled/eager {by['compiled']['ratio_vs_eager']:.3f}", flush=True)
+                + f"  compiled/eager {by['compiled']['ratio_vs_eager']:.3f}"
+                + f"  cudagraphs/eager {by['compiled_cudagraphs']['ratio_vs_eager']:.3f}",
+                flush=True)
     env = environment()
     src = kernel_fingerprint()
     for r in rows:

@@ -18,10 +18,11 @@ here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attent
 
 ``eager_gluon`` is the static part of the eager launcher's own choice
 (prefill_kernel._gluon_views and its callers): what a trace can know (device, dtypes, head
-dims, options, tile height, page size, the launch's size when shapes are static), not what only
-a launch can (pointer alignment, strides of symbolic shapes). A call it admits that the
-launcher then declines runs the Triton kernel from the fallback call: the same numbers, with
-the eager call's host cost. tests/test_graph_dispatch.py checks it against _gluon_views.
+dims, options, tile height, page size, K/V layout where strides are known, the launch's size
+where shapes are static), not what only a launch can (the pointers' alignment). A call it
+admits that the launcher then declines runs the Triton kernel from the fallback call: the same
+numbers, with the eager call's host cost. tests/test_graph_dispatch.py checks it against the
+launcher's own choice.
 
 ``GRAPH_GLUON`` switches the rule off (every traced call decomposes, as before this module). It
 is read when a graph is traced; AOTAutograd's cache does not key on it, so turn the caches off

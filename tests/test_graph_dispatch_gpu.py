@@ -2,10 +2,11 @@
 tests/test_graph_dispatch_gpu.py``): torch.compile'd calls that the Gluon kernel takes eagerly
 stay opaque op calls and launch it; AOTInductor packages still inline the Triton kernel.
 
-Each compiled output is compared bit for bit with the eager op's (the same launch), and the
-eager op with a float64 reference: error at most twice SDPA's own bf16 error on the same inputs
-plus one bf16 rounding step of the output's scale. Outputs are poisoned (NaN-filled inputs of a
-previous call would show) by running every call on fresh random inputs.
+Each compiled output is compared bit for bit with the eager op's (the same launch), and with a
+float64 reference: error at most twice SDPA's own bf16 error on the same inputs plus one bf16
+rounding step of the output's scale, NaN failing. Inputs are fresh random tensors; the ops
+allocate their outputs (nothing to poison), and the CUDA-graph case refills its inputs between
+replays so that a replay reading stale values would miss the reference.
 """
 
 from __future__ import annotations
