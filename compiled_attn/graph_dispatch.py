@@ -141,6 +141,16 @@ def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     return GRAPH_GLUON and not ahead_of_time() and eager_gluon(name, args, kwargs)
 
 
+def _export_keeps_ops() -> bool:
+    """Whether torch.export is tracing with triton_op's decomposition off (it keeps our ops as
+    nodes of the exported program)."""
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:  # a torch without the switch decomposes everywhere
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
 def _install() -> bool:
     """Put keep_opaque in front of triton_op's decomposition of each GLUON_OPS op under
     FunctionalTensorMode (where torch.compile's AOTDispatcher decomposes it). Returns whether
@@ -156,7 +166,9 @@ def _install() -> bool:
             continue
 
         def rule(mode, func, types, args, kwargs, _name=name, _decompose=decompose):
-            if keep_opaque(_name, args, kwargs):
+            # torch.export keeps the op as a node by itself: ask nothing there (eager_gluon
+            # specialises symbolic head dims, which an export's dynamic shapes must not see)
+            if not _export_keeps_ops() and keep_opaque(_name, args, kwargs):
                 return mode.__torch_dispatch__(func, types, args, kwargs)
             return _decompose(mode, func, types, args, kwargs)
 

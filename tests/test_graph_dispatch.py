@@ -23,8 +23,19 @@ from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, PO
 from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as pk
 
-pytestmark = pytest.mark.skipif(not gd.INSTALLED, reason="ops are plain custom ops here "
-                                "(TRITON_INTERPRET=1): nothing decomposes")
+pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="ops are plain custom ops under "
+                                "TRITON_INTERPRET=1: nothing decomposes")
+
+
+def test_rule_installed():
+    """The rule sits in front of every Gluon-capable op's decomposition (it reaches into
+    CustomOpDef._torch_dispatch_fns: a torch that renames it fails here, not silently)."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    assert gd.INSTALLED
+    for name in OPS:
+        rule = getattr(contracts, name)._torch_dispatch_fns[FunctionalTensorMode]
+        assert rule.__name__ == "rule" and rule.__module__ == gd.__name__
 
 OPS = gd.GLUON_OPS
 
@@ -253,6 +264,26 @@ def test_rewrite_keeps_gluon_calls_opaque(hopper, monkeypatch):
     assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1, code
     assert "aten._scaled_dot_product" not in code  # no PyTorch attention call left
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_export_keeps_the_op_without_asking(hopper, monkeypatch):
+    """torch.export (dynamic sequence length) and its run_decompositions(), which runs the ops'
+    FunctionalTensorMode rule: the op stays a node as before, and the rule is not consulted
+    (it would specialise symbolic sizes an export must keep)."""
+    asked = []
+    monkeypatch.setattr(gd, "keep_opaque", lambda *a, **k: asked.append(a) or True)
+
+    class Op(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.compiled_attn.single_prefill(
+                q, k, v, None, None, None, MASK_CAUSAL, -1, 0, 0.1, 0.0, 0, 1.0, 1e4, 1.0,
+                None)[0]
+
+    s = torch.export.Dim("s", min=2, max=64)
+    ep = torch.export.export(Op(), tuple(_sdpa_inputs()), dynamic_shapes=[{1: s}] * 3)
+    ep = ep.run_decompositions()
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.compiled_attn.single_prefill.default in targets and not asked
 
 
 @pytest.mark.slow
