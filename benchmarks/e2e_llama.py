@@ -3,9 +3,9 @@ intermediate 14336, 4 layers, random weights, bf16, transformers' LlamaModel wit
 attention), one 4096-token prompt, batch 1, timed four ways on one GPU: eager, plain
 ``torch.compile(model)``, ``compiled_attn.compile(model)`` (the same with the attention
 rewrite into our ops: the Gluon kernel on Hopper through compiled_attn.graph_dispatch) and
-the same with graph_dispatch off (the Triton kernel inlined, as AOTInductor packages it). Medians of CUDA-event timings after warm-up; TFLOP/s counts
-the linear layers (2 * tokens * weights) plus causal attention (2 * 2 * S^2 * H * D / 2 per
-layer). Checks the rewrite count (one per layer, nothing skipped) and that compiled_attn's
+the same with graph_dispatch off (the Triton kernel inlined, as AOTInductor packages it).
+Medians of CUDA-event timings after warm-up; TFLOP/s counts the linear layers (2 * tokens *
+weights) plus causal attention (2 * 2 * S^2 * H * D / 2 per layer). Checks the rewrite count (one per layer, nothing skipped) and that compiled_attn's
 output agrees with plain torch.compile's and eager's; writes
 benchmarks/results/e2e_llama_<gpu>.json and prints a one-line summary.
 

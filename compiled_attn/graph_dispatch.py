@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 
 from compiled_attn.ops import contracts
 
-__all__ = ["GRAPH_GLUON", "GLUON_OPS", "ahead_of_time", "eager_gluon", "keep_opaque"]
+__all__ = ["GRAPH_GLUON", "GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
 
 GRAPH_GLUON = True
 # The ops whose eager launch can take the Gluon kernel (pod_prefill_decode never does).
@@ -56,6 +56,16 @@ def ahead_of_time() -> bool:
     return bool(V.aot_compilation) or bool(config.cpp_wrapper)
 
 
+def bind(name: str, args: tuple, kwargs: dict | None = None) -> tuple[dict, dict]:
+    """The call's arguments by name (defaults applied) and its contracts._params."""
+    b = _SIGNATURES[name].bind(*args, **(kwargs or {}))
+    b.apply_defaults()
+    a = b.arguments
+    return a, contracts._params(*(a[p] for p in (
+        "mask_mode", "window_left", "chunk_size", "sm_scale", "logits_soft_cap",
+        "pos_encoding_mode", "rope_scale", "rope_theta", "v_scale")))
+
+
 def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether an eager call of op ``name`` with these arguments (real, fake or functional
     tensors; the op's own argument order) would run the Gluon kernel, as far as its static
@@ -64,17 +74,12 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
 
     if name not in GLUON_OPS or not (pk.USE_GLUON and pk._gluon is not None and pk.HOST_TMA):
         return False
-    b = _SIGNATURES[name].bind(*args, **(kwargs or {}))
-    b.apply_defaults()
-    a = b.arguments
+    a, params = bind(name, args, kwargs)
     q = a["q"]
     paged = name == "batch_paged_prefill"
     k, v = (a["k_cache"], a["v_cache"]) if paged else (a["k"], a["v"])
     if not pk._gluon_device(q.device):  # a Hopper GPU
         return False
-    params = contracts._params(*(a[p] for p in (
-        "mask_mode", "window_left", "chunk_size", "sm_scale", "logits_soft_cap",
-        "pos_encoding_mode", "rope_scale", "rope_theta", "v_scale")))
     scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params)
     # Head dims, heads, tile height and page size are constexprs of either kernel: a symbolic
     # one (torch.compile(dynamic=True)) is specialised here, as the Triton launch would.

@@ -114,7 +114,8 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
 
 def _gluon_tiles(dqk: int, dvo: int) -> bool:
     """Whether eager launches at these head dims go to the Gluon kernel in this process (USE_GLUON,
-    a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Traced graphs run
+    a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Graphs that inline
+    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.graph_dispatch) run
     the Triton kernel on the same tiles (a plan serves both)."""
     return (USE_GLUON and _gluon is not None and dqk == dvo == 128
             and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
@@ -126,9 +127,9 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
     height: _gluon_views): they are then tiled as contiguous K/V are (page 8 too, rather than
     the small pages' 256-row tiles). Page 16, D 128, causal, over our ragged rate on the H100
     (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
-    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE). (Traced
-    graphs run the Triton kernel, which prefers 128-row tiles for paged K/V: they take these
-    tiles too.)"""
+    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE). (Graphs
+    that inline the op run the Triton kernel, which prefers 128-row tiles for paged K/V: they
+    take these tiles too.)"""
     return (page_size > 0 and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 

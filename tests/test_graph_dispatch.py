@@ -102,12 +102,7 @@ def call(name, dtype=torch.bfloat16, d=128, dvo=None, mask=MASK_CAUSAL, page=16,
 def launcher_takes_gluon(name, args) -> bool:
     """The eager launcher's own choice for these arguments (prefill_kernel's argument builders
     with gluon as the op's launch passes it, as in an eager call: wrap_triton off)."""
-    b = gd._SIGNATURES[name].bind(*args)
-    b.apply_defaults()
-    a = b.arguments
-    params = contracts._params(*(a[p] for p in (
-        "mask_mode", "window_left", "chunk_size", "sm_scale", "logits_soft_cap",
-        "pos_encoding_mode", "rope_scale", "rope_theta", "v_scale")))
+    a, params = gd.bind(name, args)
     common = (a["alibi_slopes"], a["sinks"])
     out_dtype = a["out_dtype"] or a["q"].dtype
     with set_wrap_triton_enabled(False):
@@ -178,6 +173,20 @@ def test_keep_opaque_only_for_python_wrapper_graphs(hopper, monkeypatch):
     assert not gd.keep_opaque("pod_prefill_decode", ())
 
 
+def op_fn(name, args):
+    """(fn, tensors): fn(*tensors) calls op ``name`` on args with its tensors passed in (the
+    graph's inputs under torch.compile), the other arguments fixed."""
+    pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+    def fn(*ts):
+        full = list(args)
+        for i, t in zip(pos, ts):
+            full[i] = t
+        return getattr(torch.ops.compiled_attn, name)(*full)
+
+    return fn, [args[i] for i in pos]
+
+
 def _compiled(compiled, *args):
     """Run a torch.compile'd callable with the caches off; returns (output, generated code)."""
     from torch._inductor.utils import run_and_get_code
@@ -194,16 +203,7 @@ def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
     generated code (the eager launcher runs it), equal to the eager call; GRAPH_GLUON off: the
     op decomposed, no call of it left."""
     monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
-    args = call("batch_ragged_prefill")
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def fn(*ts):
-        full = list(args)
-        for i, t in zip(tensors, ts):
-            full[i] = t
-        return torch.ops.compiled_attn.batch_ragged_prefill(*full)
-
-    ts = [args[i] for i in tensors]
+    fn, ts = op_fn("batch_ragged_prefill", call("batch_ragged_prefill"))
     eager = fn(*ts)
     out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
     assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1, code
@@ -219,16 +219,7 @@ def test_dynamic_shapes_stay_opaque(hopper, monkeypatch, name):
     """torch.compile(dynamic=True): the rule reads symbolic sizes (head dims, tile and page
     specialised as constexprs are) and still keeps the call opaque, equal to eager."""
     monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
-    args = call(name)
-    tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-
-    def fn(*ts):
-        full = list(args)
-        for i, t in zip(tensors, ts):
-            full[i] = t
-        return getattr(torch.ops.compiled_attn, name)(*full)
-
-    ts = [args[i] for i in tensors]
+    fn, ts = op_fn(name, call(name))
     out, code = _compiled(torch.compile(fn, fullgraph=True, dynamic=True), *ts)
     assert code.count(f"torch.ops.compiled_attn.{name}.default(") == 1, code
     eager = fn(*ts)
