@@ -330,7 +330,7 @@ def cudnn_batch_prefill_with_kv_cache(
 
     def tile(qo_rows):
         return plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
-                                page_size=page, qo_lens=qo_rows)
+                                page_size=page, qo_lens=qo_rows, kv_dtype=k_cache.dtype)
 
     if paged:
         _check_tensor("block_tables", block_tables, 2)

@@ -16,12 +16,13 @@ Two entries, one rule (``keep_opaque``): the FunctionalTensorMode rule installed
 here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attention rewrite's
 ``Emitter.call_op``, which otherwise inlines the op's implementation into Inductor's graph).
 
-``eager_gluon`` is the static part of the eager launcher's own choice
-(prefill_kernel._gluon_views and its callers): what a trace can know (device, dtypes, head
-dims, options, tile height, page size, K/V layout where strides are known, the launch's size
-where shapes are static), not what only a launch can (the pointers' alignment). A call it
-admits that the launcher then declines runs the Triton kernel from the fallback call: the same
-numbers, with the eager call's host cost. tests/test_graph_dispatch.py checks it against the
+``eager_gluon`` is the static part of the eager launcher's own choice: the launcher's tile and
+descriptor rules (prefill_kernel._kv_descriptors, _small_launch where shapes are static) and the
+Gluon kernel's scope, prefill_kernel._gluon_scope, which the eager launch itself asks
+(_gluon_views): device, dtypes, head dims, options, tile height, page size, K/V layout where
+strides are known. Not what only a launch can know (the pointers' alignment): a call it admits
+that the launcher then declines runs the Triton kernel from the fallback call, with the same
+numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it against the
 launcher's own choice.
 
 ``GRAPH_GLUON`` switches the rule off (every traced call decomposes, as before this module). It
@@ -78,7 +79,7 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     q = a["q"]
     paged = name == "batch_paged_prefill"
     k, v = (a["k_cache"], a["v_cache"]) if paged else (a["k"], a["v"])
-    if not pk._gluon_device(q.device):  # a Hopper GPU
+    if not pk._gluon_device(q.device):  # a Hopper GPU (before any guard on the shapes)
         return False
     scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params)
     # Head dims, heads, tile height and page size are constexprs of either kernel: a symbolic
@@ -95,48 +96,16 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
         block_m = guard_int(a["block_m"])
         kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
         mean_kv = None if paged else pk._mean(k.shape[0], a["qo_indptr"].shape[0] - 1)
-    if block_m not in pk._gluon.TILES:
-        return False
-    if paged:
-        if not pk._gluon.page_fits(guard_int(k.shape[1]), pk._gluon.TILES[block_m][0], dqk):
-            return False
-    else:
+    if not paged:
         # _program_args: the host-descriptor launch, not below HOST_TMA_MIN_FLOP
         cfg = pk._config(block_m, dqk, dvo, kv_mode, mask_mode)
-        if not (cfg["TMA"] and pk.USE_TMA) or consts["ROPE"]:
+        if not pk._kv_descriptors(cfg, consts, kv_mode):
             return False
         if pk._small_launch(q, kv_mode, mean_kv, dvo, mask_mode):
             return False
-    # _gluon_views' static conditions
-    dt = q.dtype
-    out_dtype = a["out_dtype"] or dt
-    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
-        return False
-    if dqk not in (64, 128) or dvo != dqk:
-        return False
-    if mask_mode not in (pk.MASK_NONE, pk.MASK_CAUSAL) or not consts["FOLD"]:
-        return False
-    off = ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE", "SINKS")
-    if any(consts[f] for f in off) or scalars["v_scale"] != 1.0:
-        return False
-    kind = "paged" if paged else "dense" if name == "single_prefill" else "ragged"
-    return pk._known(q.stride(-1) == 1) and _kv_2d_layout(k, kind) and _kv_2d_layout(v, kind)
-
-
-def _kv_2d_layout(t, kind: str) -> bool:
-    """prefill_gluon.kv_2d's layout conditions, but the pointer's alignment (a trace knows
-    the storage offset, not the address): heads and dims packed, 16-byte rows, and a dense
-    batch packed over its tokens or pages a whole number of rows apart."""
-    from compiled_attn.ops.prefill_kernel import _known
-
-    es, d, rows = t.element_size(), t.shape[-1], t.stride(-3)
-    if not (_known(t.stride(-1) == 1) and _known(t.stride(-2) == d)
-            and _known(rows * es % 16 == 0) and _known(t.storage_offset() * es % 16 == 0)
-            and all(_known(x > 0) for x in t.shape)):
-        return False
-    if kind == "dense":
-        return _known(t.stride(0) == t.shape[1] * rows)
-    return kind == "ragged" or _known(t.stride(0) % rows == 0)
+    page_size = guard_int(k.shape[1]) if paged else 0
+    return pk._gluon_scope(kv_mode, q, k, v, a["out_dtype"] or q.dtype, block_m, page_size,
+                           consts, scalars)
 
 
 def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:

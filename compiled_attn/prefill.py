@@ -469,7 +469,7 @@ class _BatchPrefillBase(_WrapperBase):
         max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
         block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE, paged,
-                              page_size=page_size, qo_lens=qo_list)
+                              page_size=page_size, qo_lens=qo_list, kv_dtype=kv_dt)
         work = build_work(qo_list, group, block_m, "cpu", kv_lens=kv_lens.tolist())
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:

@@ -267,7 +267,7 @@ def trtllm_fmha_v2_prefill(
     page = k.shape[1] if paged else 0  # paged: k is the [P, page, Hkv, D] view of the cache
     # the work list gives every request max_q_len rows of tiles
     bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged,
-                          page_size=page, qo_lens=[max_q_len])
+                          page_size=page, qo_lens=[max_q_len], kv_dtype=k.dtype)
     work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
     slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
     if sinks is not None:

@@ -903,29 +903,38 @@ def ws_maxnreg(warps: int) -> int:
     return 65536 // (_WS_CTAS[warps] * (warps + 4) * 32) // 8 * 8
 
 
+def kv_2d_layout(t: torch.Tensor, kind: str, known=bool) -> bool:
+    """kv_2d's layout conditions but the pointer's alignment, which a trace cannot know (its
+    storage offset it can): heads and dims packed, 16-byte rows, no empty dim, and a dense
+    batch packed over its tokens or pages a whole number of rows apart. known reads each
+    condition (prefill_kernel._known where sizes may be symbolic); the one test of both the
+    eager launch (kv_2d) and compiled_attn.graph_dispatch."""
+    es, d, rows = t.element_size(), t.shape[-1], t.stride(-3)
+    if not (known(t.stride(-1) == 1) and known(t.stride(-2) == d)
+            and known(rows * es % 16 == 0) and known(t.storage_offset() * es % 16 == 0)
+            and all(known(x > 0) for x in t.shape)):  # a descriptor needs every dim positive
+        return False
+    if kind == "dense":
+        return known(t.stride(0) == t.shape[1] * rows)
+    return kind == "ragged" or (kind == "paged" and known(t.stride(0) % rows == 0))
+
+
 def kv_2d(t: torch.Tensor, kind: str) -> torch.Tensor | None:
     """K or V as the 2D [rows, Hkv * D] view the descriptors read (kind "ragged": [N, Hkv, D];
     "dense": [B, S, Hkv, D], request b from row b * S; "paged": a cache [P, page, Hkv, D], page
     p from row p * page_rows(t), so a combined [P, 2, page, Hkv, D] cache's K and V views
-    interleave, each spanning the other's rows), or None where the layout has no such view:
-    heads or dims not packed, a dense batch not packed over its tokens, pages not a whole
-    number of rows apart, a pointer or row stride TMA cannot take."""
-    d, hkv = t.shape[-1], t.shape[-2]
+    interleave, each spanning the other's rows), or None where the layout has no such view
+    (kv_2d_layout) or the pointer is not 16-byte aligned."""
+    if not kv_2d_layout(t, kind) or t.data_ptr() % 16:
+        return None
     rows = t.stride(-3)
-    if t.numel() == 0:  # a descriptor needs every dim positive (an empty cache or batch)
-        return None
-    if t.stride(-1) != 1 or t.stride(-2) != d or (rows * t.element_size()) % 16 \
-            or t.data_ptr() % 16:
-        return None
     if kind == "ragged":
         n = t.shape[0]
-    elif kind == "dense" and t.stride(0) == t.shape[1] * rows:
+    elif kind == "dense":
         n = t.shape[0] * t.shape[1]
-    elif kind == "paged" and t.stride(0) % rows == 0:
-        n = (t.shape[0] - 1) * (t.stride(0) // rows) + t.shape[1]
     else:
-        return None
-    return t.as_strided((n, hkv * d), (rows, 1))
+        n = (t.shape[0] - 1) * (t.stride(0) // rows) + t.shape[1]
+    return t.as_strided((n, t.shape[-2] * t.shape[-1]), (rows, 1))
 
 
 def page_rows(t: torch.Tensor) -> int:
@@ -1009,13 +1018,14 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                 and (q.stride(1) * q.element_size()) % 16 == 0:
             q2 = q.as_strided((q.shape[0] * q.shape[1], hq * d), (q.stride(1), 1))
             q_req_rows = q.shape[1]
+    k_desc = kv_descriptor(k2, d, box)
     if q2 is not None:
         q_desc = TensorDescriptor(q2, list(q2.shape), [q2.stride(0), 1], [block_m, d],
                                   _smem_layout(block_m, d, q.dtype))
     else:
-        q_desc, q_req_rows = kv_descriptor(k2, d, box), 0  # (never read)
+        q_desc, q_req_rows = k_desc, 0  # (never read)
     _gluon_fwd[grid](
-        work_arg, q, kv_descriptor(k2, d, box), kv_descriptor(v2, d, box), out, lse,
+        work_arg, q, k_desc, kv_descriptor(v2, d, box), out, lse,
         qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
         n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows,
         DENSE=dense is not None, Q_TMA=q2 is not None, PAGED=paged is not None, PAGE=page,

@@ -20,6 +20,7 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -89,24 +90,28 @@ TMA_MIN_KV = 0 if INTERPRET else 1024
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
                 max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
-                page_size: int = 0, qo_lens: Sequence[int] | None = None) -> int:
+                page_size: int = 0, qo_lens: Sequence[int] | None = None,
+                kv_dtype: torch.dtype | None = None) -> int:
     """Tile height in packed rows for these head dims (plan() and the launch agree on it).
     max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
     any length; CUDA-graph plans pass None so that one capture serves every re-plan).
     page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
-    query rows as the work list tiles them (None: unknown)."""
+    query rows as the work list tiles them (None: unknown); kv_dtype: the K/V dtype (None:
+    fp16 / bf16; fp8 K/V never take the Gluon kernel, so their small pages keep 256-row
+    tiles)."""
     if INTERPRET:
         return 64
     d = max(head_dim_qk, head_dim_vo)
+    gluon_pages = paged and _gluon_pages(page_size, head_dim_qk, head_dim_vo, kv_dtype)
     if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
             and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
-            and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
+            and not gluon_pages):
         return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
     if max_kv_len <= TMA_MIN_KV:
         return 64
-    if d <= 64 or (paged and not _gluon_pages(page_size, head_dim_qk, head_dim_vo)):
+    if d <= 64 or (paged and not gluon_pages):
         return 128
     short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo) else SHORT_KV
     return 64 if max_kv_len <= (short if causal else short // 2) else 128
@@ -121,16 +126,18 @@ def _gluon_tiles(dqk: int, dvo: int) -> bool:
             and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
 
 
-def _gluon_pages(page_size: int, dqk: int, dvo: int) -> bool:
-    """Whether eager paged launches of this page size and head dims go to the Gluon kernel's
-    TMA boxes in this process (a Hopper GPU, USE_GLUON, D 128, pages it reads on either tile
-    height: _gluon_views): they are then tiled as contiguous K/V are (page 8 too, rather than
-    the small pages' 256-row tiles). Page 16, D 128, causal, over our ragged rate on the H100
-    (benchmarks/NOTES.md, 11th session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03,
-    128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE). (Graphs
-    that inline the op run the Triton kernel, which prefers 128-row tiles for paged K/V: they
-    take these tiles too.)"""
-    return (page_size > 0 and _gluon_tiles(dqk, dvo)
+def _gluon_pages(page_size: int, dqk: int, dvo: int,
+                 kv_dtype: torch.dtype | None = None) -> bool:
+    """Whether eager paged launches of this page size, head dims and K/V dtype (None: fp16 /
+    bf16) go to the Gluon kernel's TMA boxes in this process (a Hopper GPU, USE_GLUON, D 128,
+    fp16 / bf16 K/V, pages it reads on either tile height: _gluon_scope): they are then tiled
+    as contiguous K/V are (page 8 too, rather than the small pages' 256-row tiles). Page 16,
+    D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th session), S 1k /
+    2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96
+    (page 8: prefill_gluon.MIN_BOX_PAGE). (Graphs that inline the op run the Triton kernel,
+    which prefers 128-row tiles for paged K/V: they take these tiles too.)"""
+    return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
+            and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
 
 
@@ -958,8 +965,8 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         # Paged: the Gluon kernel reads whole pages (or page-aligned key blocks) through
         # descriptors where its scope allows; otherwise the Triton kernel's pointer gathers.
         cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
-    if (cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
-            and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
+    if (_kv_descriptors(cfg, consts, kv_mode) and _tma_hardware(k.device)
+            and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
         eager = _eager_launch()
         # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
@@ -986,40 +993,75 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     return args, consts, cfg
 
 
+def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int) -> bool:
+    """Whether this tile and these options let contiguous K/V (dense or ragged) be read
+    through tensor descriptors, their layout aside (_tma_ok): the launch's rule and
+    compiled_attn.graph_dispatch's."""
+    return cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    """CUDA device ``index``'s compute capability, queried once (each query goes through
+    get_device_properties: ~5 us of every launch on the H100's host)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def _sm_major(device: torch.device) -> int:
+    index = device.index
+    return _capability(torch.cuda.current_device() if index is None else index)[0]
+
+
 def _gluon_device(device: torch.device) -> bool:
     """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the interpreter)."""
-    return (not INTERPRET and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] == 9)
+    return not INTERPRET and device.type == "cuda" and _sm_major(device) == 9
+
+
+_KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
+
+
+def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalars,
+                 kv_layout: bool = True) -> bool:
+    """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
+    USE_GLUON, a Hopper GPU, a tile height it has a tile for, pages it reads (page_fits), fp16 /
+    bf16 throughout, one head dim of 64 or 128 with unit stride, causal or no mask with a
+    positive scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V
+    with packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
+    (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
+    the eager launch (_gluon_views, which adds the pointers' alignment) and
+    compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
+    False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
+    if not (USE_GLUON and _gluon is not None) or block_m not in _gluon.TILES:
+        return False
+    if not _gluon_device(q.device):
+        return False
+    d = q.shape[-1]
+    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0], d):
+        return False
+    dt = q.dtype
+    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
+        return False
+    if d not in (64, 128) or v.shape[-1] != d or not _known(q.stride(-1) == 1):
+        return False
+    if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
+        return False
+    if any(consts[f] for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
+                               "SINKS")) or scalars["v_scale"] != 1.0:
+        return False
+    kind = _KV_KIND[kv_mode]
+    return not kv_layout or (_gluon.kv_2d_layout(k, kind, _known)
+                             and _gluon.kv_2d_layout(v, kind, _known))
 
 
 def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
     """The 2D K / V views, base-2 scale and page layout for the Gluon kernel (prefill_gluon.py)
-    when this launch is in its scope, else None (the Triton kernel runs it): USE_GLUON, a Hopper
-    GPU, eager host-descriptor launches (the caller's rule), K/V with packed heads and dims
-    (dense, ragged, or a page cache whose pages are a whole number of rows apart and hold
-    whole key tiles: prefill_gluon.kv_2d, page_fits), fp16 / bf16 throughout, one head dim of
-    64 or 128, causal or no mask with a positive scale, none of window, chunks, soft cap,
-    ALiBi, RoPE, sinks or a V scale, and a tile height it has a tile for. (Split-KV plans and
-    POD launches never ask: _program_args' gluon.)"""
-    if not (USE_GLUON and _gluon is not None):
+    when this eager host-descriptor launch (the caller's rule) is in its scope (_gluon_scope,
+    and K/V pointers 16-byte aligned: prefill_gluon.kv_2d), else None (the Triton kernel runs
+    it). (Split-KV plans and POD launches never ask: _program_args' gluon.)"""
+    if not _gluon_scope(kv_mode, q, k, v, out.dtype, block_m, page_size, consts, scalars,
+                        kv_layout=False):
         return None
-    if not _gluon_device(q.device) or block_m not in _gluon.TILES:
-        return None
-    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0],
-                                                    q.shape[-1]):
-        return None
-    dt = q.dtype
-    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out.dtype == dt):
-        return None
-    d = q.shape[-1]
-    if d not in (64, 128) or v.shape[-1] != d or q.stride(-1) != 1:
-        return None
-    if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
-        return None
-    if any(consts[f] for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
-                               "SINKS")) or scalars["v_scale"] != 1.0:
-        return None
-    kind = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}[kv_mode]
+    kind = _KV_KIND[kv_mode]
     k2, v2 = _gluon.kv_2d(k, kind), _gluon.kv_2d(v, kind)
     if k2 is None or v2 is None:
         return None
@@ -1112,8 +1154,7 @@ KV_PATHS = {
 
 def _tma_hardware(device: torch.device) -> bool:
     """Device tensor descriptors exist: Hopper or newer (or the interpreter)."""
-    return INTERPRET or (device.type == "cuda"
-                         and torch.cuda.get_device_capability(device)[0] >= 9)
+    return INTERPRET or (device.type == "cuda" and _sm_major(device) >= 9)
 
 
 def _tma_ok(t: torch.Tensor, strides) -> bool:

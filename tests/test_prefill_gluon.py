@@ -182,9 +182,12 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     assert tile(0, kv=2048) == tile(48, kv=2048) == tile(16, d=64, kv=2048) == 128
     # page 8 keeps these tiles where requests would fill the Triton kernel's 256-row small-page
     # tiles; page 4 (a key per box: not Gluon's) takes those
-    full = lambda page: K.block_m_for(128, 128, 4, 2048, True, True,  # noqa: E731
-                                      page_size=page, qo_lens=[2048] * 4)
+    full = lambda page, kv_dtype=None: K.block_m_for(  # noqa: E731
+        128, 128, 4, 2048, True, True, page_size=page, qo_lens=[2048] * 4, kv_dtype=kv_dtype)
     assert (full(8), full(4)) == (128, K.SMALL_PAGE_BLOCK_M)
+    assert full(8, torch.bfloat16) == full(8, torch.float16) == 128
+    # fp8 K/V never take the Gluon kernel: their page 8 keeps the small pages' tiles
+    assert full(8, torch.float8_e4m3fn) == K.SMALL_PAGE_BLOCK_M
     monkeypatch.setattr(K, "USE_GLUON", False)
     assert tile(16, kv=2048) == 128 and full(8) == K.SMALL_PAGE_BLOCK_M
 

@@ -128,14 +128,14 @@ def test_features(kind, feature, monkeypatch):
 
 
 # Pages of 1-8 keys run 256-row tiles of 16 warps (prefill_kernel.SMALL_PAGE_BLOCK_M) when the
-# requests fill them, except page 8 at D 128 on a Hopper GPU, which the Gluon kernel's boxes
-# read and block_m_for tiles as contiguous K/V: every feature on that tile (page 1, the
-# per-key gather), and page sizes on the other gather paths (4: whole pages per tile; 5: per
-# key, pages straddling tiles), with odd lengths, qo != kv, a request without queries and one
-# without keys, GQA 4:1 and 7:1.
+# requests fill them, except fp16 / bf16 page 8 at D 128 on a Hopper GPU, which the Gluon
+# kernel's boxes read and block_m_for tiles as contiguous K/V (fp8 page 8 keeps this tile):
+# every feature on that tile (page 1, the per-key gather), and page sizes on the other gather
+# paths (4: whole pages per tile; 5: per key, pages straddling tiles), with odd lengths,
+# qo != kv, a request without queries and one without keys, GQA 4:1 and 7:1.
 SMALL_PAGE = ([(f, 1) for f in sorted(FEATURES)]
               + [("plain", 4), ("plain", 5), ("gqa7_fp16", 1), ("noncausal", 2), ("rope", 1),
-                 ("fp8", 4), ("split", 1)])
+                 ("fp8", 4), ("fp8", 8), ("split", 1)])
 SMALL_PAGE_EXTRA = {
     "plain": params(head_dim=128),
     "gqa7_fp16": params(head_dim=128),
@@ -156,7 +156,7 @@ def test_small_page_256_row_tiles(feature, page):
                   page_size=page, custom_mask=feature == "custom", alibi=feature == "alibi",
                   sinks=feature == "sinks", seed=page + len(feature))
     c.block_m = block_m_for(128, 128, hq // hkv, max(kv), True, True, page_size=page,
-                            qo_lens=qo)
+                            qo_lens=qo, kv_dtype=c.k.dtype)
     assert c.block_m == ops.prefill_kernel.SMALL_PAGE_BLOCK_M
     if feature == "split":  # key ranges cut into chunks, merged by _merge_fwd
         c.work, c.merge = build_split_work(qo, kv, hq // hkv, c.block_m, hkv, "cuda",
