@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from compiled_attn.ops import contracts
