@@ -49,30 +49,6 @@ def select_cases(quick: bool):
     return out
 
 
-def _op_call(case, inp):
-    """(op name, its tensor arguments, full): full(*tensors) is the op's whole argument tuple
-    for the call benchmarks.providers.setup_compiled_attn times."""
-    import compiled_attn.ops as cops
-    from compiled_attn.plan import block_m_for, build_work
-
-    mask = cops.MASK_CAUSAL if case.causal else cops.MASK_NONE
-    tail = (mask, -1, 0, case.head_dim ** -0.5, 0.0, cops.POS_NONE, 1.0, 1e4, 1.0, None)
-    if case.layout == "dense":
-        return "single_prefill", (inp.q4, inp.k4, inp.v4), \
-            lambda q, k, v: (q, k, v, None, None, None, *tail)
-    block_m = block_m_for(case.head_dim, case.head_dim, case.group, max(case.kv_lens),
-                          case.causal, case.layout == "paged", page_size=case.page_size,
-                          qo_lens=case.qo_lens)
-    work = build_work(case.qo_lens, case.group, block_m, inp.q.device, kv_lens=case.kv_lens)
-    opts = (None, None, None, None, block_m, *tail)
-    if case.layout == "ragged":
-        return "batch_ragged_prefill", (inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,
-                                        work), lambda *t: (*t, *opts)
-    return "batch_paged_prefill", (inp.q, inp.k_cache, inp.v_cache, inp.qo_indptr,
-                                   inp.page_indptr, inp.page_indices, inp.last_page_len,
-                                   work), lambda *t: (*t, *opts)
-
-
 def _fresh(fn, name: str):
     """fn under its own code object: Dynamo caches compiled code per code object, so the two
     compiled providers of one case must not share one."""
@@ -140,7 +116,7 @@ def run_case(case, args) -> list[dict]:
 
     torch._dynamo.reset()
     inp = P.make_inputs(case, "cuda", torch.bfloat16)
-    name, tensors, full = _op_call(case, inp)
+    name, tensors, full, _ = P.op_call(case, inp)
     op = getattr(torch.ops.compiled_attn, name)
 
     def call(*ts):

@@ -5,9 +5,10 @@ attention), one 4096-token prompt, batch 1, timed four ways on one GPU: eager, p
 rewrite into our ops: the Gluon kernel on Hopper through compiled_attn.graph_dispatch) and
 the same with graph_dispatch off (the Triton kernel inlined, as AOTInductor packages it).
 Medians of CUDA-event timings after warm-up; TFLOP/s counts the linear layers (2 * tokens *
-weights) plus causal attention (2 * 2 * S^2 * H * D / 2 per layer). Checks the rewrite count (one per layer, nothing skipped) and that compiled_attn's
-output agrees with plain torch.compile's and eager's; writes
-benchmarks/results/e2e_llama_<gpu>.json and prints a one-line summary.
+weights) plus causal attention (2 * 2 * S^2 * H * D / 2 per layer). Checks the rewrite count
+(one per layer, nothing skipped) and that compiled_attn's output agrees with plain
+torch.compile's and eager's; writes benchmarks/results/e2e_llama_<gpu>.json and prints a
+one-line summary.
 
 Run on the GPU machine from the repository root: ``python3 -m benchmarks.e2e_llama``
 (about 1-3 minutes, mostly the three Inductor compiles).

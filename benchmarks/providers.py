@@ -157,34 +157,42 @@ def reference(case: Case, inp: Inputs) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------
 # compiled_attn: the ops directly (not the public wrappers)
 # ------------------------------------------------------------------------------------------
-def setup_compiled_attn(case: Case, inps: list[Inputs], opts) -> Runner:
+def op_call(case: Case, inp: Inputs):
+    """(op name, its tensor arguments, full, extra) for the call of our op on these inputs:
+    full(*tensors) is the op's whole argument tuple (the tile plan() would choose and its work
+    list, BatchPrefillWithPagedKVCacheWrapper.plan's; the tensors apart so that a caller can
+    trace them); extra: block_m and the work items (batch ops only)."""
     import compiled_attn.ops as cops
     from compiled_attn.plan import block_m_for, build_work
 
-    ops = torch.ops.compiled_attn
     mask = cops.MASK_CAUSAL if case.causal else cops.MASK_NONE
     tail = (mask, -1, 0, case.head_dim ** -0.5, 0.0, cops.POS_NONE, 1.0, 1e4, 1.0, None)
-    n, hq = case.tokens, case.num_qo_heads
     if case.layout == "dense":
-        fns = [lambda i=i: ops.single_prefill(i.q4, i.k4, i.v4, None, None, None, *tail)
-               for i in inps]
-        return Runner(fns, lambda r: r[0].reshape(n, hq, -1), note="op single_prefill")
-    # the tile plan() would choose (BatchPrefillWithPagedKVCacheWrapper.plan)
+        return "single_prefill", (inp.q4, inp.k4, inp.v4), \
+            lambda q, k, v: (q, k, v, None, None, None, *tail), {}
     block_m = block_m_for(case.head_dim, case.head_dim, case.group, max(case.kv_lens),
                           case.causal, case.layout == "paged", page_size=case.page_size,
                           qo_lens=case.qo_lens)
-    work = build_work(case.qo_lens, case.group, block_m, inps[0].q.device, kv_lens=case.kv_lens)
+    work = build_work(case.qo_lens, case.group, block_m, inp.q.device, kv_lens=case.kv_lens)
     extra = {"block_m": block_m, "work_items": int(work.shape[0])}
+    opts = (None, None, None, None, block_m, *tail)
     if case.layout == "ragged":
-        fns = [lambda i=i: ops.batch_ragged_prefill(i.q, i.k, i.v, i.qo_indptr, i.kv_indptr, work,
-                                                    None, None, None, None, block_m, *tail)
-               for i in inps]
-        return Runner(fns, lambda r: r[0], note="op batch_ragged_prefill", extra=extra)
-    fns = [lambda i=i: ops.batch_paged_prefill(i.q, i.k_cache, i.v_cache, i.qo_indptr,
-                                               i.page_indptr, i.page_indices, i.last_page_len,
-                                               work, None, None, None, None, block_m, *tail)
-           for i in inps]
-    return Runner(fns, lambda r: r[0], note="op batch_paged_prefill", extra=extra)
+        return "batch_ragged_prefill", (inp.q, inp.k, inp.v, inp.qo_indptr, inp.kv_indptr,
+                                        work), lambda *t: (*t, *opts), extra
+    return "batch_paged_prefill", (inp.q, inp.k_cache, inp.v_cache, inp.qo_indptr,
+                                   inp.page_indptr, inp.page_indices, inp.last_page_len,
+                                   work), lambda *t: (*t, *opts), extra
+
+
+def setup_compiled_attn(case: Case, inps: list[Inputs], opts) -> Runner:
+    calls = [op_call(case, i) for i in inps]
+    name, extra = calls[0][0], calls[0][3]
+    op = getattr(torch.ops.compiled_attn, name)
+    fns = [lambda t=t, full=full: op(*full(*t)) for _, t, full, _ in calls]
+    if case.layout == "dense":
+        n, hq = case.tokens, case.num_qo_heads
+        return Runner(fns, lambda r: r[0].reshape(n, hq, -1), note="op single_prefill")
+    return Runner(fns, lambda r: r[0], note=f"op {name}", extra=extra)
 
 
 # ------------------------------------------------------------------------------------------

@@ -596,7 +596,7 @@ def test_compile_path_cases_calls_and_plot(tmp_path):
         small = cases.Case(case.suite, case.name, layout, (32, 32), (32, 32), 2, 2, 64,
                            case.causal, page_size=case.page_size)
         inp = P.make_inputs(small, "cpu", torch.float32)
-        name, tensors, full = cp._op_call(small, inp)
+        name, tensors, full, _ = P.op_call(small, inp)
         out = getattr(torch.ops.compiled_attn, name)(*full(*tensors))[0]
         torch.testing.assert_close(out.reshape(64, 2, 64), P.reference(small, inp))
     f = lambda x: x + 1  # noqa: E731
