@@ -86,15 +86,14 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     dqk, dvo = guard_int(q.shape[-1]), guard_int(v.shape[-1])
     mask_mode = consts["MASK_MODE"]
     if name == "single_prefill":
-        kv_mode, skv, mean_kv = pk.KV_DENSE, k.shape[1], k.shape[1]
-        block_m = pk.block_m_for(dqk, dvo, guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
-                                 skv if isinstance(skv, int) else None, mask_mode != pk.MASK_NONE)
+        kv_mode, mean_kv = pk.KV_DENSE, k.shape[1]
+        block_m = pk.dense_block_m(q, k, v, mask_mode)
     else:
         if guard_int(a["work"].shape[1]) != 2:  # a split-KV plan: the Triton kernel and its merge
             return False
         block_m = guard_int(a["block_m"])
         kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
-        mean_kv = None if paged else pk._mean(k.shape[0], a["qo_indptr"].shape[0] - 1)
+        mean_kv = None if paged else pk.ragged_mean_kv(k, a["qo_indptr"])
     if not paged:
         # _program_args: the host-descriptor launch, not below HOST_TMA_MIN_FLOP
         cfg = pk._config(block_m, dqk, dvo, kv_mode, mask_mode)

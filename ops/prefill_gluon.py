@@ -890,10 +890,13 @@ def persistent_default(pingpong: bool, boxes: int) -> bool:
     return not pingpong or boxes > 1
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the persistent grid's size)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """Streaming multiprocessors of the device (the persistent grid's size), from the
+    launcher's one cached properties query (prefill_kernel.sm_count; imported here, not at the
+    top: prefill_kernel imports this module)."""
+    from .prefill_kernel import sm_count
+
+    return sm_count(device.index)
 
 
 def ws_maxnreg(warps: int) -> int:

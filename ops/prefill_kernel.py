@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -1001,15 +1001,16 @@ def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    """CUDA device ``index``'s compute capability, queried once (each query goes through
-    get_device_properties: ~5 us of every launch on the H100's host)."""
-    return torch.cuda.get_device_capability(index)
+def _device_properties(index: int):
+    """CUDA device ``index``'s properties, queried once: the one source of its compute
+    capability (_sm_major) and multiprocessor count (sm_count, and through it the Gluon
+    launcher's persistent grid). A query costs ~5 us on the H100's host; launches ask twice."""
+    return torch.cuda.get_device_properties(index)
 
 
 def _sm_major(device: torch.device) -> int:
     index = device.index
-    return _capability(torch.cuda.current_device() if index is None else index)[0]
+    return _device_properties(torch.cuda.current_device() if index is None else index).major
 
 
 def _gluon_device(device: torch.device) -> bool:
@@ -1184,13 +1185,28 @@ def _kernel(fn):
     return fn if INTERPRET else wrap_triton(fn)
 
 
+def dense_block_m(q, k, v, mask_mode: int) -> int:
+    """single_prefill's tile height (block_m_for): q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D],
+    real, fake or traced. Head dims and the head ratio are constexprs of either kernel, so a
+    symbolic one is specialised (guard_int); a symbolic Skv counts as unknown. The launch's
+    rule and compiled_attn.graph_dispatch's."""
+    skv = k.shape[1]
+    return block_m_for(guard_int(q.shape[-1]), guard_int(v.shape[-1]),
+                       guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
+                       skv if isinstance(skv, int) else None, mask_mode != MASK_NONE)
+
+
+def ragged_mean_kv(k, qo_indptr):
+    """A ragged batch's mean KV length, k [Nk, Hkv, D], qo_indptr [R + 1] (None when either
+    size is symbolic or R is 0): what _program_args and graph_dispatch size the launch by."""
+    return _mean(k.shape[0], qo_indptr.shape[0] - 1)
+
+
 def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gluon=False):
     """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
-    group = hq // k.shape[2]
     skv = k.shape[1]
-    block_m = block_m_for(q.shape[-1], v.shape[-1], group, skv if isinstance(skv, int) else None,
-                          params["mask_mode"] != MASK_NONE)
+    block_m = dense_block_m(q, k, v, params["mask_mode"])
     out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
     args = _program_args(
@@ -1218,7 +1234,7 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
-        (0, 0), block_m, 1, params, _mean(k.shape[0], qo_indptr.shape[0] - 1), gluon)
+        (0, 0), block_m, 1, params, ragged_mean_kv(k, qo_indptr), gluon)
     return out, lse, args
 
 
@@ -1259,16 +1275,13 @@ def _ensure_allocator() -> None:
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.
 RESIDENT_PER_SM = {64: 2, 128: 1}
-_SM_COUNT: dict = {}
 
 
 def sm_count(index: int | None = None) -> int:
     """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
     if index is None:
         index = torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
+    return _device_properties(index).multi_processor_count
 
 
 def _resident_tiles(device: torch.device, block_m: int) -> int:

@@ -116,3 +116,41 @@ def test_eager_allocator_installed_only_when_none_is_set():
         assert _allocation._allocator.get() is mine
     finally:
         _allocation._allocator.set(saved)
+
+
+def test_device_properties_queried_once_for_capability_and_sm_counts(monkeypatch):
+    # The launcher's compute-capability check, its SM count and the Gluon launcher's
+    # persistent grid read one cached properties query per device.
+    from types import SimpleNamespace
+
+    calls = []
+
+    def props(index):
+        calls.append(index)
+        return SimpleNamespace(major=9, minor=0, multi_processor_count=7 + index)
+
+    K._device_properties.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    try:
+        assert K._sm_major(torch.device("cuda", 1)) == 9
+        assert K.sm_count() == 8 and K.sm_count(1) == 8
+        assert K._sm_major(torch.device("cuda")) == 9
+        if K._gluon is not None:
+            assert K._gluon._sm_count(torch.device("cuda", 1)) == 8
+            assert K._gluon._sm_count(torch.device("cuda")) == 8
+        assert K.sm_count(0) == 7
+        assert calls == [1, 0]
+    finally:
+        K._device_properties.cache_clear()
+
+
+def test_dense_block_m_is_the_launch_tile():
+    # dense_block_m (shared by the launch and graph_dispatch) is block_m_for over the call's
+    # head dims, head ratio and KV length.
+    q = torch.empty(2, 4096, 32, 128)
+    for hkv, skv, mask in ((8, 4096, contracts.MASK_CAUSAL), (32, 512, contracts.MASK_NONE),
+                           (32, 1025, contracts.MASK_CUSTOM)):
+        k = v = torch.empty(2, skv, hkv, 128)
+        assert K.dense_block_m(q, k, v, mask) == K.block_m_for(
+            128, 128, 32 // hkv, skv, mask != contracts.MASK_NONE)
