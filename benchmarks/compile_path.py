@@ -27,6 +27,7 @@ Run on the GPU machine from the repository root: ``python3 -m benchmarks.compile
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -56,6 +57,16 @@ def _fresh(fn, name: str):
                               fn.__defaults__, fn.__closure__)
 
 
+@contextlib.contextmanager
+def caches_off():
+    """Inductor's FX graph cache and AOTAutograd's cache off: every compile inside traces and
+    runs the passes (the rewrite's counters count, GRAPH_GLUON's setting takes effect), where a
+    warm cache from an earlier process would serve an earlier compile's graph."""
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
 def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
     """torch.compile fn (mode as given) with GRAPH_GLUON as given while it traces (caches off,
     so nothing traced under the other setting is reused); returns (compiled fn, its output,
@@ -74,9 +85,7 @@ def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
     # torch._dynamo.reset(): that would drop the providers compiled before this one, which
     # would then re-trace while timed, under the shipped GRAPH_GLUON rather than theirs
     try:
-        with torch._inductor.config.patch(fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False), \
-                mock.patch.object(GraphLowering, "save_output_code", code.append):
+        with caches_off(), mock.patch.object(GraphLowering, "save_output_code", code.append):
             out = compiled(*tensors)
     finally:
         graph_dispatch.GRAPH_GLUON = saved
