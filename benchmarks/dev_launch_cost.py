@@ -6,7 +6,8 @@ waits on the device; the per-call time is then the host's alone. The paths and p
 timed in interleaved rounds and the best round kept (the host's own noise is large). Run on
 the GPU machine:
 ``python3 -m benchmarks.dev_launch_cost`` (about a minute); writes dev_launch_cost.txt under
-$OUT. docs/design.md "Eager launch cost" quotes it."""
+$OUT. docs/design.md "Eager launch cost" quotes it. ``--entries`` times the public entry points
+with and without compiled_attn.op_call's direct path instead (entries() below)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from compiled_attn.ops import prefill_kernel as K
 from .kv_paths import forced_kv_path
 
 CALLS, ROUNDS = 300, 7  # at most ~600 launches queued (CUDA blocks the host near 1024)
+ENTRY_CALLS = 150  # an entry point's call may launch a few kernels (the persistent counter)
 
 
 def _inputs(b, s, h, d):
@@ -53,19 +55,87 @@ def _parts(q, k, v, p):
     }
 
 
-def _host_us(fn) -> float:
+def _host_us(fn, calls: int = CALLS) -> float:
     """Host microseconds per call, with the GPU busy for the whole loop (a sleep kernel first)."""
     torch.cuda.synchronize()
     torch.cuda._sleep(int(2e9 * 0.4))  # ~0.4 s of GPU time: longer than the loop
     t0 = time.perf_counter()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
-    us = (time.perf_counter() - t0) / CALLS * 1e6
+    us = (time.perf_counter() - t0) / calls * 1e6
     torch.cuda.synchronize()
     return us
 
 
+def _entry_calls(b, s, h, d):
+    """name -> a zero-argument call of a public entry point (D128 causal bf16, H heads): the
+    ragged and paged (page 16, shuffled pages) wrappers' run() on b requests of s tokens, and
+    single_prefill_with_kv_cache on one request of s tokens."""
+    import compiled_attn as fi
+
+    q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+    ws = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws)
+    ragged.plan(indptr, indptr, h, h, d, causal=True, q_data_type=torch.bfloat16)
+    page = 16
+    perm = torch.randperm(b * s // page, device="cuda")
+    cache = torch.stack([t.view(-1, page, h, d)[perm.argsort()] for t in (k, v)], 1)
+    paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws)
+    paged.plan(indptr, indptr // page, perm.to(torch.int32),
+               torch.full((b, ), page, device="cuda", dtype=torch.int32), h, h, d, page,
+               causal=True, q_data_type=torch.bfloat16)
+    return {"ragged run": lambda: ragged.run(q, k, v),
+            "paged run p16": lambda: paged.run(q, cache),
+            "single": lambda: fi.single_prefill_with_kv_cache(q[:s], k[:s], v[:s], causal=True)}
+
+
+def entries() -> None:
+    """--entries: host us per call of the public entry points with compiled_attn.op_call's
+    direct path (a plain eager call runs the op's implementation) against the same calls
+    through torch's dispatcher (op_call.DIRECT off), interleaved in rounds in one process
+    (the host's speed moves between processes); each pair's outputs must be equal bit for bit."""
+    from compiled_attn import op_call
+
+    lines = [f"{'case':24} {'entry':14} {'direct':>9} {'dispatch':>9} {'saved':>7}"
+             "   (host us per call: median of rounds, [best])"]
+    for name, shape in {"B32 x 512 H16": (32, 512, 16, 128),
+                        "B4 x 4k H16": (4, 4096, 16, 128)}.items():
+        calls = _entry_calls(*shape)
+        for entry, fn in calls.items():
+            outs = []
+            for direct in (True, False):
+                op_call.DIRECT = direct
+                outs.append(fn())
+            op_call.DIRECT = True
+            assert torch.equal(outs[0], outs[1]), f"{name} {entry}: direct != dispatcher"
+        times: dict = {}
+        for _ in range(ROUNDS):
+            for entry, fn in calls.items():
+                for direct in (True, False):
+                    op_call.DIRECT = direct
+                    for _ in range(10):
+                        fn()
+                    times.setdefault((entry, direct), []).append(_host_us(fn, ENTRY_CALLS))
+        op_call.DIRECT = True
+        for entry in calls:
+            d, x = (sorted(times[entry, f]) for f in (True, False))
+            md, mx = d[len(d) // 2], x[len(x) // 2]
+            lines.append(f"{name:24} {entry:14} {md:9.1f} {mx:9.1f} {mx - md:7.1f}"
+                         f"   [{d[0]:.1f} / {x[0]:.1f}]")
+            print(lines[-1], flush=True)
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(os.environ.get("OUT", "."), "dev_launch_cost_entries.txt"), "w") as f:
+        f.write(text)
+    print(text)
+
+
 def main() -> None:
+    import sys
+
+    if "--entries" in sys.argv[1:]:
+        entries()
+        return
     cases = {"D128 causal B32 x 512 H16": (32, 512, 16, 128),
              "D128 causal B4 x 4k H16": (4, 4096, 16, 128)}
     lines = [f"{'case':28} {'path':11} " + " ".join(f"{n:>9}" for n in ("op", "launcher", "args"))

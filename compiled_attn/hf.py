@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .op_call import call_op
+
 __all__ = ["register", "attention_forward"]
 
 
@@ -74,7 +76,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         mode = MASK_CAUSAL if causal else MASK_NONE
         if causal and sliding_window:
             window_left = int(sliding_window) - 1  # HF: key j visible iff j > i - window
-    out, _ = torch.ops.compiled_attn.single_prefill(
+    out, _ = call_op("single_prefill",
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, None,
         mode, window_left, 0, scale, float(softcap or 0.0), 0, 1.0, 1e4, 1.0, None)
     return out, None

@@ -18,6 +18,7 @@ import torch
 
 from . import _validate as V
 from . import plan
+from .op_call import call_op
 from .cudnn import _compact_block_tables
 from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE
 from .utils import get_alibi_slopes
@@ -300,13 +301,13 @@ def trtllm_fmha_v2_prefill(
         pind, pidx, last = _compact_block_tables(block_tables, kv_lens, page)
         _device_check((pidx >= 0) & (pidx < k.shape[0]),
                       "block_tables holds page indices outside the cache")
-        o, _ = torch.ops.compiled_attn.batch_paged_prefill(
+        o, _ = call_op("batch_paged_prefill",
             qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
     else:
         if block_tables is not None:
             _fail("block_tables", f"was given with input_layout={input_layout!r}",
                   "drop it (only the Q_PAGED_KV layouts use a page table)")
-        o, _ = torch.ops.compiled_attn.batch_ragged_prefill(
+        o, _ = call_op("batch_ragged_prefill",
             qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
     if out is None:
         return o

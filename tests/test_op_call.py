@@ -1,0 +1,82 @@
+"""compiled_attn.op_call: when a public entry point's call may skip torch's dispatcher (a plain
+eager call) and when it must go through the op (anything that traces, transforms, profiles or
+records it). The direct path's results are checked against the op's under the Triton
+interpreter (tests/interpret/test_op_call_interp.py)."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import compiled_attn as fi
+from compiled_attn import op_call
+from compiled_attn.ops import contracts
+
+
+@pytest.fixture
+def kernel_device(monkeypatch):
+    # CPU tensors count as a kernel device here (as under the interpreter); the predicate alone
+    # is exercised, nothing is launched.
+    monkeypatch.setattr(contracts, "_use_kernel", lambda t: True)
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_eager_call_skips_the_dispatcher(kernel_device):
+    x = torch.randn(3)
+    assert op_call.plain_eager((x, None, 1, 0.5), {"merge": True})
+    with torch.no_grad():
+        assert op_call.plain_eager((x.requires_grad_(), ))
+
+
+@pytest.mark.parametrize("why", ["requires_grad", "subclass", "kwarg_subclass", "dispatch_mode",
+                                 "function_mode", "profiler", "vmap", "switched_off"])
+def test_observed_or_traced_calls_go_through_the_op(kernel_device, monkeypatch, why):
+    x = torch.randn(3)
+    args, kwargs = (x, ), {}
+    if why == "requires_grad":
+        args = (torch.randn(3, requires_grad=True), )
+    elif why == "subclass":
+        args = (torch.nn.Parameter(x), )
+    elif why == "kwarg_subclass":
+        kwargs = {"sinks": torch.nn.Parameter(x)}
+    elif why == "switched_off":
+        monkeypatch.setattr(op_call, "DIRECT", False)
+    if why == "dispatch_mode":
+        with _Record():
+            assert not op_call.plain_eager(args, kwargs)
+    elif why == "function_mode":
+        with TorchFunctionMode():
+            assert not op_call.plain_eager(args, kwargs)
+    elif why == "profiler":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+            assert not op_call.plain_eager(args, kwargs)
+    elif why == "vmap":
+        seen = []
+        torch.func.vmap(lambda t: seen.append(op_call.plain_eager((t, ))) or t)(torch.randn(2, 3))
+        assert seen == [False]
+    else:
+        assert not op_call.plain_eager(args, kwargs)
+
+
+def test_compiled_calls_go_through_the_op(kernel_device):
+    f = torch.compile(lambda t: t + op_call.plain_eager((t, )), backend="eager", fullgraph=True)
+    assert torch.equal(f(torch.zeros(2)), torch.zeros(2))
+
+
+def test_cpu_tensors_take_the_op_and_modes_see_it():
+    # Outside the interpreter CPU tensors run the op's reference: through the dispatcher, where
+    # a dispatch mode sees the compiled_attn op.
+    assert not op_call.plain_eager((torch.randn(2), ))
+    q, k, v = (torch.randn(5, 2, 16) for _ in range(3))
+    with _Record() as rec:
+        fi.single_prefill_with_kv_cache(q, k, v, causal=True)
+    assert "compiled_attn.single_prefill.default" in rec.ops
