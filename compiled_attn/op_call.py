@@ -44,8 +44,8 @@ def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     grad = torch.is_grad_enabled()
     for a in (*args, *(kwargs or {}).values()):
         if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor
-                                            or not contracts._use_kernel(a)
-                                            or (grad and a.requires_grad)):
+                                            or (grad and a.requires_grad)
+                                            or not (a.is_cuda or contracts._use_kernel(a))):
             return False
     return True
 
