@@ -4,10 +4,10 @@ Every entry point (the wrappers' run(), the single-request function, the cuDNN- 
 functions, POD, the transformers attention function) computes through one of the four
 ``torch.ops.compiled_attn`` ops. Through torch's dispatcher a call of a ``triton_op`` passes
 three Python kernels (custom_op's autograd wrapper, its backend wrapper, then ours) and boxes its
-~20 arguments at each step: 58-80 us of host time per call on the H100's host
-(docs/design.md, "Eager launch cost"), more than SDPA's whole call. A plain eager call needs none
-of that: ``call_op`` then runs the op's implementation (contracts.IMPLEMENTATIONS, the function
-the op's backend runs) the way the op's backend runs it, with wrap_triton off.
+~20 arguments at each step. A plain eager call needs none of that: ``call_op`` then runs the op's
+implementation (contracts.IMPLEMENTATIONS, the function the op's backend runs) the way the op's
+backend runs it, with wrap_triton off: 30-40 us less host time per call of a wrapper's run() or
+single_prefill_with_kv_cache on the H100's host (docs/design.md; about a fifth of the call).
 
 Plain eager means nothing could observe or transform the op: not compiling or exporting
 (Dynamo), no TorchDispatchMode or TorchFunctionMode active (FakeTensorMode, FunctionalTensorMode,
