@@ -6,7 +6,7 @@ functions, POD, the transformers attention function) computes through one of the
 three Python kernels (custom_op's autograd wrapper, its backend wrapper, then ours) and boxes its
 ~20 arguments at each step. A plain eager call needs none of that: ``call_op`` then runs the op's
 implementation (contracts.IMPLEMENTATIONS, the function the op's backend runs) the way the op's
-backend runs it, with wrap_triton off: 30-40 us less host time per call of a wrapper's run() or
+backend runs it, with wrap_triton off: 30-45 us less host time per call of a wrapper's run() or
 single_prefill_with_kv_cache on the H100's host (docs/design.md; about a fifth of the call).
 
 Plain eager means nothing could observe or transform the op: not compiling or exporting
