@@ -146,7 +146,9 @@ class GptFast(nn.Module):
 # Helpers
 # ----------------------------------------------------------------------------------------------
 def assert_close_rel(out, ref, rows=None, rtol=2e-5):
-    """|out - ref| <= rtol * max|ref| over the given rows ([B, S] bool) of [B, S, ...]."""
+    """|out - ref| <= rtol * max|ref| over the given rows ([B, S] bool) of [B, S, ...]. The
+    shapes must match: a broadcast (e.g. one batch entry against the whole batch) is an error."""
+    assert out.shape == ref.shape, f"output shape {tuple(out.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(out).any()
     if rows is not None:
         out, ref = out[rows], ref[rows]
