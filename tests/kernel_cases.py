@@ -210,6 +210,7 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     lowp = dt if dt in (torch.float16, torch.bfloat16) else None
     t_out, t_lse = ref(c, p, compute=torch.float32, matmul_dtype=lowp)
     t_out = t_out.to(out.dtype)
+    assert out.shape == r_out.shape and lse.shape == r_lse.shape, (out.shape, r_out.shape)
     assert not torch.isnan(out).any(), "NaN in the output"
     assert not torch.isnan(lse).any(), "NaN in the LSE"
     fin = torch.isfinite(r_lse)

@@ -29,6 +29,7 @@ def _page_table(kv_lens, page, total_pages, gen):
 
 
 def _close(gpu, cpu):
+    assert gpu.shape == cpu.shape, (gpu.shape, cpu.shape)
     assert not torch.isnan(gpu).any()
     err = (gpu.double().cpu() - cpu).abs().max().item()
     assert err < TOL, err

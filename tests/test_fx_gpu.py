@@ -116,6 +116,7 @@ def test_compile_bf16_runs_our_kernel(case):
     assert "_prefill_fwd" in code, "compiled code does not launch compiled_attn's Triton kernel"
     assert "scaled_dot_product" not in code
     out = out.cpu().double()
+    assert out.shape == ref64.shape, (out.shape, ref64.shape)
     assert not torch.isnan(out).any()
     err = (out - ref64)[rows].abs().max().item()
     eager_err = (eager - ref64)[rows].abs().max().item()

@@ -61,6 +61,7 @@ def run_export(fn):
 
 
 def close(out, ref):
+    assert out.shape == ref.shape, (out.shape, ref.shape)
     err = (out - ref).abs().max().item()
     assert not torch.isnan(out).any()
     assert err <= 2e-5 * ref.abs().max().item() + 1e-6, err

@@ -53,6 +53,7 @@ def _sdpa_bound(out, q, k, v):
 
     ref = sdpa(q, k, v, dt=torch.float64)
     own = (sdpa(q, k, v, dt=torch.bfloat16).double() - ref).abs().max().item()
+    assert out.shape == ref.shape, (out.shape, ref.shape)
     assert not torch.isnan(out).any()
     err = (out.double() - ref).abs().max().item()
     assert err <= 2 * own + ref.abs().max().item() * 2.0 ** -8, (err, own)
