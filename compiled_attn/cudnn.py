@@ -404,11 +404,13 @@ def cudnn_batch_prefill_with_kv_cache(
     if paged:
         page_indptr, page_indices, last = _compact_block_tables(block_tables.to(q.device),
                                                                 kv_lens, page)
-        o, lse_tok = call_op("batch_paged_prefill",
+        o, lse_tok = call_op(
+            "batch_paged_prefill",
             qx, k_cache.transpose(1, 2), v_cache.transpose(1, 2), qo_i32, page_indptr,
             page_indices, last, work, None, None, None, None, bm, *params)
     else:
-        o, lse_tok = call_op("batch_ragged_prefill",
+        o, lse_tok = call_op(
+            "batch_ragged_prefill",
             qx, k_cache, v_cache, qo_i32, kv_i32, work, None, None, None, None, bm, *params)
     if out is None:
         out = o

@@ -76,7 +76,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         mode = MASK_CAUSAL if causal else MASK_NONE
         if causal and sliding_window:
             window_left = int(sliding_window) - 1  # HF: key j visible iff j > i - window
-    out, _ = call_op("single_prefill",
+    out, _ = call_op(
+        "single_prefill",
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, None,
         mode, window_left, 0, scale, float(softcap or 0.0), 0, 1.0, 1e4, 1.0, None)
     return out, None

@@ -132,7 +132,8 @@ class _PODBase(_WrapperBase):
               window_d, sm_d, pos, rope_scale, rope_theta, v_scale, want_lse_p, want_lse_d):
         """One POD launch; v_scale (decode only, as FlashInfer) multiplies out_d afterwards."""
         v_f, v_t = _split_v_scale(v_scale)
-        out_p, lse_p, out_d, lse_d = call_op("pod_prefill_decode",
+        out_p, lse_p, out_d, lse_d = call_op(
+            "pod_prefill_decode",
             q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d, idx_d, last_d,
             work, packed_p, mask_indptr_p, p["alibi"], p["block_m"], mask_p, window_p, sm_p, 0.0,
             mask_d, window_d, sm_d, 0.0, pos, rope_scale, rope_theta, 1.0, q_p.dtype)

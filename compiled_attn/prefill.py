@@ -233,7 +233,8 @@ def single_prefill_with_kv_cache(
     sm = opts["sm_scale"] * V.host_scale("k_scale", k_scale)
     v_scale_f, v_scale_t = _split_v_scale(v_scale)
     alibi = get_alibi_slopes(hq, q.device) if opts["pos_encoding_mode"] == POS_ALIBI else None
-    out, lse = call_op("single_prefill",
+    out, lse = call_op(
+        "single_prefill",
         q.unsqueeze(0), kn.unsqueeze(0), vn.unsqueeze(0), packed, alibi, None,
         mask_mode, opts["window_left"], 0, sm, opts["logits_soft_cap"],
         opts["pos_encoding_mode"], opts["rope_scale"], opts["rope_theta"], v_scale_f, out_dtype)
@@ -772,7 +773,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                            device=self.device, what="[Hq] float32")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
                        self.device, lse_layout)
-        res_out, res_lse = call_op("batch_paged_prefill",
+        res_out, res_lse = call_op(
+            "batch_paged_prefill",
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
             p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
@@ -902,7 +904,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 f"{p.head_dim_qk} / {p.head_dim_vo} (kv_layout={self._kv_layout!r})")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
                        self.device, lse_layout)
-        res_out, res_lse = call_op("batch_ragged_prefill",
+        res_out, res_lse = call_op(
+            "batch_ragged_prefill",
             q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
             p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
             p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge)

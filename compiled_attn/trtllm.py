@@ -301,13 +301,15 @@ def trtllm_fmha_v2_prefill(
         pind, pidx, last = _compact_block_tables(block_tables, kv_lens, page)
         _device_check((pidx >= 0) & (pidx < k.shape[0]),
                       "block_tables holds page indices outside the cache")
-        o, _ = call_op("batch_paged_prefill",
+        o, _ = call_op(
+            "batch_paged_prefill",
             qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
     else:
         if block_tables is not None:
             _fail("block_tables", f"was given with input_layout={input_layout!r}",
                   "drop it (only the Q_PAGED_KV layouts use a page table)")
-        o, _ = call_op("batch_ragged_prefill",
+        o, _ = call_op(
+            "batch_ragged_prefill",
             qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
     if out is None:
         return o
