@@ -73,18 +73,18 @@ def _entry_calls(b, s, h, d):
     single_prefill_with_kv_cache on one request of s tokens."""
     import compiled_attn as fi
 
+    from .providers import scatter_pages
+
     q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
     ws = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws)
     ragged.plan(indptr, indptr, h, h, d, causal=True, q_data_type=torch.bfloat16)
-    page = 16
-    perm = torch.randperm(b * s // page, device="cuda")
-    cache = torch.stack([t.view(-1, page, h, d)[perm.argsort()] for t in (k, v)], 1)
+    k_cache, v_cache, page_indptr, page_indices, last = scatter_pages(k, v, [s] * b, 16)
+    cache = torch.stack([k_cache, v_cache], 1)  # FlashInfer's [P, 2, page, H, D] cache
     paged = fi.BatchPrefillWithPagedKVCacheWrapper(ws)
-    paged.plan(indptr, indptr // page, perm.to(torch.int32),
-               torch.full((b, ), page, device="cuda", dtype=torch.int32), h, h, d, page,
-               causal=True, q_data_type=torch.bfloat16)
+    paged.plan(indptr, page_indptr, page_indices, last, h, h, d, 16, causal=True,
+               q_data_type=torch.bfloat16)
     return {"ragged run": lambda: ragged.run(q, k, v),
             "paged run p16": lambda: paged.run(q, cache),
             "single": lambda: fi.single_prefill_with_kv_cache(q[:s], k[:s], v[:s], causal=True)}

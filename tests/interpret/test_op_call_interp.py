@@ -8,37 +8,29 @@ import torch
 import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import contracts
+from tests.test_api_prefill import WS, indptr, make_paged, rand
 
-WS = torch.empty(16, dtype=torch.uint8)
 QO, KV = [5, 0, 9], [13, 7, 9]
 HQ, HKV, D, PAGE = 4, 2, 32, 4
-
-
-def _indptr(lens):
-    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+F32 = torch.float32
 
 
 def _call(entry):
-    g = torch.Generator().manual_seed(7)
-    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float32)  # noqa: E731
     if entry == "single":
-        q, k, v = rnd(9, HQ, D), rnd(13, HKV, D), rnd(13, HKV, D)
+        q, k, v = rand(9, HQ, D, seed=1, dtype=F32), rand(13, HKV, D, seed=2, dtype=F32), \
+            rand(13, HKV, D, seed=3, dtype=F32)
         return "single_prefill", lambda: fi.single_prefill_with_kv_cache(
             q, k, v, causal=True, return_lse=True)
-    q = rnd(sum(QO), HQ, D)
+    q = rand(sum(QO), HQ, D, seed=4, dtype=F32)
     if entry == "ragged":
-        k, v = rnd(sum(KV), HKV, D), rnd(sum(KV), HKV, D)
+        k, v = rand(sum(KV), HKV, D, seed=5, dtype=F32), rand(sum(KV), HKV, D, seed=6, dtype=F32)
         w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
-        w.plan(_indptr(QO), _indptr(KV), HQ, HKV, D, causal=True, q_data_type=torch.float32)
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, causal=True, q_data_type=F32)
         return "batch_ragged_prefill", lambda: w.run(q, k, v, return_lse=True)
-    pages = [-(-n // PAGE) for n in KV]
-    total = sum(pages)
-    cache = rnd(total + 3, 2, PAGE, HKV, D)  # spare pages the table never names
-    idx = torch.randperm(total + 3, generator=g)[:total].to(torch.int32)
-    last = torch.tensor([n - (p - 1) * PAGE for n, p in zip(KV, pages)], dtype=torch.int32)
+    # a shuffled page table with spare pages it never names
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, PAGE, dtype=F32, seed=7)
     w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
-    w.plan(_indptr(QO), _indptr(pages), idx, last, HQ, HKV, D, PAGE, causal=True,
-           q_data_type=torch.float32)
+    w.plan(indptr(QO), kvi, idx, last, HQ, HKV, D, PAGE, causal=True, q_data_type=F32)
     return "batch_paged_prefill", lambda: w.run(q, cache, return_lse=True)
 
 
