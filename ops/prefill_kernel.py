@@ -636,16 +636,18 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
 
 
 @triton.jit
-def _work_item(work_ptr, lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
-               KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
+def _work_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
+               KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr):
     """(request, first row, KV head, work-list row, key chunk, number of chunks) of the item at
     place ``lin`` in launch order (program x of KV head h on the plain grid: x + h * n_items).
-    Ragged / paged: row x = lin % n_items of the work list ([W, 2], or [W, 4] with SPLIT), KV
-    head lin // n_items. Dense mode derives it: the n_req * n_hkv (batch entry, KV head) pairs
-    are taken dense_group at a time (the last group may hold fewer), and a group's tiles run
-    heaviest first (causal's last rows see the most keys) with the group's pairs side by side.
-    One pair at a time, the last pairs' heaviest tiles would start in the last wave and run
-    on alone (_dense_group)."""
+    Ragged / paged: row x = lin % n_items of the work list, KV head lin // n_items; the caller
+    reads the row's fields (_prefill_fwd; 0, 0, 0, 1 here). Dense mode derives them: the
+    n_req * n_hkv (batch entry, KV head) pairs are taken dense_group at a time (the last group
+    may hold fewer), and a group's tiles run heaviest first (causal's last rows see the most
+    keys) with the group's pairs side by side. One pair at a time, the last pairs' heaviest
+    tiles would start in the last wave and run on alone (_dense_group)."""
+    req = 0
+    row0 = 0
     split = 0
     nsplit = 1
     x = lin % n_items
@@ -659,14 +661,6 @@ def _work_item(work_ptr, lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
         hkv = pair // n_req
         req = pair % n_req
         row0 = (dense_tiles - 1 - r // pairs) * BLOCK_M
-    elif SPLIT:
-        req = tl.load(work_ptr + x * 4)
-        row0 = tl.load(work_ptr + x * 4 + 1)
-        split = tl.load(work_ptr + x * 4 + 2)
-        nsplit = tl.load(work_ptr + x * 4 + 3)
-    else:
-        req = tl.load(work_ptr + x * 2)
-        row0 = tl.load(work_ptr + x * 2 + 1)
     return req, row0, hkv, x, split, nsplit
 
 
@@ -726,8 +720,13 @@ def _prefill_fwd(
         while item < total:
             nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
             req, row0, hkv, x, split, nsplit = _work_item(
-                work_ptr, item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, KV_MODE,
-                BLOCK_M, SPLIT)
+                item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, KV_MODE, BLOCK_M)
+            if KV_MODE != 0:  # the work list's row x (read here: see the other branch)
+                req = tl.load(work_ptr + x * (4 if SPLIT else 2))
+                row0 = tl.load(work_ptr + x * (4 if SPLIT else 2) + 1)
+                if SPLIT:
+                    split = tl.load(work_ptr + x * 4 + 2)
+                    nsplit = tl.load(work_ptr + x * 4 + 3)
             _program(
                 req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
                 q_ptr, k_desc, v_desc, o_ptr, lse_ptr,
@@ -746,8 +745,19 @@ def _prefill_fwd(
             item = nxt
     else:
         req, row0, hkv, x, split, nsplit = _work_item(
-            work_ptr, tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles,
-            dense_group, kv_rows, n_hkv, KV_MODE, BLOCK_M, SPLIT)
+            tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles, dense_group,
+            kv_rows, n_hkv, KV_MODE, BLOCK_M)
+        # The work list's row x, read here rather than in _work_item: torch's mutation analysis
+        # (torch.compile / export tracing this launch) follows a helper's results back to all
+        # of its arguments, so a work list passed to one reads as written and traced graphs
+        # would copy it (dense mode: q, which stands in for it) before each launch
+        # (tests/test_mutation_analysis.py).
+        if KV_MODE != 0:
+            req = tl.load(work_ptr + x * (4 if SPLIT else 2))
+            row0 = tl.load(work_ptr + x * (4 if SPLIT else 2) + 1)
+            if SPLIT:
+                split = tl.load(work_ptr + x * 4 + 2)
+                nsplit = tl.load(work_ptr + x * 4 + 3)
         _program(
             req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
             q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
@@ -1002,15 +1012,20 @@ def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _device_properties(index: int):
-    """CUDA device ``index``'s properties, queried once: the one source of its compute
-    capability (_sm_major) and multiprocessor count (sm_count, and through it the Gluon
-    launcher's persistent grid). A query costs ~5 us on the H100's host; launches ask twice."""
+    """CUDA device ``index``'s properties, queried once (_props). A query costs ~5 us on the
+    H100's host; launches ask twice."""
     return torch.cuda.get_device_properties(index)
 
 
+def _props(index: int | None):
+    """The properties of CUDA device ``index`` (None: the current device): the one source of
+    its compute capability (_sm_major) and multiprocessor count (sm_count, and through it the
+    Gluon launcher's persistent grid)."""
+    return _device_properties(torch.cuda.current_device() if index is None else index)
+
+
 def _sm_major(device: torch.device) -> int:
-    index = device.index
-    return _device_properties(torch.cuda.current_device() if index is None else index).major
+    return _props(device.index).major
 
 
 def _gluon_device(device: torch.device) -> bool:
@@ -1279,9 +1294,7 @@ RESIDENT_PER_SM = {64: 2, 128: 1}
 
 def sm_count(index: int | None = None) -> int:
     """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
-    if index is None:
-        index = torch.cuda.current_device()
-    return _device_properties(index).multi_processor_count
+    return _props(index).multi_processor_count
 
 
 def _resident_tiles(device: torch.device, block_m: int) -> int:

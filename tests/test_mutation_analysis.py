@@ -1,0 +1,160 @@
+"""torch's mutation analysis of our Triton kernels, under the installed torch and Triton.
+
+When torch.compile or torch.export trace an op, its Triton launch becomes a
+``triton_kernel_wrapper`` node, and torch works out which tensor arguments the kernel writes by
+compiling it to TTIR and reading the stores (``torch._higher_order_ops.triton_kernel_wrap``). If
+that step fails, torch logs a warning and assumes every tensor argument is written: graphs then
+clone q / k / v and the plan tensors before each call. That step calls Triton's compiler
+internals, which move between releases. On the H100, torch 2.11 with triton 3.9 (a pairing torch
+2.11 does not pin) hit exactly this, and seven Inductor tests of the GPU tier failed after it
+(benchmarks/NOTES.md, 23rd session). So each launch family is analysed here, for an sm_90
+target (no GPU needed), and must write only its outputs.
+
+The launchers are called on CPU tensors with Triton's launch replaced by a recorder (nothing
+runs); the recorded arguments are what wrap_triton would hand torch's analysis.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compiled_attn.ops import contracts as C
+from compiled_attn.ops import prefill_kernel as K
+
+twk = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+pytestmark = pytest.mark.skipif(K.INTERPRET, reason="the interpreter's kernels are not traced")
+
+F16 = torch.float16
+# Outputs a launch may write (the persistent counter is taken by atomic adds); anything else
+# written, q_ptr above all, means torch fell back to "every input is mutated".
+WRITABLE = {"o_ptr", "lse_ptr", "part_o_ptr", "part_l_ptr", "counter_ptr",
+            "o_ptr_p", "lse_ptr_p", "o_ptr_d", "lse_ptr_d"}
+
+
+class _FakeDriver:
+    """Triton's active driver as torch's analysis uses it: an sm_90 target."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+
+class _Recorder:
+    """Stands in for wrap_triton(kernel): ``[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, fn, calls):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    from triton.runtime.driver import driver
+
+    calls: list = []
+    monkeypatch.setattr(driver, "_active", _FakeDriver())
+    monkeypatch.setattr(K, "_kernel", lambda fn: _Recorder(fn, calls))
+    monkeypatch.setattr(K, "_ensure_allocator", lambda: None)
+    monkeypatch.setattr(K, "sm_count", lambda index=None: 132)
+    return calls
+
+
+def _params(mask_mode=C.MASK_CAUSAL, d=64):
+    return dict(C._params(mask_mode, -1, 0, d ** -0.5, 0.0, C.POS_NONE, 1.0, 1e4, 1.0),
+                out_dtype=F16)
+
+
+def _ragged(n=48, h=2, d=64):
+    q, k, v = (torch.randn(n, h, d, dtype=F16) for _ in range(3))
+    indptr = torch.tensor([0, 17, n], dtype=torch.int32)
+    return q, k, v, indptr
+
+
+def _paged(n=48, h=2, d=64, page=4):
+    q = torch.randn(n, h, d, dtype=F16)
+    pages = (n + page - 1) // page + 3
+    kc, vc = (torch.randn(pages, page, h, d, dtype=F16) for _ in range(2))
+    qo = torch.tensor([0, 17, n], dtype=torch.int32)
+    page_indptr = torch.tensor([0, 5, 12], dtype=torch.int32)
+    indices = torch.randperm(pages)[:12].to(torch.int32)
+    last = torch.tensor([1, 3], dtype=torch.int32)
+    return q, kc, vc, qo, page_indptr, indices, last
+
+
+def _single(persistent):
+    q, k, v = (torch.randn(1, 40, 2, 64, dtype=F16) for _ in range(3))
+    K.launch_single(q, k, v, None, None, None, **_params())
+
+
+def _ragged_launch(split):
+    q, k, v, indptr = _ragged()
+    work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
+    merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
+    K.launch_ragged(q, k, v, indptr, indptr, work, None, None, None, None, 64, merge,
+                    **_params())
+
+
+def _paged_launch(page=4, d=64, block_m=64):
+    q, kc, vc, qo, page_indptr, indices, last = _paged(d=d, page=page)
+    work = torch.zeros(6, 2, dtype=torch.int32)
+    K.launch_paged(q, kc, vc, qo, page_indptr, indices, last, work, None, None, None, None,
+                   block_m, **_params(d=d))
+
+
+def _pod_launch():
+    p = _paged()
+    d = _paged(n=2)
+    d = (d[0], d[1], d[2], torch.tensor([0, 1, 2], dtype=torch.int32), *d[4:])
+    work = torch.zeros(6, 3, dtype=torch.int32)
+    pp, dp = _params(), _params(C.MASK_NONE)
+    K.launch_pod(*p, *d, work, None, None, None, 64, pp, dp)
+
+
+CASES = {
+    "single pointers": (lambda: _single(False), {}),
+    # TMA 3: K/V descriptors built per persistent program, as in a traced graph
+    "single persistent": (lambda: _single(True), {"_tma_hardware": lambda device: True}),
+    "ragged": (lambda: _ragged_launch(False), {}),
+    "ragged split + merge": (lambda: _ragged_launch(True), {}),
+    "paged page 4": (_paged_launch, {}),
+    # the H100's page-1 tile: 128 rows, D 128, pointer gathers
+    "paged page 1 D128": (lambda: _paged_launch(1, 128, 128), {}),
+    "pod": (_pod_launch, {}),
+}
+
+
+def _written(fn, kwargs) -> set[str]:
+    """Names of the tensor arguments torch's analysis finds written (torch 2.13:
+    identify_accessed_tensors; 2.11 / 2.12: identify_mutated_tensors)."""
+    if hasattr(twk, "identify_accessed_tensors"):
+        acc = twk.identify_accessed_tensors(fn, kwargs, {})
+        return {dep.name for dep in acc.read_writes.writes}
+    return set(twk.identify_mutated_tensors(fn, kwargs, {}))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
+    launch, patches = CASES[case]
+    for name, value in patches.items():
+        monkeypatch.setattr(K, name, value)
+    launch()
+    assert launches, "the launcher launched nothing"
+    for fn, args, kw in launches:
+        kwargs = dict(zip(fn.arg_names, args), **kw)
+        assert set(fn.arg_names) <= set(kwargs), f"{fn.fn.__name__}: arguments missing"
+        # Triton's compiler as torch drives it: raises here instead of the analysis' fallback
+        twk.generate_ttir(fn, dict(kwargs), {})
+        written = _written(fn, dict(kwargs))
+        tensors = {n for n in fn.arg_names if isinstance(kwargs[n], torch.Tensor)}
+        assert written and written <= WRITABLE & tensors, (fn.fn.__name__, sorted(written))
+    if case == "single persistent":
+        assert launches[0][2]["TMA"] == 3 and "counter_ptr" in written
+    if case == "ragged split + merge":
+        assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
