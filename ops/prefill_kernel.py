@@ -749,8 +749,8 @@ def _prefill_fwd(
             kv_rows, n_hkv, KV_MODE, BLOCK_M)
         # The work list's row x, read here rather than in _work_item: torch's mutation analysis
         # (torch.compile / export tracing this launch) follows a helper's results back to all
-        # of its arguments, so a work list passed to one reads as written and traced graphs
-        # would copy it (dense mode: q, which stands in for it) before each launch
+        # of its arguments, so a work list passed to one would read as written (dense mode: q,
+        # which stands in for it) in the traced node's dependencies
         # (tests/test_mutation_analysis.py).
         if KV_MODE != 0:
             req = tl.load(work_ptr + x * (4 if SPLIT else 2))

@@ -3,12 +3,14 @@
 When torch.compile or torch.export trace an op, its Triton launch becomes a
 ``triton_kernel_wrapper`` node, and torch works out which tensor arguments the kernel writes by
 compiling it to TTIR and reading the stores (``torch._higher_order_ops.triton_kernel_wrap``). If
-that step fails, torch logs a warning and assumes every tensor argument is written: graphs then
-clone q / k / v and the plan tensors before each call. That step calls Triton's compiler
+that step fails, torch logs a warning and assumes every tensor argument is written (q / k / v
+and the plan tensors then count as outputs of the node). That step calls Triton's compiler
 internals, which move between releases. On the H100, torch 2.11 with triton 3.9 (a pairing torch
 2.11 does not pin) hit exactly this, and seven Inductor tests of the GPU tier failed after it
-(benchmarks/NOTES.md, 23rd session). So each launch family is analysed here, for an sm_90
-target (no GPU needed), and must write only its outputs.
+(benchmarks/NOTES.md, 23rd session). Where it succeeds it is conservative through jit helpers
+(a helper's results depend on all its arguments), which once made the work list read as
+written. So each launch family is analysed here, for an sm_90 target (no GPU needed), and must
+write only its outputs.
 
 The launchers are called on CPU tensors with Triton's launch replaced by a recorder (nothing
 runs); the recorded arguments are what wrap_triton would hand torch's analysis.
