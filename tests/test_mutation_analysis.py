@@ -24,10 +24,13 @@ import torch
 from compiled_attn.ops import contracts as C
 from compiled_attn.ops import prefill_kernel as K
 
+from .test_api_prefill import indptr, make_paged, rand
+
 twk = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 pytestmark = pytest.mark.skipif(K.INTERPRET, reason="the interpreter's kernels are not traced")
 
 F16 = torch.float16
+QO = [17, 31]  # two requests' query rows (kernel arguments only: nothing runs)
 # Outputs a launch may write (the persistent counter is taken by atomic adds); anything else
 # written, q_ptr above all, means torch fell back to "every input is mutated".
 WRITABLE = {"o_ptr", "lse_ptr", "part_o_ptr", "part_l_ptr", "counter_ptr",
@@ -41,9 +44,6 @@ class _FakeDriver:
         from triton.backends.compiler import GPUTarget
 
         return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
 
 
 class _Recorder:
@@ -73,56 +73,46 @@ def _params(mask_mode=C.MASK_CAUSAL, d=64):
                 out_dtype=F16)
 
 
-def _ragged(n=48, h=2, d=64):
-    q, k, v = (torch.randn(n, h, d, dtype=F16) for _ in range(3))
-    indptr = torch.tensor([0, 17, n], dtype=torch.int32)
-    return q, k, v, indptr
+def _ragged(d=64):
+    q, k, v = (rand(sum(QO), 2, d, seed=s, dtype=F16) for s in range(3))
+    return q, k, v, indptr(QO)
 
 
-def _paged(n=48, h=2, d=64, page=4):
-    q = torch.randn(n, h, d, dtype=F16)
-    pages = (n + page - 1) // page + 3
-    kc, vc = (torch.randn(pages, page, h, d, dtype=F16) for _ in range(2))
-    qo = torch.tensor([0, 17, n], dtype=torch.int32)
-    page_indptr = torch.tensor([0, 5, 12], dtype=torch.int32)
-    indices = torch.randperm(pages)[:12].to(torch.int32)
-    last = torch.tensor([1, 3], dtype=torch.int32)
-    return q, kc, vc, qo, page_indptr, indices, last
+def _paged(qo=QO, d=64, page=4):
+    """q, the K / V caches of a shuffled page table, and the plan's indptrs and page table."""
+    (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, page, fmt="4d",
+                                                            dtype=F16)
+    return rand(sum(qo), 2, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
 
 
-def _single(persistent):
-    q, k, v = (torch.randn(1, 40, 2, 64, dtype=F16) for _ in range(3))
+def _single():
+    q, k, v = (rand(1, 40, 2, 64, seed=s, dtype=F16) for s in range(3))
     K.launch_single(q, k, v, None, None, None, **_params())
 
 
 def _ragged_launch(split):
-    q, k, v, indptr = _ragged()
+    q, k, v, qo = _ragged()
     work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
     merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
-    K.launch_ragged(q, k, v, indptr, indptr, work, None, None, None, None, 64, merge,
-                    **_params())
+    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params())
 
 
 def _paged_launch(page=4, d=64, block_m=64):
-    q, kc, vc, qo, page_indptr, indices, last = _paged(d=d, page=page)
     work = torch.zeros(6, 2, dtype=torch.int32)
-    K.launch_paged(q, kc, vc, qo, page_indptr, indices, last, work, None, None, None, None,
-                   block_m, **_params(d=d))
+    K.launch_paged(*_paged(d=d, page=page), work, None, None, None, None, block_m,
+                   **_params(d=d))
 
 
 def _pod_launch():
-    p = _paged()
-    d = _paged(n=2)
-    d = (d[0], d[1], d[2], torch.tensor([0, 1, 2], dtype=torch.int32), *d[4:])
     work = torch.zeros(6, 3, dtype=torch.int32)
-    pp, dp = _params(), _params(C.MASK_NONE)
-    K.launch_pod(*p, *d, work, None, None, None, 64, pp, dp)
+    K.launch_pod(*_paged(), *_paged(qo=[1, 1]), work, None, None, None, 64, _params(),
+                 _params(C.MASK_NONE))
 
 
 CASES = {
-    "single pointers": (lambda: _single(False), {}),
+    "single pointers": (_single, {}),
     # TMA 3: K/V descriptors built per persistent program, as in a traced graph
-    "single persistent": (lambda: _single(True), {"_tma_hardware": lambda device: True}),
+    "single persistent": (_single, {"_tma_hardware": lambda device: True}),
     "ragged": (lambda: _ragged_launch(False), {}),
     "ragged split + merge": (lambda: _ragged_launch(True), {}),
     "paged page 4": (_paged_launch, {}),
