@@ -17,8 +17,8 @@ here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attent
 ``Emitter.call_op``, which otherwise inlines the op's implementation into Inductor's graph).
 
 ``eager_gluon`` is the static part of the eager launcher's own choice: the launcher's tile and
-descriptor rules (prefill_kernel._kv_descriptors, _small_launch where shapes are static) and the
-Gluon kernel's scope, prefill_kernel._gluon_scope, which the eager launch itself asks
+descriptor rules (prefill_kernel._host_descriptor_rule; its size test where shapes are static)
+and the Gluon kernel's scope, prefill_kernel._gluon_scope, which the eager launch itself asks
 (_gluon_views): device, dtypes, head dims, options, tile height, page size, K/V layout where
 strides are known. Not what only a launch can know (the pointers' alignment): a call it admits
 that the launcher then declines runs the Triton kernel from the fallback call, with the same
@@ -94,12 +94,9 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
         block_m = guard_int(a["block_m"])
         kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
         mean_kv = None if paged else pk.ragged_mean_kv(k, a["qo_indptr"])
-    if not paged:
-        # _program_args: the host-descriptor launch, not below HOST_TMA_MIN_FLOP
+    if not paged:  # contiguous K/V: the launch's host-descriptor rule (_program_args)
         cfg = pk._config(block_m, dqk, dvo, kv_mode, mask_mode)
-        if not pk._kv_descriptors(cfg, consts, kv_mode):
-            return False
-        if pk._small_launch(q, kv_mode, mean_kv, dvo, mask_mode):
+        if not pk._host_descriptor_rule(cfg, consts, kv_mode, q, mean_kv, dvo):
             return False
     page_size = guard_int(k.shape[1]) if paged else 0
     return pk._gluon_scope(kv_mode, q, k, v, a["out_dtype"] or q.dtype, block_m, page_size,

@@ -936,7 +936,7 @@ def kv_2d(t: torch.Tensor, kind: str) -> torch.Tensor | None:
     elif kind == "dense":
         n = t.shape[0] * t.shape[1]
     else:
-        n = (t.shape[0] - 1) * (t.stride(0) // rows) + t.shape[1]
+        n = (t.shape[0] - 1) * page_rows(t) + t.shape[1]
     return t.as_strided((n, t.shape[-2] * t.shape[-1]), (rows, 1))
 
 

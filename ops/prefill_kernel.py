@@ -403,7 +403,7 @@ def _attend_range(
 
 @triton.jit
 def _program(
-    req, row0, hkv, n_hkv, split, nsplit, part_idx, part_o_ptr, part_l_ptr,
+    req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
     mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -419,18 +419,36 @@ def _program(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
-    TMA: tl.constexpr, SPLIT: tl.constexpr,
+    TMA: tl.constexpr, SPLIT: tl.constexpr, ROW: tl.constexpr,
 ):
-    """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. With SPLIT,
-    the item covers key chunk ``split`` of ``nsplit`` of the tile's key range; when nsplit > 1
-    it writes its normalised partial output and LSE to slot part_idx of the partial buffers
-    (part_o [W, Hkv, BLOCK_M, BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd."""
+    """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. Dense mode
+    (KV_MODE 0) takes req and row0 as given; ragged / paged read them from row x of the work
+    list work_ptr (int32, ROW fields a row, the item's fields from the first: request, first
+    row, and with SPLIT key chunk and number of chunks). With SPLIT, the item covers key chunk
+    ``split`` of ``nsplit`` of the tile's key range; when nsplit > 1 it writes its normalised
+    partial output and LSE to slot x of the partial buffers (part_o [W, Hkv, BLOCK_M,
+    BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd."""
     # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     soft_cap = tl.cast(soft_cap, tl.float32)
     rope_rcp_scale = tl.cast(rope_rcp_scale, tl.float32)
     log2_theta = tl.cast(log2_theta, tl.float32)
     v_scale = tl.cast(v_scale, tl.float32)
+
+    # ---- the work item -------------------------------------------------------------------------
+    # Its row is read here, in the function that uses it, not by a helper: torch's mutation
+    # analysis (torch.compile / export tracing this launch) follows a helper's results back to
+    # all of the helper's arguments, so a work list passed to one would read as written (dense
+    # mode: q, which stands in for it) in the traced node's dependencies
+    # (tests/test_mutation_analysis.py). A load's result is not followed back to its pointer.
+    split = 0
+    nsplit = 1
+    if KV_MODE != 0:
+        req = tl.load(work_ptr + x * ROW)
+        row0 = tl.load(work_ptr + x * ROW + 1)
+        if SPLIT:
+            split = tl.load(work_ptr + x * ROW + 2)
+            nsplit = tl.load(work_ptr + x * ROW + 3)
 
     # ---- the request's rows and keys ---------------------------------------------------------
     if KV_MODE == 0:
@@ -596,7 +614,7 @@ def _program(
             l_safe = tl.where(seen, l_i, 1.0)
             offs_r = tl.arange(0, BLOCK_M)
             offs_dv = tl.arange(0, BLOCK_DVO)
-            slot = (part_idx.to(tl.int64) * n_hkv + hkv) * BLOCK_M
+            slot = (x.to(tl.int64) * n_hkv + hkv) * BLOCK_M
             tl.store(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :],
                      acc / l_safe[:, None])
             tl.store(part_l_ptr + slot + offs_r,
@@ -638,18 +656,16 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
 @triton.jit
 def _work_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
                KV_MODE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(request, first row, KV head, work-list row, key chunk, number of chunks) of the item at
-    place ``lin`` in launch order (program x of KV head h on the plain grid: x + h * n_items).
-    Ragged / paged: row x = lin % n_items of the work list, KV head lin // n_items; the caller
-    reads the row's fields (_prefill_fwd; 0, 0, 0, 1 here). Dense mode derives them: the
-    n_req * n_hkv (batch entry, KV head) pairs are taken dense_group at a time (the last group
-    may hold fewer), and a group's tiles run heaviest first (causal's last rows see the most
-    keys) with the group's pairs side by side. One pair at a time, the last pairs' heaviest
-    tiles would start in the last wave and run on alone (_dense_group)."""
+    """(request, first row, KV head, work-list row) of the item at place ``lin`` in launch
+    order (program x of KV head h on the plain grid: x + h * n_items). Ragged / paged: row
+    x = lin % n_items of the work list, KV head lin // n_items; _program reads the row's fields
+    (request and first row are 0 here). Dense mode derives them: the n_req * n_hkv (batch
+    entry, KV head) pairs are taken dense_group at a time (the last group may hold fewer), and
+    a group's tiles run heaviest first (causal's last rows see the most keys) with the group's
+    pairs side by side. One pair at a time, the last pairs' heaviest tiles would start in the
+    last wave and run on alone (_dense_group)."""
     req = 0
     row0 = 0
-    split = 0
-    nsplit = 1
     x = lin % n_items
     hkv = lin // n_items
     if KV_MODE == 0:
@@ -661,7 +677,7 @@ def _work_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
         hkv = pair // n_req
         req = pair % n_req
         row0 = (dense_tiles - 1 - r // pairs) * BLOCK_M
-    return req, row0, hkv, x, split, nsplit
+    return req, row0, hkv, x
 
 
 @triton.jit
@@ -719,16 +735,10 @@ def _prefill_fwd(
         item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
         while item < total:
             nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-            req, row0, hkv, x, split, nsplit = _work_item(
+            req, row0, hkv, x = _work_item(
                 item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, KV_MODE, BLOCK_M)
-            if KV_MODE != 0:  # the work list's row x (read here: see the other branch)
-                req = tl.load(work_ptr + x * (4 if SPLIT else 2))
-                row0 = tl.load(work_ptr + x * (4 if SPLIT else 2) + 1)
-                if SPLIT:
-                    split = tl.load(work_ptr + x * 4 + 2)
-                    nsplit = tl.load(work_ptr + x * 4 + 3)
             _program(
-                req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
+                req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
                 q_ptr, k_desc, v_desc, o_ptr, lse_ptr,
                 qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
                 mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -741,25 +751,14 @@ def _prefill_fwd(
                 qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta,
                 v_scale, KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK,
                 SOFT_CAP, ALIBI, ROPE, SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK,
-                DVO, NUM_STAGES, TMA, SPLIT)
+                DVO, NUM_STAGES, TMA, SPLIT, 4 if SPLIT else 2)
             item = nxt
     else:
-        req, row0, hkv, x, split, nsplit = _work_item(
+        req, row0, hkv, x = _work_item(
             tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles, dense_group,
             kv_rows, n_hkv, KV_MODE, BLOCK_M)
-        # The work list's row x, read here rather than in _work_item: torch's mutation analysis
-        # (torch.compile / export tracing this launch) follows a helper's results back to all
-        # of its arguments, so a work list passed to one would read as written (dense mode: q,
-        # which stands in for it) in the traced node's dependencies
-        # (tests/test_mutation_analysis.py).
-        if KV_MODE != 0:
-            req = tl.load(work_ptr + x * (4 if SPLIT else 2))
-            row0 = tl.load(work_ptr + x * (4 if SPLIT else 2) + 1)
-            if SPLIT:
-                split = tl.load(work_ptr + x * 4 + 2)
-                nsplit = tl.load(work_ptr + x * 4 + 3)
         _program(
-            req, row0, hkv, n_hkv, split, nsplit, x, part_o_ptr, part_l_ptr,
+            req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
             q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
             qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
             mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
@@ -772,7 +771,7 @@ def _prefill_fwd(
             qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
             KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
             SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
-            SPLIT)
+            SPLIT, 4 if SPLIT else 2)
 
 
 @triton.jit
@@ -816,10 +815,9 @@ def _pod_fwd(
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     part = tl.load(work_ptr + pid * 3)
-    req = tl.load(work_ptr + pid * 3 + 1)
-    row0 = tl.load(work_ptr + pid * 3 + 2)
+    item = work_ptr + 1  # rows (part, request, first row): _program reads the last two
     if part == 0:
-        _program(req, row0, hkv, tl.num_programs(1), 0, 1, pid, work_ptr, work_ptr,
+        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr,
         q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
     qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
     mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
@@ -833,9 +831,9 @@ def _pod_fwd(
         KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P,
         ALIBI_P, ROPE_P,
         SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
-        NUM_STAGES_P, TMA_P, False)
+        NUM_STAGES_P, TMA_P, False, 3)
     else:
-        _program(req, row0, hkv, tl.num_programs(1), 0, 1, pid, work_ptr, work_ptr,
+        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr,
         q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
     qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
     mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
@@ -849,7 +847,7 @@ def _pod_fwd(
         KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D,
         ALIBI_D, ROPE_D,
         SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
-        NUM_STAGES_D, TMA_D, False)
+        NUM_STAGES_D, TMA_D, False, 3)
 
 
 @triton.jit
@@ -983,7 +981,7 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         # path (both cost more CPU per call than the pointer loads or per-item descriptors),
         # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
         small = (eager and HOST_TMA
-                 and _small_launch(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"])
+                 and not _host_descriptor_rule(cfg, consts, kv_mode, q, mean_kv, v.shape[-1])
                  and not torch.cuda.is_current_stream_capturing())
         if whole and HOST_TMA and eager and not small:
             if gluon:
@@ -1005,9 +1003,19 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
 
 def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int) -> bool:
     """Whether this tile and these options let contiguous K/V (dense or ragged) be read
-    through tensor descriptors, their layout aside (_tma_ok): the launch's rule and
-    compiled_attn.graph_dispatch's."""
+    through tensor descriptors, their layout aside (_tma_ok); with the launch's size,
+    _host_descriptor_rule."""
     return cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
+
+
+def _host_descriptor_rule(cfg: dict, consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
+    """Whether an eager launch of contiguous K/V with this tile, these options and this much
+    work reads K/V through whole-tensor host descriptors (TMA 2, and with them the Gluon kernel
+    where its scope allows), the tensors' layout, the hardware and a CUDA-graph capture aside:
+    _kv_descriptors, and not _small_launch. The one rule of the launch (_program_args) and of
+    compiled_attn.graph_dispatch.eager_gluon."""
+    return (_kv_descriptors(cfg, consts, kv_mode)
+            and not _small_launch(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
 
 
 @functools.lru_cache(maxsize=None)
