@@ -56,33 +56,38 @@ _ELEMENTWISE = {
 }
 
 
-def is_neg_value(x) -> bool:
-    """A masking constant: -inf, or a dtype's most negative finite value (float32/bfloat16's
-    -3.4e38, float16's -65504, float64's), or anything at or below -1e30 (exp underflows to 0
-    in every float dtype, and adding a logit cannot bring it back)."""
+def is_neg_value(x, logit_dtype: torch.dtype | None) -> bool:
+    """A masking constant for logits of ``logit_dtype`` (the dtype the mask is added or
+    filled in): -inf, or anything at or below -1e30 (float32 / bfloat16's most negative
+    finite values among them: exp underflows to 0 in every float dtype, and adding a logit
+    cannot move it), or float16's -65504 where the logits are float16 (its spacing there,
+    32, swallows ordinary logits). In float32 logits -65504 is a constant shift: a row whose
+    keys all carry it is softmax of its logits, not uniform, so it is no masking constant
+    there (None: the dtype is unknown, likewise)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
     x = float(x)
     if x == -math.inf or x <= -1e30:
         return True
-    return any(x == torch.finfo(d).min for d in (torch.float16, torch.bfloat16, torch.float32))
+    return logit_dtype == torch.float16 and x == torch.finfo(torch.float16).min
 
 
-def _scalar_in_set(x) -> bool:
-    return x == 0 or is_neg_value(x)
+def _scalar_in_set(x, logit_dtype) -> bool:
+    return x == 0 or is_neg_value(x, logit_dtype)
 
 
 class NotProven(Exception):
     """An additive mask whose values are not provably in {0} and NEG; .reason says why."""
 
 
-def zero_or_neg(n, depth: int = 0) -> bool:
-    """Prove n's values are all 0 or NEG. Returns whether some NEG value is finite (then a
-    fully masked row gives eager softmax's uniform weights, not 0). Raises NotProven."""
+def zero_or_neg(n, logit_dtype: torch.dtype | None, depth: int = 0) -> bool:
+    """Prove n's values are all 0 or NEG (is_neg_value for logits of logit_dtype, the dtype
+    the mask is added in). Returns whether some NEG value is finite (then a fully masked row
+    gives eager softmax's uniform weights, not 0). Raises NotProven."""
     if not isinstance(n, Node):
-        if isinstance(n, (int, float)) and _scalar_in_set(n):
+        if isinstance(n, (int, float)) and _scalar_in_set(n, logit_dtype):
             return not (float(n) == -math.inf or float(n) == 0)
-        raise NotProven(f"mask constant {n!r} is not 0/-inf/dtype-min")
+        raise NotProven(f"mask constant {n!r} is not 0/-inf/dtype-min for {logit_dtype} logits")
     if depth > 64:
         raise NotProven("mask expression too deep to analyse")
     dt = dtype(n)
@@ -97,50 +102,55 @@ def zero_or_neg(n, depth: int = 0) -> bool:
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily():  # the pass may run under Inductor's fake mode
-                neg = ((const == -math.inf) | (const <= -1e30)
-                       | (const == torch.finfo(const.dtype).min))
+                neg = (const == -math.inf) | (const <= -1e30)
+                if logit_dtype == torch.float16:
+                    neg |= const == torch.finfo(torch.float16).min
                 zero_or_neg_only = bool(((const == 0) | neg).all())
                 finite_neg = bool((neg & torch.isfinite(const)).any())
             if zero_or_neg_only:
                 return finite_neg
             raise NotProven(f"additive bias constant {n.target} holds values other than 0 and "
-                            "-inf/dtype-min")
+                            f"-inf/dtype-min for {logit_dtype} logits")
+
+    def sub(x) -> bool:  # an operand, in the same logits
+        return zero_or_neg(x, logit_dtype, depth + 1)
+
     if n.op != "call_function":
         raise NotProven(f"additive bias from {n.op} {n.target} (a model input or constant, "
                         "values unknown)")
     t = n.target
     if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
         a, b = n.args[1], n.args[2]
-        return zero_or_neg(a, depth + 1) | zero_or_neg(b, depth + 1)
+        return sub(a) | sub(b)
     if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        return zero_or_neg(n.args[0], depth + 1) | zero_or_neg(n.args[2], depth + 1)
+        return sub(n.args[0]) | sub(n.args[2])
     if t is aten.add.Tensor:
         alpha = n.kwargs.get("alpha", 1)
         if not (isinstance(alpha, (int, float)) and alpha > 0):
             raise NotProven("mask add with a non-positive alpha")
         # 0+0 = 0, 0+NEG = NEG, NEG+NEG <= NEG (or -inf): the set is closed under add.
-        return zero_or_neg(n.args[0], depth + 1) | zero_or_neg(n.args[1], depth + 1)
+        return sub(n.args[0]) | sub(n.args[1])
     if t in (aten.full.default, aten.full_like.default, aten.new_full.default):
-        return zero_or_neg(n.args[-1] if t is not aten.full.default else n.args[1], depth + 1)
+        return sub(n.args[-1] if t is not aten.full.default else n.args[1])
     if t in (aten.scalar_tensor.default,):
-        return zero_or_neg(n.args[0], depth + 1)
+        return sub(n.args[0])
     if t in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
         return False
     if t in (aten.triu.default, aten.tril.default):
-        return zero_or_neg(n.args[0], depth + 1)  # keeps values, writes zeros elsewhere
+        return sub(n.args[0])  # keeps values, writes zeros elsewhere
     if t is aten.constant_pad_nd.default:
-        return zero_or_neg(n.args[0], depth + 1) | zero_or_neg(arg(n, 2, "value", 0), depth + 1)
+        return sub(n.args[0]) | sub(arg(n, 2, "value", 0))
     if t is aten.cat.default:
         out = False
         for x in n.args[0]:
-            out |= zero_or_neg(x, depth + 1)
+            out |= sub(x)
         return out
     if t in _STRUCTURAL:
         src = n.args[0]
         if not isinstance(src, Node) or not (dtype(src) is not None
                                              and dtype(src).is_floating_point):
             raise NotProven(f"additive mask cast from a non-float tensor by {t}")
-        return zero_or_neg(src, depth + 1)
+        return sub(src)
     raise NotProven(f"additive bias built by {t} (not provably a 0/-inf mask)")
 
 

@@ -4,9 +4,11 @@ rewrite.
 ``AttentionRewritePass`` is installed as Inductor's ``joint_custom_pre_pass``: it sees the
 aten graph before Inductor's own pattern passes (so its SDPA-fusion does not rewrite hand-written
 attention first) and, in inference, that graph is the forward graph. Its ``uuid()`` hashes the
-source of every module of the rewrite (compiled_attn.graph_dispatch included) plus the pass
-configuration and graph_dispatch.GRAPH_GLUON, so Inductor's FX graph cache
-never serves a graph rewritten by other code. Note: on a cache hit the pass does not run, so
+source of every module of the rewrite (compiled_attn.graph_dispatch included), of the ops whose
+implementation the rewrite inlines into Inductor's graph (every module of compiled_attn.ops:
+the Triton launch on GPU, the reference on CPU; and compiled_attn.plan, which the launchers
+ask), plus the pass configuration and graph_dispatch.GRAPH_GLUON, so Inductor's FX graph cache
+never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the pass does not run, so
 ``counters`` only count rewrites made by this process.
 
 ``rewrite_exported_program`` rewrites an ExportedProgram's graph in place (its inputs, outputs
@@ -45,10 +47,16 @@ class AttentionRewritePass(CustomGraphPass):
             rewrite_graph(graph, inductor=True)
 
     def uuid(self) -> bytes:
-        from compiled_attn import graph_dispatch
+        from compiled_attn import graph_dispatch, ops, plan
 
-        # graph_dispatch decides which rewritten calls stay opaque: its code and switch too
-        return get_hash_for_files(_SOURCES + (graph_dispatch.__file__,),
+        # graph_dispatch decides which rewritten calls stay opaque: its code and switch too.
+        # The ops' code is inlined into the cached graph (Emitter.call_op): a change to it
+        # must miss the cache too.
+        ops_dir = os.path.dirname(ops.__file__)
+        op_sources = tuple(sorted(os.path.join(ops_dir, f) for f in os.listdir(ops_dir)
+                                  if f.endswith(".py")))
+        return get_hash_for_files(_SOURCES + (graph_dispatch.__file__, plan.__file__)
+                                  + op_sources,
                                   extra=f"enabled={self.enabled} "
                                         f"graph_gluon={graph_dispatch.GRAPH_GLUON}")
 

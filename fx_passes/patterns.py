@@ -50,6 +50,15 @@ def sdpa_gqa_scale(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True)
 
 
+def sdpa_gqa_min_mask(q, k, v, keep):
+    # HF SDPA with GQA left to SDPA (use_gqa_in_sdpa) and a float padding mask: enable_gqa with
+    # where(keep, 0, finfo.min) added to the logits.
+    # -> single_prefill(MASK_CUSTOM) on the Hkv-head k/v; rows with no key: the mean of their
+    # KV head's v, as eager gives.
+    mask = torch.where(keep, 0.0, torch.finfo(q.dtype).min)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
 def sdpa_repeat_interleave_tril(q, k, v):
     # gpt-fast (model.py): k/v repeat_interleave'd over heads, mask from a tril buffer.
     # -> single_prefill(MASK_CAUSAL) on the un-repeated k/v (constant mask classified causal)
@@ -140,6 +149,15 @@ def per_head_mask(q, k, v, keep_per_head):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep_per_head)
 
 
+def half_min_mask_float_logits(q, k, v, keep):
+    # A float32 model given a mask built for a half one (where(keep, 0, float16's min)). In
+    # float32 logits -65504 is a shift: a row whose keys all carry it is softmax of its logits
+    # in eager, not the uniform row a masking constant gives. Skipped.
+    mask = torch.where(keep, 0.0, torch.finfo(torch.float16).min)
+    att = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + mask
+    return torch.matmul(torch.softmax(att, dim=-1), v)
+
+
 def matmul_softmax_with_bias(q, k, v, bias):
     # Relative-position bias in eager attention (T5, DeBERTa-like): skipped.
     att = torch.matmul(q, k.transpose(-1, -2)) * 0.25 + bias
@@ -154,6 +172,8 @@ PATTERNS = {
     "sdpa_additive_min_mask": (sdpa_additive_min_mask, {"pattern:sdpa": 1, "mask:custom": 1}),
     "sdpa_gqa_scale": (sdpa_gqa_scale, {"pattern:sdpa": 1, "gqa:enable_gqa": 1,
                                         "mask:none": 1}),
+    "sdpa_gqa_min_mask": (sdpa_gqa_min_mask, {"pattern:sdpa": 1, "gqa:enable_gqa": 1,
+                                              "mask:custom": 1}),
     "sdpa_repeat_interleave_tril": (sdpa_repeat_interleave_tril,
                                     {"pattern:sdpa": 1, "gqa:repeat_interleave": 1,
                                      "mask:causal": 1}),
@@ -174,4 +194,5 @@ NOT_REWRITTEN = {
     "sdpa_learned_bias": (sdpa_learned_bias, "skipped:additive bias"),
     "per_head_mask": (per_head_mask, "skipped:head-dependent mask"),
     "matmul_softmax_with_bias": (matmul_softmax_with_bias, "skipped:additive bias"),
+    "half_min_mask_float_logits": (half_min_mask_float_logits, "skipped:additive bias"),
 }

@@ -24,7 +24,9 @@ invariant; constant masks classified causal / causal+window / none); the replace
 Invariants: a site is rewritten only when every op between its inputs and its output is
 understood and the replacement computes the same function (up to float rounding, and except
 rows that see no key, which the kernel defines as 0; with finite-NEG additive masks such rows
-are patched to eager's uniform average over all keys). Everything else is left untouched, and
+are patched to eager's uniform average over all keys, of each query head's own KV head under
+GQA). A finite NEG is one that swallows any logit it is added to in the logits' dtype
+(``masks.is_neg_value``: float16's -65504 masks float16 logits, not float32 ones). Everything else is left untouched, and
 sites that look like attention (softmax between two matmuls, or an SDPA op) are counted as
 ``skipped:<reason>`` in ``counters``.
 """
@@ -82,6 +84,7 @@ class Site:
     soft_cap: float = 0.0
     bool_masks: list = field(default_factory=list)
     add_masks: list = field(default_factory=list)
+    add_dtypes: list = field(default_factory=list)  # per add mask: the logits' dtype there
     hide_masks: list = field(default_factory=list)  # bool, True = masked (masked_fill/where)
     hide_finite: bool = False  # some hide mask fills a finite NEG (eager: uniform row)
     causal_top_left: bool = False
@@ -239,23 +242,27 @@ def _soft_cap(n: Node) -> tuple[Node, float] | None:
 
 def _fill_mask(n: Node):
     """(logits, hide, fill) when n fills masked logits with a NEG constant:
-    masked_fill(x, hide, NEG) or where(keep, x, NEG) (then hide is ("not", keep))."""
-    if is_call(n, aten.masked_fill.Scalar) and M.is_neg_value(n.args[2]):
+    masked_fill(x, hide, NEG) or where(keep, x, NEG) (then hide is ("not", keep)); NEG for
+    logits of n's dtype (masks.is_neg_value)."""
+    if not isinstance(n, Node):
+        return None
+    dt = dtype(n)
+    if is_call(n, aten.masked_fill.Scalar) and M.is_neg_value(n.args[2], dt):
         return n.args[0], n.args[1], n.args[2]
-    if is_call(n, aten.where.ScalarOther) and M.is_neg_value(n.args[2]):
+    if is_call(n, aten.where.ScalarOther) and M.is_neg_value(n.args[2], dt):
         return n.args[1], ("not", n.args[0]), n.args[2]
     if is_call(n, aten.where.self) and isinstance(n.args[2], Node):
         c = M.scalar_value(n.args[2])
-        if c is not None and M.is_neg_value(c):
+        if c is not None and M.is_neg_value(c, dt):
             return n.args[1], ("not", n.args[0]), c
     # where(hide, NEG, x): masked_fill as Inductor decomposes it.
-    if is_call(n, aten.where.ScalarSelf) and M.is_neg_value(n.args[1]) \
+    if is_call(n, aten.where.ScalarSelf) and M.is_neg_value(n.args[1], dt) \
             and isinstance(n.args[2], Node):
         return n.args[2], n.args[0], n.args[1]
     if is_call(n, aten.where.self) and isinstance(n.args[1], Node) \
             and isinstance(n.args[2], Node):
         c = M.scalar_value(n.args[1])
-        if c is not None and M.is_neg_value(c):
+        if c is not None and M.is_neg_value(c, dt):
             return n.args[2], n.args[0], c
     return None
 
@@ -265,7 +272,8 @@ def parse_scores(x: Node, full_shape, hides: list | None = None,
     """Read the logits fed to softmax back to q @ k^T.
 
     Accepted order (outermost first): casts and additive masks, then the soft cap, then scale
-    factors, then the matmul. Returns (qk_matmul_node, scale, soft_cap, additive masks).
+    factors, then the matmul. Returns (qk_matmul_node, scale, soft_cap, additive masks as
+    (mask node, dtype of the logits it is added to)).
     Runtime 0-d tensor factors are appended to scale_nodes (when given) as (node, "mul" |
     "div"). Raises Skip for an op we do not understand on this path.
     """
@@ -295,12 +303,13 @@ def parse_scores(x: Node, full_shape, hides: list | None = None,
                 raise Skip("constant added to the logits")
             if not same_shape(shape(n), full_shape):
                 raise Skip("additive mask broadcasts the logits to a larger shape")
-            # The logits side is the one leading back to the matmul; the other is the mask.
+            # The logits side is the one leading back to the matmul; the other is the mask,
+            # added in the add's dtype.
             if _leads_to_matmul(a):
-                masks.append(b)
+                masks.append((b, dtype(n)))
                 n = a
             elif _leads_to_matmul(b):
-                masks.append(a)
+                masks.append((a, dtype(n)))
                 n = b
             else:
                 raise Skip("neither side of a logits add leads to q @ k^T")
@@ -391,7 +400,8 @@ def match_matmul_softmax(n: Node) -> Site | None:
         return None  # softmax of something that is not q @ k^T: not attention
     q, kt = match_matmul(qk)
     site = Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
-                soft_cap=cap, add_masks=add_masks, scale_nodes=scale_nodes)
+                soft_cap=cap, add_masks=[m for m, _ in add_masks],
+                add_dtypes=[d for _, d in add_masks], scale_nodes=scale_nodes)
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
@@ -464,6 +474,7 @@ def match_sdpa(n: Node) -> Site | None:
             site.bool_masks.append(mask)
         else:
             site.add_masks.append(mask)
+            site.add_dtypes.append(dtype(q))  # SDPA adds attn_mask to logits of q's dtype
     return site
 
 
@@ -515,8 +526,9 @@ def unrepeat(n: Node) -> tuple[Node, int, str | None]:
 # ---------------------------------------------------------------------------------------------
 def _pack_bits(em: Emitter, mask3: Node) -> Node:
     """uint8 little-endian bits of a bool [B, Sq, Skv] node, flattened row-major (the packed
-    custom-mask format of single_prefill). Traceable without reading sizes: pad 7 zero bits,
-    take non-overlapping windows of 8 (ceil(n / 8) of them), shift bit i left by i and sum.
+    custom-mask format of single_prefill). Traceable without reading sizes: append 7 zero
+    bits, take non-overlapping windows of 8 (ceil(n / 8) of them), shift bit i left by i and
+    sum.
 
     The weights are a shift (``bit << i``), not ``2 ** arange(8)``: Inductor lowers an integer
     ``pow.Scalar`` to an ATen fallback, and AOTInductor's C shim for it
@@ -532,7 +544,12 @@ def _pack_bits(em: Emitter, mask3: Node) -> Node:
         bits = em(aten.constant_pad_nd.default, bits, [0, (-n) % 8], 0.0)
         win = em(aten.view.default, bits, [-1, 8])
     else:
-        bits = em(aten.constant_pad_nd.default, bits, [0, 7], 0.0)
+        # Not constant_pad_nd: its meta specialises a symbolic length (2 * s0**2 became the
+        # example's 288 + 7, with a guard nothing checks), so an AOTInductor package built
+        # from a dynamic export packed a fixed-size mask and read bits past it as False
+        # (tests/test_fx_aoti.py). cat keeps the length symbolic.
+        seven = em(aten.full.default, [7], 0, dtype=torch.int32, device=dev)
+        bits = em(aten.cat.default, [bits, seven])
         win = em(aten.unfold.default, bits, 0, 8, 8)  # [ceil(n/8), 8]
     shifted = em(aten.bitwise_left_shift.Tensor, win, em.arange(8, torch.int32, dev))
     byte = em(aten.sum.dim_IntList, shifted, [1])
@@ -596,6 +613,8 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         hkv = static_int(k_shape[1])
         if hkv is None or static_int(hq) is None or static_int(hq) % hkv:
             raise Skip("enable_gqa with heads that do not divide")
+        if static_int(vs[1]) != hkv:
+            raise Skip("enable_gqa with k and v head counts that differ")
         gqa_how = "enable_gqa"
     elif static_int(k_shape[1]) == 1 and static_int(vs[1]) == 1 and static_int(hq) != 1:
         gqa_how = "broadcast"  # one K/V head broadcast to every query head (MQA): a group of Hq
@@ -617,9 +636,9 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
 
     # Masks -> (mask_mode, window_left, bool mask nodes).
     finite_neg = False
-    for m in site.add_masks:
+    for m, dt in zip(site.add_masks, site.add_dtypes, strict=True):
         try:
-            finite_neg |= M.zero_or_neg(m)
+            finite_neg |= M.zero_or_neg(m, dt)
         except M.NotProven as e:
             raise Skip(f"additive bias: {e}") from None
     finite_neg |= site.hide_finite
@@ -709,7 +728,14 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         # any logit) gives uniform weights: the mean of v over all keys, not the kernel's 0.
         seen = em(aten.any.dim, mask3, -1)  # [B, Sq]
         seen = em(aten.unsqueeze.default, em(aten.unsqueeze.default, seen, 1), 3)
-        mean_v = em(aten.mean.dim, v, [2], True)  # [B, Hq, 1, Dvo] on the repeated v
+        mean_v = em(aten.mean.dim, v, [2], True)  # [B, Hv, 1, Dvo]: Hq, or 1 broadcast (MQA)
+        if gqa_how == "enable_gqa":  # Hkv: query head h reads kv head h // (Hq / Hkv)
+            b_, hkv_, d_ = em.size(v, 0), static_int(vs[1]), em.size(v, 3)
+            mean_v = em(aten.expand.default, em(aten.unsqueeze.default, mean_v, 2),
+                        [b_, hkv_, static_int(hq) // hkv_, 1, d_])
+            mean_v = em(aten.view.default,
+                        em(aten.clone.default, mean_v, memory_format=torch.contiguous_format),
+                        [b_, static_int(hq), 1, d_])
         mean_v = em.cast(mean_v, out_dtype)
         out = em(aten.where.self, seen, out, mean_v)
     ov = val(site.out)

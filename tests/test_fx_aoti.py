@@ -201,6 +201,37 @@ def test_aoti_padding_mask_site(tmp_path):
     assert_close_rel(out, ref)
 
 
+def test_aoti_dynamic_seq_custom_mask(tmp_path):
+    """A bool-masked SDPA site exported with a dynamic sequence length, packaged once and run
+    at lengths below and above the example's. The in-graph bit packing once padded with
+    constant_pad_nd, whose meta fixed the packed length to the example's (2 * 12**2 bits):
+    ep.module() was right, the package read every bit past that length as False (errors of
+    1.6-3.3 at S 13-33)."""
+
+    class Site(torch.nn.Module):
+        def forward(self, q, k, v, keep):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    def args(s):
+        g = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(2, 2, s, 8, generator=g) for _ in range(3))
+        keep = torch.rand(2, 1, s, s, generator=g) > 0.5
+        keep[..., 0] = True
+        return q, k, v, keep
+
+    seq = torch.export.Dim("seq", min=3, max=64)
+    with torch.no_grad():
+        fx_passes.counters.clear()
+        ep = compiled_attn.export(Site(), args(12),
+                                  dynamic_shapes=({2: seq}, {2: seq}, {2: seq}, {2: seq, 3: seq}))
+        assert fx_passes.counters["mask:custom"] == 1, dict(fx_passes.counters)
+        pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "d.pt2"))
+        run = torch._inductor.aoti_load_package(pkg)
+        for s in (12, 5, 13, 33):
+            a = args(s)
+            assert_close_rel(run(*a), Site()(*a))
+
+
 # torch.ops.compiled_attn.single_prefill alone (no rewrite, no mask), B = 2, through
 # AOTInductor's CPU build of the op's reference. Earlier sessions held this to be a torch bug
 # (batch 1 "wrong"): the test indexed the package's single output with [0] and compared batch 0

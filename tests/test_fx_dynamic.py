@@ -97,9 +97,13 @@ def test_export_dynamic_seq(impl, padding):
         targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
         assert "compiled_attn.single_prefill.default" in targets
         assert not [t for t in targets if "scaled_dot_product" in t or "softmax" in t]
-        # The sequence length stays symbolic in the program.
+        # The sequence length stays symbolic in the program, the packed mask's length too (a
+        # pad op once fixed it to the example's: AOTInductor then packed a fixed-size mask).
         ph = next(n for n in ep.graph.nodes if n.op == "placeholder" and n.name == "input_ids")
         assert not isinstance(ph.meta["val"].shape[1], int)
+        for n in ep.graph.nodes:
+            if n.target is torch.ops.compiled_attn.single_prefill.default:
+                assert not isinstance(n.args[3].meta["val"].shape[0], int), n.args[3]
         m = ep.module()
         for s in (16, 24, 7):
             ids, am = ids_and_mask(s, padding)

@@ -160,10 +160,32 @@ def test_additive_mask_constant_is_checked_by_value():
 
     from compiled_attn.fx_passes.masks import NotProven, zero_or_neg
 
-    assert zero_or_neg(_const_node(torch.tensor([[0.0, -math.inf]]))) is False
-    assert zero_or_neg(_const_node(torch.tensor([[0.0, torch.finfo(torch.float32).min]]))) is True
+    f32 = torch.float32
+    assert zero_or_neg(_const_node(torch.tensor([[0.0, -math.inf]])), f32) is False
+    assert zero_or_neg(_const_node(torch.tensor([[0.0, torch.finfo(f32).min]])), f32) is True
     with pytest.raises(NotProven, match="values other than 0"):
-        zero_or_neg(_const_node(torch.tensor([[0.0, 0.5]])))
+        zero_or_neg(_const_node(torch.tensor([[0.0, 0.5]])), f32)
+    # float16's minimum masks float16 logits only (below)
+    half_min = _const_node(torch.tensor([[0.0, torch.finfo(torch.float16).min]]))
+    assert zero_or_neg(half_min, torch.float16) is True
+    with pytest.raises(NotProven, match="values other than 0"):
+        zero_or_neg(half_min, f32)
+
+
+def test_masking_constant_depends_on_the_logits_dtype():
+    # A finite masking constant must swallow any logit added to it, as -inf would: float32 /
+    # bfloat16's minimum (and anything <= -1e30) does in every dtype, float16's -65504 only in
+    # float16 logits; in float32 ones a row whose keys all carry it is softmax of its logits.
+    from compiled_attn.fx_passes.masks import is_neg_value
+
+    half_min = torch.finfo(torch.float16).min
+    assert is_neg_value(half_min, torch.float16)
+    assert not is_neg_value(half_min, torch.float32) and not is_neg_value(half_min, None)
+    for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, None):
+        assert is_neg_value(float("-inf"), dt) and is_neg_value(-1e30, dt)
+        assert is_neg_value(torch.finfo(torch.float32).min, dt)
+        assert is_neg_value(torch.finfo(torch.bfloat16).min, dt)
+        assert not is_neg_value(-1e9, dt) and not is_neg_value(0.0, dt)
 
 
 def test_additive_mask_constant_under_fake_mode():
@@ -176,7 +198,7 @@ def test_additive_mask_constant_under_fake_mode():
 
     node = _const_node(torch.tensor([[0.0, -math.inf]], dtype=torch.bfloat16))
     with FakeTensorMode():
-        assert zero_or_neg(node) is False
+        assert zero_or_neg(node, torch.bfloat16) is False
 
 
 def test_unknown_attention_form_is_counted_as_unmatched():
@@ -224,3 +246,25 @@ def test_backend_op_with_fewer_kv_heads_is_gqa(backend):
     ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert torch.ops.compiled_attn.single_prefill.default in ops
     assert not any("scaled_dot_product" in str(t) for t in ops)
+
+
+def test_pass_uuid_covers_the_inlined_op_code(monkeypatch):
+    # Inductor's FX graph cache keys on the pass's uuid(); the rewrite inlines the ops'
+    # implementation (the Triton launch on GPU, the reference on CPU) into the cached graph, so
+    # their code must be in the key: an upgrade that changes it once got the old body served.
+    import os
+
+    from compiled_attn import graph_dispatch, plan
+    from compiled_attn.fx_passes import passes, rewrite
+    from compiled_attn.ops import contracts, prefill_gluon, prefill_kernel, reference
+
+    seen = []
+    monkeypatch.setattr(passes, "get_hash_for_files",
+                        lambda paths, extra="": seen.append((paths, extra)) or b"")
+    passes.AttentionRewritePass().uuid()
+    (paths, extra), = seen
+    hashed = {os.path.realpath(p) for p in paths}
+    for mod in (contracts, prefill_kernel, prefill_gluon, reference, plan, graph_dispatch,
+                passes, rewrite):
+        assert os.path.realpath(mod.__file__) in hashed, mod.__name__
+    assert "enabled=True" in extra and "graph_gluon=" in extra
