@@ -67,10 +67,15 @@ def check_lse_layout(layout, name: str = "lse_layout") -> str:
 
 
 def check_window_left(w, name: str = "window_left") -> int:
-    if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+    """Any integer type (a numpy integer too, by operator.index; not bool) -> a Python int."""
+    try:
+        wi = None if isinstance(w, bool) else operator.index(w)
+    except TypeError:
+        wi = None
+    if wi is None or wi < -1:
         raise ValueError(f"{name}: got {w!r}; use an int >= 0 (keys j >= position - window_left "
                          "are seen) or -1 to disable the window")
-    return int(w)
+    return int(wi)
 
 
 def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
@@ -302,7 +307,7 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size: got {page_size!r}; use an int >= 1")
+        raise ValueError(f"page_size: got {page_size!r}; use a Python int >= 1")
     b = indptr.numel() - 1
     check_tensor(idx_n, indices, ndim=1, what="[total pages]")
     if not _is_int_dtype(indices.dtype):
@@ -350,7 +355,7 @@ def check_heads(num_qo_heads, num_kv_heads, names=("num_qo_heads", "num_kv_heads
     qn, kn = names
     for n, v in ((qn, num_qo_heads), (kn, num_kv_heads)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{n}: got {v!r}; use an int >= 1")
+            raise ValueError(f"{n}: got {v!r}; use a Python int >= 1")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{qn} = {num_qo_heads} is not a multiple of {kn} = {num_kv_heads}; "
                          "each KV head serves a whole group of query heads (GQA), so use a head "
@@ -363,7 +368,7 @@ def check_head_dims(head_dim_qk, head_dim_vo, device_type: str,
     qn, vn = names
     for n, v in ((qn, head_dim_qk), (vn, head_dim_vo)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{n}: got {v!r}; use an int >= 1")
+            raise ValueError(f"{n}: got {v!r}; use a Python int >= 1")
     if device_type == "cuda" and (head_dim_qk, head_dim_vo) not in CUDA_HEAD_DIMS:
         raise ValueError(f"({qn}, {vn}) = ({head_dim_qk}, {head_dim_vo}) has no CUDA kernel; "
                          f"use one of {list(CUDA_HEAD_DIMS)} (any head dim runs on CPU)")

@@ -80,7 +80,7 @@ class _PODBase(_WrapperBase):
         group = V.check_heads(num_qo_heads, num_kv_heads)
         V.check_head_dims(head_dim, head_dim, dev, names=("head_dim", "head_dim"))
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size: got {page_size!r}; use an int >= 1")
+            raise ValueError(f"page_size: got {page_size!r}; use a Python int >= 1")
         pos = V.check_pos_encoding_mode(pos_encoding_mode)
         V.check_rope_dim(head_dim, pos)
         q_dt, kv_dt = _plan_dtypes(q_data_type, kv_data_type, data_type, dev)

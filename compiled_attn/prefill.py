@@ -13,7 +13,10 @@ Both wrappers share one base class for plan bookkeeping and run plumbing; they d
 how the KV side is described (offsets vs. page table). Semantics are those of docs/spec.md:
 bottom-right aligned positions, LSE in base 2 over the final logits, rows that see no key give
 output 0 and LSE -inf. Every accepted FlashInfer argument takes effect, or raises
-NotImplementedError naming what is missing.
+NotImplementedError naming what is missing. Dtypes: fp16 / bf16 (K/V also fp8 with scales);
+float32 is accepted too, and is computed in float32 on CPU, while on a GPU the kernel's two
+matrix products (Q K^T and P V) take TF32 inputs (Triton's default for float32 dots; ~1e-3
+relative error) with float32 accumulation and softmax.
 """
 
 from __future__ import annotations
@@ -166,7 +169,8 @@ def single_prefill_with_kv_cache(
     without the kv_len - qo_len offset, which gives the same output but an LSE larger by
     ``slope * (kv_len - qo_len) / ln 2``). With both, the ALiBi bias is added to the capped
     logits; FlashInfer's fa2 kernel adds it inside the tanh (and applies sm_scale twice there),
-    so the two differ for that combination. o_dtype: output dtype (default q's). backend:
+    so the two differ for that combination. o_dtype: output dtype (default q's); float32
+    inputs run TF32 matrix products on a GPU (module docstring). backend:
     "auto" / "fa2" / "fa3" all run compiled_attn's kernel. use_fp16_qk_reduction: a permission
     (we always reduce in fp32). scale_q / scale_k / scale_v (per-head fp8-q scales) and
     kv_cache_sf (NVFP4) raise NotImplementedError.

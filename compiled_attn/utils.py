@@ -194,8 +194,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     kv_indptr ``[B+1]``, kv_last_page_len ``[B]``: the page table after the append. Token t goes
     to page ``kv_indices[kv_indptr[b] + pos // page]``, slot ``pos % page``; the position fixes
     the slot, so kv_last_page_len is only checked for shape. A batch index past the page
-    table, or a position outside its request's pages (which FlashInfer writes into another
-    request's page), fails a device-side check (no host read; on CPU it raises at once).
+    table, a position outside its request's pages (which FlashInfer writes into another
+    request's page), or a page index outside the cache (kv_indices < 0 or >= P) fails a
+    device-side check (no host read; on CPU it raises at once).
     """
     layout = V.check_kv_layout(kv_layout)
     k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
@@ -219,7 +220,17 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     entry = ind[b] + torch.div(pos, page, rounding_mode="floor")
     V.device_check((pos >= 0) & (entry < ind[b + 1]), "append_paged_kv_cache: positions holds "
                    "a position outside its request's pages (kv_indptr / kv_indices)")
+    V.device_check(entry < kv_indices.shape[0], f"append_paged_kv_cache: kv_indptr points past "
+                   f"kv_indices' {kv_indices.shape[0]} entries; kv_indptr[-1] must not exceed "
+                   "len(kv_indices)")
+    # Clamped after the checks: a failed one surfaces later on a GPU, never as a wild write.
+    entry = entry.clamp(0, max(kv_indices.shape[0] - 1, 0))
     page_idx = kv_indices.to(torch.int64)[entry]
+    n_pages = k_cache.shape[0]
+    V.device_check((page_idx >= 0) & (page_idx < n_pages), f"append_paged_kv_cache: kv_indices "
+                   f"holds a page index outside the cache's {n_pages} pages; use indices in "
+                   f"[0, {n_pages})")
+    page_idx = page_idx.clamp(0, max(n_pages - 1, 0))
     slot = pos % page
     k_cache[page_idx, slot] = append_key[keep].to(k_cache.dtype)
     v_cache[page_idx, slot] = append_value[keep].to(v_cache.dtype)

@@ -163,6 +163,16 @@ def test_helpers_bad_inputs():
             fi.append_paged_kv_cache(k, k, torch.tensor(b, dtype=torch.int32),
                                      torch.tensor(p, dtype=torch.int32), cache, kv_indices, ind,
                                      last)
+    # a page index outside the cache (a negative one once wrapped to another page and wrote
+    # there), and a kv_indptr past kv_indices' end
+    bad_pages = (([3, 0, -1, 1, 2], 0, "holds a page index outside the cache's 6 pages"),
+                 ([3, 0, 6, 1, 2], 0, "holds a page index outside the cache's 6 pages"),
+                 ([3, 0, 4, 1], 8, "kv_indptr points past kv_indices' 4 entries"))
+    for pages, pos, match in bad_pages:
+        with pytest.raises(RuntimeError, match=match):
+            fi.append_paged_kv_cache(k, k, torch.tensor([1, 1], dtype=torch.int32),
+                                     torch.tensor([5, pos], dtype=torch.int32), cache,
+                                     torch.tensor(pages, dtype=torch.int32), ind, last)
     assert not cache.any()
     # a scale given as a string is not a number
     with pytest.raises(TypeError, match="k_scale: got '2'; pass a number"):

@@ -228,3 +228,19 @@ def test_pod_plan_errors():
         fi.PODWithPagedKVCacheWrapper(WS, jit_args=[1])
     with pytest.raises(ValueError, match="head_dim"):
         p.plan(kvi, idx, last, HQ, HKV, 0, PAGE)
+
+
+def test_window_left_takes_any_integer_type():
+    # A window read from a numpy config (np.int64) is an int >= 0: it takes effect as the int
+    # would (it was refused, with a message that read as contradictory); floats and bools are
+    # still refused.
+    np = pytest.importorskip("numpy")
+    q, k, v = rand(5, HQ, D, seed=1), rand(9, HKV, D, seed=2), rand(9, HKV, D, seed=3)
+    want = fi.single_prefill_with_kv_cache(q, k, v, causal=True, window_left=3)
+    got = fi.single_prefill_with_kv_cache(q, k, v, causal=True, window_left=np.int64(3))
+    assert torch.equal(got, want)
+    assert not torch.equal(fi.single_prefill_with_kv_cache(q, k, v, causal=True), want)
+    assert type(V.check_window_left(np.int32(-1))) is int
+    for bad in (3.0, True, "3"):
+        with pytest.raises(ValueError, match="window_left: got"):
+            V.check_window_left(bad)
