@@ -58,18 +58,22 @@ _ELEMENTWISE = {
 
 def is_neg_value(x, logit_dtype: torch.dtype | None) -> bool:
     """A masking constant for logits of ``logit_dtype`` (the dtype the mask is added or
-    filled in): -inf, or anything at or below -1e30 (float32 / bfloat16's most negative
-    finite values among them: exp underflows to 0 in every float dtype, and adding a logit
-    cannot move it), or float16's -65504 where the logits are float16 (its spacing there,
-    32, swallows ordinary logits). In float32 logits -65504 is a constant shift: a row whose
-    keys all carry it is softmax of its logits, not uniform, so it is no masking constant
-    there (None: the dtype is unknown, likewise)."""
+    filled in): one that swallows any logit added to it, as -inf does. -inf, or anything at or
+    below -1e30 (float32 / bfloat16's most negative finite values among them) in every dtype;
+    in float16 / bfloat16 logits also anything at or below float16's minimum -65504 (the
+    spacing there, 32 / 512, swallows ordinary logits; HF and torch build half masks with it).
+    In float32 logits -65504 is a constant shift: a row whose keys all carry it is softmax of
+    its logits, not uniform, so it is no masking constant there (None: the dtype is unknown,
+    likewise)."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return False
     x = float(x)
     if x == -math.inf or x <= -1e30:
         return True
-    return logit_dtype == torch.float16 and x == torch.finfo(torch.float16).min
+    return logit_dtype in _HALF and x <= torch.finfo(torch.float16).min
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _scalar_in_set(x, logit_dtype) -> bool:
@@ -103,8 +107,8 @@ def zero_or_neg(n, logit_dtype: torch.dtype | None, depth: int = 0) -> bool:
 
             with unset_fake_temporarily():  # the pass may run under Inductor's fake mode
                 neg = (const == -math.inf) | (const <= -1e30)
-                if logit_dtype == torch.float16:
-                    neg |= const == torch.finfo(torch.float16).min
+                if logit_dtype in _HALF:
+                    neg |= const <= torch.finfo(torch.float16).min
                 zero_or_neg_only = bool(((const == 0) | neg).all())
                 finite_neg = bool((neg & torch.isfinite(const)).any())
             if zero_or_neg_only:

@@ -165,27 +165,35 @@ def test_additive_mask_constant_is_checked_by_value():
     assert zero_or_neg(_const_node(torch.tensor([[0.0, torch.finfo(f32).min]])), f32) is True
     with pytest.raises(NotProven, match="values other than 0"):
         zero_or_neg(_const_node(torch.tensor([[0.0, 0.5]])), f32)
-    # float16's minimum masks float16 logits only (below)
+    # float16's minimum masks half-precision logits only (below)
     half_min = _const_node(torch.tensor([[0.0, torch.finfo(torch.float16).min]]))
     assert zero_or_neg(half_min, torch.float16) is True
+    assert zero_or_neg(half_min, torch.bfloat16) is True
     with pytest.raises(NotProven, match="values other than 0"):
         zero_or_neg(half_min, f32)
 
 
 def test_masking_constant_depends_on_the_logits_dtype():
     # A finite masking constant must swallow any logit added to it, as -inf would: float32 /
-    # bfloat16's minimum (and anything <= -1e30) does in every dtype, float16's -65504 only in
-    # float16 logits; in float32 ones a row whose keys all carry it is softmax of its logits.
+    # bfloat16's minimum (and anything <= -1e30) does in every dtype, float16's -65504 (and
+    # below) in float16 and bfloat16 logits; in float32 ones a row whose keys all carry it is
+    # softmax of its logits.
     from compiled_attn.fx_passes.masks import is_neg_value
 
     half_min = torch.finfo(torch.float16).min
-    assert is_neg_value(half_min, torch.float16)
-    assert not is_neg_value(half_min, torch.float32) and not is_neg_value(half_min, None)
+    for dt in (torch.float16, torch.bfloat16):
+        assert is_neg_value(half_min, dt) and is_neg_value(-1e9, dt)
+        assert not is_neg_value(-60000.0, dt)
+        # the spacing of dt at -65504 (32 / 512) swallows an ordinary logit: -inf's effect
+        assert torch.tensor(half_min, dtype=dt) + 8 == torch.tensor(half_min, dtype=dt)
+    for dt in (torch.float32, torch.float64, None):
+        assert not is_neg_value(half_min, dt) and not is_neg_value(-1e9, dt)
+    assert torch.tensor(half_min) + 8 != torch.tensor(half_min)  # float32: a shift
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64, None):
         assert is_neg_value(float("-inf"), dt) and is_neg_value(-1e30, dt)
         assert is_neg_value(torch.finfo(torch.float32).min, dt)
         assert is_neg_value(torch.finfo(torch.bfloat16).min, dt)
-        assert not is_neg_value(-1e9, dt) and not is_neg_value(0.0, dt)
+        assert not is_neg_value(0.0, dt) and not is_neg_value(-1.0, dt)
 
 
 def test_additive_mask_constant_under_fake_mode():
