@@ -2,8 +2,9 @@
 
 A site's masks arrive either as boolean SDPA masks (True = attend) or as tensors added to the
 logits. An additive tensor is only rewritten when its values are *provably* in {0} and a set
-of "masking" values NEG (-inf, or a dtype's most negative finite value): then it is exactly the
-boolean mask ``m == 0`` (softmax weight exp(s + NEG - max) is 0 for every row that keeps a key).
+of "masking" values NEG (-inf, or a finite value that swallows any logit added to it in the
+logits' dtype: ``is_neg_value``): then it is exactly the boolean mask ``m == 0`` (softmax
+weight exp(s + NEG - max) is 0 for every row that keeps a key).
 The proof is a walk over the ops that built it (``zero_or_neg``); anything else (a learned
 bias, ALiBi, a mask read from a model input) is a general additive bias and is skipped.
 
