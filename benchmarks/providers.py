@@ -390,11 +390,15 @@ def setup_flashinfer(backend: str, single: bool = False):
         ws = _workspace(inps[0].q.device)
         i0 = inps[0]
         if case.layout == "paged":
-            w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-            w.plan(i0.qo_indptr, i0.page_indptr, i0.page_indices, i0.last_page_len, hq, hkv, d,
-                   case.page_size, causal=case.causal, sm_scale=sm, q_data_type=dt,
-                   kv_data_type=dt)
-            fns = [lambda i=i: w.run(i.q, (i.k_cache, i.v_cache)) for i in inps]
+            # One plan per input copy: each copy has its own page table (make_inputs shuffles
+            # pages per seed), which FlashInfer reads from the plan, not from run().
+            fns = []
+            for i in inps:
+                w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+                w.plan(i.qo_indptr, i.page_indptr, i.page_indices, i.last_page_len, hq, hkv, d,
+                       case.page_size, causal=case.causal, sm_scale=sm, q_data_type=dt,
+                       kv_data_type=dt)
+                fns.append(lambda i=i, w=w: w.run(i.q, (i.k_cache, i.v_cache)))
             note = "BatchPrefillWithPagedKVCacheWrapper NHD"
         else:
             w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)

@@ -38,8 +38,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated of {', '.join(SUITES)}, or all (default all)")
     p.add_argument("--quick", action="store_true", help="reduced grid (a couple of minutes)")
     p.add_argument("--cases", default=None, metavar="REGEX",
-                   help="only the cases whose name matches (re.search, e.g. 'D128 S(4096|8192)'); "
-                        "the results file keeps the suite's other cases from its earlier run")
+                   help="only the cases whose name matches (re.search, e.g. 'D128 S(4096|8192)'), "
+                        "with the rest of their timing groups (a paged case's ragged twin, a "
+                        "varlen case's fixed-length companion); the results file keeps the "
+                        "suite's other cases from its earlier run")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     p.add_argument("--fresh", action="store_true",
                    help="drop the existing file's rows of other suites instead of keeping them")
@@ -297,7 +299,10 @@ def main(argv=None) -> int:
         except re.error as e:
             print(f"--cases: not a regular expression ({e}): {args.cases!r}", file=sys.stderr)
             return 2
-        cases = [c for c in cases if pat.search(c.name)]
+        # Whole timing groups: a paged case's ragged twin and a varlen case's fixed-length
+        # companion are timed with it, so the report's pairs come from one run.
+        groups = {c.timing_group for c in cases if pat.search(c.name)}
+        cases = [c for c in cases if c.timing_group in groups]
         if not cases:
             print(f"--cases {args.cases!r} matches no case of {', '.join(args.suites)} "
                   "(--list prints their names)", file=sys.stderr)

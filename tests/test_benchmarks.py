@@ -188,6 +188,31 @@ def test_plot_and_report(tmp_path):
     assert f"{rows[0]['suite']}: re-timed in part (`run --cases`)" in md
 
 
+def test_report_pairs_only_rows_of_one_run():
+    # A ratio's two rows must come from one run: a peer, a paged row's ragged twin or a varlen
+    # batch's fixed-length companion re-timed in another run gives no ratio ('-'); a peer that
+    # does not run a case (unavailable) is not counted in the goal rows.
+    from benchmarks import report
+
+    rows = synthetic_rows()
+    for r in rows:
+        r["run_date"] = "2026-11-22T11:00"
+    md = report.render(results.make_doc(ENV, rows))
+    n_cudnn = sum(r["provider"] == "sdpa_cudnn" and r["status"] == "ok" for r in rows)
+    assert f"goal: ours / SDPA cuDNN >= 1.0 (rows it runs) | {n_cudnn} (0 missing)" in md
+    assert "| B32 S4096 | 16 | 1.000 | - |" in md
+    later = "2026-11-22T12:00"
+    for r in rows:
+        if (r["provider"] == "flex" and r["case"] == "D128 S4096 causal") or (
+                r["provider"] == "compiled_attn" and r["layout"] == "ragged"
+                and r["suite"] in ("paged", "varlen") and r["case"].startswith(("B32", "fixed"))):
+            r["run_date"] = later
+    md = report.render(results.make_doc(ENV, rows))
+    assert "| fa3 | D128 S4096 causal | 500 ? | - | 1.67 | 0.83 |" in md
+    assert "| B32 S4096 | 16 | - | - |" in md and "| B32 S4096 | 1 | - | - |" in md
+    assert "varlen / our fixed-length >= 1.0 | 2 (2 missing) | - | 0/2 |" in md
+
+
 def test_kernel_fingerprint_follows_code_not_comments(tmp_path):
     """kernel_fingerprint moves with the code of ops/ and compiled_attn/plan.py, not with their
     comments, docstrings or formatting, nor with other files; the report marks our rows timed
@@ -607,3 +632,16 @@ def test_compile_path_cases_calls_and_plot(tmp_path):
     doc = {"gpu": "cpu", "torch": torch.__version__, "triton": "-", "rows": rows}
     png = cp.plot(doc, tmp_path / "cp.png")
     assert png.stat().st_size > 1000
+
+
+def test_cases_filter_keeps_whole_timing_groups(capsys):
+    # --cases selects whole timing groups: a paged case brings its ragged twin and its other
+    # page size, a varlen batch its fixed-length companion (the report pairs them by run).
+    from benchmarks import run
+
+    assert run.main(["--suite", "paged,varlen", "--cases", "B32 S4096 page16|zipf", "--list"]) == 0
+    names = [line.split()[1:4] for line in capsys.readouterr().out.splitlines()
+             if line.startswith(("paged", "varlen"))]
+    assert names == [["B32", "S4096", "ragged"], ["B32", "S4096", "page16"],
+                     ["B32", "S4096", "page1"], ["zipf", "mean1024", "ragged"],
+                     ["fixed", "1024", "(="]], names
