@@ -7,7 +7,10 @@ is transformers' own ``sdpa_mask``: a bool [B, 1, Sq, Skv] mask (True = attend, 
 and padding included), or None when plain causal attention is exact. The attention function runs
 ``torch.ops.compiled_attn.single_prefill`` on [B, S, H, D] views of HF's [B, H, S, D] tensors
 (GQA without repeat_kv), with the mask as packed custom-mask bits, or MASK_CAUSAL when the mask
-is None, and Gemma2's ``softcap`` as logits_soft_cap. Rows that see no key return 0, as SDPA does.
+is None, Gemma2's ``softcap`` as logits_soft_cap, and attention sinks (GPT-OSS's ``s_aux``: one
+logit per query head in the softmax denominator) as the op's sinks. Rows that see no key return
+0, as SDPA does. What the op cannot take raises NotImplementedError: a model's additive bias
+(T5's ``position_bias``), a ``head_mask``, a float mask.
 """
 
 from __future__ import annotations
@@ -46,6 +49,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if kwargs.get("output_attentions", False):
         raise ValueError("compiled_attn attention does not return attention weights "
                          "(output_attentions=True): use attn_implementation='eager'")
+    for name in ("position_bias", "head_mask"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"compiled_attn attention: {name} (a bias added to the logits or a per-head "
+                "weight, e.g. T5's relative positions) is not supported by its kernels; use "
+                "attn_implementation='sdpa' or 'eager' for this model")
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # GPT-OSS: [Hq] logits joining each row's softmax denominator
+        sinks = sinks.to(torch.float32).contiguous()
     bsz, hq, sq, d = query.shape
     skv = key.shape[2]
     scale = float(scaling) if scaling is not None else d ** -0.5
@@ -53,9 +65,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     packed = None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
-            raise TypeError(
-                "compiled_attn attention expects the bool mask of its registered mask function "
-                f"(got {attention_mask.dtype}); register with compiled_attn.hf.register()")
+            raise NotImplementedError(
+                f"compiled_attn attention takes bool masks (True = attend), as its registered "
+                f"mask function builds them; an additive {attention_mask.dtype} mask is not "
+                "supported: pass a bool mask, or use attn_implementation='sdpa'")
         m = attention_mask
         if m.dim() == 4:
             if m.shape[1] != 1:
@@ -78,7 +91,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             window_left = int(sliding_window) - 1  # HF: key j visible iff j > i - window
     out, _ = call_op(
         "single_prefill",
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, None,
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, sinks,
         mode, window_left, 0, scale, float(softcap or 0.0), 0, 1.0, 1e4, 1.0, None)
     return out, None
 

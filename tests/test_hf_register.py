@@ -66,3 +66,49 @@ def test_hf_attn_implementation_torch_compile(padding):
     assert not dict(dynamo_counters["graph_break"]), dict(dynamo_counters["graph_break"])
     rows = am.bool() if am is not None else None
     assert_close_rel(out, ref, rows)
+
+
+def test_hf_attention_sinks_gpt_oss():
+    """GPT-OSS passes its attention sinks as s_aux (one logit per query head in each row's
+    softmax denominator): they reach the op's sinks (they were dropped, 0.28 off at logits of
+    0.56), on alternating sliding-window layers, and match the model's eager attention."""
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers has no GPT-OSS")
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.normal_(0, 2.0)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def logits(impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            return model(input_ids=ids, use_cache=False).logits
+
+    ref = logits("eager")
+    assert_close_rel(logits("compiled_attn"), ref)
+
+
+def test_hf_unsupported_arguments_raise():
+    """What the op cannot take raises NotImplementedError naming it: T5's position_bias, a
+    head_mask, an additive float mask (each was dropped or misreported)."""
+    from compiled_attn.hf import attention_forward
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    bias = torch.zeros(1, 2, 4, 4)
+    for kw, match in ((dict(position_bias=bias), "position_bias"),
+                      (dict(head_mask=torch.ones(2)), "head_mask")):
+        with pytest.raises(NotImplementedError, match=match):
+            attention_forward(Module(), q, k, v, None, **kw)
+    with pytest.raises(NotImplementedError, match="additive torch.float32 mask"):
+        attention_forward(Module(), q, k, v, bias)
+    attention_forward(Module(), q, k, v, None, position_bias=None)  # None: nothing to drop
