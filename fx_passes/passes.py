@@ -8,8 +8,8 @@ source of every module of the rewrite (compiled_attn.graph_dispatch included), o
 implementation the rewrite inlines into Inductor's graph (every module of compiled_attn.ops:
 the Triton launch on GPU, the reference on CPU; and compiled_attn.plan, which the launchers
 ask), plus the pass configuration and graph_dispatch.GRAPH_GLUON, so Inductor's FX graph cache
-never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the pass does not run, so
-``counters`` only count rewrites made by this process.
+never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the
+pass does not run, so ``counters`` only count rewrites made by this process.
 
 ``rewrite_exported_program`` rewrites an ExportedProgram's graph in place (its inputs, outputs
 and signature are untouched: only nodes between them change) and returns it.

@@ -27,8 +27,8 @@ rows that see no key, which the kernel defines as 0; with finite-NEG additive ma
 are patched to eager's uniform average over all keys, of each query head's own KV head under
 GQA). A finite NEG is one that swallows any logit it is added to in the logits' dtype
 (``masks.is_neg_value``: float16's -65504 masks half-precision logits, not float32 ones).
-Everything else is left untouched, and sites that look like attention (softmax between two matmuls, or an SDPA op) are counted as
-``skipped:<reason>`` in ``counters``.
+Everything else is left untouched, and sites that look like attention (softmax between two
+matmuls, or an SDPA op) are counted as ``skipped:<reason>`` in ``counters``.
 """
 
 from __future__ import annotations
