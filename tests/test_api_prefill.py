@@ -439,6 +439,52 @@ def test_run_traces_fullgraph_without_host_reads():
     check(g(q, k), None, *dense_batch(q, [3, 4], list(k.split([5, 9])), list(k.split([5, 9]))))
 
 
+def test_cuda_graph_replans_keep_one_traced_graph():
+    """use_cuda_graph=True wrappers with plan() outside and run() inside
+    torch.compile(fullgraph=True): re-plans within the buffers' capacity (new lengths, new
+    page tables) reuse one graph and give each plan's numbers. plan()'s row counts and largest
+    page index once became guards: a recompile per re-plan, a failure past the limit. Under
+    tracing they are device checks: a plan needing more rows than k holds fails there."""
+    from torch._dynamo.utils import counters
+
+    i32 = torch.int32
+    hq, hkv, d, b, page, n_pages = 4, 2, 8, 2, 4, 16
+    q, k, v = rand(12, hq, d, seed=1), rand(30, hkv, d, seed=2), rand(30, hkv, d, seed=3)
+    cache = rand(n_pages, 2, page, hkv, d, seed=4)
+    r = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD", True, qo_indptr_buf=torch.zeros(
+        b + 1, dtype=i32), kv_indptr_buf=torch.zeros(b + 1, dtype=i32))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(
+        WS, "NHD", True, qo_indptr_buf=torch.zeros(b + 1, dtype=i32),
+        paged_kv_indptr_buf=torch.zeros(b + 1, dtype=i32),
+        paged_kv_indices_buf=torch.zeros(n_pages, dtype=i32),
+        paged_kv_last_page_len_buf=torch.zeros(b, dtype=i32))
+    torch._dynamo.reset()
+    counters.clear()
+    ragged = torch.compile(lambda q, k, v: r.run(q, k, v), fullgraph=True, backend="eager")
+    paged = torch.compile(lambda q, c: w.run(q, c), fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(5)
+    for qo, kv in (([6, 6], [15, 15]), ([1, 1], [3, 9]), ([2, 3], [7, 20]), ([0, 4], [0, 11])):
+        rows = sum(qo)
+        r.plan(indptr(qo), indptr(kv), hq, hkv, d, causal=True, q_data_type=D64)
+        ks, vs = list(k[:sum(kv)].split(kv)), list(v[:sum(kv)].split(kv))
+        check(ragged(q, k, v)[:rows], None, *dense_batch(q[:rows], qo, ks, vs, causal=True)[:1],
+              None)
+        pages = [-(-n // page) for n in kv]
+        idx = torch.randperm(n_pages, generator=g)[:sum(pages)].to(i32)
+        last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv], dtype=i32)
+        w.plan(indptr(qo), indptr(pages), idx, last, hq, hkv, d, page, causal=True,
+               q_data_type=D64)
+        own = [cache[idx[a:a + n].long()] for a, n in zip(indptr(pages)[:-1].tolist(), pages)]
+        ks = [x[:, 0].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        vs = [x[:, 1].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        check(paged(q, cache)[:rows], None, *dense_batch(q[:rows], qo, ks, vs, causal=True)[:1],
+              None)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    r.plan(indptr([2, 2]), indptr([20, 20]), hq, hkv, d, q_data_type=D64)  # 40 rows > 30
+    with pytest.raises(RuntimeError, match=r"the plan's kv_indptr\[-1\]"):
+        ragged(q, k, v)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_paged_page_size_one_without_page_axis(layout):
     """Page size 1 caches may drop the page axis: [P, 2, H, D] or a tuple of [P, H, D]."""
