@@ -27,11 +27,13 @@ def _packbits_rows(mask3: torch.Tensor) -> torch.Tensor:
     shifted left by i (not weighted by ``2 ** arange``: AOTInductor's integer pow.Scalar
     fallback returns float32 read as int32, see fx_passes.rewrite._pack_bits)."""
     flat = mask3.reshape(-1).to(torch.int32)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
+    # 7 zero bits appended, then non-overlapping windows of 8 (ceil(n / 8) of them), as
+    # fx_passes.rewrite._pack_bits: no branch on the padding and no pad op, either of which
+    # guards on the symbolic size under torch.compile(dynamic=True) (a recompile when
+    # B * Sq * Skv % 8 flips).
+    win = torch.cat([flat, flat.new_zeros(7)]).unfold(0, 8, 8)
     shift = torch.arange(8, device=flat.device, dtype=torch.int32)
-    return (flat.view(-1, 8) << shift).sum(-1).to(torch.uint8)
+    return (win << shift).sum(-1).to(torch.uint8)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,

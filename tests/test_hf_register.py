@@ -112,3 +112,26 @@ def test_hf_unsupported_arguments_raise():
     with pytest.raises(NotImplementedError, match="additive torch.float32 mask"):
         attention_forward(Module(), q, k, v, bias)
     attention_forward(Module(), q, k, v, None, position_bias=None)  # None: nothing to drop
+
+
+def test_hf_packbits_no_guard_on_padding():
+    """The HF mask packing is numpy's little-endian packbits, and under
+    torch.compile(dynamic=True) one graph serves lengths whose B * S * S bits do or do not
+    fill whole bytes (it branched on the padding: a recompile when that flipped)."""
+    import numpy as np
+    from torch._dynamo.utils import counters
+
+    from compiled_attn.hf import _packbits_rows
+
+    g = torch.Generator().manual_seed(7)
+    for shape in ((1, 1, 1), (2, 5, 5), (2, 16, 16), (3, 7, 11)):
+        m = torch.rand(shape, generator=g) > 0.5
+        want = np.packbits(m.reshape(-1).numpy(), bitorder="little")
+        assert np.array_equal(_packbits_rows(m).numpy(), want), shape
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(_packbits_rows, dynamic=True, fullgraph=True, backend="eager")
+    for s in (5, 9, 16, 11):  # 2 * s * s % 8: 2, 2, 0, 2
+        m = torch.rand(2, s, s, generator=g) > 0.5
+        assert torch.equal(f(m), _packbits_rows(m))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
