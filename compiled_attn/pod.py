@@ -111,7 +111,7 @@ class _PODBase(_WrapperBase):
             raise TypeError(f"{name}: dtype {q.dtype} but the plan has q_data_type="
                             f"{p['q_dtype']}; pass q_data_type={q.dtype} to plan()")
 
-    def _check_cache(self, name, cache, p, max_page):
+    def _check_cache(self, name, cache, p, max_page, indices):
         k, v = _paged_kv_views(cache, self._kv_layout, name)
         for part, t in (("k", k), ("v", v)):
             if t.dtype != p["kv_dtype"]:
@@ -124,7 +124,14 @@ class _PODBase(_WrapperBase):
                                  f"match the plan: [P, {want[0]}, {want[1]}, {want[2]}] "
                                  f"(page_size, num_kv_heads, head_dim; kv_layout="
                                  f"{self._kv_layout!r})")
-        V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name)
+        if torch.compiler.is_compiling():
+            # Traced: the plan's largest page index would be a guard (a recompile per
+            # re-plan); its page table (indices, device) is checked by a device assert instead.
+            V.device_check((indices >= 0) & (indices < k.shape[0]),
+                           f"{name}'s page indices: an entry is outside {name}'s {k.shape[0]} "
+                           "pages; pass the cache the plan's page table indexes, or re-plan")
+        else:
+            V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name)
         return k, v
 
     def _call(self, p, *, q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d,
@@ -330,7 +337,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # ---- decode part ----------------------------------------------------------------------
         b = p["batch_size"]
         self._check_q("q_d", q_d, b, p, "batch size")
-        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page"])
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page"],
+                                     p["kv_indices"])
         sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
         sm_d *= V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
@@ -428,8 +436,10 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             raise TypeError("use_fp16_qk_reduction: pass a bool")
         self._check_q("q_p", q_p, p["rows_p"], p, "qo_indptr_p[-1]")
         self._check_q("q_d", q_d, p["rows_d"], p, "qo_indptr_d[-1]")
-        k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, p["max_page_p"])
-        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page_d"])
+        k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, p["max_page_p"],
+                                     p["kv_indices_p"])
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page_d"],
+                                     p["kv_indices_d"])
         packed_p = mask_indptr_p = None
         total_bits = sum(p["mask_bits_p"])
         if packed_custom_mask_p is not None:

@@ -151,3 +151,39 @@ def test_pod_run_traces_fullgraph():
     check(o_p, l_p, *dense(q_p, k_p, k_p, causal=True))
     assert l_d is None
     check(o_d, None, *dense_batch(q_d, [1] * len(KV_D), ks, vs))
+
+
+def test_pod_cuda_graph_replans_keep_one_traced_graph():
+    """A CUDA-graph-mode POD wrapper under torch.compile(fullgraph=True), re-planned each decode
+    step (the decode requests grow; the page table, and its largest index, change): one graph,
+    each step's numbers. The plan's largest page index was a guard (a recompile per re-plan)."""
+    from torch._dynamo.utils import counters
+
+    i32 = torch.int32
+    hq, hkv, d, page, n_pages = 2, 1, 8, 3, 16
+    b = len(KV_D)
+    cache = rand(n_pages, 2, page, hkv, d, seed=15)
+    w = fi.PODWithPagedKVCacheWrapper(
+        WS, "NHD", True, paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=i32),
+        paged_kv_indices_buffer=torch.zeros(n_pages, dtype=i32),
+        paged_kv_last_page_len_buffer=torch.zeros(b, dtype=i32))
+    q_p, k_p, q_d = rand(3, hq, d, seed=16), rand(5, hkv, d, seed=17), rand(b, hq, d, seed=18)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda qp, kp, qd, c: w.run(qp, kp, kp, qd, c, causal_p=True),
+                      fullgraph=True, backend="eager")
+    g = torch.Generator().manual_seed(19)
+    for step in range(4):
+        kv = [n + step for n in KV_D]
+        pages = [-(-n // page) for n in kv]
+        # a permutation of pages 0..P-1: the largest index grows with the page count
+        idx = torch.randperm(sum(pages), generator=g).to(i32)
+        last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv], dtype=i32)
+        w.plan(indptr(pages), idx, last, hq, hkv, d, page, q_data_type=D64)
+        o_p, o_d = f(q_p, k_p, q_d, cache)
+        check(o_p, None, *dense(q_p, k_p, k_p, causal=True))
+        own = [cache[idx[a:a + n].long()] for a, n in zip(indptr(pages)[:-1].tolist(), pages)]
+        ks = [x[:, 0].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        vs = [x[:, 1].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        check(o_d, None, *dense_batch(q_d, [1] * b, ks, vs))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
