@@ -152,6 +152,14 @@ def check_backend(backend, name: str = "backend") -> str:
     raise ValueError(f"{name}: got {backend!r}; use one of {BACKENDS}")
 
 
+def traced() -> bool:
+    """Whether torch.compile is tracing this call. A wrapper's run() then reads no host number
+    of its plan that changes with the lengths (row counts, the largest page index): each would
+    become a guard, one recompile per re-plan (past the recompile limit, a failure under
+    fullgraph=True). It checks the plan's device tensors by device asserts instead."""
+    return torch.compiler.is_compiling()
+
+
 def device_check(cond: torch.Tensor, msg: str) -> None:
     """A check on device values without a host read (capturable in a CUDA graph): a device-side
     assert under CUDA, which surfaces at the next synchronisation; on CPU it raises at once."""
@@ -334,8 +342,16 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
 
 
 def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_pages: int,
-                         cache_name: str) -> None:
-    """max_entry = (position, value) of the largest page index (recorded by plan())."""
+                         cache_name: str, indices: torch.Tensor) -> None:
+    """Every page index of a plan inside a cache of num_pages pages. max_entry = (position,
+    value) of the largest index (recorded by plan()); indices: the plan's page table on the
+    device. Traced (traced()), the host number would be a guard, so the device table is
+    checked by a device assert instead."""
+    if traced():
+        device_check((indices >= 0) & (indices < num_pages),
+                     f"{idx_name}: an entry is outside {cache_name}'s {num_pages} pages; pass "
+                     "the cache the plan's page table indexes, or re-plan with indices inside it")
+        return
     if max_entry is not None and max_entry[1] >= num_pages:
         pos, val = max_entry
         raise ValueError(f"{idx_name}: entry {pos} is {val} but {cache_name} has only "

@@ -18,22 +18,9 @@ from __future__ import annotations
 import torch
 
 from .op_call import call_op
+from .utils import packbits
 
 __all__ = ["register", "attention_forward"]
-
-
-def _packbits_rows(mask3: torch.Tensor) -> torch.Tensor:
-    """uint8 little-endian bits of a bool [B, Sq, Skv] tensor flattened row-major. Bit i is
-    shifted left by i (not weighted by ``2 ** arange``: AOTInductor's integer pow.Scalar
-    fallback returns float32 read as int32, see fx_passes.rewrite._pack_bits)."""
-    flat = mask3.reshape(-1).to(torch.int32)
-    # 7 zero bits appended, then non-overlapping windows of 8 (ceil(n / 8) of them), as
-    # fx_passes.rewrite._pack_bits: no branch on the padding and no pad op, either of which
-    # guards on the symbolic size under torch.compile(dynamic=True) (a recompile when
-    # B * Sq * Skv % 8 flips).
-    win = torch.cat([flat, flat.new_zeros(7)]).unfold(0, 8, 8)
-    shift = torch.arange(8, device=flat.device, dtype=torch.int32)
-    return (win << shift).sum(-1).to(torch.uint8)
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -78,7 +65,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                                  f"(got mask of shape {tuple(m.shape)})")
             m = m[:, 0]
         m = m.expand(bsz, sq, skv)
-        packed = _packbits_rows(m)
+        packed = packbits(m, bitorder="little")
         mode = MASK_CUSTOM
     else:
         # Same rule as transformers' SDPA path: a None mask is causal for prefill (sq > 1) of a

@@ -124,14 +124,7 @@ class _PODBase(_WrapperBase):
                                  f"match the plan: [P, {want[0]}, {want[1]}, {want[2]}] "
                                  f"(page_size, num_kv_heads, head_dim; kv_layout="
                                  f"{self._kv_layout!r})")
-        if torch.compiler.is_compiling():
-            # Traced: the plan's largest page index would be a guard (a recompile per
-            # re-plan); its page table (indices, device) is checked by a device assert instead.
-            V.device_check((indices >= 0) & (indices < k.shape[0]),
-                           f"{name}'s page indices: an entry is outside {name}'s {k.shape[0]} "
-                           "pages; pass the cache the plan's page table indexes, or re-plan")
-        else:
-            V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name)
+        V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name, indices)
         return k, v
 
     def _call(self, p, *, q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d,

@@ -276,14 +276,6 @@ def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
                          "length every request has")
 
 
-def _traced() -> bool:
-    """Whether torch.compile is tracing this call. plan()'s host numbers that change with the
-    lengths (row counts, the largest page index) would then become guards, one recompile per
-    re-plan (past the recompile limit, a failure under fullgraph=True), so run() checks the
-    plan's device tensors instead, by device asserts (V.device_check)."""
-    return torch.compiler.is_compiling()
-
-
 class _Plan:
     """What plan() fixed: host numbers (never device values) and device tensors for the op."""
 
@@ -566,26 +558,34 @@ class _BatchPrefillBase(_WrapperBase):
         self._plan = _Plan(**{**p.__dict__, **opts, "mask_mode": mask_mode, "alibi": alibi})
 
     # ---- run -----------------------------------------------------------------------------
+    def _rows_ok(self, what: str, n: int, indptr: str, total: str) -> bool:
+        """Whether the n rows of argument ``what`` hold the plan's ``indptr``[-1] (its host
+        count ``total``): exactly, or at least with use_cuda_graph=True. Traced (V.traced), a
+        device assert on the plan's indptr checks it (the host count would be a guard) and
+        this returns True."""
+        p = self._plan
+        if V.traced():
+            rows = getattr(p, indptr)[-1]
+            V.device_check(rows <= n if self._use_cuda_graph else rows == n,
+                           f"{what}: rows do not match the plan's {indptr}[-1] (at least that "
+                           "many with use_cuda_graph=True); re-plan for new shapes")
+            return True
+        total = getattr(p, total)
+        return n >= total if self._use_cuda_graph else n == total
+
     def _check_q(self, q: torch.Tensor) -> _Plan:
         p = self._plan
         if p is None:
             raise RuntimeError("run() before plan(): call plan(...) with the batch's index "
                                "arrays first")
         V.check_tensor("q", q, ndim=3, device=self.device, what="[qo_indptr[-1], Hq, D_qk]")
-        traced = _traced()
-        rows_ok = traced or (q.shape[0] >= p.total_rows if self._use_cuda_graph
-                             else q.shape[0] == p.total_rows)
+        rows_ok = self._rows_ok("q", q.shape[0], "qo_indptr", "total_rows")
         if tuple(q.shape[1:]) != (p.num_qo_heads, p.head_dim_qk) or not rows_ok:
-            need = ("qo_indptr[-1]" if traced else f">= {p.total_rows}" if self._use_cuda_graph
-                    else str(p.total_rows))
+            need = ("qo_indptr[-1]" if V.traced() else f">= {p.total_rows}"
+                    if self._use_cuda_graph else str(p.total_rows))
             raise ValueError(f"q: shape {tuple(q.shape)} does not match the plan: "
                              f"[{need}, {p.num_qo_heads}, {p.head_dim_qk}] "
                              "(qo_indptr[-1], num_qo_heads, head_dim_qk); re-plan for new shapes")
-        if traced:
-            rows = p.qo_indptr[-1]
-            V.device_check(rows <= q.shape[0] if self._use_cuda_graph else rows == q.shape[0],
-                           "q: its rows do not match the plan's qo_indptr[-1] (at least that "
-                           "many with use_cuda_graph=True); re-plan for new shapes")
         if q.dtype != p.q_dtype:
             raise TypeError(f"q: dtype {q.dtype} but the plan has q_data_type={p.q_dtype}; pass "
                             f"q_data_type={q.dtype} to plan()")
@@ -785,14 +785,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 f"{p.num_kv_heads}, {p.head_dim_qk}] / [P, {p.page_size}, {p.num_kv_heads}, "
                 f"{p.head_dim_vo}] (page_size, num_kv_heads, head dims; kv_layout="
                 f"{self._kv_layout!r})")
-        if _traced():
-            V.device_check((p.kv_indices >= 0) & (p.kv_indices < k_cache.shape[0]),
-                           "paged_kv_indices: an entry is outside paged_kv_cache's "
-                           f"{k_cache.shape[0]} pages; pass the cache the plan's page table "
-                           "indexes, or re-plan with indices inside it")
-        else:
-            V.check_pages_in_cache("paged_kv_indices", p.max_page, k_cache.shape[0],
-                                   "paged_kv_cache")
+        V.check_pages_in_cache("paged_kv_indices", p.max_page, k_cache.shape[0],
+                               "paged_kv_cache", p.kv_indices)
         if sinks is not None:
             V.check_tensor("sinks", sinks, shape=(p.num_qo_heads,), dtypes=(torch.float32,),
                            device=self.device, what="[Hq] float32")
@@ -920,21 +914,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._check_kv_dtype("k", k, p)
         self._check_kv_dtype("v", v, p)
         kn, vn = (k, v) if self._kv_layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
-        traced = _traced()
-        rows_ok = traced or (kn.shape[0] >= p.total_kv if self._use_cuda_graph
-                             else kn.shape[0] == p.total_kv)
+        rows_ok = self._rows_ok("k / v", kn.shape[0], "kv_indptr", "total_kv")
         if not rows_ok or tuple(kn.shape[1:]) != (p.num_kv_heads, p.head_dim_qk) or \
                 tuple(vn.shape) != (kn.shape[0], p.num_kv_heads, p.head_dim_vo):
             raise ValueError(
                 f"k / v: shapes {tuple(k.shape)} / {tuple(v.shape)} do not match the plan: "
-                f"{'kv_indptr[-1]' if traced else p.total_kv} rows (kv_indptr[-1]), "
+                f"{'kv_indptr[-1]' if V.traced() else p.total_kv} rows (kv_indptr[-1]), "
                 f"{p.num_kv_heads} KV heads, head dims "
                 f"{p.head_dim_qk} / {p.head_dim_vo} (kv_layout={self._kv_layout!r})")
-        if traced:
-            rows = p.kv_indptr[-1]
-            V.device_check(rows <= kn.shape[0] if self._use_cuda_graph else rows == kn.shape[0],
-                           "k / v: their rows do not match the plan's kv_indptr[-1] (at least "
-                           "that many with use_cuda_graph=True); re-plan for new shapes")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
                        self.device, lse_layout)
         res_out, res_lse = call_op(

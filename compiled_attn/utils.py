@@ -61,11 +61,12 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     FlashInfer's kernels do).
     """
     flat = x.reshape(-1) != 0
-    n = flat.numel()
-    nbytes = (n + 7) // 8
-    padded = torch.zeros(nbytes * 8, dtype=torch.bool, device=x.device)
-    padded[:n] = flat
-    return _pack_groups(padded.view(nbytes, 8), bitorder)
+    # 7 zero bits appended, then the first ceil(n / 8) bytes' worth: no pad op and no branch
+    # on n % 8, either of which guards on a symbolic size under torch.compile(dynamic=True)
+    # (one recompile when it flips; hf's attention packs with this). n = 0 gives no byte.
+    nbytes = (flat.numel() + 7) // 8
+    bits = torch.cat([flat, flat.new_zeros(7)])[:nbytes * 8]
+    return _pack_groups(bits.view(nbytes, 8), bitorder)
 
 
 def _segment_bit_sources(seg_lens: list[int], device) -> tuple[torch.Tensor, list[int]]:

@@ -57,6 +57,9 @@ _ELEMENTWISE = {
 }
 
 
+_HALF = (torch.float16, torch.bfloat16)  # half-precision logits dtypes
+
+
 def is_neg_value(x, logit_dtype: torch.dtype | None) -> bool:
     """A masking constant for logits of ``logit_dtype`` (the dtype the mask is added or
     filled in): one that swallows any logit added to it, as -inf does. -inf, or anything at or
@@ -72,9 +75,6 @@ def is_neg_value(x, logit_dtype: torch.dtype | None) -> bool:
     if x == -math.inf or x <= -1e30:
         return True
     return logit_dtype in _HALF and x <= torch.finfo(torch.float16).min
-
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _scalar_in_set(x, logit_dtype) -> bool:

@@ -115,13 +115,16 @@ def test_hf_unsupported_arguments_raise():
 
 
 def test_hf_packbits_no_guard_on_padding():
-    """The HF mask packing is numpy's little-endian packbits, and under
+    """The HF mask packing (compiled_attn.packbits, little-endian) is numpy's, and under
     torch.compile(dynamic=True) one graph serves lengths whose B * S * S bits do or do not
     fill whole bytes (it branched on the padding: a recompile when that flipped)."""
     import numpy as np
     from torch._dynamo.utils import counters
 
-    from compiled_attn.hf import _packbits_rows
+    from compiled_attn.utils import packbits
+
+    def _packbits_rows(m):
+        return packbits(m, bitorder="little")
 
     g = torch.Generator().manual_seed(7)
     for shape in ((1, 1, 1), (2, 5, 5), (2, 16, 16), (3, 7, 11)):
