@@ -201,7 +201,15 @@ class Emitter:
         op = getattr(torch.ops.compiled_attn, name).default
         if (not self.inductor or contracts.INTERPRET
                 or graph_dispatch.keep_opaque(name, tuple(map_arg(args, val)))):
-            return self(op, *args)
+            node = self(op, *args)
+            if self.inductor:
+                # Inductor's fallback call honours the op's exact-strides constraint only for
+                # a node carrying eager_input_vals (else it takes a node a pass inserted as
+                # free to take any layout): without it, a pointwise producer such as RoPE may
+                # be laid out head-major, and the launcher then declines the Gluon kernel that
+                # keep_opaque chose on the traced strides.
+                node.meta["eager_input_vals"] = (tuple(map_arg(args, val)), {})
+            return node
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
 

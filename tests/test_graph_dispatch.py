@@ -297,3 +297,53 @@ def test_aoti_package_decomposes(hopper, monkeypatch, tmp_path):
         out = torch._inductor.aoti_load_package(pkg)(*qkv)
         ref = _Causal()(*qkv)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+class _RopeCausal(torch.nn.Module):
+    """Llama's shape of attention: projections [B, S, H, D] seen as [B, H, S, D], a pointwise
+    rotary step on q and k, then causal SDPA. In eager the rotary output keeps the projection's
+    [B, S, H, D] memory order (so the rewrite's permute back is contiguous); Inductor is free to
+    lay that pointwise kernel's output out head-major instead."""
+
+    def forward(self, q, k, v, cos, sin):
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+
+        def rot(x):
+            x1, x2 = x.chunk(2, dim=-1)
+            return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+        return torch.nn.functional.scaled_dot_product_attention(rot(q), rot(k), v,
+                                                                is_causal=True)
+
+
+def test_rewrite_pins_the_traced_strides(hopper, monkeypatch):
+    """The opaque call receives q / k / v with the strides the trace saw ([B, S, H, D]
+    contiguous: the eager launcher's Gluon views), not whatever layout Inductor picked for the
+    rotary kernel feeding it (head-major with a zero batch stride, on the H100, made the
+    launcher decline Gluon and build per-item descriptors: 0.96x causal SDPA end to end)."""
+    from compiled_attn import fx_passes
+    from compiled_attn.ops import reference
+
+    seen = []
+    ref_single = reference.single_prefill
+
+    def recording(q, k, v, *rest, **kw):  # the CPU body of the op (the fallback call runs it)
+        seen.append([t.stride() for t in (q, k, v)])
+        return ref_single(q, k, v, *rest, **kw)
+
+    monkeypatch.setattr(reference, "single_prefill", recording)
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    g = torch.Generator().manual_seed(7)
+    b, s, h, d = 1, 32, 4, 128
+    qkv = [torch.randn(b, s, h, d, generator=g).to(torch.bfloat16) for _ in range(3)]
+    cos, sin = (torch.randn(s, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    fx_passes.counters.clear()
+    with torch.no_grad():
+        out, code = _compiled(compiled_attn.compile(_RopeCausal(), fullgraph=True),
+                              *qkv, cos, sin)
+        ref = _RopeCausal()(*qkv, cos, sin)
+    assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1, code
+    assert fx_passes.counters["rewritten"] == 1, dict(fx_passes.counters)
+    packed = (s * h * d, h * d, d, 1)
+    assert seen == [[packed] * 3], seen
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
