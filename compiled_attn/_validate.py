@@ -166,6 +166,21 @@ def device_check(cond: torch.Tensor, msg: str) -> None:
     torch._assert_async(cond.all(), msg)
 
 
+def rows_match(what: str, n, indptr_name: str, indptr: torch.Tensor, total: int | None,
+               at_least: bool = False) -> bool:
+    """Whether argument ``what``'s n rows hold the plan's indptr[-1] rows (its host count
+    ``total``; indptr_name names it): exactly, or at least (CUDA-graph buffers). Traced
+    (traced()), the host count would be a guard (callers pass None): a device assert on the
+    plan's indptr checks it, and this returns True."""
+    if traced():
+        rows = indptr[-1]
+        device_check(rows <= n if at_least else rows == n,
+                     f"{what}: rows do not match the plan's {indptr_name}[-1] (at least that "
+                     "many with use_cuda_graph=True); re-plan for new shapes")
+        return True
+    return n >= total if at_least else n == total
+
+
 def unsupported(name: str, what: str) -> None:
     """Raise for an accepted argument whose feature is missing (no silent fallback)."""
     raise NotImplementedError(f"{name}: {what}")

@@ -100,10 +100,15 @@ class _PODBase(_WrapperBase):
             raise RuntimeError("run() before plan(): call plan(...) with the page table first")
         return self._plan
 
-    def _check_q(self, name, q, rows, p, rows_what):
+    def _check_q(self, name, q, rows, p, rows_what, indptr=None):
+        """q [rows, Hq, head_dim] of the plan (rows None: any). indptr: the plan's key of the
+        indptr whose last entry rows is (BatchPOD): traced, its device copy is checked instead
+        of reading rows (V.rows_match)."""
         V.check_tensor(name, q, ndim=3, device=self.device, what="[rows, Hq, head_dim]")
-        if (rows is not None and q.shape[0] != rows) or \
-                tuple(q.shape[1:]) != (p["num_qo_heads"], p["head_dim"]):
+        rows_ok = rows is None or (
+            q.shape[0] == rows if indptr is None else
+            V.rows_match(name, q.shape[0], indptr, p[indptr], None if V.traced() else rows))
+        if not rows_ok or tuple(q.shape[1:]) != (p["num_qo_heads"], p["head_dim"]):
             want = f"[{rows if rows is not None else '*'}, {p['num_qo_heads']}, {p['head_dim']}]"
             raise ValueError(f"{name}: shape {tuple(q.shape)} does not match the plan: {want} "
                              f"({rows_what}, num_qo_heads, head_dim)")
@@ -427,14 +432,16 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         V.check_enable_pdl(enable_pdl)
         if not isinstance(use_fp16_qk_reduction, bool):
             raise TypeError("use_fp16_qk_reduction: pass a bool")
-        self._check_q("q_p", q_p, p["rows_p"], p, "qo_indptr_p[-1]")
-        self._check_q("q_d", q_d, p["rows_d"], p, "qo_indptr_d[-1]")
+        traced = V.traced()  # the plan's row counts would be guards (V.rows_match)
+        self._check_q("q_p", q_p, "qo_indptr_p[-1]" if traced else p["rows_p"], p,
+                      "qo_indptr_p[-1]", "qo_indptr_p")
+        self._check_q("q_d", q_d, "qo_indptr_d[-1]" if traced else p["rows_d"], p,
+                      "qo_indptr_d[-1]", "qo_indptr_d")
         k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, p["max_page_p"],
                                      p["kv_indices_p"])
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page_d"],
                                      p["kv_indices_d"])
         packed_p = mask_indptr_p = None
-        total_bits = sum(p["mask_bits_p"])
         if packed_custom_mask_p is not None:
             V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p,
                                  sum((n + 7) // 8 for n in p["mask_bits_p"]),
@@ -442,7 +449,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=self.device)
             packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
         elif custom_mask_p is not None:
-            V.mask_bool_length("custom_mask_p", custom_mask_p, total_bits,
+            V.mask_bool_length("custom_mask_p", custom_mask_p, sum(p["mask_bits_p"]),
                                "sum over prefill requests of qo_len * kv_len")
             V.check_tensor("custom_mask_p", custom_mask_p, device=self.device)
             src, _ = _segment_bit_sources(p["mask_bits_p"], self.device)

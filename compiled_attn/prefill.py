@@ -560,18 +560,12 @@ class _BatchPrefillBase(_WrapperBase):
     # ---- run -----------------------------------------------------------------------------
     def _rows_ok(self, what: str, n: int, indptr: str, total: str) -> bool:
         """Whether the n rows of argument ``what`` hold the plan's ``indptr``[-1] (its host
-        count ``total``): exactly, or at least with use_cuda_graph=True. Traced (V.traced), a
-        device assert on the plan's indptr checks it (the host count would be a guard) and
-        this returns True."""
-        p = self._plan
-        if V.traced():
-            rows = getattr(p, indptr)[-1]
-            V.device_check(rows <= n if self._use_cuda_graph else rows == n,
-                           f"{what}: rows do not match the plan's {indptr}[-1] (at least that "
-                           "many with use_cuda_graph=True); re-plan for new shapes")
-            return True
-        total = getattr(p, total)
-        return n >= total if self._use_cuda_graph else n == total
+        count ``total``): exactly, or at least with use_cuda_graph=True (V.rows_match: traced,
+        a device assert)."""
+        p = self._plan  # (traced, the host count is not read: it would be a guard)
+        return V.rows_match(what, n, indptr, getattr(p, indptr),
+                            None if V.traced() else getattr(p, total),
+                            at_least=self._use_cuda_graph)
 
     def _check_q(self, q: torch.Tensor) -> _Plan:
         p = self._plan

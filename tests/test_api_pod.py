@@ -187,3 +187,53 @@ def test_pod_cuda_graph_replans_keep_one_traced_graph():
         vs = [x[:, 1].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
         check(o_d, None, *dense_batch(q_d, [1] * b, ks, vs))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_batch_pod_replans_keep_one_traced_graph(dynamic):
+    """BatchPOD under torch.compile(dynamic=True, fullgraph=True) on two fixed caches (as a
+    serving engine allocates them), re-planned with new prefill and decode lengths (row
+    counts, page tables and their largest index change): one graph, each plan's numbers; a q
+    whose rows miss the plan trips the traced row check. run() read the plan's row counts
+    (guards: a recompile per re-plan). Duck sizing is off: sizes that happen to match in one
+    plan (dynamo's guess that they always do) are not what is tested."""
+    from torch._dynamo.utils import counters
+    from torch.fx.experimental import _config as shape_config
+
+    i32 = torch.int32
+    hq, hkv, d, page, n_pages = 4, 2, 8, 4, 24
+    caches = rand(n_pages, 2, page, hkv, d, seed=30), rand(n_pages, 2, page, hkv, d, seed=31)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda qp, cp, qd, cd: w.run(qp, cp, qd, cd, causal_p=True),
+                      fullgraph=True, dynamic=dynamic, backend="eager")
+    g = torch.Generator().manual_seed(32)
+
+    def table(kv, cache):
+        """A page table over a random subset of the cache's pages, and each request's K / V."""
+        pages = [-(-n // page) for n in kv]
+        idx = torch.randperm(n_pages, generator=g)[:sum(pages)].to(i32)
+        last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv], dtype=i32)
+        own = [cache[idx[a:a + n].long()] for a, n in zip(indptr(pages)[:-1].tolist(), pages)]
+        ks = [x[:, 0].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        vs = [x[:, 1].reshape(-1, hkv, d)[:n] for x, n in zip(own, kv)]
+        return (indptr(pages), idx, last), ks, vs
+
+    for step in range(4):
+        qo_p, kv_p = [3 + step, 2], [5 + 2 * step, 4 + step]
+        kv_d = [n + step for n in KV_D]
+        t_p, ks_p, vs_p = table(kv_p, caches[0])
+        t_d, ks_d, vs_d = table(kv_d, caches[1])
+        q_p, q_d = rand(sum(qo_p), hq, d, seed=50 + step), rand(len(kv_d), hq, d, seed=60)
+        w.plan(indptr(qo_p), *t_p, indptr([1] * len(kv_d)), *t_d, hq, hkv, d, page,
+               data_type=D64)
+        with shape_config.patch(use_duck_shape=False):
+            o_p, o_d = f(q_p, caches[0], q_d, caches[1])
+        check(o_p, None, *dense_batch(q_p, qo_p, ks_p, vs_p, causal=True))
+        check(o_d, None, *dense_batch(q_d, [1] * len(kv_d), ks_d, vs_d))
+    # dynamic=None: the first plan's static graph, then one with the changing sizes dynamic
+    assert counters["stats"]["unique_graphs"] == (1 if dynamic else 2), dict(counters["stats"])
+    with pytest.raises(RuntimeError, match="q_p: rows do not match the plan's qo_indptr_p"), \
+            shape_config.patch(use_duck_shape=False):
+        f(q_p[1:], caches[0], q_d, caches[1])
