@@ -116,7 +116,9 @@ class _PODBase(_WrapperBase):
             raise TypeError(f"{name}: dtype {q.dtype} but the plan has q_data_type="
                             f"{p['q_dtype']}; pass q_data_type={q.dtype} to plan()")
 
-    def _check_cache(self, name, cache, p, max_page, indices):
+    def _check_cache(self, name, cache, p, suffix=""):
+        """K and V of a paged cache argument, checked against the plan; suffix: that of the
+        plan's page-table keys ("" for POD's decode batch, "_p" / "_d" for BatchPOD's)."""
         k, v = _paged_kv_views(cache, self._kv_layout, name)
         for part, t in (("k", k), ("v", v)):
             if t.dtype != p["kv_dtype"]:
@@ -129,7 +131,8 @@ class _PODBase(_WrapperBase):
                                  f"match the plan: [P, {want[0]}, {want[1]}, {want[2]}] "
                                  f"(page_size, num_kv_heads, head_dim; kv_layout="
                                  f"{self._kv_layout!r})")
-        V.check_pages_in_cache(f"{name}'s page indices", max_page, k.shape[0], name, indices)
+        V.check_pages_in_cache(f"{name}'s page indices", p[f"max_page{suffix}"], k.shape[0],
+                               name, p[f"kv_indices{suffix}"])
         return k, v
 
     def _call(self, p, *, q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d,
@@ -335,8 +338,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # ---- decode part ----------------------------------------------------------------------
         b = p["batch_size"]
         self._check_q("q_d", q_d, b, p, "batch size")
-        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page"],
-                                     p["kv_indices"])
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p)
         sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
         sm_d *= V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
@@ -437,10 +439,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                       "qo_indptr_p[-1]", "qo_indptr_p")
         self._check_q("q_d", q_d, "qo_indptr_d[-1]" if traced else p["rows_d"], p,
                       "qo_indptr_d[-1]", "qo_indptr_d")
-        k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, p["max_page_p"],
-                                     p["kv_indices_p"])
-        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, p["max_page_d"],
-                                     p["kv_indices_d"])
+        k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, "_p")
+        k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, "_d")
         packed_p = mask_indptr_p = None
         if packed_custom_mask_p is not None:
             V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p,
