@@ -101,15 +101,17 @@ class _PODBase(_WrapperBase):
         return self._plan
 
     def _check_q(self, name, q, rows, p, rows_what, indptr=None):
-        """q [rows, Hq, head_dim] of the plan (rows None: any). indptr: the plan's key of the
-        indptr whose last entry rows is (BatchPOD): traced, its device copy is checked instead
-        of reading rows (V.rows_match)."""
+        """q [rows, Hq, head_dim] of the plan; rows None: any (POD's prefill part), unless
+        indptr names the plan's indptr whose last entry the rows must be (BatchPOD): then rows
+        is its host count, None while traced (V.rows_match checks the device copy)."""
         V.check_tensor(name, q, ndim=3, device=self.device, what="[rows, Hq, head_dim]")
-        rows_ok = rows is None or (
-            q.shape[0] == rows if indptr is None else
-            V.rows_match(name, q.shape[0], indptr, p[indptr], None if V.traced() else rows))
+        if indptr is not None:
+            rows_ok = V.rows_match(name, q.shape[0], indptr, p[indptr], rows)
+        else:
+            rows_ok = rows is None or q.shape[0] == rows
         if not rows_ok or tuple(q.shape[1:]) != (p["num_qo_heads"], p["head_dim"]):
-            want = f"[{rows if rows is not None else '*'}, {p['num_qo_heads']}, {p['head_dim']}]"
+            shown = rows if rows is not None else "*" if indptr is None else rows_what
+            want = f"[{shown}, {p['num_qo_heads']}, {p['head_dim']}]"
             raise ValueError(f"{name}: shape {tuple(q.shape)} does not match the plan: {want} "
                              f"({rows_what}, num_qo_heads, head_dim)")
         if q.dtype != p["q_dtype"]:
@@ -435,10 +437,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         if not isinstance(use_fp16_qk_reduction, bool):
             raise TypeError("use_fp16_qk_reduction: pass a bool")
         traced = V.traced()  # the plan's row counts would be guards (V.rows_match)
-        self._check_q("q_p", q_p, "qo_indptr_p[-1]" if traced else p["rows_p"], p,
-                      "qo_indptr_p[-1]", "qo_indptr_p")
-        self._check_q("q_d", q_d, "qo_indptr_d[-1]" if traced else p["rows_d"], p,
-                      "qo_indptr_d[-1]", "qo_indptr_d")
+        for x, q in (("p", q_p), ("d", q_d)):
+            self._check_q(f"q_{x}", q, None if traced else p[f"rows_{x}"], p,
+                          f"qo_indptr_{x}[-1]", f"qo_indptr_{x}")
         k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, "_p")
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, "_d")
         packed_p = mask_indptr_p = None
