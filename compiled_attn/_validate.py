@@ -82,7 +82,7 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
     """None -> 0.0 (disabled)."""
     if c is None:
         return 0.0
-    c = float(c)
+    c = _number(name, c)
     if not math.isfinite(c) or c < 0:
         raise ValueError(f"{name}: got {c!r}; use a finite value > 0 to cap the logits at "
                          "c * tanh(s / c), or 0 / None to disable")
@@ -224,6 +224,20 @@ def check_q_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
     ok = _float_dtypes(device_type)
     if dt not in ok:
         raise TypeError(f"{name}: got {dt}; on {device_type} use one of {list(ok)}")
+    check_interpreter(name, dt, device_type)
+
+
+def check_interpreter(name: str, dt: torch.dtype, device_type: str) -> None:
+    """Under TRITON_INTERPRET=1 CPU tensors run the Triton kernel in the interpreter, which
+    computes bfloat16 dot products and rounds to fp8 wrongly (CI tests float16 / float32
+    there): a bfloat16 q (or one computed as bfloat16) or an fp8 output raises instead of
+    returning wrong numbers. (fp8 K/V inputs are upcast right and pass.)"""
+    from .ops.contracts import INTERPRET
+
+    if INTERPRET and device_type == "cpu" and (dt == torch.bfloat16 or dt in FP8_DTYPES):
+        unsupported(name, f"{dt} under TRITON_INTERPRET=1: the Triton interpreter computes "
+                    "bfloat16 dot products and fp8 roundings wrongly on CPU; use float16 / "
+                    f"float32 there, or unset TRITON_INTERPRET (the CPU reference takes {dt})")
 
 
 def check_kv_dtype(name: str, dt: torch.dtype, device_type: str) -> None:

@@ -13,6 +13,8 @@ the offsets are checked on the device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _validate as V
@@ -44,7 +46,7 @@ def _lens(arg: str, t: torch.Tensor, q: torch.Tensor, graph_mode: bool) -> torch
     _check_tensor(arg, t)
     if t.dtype not in (torch.int32, torch.int64):
         _fail(arg, f"must be int32 or int64, got {t.dtype}", "pass integer lengths")
-    if t.numel() != t.shape[0]:
+    if t.dim() == 0 or t.numel() != t.shape[0]:
         _fail(arg, f"must have shape [B] or [B, 1, 1, 1], got {tuple(t.shape)}",
               "pass one length per request")
     if graph_mode and t.device != q.device:
@@ -123,10 +125,11 @@ def _compact_block_tables(block_tables: torch.Tensor, kv_lens: torch.Tensor, pag
 
 
 def _scale_value(arg: str, s, graph_mode: bool) -> float:
+    """A per-tensor scale given as a number or a one-element tensor, as a finite float."""
     if s is None:
         return 1.0
-    if isinstance(s, (int, float)):
-        return float(s)
+    if not torch.is_tensor(s):
+        return _finite(arg, s)
     _check_tensor(arg, s)
     if s.numel() != 1:
         _fail(arg, f"must hold one value (shape [1, 1, 1, 1]), got shape {tuple(s.shape)}",
@@ -137,7 +140,16 @@ def _scale_value(arg: str, s, graph_mode: bool) -> float:
               "fold the fp8 scales into `scale` (q_scale * k_scale) and scale the output by "
               "v_scale yourself, or call with is_cuda_graph_compatible=False",
               NotImplementedError)
-    return float(s.reshape(()).item())
+    return _finite(arg, s.reshape(()).item())
+
+
+def _finite(arg: str, x) -> float:
+    if isinstance(x, (bool, str, bytes)) or not hasattr(x, "__float__"):
+        _fail(arg, f"must be a number, got {x!r}", "pass a finite float", TypeError)
+    x = float(x)
+    if not math.isfinite(x):
+        _fail(arg, f"is {x}", "pass a finite float")
+    return x
 
 
 def cudnn_batch_prefill_with_kv_cache(
@@ -213,7 +225,8 @@ def cudnn_batch_prefill_with_kv_cache(
         (out [Nq, Hq, Dvo], lse or None). lse: float32 [B, max_token_per_sequence, Hq], base 2
         (natural logsumexp / ln 2 over the scaled logits; natural with lse_base="ln"); entries
         past a request's length and rows that see no key hold -inf, whose output rows are 0.
-        Query rows past sum(actual_seq_lens_q) belong to no request and are written as 0.
+        Output rows past sum(actual_seq_lens_q) belong to no request: the kernel does not
+        write them (as FlashInfer; the CPU reference writes 0); slice them off.
     """
     graph_mode = bool(is_cuda_graph_compatible)
     V.check_lse_base(lse_base)
@@ -228,6 +241,7 @@ def cudnn_batch_prefill_with_kv_cache(
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         _fail("scale", f"must be a Python float, got {type(scale).__name__}",
               "pass e.g. 1 / sqrt(head_dim)")
+    _finite("scale", scale)
     for arg, val in (("max_token_per_sequence", max_token_per_sequence),
                      ("max_sequence_kv", max_sequence_kv)):
         if not isinstance(val, int) or isinstance(val, bool) or val < 0:
@@ -253,6 +267,8 @@ def cudnn_batch_prefill_with_kv_cache(
     V.check_head_dims(dqk, dvo, q.device.type, names=("head_dim_qk", "head_dim_vo"))
     if q.dtype not in _FP8:
         V.check_q_dtype("q", q.dtype, q.device.type)
+    else:  # computed as bfloat16
+        V.check_interpreter("q", torch.bfloat16, q.device.type)
     V.check_kv_dtype("k_cache", k_cache.dtype, q.device.type)
     V.check_kv_dtype("v_cache", v_cache.dtype, q.device.type)
     V.check_qkv_dtypes(q.dtype, k_cache.dtype, v_cache.dtype, names=("q", "k_cache", "v_cache"))
@@ -303,6 +319,8 @@ def cudnn_batch_prefill_with_kv_cache(
     out_dtype = V.canonical_dtype("o_data_type", out_dtype)
     if out_dtype not in _FP8:
         V.check_out_dtype("o_data_type", out_dtype, q.device.type)
+    else:
+        V.check_interpreter("o_data_type", out_dtype, q.device.type)
     if out is not None:
         _check_tensor("out", out, 3)
         if tuple(out.shape) != (nq, hq, dvo) or out.dtype != out_dtype or out.device != q.device:

@@ -648,7 +648,8 @@ _PLAN_COMMON_DOC = """
         total query rows become the capacity (as in FlashInfer); padding work rows are
         (request -1, row 0). run() then takes q (and ragged k / v) with more rows than the plan
         uses (a captured buffer): output and LSE rows past qo_indptr[-1] belong to no request
-        and are not written on CUDA, as in FlashInfer (0 / -inf on CPU); slice them off.
+        and the kernel does not write them, as in FlashInfer (the CPU reference writes 0 /
+        -inf); slice them off.
         """
 
 

@@ -126,7 +126,9 @@ def trtllm_fmha_v2_prefill(
         skip_softmax_threshold_scale_factor: None or 0 only (skip-softmax is not implemented).
 
     Returns:
-        out [T, Hq, Dvo]. Rows that see no key are 0.
+        out [T, Hq, Dvo]. Rows that see no key are 0. Rows past cum_seq_lens_q[-1] belong to
+        no request: the kernel does not write them (as FlashInfer; the CPU reference writes 0);
+        slice them off.
 
     save_softmax_stats=True raises: FlashInfer returns (row max, sum of exp) per row, and the
     compiled_attn ops return only the LSE (base 2). The row max cannot be recovered from the
@@ -231,6 +233,8 @@ def trtllm_fmha_v2_prefill(
     V.check_head_dims(dqk, dvo, dev.type)
     if q.dtype not in _FP8:
         V.check_q_dtype("q", q.dtype, dev.type)
+    else:  # computed as bfloat16
+        V.check_interpreter("q", torch.bfloat16, dev.type)
     V.check_kv_dtype("k/v", k.dtype, dev.type)
     V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype, names=("q", "k", "v"))
 
@@ -245,6 +249,8 @@ def trtllm_fmha_v2_prefill(
         o_dtype = q.dtype if out_dtype is None else V.canonical_dtype("out_dtype", out_dtype)
     if o_dtype not in _FP8:
         V.check_out_dtype("out_dtype", o_dtype, dev.type)
+    else:
+        V.check_interpreter("out_dtype", o_dtype, dev.type)
 
     # ---- lengths (checked on the device: no host reads)
     bsz = batch_size

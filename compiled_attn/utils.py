@@ -60,6 +60,7 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     (element 0 is bit 0; the layout compiled_attn's ``packed_custom_mask`` arguments take, as
     FlashInfer's kernels do).
     """
+    V.check_tensor("x", x)
     flat = x.reshape(-1) != 0
     # 7 zero bits appended, then the first ceil(n / 8) bytes' worth: no pad op and no branch
     # on n % 8, either of which guards on a symbolic size under torch.compile(dynamic=True)
@@ -115,6 +116,7 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
     of a batch's ``packed_custom_mask`` with ``bitorder="little"``. The output size depends on
     indptr's values, so indptr is read on the host (a device sync when it lives on a GPU).
     """
+    V.check_tensor("x", x)
     ind = V.host_indptr("indptr", indptr)
     V.check_total("indptr", ind, x.reshape(-1).numel(), "x.numel()")
     lens = (ind[1:] - ind[:-1]).tolist()
@@ -140,7 +142,13 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
                    device=kv_indptr.device, what="[B], one entry per request of kv_indptr")
     V.check_count("page_size", page_size, 1)
     npages = kv_indptr[1:] - kv_indptr[:-1]
-    lens = (npages - 1) * page_size + kv_last_page_len
+    V.device_check(npages >= 0, "get_seq_lens: kv_indptr decreases; pass cumulated page "
+                   "counts (non-decreasing)")
+    last = kv_last_page_len.to(npages.device)
+    V.device_check((npages == 0) | ((last >= 1) & (last <= page_size)),
+                   f"get_seq_lens: kv_last_page_len holds an entry outside [1, page_size="
+                   f"{page_size}] for a request with pages")
+    lens = (npages - 1) * page_size + last
     return torch.where(npages > 0, lens, torch.zeros_like(lens)).to(kv_last_page_len.dtype)
 
 
@@ -160,19 +168,33 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     device. No host reads.
     """
     V.check_tensor("append_indptr", append_indptr, ndim=1, what="[B+1]")
+    if append_indptr.shape[0] == 0:
+        raise ValueError("append_indptr: is empty; pass [B+1] entries starting at 0")
     V.check_tensor("seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
                    what="[B], one KV length per request of append_indptr")
     V.check_count("nnz", nnz, 0)
     dev = append_indptr.device
     ind = append_indptr.to(torch.int64)
     i = torch.arange(nnz, dtype=torch.int64, device=dev)
+    if ind.numel() == 1:  # no request: every entry is past append_indptr[-1]
+        return _write_outputs(nnz, dev, torch.full_like(i, -1).to(torch.int32),
+                              torch.zeros_like(i).to(torch.int32), batch_indices, positions)
     b = torch.bucketize(i, ind[1:], right=True)
     inside = i < ind[-1]
-    bs = b.clamp(max=max(ind.numel() - 2, 0))
+    bs = b.clamp(max=ind.numel() - 2)
     app_len = ind[1:] - ind[:-1]
-    pos = seq_lens.to(torch.int64).to(dev)[bs] - app_len[bs] + (i - ind[bs])
+    lens = seq_lens.to(torch.int64).to(dev)
+    V.device_check((app_len >= 0) & (lens >= app_len), "get_batch_indices_positions: "
+                   "append_indptr decreases, or a seq_lens entry is shorter than its request's "
+                   "appended tokens (seq_lens is each KV length after the append)")
+    pos = lens[bs] - app_len[bs] + (i - ind[bs])
     b_out = torch.where(inside, b, torch.full_like(b, -1)).to(torch.int32)
     p_out = torch.where(inside, pos, torch.zeros_like(pos)).to(torch.int32)
+    return _write_outputs(nnz, dev, b_out, p_out, batch_indices, positions)
+
+
+def _write_outputs(nnz, dev, b_out, p_out, batch_indices, positions):
+    """get_batch_indices_positions' results, written into the caller's buffers if given."""
     for name, buf, val in (("batch_indices", batch_indices, b_out), ("positions", positions, p_out)):
         if buf is not None:
             V.check_tensor(name, buf, shape=(nnz,), dtypes=(torch.int32,), device=dev)
@@ -205,8 +227,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     nnz = append_key.shape[0]
     V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]))
     V.check_tensor("append_value", append_value, shape=(nnz, v_cache.shape[2], v_cache.shape[3]))
-    V.check_tensor("batch_indices", batch_indices, shape=(nnz,))
-    V.check_tensor("positions", positions, shape=(nnz,))
+    ints = (torch.int32, torch.int64)
+    V.check_tensor("batch_indices", batch_indices, shape=(nnz,), dtypes=ints)
+    V.check_tensor("positions", positions, shape=(nnz,), dtypes=ints)
     V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,))
     # Tokens with batch index < 0 (padding past append_indptr[-1]) are dropped by a boolean
     # selection: one device sync on a GPU, but no write can alias a real token's slot.
@@ -267,6 +290,9 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     """
     V.check_tensor("v", v, ndim=4, what="[N, S, H, D]")
     V.check_tensor("s", s, shape=v.shape[:3], device=v.device, what="[N, S, H] of v")
+    if v.shape[1] == 0:  # no state: as if every state had LSE -inf
+        n, _, h, d = v.shape
+        return v.new_zeros((n, h, d)), s.new_full((n, h), float("-inf"), dtype=torch.float32)
     ct = torch.float64 if v.dtype == torch.float64 else torch.float32
     sf = s.to(ct)
     m = sf.amax(dim=1, keepdim=True)  # [N, 1, H]

@@ -244,3 +244,61 @@ def test_window_left_takes_any_integer_type():
     for bad in (3.0, True, "3"):
         with pytest.raises(ValueError, match="window_left: got"):
             V.check_window_left(bad)
+
+
+def _cudnn(**kw):
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q, k, v = rand(4, 2, 8, seed=1), rand(6, 2, 8, seed=2), rand(6, 2, 8, seed=3)
+    args = dict(max_token_per_sequence=4, max_sequence_kv=6, actual_seq_lens_q=i32(4),
+                actual_seq_lens_kv=i32(6), causal=True, return_lse=False)
+    scale = kw.pop("scale", 0.3)
+    args.update(kw)
+    return fi.cudnn_batch_prefill_with_kv_cache(q, k, v, scale, torch.empty(1), **args)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(scale=float("nan")), ValueError, "scale is nan; pass a finite float"),
+    (dict(scale=float("inf")), ValueError, "scale is inf"),
+    (dict(q_scale=float("inf")), ValueError, "q_scale is inf"),
+    (dict(k_scale=torch.tensor([float("nan")])), ValueError, "k_scale is nan"),
+    (dict(v_scale=True), TypeError, "v_scale must be a number"),
+    (dict(actual_seq_lens_q=torch.tensor(4, dtype=torch.int32)), ValueError,
+     r"actual_seq_lens_q must have shape \[B\] or \[B, 1, 1, 1\], got \(\)"),
+])
+def test_cudnn_scales_and_lengths(kw, exc, match):
+    # (an audit: NaN / inf scales ran through, to NaN or inf outputs; a 0-d length tensor
+    # was a bare IndexError)
+    with pytest.raises(exc, match=match):
+        _cudnn(**kw)
+
+
+@pytest.mark.parametrize("cap", [True, "1.0"])
+def test_soft_cap_takes_numbers_only(cap):
+    q, k, v = rand(4, 2, 8, seed=1), rand(6, 2, 8, seed=2), rand(6, 2, 8, seed=3)
+    with pytest.raises(TypeError, match="logits_soft_cap: got .*; pass a number"):
+        fi.single_prefill_with_kv_cache(q, k, v, logits_soft_cap=cap)
+
+
+def test_helpers_check_values():
+    # (an audit: these returned lengths of 13 for two pages of 4, a position of -1, took
+    # float indices, or failed inside torch)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match=r"kv_last_page_len holds an entry outside \[1, "):
+        fi.get_seq_lens(i32(0, 2), i32(9), 4)
+    with pytest.raises(RuntimeError, match="kv_indptr decreases"):
+        fi.get_seq_lens(i32(0, 2, 1), i32(1, 1), 4)
+    assert fi.get_seq_lens(i32(0, 2, 2), i32(3, 0), 4).tolist() == [7, 0]
+    with pytest.raises(RuntimeError, match="seq_lens entry is shorter than its request's"):
+        fi.get_batch_indices_positions(i32(0, 2, 5), i32(1, 3), 5)
+    b, p = fi.get_batch_indices_positions(i32(0), i32(), 3)  # no request
+    assert b.tolist() == [-1] * 3 and p.tolist() == [0] * 3
+    b, p = fi.get_batch_indices_positions(i32(0, 2, 5), i32(4, 3), 6)
+    assert b.tolist() == [0, 0, 1, 1, 1, -1] and p.tolist() == [2, 3, 0, 1, 2, 0]
+    with pytest.raises(TypeError, match="batch_indices: expected dtype"):
+        fi.append_paged_kv_cache(rand(2, 2, 4), rand(2, 2, 4), torch.tensor([0., 0.]),
+                                 torch.tensor([0.5, 1.5]), torch.zeros(1, 2, 2, 2, 4), i32(0),
+                                 i32(0, 1), i32(2))
+    out, lse = fi.merge_states(rand(2, 0, 1, 4), torch.zeros(2, 0, 1))  # no state to merge
+    assert torch.equal(out, torch.zeros(2, 1, 4)) and torch.isneginf(lse).all()
+    with pytest.raises(TypeError, match="x: expected a tensor"):
+        fi.packbits([1, 0, 1])

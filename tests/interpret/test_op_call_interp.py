@@ -48,3 +48,24 @@ def test_direct_call_is_the_op_bit_for_bit(entry, monkeypatch):
     assert calls == [name]
     assert not out.isnan().any() and not lse.isnan().any()
     assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_interpreter_refuses_bf16_and_fp8_outputs():
+    # The interpreter computes bf16 dot products and fp8 roundings wrongly on CPU (an audit:
+    # errors of ~1e9 and -0.474 -> -0.25 in e5m2, with no error raised): the entry points
+    # refuse those dtypes under TRITON_INTERPRET=1 and name the way out; fp16 still runs.
+    q, k, v = (rand(4, 2, 8, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    with pytest.raises(NotImplementedError, match="bfloat16 under TRITON_INTERPRET=1"):
+        fi.single_prefill_with_kv_cache(q, k, v)
+    q, k, v = (x.to(torch.float16) for x in (q, k, v))
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="float8_e5m2 under TRITON_INTERPRET=1"):
+        fi.cudnn_batch_prefill_with_kv_cache(
+            q, k, v, 0.3, torch.empty(1), max_token_per_sequence=4, max_sequence_kv=4,
+            actual_seq_lens_q=i32(4), actual_seq_lens_kv=i32(4), causal=True,
+            return_lse=False, o_data_type=torch.float8_e5m2)
+    with pytest.raises(NotImplementedError, match="bfloat16 under TRITON_INTERPRET=1"):
+        fi.trtllm_fmha_v2_prefill((q.to(torch.float8_e4m3fn), k, v), "SEPARATE_Q_K_V",
+                                  torch.empty(1), i32(4), 4, 4, 0.3, 1.0, 1, i32(0, 4),
+                                  i32(0, 4))
+    assert fi.single_prefill_with_kv_cache(q, k, v).dtype == torch.float16
