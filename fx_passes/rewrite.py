@@ -635,13 +635,19 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         scale = 1.0 / math.sqrt(d)
 
     # Masks -> (mask_mode, window_left, bool mask nodes).
-    finite_neg = False
+    finite_adds = 0
     for m, dt in zip(site.add_masks, site.add_dtypes, strict=True):
         try:
-            finite_neg |= M.zero_or_neg(m, dt)
+            finite_adds += M.zero_or_neg(m, dt)
         except M.NotProven as e:
             raise Skip(f"additive bias: {e}") from None
-    finite_neg |= site.hide_finite
+    if finite_adds > 1 or (finite_adds and site.hide_finite):
+        # A key two finite masks both hide sums to -inf in eager (min + min overflows), one
+        # they hide once stays finite: a fully masked row then averages v over the keys
+        # hidden once, not over all keys (the patch below), and which keys those are is not
+        # known here.
+        raise Skip("two finite masks add up (a key hidden by both becomes -inf in eager)")
+    finite_neg = bool(finite_adds) or site.hide_finite
     hide_nodes = [h[1] if isinstance(h, tuple) else h for h in site.hide_masks]
     for m in site.bool_masks + site.add_masks + hide_nodes:
         if isinstance(m, Node) and not M.head_invariant(m):
@@ -828,11 +834,13 @@ _MATMULS = (aten.matmul.default, aten.bmm.default, aten.mm.default)
 
 def _count_unmatched(graph: Graph, skipped: set[Node]) -> None:
     """Count, as "unmatched:softmax @ v", each softmax left in the graph whose result reaches
-    the left operand of a matmul (through reshapes, copies, casts, expands and where): attention
-    the pass neither rewrote nor skipped with a reason, which would otherwise leave no trace in
-    the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads, whose softmax
-    is wrapped in a where that zeroes fully masked rows)."""
-    through = RESHAPE_OPS | COPY_OPS | CAST_OPS | {aten.expand.default, aten.where.self}
+    the left operand of a matmul (through reshapes, copies, casts, expands, where and slices):
+    attention the pass neither rewrote nor skipped with a reason, which would otherwise leave
+    no trace in the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads, whose softmax
+    is wrapped in a where that zeroes fully masked rows; GPT-OSS's eager attention, whose
+    softmax over the logits and a sink column is sliced back to the keys)."""
+    through = RESHAPE_OPS | COPY_OPS | CAST_OPS | {aten.expand.default, aten.where.self,
+                                                  aten.slice.Tensor}
     for n in graph.nodes:
         if n.op != "call_function" or match_softmax(n) is None:
             continue

@@ -276,3 +276,43 @@ def test_pass_uuid_covers_the_inlined_op_code(monkeypatch):
                 passes, rewrite):
         assert os.path.realpath(mod.__file__) in hashed, mod.__name__
     assert "enabled=True" in extra and "graph_gluon=" in extra
+
+
+def _gpt_oss_eager(q, k, v, sinks):
+    # GPT-OSS's eager attention (transformers): softmax over the logits and a sink column,
+    # sliced back to the keys. Not rewritten; counted (an audit: it left no trace).
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    s = q.shape[2]
+    w = w + torch.triu(torch.full((s, s), float("-inf")), 1)
+    sk = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, s, -1)
+    c = torch.cat([w, sk], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    return torch.matmul(torch.softmax(c, dim=-1)[..., :-1], v)
+
+
+def _two_finite_masks(q, k, v, keep_pad):
+    # Causal and padding as two separate 0 / finfo.min masks: a key both hide sums to -inf.
+    neg = torch.finfo(torch.float32).min
+    s = q.shape[2]
+    causal = torch.triu(torch.full((s, s), neg), 1)
+    pad = torch.where(keep_pad[:, None, None, :], 0.0, neg)
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + causal + pad, -1) @ v
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "two_finite_masks"])
+def test_sites_left_alone_with_a_trace(case):
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    if case == "gpt_oss":
+        fn, extra, want = _gpt_oss_eager, torch.randn(4, generator=g), "unmatched:softmax @ v"
+    else:
+        extra = torch.ones(2, 6, dtype=torch.bool)
+        extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
+        fn, want = _two_finite_masks, "skipped:two finite masks add up"
+    torch._dynamo.reset()
+    fx_passes.counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        out = compiled_attn.compile(fn, fullgraph=True)(q, k, v, extra)
+    c = dict(fx_passes.counters)
+    assert c.get("rewritten", 0) == 0 and any(key.startswith(want) for key in c), c
+    torch.testing.assert_close(out, fn(q, k, v, extra))
