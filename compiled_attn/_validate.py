@@ -89,9 +89,14 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
     return c
 
 
+def is_number(x) -> bool:
+    """A real number: anything float() takes but a string or a bool."""
+    return not isinstance(x, (str, bytes, bool)) and hasattr(x, "__float__")
+
+
 def _number(name: str, x) -> float:
-    """A real number (not a string, not a bool) as a float."""
-    if isinstance(x, (str, bytes, bool)) or not hasattr(x, "__float__"):
+    """A real number (is_number) as a float."""
+    if not is_number(x):
         raise TypeError(f"{name}: got {x!r}; pass a number")
     return float(x)
 

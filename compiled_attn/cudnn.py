@@ -144,7 +144,7 @@ def _scale_value(arg: str, s, graph_mode: bool) -> float:
 
 
 def _finite(arg: str, x) -> float:
-    if isinstance(x, (bool, str, bytes)) or not hasattr(x, "__float__"):
+    if not V.is_number(x):
         _fail(arg, f"must be a number, got {x!r}", "pass a finite float", TypeError)
     x = float(x)
     if not math.isfinite(x):

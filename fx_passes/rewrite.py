@@ -72,7 +72,8 @@ class Site:
 
     q, k, v: [B, H, S, D] nodes (k/v possibly already repeated to Hq heads); out: the node
     whose value is the [B, Hq, Sq, Dvo] result; bool_masks: nodes, True = attend; add_masks:
-    additive-mask nodes (still to be proven 0/NEG); causal_top_left: SDPA's is_causal.
+    (additive-mask node, dtype of the logits it is added to), still to be proven 0/NEG;
+    causal_top_left: SDPA's is_causal.
     """
 
     pattern: str
@@ -84,7 +85,6 @@ class Site:
     soft_cap: float = 0.0
     bool_masks: list = field(default_factory=list)
     add_masks: list = field(default_factory=list)
-    add_dtypes: list = field(default_factory=list)  # per add mask: the logits' dtype there
     hide_masks: list = field(default_factory=list)  # bool, True = masked (masked_fill/where)
     hide_finite: bool = False  # some hide mask fills a finite NEG (eager: uniform row)
     causal_top_left: bool = False
@@ -400,8 +400,7 @@ def match_matmul_softmax(n: Node) -> Site | None:
         return None  # softmax of something that is not q @ k^T: not attention
     q, kt = match_matmul(qk)
     site = Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
-                soft_cap=cap, add_masks=[m for m, _ in add_masks],
-                add_dtypes=[d for _, d in add_masks], scale_nodes=scale_nodes)
+                soft_cap=cap, add_masks=add_masks, scale_nodes=scale_nodes)
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
@@ -473,8 +472,7 @@ def match_sdpa(n: Node) -> Site | None:
         if dtype(mask) == torch.bool:
             site.bool_masks.append(mask)
         else:
-            site.add_masks.append(mask)
-            site.add_dtypes.append(dtype(q))  # SDPA adds attn_mask to logits of q's dtype
+            site.add_masks.append((mask, dtype(q)))  # SDPA adds attn_mask to q-dtype logits
     return site
 
 
@@ -636,7 +634,7 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
 
     # Masks -> (mask_mode, window_left, bool mask nodes).
     finite_adds = 0
-    for m, dt in zip(site.add_masks, site.add_dtypes, strict=True):
+    for m, dt in site.add_masks:
         try:
             finite_adds += M.zero_or_neg(m, dt)
         except M.NotProven as e:
@@ -649,7 +647,7 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         raise Skip("two finite masks add up (a key hidden by both becomes -inf in eager)")
     finite_neg = bool(finite_adds) or site.hide_finite
     hide_nodes = [h[1] if isinstance(h, tuple) else h for h in site.hide_masks]
-    for m in site.bool_masks + site.add_masks + hide_nodes:
+    for m in site.bool_masks + [m for m, _ in site.add_masks] + hide_nodes:
         if isinstance(m, Node) and not M.head_invariant(m):
             raise Skip("head-dependent mask")
         mr = rank(m)
@@ -660,7 +658,7 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     mask_mode, window_left, kind = MASK_NONE, -1, "none"
     need_mask = bool(site.bool_masks or site.add_masks or site.hide_masks)
     # Every mask as (node, how): "bool" True = attend, "add" additive 0/NEG, "hide" True = masked.
-    all_masks = [(m, "bool") for m in site.bool_masks] + [(m, "add") for m in site.add_masks] + \
+    all_masks = [(m, "bool") for m in site.bool_masks] + [(m, "add") for m, _ in site.add_masks] + \
         [(h[1], "bool") if isinstance(h, tuple) else (h, "hide") for h in site.hide_masks]
     top_left = False
     if site.causal_top_left:
@@ -836,9 +834,9 @@ def _count_unmatched(graph: Graph, skipped: set[Node]) -> None:
     """Count, as "unmatched:softmax @ v", each softmax left in the graph whose result reaches
     the left operand of a matmul (through reshapes, copies, casts, expands, where and slices):
     attention the pass neither rewrote nor skipped with a reason, which would otherwise leave
-    no trace in the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads, whose softmax
-    is wrapped in a where that zeroes fully masked rows; GPT-OSS's eager attention, whose
-    softmax over the logits and a sink column is sliced back to the keys)."""
+    no trace in the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads,
+    whose softmax is wrapped in a where that zeroes fully masked rows; GPT-OSS's eager
+    attention, whose softmax over the logits and a sink column is sliced back to the keys)."""
     through = RESHAPE_OPS | COPY_OPS | CAST_OPS | {aten.expand.default, aten.where.self,
                                                   aten.slice.Tensor}
     for n in graph.nodes:
