@@ -63,7 +63,7 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
     page = next((int(o[1:]) for o in opt if o[:1] == "p" and o[1:].isdigit()), 0)
     w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
     cfg = (bn, warps, stages, "r" not in opt, "ws" in opt, "pp" in opt)
-    cfg = cfg[:len(G.TILES[64])]  # a prev: copy may take fewer fields (5 before ping-pong)
+    cfg = cfg[:len(next(iter(G.TILES.values())))]  # a prev: copy may take fewer fields
     if page and page not in caches:
         caches[page] = scatter_pages(k, v, [s] * b, page)
 
@@ -98,6 +98,7 @@ def main():
     ap.add_argument("--mask", default="causal", choices=["causal", "none"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep-ms", type=float, default=1500.0)
+    ap.add_argument("--cudnn", action="store_true", help="also time SDPA's cuDNN backend")
     ap.add_argument("--prev", default="", help="another prefill_gluon.py for prev: variants")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
@@ -157,6 +158,11 @@ def main():
                 ref = sdpa().transpose(1, 2).reshape(b * s, h, d).float()
             runners.append(([sdpa], lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)))
             names.append("sdpa_flash")
+            if a.cudnn:  # the goal peer, timed in the same rounds
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    outs.append(sdpa().transpose(1, 2).reshape(b * s, h, d).float())
+                runners.append(([sdpa], lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)))
+                names.append("sdpa_cudnn")
         else:  # no peer: the variants are checked against the first
             ref = outs[0]
         # the variants differ from the reference by rounding only; NaN means a broken variant
@@ -173,15 +179,16 @@ def main():
         print(json.dumps(row), flush=True)
     with open(os.path.join(a.out, "dev_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    print("\n    S    B  variant                  TFLOP/s  / first  / flash")
+    print("\n    S    B  variant                  TFLOP/s  / first  / flash  / cudnn")
     for r in rows:
         keys = [k for k in r if ":" in k]
         for kk in keys:
-            x, x0, fl = r[kk], r[keys[0]], r.get("sdpa_flash")
+            x, x0, fl, cu = r[kk], r[keys[0]], r.get("sdpa_flash"), r.get("sdpa_cudnn")
             if not all(isinstance(y, float) for y in (x, x0)):
                 print(f"{r['s']:5} {r['b']:4}  {kk:24} {x}")
                 continue
             rel = f"{x / fl:7.3f}" if isinstance(fl, float) else "    n/a"
+            rel += f" {x / cu:7.3f}" if isinstance(cu, float) else ""
             print(f"{r['s']:5} {r['b']:4}  {kk:24} {x:7.0f} {x / x0:8.3f} {rel}")
 
 

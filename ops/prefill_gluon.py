@@ -20,8 +20,9 @@ head per KV head) and starts its K / V under the previous item's last tiles.
 
 Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 8+
-keys dividing one: page_fits), bf16 / fp16, head dim 64 or 128 for Q/K and V alike, causal or no
-mask, none of the logit transforms, positional encodings, sinks or fp8 K/V, no split-KV.
+keys dividing one: page_fits), bf16 / fp16, head dim 64, 128 or 256 (TILES) for Q/K and V
+alike, causal or no mask, none of the logit transforms, positional encodings, sinks or fp8 K/V,
+no split-KV.
 Invariants as in prefill_kernel.py: packed row r of a request is token r // GROUP of query head
 hkv * GROUP + r % GROUP; positions are bottom-right aligned; logits are base 2 (log2(e) folded
 into qk_scale) and the LSE written is base 2; a row that sees no key writes 0 and LSE -inf;
@@ -872,7 +873,15 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 # warp-specialized (11th session: +6-10% at S 1k-4k); 128-row tiles run ping-pong (13th
 # session: two warp groups of 64 rows taking turns on the tensor cores, a load warp; +15-17%
 # over the 8-warp single-group tile, which staged P through shared memory to overlap).
-TILES = {64: (64, 4, 2, False, True, False), 128: (128, 8, 2, False, True, True)}
+# Keyed by (tile height, head dim). D 64's 128-row tile streams K / V three deep (its slots are
+# half D 128's; 26th session: +5-9% at S 4k-8k, -3% at S 2k causal); D 256's 128-row tile
+# reads 64-key tiles (two 128-key slots would not fit beside Q: 197 KB of shared memory with
+# 64; 26th session: 1.23-1.33x the Triton kernel, 0.93-1.05x SDPA cuDNN at S 2k-8k; 32-key
+# tiles ran level with Triton). D 256 has no 64-row tile (warp-specialized, two programs per
+# SM: ptxas needs more than the 128 registers each thread then has) and block_m_for never asks.
+_T64 = (64, 4, 2, False, True, False)
+TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, True),
+         (128, 128): (128, 8, 2, False, True, True), (128, 256): (64, 8, 2, False, True, True)}
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
 _WS_CTAS = {4: 2, 8: 1}
@@ -965,14 +974,17 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
     views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, compute warps, stages, P through
     shared memory, warp-specialized, ping-pong: two groups of half the warps[, persistent
-    (WS): default persistent_default]), TILES[block_m] if None. paged: (page size, page
+    (WS): default persistent_default]), TILES[block_m, D] if None. paged: (page size, page
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
     box per page by the warp-specialized kernel."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
-    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m]
+    if tile is None and (block_m, d) not in TILES:
+        raise ValueError(f"no Gluon tile for block_m {block_m} at head dim {d} (TILES: "
+                         f"{sorted(TILES)}); pass tile=")
+    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if paged is not None and not page_fits(page, block_n, d):
         raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "

@@ -138,7 +138,8 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int,
     which prefers 128-row tiles for paged K/V: they take these tiles too.)"""
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
-            and all(_gluon.page_fits(page_size, _gluon.TILES[bm][0], dqk) for bm in _gluon.TILES))
+            and all(_gluon.page_fits(page_size, tile[0], dqk)
+                    for (_, d), tile in _gluon.TILES.items() if d == dqk))
 
 
 def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
@@ -158,7 +159,8 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
     # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
     # through shared memory with K and V). Descriptors never with CRASH_STAGES nor for 128-row
-    # D <= 64 tiles (slower there).
+    # D <= 64 tiles (slower there) nor D 256 (ptxas of triton 3.6); those two take host
+    # descriptors for the Gluon kernel alone (GLUON_TMA: its own tiles, prefill_gluon.TILES).
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
     tma = stages != CRASH_STAGES.value
@@ -167,10 +169,10 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     if d <= 128 and block_m == 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
     if d <= 64:
-        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
+        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False, GLUON_TMA=True)
     if d <= 128:
         return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False, GLUON_TMA=True)
 
 
 @triton.jit
@@ -973,7 +975,7 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         # Paged: the Gluon kernel reads whole pages (or page-aligned key blocks) through
         # descriptors where its scope allows; otherwise the Triton kernel's pointer gathers.
         cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
-    if (_kv_descriptors(cfg, consts, kv_mode) and _tma_hardware(k.device)
+    if (_kv_descriptors(cfg, consts, kv_mode, gluon) and _tma_hardware(k.device)
             and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
         eager = _eager_launch()
@@ -986,13 +988,17 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         if whole and HOST_TMA and eager and not small:
             if gluon:
                 cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
-            if cfg.get("gluon") is None:
+            if cfg.get("gluon") is not None:
+                tma = 2
+            elif cfg["TMA"]:
                 args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
                 args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
-            tma = 2
-        elif whole and block_m in PERSIST_TMA and not small:
+                tma = 2
+        # (below, and above without the Gluon kernel: a GLUON_TMA tile's Triton launch keeps
+        # its pointer loads)
+        elif cfg["TMA"] and whole and block_m in PERSIST_TMA and not small:
             tma = 3
-        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
+        elif cfg["TMA"] and not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
             tma = 1
     cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
@@ -1001,11 +1007,14 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     return args, consts, cfg
 
 
-def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int) -> bool:
+def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int, gluon: bool = True) -> bool:
     """Whether this tile and these options let contiguous K/V (dense or ragged) be read
-    through tensor descriptors, their layout aside (_tma_ok); with the launch's size,
-    _host_descriptor_rule."""
-    return cfg["TMA"] and USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
+    through tensor descriptors, their layout aside (_tma_ok): the Triton kernel's (cfg TMA)
+    or, where the launcher can run the Gluon kernel (gluon), its host descriptors alone (cfg
+    GLUON_TMA: a launch out of its scope then keeps the Triton kernel's pointer loads). With
+    the launch's size, _host_descriptor_rule."""
+    return ((cfg["TMA"] or (gluon and cfg.get("GLUON_TMA", False))) and USE_TMA
+            and kv_mode != KV_PAGED and not consts["ROPE"])
 
 
 def _host_descriptor_rule(cfg: dict, consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
@@ -1047,25 +1056,28 @@ _KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
 def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalars,
                  kv_layout: bool = True) -> bool:
     """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
-    USE_GLUON, a Hopper GPU, a tile height it has a tile for, pages it reads (page_fits), fp16 /
-    bf16 throughout, one head dim of 64 or 128 with unit stride, causal or no mask with a
-    positive scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V
+    USE_GLUON, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
+    and 128-row tiles, D 256 on 128-row ones), pages it reads (page_fits), fp16 / bf16
+    throughout, V's head dim Q's, unit stride, causal or no mask with a positive scale, none
+    of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V
     with packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
     (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
     the eager launch (_gluon_views, which adds the pointers' alignment) and
     compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
     False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
-    if not (USE_GLUON and _gluon is not None) or block_m not in _gluon.TILES:
+    if not (USE_GLUON and _gluon is not None):
         return False
-    if not _gluon_device(q.device):
-        return False
+    # (the head dim compared, not hashed: a traced one is a SymInt, which this guards on)
     d = q.shape[-1]
-    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, _gluon.TILES[block_m][0], d):
+    tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
+    if tile is None or not _gluon_device(q.device):
+        return False
+    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, tile[0], d):
         return False
     dt = q.dtype
     if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
         return False
-    if d not in (64, 128) or v.shape[-1] != d or not _known(q.stride(-1) == 1):
+    if v.shape[-1] != d or not _known(q.stride(-1) == 1):
         return False
     if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
         return False

@@ -92,6 +92,16 @@ def main() -> int:
                         c.work = build_work(QO, 4, bm, "cuda", kv_lens=KV)
                         check(c, params(head_dim=128))
                         cases += 1
+                # D 64 and D 256 on their own 128-row tiles (TILES by head dim): ragged with
+                # padded items, and whole-tile pages
+                for d in (64, 256):
+                    for kind in ("ragged", "paged"):
+                        c = make_case(kind, QO, KV, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
+                                      device="cuda", page_size=128, seed=d)
+                        c.block_m = 128
+                        c.work = torch.cat([build_work(QO, 4, 128, "cuda", kv_lens=KV), pad])
+                        check(c, params(head_dim=d))
+                        cases += 1
             s = make_case("single", [100], [260], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16,
                           device="cuda")
             check(s, params(head_dim=128))

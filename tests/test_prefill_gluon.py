@@ -20,14 +20,15 @@ gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
     (False, 0, 64, 128, True, False, False), (True, 0, 128, 64, False, True, True),
     (False, 8, 64, 128, True, True, False),
     (False, 64, 64, 128, True, False, False), (False, 16, 128, 128, True, True, True),
-    (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False)])
+    (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False),
+    (False, 0, 128, 256, True, True, True), (False, 128, 128, 256, False, True, True)])
 def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m][:4]
+    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m, d][:4]
     p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
     fn = gluon_mod._gluon_fwd
     box = min(page, block_n) if page else block_n  # pages smaller than a tile: a box each
@@ -120,6 +121,8 @@ def test_scope_in(monkeypatch):
     assert views["k2"].shape == (9, 256) and views["qk_scale"] == pytest.approx(0.1 * K.LOG2E)
     assert views["paged"] is None
     assert _scope(monkeypatch, mask_mode=ops.MASK_NONE, d=64, block_m=128) is not None
+    assert _scope(monkeypatch, d=256, block_m=128) is not None  # D 256: 128-row tiles only
+    assert _scope(monkeypatch, d=256, block_m=128, page=64)["paged"] == (64, 128, 128)
     for page, block_m in ((64, 64), (128, 128), (128, 64), (256, 128)):
         views = _scope(monkeypatch, page=page, block_m=block_m)
         assert views["paged"] == (page, 2 * page, 2 * page)
@@ -135,7 +138,8 @@ def test_scope_in(monkeypatch):
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
     dict(sinks=True), dict(page=4), dict(page=1), dict(page=96), dict(page=48, block_m=128),
-    dict(page=64, hnd=True), dict(page=16, d=64)], ids=str)
+    dict(page=64, hnd=True), dict(page=16, d=64), dict(d=256), dict(d=512, block_m=128),
+    dict(d=256, block_m=128, page=16), dict(d=256, dv=128, block_m=128)], ids=str)
 def test_scope_out(change, monkeypatch):
     assert _scope(monkeypatch, **change) is None
 
@@ -148,24 +152,33 @@ def test_scope_off_switch_and_device(monkeypatch):
 
 
 @pytest.mark.parametrize("gluon", [True, False])
-def test_only_asking_launches_get_it(gluon, monkeypatch):
+@pytest.mark.parametrize("d,block_m,cap", [(128, 64, 0.0), (64, 128, 0.0), (256, 128, 0.0),
+                                           (256, 128, 30.0)])
+def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     # A launch that may not run the Gluon kernel (a split plan, POD) never gets its views and
-    # keeps Triton's host descriptors; one that may gets the views and no descriptors.
+    # keeps Triton's host descriptors; one that may gets the views and no descriptors. D 64 and
+    # D 256 on 128-row tiles take descriptors for the Gluon kernel alone (_config's GLUON_TMA):
+    # without it, or out of its scope (a soft cap), the Triton kernel's pointer loads.
     for name in ("_gluon_device", "_tma_hardware", "_eager_launch"):
         monkeypatch.setattr(K, name, lambda *a: True)
     monkeypatch.setattr(K, "_tma_ok", lambda *a: True)
     monkeypatch.setattr(K, "HOST_TMA_MIN_FLOP", 0)
-    q = torch.randn(256, 8, 128, dtype=torch.bfloat16)
-    k, v = (torch.randn(512, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(256, 8, d, dtype=torch.bfloat16)
+    k, v = (torch.randn(512, 2, d, dtype=torch.bfloat16) for _ in range(2))
     indptr = torch.tensor([0, 256], dtype=torch.int32)
     params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.1,
-                  logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
+                  logits_soft_cap=cap, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
                   rope_theta=1e4, v_scale=1.0)
     _, _, (args, consts, cfg) = K._ragged_args(q, k, v, indptr, indptr * 2, None, None, None,
-                                               None, 64, torch.bfloat16, params, gluon=gluon)
-    assert consts["TMA"] == 2
-    assert (cfg.get("gluon") is not None) == gluon
-    assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
+                                               None, block_m, torch.bfloat16, params,
+                                               gluon=gluon)
+    takes = gluon and not cap
+    assert (cfg.get("gluon") is not None) == takes
+    if d == 128:
+        assert consts["TMA"] == 2
+        assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
+    else:
+        assert consts["TMA"] == (2 if takes else 0) and isinstance(args[1], torch.Tensor)
 
 
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
@@ -237,7 +250,7 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
         paged = None
     gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                      causal=True, block_m=block_m, paged=paged)
-    block_n, warps = gluon_mod.TILES[block_m][:2]
+    block_n, warps = gluon_mod.TILES[block_m, 128][:2]
     # persistent programs (64-row tiles, ping-pong with a box per page): a 1D grid of as many
     # as the GPU holds at once (1 SM x _WS_CTAS) for 3 items x 2 KV heads; other ping-pong
     # launches a program per item
@@ -292,3 +305,26 @@ def test_launch_q_box(layout, monkeypatch):
         assert q_desc.base.data_ptr() == q.data_ptr() and q_req_rows == (40 if dense else 0)
     else:
         assert not rec.kw["Q_TMA"] and q_req_rows == 0
+
+
+@pytest.mark.parametrize("block_m,d,block_n,stages", [(128, 64, 128, 3), (128, 256, 64, 2)])
+def test_launch_tile_by_head_dim(block_m, d, block_n, stages, monkeypatch):
+    # The tile follows the head dim: D 64's 128-row tile streams K / V three deep, D 256's reads
+    # 64-key tiles; both ping-pong with a program per item (Q through registers). A height
+    # with no tile at that head dim raises instead of launching one that cannot fit.
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    q = torch.randn(40, 2, d, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 2)
+    work = torch.zeros(3, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    k2 = v2 = gluon_mod.kv_2d(torch.randn(50, 2, d, dtype=torch.bfloat16), "ragged")
+    gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                     causal=True, block_m=block_m)
+    assert (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["D"]) == (block_n, stages, d)
+    assert rec.kw["PINGPONG"] and not rec.kw["PERSISTENT"] and rec.grid == (3, 2)
+    assert rec.args[2].block_shape == [block_n, d]
+    if d == 256:
+        with pytest.raises(ValueError, match="no Gluon tile for block_m 64 at head dim 256"):
+            gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
+                             qk_scale=0.1, causal=True, block_m=64)

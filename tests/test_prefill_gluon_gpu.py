@@ -2,8 +2,8 @@
 tile it may run, against the float64 reference with the bound of tests/kernel_cases.py, on the
 edge cases of its scope: odd lengths and key tails (a partial last key tile, whose V rows past
 kv_len belong to the next request), an empty request, rows that see no key (causal qo > kv, and
-kv 0), GQA 7:1, D 64 and 128, bf16 and fp16, causal and no mask, and a key range long enough
-for the K/V rings to wrap many times."""
+kv 0), GQA 7:1, D 64, 128 and 256, bf16 and fp16, causal and no mask, and a key range long
+enough for the K/V rings to wrap many times."""
 
 import pytest
 import torch
@@ -25,7 +25,10 @@ TILES = [(64, 64, 4, 2, True, False, False), (64, 64, 4, 3, True, False, False),
          (128, 64, 8, 2, True, False, False), (128, 128, 8, 2, True, False, False),
          (64, 64, 4, 2, False, False, False), (128, 128, 8, 2, False, False, False),
          (64, 64, 4, 3, False, False, False), (128, 128, 8, 2, True, True, False),
-         (64, 64, 4, 2, False, True, False), (128, 128, 8, 2, False, True, True)]
+         (64, 64, 4, 2, False, True, False), (128, 128, 8, 2, False, True, True),
+         (128, 128, 8, 3, False, True, True), (128, 64, 8, 2, False, True, True)]
+D64_TILE, D256_TILE = TILES[10], TILES[11]  # (three 128-key slots fit at D 64 only; D 256
+# fits 64-key slots only)
 
 CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
     "odd": ([1, 37, 200, 0, 64], [130, 37, 333, 50, 64], 4, 4, 128),
@@ -74,6 +77,8 @@ def _tile_id(t):
 @pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
 def test_gluon_ragged(tile, case, causal, dt):
     qo, kv, hq, hkv, d = CASES[case]
+    if tile == D64_TILE and d != 64:
+        pytest.skip("D 64's tile: its three 128-key slots do not fit in shared memory at D 128")
     if causal and case != "unseen":
         kv = [max(a, b) for a, b in zip(qo, kv)]
     c = make_case("ragged", qo, kv, hq, hkv, d, dtype=dt, device="cuda", seed=len(qo) + d)
@@ -111,13 +116,31 @@ def test_gluon_paged(tile, page, causal):
     check(*_paged_case(page, 8, 2, causal), runner=_runner(tile))
 
 
-def _paged_case(page, hq, hkv, causal):
+def _paged_case(page, hq, hkv, causal, d=128, dtype=torch.bfloat16):
     """The paged case above (unowned slots NaN) and its parameters."""
     qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
-    c = make_case("paged", qo, kv, hq, hkv, 128, dtype=torch.bfloat16, device="cuda",
-                  page_size=page, seed=page)
+    c = make_case("paged", qo, kv, hq, hkv, d, dtype=dtype, device="cuda", page_size=page,
+                  seed=page)
     _nan_unused(c)
-    return c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128)
+    return c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+
+
+# D 256 on its tile (64-key slots, a program per item, Q through registers): the ragged cases
+# above at D 256 (odd lengths and an empty request, rows that see no key, GQA 2:1 over a range
+# wrapping the rings) and pages of whole key tiles, unowned slots NaN.
+@pytest.mark.parametrize("case", ["odd", "unseen", "long", "paged64", "paged128"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dt", [torch.bfloat16, torch.float16])
+def test_gluon_d256(case, causal, dt):
+    if case.startswith("paged"):
+        c, p = _paged_case(int(case[5:]), 4, 2, causal, d=256, dtype=dt)
+    else:
+        qo, kv, hq, hkv, _ = CASES[case]
+        if causal and case != "unseen":
+            kv = [max(a, b) for a, b in zip(qo, kv)]
+        c = make_case("ragged", qo, kv, hq, hkv, 256, dtype=dt, device="cuda", seed=len(qo))
+        p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=256)
+    check(c, p, runner=_runner(D256_TILE))
 
 
 # Persistent programs on a GPU pretending to have one SM: each of the one or two programs
@@ -181,10 +204,24 @@ def _spy(monkeypatch):
     ("single", [2048], [2048], 128, True)])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4)])  # 4 / 4: Q by the load warp's TMA
 def test_op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, monkeypatch):
+    _op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, 128, monkeypatch)
+
+
+# D 256 and D 64 on their own 128-row tiles (TILES by head dim), through the ops.
+@pytest.mark.parametrize("kind,qo,kv,causal", [
+    ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], True),
+    ("paged128", [1000, 600], [1000, 2600], False),
+    ("single", [777], [1501], True)])
+@pytest.mark.parametrize("d", [64, 256])
+def test_op_runs_gluon_by_head_dim(kind, qo, kv, causal, d, monkeypatch):
+    _op_runs_gluon(kind, qo, kv, 128, causal, 8, 2, d, monkeypatch)
+
+
+def _op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, d, monkeypatch):
     seen = _spy(monkeypatch)
     page = int(kind[5:]) if kind.startswith("paged") else 16
     kind = kind[:5] if kind.startswith("paged") else kind
-    c = make_case(kind, qo, kv, hq=hq, hkv=hkv, dqk=128, dtype=torch.bfloat16, device="cuda",
+    c = make_case(kind, qo, kv, hq=hq, hkv=hkv, dqk=d, dtype=torch.bfloat16, device="cuda",
                   page_size=page, seed=5)
     if kind == "single":
         c.q = c.q.expand(3, -1, -1, -1).contiguous()
@@ -195,7 +232,7 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, monkeypatch):
     else:
         c.block_m = block_m
         c.work = build_work(qo, hq // hkv, block_m, "cuda", kv_lens=kv)
-    check(c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=128))
+    check(c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d))
     assert seen == [(block_m, kind)]
 
 
