@@ -83,8 +83,9 @@ def call(name, dtype=torch.bfloat16, d=128, dvo=None, mask=MASK_CAUSAL, page=16,
                 *tail)
     group = 2
     paged = name == "batch_paged_prefill"
-    block_m = pk.block_m_for(d, dvo, group, max(lens), mask != MASK_NONE, paged=paged,
-                             page_size=page if paged else 0, qo_lens=lens)
+    block_m = opts.get("block_m") or pk.block_m_for(
+        d, dvo, group, max(lens), mask != MASK_NONE, paged=paged,
+        page_size=page if paged else 0, qo_lens=lens)
     work = torch.zeros(3, 4 if split else 2, dtype=torch.int32)
     mask_indptr = torch.tensor([0, 72, 272], dtype=torch.int32) if mask_bits is not None else None
     head = (rnd(n, 4, d),)
@@ -125,7 +126,8 @@ def launcher_takes_gluon(name, args) -> bool:
 # One property away from the base call (bf16, D 128, causal, page 16, NHD K/V) each.
 VARIANTS = [
     {}, {"mask": MASK_NONE}, {"mask": MASK_CUSTOM}, {"dtype": torch.float16},
-    {"dtype": torch.float32}, {"d": 64}, {"d": 256}, {"dvo": 64}, {"window_left": 8},
+    {"dtype": torch.float32}, {"d": 64}, {"d": 64, "block_m": 128}, {"d": 256},
+    {"d": 256, "page": 64}, {"dvo": 64}, {"window_left": 8},
     {"chunk_size": 16}, {"logits_soft_cap": 30.0}, {"pos_encoding_mode": POS_ALIBI},
     {"pos_encoding_mode": POS_ROPE_LLAMA}, {"sinks": True}, {"v_scale": 0.5},
     {"sm_scale": -0.1}, {"out_dtype": torch.float32}, {"split": True}, {"page": 1},
@@ -150,6 +152,22 @@ def test_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch, name):
             assert gd.eager_gluon(name, args) == want, (name, var, threshold, want)
             seen.add(want)
     assert seen == {True, False}, (name, seen)  # the grid has calls on both sides
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_head_dim_tiles_stay_opaque(hopper, monkeypatch, name):
+    """D 256 and D 64 on 128-row tiles (prefill_gluon.TILES by head dim, _config's GLUON_TMA)
+    are the Gluon kernel's eagerly, so traced calls of them stay opaque; a soft cap keeps
+    them out of its scope."""
+    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    variants = [{"d": 256}] + ([] if name == "single_prefill" else [{"d": 64, "block_m": 128}])
+    if name == "batch_paged_prefill":
+        variants = [dict(v, page=128) for v in variants]
+    for var in variants:
+        args = call(name, **var)
+        assert gd.eager_gluon(name, args) and launcher_takes_gluon(name, args), var
+        capped = call(name, logits_soft_cap=30.0, **var)
+        assert not gd.eager_gluon(name, capped) and not launcher_takes_gluon(name, capped)
 
 
 def test_not_hopper_never_opaque():
