@@ -1058,16 +1058,17 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
     USE_GLUON, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
     and 128-row tiles, D 256 on 128-row ones), pages it reads (page_fits), fp16 / bf16
-    throughout, V's head dim Q's, unit stride, causal or no mask with a positive scale, none
-    of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V
-    with packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
+    throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
+    scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V with
+    packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
     (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
     the eager launch (_gluon_views, which adds the pointers' alignment) and
     compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
     False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
     if not (USE_GLUON and _gluon is not None):
         return False
-    # (the head dim compared, not hashed: a traced one is a SymInt, which this guards on)
+    # (the head dim compared, not hashed: a traced q's is a SymInt; graph_dispatch has
+    # guarded it to an int already)
     d = q.shape[-1]
     tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
     if tile is None or not _gluon_device(q.device):
