@@ -102,6 +102,23 @@ def gemma2_softcap_sliding(q, k, v):
     return torch.matmul(torch.softmax(w.float(), dim=-1).to(q.dtype), v)
 
 
+def gpt_oss_sinks(q, k, v, keep, sinks):
+    # GPT-OSS eager (transformers' gpt_oss eager_attention_forward): repeat_kv, matmul *
+    # scaling, additive finfo.min mask, one sink logit per head as an extra column, the row max
+    # subtracted, softmax, the sink column sliced off, matmul. A row whose keys are all masked
+    # puts its weight on the sink: output 0, as the op's.
+    # -> single_prefill(MASK_CUSTOM, sinks=[Hq] float32) on the un-repeated k/v
+    n = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n), repeat_kv(v, n)
+    w = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    w = w + torch.where(keep, 0.0, torch.finfo(q.dtype).min)
+    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+    c = torch.cat([w, col], dim=-1)
+    c = c - c.max(dim=-1, keepdim=True).values
+    p = F.softmax(c, dim=-1, dtype=c.dtype)[..., :-1]
+    return torch.matmul(F.dropout(p, p=0.1, training=False), v)
+
+
 def nanogpt_masked_fill(q, k, v):
     # nanoGPT (karpathy): att = q @ k^T / sqrt(d); masked_fill(tril == 0, -inf); softmax; @ v.
     # -> single_prefill(MASK_CAUSAL)
@@ -165,7 +182,8 @@ def matmul_softmax_with_bias(q, k, v, bias):
 
 
 # name -> (function, counter keys expected for one call). Extra inputs: "keep" a bool
-# [B, 1, S, S] padding+causal mask; "bias" float [B, H, S, S]; "keep_per_head" bool [B, H, S, S].
+# [B, 1, S, S] padding+causal mask; "bias" float [B, H, S, S]; "keep_per_head" bool [B, H, S, S];
+# "sinks" float [Hq].
 PATTERNS = {
     "sdpa_is_causal": (sdpa_is_causal, {"pattern:sdpa": 1, "mask:causal": 1}),
     "sdpa_bool_mask": (sdpa_bool_mask, {"pattern:sdpa": 1, "mask:custom": 1}),
@@ -181,6 +199,8 @@ PATTERNS = {
     "gemma2_softcap_sliding": (gemma2_softcap_sliding,
                                {"pattern:matmul_softmax": 1, "soft_cap": 1,
                                 "mask:causal_window": 1}),
+    "gpt_oss_sinks": (gpt_oss_sinks, {"pattern:matmul_softmax_sinks": 1, "sinks": 1,
+                                      "gqa:repeat_kv": 1, "mask:custom": 1}),
     "nanogpt_masked_fill": (nanogpt_masked_fill, {"pattern:matmul_softmax": 1,
                                                   "mask:causal": 1}),
     "bert_eager_padding": (bert_eager_padding, {"pattern:matmul_softmax": 1, "mask:custom": 1}),

@@ -92,6 +92,9 @@ class Site:
     drop: list = field(default_factory=list)  # nodes to erase with the site (e.g. asserts)
     # Runtime scalar factors of the logits: (0-d tensor node, "mul" | "div"), folded into q.
     scale_nodes: list = field(default_factory=list)
+    # Per-head sink logits (GPT-OSS): a [1, Hq, 1, 1] node joining each row's softmax
+    # denominator, as the op's sinks.
+    sinks: Node | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,16 +382,66 @@ def _has_matmul_ancestor(n: Node, depth: int) -> bool:
     return False
 
 
+def _row_max_removed(x: Node) -> Node:
+    """c when x == c - max(c, -1, keepdim) (max.dim's values or amax): softmax(x) ==
+    softmax(c), so the subtraction GPT-OSS does before its softmax changes nothing."""
+    if is_call(x, aten.sub.Tensor) and isinstance(x.args[1], Node):
+        c, mx = x.args
+        if is_call(mx, operator.getitem) and mx.args[1] == 0:
+            mx = mx.args[0]
+        if (is_call(mx, aten.max.dim, aten.amax.default) and mx.args[0] is c
+                and arg(mx, 2, "keepdim", False)):
+            d = mx.args[1]
+            d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
+            if isinstance(d, int) and rank(c) is not None and d % rank(c) == rank(c) - 1:
+                return c
+    return x
+
+
+def _sink_softmax(p0: Node) -> tuple[Node, Node] | None:
+    """(logits, sinks) when p0 == softmax(cat([logits, sinks], -1))[..., :-1], GPT-OSS's eager
+    attention (transformers' gpt_oss eager_attention_forward: a per-head sink logit expanded
+    to one extra column, the row max subtracted, the column sliced back off), with sinks the
+    [1, Hq, 1, 1] node the column was expanded from; else None."""
+    if not (is_call(p0, aten.slice.Tensor) and arg(p0, 4, "step", 1) == 1
+            and rank(p0) == 4 and arg(p0, 1, "dim", 0) % 4 == 3 and arg(p0, 2, "start", 0) == 0):
+        return None
+    sm = p0.args[0]
+    x = match_softmax(sm)
+    if x is None:
+        return None
+    c = _row_max_removed(strip_identity(x))
+    if not (is_call(c, aten.cat.default) and len(c.args[0]) == 2
+            and arg(c, 1, "dim", 0) % 4 == 3):
+        return None
+    logits, col = c.args[0]
+    ps, ls = shape(p0), shape(logits)
+    if ps is None or ls is None or not same_size(ps[3], ls[3]):  # slices off the sink column
+        return None
+    col = strip_identity(col)
+    while is_call(col, aten.expand.default, *CAST_OPS) and isinstance(col.args[0], Node):
+        col = col.args[0]
+    cs = shape(col)
+    if cs is None or len(cs) != 4 or not all(static_int(cs[i]) == 1 for i in (0, 2, 3)):
+        return None
+    return logits, col
+
+
 def match_matmul_softmax(n: Node) -> Site | None:
-    """A matmul(softmax(...), v) site anchored at n, or None if n is not such a matmul."""
+    """A matmul(softmax(...), v) site anchored at n (or GPT-OSS's sink form of it:
+    _sink_softmax), or None if n is not such a matmul."""
     mm = match_matmul(n)
     if mm is None:
         return None
     p, v = mm
     p0 = strip_identity(p)
+    sinks = None
     x = match_softmax(p0)
     if x is None:
-        return None
+        sink_form = _sink_softmax(p0)
+        if sink_form is None:
+            return None
+        x, sinks = sink_form
     xs = strip_identity(x)
     hides: list = []
     scale_nodes: list = []
@@ -399,8 +452,9 @@ def match_matmul_softmax(n: Node) -> Site | None:
             raise  # softmax(f(q @ k^T)) @ v with an f we do not understand: counted as skipped
         return None  # softmax of something that is not q @ k^T: not attention
     q, kt = match_matmul(qk)
-    site = Site(pattern="matmul_softmax", out=n, q=q, k=_untranspose(kt), v=v, scale=scale,
-                soft_cap=cap, add_masks=add_masks, scale_nodes=scale_nodes)
+    site = Site(pattern="matmul_softmax" if sinks is None else "matmul_softmax_sinks", out=n,
+                q=q, k=_untranspose(kt), v=v, scale=scale, soft_cap=cap, add_masks=add_masks,
+                scale_nodes=scale_nodes, sinks=sinks)
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
@@ -723,13 +777,20 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     kk = _transpose_last2(em, k_src)
     kt = em(aten.permute.default, kk, [0, 2, 1, 3])
     vt = em(aten.permute.default, v_src, [0, 2, 1, 3])
-    res = em.call_op("single_prefill", qt, kt, vt, packed, None, None,
+    sinks = None
+    if site.sinks is not None:  # [1, Hq, 1, 1] -> the op's float32 [Hq]
+        if not same_size(shape(site.sinks)[1], hq):
+            raise Skip("sinks are not one logit per query head")
+        sinks = em.cast(em(aten.reshape.default, site.sinks, [em.size(q, 1)]), torch.float32)
+        sinks = em(aten.clone.default, sinks, memory_format=torch.contiguous_format)
+    res = em.call_op("single_prefill", qt, kt, vt, packed, None, sinks,
                      mask_mode, window_left, 0, float(scale), float(site.soft_cap), 0, 1.0, 1e4,
                      1.0, out_dtype)
     out = em(aten.permute.default, em.getitem(res, 0), [0, 2, 1, 3])  # [B, Hq, Sq, Dvo]
-    if mask3 is not None and finite_neg:
+    if mask3 is not None and finite_neg and sinks is None:
         # Eager softmax over a row whose keys all carry a finite NEG (float32/bf16 min swallows
         # any logit) gives uniform weights: the mean of v over all keys, not the kernel's 0.
+        # (With sinks the row's weight goes to its sink, and the output is 0 as the kernel's.)
         seen = em(aten.any.dim, mask3, -1)  # [B, Sq]
         seen = em(aten.unsqueeze.default, em(aten.unsqueeze.default, seen, 1), 3)
         mean_v = em(aten.mean.dim, v, [2], True)  # [B, Hv, 1, Dvo]: Hq, or 1 broadcast (MQA)
@@ -752,6 +813,8 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         counters["soft_cap"] += 1
     if site.scale_nodes:
         counters["scale:runtime"] += 1
+    if sinks is not None:
+        counters["sinks"] += 1
     return kind
 
 
@@ -835,8 +898,7 @@ def _count_unmatched(graph: Graph, skipped: set[Node]) -> None:
     the left operand of a matmul (through reshapes, copies, casts, expands, where and slices):
     attention the pass neither rewrote nor skipped with a reason, which would otherwise leave
     no trace in the counters (e.g. Inductor's CPU decomposition of SDPA with broadcast heads,
-    whose softmax is wrapped in a where that zeroes fully masked rows; GPT-OSS's eager
-    attention, whose softmax over the logits and a sink column is sliced back to the keys)."""
+    whose softmax is wrapped in a where that zeroes fully masked rows)."""
     through = RESHAPE_OPS | COPY_OPS | CAST_OPS | {aten.expand.default, aten.where.self,
                                                   aten.slice.Tensor}
     for n in graph.nodes:

@@ -29,7 +29,8 @@ class Wrap(torch.nn.Module):
 def make_inputs(fn):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, HQ, S, D, generator=g)
-    hkv = HKV if any(w in fn.__name__ for w in ("gqa", "interleave", "hf_eager", "gemma2")) \
+    hkv = HKV if any(w in fn.__name__ for w in ("gqa", "interleave", "hf_eager", "gemma2",
+                                                 "gpt_oss")) \
         else 1 if "mqa" in fn.__name__ else HQ
     k = torch.randn(B, hkv, S, D, generator=g)
     v = torch.randn(B, hkv, S, D, generator=g)
@@ -45,6 +46,8 @@ def make_inputs(fn):
             args.append(torch.randn(B, HQ, S, S, generator=g))
         elif p == "keep_per_head":
             args.append(torch.rand(B, HQ, S, S, generator=g) > 0.3)
+        elif p == "sinks":
+            args.append(torch.randn(HQ, generator=g))
     return args
 
 
@@ -279,8 +282,8 @@ def test_pass_uuid_covers_the_inlined_op_code(monkeypatch):
 
 
 def _gpt_oss_eager(q, k, v, sinks):
-    # GPT-OSS's eager attention (transformers): softmax over the logits and a sink column,
-    # sliced back to the keys. Not rewritten; counted (an audit: it left no trace).
+    # GPT-OSS's eager attention (transformers) with a constant causal mask: softmax over the
+    # logits and a sink column, sliced back to the keys.
     w = torch.matmul(q, k.transpose(2, 3)) * 0.25
     s = q.shape[2]
     w = w + torch.triu(torch.full((s, s), float("-inf")), 1)
@@ -299,16 +302,33 @@ def _two_finite_masks(q, k, v, keep_pad):
     return torch.softmax(q @ k.transpose(-1, -2) * 0.25 + causal + pad, -1) @ v
 
 
-@pytest.mark.parametrize("case", ["gpt_oss", "two_finite_masks"])
-def test_sites_left_alone_with_a_trace(case):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_gpt_oss_sinks_through_compile(dynamic):
+    # The sink form through Inductor: the op takes the sinks; the constant causal mask is
+    # classified with static shapes and packed as a custom mask with dynamic ones.
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
-    if case == "gpt_oss":
-        fn, extra, want = _gpt_oss_eager, torch.randn(4, generator=g), "unmatched:softmax @ v"
-    else:
-        extra = torch.ones(2, 6, dtype=torch.bool)
-        extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
-        fn, want = _two_finite_masks, "skipped:two finite masks add up"
+    sinks = torch.randn(4, generator=g)
+    torch._dynamo.reset()
+    fx_passes.counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        out = compiled_attn.compile(_gpt_oss_eager, fullgraph=True, dynamic=dynamic)(q, k, v,
+                                                                                    sinks)
+    c = dict(fx_passes.counters)
+    mask = "mask:custom" if dynamic else "mask:causal"
+    assert c == {"rewritten": 1, "pattern:matmul_softmax_sinks": 1, "sinks": 1, mask: 1}, c
+    ref = _gpt_oss_eager(*(t.double() for t in (q, k, v, sinks)))
+    eager_err = (_gpt_oss_eager(q, k, v, sinks).double() - ref).abs().max().item()
+    assert not out.isnan().any()
+    assert (out.double() - ref).abs().max().item() <= 4 * eager_err + 1e-7
+
+
+def test_sites_left_alone_with_a_trace():
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    extra = torch.ones(2, 6, dtype=torch.bool)
+    extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
+    fn, want = _two_finite_masks, "skipped:two finite masks add up"
     torch._dynamo.reset()
     fx_passes.counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():

@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import compiled_attn
+from compiled_attn import fx_passes
+
 from .test_fx_models import Logits, assert_close_rel, hf_model, inputs
 
 transformers = pytest.importorskip("transformers")
@@ -93,6 +96,17 @@ def test_hf_attention_sinks_gpt_oss():
 
     ref = logits("eager")
     assert_close_rel(logits("compiled_attn"), ref)
+    # The eager attention itself, compiled: the rewrite finds its sink form on every layer
+    # (softmax over the logits and a sink column, sliced back) and passes the sinks to the op.
+    model.set_attn_implementation("eager")
+    torch._dynamo.reset()
+    fx_passes.counters.clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        out = compiled_attn.compile(model)(input_ids=ids, use_cache=False).logits
+    c = dict(fx_passes.counters)
+    assert c.get("pattern:matmul_softmax_sinks") == 2 and c.get("sinks") == 2, c
+    assert not [k for k in c if k.startswith(("skipped:", "unmatched:"))], c
+    assert_close_rel(out, ref)
 
 
 def test_hf_unsupported_arguments_raise():
