@@ -404,10 +404,10 @@ def _sink_softmax(p0: Node) -> tuple[Node, Node] | None:
     to one extra column, the row max subtracted, the column sliced back off), with sinks the
     [1, Hq, 1, 1] node the column was expanded from; else None."""
     if not (is_call(p0, aten.slice.Tensor) and arg(p0, 4, "step", 1) == 1
-            and rank(p0) == 4 and arg(p0, 1, "dim", 0) % 4 == 3 and arg(p0, 2, "start", 0) == 0):
+            and rank(p0) == 4 and arg(p0, 1, "dim", 0) % 4 == 3
+            and arg(p0, 2, "start", None) in (0, None)):
         return None
-    sm = p0.args[0]
-    x = match_softmax(sm)
+    x = match_softmax(strip_identity(p0.args[0]))
     if x is None:
         return None
     c = _row_max_removed(strip_identity(x))
@@ -415,8 +415,10 @@ def _sink_softmax(p0: Node) -> tuple[Node, Node] | None:
             and arg(c, 1, "dim", 0) % 4 == 3):
         return None
     logits, col = c.args[0]
-    ps, ls = shape(p0), shape(logits)
-    if ps is None or ls is None or not same_size(ps[3], ls[3]):  # slices off the sink column
+    ps, ls, cols = shape(p0), shape(logits), shape(col)
+    # one sink column, sliced off
+    if (ps is None or ls is None or cols is None or static_int(cols[-1]) != 1
+            or not same_size(ps[3], ls[3])):
         return None
     col = strip_identity(col)
     while is_call(col, aten.expand.default, *CAST_OPS) and isinstance(col.args[0], Node):

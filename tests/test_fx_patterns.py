@@ -323,12 +323,24 @@ def test_gpt_oss_sinks_through_compile(dynamic):
     assert (out.double() - ref).abs().max().item() <= 4 * eager_err + 1e-7
 
 
-def test_sites_left_alone_with_a_trace():
+def _two_sink_columns(q, k, v, sinks):
+    # The sink form with the per-head logit expanded to two columns (two sinks' weight in each
+    # denominator): not the op's one sink per head.
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    col = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 2)
+    return torch.matmul(torch.softmax(torch.cat([w, col], dim=-1), dim=-1)[..., :-2], v)
+
+
+@pytest.mark.parametrize("case", ["two_finite_masks", "two_sink_columns"])
+def test_sites_left_alone_with_a_trace(case):
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
-    extra = torch.ones(2, 6, dtype=torch.bool)
-    extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
-    fn, want = _two_finite_masks, "skipped:two finite masks add up"
+    if case == "two_sink_columns":
+        fn, extra, want = _two_sink_columns, torch.randn(4, generator=g), "unmatched:softmax @ v"
+    else:
+        extra = torch.ones(2, 6, dtype=torch.bool)
+        extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
+        fn, want = _two_finite_masks, "skipped:two finite masks add up"
     torch._dynamo.reset()
     fx_passes.counters.clear()
     with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
