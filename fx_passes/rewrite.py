@@ -680,6 +680,9 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         if kr == vr and kr > 1:
             k_src, v_src, gqa_how = ks, vsrc, khow
 
+    if site.sinks is not None and not same_size(shape(site.sinks)[1], hq):
+        raise Skip("sinks are not one logit per query head")
+
     # Scale: SDPA default 1/sqrt(Dqk).
     scale = site.scale
     if scale is None:
@@ -781,8 +784,6 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     vt = em(aten.permute.default, v_src, [0, 2, 1, 3])
     sinks = None
     if site.sinks is not None:  # [1, Hq, 1, 1] -> the op's float32 [Hq]
-        if not same_size(shape(site.sinks)[1], hq):
-            raise Skip("sinks are not one logit per query head")
         sinks = em.cast(em(aten.reshape.default, site.sinks, [em.size(q, 1)]), torch.float32)
         sinks = em(aten.clone.default, sinks, memory_format=torch.contiguous_format)
     res = em.call_op("single_prefill", qt, kt, vt, packed, None, sinks,

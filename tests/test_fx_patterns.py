@@ -331,12 +331,22 @@ def _two_sink_columns(q, k, v, sinks):
     return torch.matmul(torch.softmax(torch.cat([w, col], dim=-1), dim=-1)[..., :-2], v)
 
 
-@pytest.mark.parametrize("case", ["two_finite_masks", "two_sink_columns"])
+def _one_sink_for_all_heads(q, k, v, sink):
+    # The sink form with one logit broadcast to every head: the op takes one per head.
+    w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+    col = sink.reshape(1, 1, 1, 1).expand(q.shape[0], q.shape[1], q.shape[2], 1)
+    return torch.matmul(torch.softmax(torch.cat([w, col], dim=-1), dim=-1)[..., :-1], v)
+
+
+@pytest.mark.parametrize("case", ["two_finite_masks", "two_sink_columns", "one_sink"])
 def test_sites_left_alone_with_a_trace(case):
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
     if case == "two_sink_columns":
         fn, extra, want = _two_sink_columns, torch.randn(4, generator=g), "unmatched:softmax @ v"
+    elif case == "one_sink":
+        fn, extra = _one_sink_for_all_heads, torch.randn(1, generator=g)
+        want = "skipped:sinks are not one logit per query head"
     else:
         extra = torch.ones(2, 6, dtype=torch.bool)
         extra[0, :3] = False  # query rows 0-2 of batch 0 see no key (one hidden twice)
