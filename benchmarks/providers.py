@@ -371,7 +371,7 @@ def setup_flashinfer(backend: str, single: bool = False):
             raise Unavailable("skipped: --no-flashinfer")
         if inps[0].q.device.type != "cuda":
             raise Unavailable("FlashInfer needs CUDA")
-        if case.head_dim not in opts.flashinfer_dims:
+        if opts.flashinfer_dims is not None and case.head_dim not in opts.flashinfer_dims:
             raise Unavailable(f"skipped: head_dim {case.head_dim} not in --flashinfer-dims "
                               f"{sorted(opts.flashinfer_dims)} (each head dim is a separate JIT "
                               "build: fa2 ~25 s, fa3 ~100 s)")

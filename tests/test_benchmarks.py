@@ -96,6 +96,7 @@ def test_quick_grid_is_smaller():
 def test_parse_args():
     a = parse_args(["--suite", "all", "--quick"])
     assert a.suites == list(cases.SUITES) and a.quick
+    assert a.flashinfer_dims is None  # every head dim: every row gets its FlashInfer ratios
     assert a.provider_list[0] == "compiled_attn" and "flashinfer_fa3" in a.provider_list
     a = parse_args(["--suite", "paged,varlen", "--providers", "flex,compiled_attn",
                     "--no-flashinfer", "--flashinfer-dims", "64,128"])
