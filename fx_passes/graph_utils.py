@@ -199,8 +199,8 @@ class Emitter:
             raise KeyError(f"no compiled_attn op named {name!r} (known: "
                            f"{sorted(contracts.IMPLEMENTATIONS)})")
         op = getattr(torch.ops.compiled_attn, name).default
-        if (not self.inductor or contracts.INTERPRET
-                or graph_dispatch.keep_opaque(name, tuple(map_arg(args, val)))):
+        vals = tuple(map_arg(args, val))
+        if not self.inductor or contracts.INTERPRET or graph_dispatch.keep_opaque(name, vals):
             node = self(op, *args)
             if self.inductor:
                 # Inductor's fallback call honours the op's exact-strides constraint only for
@@ -208,7 +208,7 @@ class Emitter:
                 # free to take any layout): without it, a pointwise producer such as RoPE may
                 # be laid out head-major, and the launcher then declines the Gluon kernel that
                 # keep_opaque chose on the traced strides.
-                node.meta["eager_input_vals"] = (tuple(map_arg(args, val)), {})
+                node.meta["eager_input_vals"] = (vals, {})
             return node
         from torch._inductor.decomposition import select_decomp_table
         from torch.fx.experimental.proxy_tensor import make_fx
@@ -222,7 +222,7 @@ class Emitter:
                 full[i] = t
             return tuple(impl(*full))
 
-        fake_in = [val(args[i]) for i in tensor_pos]
+        fake_in = [vals[i] for i in tensor_pos]
         # Functionalized, so that the Triton launch (wrap_triton's in-place mutation of the
         # outputs it allocates) becomes triton_kernel_wrapper_functional, whose results feed
         # the graph: a mutation node with no users would be dead code to Inductor.

@@ -134,34 +134,36 @@ def match_matmul(n: Node) -> tuple[Node, Node] | None:
     return None
 
 
+def _last_dim(d, r: int | None) -> bool:
+    """Whether dim d (an int, or a one-element list of one) is the last of rank r."""
+    d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
+    return isinstance(d, int) and r is not None and d % r == r - 1
+
+
+def _keepdim_last(red: Node, x: Node) -> bool:
+    """Whether reduction red (amax / max.dim / sum: args (x, dim, keepdim)) reduces x over its
+    last dim with keepdim."""
+    return (red.args[0] is x and _last_dim(red.args[1], rank(x))
+            and bool(arg(red, 2, "keepdim", False)))
+
+
 def match_softmax(n: Node) -> Node | None:
     """The input x when n == softmax(x, dim=-1) (any spelling); else None."""
-    r = rank(n)
-    if r is None:
+    if rank(n) is None:
         return None
-
-    def last(d):
-        return isinstance(d, int) and d % r == r - 1
-
     if is_call(n, aten._softmax.default, aten.softmax.int, aten._safe_softmax.default):
-        return n.args[0] if last(n.args[1]) else None
+        return n.args[0] if _last_dim(n.args[1], rank(n)) else None
     # Decomposed: div(exp(x - amax(x, -1, keepdim)), sum(exp(...), -1, keepdim)).
     if is_call(n, aten.div.Tensor):
         e, s = n.args
         if not (is_call(e, aten.exp.default) and is_call(s, aten.sum.dim_IntList)
-                and s.args[0] is e):
-            return None
-        dims = s.args[1]
-        if not (len(dims) == 1 and last(dims[0]) and arg(s, 2, "keepdim", False)):
+                and _keepdim_last(s, e)):
             return None
         sub = e.args[0]
         if not is_call(sub, aten.sub.Tensor):
             return None
         x, mx = sub.args
-        if not (is_call(mx, aten.amax.default) and mx.args[0] is x):
-            return None
-        mdims = mx.args[1]
-        if not (len(mdims) == 1 and last(mdims[0]) and arg(mx, 2, "keepdim", False)):
+        if not (is_call(mx, aten.amax.default) and _keepdim_last(mx, x)):
             return None
         return x
     return None
@@ -389,12 +391,8 @@ def _row_max_removed(x: Node) -> Node:
         c, mx = x.args
         if is_call(mx, operator.getitem) and mx.args[1] == 0:
             mx = mx.args[0]
-        if (is_call(mx, aten.max.dim, aten.amax.default) and mx.args[0] is c
-                and arg(mx, 2, "keepdim", False)):
-            d = mx.args[1]
-            d = d[0] if isinstance(d, (list, tuple)) and len(d) == 1 else d
-            if isinstance(d, int) and rank(c) is not None and d % rank(c) == rank(c) - 1:
-                return c
+        if is_call(mx, aten.max.dim, aten.amax.default) and _keepdim_last(mx, c):
+            return c
     return x
 
 
