@@ -10,7 +10,8 @@ with a shuffled page table (providers.scatter_pages; PATH gluon reads pages the 
 takes by TMA boxes, every other PATH by the Triton kernel's pointer gathers), so
 paged / ragged ratios come from one interleaved timing. List a variant twice for an A/A control:
 its spread is the noise floor. A variant prev:BM/BN/WARPS/STAGES[:...] runs a gluon: variant on
-another copy of ops/prefill_gluon.py (--prev FILE, e.g. the last commit's), for kernel A/B.
+another copy of ops/prefill_gluon.py (--prev FILE, e.g. the last commit's), for kernel A/B;
+--prev A,B,... loads several, as prev:, prev1:, prev2:, ...
 
     python3 -m benchmarks.dev_ab --cases 4096,8192 --variants prod:host,prod:host,256/64/16/3:host
     python3 -m benchmarks.dev_ab --variants prod:host,prod:host:p16,256/64/16/3:host:p1
@@ -43,12 +44,14 @@ def _variant(tile: str | None, path: str):
         yield
 
 
-def _load_prev(path):
-    """The module at ``path``: another copy of ops/prefill_gluon.py (prev: variants)."""
+def _load_prev(path, i=0):
+    """The module at ``path``: another copy of ops/prefill_gluon.py (prev: variants), in our
+    package's namespace (its relative imports)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("prev_prefill_gluon", path)
+    spec = importlib.util.spec_from_file_location(f"prev_prefill_gluon{i}", path)
     mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "compiled_attn.ops"
     spec.loader.exec_module(mod)
     return mod
 
@@ -104,7 +107,9 @@ def main():
     a = ap.parse_args()
     from compiled_attn.ops import prefill_gluon
 
-    mods = {"gluon": prefill_gluon, "prev": _load_prev(a.prev) if a.prev else None}
+    mods = {"gluon": prefill_gluon}
+    for i, path in enumerate(p for p in a.prev.split(",") if p):
+        mods[f"prev{i or ''}"] = _load_prev(path, i)
     h, d, rows = a.heads, a.dim, []
     hkv, causal = a.kv_heads or h, a.mask == "causal"
     tail = (ops.MASK_CAUSAL if causal else ops.MASK_NONE, -1, 0, d ** -0.5, 0.0, 0, 1.0, 1e4,
@@ -119,7 +124,7 @@ def main():
         variants = a.variants.split(",")
         runners, outs, caches = [], [], {}
         for var in variants:
-            if var.startswith(("gluon:", "prev:")):  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pp]
+            if var.split(":")[0] in mods:  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pp]
                 # [:pN] (r: P in registers; ws: warp-specialized, a load warp issuing the TMAs;
                 # pp: ping-pong, two groups of WARPS / 2; pN: page N); prev: on --prev
                 fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches,
