@@ -18,9 +18,10 @@ from collections.abc import Sequence
 
 import torch
 
+from .ops.contracts import FP8_DTYPES, interpreter_miscomputes
+
 __all__: list[str] = []  # internal module: nothing is re-exported by compiled_attn
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 POS_ENCODING_CODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}  # = ops.POS_* codes
 CUDA_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
@@ -237,9 +238,7 @@ def check_interpreter(name: str, dt: torch.dtype, device_type: str) -> None:
     computes bfloat16 dot products and rounds to fp8 wrongly (CI tests float16 / float32
     there): a bfloat16 q (or one computed as bfloat16) or an fp8 output raises instead of
     returning wrong numbers. (fp8 K/V inputs are upcast right and pass.)"""
-    from .ops.contracts import INTERPRET
-
-    if INTERPRET and device_type == "cpu" and (dt == torch.bfloat16 or dt in FP8_DTYPES):
+    if device_type == "cpu" and interpreter_miscomputes(dt):
         unsupported(name, f"{dt} under TRITON_INTERPRET=1: the Triton interpreter computes "
                     "bfloat16 dot products and fp8 roundings wrongly on CPU; use float16 / "
                     f"float32 there, or unset TRITON_INTERPRET (the CPU reference takes {dt})")

@@ -42,8 +42,37 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 Tensor = torch.Tensor
 
 
+# fp8 dtypes: K/V caches may hold them (upcast in the kernel); outputs may be written in them
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def interpreter_miscomputes(dt: torch.dtype) -> bool:
+    """Whether the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) computes wrongly in dtype
+    dt: bfloat16 dot products, fp8 roundings (CI tests float16 / float32 there; fp8 K/V inputs
+    are upcast right). The ops raise for such a q or output (_kernel_call); the wrappers say so
+    at plan time (compiled_attn._validate.check_interpreter)."""
+    return INTERPRET and (dt == torch.bfloat16 or dt in FP8_DTYPES)
+
+
 def _use_kernel(t: Tensor) -> bool:
+    """Whether the op runs the Triton kernel on t's device (CUDA, or CPU under the interpreter)
+    rather than the reference."""
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+
+
+def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
+    """_use_kernel for an op's q and output dtype; under the interpreter a dtype it miscomputes
+    raises NotImplementedError naming the argument, instead of returning wrong numbers."""
+    if not _use_kernel(q):
+        return False
+    if q.device.type == "cpu":
+        for name, dt in (("q", q.dtype), ("out_dtype", out_dtype or q.dtype)):
+            if interpreter_miscomputes(dt):
+                raise NotImplementedError(
+                    f"{name}: {dt} under TRITON_INTERPRET=1: the Triton interpreter computes "
+                    "bfloat16 dot products and fp8 roundings wrongly on CPU; use float16 / "
+                    f"float32 there, or unset TRITON_INTERPRET (the CPU reference takes {dt})")
+    return True
 
 
 # op name -> its Python implementation (the body the op runs; the FX rewrite traces it when it
@@ -108,7 +137,7 @@ def _single_prefill(
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
-    if _use_kernel(q):
+    if _kernel_call(q, out_dtype):
         from . import prefill_kernel
 
         return prefill_kernel.launch_single(q, k, v, packed_mask, alibi_slopes, sinks,
@@ -151,7 +180,7 @@ def _batch_ragged_prefill(
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
-    if _use_kernel(q):
+    if _kernel_call(q, out_dtype):
         from . import prefill_kernel
 
         return prefill_kernel.launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask,
@@ -195,7 +224,7 @@ def _batch_paged_prefill(
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
-    if _use_kernel(q):
+    if _kernel_call(q, out_dtype):
         from . import prefill_kernel
 
         return prefill_kernel.launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
@@ -249,7 +278,7 @@ def _pod_prefill_decode(
                     logits_soft_cap=logits_soft_cap_p, **common)
     d_params = dict(mask_mode=mask_mode_d, window_left=window_left_d, sm_scale=sm_scale_d,
                     logits_soft_cap=logits_soft_cap_d, **common)
-    if _use_kernel(q_p):
+    if _kernel_call(q_p, out_dtype):
         from . import prefill_kernel
 
         return prefill_kernel.launch_pod(

@@ -18,7 +18,7 @@ programs (persistent_default) stay resident and take work items from a global co
 the load warp, which decodes each item for the compute groups, brings its Q by TMA (one query
 head per KV head) and starts its K / V under the previous item's last tiles.
 
-Scope (prefill_kernel._gluon_views checks it; everything else takes the Triton kernel): dense,
+Scope (prefill_kernel._gluon_scope; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 8+
 keys dividing one: page_fits), bf16 / fp16, head dim 64, 128 or 256 (TILES) for Q/K and V
 alike, causal or no mask, none of the logit transforms, positional encodings, sinks or fp8 K/V,

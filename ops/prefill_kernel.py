@@ -158,9 +158,9 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
         return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
     # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
     # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
-    # through shared memory with K and V). Descriptors never with CRASH_STAGES nor for 128-row
-    # D <= 64 tiles (slower there) nor D 256 (ptxas of triton 3.6); those two take host
-    # descriptors for the Gluon kernel alone (GLUON_TMA: its own tiles, prefill_gluon.TILES).
+    # through shared memory with K and V). The Triton kernel's descriptors never with
+    # CRASH_STAGES nor for 128-row D <= 64 tiles (slower there) nor D 256 (ptxas of triton
+    # 3.6); the Gluon kernel, asked first (_gluon_launch), has its own tiles for those.
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
     tma = stages != CRASH_STAGES.value
@@ -169,10 +169,10 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     if d <= 128 and block_m == 64:
         return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
     if d <= 64:
-        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False, GLUON_TMA=True)
+        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
     if d <= 128:
         return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False, GLUON_TMA=True)
+    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
 
 
 @triton.jit
@@ -951,8 +951,9 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
     and the launch configuration. mean_kv: the batch's mean KV length when the shapes give it
     (descriptors are skipped for short ones). gluon: the launcher can run the Gluon kernel
-    (single, ragged and paged launches without a split plan; not POD): cfg["gluon"] then holds its arguments
-    where the launch is in its scope (_gluon_views), and no Triton descriptors are built."""
+    (single, ragged and paged launches without a split plan; not POD): cfg["gluon"] then holds
+    its arguments where the launch takes it (_gluon_launch), and no Triton descriptors are
+    built."""
     hq, hkv = q.shape[-2], k.shape[-2]
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
@@ -966,39 +967,33 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         *dense, *scalars.values(),
     ]
-    # K/V through tensor descriptors where the layout allows: over the whole K/V, built once on
-    # the host (TMA 2: eager launches) or once per program of a persistent grid (TMA 3: traced
-    # graphs, 64-row tiles); else per program and work item on the device (TMA 1), which short
-    # key ranges do not amortise (pointer loads then, TMA 0).
+    # The Gluon kernel first (_gluon_launch: its scope, layout and size rules); what it does not
+    # take runs the Triton kernel, whose K/V go through tensor descriptors where its tile and
+    # the layout allow: over the whole K/V, built once on the host (TMA 2: eager launches) or
+    # once per program of a persistent grid (TMA 3: traced graphs, 64-row tiles); else per
+    # program and work item on the device (TMA 1), which short key ranges do not amortise
+    # (pointer loads then, TMA 0).
     tma = 0
-    if gluon and kv_mode == KV_PAGED and HOST_TMA and _eager_launch():
-        # Paged: the Gluon kernel reads whole pages (or page-aligned key blocks) through
-        # descriptors where its scope allows; otherwise the Triton kernel's pointer gathers.
-        cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
-    if (_kv_descriptors(cfg, consts, kv_mode, gluon) and _tma_hardware(k.device)
-            and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
+    if gluon:
+        cfg["gluon"] = _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m,
+                                     consts, scalars, page_size, mean_kv)
+        tma = 2 if cfg["gluon"] is not None else 0
+    if (not tma and cfg["TMA"] and _kv_descriptors(consts, kv_mode)
+            and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
-        eager = _eager_launch()
         # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
         # path (both cost more CPU per call than the pointer loads or per-item descriptors),
         # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
-        small = (eager and HOST_TMA
-                 and not _host_descriptor_rule(cfg, consts, kv_mode, q, mean_kv, v.shape[-1])
-                 and not torch.cuda.is_current_stream_capturing())
+        eager = _eager_launch()
+        small = eager and HOST_TMA and _too_small(q, kv_mode, mean_kv, v.shape[-1],
+                                                  consts["MASK_MODE"])
         if whole and HOST_TMA and eager and not small:
-            if gluon:
-                cfg["gluon"] = _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars)
-            if cfg.get("gluon") is not None:
-                tma = 2
-            elif cfg["TMA"]:
-                args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
-                args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
-                tma = 2
-        # (below, and above without the Gluon kernel: a GLUON_TMA tile's Triton launch keeps
-        # its pointer loads)
-        elif cfg["TMA"] and whole and block_m in PERSIST_TMA and not small:
+            args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
+            args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
+            tma = 2
+        elif whole and block_m in PERSIST_TMA and not small:
             tma = 3
-        elif cfg["TMA"] and not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
+        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
             tma = 1
     cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
@@ -1007,24 +1002,47 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     return args, consts, cfg
 
 
-def _kv_descriptors(cfg: dict, consts: dict, kv_mode: int, gluon: bool = True) -> bool:
-    """Whether this tile and these options let contiguous K/V (dense or ragged) be read
-    through tensor descriptors, their layout aside (_tma_ok): the Triton kernel's (cfg TMA)
-    or, where the launcher can run the Gluon kernel (gluon), its host descriptors alone (cfg
-    GLUON_TMA: a launch out of its scope then keeps the Triton kernel's pointer loads). With
-    the launch's size, _host_descriptor_rule."""
-    return ((cfg["TMA"] or (gluon and cfg.get("GLUON_TMA", False))) and USE_TMA
-            and kv_mode != KV_PAGED and not consts["ROPE"])
+def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
+    """Whether these options let contiguous K/V (dense or ragged) be read through tensor
+    descriptors, the tile (cfg TMA: the Triton kernel's; the Gluon kernel's always) and the
+    layout (_tma_ok) aside."""
+    return USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
 
 
-def _host_descriptor_rule(cfg: dict, consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
-    """Whether an eager launch of contiguous K/V with this tile, these options and this much
-    work reads K/V through whole-tensor host descriptors (TMA 2, and with them the Gluon kernel
-    where its scope allows), the tensors' layout, the hardware and a CUDA-graph capture aside:
-    _kv_descriptors, and not _small_launch. The one rule of the launch (_program_args) and of
-    compiled_attn.graph_dispatch.eager_gluon."""
-    return (_kv_descriptors(cfg, consts, kv_mode)
-            and not _small_launch(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
+def _too_small(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
+    """_small_launch, unless a CUDA graph is capturing the launch (its replays skip the host,
+    so the faster kernel wins at any size)."""
+    return (_small_launch(q, kv_mode, mean_kv, dvo, mask_mode)
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
+    """Whether an eager launch with these options and this much work may run the Gluon kernel,
+    its scope (_gluon_scope), the tensors' layout, the hardware and a CUDA-graph capture aside:
+    paged K/V always; contiguous K/V where they may take descriptors (_kv_descriptors) and the
+    launch is worth their host cost (not _small_launch). The one rule of the launch
+    (_gluon_launch) and of compiled_attn.graph_dispatch.eager_gluon."""
+    return kv_mode == KV_PAGED or (
+        _kv_descriptors(consts, kv_mode)
+        and not _small_launch(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
+
+
+def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, scalars,
+                  page_size, mean_kv):
+    """The Gluon kernel's arguments (_gluon_views) when this launch takes it, else None (the
+    Triton kernel runs it): an eager launch with host descriptors on (HOST_TMA; traced graphs
+    cannot capture them), _gluon_rule (or, for a small launch, a CUDA-graph capture), and for
+    contiguous K/V a layout that whole-tensor descriptors read (_tma_ok, _whole_tensor_ok)."""
+    if not (HOST_TMA and _eager_launch()):
+        return None
+    if kv_mode != KV_PAGED:
+        if not (_kv_descriptors(consts, kv_mode) and _tma_hardware(k.device)
+                and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)
+                and _whole_tensor_ok(k) and _whole_tensor_ok(v)):
+            return None
+        if _too_small(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"]):
+            return None
+    return _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1092,7 +1110,7 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
 
 def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
     """The 2D K / V views, base-2 scale and page layout for the Gluon kernel (prefill_gluon.py)
-    when this eager host-descriptor launch (the caller's rule) is in its scope (_gluon_scope,
+    when this eager launch (_gluon_launch's rules) is in its scope (_gluon_scope,
     and K/V pointers 16-byte aligned: prefill_gluon.kv_2d), else None (the Triton kernel runs
     it). (Split-KV plans and POD launches never ask: _program_args' gluon.)"""
     if not _gluon_scope(kv_mode, q, k, v, out.dtype, block_m, page_size, consts, scalars,
@@ -1365,7 +1383,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         part_l = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"]), dtype=torch.float32)
     gl_args = cfg.get("gluon")
     if gl_args is not None:
-        # The Gluon kernel (_gluon_views chose it); dense mode keeps this launch's item order.
+        # The Gluon kernel (_gluon_launch chose it); dense mode keeps this launch's item order.
         q = prog_args[0]
         dense = paged = None
         if consts["KV_MODE"] == KV_DENSE:

@@ -2,8 +2,8 @@
 
 Tiny HF Llama (GQA, sdpa; causal and left padding), Mistral (sdpa, sliding window), Gemma2
 (eager, soft cap + sliding window), Qwen2 (one KV head, left padding), GPT-2 (eager, left
-padding), BERT (bidirectional, right padding) and the gpt-fast-style module (repeat_interleave
-GQA, KV-cache mask) in bf16 on CUDA through ``compiled_attn.compile``: the exact
+padding), BERT (bidirectional, right padding), GPT-OSS (eager, attention sinks) and the
+gpt-fast-style module (repeat_interleave GQA, KV-cache mask) in bf16 on CUDA through ``compiled_attn.compile``: the exact
 rewrite counts (one per layer, nothing skipped), that Inductor's generated code launches our
 Triton kernel ``_prefill_fwd`` and no PyTorch attention, and the output error against the same
 model (same bf16-rounded weights) in float64 on the CPU: at most twice eager bf16's own error
@@ -51,6 +51,11 @@ def build(name: str, impl: str):
         cfg = transformers.BertConfig(vocab_size=256, hidden_size=256, num_hidden_layers=LAYERS,
                                       num_attention_heads=4, intermediate_size=512,
                                       max_position_embeddings=512, attn_implementation=impl)
+    elif name == "gpt_oss":
+        if not hasattr(transformers, "GptOssConfig"):
+            pytest.skip("this transformers has no GPT-OSS")
+        cfg = transformers.GptOssConfig(head_dim=64, sliding_window=48, num_local_experts=4,
+                                        num_experts_per_tok=2, **common)
     elif name == "gpt_fast":
         return GptFast(max_seq=S, dim=256).eval().to("cuda", torch.bfloat16)
     else:
@@ -58,6 +63,10 @@ def build(name: str, impl: str):
     torch.manual_seed(0)
     model = (transformers.BertModel(cfg) if name == "bert"
              else transformers.AutoModelForCausalLM.from_config(cfg)).eval()
+    with torch.no_grad():  # GPT-OSS's sinks (zeros at init) large enough to matter
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+                m.sinks.normal_(0, 2.0)
     return Logits(model.to("cuda", torch.bfloat16))
 
 
@@ -85,6 +94,9 @@ CASES = [
     ("qwen2", "sdpa", "left", {"gqa:repeat_kv": 2, "mask:custom": 2}),
     ("gpt2", "eager", "left", {"pattern:matmul_softmax": 2, "mask:custom": 2}),
     ("bert", "sdpa", "right", {"pattern:sdpa": 2, "mask:custom": 2}),
+    # GPT-OSS's eager attention: a sink column in the softmax, sliced off (alternating sliding
+    # window and full layers); the sinks reach the op.
+    ("gpt_oss", "eager", None, {"pattern:matmul_softmax_sinks": 2, "sinks": 2}),
     # gpt-fast: one prompt of S tokens at positions 0..S-1 (Inductor decomposes
     # repeat_interleave into repeat_kv's expand/reshape).
     ("gpt_fast", None, None, {"pattern:sdpa": 2, "gqa:repeat_kv": 2, "mask:custom": 2}),

@@ -157,8 +157,8 @@ def test_scope_off_switch_and_device(monkeypatch):
 def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     # A launch that may not run the Gluon kernel (a split plan, POD) never gets its views and
     # keeps Triton's host descriptors; one that may gets the views and no descriptors. D 64 and
-    # D 256 on 128-row tiles take descriptors for the Gluon kernel alone (_config's GLUON_TMA):
-    # without it, or out of its scope (a soft cap), the Triton kernel's pointer loads.
+    # D 256 on 128-row tiles have descriptors in the Gluon kernel alone (_gluon_launch, asked
+    # first): without it, or out of its scope (a soft cap), the Triton kernel's pointer loads.
     for name in ("_gluon_device", "_tma_hardware", "_eager_launch"):
         monkeypatch.setattr(K, name, lambda *a: True)
     monkeypatch.setattr(K, "_tma_ok", lambda *a: True)

@@ -69,3 +69,19 @@ def test_interpreter_refuses_bf16_and_fp8_outputs():
                                   torch.empty(1), i32(4), 4, 4, 0.3, 1.0, 1, i32(0, 4),
                                   i32(0, 4))
     assert fi.single_prefill_with_kv_cache(q, k, v).dtype == torch.float16
+
+
+def test_ops_refuse_what_the_interpreter_miscomputes():
+    # The same guard at the op contract (contracts._kernel_call): a direct torch.ops call, which
+    # no wrapper validates, raises too, naming the argument; fp16 / fp32 run the kernel.
+    from compiled_attn import ops
+
+    q, k, v = (rand(1, 4, 2, 8, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    tail = (None, None, None, ops.MASK_CAUSAL, -1, 0, 0.3, 0.0, ops.POS_NONE, 1.0, 1e4, 1.0)
+    with pytest.raises(NotImplementedError, match="^q: torch.bfloat16 under TRITON_INTERPRET"):
+        torch.ops.compiled_attn.single_prefill(q, k, v, *tail, None)
+    q, k, v = (x.to(torch.float16) for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="^out_dtype: torch.float8_e4m3fn under"):
+        torch.ops.compiled_attn.single_prefill(q, k, v, *tail, torch.float8_e4m3fn)
+    out, lse = torch.ops.compiled_attn.single_prefill(q, k, v, *tail, None)
+    assert out.dtype == torch.float16 and not out.isnan().any()
