@@ -120,7 +120,9 @@ def test_compile_bf16_runs_our_kernel(case):
         fx_passes.counters.clear()
         torch._dynamo.reset()
         with torch._inductor.config.patch(fx_graph_cache=False):
-            out, code = run_and_get_code(compiled_attn.compile(model, fullgraph=True), *args_c)
+            # (GPT-OSS's expert routing has data-dependent shapes: a graph break on torch 2.11)
+            out, code = run_and_get_code(
+                compiled_attn.compile(model, fullgraph=name != "gpt_oss"), *args_c)
     code = "\n".join(code)
     c = dict(fx_passes.counters)
     assert not [k for k in c if k.startswith("skipped:")], c
