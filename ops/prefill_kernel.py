@@ -1020,8 +1020,9 @@ def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
     """Whether an eager launch with these options and this much work may run the Gluon kernel,
     its scope (_gluon_scope), the tensors' layout, the hardware and a CUDA-graph capture aside:
     paged K/V always; contiguous K/V where they may take descriptors (_kv_descriptors) and the
-    launch is worth their host cost (not _small_launch). The one rule of the launch
-    (_gluon_launch) and of compiled_attn.graph_dispatch.eager_gluon."""
+    launch is worth their host cost (not _small_launch). compiled_attn.graph_dispatch.eager_gluon
+    asks it; the launch (_gluon_launch) applies the same two tests itself, where a CUDA-graph
+    capture also exempts a small launch (_too_small)."""
     return kv_mode == KV_PAGED or (
         _kv_descriptors(consts, kv_mode)
         and not _small_launch(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
