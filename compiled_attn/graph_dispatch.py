@@ -16,10 +16,11 @@ Two entries, one rule (``keep_opaque``): the FunctionalTensorMode rule installed
 here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attention rewrite's
 ``Emitter.call_op``, which otherwise inlines the op's implementation into Inductor's graph).
 
-``eager_gluon`` is the static part of the eager launcher's own choice (prefill_kernel.
-_gluon_launch): its option and size rule (prefill_kernel._gluon_rule; the size test where shapes
-are static) and the Gluon kernel's scope, prefill_kernel._gluon_scope: device, dtypes, head
-dims, options, tile height, page size, K/V layout where strides are known. Not what only a launch can know (the pointers' alignment): a call it admits
+``eager_gluon`` is the static part of the eager launcher's own choice
+(prefill_kernel._gluon_launch): the option and size rule (prefill_kernel._gluon_rule; the size
+test where shapes are static) and the Gluon kernel's scope, prefill_kernel._gluon_scope: device,
+dtypes, head dims, options, tile height, page size, K/V layout where strides are known. Not
+what only a launch can know (the pointers' alignment, a CUDA-graph capture): a call it admits
 that the launcher then declines runs the Triton kernel from the fallback call, with the same
 numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it against the
 launcher's own choice.
@@ -94,7 +95,7 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
         block_m = guard_int(a["block_m"])
         kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
         mean_kv = None if paged else pk.ragged_mean_kv(k, a["qo_indptr"])
-    if not pk._gluon_rule(consts, kv_mode, q, mean_kv, dvo):  # (the launch's, _gluon_launch)
+    if not pk._gluon_rule(consts, kv_mode, q, mean_kv, dvo):  # (_gluon_launch's two tests)
         return False
     page_size = guard_int(k.shape[1]) if paged else 0
     return pk._gluon_scope(kv_mode, q, k, v, a["out_dtype"] or q.dtype, block_m, page_size,

@@ -3,11 +3,12 @@
 Tiny HF Llama (GQA, sdpa; causal and left padding), Mistral (sdpa, sliding window), Gemma2
 (eager, soft cap + sliding window), Qwen2 (one KV head, left padding), GPT-2 (eager, left
 padding), BERT (bidirectional, right padding), GPT-OSS (eager, attention sinks) and the
-gpt-fast-style module (repeat_interleave GQA, KV-cache mask) in bf16 on CUDA through ``compiled_attn.compile``: the exact
-rewrite counts (one per layer, nothing skipped), that Inductor's generated code launches our
-Triton kernel ``_prefill_fwd`` and no PyTorch attention, and the output error against the same
-model (same bf16-rounded weights) in float64 on the CPU: at most twice eager bf16's own error
-plus one bf16 rounding step of the output's scale, over the non-padded rows.
+gpt-fast-style module (repeat_interleave GQA, KV-cache mask) in bf16 on CUDA through
+``compiled_attn.compile``: the exact rewrite counts (one per layer, nothing skipped), that
+Inductor's generated code launches our Triton kernel ``_prefill_fwd`` and no PyTorch attention,
+and the output error against the same model (same bf16-rounded weights) in float64 on the CPU:
+at most twice eager bf16's own error plus one bf16 rounding step of the output's scale, over
+the non-padded rows.
 """
 
 from __future__ import annotations

@@ -156,9 +156,9 @@ def test_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch, name):
 
 @pytest.mark.parametrize("name", OPS)
 def test_head_dim_tiles_stay_opaque(hopper, monkeypatch, name):
-    """D 256 and D 64 on 128-row tiles (prefill_gluon.TILES by head dim; no Triton descriptors
-    in _config) are the Gluon kernel's eagerly, so traced calls of them stay opaque; a soft cap keeps
-    them out of its scope."""
+    """D 256 and D 64 on 128-row tiles (prefill_gluon.TILES by head dim; no Triton
+    descriptors in _config) are the Gluon kernel's eagerly, so traced calls of them stay
+    opaque; a soft cap keeps them out of its scope."""
     monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
     variants = [{"d": 256}] + ([] if name == "single_prefill" else [{"d": 64, "block_m": 128}])
     if name == "batch_paged_prefill":
