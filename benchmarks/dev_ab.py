@@ -67,6 +67,8 @@ def _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, group, caches, G):
     w = build_work([qo] * b, group, bm, "cuda", kv_lens=[s] * b)
     cfg = (bn, warps, stages, "r" not in opt, "ws" in opt, "pp" in opt)
     cfg = cfg[:len(next(iter(G.TILES.values())))]  # a prev: copy may take fewer fields
+    if "ps" in opt or "np" in opt:  # persistent programs or a program per item (else default)
+        cfg += ("ps" in opt, )
     if page and page not in caches:
         caches[page] = scatter_pages(k, v, [s] * b, page)
 
@@ -125,8 +127,9 @@ def main():
         runners, outs, caches = [], [], {}
         for var in variants:
             if var.split(":")[0] in mods:  # gluon:BM/BN/WARPS/STAGES[:r][:ws][:pp]
-                # [:pN] (r: P in registers; ws: warp-specialized, a load warp issuing the TMAs;
-                # pp: ping-pong, two groups of WARPS / 2; pN: page N); prev: on --prev
+                # [:ps|np][:pN] (r: P in registers; ws: warp-specialized, a load warp issuing
+                # the TMAs; pp: ping-pong, two groups of WARPS / 2; ps / np: persistent programs
+                # or not; pN: page N); prev: on --prev
                 fn = _gluon_runner(var, q, k, v, qi, ki, b, qo, s, d, causal, h // hkv, caches,
                                    mods[var.split(":")[0]])
                 outs.append(fn()[0].float())

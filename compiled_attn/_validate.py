@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops.contracts import FP8_DTYPES, interpreter_miscomputes
+from .ops.contracts import FP8_DTYPES, refuse_if_miscomputed
 
 __all__: list[str] = []  # internal module: nothing is re-exported by compiled_attn
 
@@ -238,10 +238,8 @@ def check_interpreter(name: str, dt: torch.dtype, device_type: str) -> None:
     computes bfloat16 dot products and rounds to fp8 wrongly (CI tests float16 / float32
     there): a bfloat16 q (or one computed as bfloat16) or an fp8 output raises instead of
     returning wrong numbers. (fp8 K/V inputs are upcast right and pass.)"""
-    if device_type == "cpu" and interpreter_miscomputes(dt):
-        unsupported(name, f"{dt} under TRITON_INTERPRET=1: the Triton interpreter computes "
-                    "bfloat16 dot products and fp8 roundings wrongly on CPU; use float16 / "
-                    f"float32 there, or unset TRITON_INTERPRET (the CPU reference takes {dt})")
+    if device_type == "cpu":
+        refuse_if_miscomputed(name, dt)
 
 
 def check_kv_dtype(name: str, dt: torch.dtype, device_type: str) -> None:

@@ -54,6 +54,16 @@ def interpreter_miscomputes(dt: torch.dtype) -> bool:
     return INTERPRET and (dt == torch.bfloat16 or dt in FP8_DTYPES)
 
 
+def refuse_if_miscomputed(name: str, dt: torch.dtype) -> None:
+    """Raise NotImplementedError naming argument ``name`` when the interpreter miscomputes its
+    dtype dt (interpreter_miscomputes); the one message of the ops and the wrappers."""
+    if interpreter_miscomputes(dt):
+        raise NotImplementedError(
+            f"{name}: {dt} under TRITON_INTERPRET=1: the Triton interpreter computes bfloat16 "
+            "dot products and fp8 roundings wrongly on CPU; use float16 / float32 there, or "
+            f"unset TRITON_INTERPRET (the CPU reference takes {dt})")
+
+
 def _use_kernel(t: Tensor) -> bool:
     """Whether the op runs the Triton kernel on t's device (CUDA, or CPU under the interpreter)
     rather than the reference."""
@@ -66,12 +76,8 @@ def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
     if not _use_kernel(q):
         return False
     if q.device.type == "cpu":
-        for name, dt in (("q", q.dtype), ("out_dtype", out_dtype or q.dtype)):
-            if interpreter_miscomputes(dt):
-                raise NotImplementedError(
-                    f"{name}: {dt} under TRITON_INTERPRET=1: the Triton interpreter computes "
-                    "bfloat16 dot products and fp8 roundings wrongly on CPU; use float16 / "
-                    f"float32 there, or unset TRITON_INTERPRET (the CPU reference takes {dt})")
+        refuse_if_miscomputed("q", q.dtype)
+        refuse_if_miscomputed("out_dtype", out_dtype or q.dtype)
     return True
 
 

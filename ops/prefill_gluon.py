@@ -38,6 +38,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                              warpgroup_mma, warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
@@ -45,6 +46,17 @@ from triton.runtime.jit import constexpr_function
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # The TMA load is tma.async_copy_global_to_shared in triton 3.6 and tma.async_load from 3.7 on.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# cp.async of a pointer tensor into shared memory: async_copy_global_to_shared in triton 3.6,
+# async_load from 3.7 on (3.9 keeps the old name as a function that raises)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+# PAGED: contiguous K/V (0), pages read by TMA boxes (PAGED_BOXES: pages holding whole key
+# tiles, one box per tile, or of 8+ keys dividing one, a box per page), or gathered key by key
+# with cp.async by a producer warp group (PAGED_GATHER: pages too small for a box).
+PAGED_BOXES = gl.constexpr(1)
+PAGED_GATHER = gl.constexpr(2)
+GATHER_WARPS = gl.constexpr(4)
+GATHER_TPW = gl.constexpr(4)
 
 
 @constexpr_function
@@ -181,6 +193,65 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
 
 
 @gluon.jit
+def _gather_rows(page_idx_ptr, page_base, t, kv_len, row_stride, page_rows, PAGE: gl.constexpr,
+                 BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """Element offsets [BLOCK_N] (int64) of key tile t's rows in a paged cache (page p from
+    row p * page_rows, rows row_stride elements apart) and which keys exist (< kv_len; the
+    others are zero-filled by the copy, so their page-table entry is not read)."""
+    j = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
+    ok = j < kv_len
+    page = gl.load(page_idx_ptr + page_base + j // PAGE, mask=ok, other=0)
+    return (page.to(gl.int64) * page_rows + j % PAGE) * row_stride, ok
+
+
+@gluon.jit
+def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles, it,
+                     hkv, page_idx_ptr, page_base, kv_len, stride_kr, stride_vr, k_page_rows,
+                     v_page_rows, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                     STAGES: gl.constexpr):
+    """The load partition of PAGED_GATHER launches (GATHER_WARPS warps) on one work item: key
+    tile t's K and V rows, each from its own page, copied by cp.async into ring slot
+    (it + t) % STAGES once the compute groups have released it, each thread arriving on
+    k_full / v_full (counting all GATHER_WARPS * 32) when its copies have landed. Keys past
+    kv_len are zero-filled (so V's tail needs no _zero_tail). A warp's copy covers 16 rows x
+    32 bytes (whole sectors), a thread 2 rows of the tile; tile t + 1's page-table entries are
+    read before tile t's slot wait, so their latency hides under it."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW],
+                                         [GATHER_WARPS, 1], [1, 0])
+    rows_l: gl.constexpr = gl.SliceLayout(1, blk)
+    col = hkv * D + gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    k_rows, ok = _gather_rows(page_idx_ptr, page_base, 0, kv_len, stride_kr, k_page_rows, PAGE,
+                              BLOCK_N, rows_l)
+    v_rows, ok = _gather_rows(page_idx_ptr, page_base, 0, kv_len, stride_vr, v_page_rows, PAGE,
+                              BLOCK_N, rows_l)
+    for t in range(n_tiles):
+        g = it + t
+        slot = g % STAGES
+        phase = ((g // STAGES) & 1) ^ 1
+        k_next, ok_next = _gather_rows(page_idx_ptr, page_base, t + 1, kv_len, stride_kr,
+                                       k_page_rows, PAGE, BLOCK_N, rows_l)
+        v_next, ok_next = _gather_rows(page_idx_ptr, page_base, t + 1, kv_len, stride_vr,
+                                       v_page_rows, PAGE, BLOCK_N, rows_l)
+        mbarrier.wait(k_empty.index(slot), phase)
+        _async_load(k_ring.index(slot), k_ptr + k_rows[:, None] + col[None, :], mask=ok[:, None])
+        async_copy.mbarrier_arrive(k_full.index(slot), increment_count=False)
+        mbarrier.wait(v_empty.index(slot), phase)
+        _async_load(v_ring.index(slot), v_ptr + v_rows[:, None] + col[None, :], mask=ok[:, None])
+        async_copy.mbarrier_arrive(v_full.index(slot), increment_count=False)
+        k_rows, v_rows, ok = k_next, v_next, ok_next
+
+
+@gluon.jit
+def _wait_full(bar, g, STAGES: gl.constexpr, PAGED: gl.constexpr):
+    """Wait until ring position g's slot is filled (its barrier's phase (g // STAGES) & 1).
+    PAGED_GATHER: the cp.async copies wrote it through the generic proxy; fence before the
+    wgmma reads it through the async proxy."""
+    mbarrier.wait(bar.index(g % STAGES), (g // STAGES) & 1)
+    if PAGED == PAGED_GATHER:
+        fence_async_shared()
+
+
+@gluon.jit
 def _zero_tail(v_ring, slot, rows, D: gl.constexpr, BLOCK_N: gl.constexpr,
                num_warps: gl.constexpr):
     """Zero the rows >= rows of a V slot: past kv_len they hold the next request's values,
@@ -237,12 +308,12 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
         k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
         v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
     _take_turn(turn, g, WG, PINGPONG)
-    mbarrier.wait(k_bar.index(slot), (g // STAGES) & 1)
+    _wait_full(k_bar, g, STAGES, PAGED)
     s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     prev = (g - 1) % STAGES
-    mbarrier.wait(v_bar.index(prev), ((g - 1) // STAGES) & 1)
-    if MASKED:
+    _wait_full(v_bar, g - 1, STAGES, PAGED)
+    if MASKED and PAGED != PAGED_GATHER:  # (gathered tails are zero-filled)
         if t * BLOCK_N > kv_len:  # tile t - 1 is the request's partial last tile
             _zero_tail(v_ring, prev, kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
     if P_SMEM:
@@ -314,7 +385,7 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     slot0 = it % STAGES
     _take_turn(turn, it, WG, PINGPONG)
-    mbarrier.wait(k_bar.index(slot0), (it // STAGES) & 1)
+    _wait_full(k_bar, it, STAGES, PAGED)
     s = warpgroup_mma(q_smem, k_ring.index(slot0).permute((1, 0)), s_zero, use_acc=False)
     _pass_turn(turn, WG, PINGPONG)
     if n_free > 0:
@@ -352,8 +423,8 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
     # the last tile's P V
     last = n_tiles - 1
     g_last = it + last
-    mbarrier.wait(v_bar.index(g_last % STAGES), (g_last // STAGES) & 1)
-    if n_tiles * BLOCK_N > kv_len:
+    _wait_full(v_bar, g_last, STAGES, PAGED)
+    if PAGED != PAGED_GATHER and n_tiles * BLOCK_N > kv_len:
         _zero_tail(v_ring, g_last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, NW)
     if P_SMEM:
         acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(g_last % STAGES), acc)
@@ -548,23 +619,23 @@ def _rec_layout(num_warps):
 
 
 @gluon.jit
-def _next_item(sched_ptr):
-    """The load warp's next work item: num_programs + a global counter's old value (every
-    program starts on item program_id; the counter, zeroed per launch, hands out the rest in
-    order, so each item goes to the first program free for it, as the hardware hands out
-    programs, and concurrent items stay neighbours in the work list, their K / V shared in
-    L2). One lane's atomic, summed over the warp."""
-    lane = gl.arange(0, 32, layout=_lane_layout(1))
-    old = gl.atomic_add(sched_ptr + lane * 0, lane * 0 + 1, mask=lane == 0)
-    return gl.num_programs(0) + gl.sum(gl.where(lane == 0, old, 0), 0)
+def _next_item(sched_ptr, NW: gl.constexpr):
+    """The load partition's (NW warps') next work item: num_programs + a global counter's old
+    value (every program starts on item program_id; the counter, zeroed per launch, hands out
+    the rest in order, so each item goes to the first program free for it, as the hardware
+    hands out programs, and concurrent items stay neighbours in the work list, their K / V
+    shared in L2). One thread's atomic, summed over the partition."""
+    idx = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0]))
+    old = gl.atomic_add(sched_ptr + idx * 0, idx * 0 + 1, mask=idx == 0)
+    return gl.num_programs(0) + gl.sum(gl.where(idx == 0, old, 0), 0)
 
 
 @gluon.jit
-def _pack_item(lin, item):
-    """The load warp's record of work item lin for the compute groups: [32] int32 in
-    _lane_layout(1), lane 0 lin, lanes 1-12 _item_of's fields in order."""
-    lane = gl.arange(0, 32, layout=_lane_layout(1))
-    v = gl.full([32], 0, gl.int32, layout=_lane_layout(1))
+def _pack_item(lin, item, NW: gl.constexpr):
+    """The load partition's (NW warps') record of work item lin for the compute groups: [32]
+    int32 in _lane_layout(NW), lane 0 lin, lanes 1-12 _item_of's fields in order."""
+    lane = gl.arange(0, 32, layout=_lane_layout(NW))
+    v = gl.full([32], 0, gl.int32, layout=_lane_layout(NW))
     v = gl.where(lane == 0, lin, v)
     for f in gl.static_range(12):
         v = gl.where(lane == f + 1, item[f].to(gl.int32), v)
@@ -657,20 +728,22 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
-    tiles (_ws_producer), running on into the next item while the groups finish this one; a
-    last index past the items stops them."""
+    tiles (_ws_producer; PAGED_GATHER: _gather_producer, the partition a warp group), running
+    on into the next item while the groups finish this one; a last index past the items stops
+    them."""
     (_q_ptr, _o_ptr, _lse_ptr, q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
      _turn, k_desc, v_desc, _qk_scale, page_idx_ptr, k_page_rows, v_page_rows) = ctx[:18]
     total = ctx[31] * ctx[33]
     items, item_full, item_empty, sched_ptr = ctx[38:42]
-    q_full, q_empty, q_desc, q_req_rows = ctx[42:46]
+    q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr = ctx[42:50]
+    LOAD_WARPS: gl.constexpr = GATHER_WARPS if PAGED == PAGED_GATHER else 1
     it = 0
     k = 0
     qk = 0
     lin = gl.program_id(0)
     while lin < total:
         item = _item_of(lin, ctx, DENSE, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
-        _publish_item(items, item_full, item_empty, k, _pack_item(lin, item))
+        _publish_item(items, item_full, item_empty, k, _pack_item(lin, item, LOAD_WARPS))
         n_tiles = item[9]
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
@@ -681,14 +754,19 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                 _tma_load(q_desc, [item[0] * q_req_rows + item[3] + item[1], item[2] * D],
                           q_full.index(qs), q_ring.index(qs))
                 qk += 1
-        _ws_producer(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, n_tiles, it,
-                     item[5], item[2], page_idx_ptr, item[7], item[8], k_page_rows, v_page_rows,
-                     PAGED, PAGE, BLOCK_N, D, STAGES, BOXES)
+        if PAGED == PAGED_GATHER:
+            _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
+                             n_tiles, it, item[2], page_idx_ptr, item[7], item[6], stride_kr,
+                             stride_vr, k_page_rows, v_page_rows, PAGE, BLOCK_N, D, STAGES)
+        else:
+            _ws_producer(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, n_tiles,
+                         it, item[5], item[2], page_idx_ptr, item[7], item[8], k_page_rows,
+                         v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES)
         it += n_tiles
         k += 1
-        lin = _next_item(sched_ptr)
+        lin = _next_item(sched_ptr, LOAD_WARPS)
     _publish_item(items, item_full, item_empty, k,
-                  gl.full([32], lin, gl.int32, layout=_lane_layout(1)))
+                  gl.full([32], lin, gl.int32, layout=_lane_layout(LOAD_WARPS)))
 
 
 @gluon.jit
@@ -711,7 +789,7 @@ def _gluon_fwd(
     page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
     stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
     stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
-    dense_kv_len, sched_ptr, q_desc, q_req_rows,
+    dense_kv_len, sched_ptr, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr,
     DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
@@ -763,9 +841,12 @@ def _gluon_fwd(
         q_ring = gl.allocate_shared_memory(dtype, [1, BLOCK_M, D], q_smem_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # a slot is filled by one TMA (its expected bytes) or, PAGED_GATHER, by every producer
+    # thread's copies (each arriving when its own have landed)
+    FILLS: gl.constexpr = GATHER_WARPS * 32 if PAGED == PAGED_GATHER else 1
     for i in gl.static_range(STAGES):
-        mbarrier.init(k_bar.index(i), count=1)
-        mbarrier.init(v_bar.index(i), count=1)
+        mbarrier.init(k_bar.index(i), count=FILLS)
+        mbarrier.init(v_bar.index(i), count=FILLS)
         mbarrier.init(k_empty.index(i), count=RELEASES)
         mbarrier.init(v_empty.index(i), count=RELEASES)
     mbarrier.init(turn.index(0), count=1)
@@ -788,7 +869,9 @@ def _gluon_fwd(
            stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
            stride_lh, work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items,
            n_req, n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len, items, item_full,
-           item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows)
+           item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr,
+           stride_vr)
+    LOAD_WARPS: gl.constexpr = GATHER_WARPS if PAGED == PAGED_GATHER else 1
     if PERSISTENT:
         # The load warp takes the work items (program_id, then a global counter's) and starts
         # the next item's Q and K / V while the groups finish this one.
@@ -800,14 +883,14 @@ def _gluon_fwd(
                              BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
                               STAGES, BOXES)),
-            ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
+            ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                              BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
                               STAGES, BOXES)),
-            ], [1], [PRODUCER_REGS])
+            ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
                         GROUP, CAUSAL, BLOCK_M, BLOCK_N)
@@ -817,7 +900,22 @@ def _gluon_fwd(
         if n_tiles > 0:
             # The first K / V copies go out before Q's loads (WS: the load warp from the split
             # on; else the first STAGES tiles, here); each group then loads and stores Q.
-            if PINGPONG:
+            # the compute groups, then the load partition: a warp issuing TMAs, or a warp
+            # group gathering pages (PAGED_GATHER)
+            # (argument tuples are spelled out in each call: a tuple bound to a name would
+            # not carry its constexprs as such)
+            if PINGPONG and PAGED == PAGED_GATHER:
+                gl.warp_specialize([
+                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_gather_producer, (k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                        v_empty, n_tiles, 0, hkv, page_idx_ptr, page_base,
+                                        kv_len, stride_kr, stride_vr, k_page_rows, v_page_rows,
+                                        PAGE, BLOCK_N, D, STAGES)),
+                ], [num_warps, GATHER_WARPS], [GROUP_REGS, PRODUCER_REGS])
+            elif PINGPONG:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
@@ -828,6 +926,15 @@ def _gluon_fwd(
                                     npages, k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D,
                                     STAGES, BOXES)),
                 ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
+            elif WS and PAGED == PAGED_GATHER:
+                gl.warp_specialize([
+                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                    (_gather_producer, (k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
+                                        v_empty, n_tiles, 0, hkv, page_idx_ptr, page_base,
+                                        kv_len, stride_kr, stride_vr, k_page_rows, v_page_rows,
+                                        PAGE, BLOCK_N, D, STAGES)),
+                ], [GATHER_WARPS], [PRODUCER_REGS])
             elif WS:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
@@ -887,6 +994,11 @@ TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, Tr
 _WS_CTAS = {4: 2, 8: 1}
 # setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
 PINGPONG_REGS = 240
+# PAGED_GATHER: (a ping-pong launch's worker compute group, the gathering warp group). The
+# default partition gets what the two leave of a warp group's 512 (Triton's warp
+# specialization): 240 for the worker group left it 176, which spilled 236 bytes (offline
+# sm_90 compile, triton 3.9); at 232 / 40 both groups hold 232 and nothing spills.
+GATHER_REGS = (224, 64)
 
 
 def persistent_default(pingpong: bool, boxes: int) -> bool:
@@ -895,7 +1007,9 @@ def persistent_default(pingpong: bool, boxes: int) -> bool:
     under this one's last tiles). Measured on the H100 (benchmarks/NOTES.md, 15th session,
     with Q by TMA): 64-row tiles +11 / +4 / +2 / 0% at S 1k / 2k / 4k / 8k; ping-pong tiles
     with a box per page (page 16) +5 / +4 / +2.5% at S 2k / 4k / 8k, but on contiguous K / V
-    -2 to -7%: those keep a program per item."""
+    -2 to -7%: those keep a program per item. Gathered pages (PAGED_GATHER) follow contiguous
+    K/V (28th session, page 1 D128 causal H32, persistent over a program per item): 64-row
+    tiles +7 / +6 / +5 / +1% at S 1k / 2k / 4k / 8k, ping-pong +5 / +3 / -1.5 / -3%."""
     return not pingpong or boxes > 1
 
 
@@ -986,12 +1100,13 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                          f"{sorted(TILES)}); pass tile=")
     block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
-    if paged is not None and not page_fits(page, block_n, d):
-        raise ValueError(f"page size {page} at D {d} neither holds whole {block_n}-key tiles nor "
-                         f"divides them into boxes of {MIN_BOX_PAGE} keys or more at D 128 "
-                         "(page_fits)")
-    boxes = block_n // page if 0 < page < block_n else 1
-    ws = ws or boxes > 1 or pingpong
+    gather = paged is not None and page_gathered(page, block_n, d)
+    if paged is not None and not (gather or page_fits(page, block_n, d)):
+        raise ValueError(f"page size {page} at D {d}: neither TMA boxes (page_fits: pages holding "
+                         f"whole {block_n}-key tiles, or at D 128 of {MIN_BOX_PAGE} keys or more "
+                         f"dividing them) nor gathers (pages below {MIN_BOX_PAGE} keys)")
+    boxes = block_n // page if 0 < page < block_n and not gather else 1
+    ws = ws or boxes > 1 or pingpong or gather
     if pingpong and (warps != 8 or p_smem or block_m != 128):
         raise ValueError("a ping-pong tile is 128 rows, 8 compute warps (two groups of 4), P in "
                          f"registers; got block_m {block_m}, warps {warps}, p_smem {p_smem}")
@@ -1042,11 +1157,13 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     _gluon_fwd[grid](
         work_arg, q, k_desc, kv_descriptor(v2, d, box), out, lse,
         qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
-        n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows,
-        DENSE=dense is not None, Q_TMA=q2 is not None, PAGED=paged is not None, PAGE=page,
+        n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows, k2, v2, k2.stride(0),
+        v2.stride(0), DENSE=dense is not None, Q_TMA=q2 is not None,
+        PAGED=(PAGED_GATHER.value if gather else PAGED_BOXES.value) if paged else 0, PAGE=page,
         GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages,
         P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, BOXES=boxes,
-        PRODUCER_REGS=24, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
+        PRODUCER_REGS=GATHER_REGS[1] if gather else 24, PINGPONG=pingpong,
+        GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 
@@ -1056,21 +1173,33 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
 # layout", triton 3.6 and 3.9), so pages of 1 to 4 keys, a box per key, cannot be issued from
 # Gluon; and each box costs the load warp (page 8's 32 per 128-key tile and tensor run 0.94 /
 # 0.91 / 0.91 of the ragged rate at S 1k / 4k / 8k, where the Triton kernel's gathers ran 0.75 /
-# 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session).
+# 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session). Smaller pages are gathered
+# (page_gathered).
 MIN_BOX_PAGE = 8
 
 
 def page_fits(page: int, block_n: int, d: int) -> bool:
-    """Whether the Gluon kernel reads pages of this size at head dim d: pages holding whole
-    key tiles (one box per tile), or at D 128 pages of MIN_BOX_PAGE keys or more dividing a
-    tile (a box per page, issued by the warp-specialized kernel's load warp: from the compute
-    warps, Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate on the
-    H100, benchmarks/NOTES.md, 10th session). Smaller pages (1 to 4; MIN_BOX_PAGE says why)
-    stay on the Triton kernel's pointer gathers; so do D 64 pages below a tile (the one D 64
-    launch of them on the H100, test_opcheck_cuda, failed, cause not isolated: NOTES, 11th
-    session)."""
+    """Whether the Gluon kernel reads pages of this size at head dim d by TMA boxes: pages
+    holding whole key tiles (one box per tile), or at D 128 pages of MIN_BOX_PAGE keys or more
+    dividing a tile (a box per page, issued by the warp-specialized kernel's load warp: from the
+    compute warps, Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate
+    on the H100, benchmarks/NOTES.md, 10th session). D 64 pages below a tile have no boxes (the
+    one D 64 launch of them on the H100, test_opcheck_cuda, failed, cause not isolated: NOTES,
+    11th session)."""
     whole = page > 0 and page % block_n == 0
     return whole or (d == 128 and page >= MIN_BOX_PAGE and block_n % page == 0)
+
+
+def page_gathered(page: int, block_n: int, d: int) -> bool:
+    """Whether the Gluon kernel reads pages of this size at head dim d by a producer warp
+    group's cp.async gathers (PAGED_GATHER): pages of 1 to MIN_BOX_PAGE - 1 keys. Over our
+    ragged rate on the H100 (D 128 causal H 32, B*S 128k, S 1k / 2k / 4k / 8k / 32k;
+    benchmarks/NOTES.md, 28th session): page 1 0.81 / 0.89 / 0.88 / 0.90 / 0.90 where the Triton
+    kernel's pointer gathers ran 0.62 / 0.68 / 0.69 / 0.70 / 0.70; page 4 0.78-0.83 (Triton
+    0.73-0.78); D 64 page 1 0.94 / 0.92 (Triton 0.92 / 0.90). Larger pages without boxes keep
+    the Triton kernel, whose whole-page loads ran D 64 page 16 at 0.98 / 0.93 against the
+    gather's 0.80 / 0.87."""
+    return 0 < page < MIN_BOX_PAGE and not page_fits(page, block_n, d)
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,

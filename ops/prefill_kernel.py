@@ -139,6 +139,7 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int,
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, tile[0], dqk)
+                    or _gluon.page_gathered(page_size, tile[0], dqk)
                     for (_, d), tile in _gluon.TILES.items() if d == dqk))
 
 
@@ -1016,33 +1017,34 @@ def _too_small(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
             and not torch.cuda.is_current_stream_capturing())
 
 
-def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int) -> bool:
+def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int,
+                launch: bool = False) -> bool:
     """Whether an eager launch with these options and this much work may run the Gluon kernel,
-    its scope (_gluon_scope), the tensors' layout, the hardware and a CUDA-graph capture aside:
-    paged K/V always; contiguous K/V where they may take descriptors (_kv_descriptors) and the
-    launch is worth their host cost (not _small_launch). compiled_attn.graph_dispatch.eager_gluon
-    asks it; the launch (_gluon_launch) applies the same two tests itself, where a CUDA-graph
-    capture also exempts a small launch (_too_small)."""
+    its scope (_gluon_scope), the tensors' layout and the hardware aside: paged K/V always;
+    contiguous K/V where they may take descriptors (_kv_descriptors) and the launch is worth
+    their host cost (not _small_launch; launch True: the launch itself asking, where a CUDA-graph
+    capture exempts a small launch, _too_small). Asked by _gluon_launch and by
+    compiled_attn.graph_dispatch.eager_gluon."""
+    small = _too_small if launch else _small_launch
     return kv_mode == KV_PAGED or (
         _kv_descriptors(consts, kv_mode)
-        and not _small_launch(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
+        and not small(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
 
 
 def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, scalars,
                   page_size, mean_kv):
     """The Gluon kernel's arguments (_gluon_views) when this launch takes it, else None (the
     Triton kernel runs it): an eager launch with host descriptors on (HOST_TMA; traced graphs
-    cannot capture them), _gluon_rule (or, for a small launch, a CUDA-graph capture), and for
-    contiguous K/V a layout that whole-tensor descriptors read (_tma_ok, _whole_tensor_ok)."""
-    if not (HOST_TMA and _eager_launch()):
+    cannot capture them), _gluon_rule, and for contiguous K/V a layout that whole-tensor
+    descriptors read (_tma_ok, _whole_tensor_ok) on TMA hardware. The rule goes first: a small
+    launch then skips the layout checks."""
+    if not (HOST_TMA and _eager_launch()
+            and _gluon_rule(consts, kv_mode, q, mean_kv, v.shape[-1], launch=True)):
         return None
-    if kv_mode != KV_PAGED:
-        if not (_kv_descriptors(consts, kv_mode) and _tma_hardware(k.device)
-                and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)
-                and _whole_tensor_ok(k) and _whole_tensor_ok(v)):
-            return None
-        if _too_small(q, kv_mode, mean_kv, v.shape[-1], consts["MASK_MODE"]):
-            return None
+    if kv_mode != KV_PAGED and not (_tma_hardware(k.device)
+                                    and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)
+                                    and _whole_tensor_ok(k) and _whole_tensor_ok(v)):
+        return None
     return _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
 
 
@@ -1076,7 +1078,8 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
                  kv_layout: bool = True) -> bool:
     """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
     USE_GLUON, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
-    and 128-row tiles, D 256 on 128-row ones), pages it reads (page_fits), fp16 / bf16
+    and 128-row tiles, D 256 on 128-row ones), pages it reads (TMA boxes where page_fits, a
+    producer warp group's gathers where page_gathered), fp16 / bf16
     throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
     scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V with
     packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
@@ -1092,10 +1095,11 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
     if tile is None or not _gluon_device(q.device):
         return False
-    if kv_mode == KV_PAGED and not _gluon.page_fits(page_size, tile[0], d):
-        return False
     dt = q.dtype
     if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
+        return False
+    if kv_mode == KV_PAGED and not (_gluon.page_fits(page_size, tile[0], d)
+                                    or _gluon.page_gathered(page_size, tile[0], d)):
         return False
     if v.shape[-1] != d or not _known(q.stride(-1) == 1):
         return False

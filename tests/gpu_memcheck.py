@@ -3,9 +3,11 @@
     compute-sanitizer --tool memcheck python3 -m tests.gpu_memcheck
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
-read paths, small pages on 256-row tiles), K/V through tensor descriptors (dense and ragged,
-64- and 128-row tiles; the Gluon Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge kernel, at small sizes;
-each result is also checked against the float64 reference. Exits non-zero on a mismatch."""
+read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp
+group), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon
+Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge
+kernel, at small sizes; each result is also checked against the float64 reference. Exits
+non-zero on a mismatch."""
 
 import sys
 
@@ -63,6 +65,17 @@ def main() -> int:
         c.work = torch.cat([build_work(qo, 4, c.block_m, "cuda", kv_lens=kv), pad])
         check(c, params(head_dim=128))
         cases += 1
+    # Small pages gathered by the Gluon kernel's producer warp group (pages 1 and 3, both tile
+    # heights): keys past kv_len zero-filled, never read.
+    for page in (1, 3):
+        for bm in (64, 128):
+            qo, kv = [300, 0, 37], [700, 9, 80]
+            c = make_case("paged", qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
+                          device="cuda", page_size=page, seed=50 + page)
+            c.block_m = bm
+            c.work = build_work(qo, 4, bm, "cuda", kv_lens=kv)
+            check(c, params(head_dim=128))
+            cases += 1
     # Tensor descriptors at small sizes, built on the host, once per persistent program, and
     # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
     # tile heights, windows and padded items, a dense batch, and a split plan. "gluon": the

@@ -21,7 +21,9 @@ gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
     (False, 8, 64, 128, True, True, False),
     (False, 64, 64, 128, True, False, False), (False, 16, 128, 128, True, True, True),
     (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False),
-    (False, 0, 128, 256, True, True, True), (False, 128, 128, 256, False, True, True)])
+    (False, 0, 128, 256, True, True, True), (False, 128, 128, 256, False, True, True),
+    (False, 1, 128, 128, True, True, True), (False, 3, 64, 128, False, True, False),
+    (False, 1, 128, 64, True, True, True)])
 def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     import triton
     from triton.backends.compiler import GPUTarget
@@ -31,45 +33,64 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     block_n, warps, stages, p_smem = gluon_mod.TILES[block_m, d][:4]
     p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
     fn = gluon_mod._gluon_fwd
-    box = min(page, block_n) if page else block_n  # pages smaller than a tile: a box each
+    # pages smaller than a tile: a box each, or gathered (page_gathered: no box, a producer warp
+    # group)
+    gather = gluon_mod.page_gathered(page, block_n, d)
+    box = block_n if gather or not page else min(page, block_n)
     layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
     desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
     # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
     # head per KV head)
     persistent = ws and gluon_mod.persistent_default(pp, block_n // box)
-    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=page > 0, PAGE=page,
+    paged = (gluon_mod.PAGED_GATHER.value if gather else gluon_mod.PAGED_BOXES.value) if page \
+        else 0
+    regs = gluon_mod.GATHER_REGS if gather else (gluon_mod.PINGPONG_REGS, 24)
+    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=paged, PAGE=page,
                   GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
-                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=24, PINGPONG=pp,
-                  GROUP_REGS=gluon_mod.PINGPONG_REGS, num_warps=warps // 2 if pp else warps)
+                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=regs[1], PINGPONG=pp,
+                  GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
-                 sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>")
+                 sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>",
+                 k_ptr="*bf16", v_ptr="*bf16")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # 16-byte aligned pointers and row strides, as the launch's specialization finds them
+    aligned = [n for n in ("k_ptr", "v_ptr", "stride_kr", "stride_vr")]
     src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()})
+                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                                for n in aligned})
     opts = dict(num_warps=consts["num_warps"])
     if ws:  # as launch() sets it
         opts["maxnreg"] = gluon_mod.ws_maxnreg(warps)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert "wgmma.mma_async" in ptx
     # warp specialized: the load warp's registers given back, the compute warps' raised; the
     # compute warps release each slot (mbarrier arrive) instead of issuing its copy
     assert ("setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx) == ws
     assert ("mbarrier.arrive.shared" in ptx) == ws
-    if page and page < block_n:
-        assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
-    # K, V and (persistent: Q_TMA) Q boxes; persistent: work items from a global counter
-    assert ptx.count("cp.async.bulk.tensor") >= (3 if persistent else 2)
+    if gather:
+        # K / V by 16-byte cp.async copies, each producer thread arriving on the slot's barrier
+        # once its copies land; TMA for Q alone (persistent: Q_TMA)
+        assert re.search(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+        assert "cp.async.mbarrier.arrive.noinc" in ptx
+        assert ("cp.async.bulk.tensor" in ptx) == persistent
+    else:
+        if page and page < block_n:
+            assert ptx.count("cp.async.bulk.tensor") >= block_n // page * 2  # a box per page
+        # K, V and (persistent: Q_TMA) Q boxes
+        assert ptx.count("cp.async.bulk.tensor") >= (3 if persistent else 2)
+    # persistent: work items from a global counter
     assert ("atom.global" in ptx) == persistent
     # Q K^T of a tile and P V of the previous one in flight together: a wait for one group
     assert "wgmma.wait_group.sync.aligned 1;" in ptx
-    # ping-pong: the worker compute group's registers raised to PINGPONG_REGS
+    # ping-pong: the worker compute group's registers raised to its setting
     raised = {int(n) for n in re.findall(r"setmaxnreg\.inc\S*\s+(\d+)", ptx)}
-    assert (gluon_mod.PINGPONG_REGS in raised) == pp
+    assert (regs[0] in raised) == pp
 
 
 def test_kv_2d_views():
@@ -126,10 +147,13 @@ def test_scope_in(monkeypatch):
     for page, block_m in ((64, 64), (128, 128), (128, 64), (256, 128)):
         views = _scope(monkeypatch, page=page, block_m=block_m)
         assert views["paged"] == (page, 2 * page, 2 * page)
-    for page, block_m in ((8, 64), (8, 128), (16, 64), (16, 128), (32, 128), (64, 128)):
-        # a box per page (WS)
+    for page, block_m in ((8, 64), (8, 128), (16, 64), (16, 128), (32, 128), (64, 128),
+                          (1, 64), (1, 128), (3, 128), (4, 64), (7, 128)):
+        # a box per page (WS); pages below MIN_BOX_PAGE gathered
         assert _scope(monkeypatch, page=page, block_m=block_m)["paged"] == (page, 2 * page,
                                                                             2 * page)
+    for d in (64, 256):  # gathered pages at every head dim
+        assert _scope(monkeypatch, page=1, d=d, block_m=128)["paged"] == (1, 2, 2)
 
 
 @pytest.mark.parametrize("change", [
@@ -137,7 +161,7 @@ def test_scope_in(monkeypatch):
     dict(block_m=256), dict(mask_mode=ops.MASK_CUSTOM), dict(window_left=8),
     dict(chunk_size=16), dict(logits_soft_cap=30.0), dict(pos_encoding_mode=ops.POS_ALIBI),
     dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), dict(v_scale=0.5), dict(sm_scale=-0.1),
-    dict(sinks=True), dict(page=4), dict(page=1), dict(page=96), dict(page=48, block_m=128),
+    dict(sinks=True), dict(page=12), dict(page=96), dict(page=48, block_m=128),
     dict(page=64, hnd=True), dict(page=16, d=64), dict(d=256), dict(d=512, block_m=128),
     dict(d=256, block_m=128, page=16), dict(d=256, dv=128, block_m=128)], ids=str)
 def test_scope_out(change, monkeypatch):
@@ -182,10 +206,10 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
 
 
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
-    # Where the Gluon kernel reads a page size by TMA boxes (D 128, pages of 8+ keys dividing
-    # both tiles), block_m_for tiles paged K/V as it tiles contiguous K/V (64-row tiles up to
-    # GLUON_SHORT_KV causal keys, then its ping-pong 128-row tiles); the Triton kernel's pages
-    # keep 128-row tiles.
+    # Where the Gluon kernel reads a page size (D 128: TMA boxes for pages of 8+ keys dividing
+    # both tiles, gathers below 8 keys), block_m_for tiles paged K/V as it tiles contiguous K/V
+    # (64-row tiles up to GLUON_SHORT_KV causal keys, then its ping-pong 128-row tiles); the
+    # Triton kernel's pages keep 128-row tiles.
     monkeypatch.setattr(K, "INTERPRET", False)
     monkeypatch.setattr(K, "_gluon_device", lambda device: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -193,16 +217,16 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
                                                       page_size=page)
     assert tile(16) == tile(64) == tile(128) == tile(8) == 64 and tile(16, kv=2048) == 128
     assert tile(0, kv=2048) == tile(48, kv=2048) == tile(16, d=64, kv=2048) == 128
-    # page 8 keeps these tiles where requests would fill the Triton kernel's 256-row small-page
-    # tiles; page 4 (a key per box: not Gluon's) takes those
+    # pages 8 and 1-4 (boxes, gathers) keep these tiles where requests would fill the Triton
+    # kernel's 256-row small-page tiles; without the Gluon kernel they take those
     full = lambda page, kv_dtype=None: K.block_m_for(  # noqa: E731
         128, 128, 4, 2048, True, True, page_size=page, qo_lens=[2048] * 4, kv_dtype=kv_dtype)
-    assert (full(8), full(4)) == (128, K.SMALL_PAGE_BLOCK_M)
+    assert full(8) == full(4) == full(1) == 128 and tile(1) == tile(3) == 64
     assert full(8, torch.bfloat16) == full(8, torch.float16) == 128
     # fp8 K/V never take the Gluon kernel: their page 8 keeps the small pages' tiles
     assert full(8, torch.float8_e4m3fn) == K.SMALL_PAGE_BLOCK_M
     monkeypatch.setattr(K, "USE_GLUON", False)
-    assert tile(16, kv=2048) == 128 and full(8) == K.SMALL_PAGE_BLOCK_M
+    assert tile(16, kv=2048) == 128 and full(8) == full(1) == K.SMALL_PAGE_BLOCK_M
 
 
 def test_gluon_short_kv_bound(monkeypatch):
@@ -221,18 +245,26 @@ def test_gluon_short_kv_bound(monkeypatch):
 class _Recorder:
     """Stands in for _gluon_fwd: records the grid and keywords of the launch."""
 
+    ARG_NAMES = gluon_mod._gluon_fwd.arg_names
+
     def __getitem__(self, grid):
         def call(*args, **kw):
             self.grid, self.args, self.kw = grid, args, kw
         return call
 
+    def arg(self, name):
+        """The positional argument the kernel names ``name``."""
+        return self.args[self.ARG_NAMES.index(name)]
+
 
 @pytest.mark.parametrize("page,block_m,boxes,ws", [
     (0, 64, 1, True), (0, 128, 1, True), (64, 64, 1, True), (128, 128, 1, True),
-    (16, 64, 4, True), (16, 128, 8, True), (8, 64, 8, True)])
+    (16, 64, 4, True), (16, 128, 8, True), (8, 64, 8, True), (1, 128, 1, True),
+    (3, 64, 1, True)])
 def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # launch() (host side of the GPU-only kernel): pages below a key tile take a box each and
-    # force warp specialization, with its register cap; a page size it cannot read raises.
+    # force warp specialization, with its register cap; pages below MIN_BOX_PAGE are gathered
+    # (the producer warp group's registers); a page size it cannot read raises.
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
     monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)  # a 1-SM GPU
@@ -254,11 +286,15 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # persistent programs (64-row tiles, ping-pong with a box per page): a 1D grid of as many
     # as the GPU holds at once (1 SM x _WS_CTAS) for 3 items x 2 KV heads; other ping-pong
     # launches a program per item
-    persistent = block_m == 64 or boxes > 1
+    gather = 0 < page < gluon_mod.MIN_BOX_PAGE
+    persistent = block_m == 64 or boxes > 1  # (gathered pages as contiguous K/V)
     assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (3, 2))
     assert rec.kw["PERSISTENT"] == persistent
-    assert not rec.kw["Q_TMA"] and rec.args[-1] == 0  # GQA 4:1: Q through registers
+    assert not rec.kw["Q_TMA"] and rec.arg("q_req_rows") == 0  # GQA 4:1: Q through registers
     assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
+    assert rec.kw["PAGED"] == (2 if gather else 1 if page else 0)
+    assert rec.kw["PRODUCER_REGS"] == (gluon_mod.GATHER_REGS[1] if gather else 24)
+    assert rec.arg("k_ptr") is k2 and rec.arg("stride_kr") == k2.stride(0)
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
     pp = block_m == 128
@@ -266,10 +302,10 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
         assert rec.args[8] is table and rec.args[9] is last
-        with pytest.raises(ValueError, match="page size 4"):
+        with pytest.raises(ValueError, match="page size 12"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
-                             paged=(4, table, last, page, page))
+                             paged=(12, table, last, page, page))
 
 
 @pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",
@@ -298,7 +334,7 @@ def test_launch_q_box(layout, monkeypatch):
         out, lse, dense = torch.empty_like(q), torch.empty(40, hq), None
     gluon_mod.launch(q, k2, k2, out, lse, indptr, indptr, work, dense=dense, qk_scale=0.1,
                      causal=True, block_m=128 if layout == "per-item" else 64, tile=tile)
-    q_desc, q_req_rows = rec.args[-2:]
+    q_desc, q_req_rows = rec.arg("q_desc"), rec.arg("q_req_rows")
     if layout in ("ragged", "dense"):
         assert rec.kw["Q_TMA"] and list(q_desc.block_shape) == [64, 128]
         assert tuple(q_desc.base.shape) == (120 if dense else 40, hq * 128)

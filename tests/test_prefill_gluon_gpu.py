@@ -116,6 +116,20 @@ def test_gluon_paged(tile, page, causal):
     check(*_paged_case(page, 8, 2, causal), runner=_runner(tile))
 
 
+# Pages too small for a TMA box (1 to 4 keys, and sizes that do not divide a key tile) are
+# gathered key by key by a producer warp group (prefill_gluon.PAGED_GATHER): the paged case
+# above on the 64-row and the ping-pong tiles (2 and 3 stages), D 64 and D 256 on theirs, fp16.
+@pytest.mark.parametrize("tile,page,d,dt", [
+    (TILES[8], 1, 128, torch.bfloat16), (TILES[8], 3, 128, torch.bfloat16),
+    (TILES[9], 1, 128, torch.bfloat16), (TILES[9], 2, 128, torch.float16),
+    (TILES[9], 5, 128, torch.bfloat16), (TILES[10], 1, 128, torch.bfloat16),
+    (TILES[10], 4, 64, torch.bfloat16), (D256_TILE, 1, 256, torch.bfloat16)],
+    ids=lambda x: _tile_id(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_paged_gather(tile, page, d, dt, causal):
+    check(*_paged_case(page, 8, 2, causal, d=d, dtype=dt), runner=_runner(tile))
+
+
 def _paged_case(page, hq, hkv, causal, d=128, dtype=torch.bfloat16):
     """The paged case above (unowned slots NaN) and its parameters."""
     qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
@@ -148,7 +162,8 @@ def test_gluon_d256(case, causal, dt):
 # hand-off and the Q slots run on across items (on the real GPU the small cases above have
 # fewer items than programs); and the same tiles with a program per item. "paged16-mha" (one
 # query head per KV head) takes Q by TMA, as do "odd" and "unseen".
-PAGED = {"paged16": (16, 8, 2), "paged128": (128, 8, 2), "paged16-mha": (16, 2, 2)}
+PAGED = {"paged16": (16, 8, 2), "paged128": (128, 8, 2), "paged16-mha": (16, 2, 2),
+         "paged1": (1, 8, 2), "paged1-mha": (1, 2, 2), "paged3": (3, 8, 2)}
 
 
 @pytest.mark.parametrize("tile", [TILES[8], TILES[9]], ids=_tile_id)
@@ -189,8 +204,9 @@ def _spy(monkeypatch):
 
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
 # (the dense item order with several (entry, KV head) groups), paged with pages of whole key
-# tiles and pages of 16 and 8 keys (a box per page), both tile heights, GQA; a launch out of
-# its scope (soft cap, a window, page 4) runs the Triton kernel.
+# tiles, pages of 16 and 8 keys (a box per page) and of 1 and 3 keys (gathered), both tile
+# heights, GQA; a launch out of its scope (soft cap, a window, page 12: neither boxes nor
+# gathers) runs the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged64", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
@@ -199,6 +215,9 @@ def _spy(monkeypatch):
     ("paged16", [1000, 600], [1000, 2600], 128, True),
     ("paged8", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged8", [1000, 600], [1000, 2600], 128, True),
+    ("paged1", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
+    ("paged1", [1000, 600], [1000, 2600], 128, True),
+    ("paged3", [1000, 600], [1000, 2600], 128, False),
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
     ("single", [2048], [2048], 128, True)])
@@ -211,6 +230,7 @@ def test_op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, monkeypatch):
 @pytest.mark.parametrize("kind,qo,kv,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], True),
     ("paged128", [1000, 600], [1000, 2600], False),
+    ("paged1", [1000, 600], [1000, 2600], True),
     ("single", [777], [1501], True)])
 @pytest.mark.parametrize("d", [64, 256])
 def test_op_runs_gluon_by_head_dim(kind, qo, kv, causal, d, monkeypatch):
@@ -239,7 +259,7 @@ def _op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, d, monkeypatch):
 @pytest.mark.parametrize("kind,page,p", [
     ("ragged", 16, params(logits_soft_cap=30.0, head_dim=128)),
     ("paged", 64, params(window_left=100, head_dim=128)),
-    ("paged", 4, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page4"])
+    ("paged", 12, params(head_dim=128))], ids=["ragged-cap", "paged-window", "paged-page12"])
 def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
     seen = _spy(monkeypatch)
     c = make_case(kind, [300, 17], [700, 17], hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,

@@ -128,8 +128,9 @@ def test_features(kind, feature, monkeypatch):
 
 
 # Pages of 1-8 keys run 256-row tiles of 16 warps (prefill_kernel.SMALL_PAGE_BLOCK_M) when the
-# requests fill them, except fp16 / bf16 page 8 at D 128 on a Hopper GPU, which the Gluon
-# kernel's boxes read and block_m_for tiles as contiguous K/V (fp8 page 8 keeps this tile):
+# requests fill them and the Triton kernel reads them (fp16 / bf16 pages at D 128 on a Hopper
+# GPU are the Gluon kernel's, boxes or gathers, which block_m_for tiles as contiguous K/V: off
+# here, USE_GLUON; fp8 K/V keep this tile):
 # every feature on that tile (page 1, the per-key gather), and page sizes on the other gather
 # paths (4: whole pages per tile; 5: per key, pages straddling tiles), with odd lengths,
 # qo != kv, a request without queries and one without keys, GQA 4:1 and 7:1.
@@ -147,7 +148,8 @@ SMALL_PAGE_EXTRA = {
 
 
 @pytest.mark.parametrize("feature,page", SMALL_PAGE)
-def test_small_page_256_row_tiles(feature, page):
+def test_small_page_256_row_tiles(feature, page, monkeypatch):
+    monkeypatch.setattr(ops.prefill_kernel, "USE_GLUON", False)
     qo, kv = [300, 17, 0, 129, 1500], [700, 17, 5, 129, 1501]
     hq, hkv = (14, 2) if feature == "gqa7_fp16" else (8, 2)
     c = make_case("paged", qo, kv, hq=hq, hkv=hkv, dqk=128,
