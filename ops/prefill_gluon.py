@@ -11,18 +11,19 @@ then waits for it and rescales O. K and V stream through STAGES-deep shared-memo
 by TMA (host-built descriptors), each slot refilled as soon as the wgmma reading it has
 completed: by the compute warps themselves, or (WS) by a one-warp load partition that the
 compute warps release each slot to (gl.warp_specialize), which also issues a box per page for
-pages smaller than a key tile. 128-row tiles run FA3's inter-warpgroup schedule too
-(PINGPONG): two compute groups of 64 rows share the slots and take turns issuing their
-wgmmas, so one group's softmax runs under the other's matmuls. Persistent warp-specialized
+pages smaller than a key tile; pages too small for a box are gathered key by key with cp.async
+by a producer warp group in its place (PAGED_GATHER). 128-row tiles run FA3's inter-warpgroup
+schedule too (PINGPONG): two compute groups of 64 rows share the slots and take turns issuing
+their wgmmas, so one group's softmax runs under the other's matmuls. Persistent warp-specialized
 programs (persistent_default) stay resident and take work items from a global counter through
 the load warp, which decodes each item for the compute groups, brings its Q by TMA (one query
 head per KV head) and starts its K / V under the previous item's last tiles.
 
 Scope (prefill_kernel._gluon_scope; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 8+
-keys dividing one: page_fits), bf16 / fp16, head dim 64, 128 or 256 (TILES) for Q/K and V
-alike, causal or no mask, none of the logit transforms, positional encodings, sinks or fp8 K/V,
-no split-KV.
+keys dividing one: page_fits; pages of 1-7 keys: page_gathered), bf16 / fp16, head dim 64, 128
+or 256 (TILES) for Q/K and V alike, causal or no mask, none of the logit transforms,
+positional encodings, sinks or fp8 K/V, no split-KV.
 Invariants as in prefill_kernel.py: packed row r of a request is token r // GROUP of query head
 hkv * GROUP + r % GROUP; positions are bottom-right aligned; logits are base 2 (log2(e) folded
 into qk_scale) and the LSE written is base 2; a row that sees no key writes 0 and LSE -inf;
@@ -812,7 +813,9 @@ def _gluon_fwd(
     (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE, Hkv, D]
     seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined [pages,
     2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr the page
-    table, last_page_len_ptr each request's keys in its last page. Unit dim strides; the LSE is
+    table, last_page_len_ptr each request's keys in its last page; PAGED_GATHER reads the caches
+    through k_ptr / v_ptr (the same 2D views, rows stride_kr / stride_vr elements apart) instead
+    of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
     the second a worker partition at GROUP_REGS registers."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -1091,7 +1094,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     (WS): default persistent_default]), TILES[block_m, D] if None. paged: (page size, page
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
-    box per page by the warp-specialized kernel."""
+    box per page by the warp-specialized kernel, pages of 1-7 keys (page_gathered) gathered by
+    its producer warp group."""
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d

@@ -65,8 +65,9 @@ CRASH_STAGES = tl.constexpr(2)
 # 128 batches read K/V through descriptors, with 64-row tiles (more programs, a shorter causal tail)
 # up to SHORT_KV keys for causal batches (half that without a mask) and 128-row tiles beyond.
 # Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV; paged KV that the
-# Gluon kernel reads by TMA boxes is tiled as contiguous K/V (_gluon_pages). Other small pages
-# (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
+# Gluon kernel reads (TMA boxes or gathers) is tiled as contiguous K/V (_gluon_pages). Other small
+# pages (SMALL_PAGE_MAX keys or fewer; the Triton kernel's: fp8 K/V, no Hopper GPU, options out of
+# the Gluon scope) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
 # (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill them: their padded rows at
 # most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384 packed rows ran 0.82x on two
 # 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile gathers every key from its own page;
@@ -129,13 +130,14 @@ def _gluon_tiles(dqk: int, dvo: int) -> bool:
 def _gluon_pages(page_size: int, dqk: int, dvo: int,
                  kv_dtype: torch.dtype | None = None) -> bool:
     """Whether eager paged launches of this page size, head dims and K/V dtype (None: fp16 /
-    bf16) go to the Gluon kernel's TMA boxes in this process (a Hopper GPU, USE_GLUON, D 128,
-    fp16 / bf16 K/V, pages it reads on either tile height: _gluon_scope): they are then tiled
-    as contiguous K/V are (page 8 too, rather than the small pages' 256-row tiles). Page 16,
-    D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th session), S 1k /
-    2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k 0.95 / 0.96
-    (page 8: prefill_gluon.MIN_BOX_PAGE). (Graphs that inline the op run the Triton kernel,
-    which prefers 128-row tiles for paged K/V: they take these tiles too.)"""
+    bf16) go to the Gluon kernel in this process (a Hopper GPU, USE_GLUON, D 128, fp16 / bf16
+    K/V, pages it reads on either tile height, by TMA boxes or gathers: _gluon_scope): they are
+    then tiled as contiguous K/V are (pages 1-8 too, rather than the small pages' 256-row
+    tiles). Page 16, D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th
+    session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k
+    0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE; gathered pages: page_gathered). (Graphs
+    that inline the op run the Triton kernel, which prefers 128-row tiles for paged K/V: they
+    take these tiles too.)"""
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_fits(page_size, tile[0], dqk)
