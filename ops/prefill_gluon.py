@@ -56,6 +56,10 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 # with cp.async by a producer warp group (PAGED_GATHER: pages too small for a box).
 PAGED_BOXES = gl.constexpr(1)
 PAGED_GATHER = gl.constexpr(2)
+# The gathering warp group: GATHER_WARPS warps, each copy instruction over GATHER_TPW rows of a
+# warp. On the H100 (NOTES, 28th session; page 1, D128) 4 rows x 128 bytes ran 0.86-0.91 of the
+# ragged rate, 8 rows x 64 bytes 0.70-0.85, 16 rows x 32 bytes 0.44-0.60: the lines an
+# instruction touches, not the sectors, set the copies' rate.
 GATHER_WARPS = gl.constexpr(4)
 GATHER_TPW = gl.constexpr(4)
 
@@ -214,9 +218,10 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
     tile t's K and V rows, each from its own page, copied by cp.async into ring slot
     (it + t) % STAGES once the compute groups have released it, each thread arriving on
     k_full / v_full (counting all GATHER_WARPS * 32) when its copies have landed. Keys past
-    kv_len are zero-filled (so V's tail needs no _zero_tail). A warp's copy covers 16 rows x
-    32 bytes (whole sectors), a thread 2 rows of the tile; tile t + 1's page-table entries are
-    read before tile t's slot wait, so their latency hides under it."""
+    kv_len are zero-filled (so V's tail needs no _zero_tail). A warp's copy instruction covers
+    GATHER_TPW rows of 16 * 32 / GATHER_TPW bytes (4 x 128: whole 128-byte lines; a thread 8
+    rows of a 128-key tile); tile t + 1's page-table entries are read before tile t's slot
+    wait, so their latency hides under it."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW],
                                          [GATHER_WARPS, 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk)
@@ -901,12 +906,11 @@ def _gluon_fwd(
          valid) = item
         q_smem = q_ring.index(0)
         if n_tiles > 0:
-            # The first K / V copies go out before Q's loads (WS: the load warp from the split
-            # on; else the first STAGES tiles, here); each group then loads and stores Q.
-            # the compute groups, then the load partition: a warp issuing TMAs, or a warp
-            # group gathering pages (PAGED_GATHER)
-            # (argument tuples are spelled out in each call: a tuple bound to a name would
-            # not carry its constexprs as such)
+            # The first K / V copies go out before Q's loads (WS: the load partition from the
+            # split on, a warp issuing TMAs or, PAGED_GATHER, a warp group gathering pages;
+            # else the first STAGES tiles, here); each group then loads and stores Q. (The
+            # argument tuples are spelled out in each call: a tuple bound to a name would not
+            # carry its constexprs as such.)
             if PINGPONG and PAGED == PAGED_GATHER:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
