@@ -116,8 +116,8 @@ def test_gluon_paged(tile, page, causal):
     check(*_paged_case(page, 8, 2, causal), runner=_runner(tile))
 
 
-# Pages too small for a TMA box (1 to 4 keys, and sizes that do not divide a key tile) are
-# gathered key by key by a producer warp group (prefill_gluon.PAGED_GATHER): the paged case
+# Pages too small for a TMA box (1 to 7 keys, prefill_gluon.page_gathered; 3 and 5 straddle
+# key tiles) are gathered key by key by a producer warp group (PAGED_GATHER): the paged case
 # above on the 64-row and the ping-pong tiles (2 and 3 stages), D 64 and D 256 on theirs, fp16.
 @pytest.mark.parametrize("tile,page,d,dt", [
     (TILES[8], 1, 128, torch.bfloat16), (TILES[8], 3, 128, torch.bfloat16),
