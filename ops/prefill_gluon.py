@@ -1179,10 +1179,10 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
 # The smallest page read a box per page: a TMA box into the 128-byte-swizzled slots spans at
 # least the swizzle pattern's 8 rows (Triton's TMA lowering refuses fewer, "Illegal shared
 # layout", triton 3.6 and 3.9), so pages of 1 to 7 keys cannot take a box each from Gluon
-# (page 1 would be a box per key); and each box costs the load warp (page 8's 32 per 128-key tile and tensor run 0.94 /
-# 0.91 / 0.91 of the ragged rate at S 1k / 4k / 8k, where the Triton kernel's gathers ran 0.75 /
-# 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session). Smaller pages are gathered
-# (page_gathered).
+# (page 1 would be a box per key); and each box costs the load warp (page 8's 32 per 128-key
+# tile and tensor run 0.94 / 0.91 / 0.91 of the ragged rate at S 1k / 4k / 8k, where the Triton
+# kernel's gathers ran 0.75 / 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session).
+# Smaller pages are gathered (page_gathered).
 MIN_BOX_PAGE = 8
 
 
