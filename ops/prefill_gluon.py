@@ -59,7 +59,8 @@ PAGED_GATHER = gl.constexpr(2)
 # The gathering warp group: GATHER_WARPS warps, each copy instruction over GATHER_TPW rows of a
 # warp. On the H100 (NOTES, 28th session; page 1, D128) 4 rows x 128 bytes ran 0.86-0.91 of the
 # ragged rate, 8 rows x 64 bytes 0.70-0.85, 16 rows x 32 bytes 0.44-0.60: the lines an
-# instruction touches, not the sectors, set the copies' rate.
+# instruction touches, not the sectors, set the copies' rate. (2 rows x 256 bytes: 16 rows a
+# thread, which spill at the group's 64 registers.)
 GATHER_WARPS = gl.constexpr(4)
 GATHER_TPW = gl.constexpr(4)
 
@@ -198,15 +199,14 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
 
 
 @gluon.jit
-def _gather_rows(page_idx_ptr, page_base, t, kv_len, row_stride, page_rows, PAGE: gl.constexpr,
-                 BLOCK_N: gl.constexpr, layout: gl.constexpr):
-    """Element offsets [BLOCK_N] (int64) of key tile t's rows in a paged cache (page p from
-    row p * page_rows, rows row_stride elements apart) and which keys exist (< kv_len; the
-    others are zero-filled by the copy, so their page-table entry is not read)."""
-    j = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout)
-    ok = j < kv_len
-    page = gl.load(page_idx_ptr + page_base + j // PAGE, mask=ok, other=0)
-    return (page.to(gl.int64) * page_rows + j % PAGE) * row_stride, ok
+def _gather_keys(page_idx_ptr, page_base, t, kv_len, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 layout: gl.constexpr):
+    """Key tile t's keys [BLOCK_N] in a paged cache: each one's page and its position in the
+    page, keys past kv_len clamped to the last one (so every read is of the request's own
+    pages, and no copy needs a mask; nothing is read when kv_len is 0). K and V share them."""
+    j = gl.minimum(t * BLOCK_N + gl.arange(0, BLOCK_N, layout=layout), kv_len - 1)
+    page = gl.load(page_idx_ptr + page_base + j // PAGE, mask=kv_len > 0, other=0)
+    return page, j % PAGE
 
 
 @gluon.jit
@@ -215,36 +215,68 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
                      v_page_rows, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                      STAGES: gl.constexpr):
     """The load partition of PAGED_GATHER launches (GATHER_WARPS warps) on one work item: key
-    tile t's K and V rows, each from its own page, copied by cp.async into ring slot
-    (it + t) % STAGES once the compute groups have released it, each thread arriving on
-    k_full / v_full (counting all GATHER_WARPS * 32) when its copies have landed. Keys past
-    kv_len are zero-filled (so V's tail needs no _zero_tail). A warp's copy instruction covers
-    GATHER_TPW rows of 16 * 32 / GATHER_TPW bytes (4 x 128: whole 128-byte lines; a thread 8
-    rows of a 128-key tile); tile t + 1's page-table entries are read before tile t's slot
-    wait, so their latency hides under it."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW],
-                                         [GATHER_WARPS, 1], [1, 0])
+    tile t's K and V rows, each from its own page (page p from row p * page_rows, rows
+    stride_r elements apart), copied by cp.async into ring slot (it + t) % STAGES once the
+    compute groups have released it, each thread arriving on k_full / v_full (counting all
+    GATHER_WARPS * 32) when its copies have landed. Slots past kv_len hold copies of the last
+    key's row (_gather_keys): masked scores, and p = 0 on finite values, so V's tail needs no
+    _zero_tail. A warp's copy instruction covers GATHER_TPW rows of 16 * 32 / GATHER_TPW bytes
+    (4 x 128: whole 128-byte lines; a thread 8 rows of a 128-key tile). Tile t + 1's
+    page-table entries are read (once for K and V) before tile t's slot wait, so their latency
+    hides under it. Lean on purpose (sm_90 SASS of the ping-pong tile's loop: 210 instructions
+    a tile, 278 in the 28th session's): keys past kv_len clamped rather than masked (no
+    predicates), one page-table read for K and V, the thread's column folded into its base
+    pointer. The compute warps beside it on the SM paid for the difference: page 1 +6% at S
+    1k / 4k (NOTES, 29th session)."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW], [GATHER_WARPS, 1],
+                                         [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk)
     col = hkv * D + gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    k_rows, ok = _gather_rows(page_idx_ptr, page_base, 0, kv_len, stride_kr, k_page_rows, PAGE,
-                              BLOCK_N, rows_l)
-    v_rows, ok = _gather_rows(page_idx_ptr, page_base, 0, kv_len, stride_vr, v_page_rows, PAGE,
-                              BLOCK_N, rows_l)
+    k_page = k_page_rows.to(gl.int64) * stride_kr  # a page's elements
+    v_page = v_page_rows.to(gl.int64) * stride_vr
+    k_base = k_ptr + col[None, :]
+    v_base = v_ptr + col[None, :]
+    page, pos = _gather_keys(page_idx_ptr, page_base, 0, kv_len, PAGE, BLOCK_N, rows_l)
     for t in range(n_tiles):
         g = it + t
         slot = g % STAGES
         phase = ((g // STAGES) & 1) ^ 1
-        k_next, ok_next = _gather_rows(page_idx_ptr, page_base, t + 1, kv_len, stride_kr,
-                                       k_page_rows, PAGE, BLOCK_N, rows_l)
-        v_next, ok_next = _gather_rows(page_idx_ptr, page_base, t + 1, kv_len, stride_vr,
-                                       v_page_rows, PAGE, BLOCK_N, rows_l)
+        page_next, pos_next = _gather_keys(page_idx_ptr, page_base, t + 1, kv_len, PAGE, BLOCK_N,
+                                           rows_l)
+        k_rows = page.to(gl.int64) * k_page + pos * stride_kr
         mbarrier.wait(k_empty.index(slot), phase)
-        _async_load(k_ring.index(slot), k_ptr + k_rows[:, None] + col[None, :], mask=ok[:, None])
+        _async_load(k_ring.index(slot), k_base + k_rows[:, None])
         async_copy.mbarrier_arrive(k_full.index(slot), increment_count=False)
+        v_rows = page.to(gl.int64) * v_page + pos * stride_vr
         mbarrier.wait(v_empty.index(slot), phase)
-        _async_load(v_ring.index(slot), v_ptr + v_rows[:, None] + col[None, :], mask=ok[:, None])
+        _async_load(v_ring.index(slot), v_base + v_rows[:, None])
         async_copy.mbarrier_arrive(v_full.index(slot), increment_count=False)
-        k_rows, v_rows, ok = k_next, v_next, ok_next
+        page, pos = page_next, pos_next
+
+
+@gluon.jit
+def _item_producer(k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
+                   n_tiles, it, kv_start, kv_len, hkv, page_idx_ptr, page_base, npages,
+                   k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED: gl.constexpr,
+                   PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                   STAGES: gl.constexpr, BOXES: gl.constexpr):
+    """The load partition's work on one work item: a warp group's gathers (PAGED_GATHER,
+    _gather_producer) or a warp's TMAs (_ws_producer). The one producer every warp-specialized
+    launch names (its warps: _load_warps)."""
+    if PAGED == PAGED_GATHER:
+        _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
+                         it, hkv, page_idx_ptr, page_base, kv_len, stride_kr, stride_vr,
+                         k_page_rows, v_page_rows, PAGE, BLOCK_N, D, STAGES)
+    else:
+        _ws_producer(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
+                     it, kv_start, hkv, page_idx_ptr, page_base, npages, k_page_rows,
+                     v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES)
+
+
+@constexpr_function
+def _load_warps(paged):
+    """Warps of the load partition: a warp group to gather pages (PAGED_GATHER), else one."""
+    return GATHER_WARPS.value if paged == PAGED_GATHER.value else 1
 
 
 @gluon.jit
@@ -742,7 +774,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     total = ctx[31] * ctx[33]
     items, item_full, item_empty, sched_ptr = ctx[38:42]
     q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr = ctx[42:50]
-    LOAD_WARPS: gl.constexpr = GATHER_WARPS if PAGED == PAGED_GATHER else 1
+    LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     it = 0
     k = 0
     qk = 0
@@ -760,14 +792,10 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                 _tma_load(q_desc, [item[0] * q_req_rows + item[3] + item[1], item[2] * D],
                           q_full.index(qs), q_ring.index(qs))
                 qk += 1
-        if PAGED == PAGED_GATHER:
-            _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
-                             n_tiles, it, item[2], page_idx_ptr, item[7], item[6], stride_kr,
-                             stride_vr, k_page_rows, v_page_rows, PAGE, BLOCK_N, D, STAGES)
-        else:
-            _ws_producer(k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, n_tiles,
-                         it, item[5], item[2], page_idx_ptr, item[7], item[8], k_page_rows,
-                         v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES)
+        _item_producer(k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
+                       v_empty, n_tiles, it, item[5], item[6], item[2], page_idx_ptr, item[7],
+                       item[8], k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
+                       BLOCK_N, D, STAGES, BOXES)
         it += n_tiles
         k += 1
         lin = _next_item(sched_ptr, LOAD_WARPS)
@@ -879,7 +907,7 @@ def _gluon_fwd(
            n_req, n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len, items, item_full,
            item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr,
            stride_vr)
-    LOAD_WARPS: gl.constexpr = GATHER_WARPS if PAGED == PAGED_GATHER else 1
+    LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     if PERSISTENT:
         # The load warp takes the work items (program_id, then a global counter's) and starts
         # the next item's Q and K / V while the groups finish this one.
@@ -908,49 +936,29 @@ def _gluon_fwd(
         if n_tiles > 0:
             # The first K / V copies go out before Q's loads (WS: the load partition from the
             # split on, a warp issuing TMAs or, PAGED_GATHER, a warp group gathering pages;
-            # else the first STAGES tiles, here); each group then loads and stores Q. (The
-            # argument tuples are spelled out in each call: a tuple bound to a name would not
-            # carry its constexprs as such.)
-            if PINGPONG and PAGED == PAGED_GATHER:
+            # else the first STAGES tiles, here); each group then loads and stores Q.
+            if PINGPONG:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
                     (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
-                    (_gather_producer, (k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                        v_empty, n_tiles, 0, hkv, page_idx_ptr, page_base,
-                                        kv_len, stride_kr, stride_vr, k_page_rows, v_page_rows,
-                                        PAGE, BLOCK_N, D, STAGES)),
-                ], [num_warps, GATHER_WARPS], [GROUP_REGS, PRODUCER_REGS])
-            elif PINGPONG:
-                gl.warp_specialize([
-                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
-                    (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
-                    (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                    v_empty, n_tiles, 0, kv_start, hkv, page_idx_ptr, page_base,
-                                    npages, k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D,
-                                    STAGES, BOXES)),
-                ], [num_warps, 1], [GROUP_REGS, PRODUCER_REGS])
-            elif WS and PAGED == PAGED_GATHER:
-                gl.warp_specialize([
-                    (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
-                    (_gather_producer, (k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                        v_empty, n_tiles, 0, hkv, page_idx_ptr, page_base,
-                                        kv_len, stride_kr, stride_vr, k_page_rows, v_page_rows,
-                                        PAGE, BLOCK_N, D, STAGES)),
-                ], [GATHER_WARPS], [PRODUCER_REGS])
+                    (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
+                                      k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
+                                      page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
+                                      stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
+                                      BOXES)),
+                ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
             elif WS:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
-                    (_ws_producer, (k_desc, v_desc, k_ring, v_ring, k_bar, v_bar, k_empty,
-                                    v_empty, n_tiles, 0, kv_start, hkv, page_idx_ptr, page_base,
-                                    npages, k_page_rows, v_page_rows, PAGED, PAGE, BLOCK_N, D,
-                                    STAGES, BOXES)),
-                ], [1], [PRODUCER_REGS])
+                    (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
+                                      k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
+                                      page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
+                                      stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
+                                      BOXES)),
+                ], [LOAD_WARPS], [PRODUCER_REGS])
             else:
                 for i in gl.static_range(STAGES):
                     page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
@@ -1109,7 +1117,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     gather = paged is not None and page_gathered(page, block_n, d)
-    if paged is not None and not (gather or page_fits(page, block_n, d)):
+    if paged is not None and not page_read(page, block_n, d):
         raise ValueError(f"page size {page} at D {d}: neither TMA boxes (page_fits: pages holding "
                          f"whole {block_n}-key tiles, or at D 128 of {MIN_BOX_PAGE} keys or more "
                          f"dividing them) nor gathers (pages below {MIN_BOX_PAGE} keys)")
@@ -1196,6 +1204,12 @@ def page_fits(page: int, block_n: int, d: int) -> bool:
     11th session)."""
     whole = page > 0 and page % block_n == 0
     return whole or (d == 128 and page >= MIN_BOX_PAGE and block_n % page == 0)
+
+
+def page_read(page: int, block_n: int, d: int) -> bool:
+    """Whether the Gluon kernel reads pages of this size at head dim d at all: by TMA boxes
+    (page_fits) or by gathers (page_gathered)."""
+    return page_fits(page, block_n, d) or page_gathered(page, block_n, d)
 
 
 def page_gathered(page: int, block_n: int, d: int) -> bool:

@@ -140,8 +140,7 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int,
     take these tiles too.)"""
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
-            and all(_gluon.page_fits(page_size, tile[0], dqk)
-                    or _gluon.page_gathered(page_size, tile[0], dqk)
+            and all(_gluon.page_read(page_size, tile[0], dqk)
                     for (_, d), tile in _gluon.TILES.items() if d == dqk))
 
 
@@ -1080,8 +1079,8 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
                  kv_layout: bool = True) -> bool:
     """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
     USE_GLUON, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
-    and 128-row tiles, D 256 on 128-row ones), pages it reads (TMA boxes where page_fits, a
-    producer warp group's gathers where page_gathered), fp16 / bf16
+    and 128-row tiles, D 256 on 128-row ones), pages it reads (prefill_gluon.page_read: TMA
+    boxes or a producer warp group's gathers), fp16 / bf16
     throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
     scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V with
     packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
@@ -1100,8 +1099,7 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     dt = q.dtype
     if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
         return False
-    if kv_mode == KV_PAGED and not (_gluon.page_fits(page_size, tile[0], d)
-                                    or _gluon.page_gathered(page_size, tile[0], d)):
+    if kv_mode == KV_PAGED and not _gluon.page_read(page_size, tile[0], d):
         return False
     if v.shape[-1] != d or not _known(q.stride(-1) == 1):
         return False
