@@ -232,8 +232,8 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
                                          [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk)
     col = hkv * D + gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    k_page = k_page_rows.to(gl.int64) * stride_kr  # a page's elements
-    v_page = v_page_rows.to(gl.int64) * stride_vr
+    k_page = k_page_rows * stride_kr.to(gl.int64)  # a page's elements (page_rows 1: constexpr)
+    v_page = v_page_rows * stride_vr.to(gl.int64)
     k_base = k_ptr + col[None, :]
     v_base = v_ptr + col[None, :]
     page, pos = _gather_keys(page_idx_ptr, page_base, 0, kv_len, PAGE, BLOCK_N, rows_l)

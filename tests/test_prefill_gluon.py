@@ -51,6 +51,8 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
                   WS=ws, BOXES=block_n // box, PRODUCER_REGS=regs[1], PINGPONG=pp,
                   GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
+    if page == 1:  # a page of one row: the launch specializes page_rows == 1 as a constexpr
+        consts.update(k_page_rows=1, v_page_rows=1)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
