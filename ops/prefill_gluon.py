@@ -351,7 +351,7 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
                           is_async=True)
     prev = (g - 1) % STAGES
     _wait_full(v_bar, g - 1, STAGES, PAGED)
-    if MASKED and PAGED != PAGED_GATHER:  # (gathered tails are zero-filled)
+    if MASKED and PAGED != PAGED_GATHER:  # (gathered tails repeat the last key: finite)
         if t * BLOCK_N > kv_len:  # tile t - 1 is the request's partial last tile
             _zero_tail(v_ring, prev, kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
     if P_SMEM:
