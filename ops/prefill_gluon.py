@@ -210,10 +210,22 @@ def _gather_keys(page_idx_ptr, page_base, t, kv_len, PAGE: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
+def _row_offsets(page, pos, page_rows, stride_r, WIDE: gl.constexpr):
+    """Element offsets of keys [BLOCK_N] at (page, pos) in a cache whose page p starts at row
+    p * page_rows, rows stride_r elements apart: int32 unless WIDE (a cache of 2^31 elements or
+    more). Int32 is the gather's fast path: the 64-bit products cost its warp group several
+    instructions a row, and page 1 ran 4-8% slower with them (NOTES, 30th session)."""
+    if WIDE:
+        return (page.to(gl.int64) * page_rows + pos) * stride_r.to(gl.int64)
+    else:
+        return (page * page_rows + pos) * stride_r
+
+
+@gluon.jit
 def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles, it,
                      hkv, page_idx_ptr, page_base, kv_len, stride_kr, stride_vr, k_page_rows,
                      v_page_rows, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                     STAGES: gl.constexpr):
+                     STAGES: gl.constexpr, WIDE: gl.constexpr):
     """The load partition of PAGED_GATHER launches (GATHER_WARPS warps) on one work item: key
     tile t's K and V rows, each from its own page (page p from row p * page_rows, rows
     stride_r elements apart), copied by cp.async into ring slot (it + t) % STAGES once the
@@ -226,14 +238,13 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
     hides under it. Lean on purpose (sm_90 SASS of the ping-pong tile's loop: 210 instructions
     a tile, 278 in the 28th session's): keys past kv_len clamped rather than masked (no
     predicates), one page-table read for K and V, the thread's column folded into its base
-    pointer. The compute warps beside it on the SM paid for the difference: page 1 +6% at S
-    1k / 4k (NOTES, 29th session)."""
+    pointer, row offsets in int32 unless WIDE (_row_offsets). The compute warps beside it on
+    the SM pay for its instructions: page 1 +6% at S 1k / 4k (NOTES, 29th session), int32
+    offsets +4-8% at S 4k-32k on ping-pong tiles (30th)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW], [GATHER_WARPS, 1],
                                          [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk)
     col = hkv * D + gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    k_page = k_page_rows * stride_kr.to(gl.int64)  # a page's elements (page_rows 1: constexpr)
-    v_page = v_page_rows * stride_vr.to(gl.int64)
     k_base = k_ptr + col[None, :]
     v_base = v_ptr + col[None, :]
     page, pos = _gather_keys(page_idx_ptr, page_base, 0, kv_len, PAGE, BLOCK_N, rows_l)
@@ -243,11 +254,11 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
         phase = ((g // STAGES) & 1) ^ 1
         page_next, pos_next = _gather_keys(page_idx_ptr, page_base, t + 1, kv_len, PAGE, BLOCK_N,
                                            rows_l)
-        k_rows = page.to(gl.int64) * k_page + pos * stride_kr
+        k_rows = _row_offsets(page, pos, k_page_rows, stride_kr, WIDE)
         mbarrier.wait(k_empty.index(slot), phase)
         _async_load(k_ring.index(slot), k_base + k_rows[:, None])
         async_copy.mbarrier_arrive(k_full.index(slot), increment_count=False)
-        v_rows = page.to(gl.int64) * v_page + pos * stride_vr
+        v_rows = _row_offsets(page, pos, v_page_rows, stride_vr, WIDE)
         mbarrier.wait(v_empty.index(slot), phase)
         _async_load(v_ring.index(slot), v_base + v_rows[:, None])
         async_copy.mbarrier_arrive(v_full.index(slot), increment_count=False)
@@ -259,14 +270,14 @@ def _item_producer(k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_full, v_full,
                    n_tiles, it, kv_start, kv_len, hkv, page_idx_ptr, page_base, npages,
                    k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED: gl.constexpr,
                    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                   STAGES: gl.constexpr, BOXES: gl.constexpr):
+                   STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr):
     """The load partition's work on one work item: a warp group's gathers (PAGED_GATHER,
     _gather_producer) or a warp's TMAs (_ws_producer). The one producer every warp-specialized
     launch names (its warps: _load_warps)."""
     if PAGED == PAGED_GATHER:
         _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
                          it, hkv, page_idx_ptr, page_base, kv_len, stride_kr, stride_vr,
-                         k_page_rows, v_page_rows, PAGE, BLOCK_N, D, STAGES)
+                         k_page_rows, v_page_rows, PAGE, BLOCK_N, D, STAGES, WIDE)
     else:
         _ws_producer(k_desc, v_desc, k_ring, v_ring, k_full, v_full, k_empty, v_empty, n_tiles,
                      it, kv_start, hkv, page_idx_ptr, page_base, npages, k_page_rows,
@@ -762,7 +773,7 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
 def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr,
                PAGE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-               STAGES: gl.constexpr, BOXES: gl.constexpr):
+               STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
@@ -795,7 +806,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         _item_producer(k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
                        v_empty, n_tiles, it, item[5], item[6], item[2], page_idx_ptr, item[7],
                        item[8], k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
-                       BLOCK_N, D, STAGES, BOXES)
+                       BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
         k += 1
         lin = _next_item(sched_ptr, LOAD_WARPS)
@@ -827,7 +838,7 @@ def _gluon_fwd(
     DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
     GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr,
+    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr,
     PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
@@ -918,14 +929,14 @@ def _gluon_fwd(
                 (_ws_group, (1, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                              BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES)),
+                              STAGES, BOXES, WIDE)),
             ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                              BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES)),
+                              STAGES, BOXES, WIDE)),
             ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
@@ -947,7 +958,7 @@ def _gluon_fwd(
                                       k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
                                       page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
                                       stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                      BOXES)),
+                                      BOXES, WIDE)),
                 ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
             elif WS:
                 gl.warp_specialize([
@@ -957,7 +968,7 @@ def _gluon_fwd(
                                       k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
                                       page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
                                       stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                      BOXES)),
+                                      BOXES, WIDE)),
                 ], [LOAD_WARPS], [PRODUCER_REGS])
             else:
                 for i in gl.static_range(STAGES):
@@ -1143,6 +1154,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     if paged is None:  # never read
         page_idx = last = work_arg
     box = block_n // boxes
+    # the gather's row offsets in int64 only where a cache's elements reach 2^31 (_row_offsets)
+    wide = max(k2.shape[0] * k2.stride(0), v2.shape[0] * v2.stride(0)) >= 2 ** 31
     # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
     # per SM); else a program per item
     persistent = ws and (rest[0] if rest else persistent_default(pingpong, boxes))
@@ -1177,7 +1190,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         v2.stride(0), DENSE=dense is not None, Q_TMA=q2 is not None,
         PAGED=(PAGED_GATHER.value if gather else PAGED_BOXES.value) if paged else 0, PAGE=page,
         GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages,
-        P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, BOXES=boxes,
+        P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, BOXES=boxes, WIDE=gather and wide,
         PRODUCER_REGS=GATHER_REGS[1] if gather else 24, PINGPONG=pingpong,
         GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
         num_warps=warps // 2 if pingpong else warps, **opts)

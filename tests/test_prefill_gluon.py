@@ -49,8 +49,10 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=paged, PAGE=page,
                   GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
                   BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
-                  WS=ws, BOXES=block_n // box, PRODUCER_REGS=regs[1], PINGPONG=pp,
-                  GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
+                  WS=ws, BOXES=block_n // box, WIDE=page == 3, PRODUCER_REGS=regs[1],
+                  PINGPONG=pp, GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
+    # (WIDE: the gather's int64 row offsets, a cache of 2^31 elements or more: page 3 compiles
+    # them, page 1 the int32 ones)
     if page == 1:  # a page of one row: the launch specializes page_rows == 1 as a constexpr
         consts.update(k_page_rows=1, v_page_rows=1)
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
@@ -297,6 +299,7 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     assert rec.kw["PAGED"] == (2 if gather else 1 if page else 0)
     assert rec.kw["PRODUCER_REGS"] == (gluon_mod.GATHER_REGS[1] if gather else 24)
     assert rec.arg("k_ptr") is k2 and rec.arg("stride_kr") == k2.stride(0)
+    assert rec.kw["WIDE"] is False  # a small cache: the gather's row offsets in int32
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
     pp = block_m == 128
@@ -308,6 +311,27 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
                              paged=(12, table, last, page, page))
+
+
+@pytest.mark.parametrize("pages,wide", [(2 ** 31 // 256 - 1, False), (2 ** 31 // 256, True)])
+def test_launch_gather_offset_width(pages, wide, monkeypatch):
+    # page 1 gathers: the producer's row offsets are int32 while a cache's elements stay below
+    # 2^31 (the fast path) and int64 from there (meta caches: no memory behind them)
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
+    q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 2)
+    work = torch.zeros(1, 2, dtype=torch.int32)
+    k2 = gluon_mod.kv_2d(torch.empty(2, 1, 2, 128, dtype=torch.bfloat16, device="meta"), "paged")
+    big = gluon_mod.kv_2d(torch.empty(pages, 1, 2, 128, dtype=torch.bfloat16, device="meta"),
+                          "paged")
+    table, last = torch.arange(40, dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    for kc, vc in ((big, k2), (k2, big)):  # either cache decides
+        gluon_mod.launch(q, kc, vc, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                         causal=True, block_m=128, paged=(1, table, last, 1, 1))
+        assert rec.kw["PAGED"] == gluon_mod.PAGED_GATHER.value and rec.kw["WIDE"] is wide
 
 
 @pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",

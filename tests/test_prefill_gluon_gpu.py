@@ -130,6 +130,23 @@ def test_gluon_paged_gather(tile, page, d, dt, causal):
     check(*_paged_case(page, 8, 2, causal, d=d, dtype=dt), runner=_runner(tile))
 
 
+# The gathers in a cache of 2^31 elements or more (its pages at the cache's end, so every key
+# offset is past 2^31): the producer's row offsets must be int64 there (WIDE), int32 below.
+@pytest.mark.gpu_solo  # 8.6 GB of cache: beside 7 other shards it may run out of memory
+@pytest.mark.parametrize("tile,page", [(TILES[9], 1), (TILES[8], 3)],
+                         ids=lambda x: _tile_id(x) if isinstance(x, tuple) else str(x))
+def test_gluon_gather_past_2_31_elements(tile, page):
+    c, p = _paged_case(page, 8, 2, True)
+    pages = 2 ** 31 // (page * 2 * 128) + 64
+    cache = torch.full((pages, 2, page, 2, 128), float("nan"), dtype=c.k.dtype, device="cuda")
+    used = c.page_indices.long()
+    idx = torch.arange(pages - used.numel(), pages, device="cuda").flip(0)
+    cache[idx, 0], cache[idx, 1] = c.k[used], c.v[used]
+    c.k, c.v, c.page_indices = cache[:, 0], cache[:, 1], idx.to(torch.int32)
+    assert c.k.numel() >= 2 ** 31 // 2 and c.k.shape[0] * c.k.stride(0) >= 2 ** 31
+    check(c, p, runner=_runner(tile))
+
+
 def _paged_case(page, hq, hkv, causal, d=128, dtype=torch.bfloat16):
     """The paged case above (unowned slots NaN) and its parameters."""
     qo, kv = [37, 0, 200, 5, 64, 700], [300, 9, 333, 5, 1000, 1500]
