@@ -143,7 +143,7 @@ def test_gluon_gather_past_2_31_elements(tile, page):
     idx = torch.arange(pages - used.numel(), pages, device="cuda").flip(0)
     cache[idx, 0], cache[idx, 1] = c.k[used], c.v[used]
     c.k, c.v, c.page_indices = cache[:, 0], cache[:, 1], idx.to(torch.int32)
-    assert c.k.numel() >= 2 ** 31 // 2 and c.k.shape[0] * c.k.stride(0) >= 2 ** 31
+    assert c.k.shape[0] * c.k.stride(0) >= 2 ** 31  # the K view's span: launch() picks WIDE
     check(c, p, runner=_runner(tile))
 
 
