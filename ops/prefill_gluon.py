@@ -1015,6 +1015,14 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 _T64 = (64, 4, 2, False, True, False)
 TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, True),
          (128, 128): (128, 8, 2, False, True, True), (128, 256): (64, 8, 2, False, True, True)}
+# Gathered pages (page_gathered) on the 128-row tile where requests average at most
+# GLUON_SHORT_KV causal keys (half that without a mask; gather_short): 64-key slots three deep
+# and persistent programs, where longer requests keep TILES' 128-key slots, two deep, a program
+# per item. H100 (benchmarks/NOTES.md, 31st session; D128 causal H32, page 1, over our ragged
+# op in the same rounds): S 1k 0.97 against 0.90 on the 64-row tile (which re-reads each key
+# tile for every 64 rows: ncu put its L2 at 78-86% of peak there); from S 2k the long tile
+# leads (S 2k 0.95 vs 0.91, 8k 0.97 vs 0.84, 32k 0.97 vs 0.80).
+GATHER_SHORT_TILE = (64, 8, 3, False, True, True, True)
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
 _WS_CTAS = {4: 2, 8: 1}
@@ -1037,6 +1045,16 @@ def persistent_default(pingpong: bool, boxes: int) -> bool:
     K/V (28th session, page 1 D128 causal H32, persistent over a program per item): 64-row
     tiles +7 / +6 / +5 / +1% at S 1k / 2k / 4k / 8k, ping-pong +5 / +3 / -1.5 / -3%."""
     return not pingpong or boxes > 1
+
+
+def gather_short(pages: int, page: int, requests: int, causal: bool) -> bool:
+    """Whether a gathered launch's requests are short (GATHER_SHORT_TILE): ``pages`` table
+    entries of ``page`` keys over ``requests`` requests average at most GLUON_SHORT_KV keys
+    (causal; half that without a mask), the bound block_m_for puts on contiguous K/V's 64-row
+    tiles (imported here, not at the top: prefill_kernel imports this module)."""
+    from .prefill_kernel import GLUON_SHORT_KV
+
+    return pages * page <= max(requests, 1) * (GLUON_SHORT_KV if causal else GLUON_SHORT_KV // 2)
 
 
 def _sm_count(device: torch.device) -> int:
@@ -1125,8 +1143,12 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     if tile is None and (block_m, d) not in TILES:
         raise ValueError(f"no Gluon tile for block_m {block_m} at head dim {d} (TILES: "
                          f"{sorted(TILES)}); pass tile=")
-    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
+    if (tile is None and paged is not None and block_m == 128 and d == 128
+            and page_gathered(page, GATHER_SHORT_TILE[0], d)
+            and gather_short(page_idx.shape[0], page, qo_indptr.shape[0] - 1, causal)):
+        tile = GATHER_SHORT_TILE
+    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
     gather = paged is not None and page_gathered(page, block_n, d)
     if paged is not None and not page_read(page, block_n, d):
         raise ValueError(f"page size {page} at D {d}: neither TMA boxes (page_fits: pages holding "

@@ -79,8 +79,15 @@ CRASH_STAGES = tl.constexpr(2)
 # launches on a Hopper GPU, _gluon_tiles), its 128-row tiles are two warp groups in ping-pong, which
 # beat 64-row tiles from 2k causal keys on (H100 dev_ab, 13th session, D128 causal H32: S 1k 343 /
 # 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574 vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
+# Pages the Gluon kernel gathers (1 to 7 keys at D 128) take its 128-row tiles from
+# GATHER_MIN_KV causal keys on (half that without a mask), on short requests with 64-key slots
+# (prefill_gluon.GATHER_SHORT_TILE): its 64-row tile re-reads each key tile for every 64 rows,
+# gathers included. H100 dev_ab (31st session, D128 H32 page 1, over our ragged op): causal S 1k
+# 0.92-0.97 against 0.88-0.90, S 512 0.90 against 0.92 and S 256 0.93 against 0.95 (so 64-row
+# tiles there); without a mask S 512 1.00 against 0.89.
 SHORT_KV = 4096
 GLUON_SHORT_KV = 1024
+GATHER_MIN_KV = 512
 SMALL_PAGE_BLOCK_M = 256
 SMALL_PAGE_MAX = 8
 SMALL_PAGE_PAD = 1.05
@@ -110,6 +117,9 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
         return SMALL_PAGE_BLOCK_M
     if d > 128 or max_kv_len is None:
         return 128
+    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
+            and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
+        return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
     if max_kv_len <= TMA_MIN_KV:
         return 64
     if d <= 64 or (paged and not gluon_pages):

@@ -66,10 +66,11 @@ def main() -> int:
         check(c, params(head_dim=128))
         cases += 1
     # Small pages gathered by the Gluon kernel's producer warp group (pages 1 and 3, both tile
-    # heights): keys past kv_len zero-filled, never read.
+    # heights; 128 rows on short requests the short tile, prefill_gluon.GATHER_SHORT_TILE): keys
+    # past kv_len zero-filled, never read.
     for page in (1, 3):
-        for bm in (64, 128):
-            qo, kv = [300, 0, 37], [700, 9, 80]
+        for bm, kv in ((64, [700, 9, 80]), (128, [700, 9, 80]), (128, [2700, 9, 1500])):
+            qo = [300, 0, 37]
             c = make_case("paged", qo, kv, hq=8, hkv=2, dqk=128, dtype=torch.bfloat16,
                           device="cuda", page_size=page, seed=50 + page)
             c.block_m = bm

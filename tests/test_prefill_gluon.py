@@ -15,22 +15,24 @@ from compiled_attn.ops import prefill_kernel as K
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
 
-# (ws, pp): warp-specialized, ping-pong (two compute groups of half the warps; implies ws)
-@pytest.mark.parametrize("dense,page,block_m,d,causal,ws,pp", [
+# (ws, pp): warp-specialized, ping-pong (two compute groups of half the warps; implies ws);
+# short: GATHER_SHORT_TILE (gathered pages, short requests) instead of TILES'
+@pytest.mark.parametrize("dense,page,block_m,d,causal,ws,pp,short", [c + (False, ) for c in [
     (False, 0, 64, 128, True, False, False), (True, 0, 128, 64, False, True, True),
     (False, 8, 64, 128, True, True, False),
     (False, 64, 64, 128, True, False, False), (False, 16, 128, 128, True, True, True),
     (True, 0, 64, 64, False, True, False), (False, 0, 128, 128, True, False, False),
     (False, 0, 128, 256, True, True, True), (False, 128, 128, 256, False, True, True),
     (False, 1, 128, 128, True, True, True), (False, 3, 64, 128, False, True, False),
-    (False, 1, 128, 64, True, True, True)])
-def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
+    (False, 1, 128, 64, True, True, True)]] + [(False, 2, 128, 128, True, True, True, True)])
+def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    block_n, warps, stages, p_smem = gluon_mod.TILES[block_m, d][:4]
+    tile = gluon_mod.GATHER_SHORT_TILE if short else gluon_mod.TILES[block_m, d]
+    block_n, warps, stages, p_smem = tile[:4]
     p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
     fn = gluon_mod._gluon_fwd
     # pages smaller than a tile: a box each, or gathered (page_gathered: no box, a producer warp
@@ -42,7 +44,7 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp):
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
     # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
     # head per KV head)
-    persistent = ws and gluon_mod.persistent_default(pp, block_n // box)
+    persistent = ws and (tile[6] if tile[6:] else gluon_mod.persistent_default(pp, block_n // box))
     paged = (gluon_mod.PAGED_GATHER.value if gather else gluon_mod.PAGED_BOXES.value) if page \
         else 0
     regs = gluon_mod.GATHER_REGS if gather else (gluon_mod.PINGPONG_REGS, 24)
@@ -225,7 +227,16 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     # kernel's 256-row small-page tiles; without the Gluon kernel they take those
     full = lambda page, kv_dtype=None: K.block_m_for(  # noqa: E731
         128, 128, 4, 2048, True, True, page_size=page, qo_lens=[2048] * 4, kv_dtype=kv_dtype)
-    assert full(8) == full(4) == full(1) == 128 and tile(1) == tile(3) == 64
+    assert full(8) == full(4) == full(1) == 128
+    # gathered pages (1-7 keys) take 128-row tiles from GATHER_MIN_KV causal keys on (half
+    # that without a mask), where the others keep 64-row ones up to GLUON_SHORT_KV
+    gathered = lambda page, kv, causal=True: K.block_m_for(  # noqa: E731
+        128, 128, 4, kv, causal, True, page_size=page)
+    assert gathered(1, K.GATHER_MIN_KV) == gathered(3, K.GATHER_MIN_KV) == 64
+    assert gathered(1, K.GATHER_MIN_KV + 1) == tile(1) == tile(3) == tile(7) == 128
+    assert (gathered(1, K.GATHER_MIN_KV // 2, False), gathered(1, K.GATHER_MIN_KV, False)) \
+        == (64, 128)
+    assert tile(8) == gathered(16, 1024) == gathered(16, 512, False) == 64
     assert full(8, torch.bfloat16) == full(8, torch.float16) == 128
     # fp8 K/V never take the Gluon kernel: their page 8 keeps the small pages' tiles
     assert full(8, torch.float8_e4m3fn) == K.SMALL_PAGE_BLOCK_M
@@ -286,12 +297,14 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
         paged = None
     gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                      causal=True, block_m=block_m, paged=paged)
-    block_n, warps = gluon_mod.TILES[block_m, 128][:2]
-    # persistent programs (64-row tiles, ping-pong with a box per page): a 1D grid of as many
-    # as the GPU holds at once (1 SM x _WS_CTAS) for 3 items x 2 KV heads; other ping-pong
-    # launches a program per item
     gather = 0 < page < gluon_mod.MIN_BOX_PAGE
-    persistent = block_m == 64 or boxes > 1  # (gathered pages as contiguous K/V)
+    # (6 keys: gathered pages on the 128-row tile take its short tile, GATHER_SHORT_TILE)
+    short = gather and block_m == 128
+    block_n, warps = (gluon_mod.GATHER_SHORT_TILE if short else gluon_mod.TILES[block_m, 128])[:2]
+    # persistent programs (64-row tiles, ping-pong with a box per page or short gathers): a 1D
+    # grid of as many as the GPU holds at once (1 SM x _WS_CTAS) for 3 items x 2 KV heads;
+    # other ping-pong launches a program per item
+    persistent = block_m == 64 or boxes > 1 or short
     assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (3, 2))
     assert rec.kw["PERSISTENT"] == persistent
     assert not rec.kw["Q_TMA"] and rec.arg("q_req_rows") == 0  # GQA 4:1: Q through registers
@@ -332,6 +345,38 @@ def test_launch_gather_offset_width(pages, wide, monkeypatch):
         gluon_mod.launch(q, kc, vc, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                          causal=True, block_m=128, paged=(1, table, last, 1, 1))
         assert rec.kw["PAGED"] == gluon_mod.PAGED_GATHER.value and rec.kw["WIDE"] is wide
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_launch_gather_short_tile(causal, monkeypatch):
+    # Gathered pages on the 128-row tile: requests averaging at most GLUON_SHORT_KV keys
+    # (causal; half that without a mask), counted from the page table's entries, take
+    # GATHER_SHORT_TILE (64-key slots three deep, persistent); longer ones TILES' 128-row
+    # tile (a program per item); an explicit tile or pages read by boxes are left alone.
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
+    q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 2)
+    work = torch.zeros(1, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 20, 40], dtype=torch.int32)  # two requests
+    short = K.GLUON_SHORT_KV if causal else K.GLUON_SHORT_KV // 2
+
+    def tile_of(pages, page=1, **kw):
+        cache = torch.empty(pages // page + 1, page, 2, 128, dtype=torch.bfloat16,
+                            device="meta")
+        k2 = gluon_mod.kv_2d(cache, "paged")
+        table = torch.zeros(pages // page, dtype=torch.int32)
+        gluon_mod.launch(q, k2, k2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                         causal=causal, block_m=128, paged=(page, table, indptr[1:], page, page),
+                         **kw)
+        return (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["PERSISTENT"], rec.kw["PAGED"])
+
+    gather = gluon_mod.PAGED_GATHER.value
+    assert tile_of(2 * short) == tile_of(2 * short, page=2) == (64, 3, True, gather)
+    assert tile_of(2 * short + 1) == tile_of(2 * short + 4, page=4) == (128, 2, False, gather)
+    assert tile_of(2 * short, tile=gluon_mod.TILES[128, 128]) == (128, 2, False, gather)
+    assert tile_of(2 * short, page=16) == (128, 2, True, gluon_mod.PAGED_BOXES.value)
 
 
 @pytest.mark.parametrize("layout", ["ragged", "dense", "dense-heads-strided", "gqa", "no-ws",

@@ -29,6 +29,9 @@ TILES = [(64, 64, 4, 2, True, False, False), (64, 64, 4, 3, True, False, False),
          (128, 128, 8, 3, False, True, True), (128, 64, 8, 2, False, True, True)]
 D64_TILE, D256_TILE = TILES[10], TILES[11]  # (three 128-key slots fit at D 64 only; D 256
 # fits 64-key slots only)
+# prefill_gluon.GATHER_SHORT_TILE (gathered pages on 128-row tiles, short requests): 64-key
+# slots three deep, persistent
+GATHER_SHORT = (128, 64, 8, 3, False, True, True, True)
 
 CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
     "odd": ([1, 37, 200, 0, 64], [130, 37, 333, 50, 64], 4, 4, 128),
@@ -123,7 +126,8 @@ def test_gluon_paged(tile, page, causal):
     (TILES[8], 1, 128, torch.bfloat16), (TILES[8], 3, 128, torch.bfloat16),
     (TILES[9], 1, 128, torch.bfloat16), (TILES[9], 2, 128, torch.float16),
     (TILES[9], 5, 128, torch.bfloat16), (TILES[10], 1, 128, torch.bfloat16),
-    (TILES[10], 4, 64, torch.bfloat16), (D256_TILE, 1, 256, torch.bfloat16)],
+    (TILES[10], 4, 64, torch.bfloat16), (D256_TILE, 1, 256, torch.bfloat16),
+    (GATHER_SHORT, 1, 128, torch.bfloat16), (GATHER_SHORT, 5, 128, torch.float16)],
     ids=lambda x: _tile_id(x) if isinstance(x, tuple) else str(x))
 @pytest.mark.parametrize("causal", [True, False])
 def test_gluon_paged_gather(tile, page, d, dt, causal):
@@ -203,6 +207,19 @@ def test_gluon_persistent_few_programs(tile, case, causal, persistent, monkeypat
     check(c, p, runner=_runner(tile + (persistent, )))
 
 
+# The short gather tile on one SM's programs: the three-deep rings, the ping-pong turns and
+# the item hand-off run on across the items of page 1 (GQA 4:1 and one query head per KV head,
+# Q by TMA) and page 3.
+@pytest.mark.parametrize("case", ["paged1", "paged1-mha", "paged3"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_gather_short_tile_few_programs(case, causal, monkeypatch):
+    from compiled_attn.ops import prefill_gluon as G
+
+    assert GATHER_SHORT[1:] == G.GATHER_SHORT_TILE
+    monkeypatch.setattr(G, "_sm_count", lambda device: 1)
+    check(*_paged_case(*PAGED[case], causal), runner=_runner(GATHER_SHORT))
+
+
 def _spy(monkeypatch):
     from compiled_attn.ops import prefill_kernel
 
@@ -221,8 +238,8 @@ def _spy(monkeypatch):
 
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
 # (the dense item order with several (entry, KV head) groups), paged with pages of whole key
-# tiles, pages of 16 and 8 keys (a box per page) and of 1 and 3 keys (gathered), both tile
-# heights, GQA; a launch out of its scope (soft cap, a window, page 12: neither boxes nor
+# tiles, pages of 16 and 8 keys (a box per page) and of 1, 2 and 3 keys (gathered; short
+# requests on GATHER_SHORT_TILE), both tile heights, GQA; a launch out of its scope (soft cap, a window, page 12: neither boxes nor
 # gathers) runs the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
@@ -234,6 +251,8 @@ def _spy(monkeypatch):
     ("paged8", [1000, 600], [1000, 2600], 128, True),
     ("paged1", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged1", [1000, 600], [1000, 2600], 128, True),
+    ("paged1", [300, 17, 0, 129], [700, 17, 5, 129], 128, True),  # (GATHER_SHORT_TILE)
+    ("paged2", [300, 17, 0, 129], [700, 17, 5, 129], 128, False),
     ("paged3", [1000, 600], [1000, 2600], 128, False),
     ("ragged", [1000, 600], [1000, 2600], 128, False),
     ("single", [777], [1501], 64, True),
