@@ -1019,9 +1019,11 @@ TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, Tr
 # GLUON_SHORT_KV causal keys (half that without a mask; gather_short): 64-key slots three deep
 # and persistent programs, where longer requests keep TILES' 128-key slots, two deep, a program
 # per item. H100 (benchmarks/NOTES.md, 31st session; D128 causal H32, page 1, over our ragged
-# op in the same rounds): S 1k 0.97 against 0.90 on the 64-row tile (which re-reads each key
-# tile for every 64 rows: ncu put its L2 at 78-86% of peak there); from S 2k the long tile
-# leads (S 2k 0.95 vs 0.91, 8k 0.97 vs 0.84, 32k 0.97 vs 0.80).
+# op in the same rounds): S 1k 0.92-0.97 in dev_ab (0.927 in the paged suite) against
+# 0.88-0.90 on the 64-row tile (which re-reads each key tile for every 64 rows: ncu put its L2
+# at 78-86% of peak there); from S 2k the long tile leads (S 2k 0.95 vs 0.91, 8k 0.97 vs 0.84,
+# 32k 0.97 vs 0.80). (gather_short repeats block_m_for's causal / non-causal bound on purpose:
+# one reads the longest request, the other the mean.)
 GATHER_SHORT_TILE = (64, 8, 3, False, True, True, True)
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.

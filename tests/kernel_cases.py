@@ -119,6 +119,20 @@ def make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, *, dtype=torch.flo
     return c
 
 
+def move_past_2_31(c: Case) -> None:
+    """Move paged case c's pages to the end of a combined [P, 2, page, Hkv, D] cache of more
+    than 2^31 elements (so every key offset is past 2^31), the slots no request owns NaN; c's
+    k / v views and page table then point into it (about 8.6 GB at bf16: the gpu_solo tests)."""
+    page, hkv, d = c.k.shape[1:]
+    pages = 2 ** 31 // (page * hkv * d) + 64
+    cache = torch.full((pages, 2, page, hkv, d), float("nan"), dtype=c.k.dtype, device=c.k.device)
+    used = c.page_indices.long()
+    idx = torch.arange(pages - used.numel(), pages, device=c.k.device).flip(0)
+    cache[idx, 0], cache[idx, 1] = c.k[used], c.v[used]
+    c.k, c.v, c.page_indices = cache[:, 0], cache[:, 1], idx.to(torch.int32)
+    assert c.k.shape[0] * c.k.stride(0) >= 2 ** 31  # the K view's span (launch()'s WIDE)
+
+
 def params(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=None,
            logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
            rope_theta=1e4, v_scale=1.0, head_dim=64):

@@ -10,7 +10,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.plan import build_work
-from tests.kernel_cases import check, make_case, params
+from tests.kernel_cases import check, make_case, move_past_2_31, params
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,13 +141,7 @@ def test_gluon_paged_gather(tile, page, d, dt, causal):
                          ids=lambda x: _tile_id(x) if isinstance(x, tuple) else str(x))
 def test_gluon_gather_past_2_31_elements(tile, page):
     c, p = _paged_case(page, 8, 2, True)
-    pages = 2 ** 31 // (page * 2 * 128) + 64
-    cache = torch.full((pages, 2, page, 2, 128), float("nan"), dtype=c.k.dtype, device="cuda")
-    used = c.page_indices.long()
-    idx = torch.arange(pages - used.numel(), pages, device="cuda").flip(0)
-    cache[idx, 0], cache[idx, 1] = c.k[used], c.v[used]
-    c.k, c.v, c.page_indices = cache[:, 0], cache[:, 1], idx.to(torch.int32)
-    assert c.k.shape[0] * c.k.stride(0) >= 2 ** 31  # the K view's span: launch() picks WIDE
+    move_past_2_31(c)
     check(c, p, runner=_runner(tile))
 
 

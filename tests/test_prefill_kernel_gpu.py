@@ -13,8 +13,8 @@ import torch
 
 from compiled_attn import graph_dispatch, ops
 from compiled_attn.plan import block_m_for, build_split_work, build_work
-from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, params,
-                                record_tma, ref, run)
+from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, move_past_2_31,
+                                params, record_tma, ref, run)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -329,18 +329,10 @@ def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch)
 def test_more_than_2_31_kv_elements():
     # A paged cache of > 2^31 elements; the request's pages sit at its end, so every key
     # offset is past 2^31 and must be computed in int64.
-    page, hkv, d = 16, 8, 128
-    pages = (2**31) // (page * hkv * d) + 64
-    cache = torch.empty(pages, 2, page, hkv, d, dtype=torch.bfloat16, device="cuda")
-    kv = 1000
-    n = (kv + page - 1) // page
-    idx = torch.arange(pages - n, pages, dtype=torch.int32, device="cuda").flip(0)
-    cache[idx.long()] = torch.randn(n, 2, page, hkv, d, dtype=torch.bfloat16, device="cuda")
-    c = make_case("paged", [300], [kv], hq=8, hkv=hkv, dqk=d, dtype=torch.bfloat16,
-                  device="cuda", page_size=page)
-    c.k, c.v, c.page_indices = cache[:, 0], cache[:, 1], idx
-    assert cache.numel() > 2**31
-    _check("2^31", c, params(head_dim=d))
+    c = make_case("paged", [300], [1000], hq=8, hkv=8, dqk=128, dtype=torch.bfloat16,
+                  device="cuda", page_size=16)
+    move_past_2_31(c)
+    _check("2^31", c, params(head_dim=128))
 
 
 def test_report_worst_ratio():
