@@ -326,16 +326,21 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
                              paged=(12, table, last, page, page))
 
 
-@pytest.mark.parametrize("pages,wide", [(2 ** 31 // 256 - 1, False), (2 ** 31 // 256, True)])
-def test_launch_gather_offset_width(pages, wide, monkeypatch):
-    # page 1 gathers: the producer's row offsets are int32 while a cache's elements stay below
-    # 2^31 (the fast path) and int64 from there (meta caches: no memory behind them)
+def _one_item_launch(monkeypatch):
+    """A _Recorder in _gluon_fwd's place on a 1-SM GPU, and a ragged launch's q [40, 2, 128],
+    out [40, 2, 128], lse [40, 2] and work list of one item."""
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
     monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
     q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(40, 2)
-    work = torch.zeros(1, 2, dtype=torch.int32)
+    return rec, q, torch.empty_like(q), torch.empty(40, 2), torch.zeros(1, 2, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("pages,wide", [(2 ** 31 // 256 - 1, False), (2 ** 31 // 256, True)])
+def test_launch_gather_offset_width(pages, wide, monkeypatch):
+    # page 1 gathers: the producer's row offsets are int32 while a cache's elements stay below
+    # 2^31 (the fast path) and int64 from there (meta caches: no memory behind them)
+    rec, q, out, lse, work = _one_item_launch(monkeypatch)
     k2 = gluon_mod.kv_2d(torch.empty(2, 1, 2, 128, dtype=torch.bfloat16, device="meta"), "paged")
     big = gluon_mod.kv_2d(torch.empty(pages, 1, 2, 128, dtype=torch.bfloat16, device="meta"),
                           "paged")
@@ -353,12 +358,7 @@ def test_launch_gather_short_tile(causal, monkeypatch):
     # (causal; half that without a mask), counted from the page table's entries, take
     # GATHER_SHORT_TILE (64-key slots three deep, persistent); longer ones TILES' 128-row
     # tile (a program per item); an explicit tile or pages read by boxes are left alone.
-    rec = _Recorder()
-    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
-    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 1)
-    q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(40, 2)
-    work = torch.zeros(1, 2, dtype=torch.int32)
+    rec, q, out, lse, work = _one_item_launch(monkeypatch)
     indptr = torch.tensor([0, 20, 40], dtype=torch.int32)  # two requests
     short = K.GLUON_SHORT_KV if causal else K.GLUON_SHORT_KV // 2
 
