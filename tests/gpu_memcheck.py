@@ -66,8 +66,8 @@ def main() -> int:
         check(c, params(head_dim=128))
         cases += 1
     # Small pages gathered by the Gluon kernel's producer warp group (pages 1 and 3, both tile
-    # heights; 128 rows on short requests the short tile, prefill_gluon.GATHER_SHORT_TILE): keys
-    # past kv_len zero-filled, never read.
+    # heights; 128 rows on short requests the short tile, prefill_gluon.GATHER_SHORT_TILE): slots
+    # past kv_len hold copies of the last key's row, no key past kv_len is read.
     for page in (1, 3):
         for bm, kv in ((64, [700, 9, 80]), (128, [700, 9, 80]), (128, [2700, 9, 1500])):
             qo = [300, 0, 37]

@@ -233,8 +233,8 @@ def _spy(monkeypatch):
 # The ops hand the Gluon kernel their host-descriptor launches in its scope: ragged and dense
 # (the dense item order with several (entry, KV head) groups), paged with pages of whole key
 # tiles, pages of 16 and 8 keys (a box per page) and of 1, 2 and 3 keys (gathered; short
-# requests on GATHER_SHORT_TILE), both tile heights, GQA; a launch out of its scope (soft cap, a window, page 12: neither boxes nor
-# gathers) runs the Triton kernel.
+# requests on GATHER_SHORT_TILE), both tile heights, GQA; a launch out of its scope (soft cap,
+# a window, page 12: neither boxes nor gathers) runs the Triton kernel.
 @pytest.mark.parametrize("kind,qo,kv,block_m,causal", [
     ("ragged", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
     ("paged64", [300, 17, 0, 129], [700, 17, 5, 129], 64, True),
