@@ -5,7 +5,7 @@ Four providers per case, the same inputs:
 - ``compiled``: the same call inside ``torch.compile(fullgraph=True, dynamic=False)`` as
   shipped: compiled_attn.graph_dispatch keeps a call the Gluon kernel would take as one opaque
   op node, which Inductor runs through the eager launcher.
-- ``compiled_triton``: the same, traced with ``graph_dispatch.GRAPH_GLUON = False``: the op
+- ``compiled_triton``: the same, traced with ``POLICY.graph_gluon = False``: the op
   decomposed into the Triton kernel that Inductor inlines (what every compiled graph ran
   before the 20th session, and what AOTInductor packages).
 - ``compiled_cudagraphs``: ``compiled`` under ``mode="reduce-overhead"`` (CUDA graphs replay
@@ -35,6 +35,7 @@ import types
 from pathlib import Path
 
 import torch
+from compiled_attn.ops.policy import POLICY
 
 PROVIDERS = ("eager", "compiled", "compiled_triton", "compiled_cudagraphs")
 
@@ -60,7 +61,7 @@ def _fresh(fn, name: str):
 @contextlib.contextmanager
 def caches_off():
     """Inductor's FX graph cache and AOTAutograd's cache off: every compile inside traces and
-    runs the passes (the rewrite's counters count, GRAPH_GLUON's setting takes effect), where a
+    runs the passes (the rewrite's counters count, graph_gluon's setting takes effect), where a
     warm cache from an earlier process would serve an earlier compile's graph."""
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
@@ -68,7 +69,7 @@ def caches_off():
 
 
 def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
-    """torch.compile fn (mode as given) with GRAPH_GLUON as given while it traces (caches off,
+    """torch.compile fn (mode as given) with graph_gluon as given while it traces (caches off,
     so nothing traced under the other setting is reused); returns (compiled fn, its output,
     code)."""
     from unittest import mock
@@ -78,17 +79,17 @@ def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
     from compiled_attn import graph_dispatch
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
-    saved = graph_dispatch.GRAPH_GLUON
-    graph_dispatch.GRAPH_GLUON = graph_gluon
+    saved = POLICY.graph_gluon
+    POLICY.graph_gluon = graph_gluon
     code: list[str] = []
     # Inductor's output code, captured as run_and_get_code does but without its
     # torch._dynamo.reset(): that would drop the providers compiled before this one, which
-    # would then re-trace while timed, under the shipped GRAPH_GLUON rather than theirs
+    # would then re-trace while timed, under the shipped graph_gluon rather than theirs
     try:
         with caches_off(), mock.patch.object(GraphLowering, "save_output_code", code.append):
             out = compiled(*tensors)
     finally:
-        graph_dispatch.GRAPH_GLUON = saved
+        POLICY.graph_gluon = saved
     return compiled, out, "\n".join(code)
 
 

@@ -21,6 +21,7 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 
 from .kv_paths import forced_kv_path
+from compiled_attn.ops.policy import POLICY
 
 CALLS, ROUNDS = 300, 7  # at most ~600 launches queued (CUDA blocks the host near 1024)
 ENTRY_CALLS = 150  # an entry point's call may launch a few kernels (the persistent counter)
@@ -93,7 +94,7 @@ def _entry_calls(b, s, h, d):
 def entries() -> None:
     """--entries: host us per call of the public entry points with compiled_attn.op_call's
     direct path (a plain eager call runs the op's implementation) against the same calls
-    through torch's dispatcher (op_call.DIRECT off), interleaved in rounds in one process
+    through torch's dispatcher (the policy's direct off), interleaved in rounds in one process
     (the host's speed moves between processes); each pair's outputs must be equal bit for bit."""
     from compiled_attn import op_call
 
@@ -105,19 +106,19 @@ def entries() -> None:
         for entry, fn in calls.items():
             outs = []
             for direct in (True, False):
-                op_call.DIRECT = direct
+                POLICY.direct = direct
                 outs.append(fn())
-            op_call.DIRECT = True
+            POLICY.direct = True
             assert torch.equal(outs[0], outs[1]), f"{name} {entry}: direct != dispatcher"
         times: dict = {}
         for _ in range(ROUNDS):
             for entry, fn in calls.items():
                 for direct in (True, False):
-                    op_call.DIRECT = direct
+                    POLICY.direct = direct
                     for _ in range(10):
                         fn()
                     times.setdefault((entry, direct), []).append(_host_us(fn, ENTRY_CALLS))
-        op_call.DIRECT = True
+        POLICY.direct = True
         for entry in calls:
             d, x = (sorted(times[entry, f]) for f in (True, False))
             md, mx = d[len(d) // 2], x[len(x) // 2]

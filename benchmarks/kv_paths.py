@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+from compiled_attn.ops import policy
 from compiled_attn.ops import prefill_kernel as K
 
 
@@ -15,14 +16,8 @@ from compiled_attn.ops import prefill_kernel as K
 def forced_kv_path(name: str):
     """Within the block, launches take K/V path ``name``; yields its TMA constexpr."""
     tma, settings = K.KV_PATHS[name]
-    saved = {n: getattr(K, n) for _, st in K.KV_PATHS.values() for n in st}
-    for n, val in settings.items():
-        setattr(K, n, val)
-    try:
+    with policy.override(**settings):
         yield tma
-    finally:
-        for n, val in saved.items():
-            setattr(K, n, val)
 
 
 @contextlib.contextmanager

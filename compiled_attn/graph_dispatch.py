@@ -25,7 +25,7 @@ that the launcher then declines runs the Triton kernel from the fallback call, w
 numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it against the
 launcher's own choice.
 
-``GRAPH_GLUON`` switches the rule off (every traced call decomposes, as before this module). It
+The launch policy's ``graph_gluon`` setting (ops.policy.POLICY) switches the rule off (every traced call decomposes, as before this module). It
 is read when a graph is traced; AOTAutograd's cache does not key on it, so turn the caches off
 (or start a new process) when comparing both settings.
 """
@@ -37,10 +37,10 @@ import inspect
 from torch.fx.experimental.symbolic_shapes import guard_int
 
 from compiled_attn.ops import contracts
+from compiled_attn.ops.policy import POLICY
 
-__all__ = ["GRAPH_GLUON", "GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
+__all__ = ["GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
 
-GRAPH_GLUON = True
 # The ops whose eager launch can take the Gluon kernel (pod_prefill_decode never does).
 GLUON_OPS = ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill")
 
@@ -72,7 +72,7 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     properties tell (module docstring)."""
     from compiled_attn.ops import prefill_kernel as pk
 
-    if name not in GLUON_OPS or not (pk.USE_GLUON and pk._gluon is not None and pk.HOST_TMA):
+    if name not in GLUON_OPS or not (POLICY.use_gluon and pk._gluon is not None and POLICY.host_tma):
         return False
     a, params = bind(name, args, kwargs)
     q = a["q"]
@@ -104,9 +104,9 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
 
 def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a traced call of op ``name`` stays an opaque op node (its eager launcher runs it
-    at run time) rather than decomposing into its Triton launch: GRAPH_GLUON, not ahead of
+    at run time) rather than decomposing into its Triton launch: graph_gluon, not ahead of
     time, and eager_gluon."""
-    return GRAPH_GLUON and not ahead_of_time() and eager_gluon(name, args, kwargs)
+    return POLICY.graph_gluon and not ahead_of_time() and eager_gluon(name, args, kwargs)
 
 
 def _export_keeps_ops() -> bool:

@@ -6,8 +6,9 @@ functions, POD, the transformers attention function) computes through one of the
 three Python kernels (custom_op's autograd wrapper, its backend wrapper, then ours) and boxes its
 ~20 arguments at each step. A plain eager call needs none of that: ``call_op`` then runs the op's
 implementation (contracts.IMPLEMENTATIONS, the function the op's backend runs) the way the op's
-backend runs it, with wrap_triton off: 30-45 us less host time per call of a wrapper's run() or
-single_prefill_with_kv_cache on the H100's host (docs/design.md; about a fifth of the call).
+backend runs it, with wrap_triton off, through a bound-launch cache (ops/launch.py): the first
+call with a given metadata decides and records its launches, later ones replay them. A wrapper
+passes its plan's cache (``launches``), whose fixed plan tensors are keyed by identity.
 
 Plain eager means nothing could observe or transform the op: not compiling or exporting
 (Dynamo), no TorchDispatchMode or TorchFunctionMode active (FakeTensorMode, FunctionalTensorMode,
@@ -22,20 +23,17 @@ from __future__ import annotations
 
 import torch
 
-from compiled_attn.ops import contracts
+from compiled_attn.ops import contracts, launch
+from compiled_attn.ops.policy import POLICY
 
 try:  # triton_op's own switch for eager launches (private; present in torch 2.11-2.13)
     from torch._library.triton import set_wrap_triton_enabled
 except ImportError:  # pragma: no cover - then every call goes through the dispatcher
     set_wrap_triton_enabled = None
 
-# False: every call goes through torch.ops (for A/B timing and debugging).
-DIRECT = True
-
-
 def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a call with these arguments may skip the dispatcher (module docstring)."""
-    if not DIRECT or set_wrap_triton_enabled is None or torch.compiler.is_compiling():
+    if not POLICY.direct or set_wrap_triton_enabled is None or torch.compiler.is_compiling():
         return False
     if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
             or torch._C._autograd._profiler_enabled()
@@ -50,10 +48,38 @@ def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     return True
 
 
-def call_op(name: str, *args, **kwargs):
+def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwargs):
     """``torch.ops.compiled_attn.<name>(*args, **kwargs)``; a plain eager call runs the op's
-    implementation directly (module docstring)."""
+    implementation directly, replaying a bound launch where one matches (module docstring).
+    launches: the caller's cache (a wrapper's plan), else the shared one."""
     if plain_eager(args, kwargs):
+        impl = contracts.IMPLEMENTATIONS[name]
+        if POLICY.bound_launches:
+            return (launches or launch.DEFAULT).call(impl, name, args, kwargs)
         with set_wrap_triton_enabled(False):
-            return contracts.IMPLEMENTATIONS[name](*args, **kwargs)
+            return impl(*args, **kwargs)
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
+
+
+def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full):
+    """An entry point's call as a bound launch: ``full()`` runs the entry point's whole path
+    (checks, views, the op) and returns its outputs (a tuple of tensors); a later plain eager
+    call with the same inputs' metadata and options replays what that call launched, skipping
+    the checks it passed (a call that differs in any checked property has another key and takes
+    the whole path, which raises what it raises). inputs: the call's tensors (tuples allowed);
+    options: every other argument that the path reads, as plain values."""
+    flat = launch._flatten(inputs, [])
+    if not (POLICY.bound_launches and POLICY.direct and plain_eager(tuple(flat))
+            and any(isinstance(t, torch.Tensor) for t in flat)):
+        return full()
+    try:
+        key, tensors = memo.key(flat, options)
+        hash(key)
+    except TypeError:  # an argument that is no tensor and no plain value: the checks say so
+        return full()
+    out = memo.lookup(key, tensors)
+    if out is not None:
+        return out
+    if memo.known_unbound(key):
+        return full()
+    return memo.record(key, tensors, full)

@@ -19,7 +19,8 @@ import math
 import torch
 
 from . import _validate as V
-from .op_call import call_op
+from .op_call import bound_run, call_op
+from .ops.launch import Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from .plan import block_m_for, build_work, uniform_work
 from .prefill import _split_v_scale, _WrapperBase
@@ -94,6 +95,23 @@ class _PODBase(_WrapperBase):
                     q_dtype=q_dt, kv_dtype=kv_dt,
                     alibi=(get_alibi_slopes(num_qo_heads, self.device)
                            if pos == POS_ALIBI else None))
+
+    def _set_plan(self, p: dict) -> None:
+        """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
+        self._plan = p
+        self._memo = Memo(static=p.values())
+        self._parts = {}
+
+    def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
+        """run() without scales or custom masks as a bound launch (op_call.bound_run):
+        full() returns ((out_p, out_d), (lse_p, lse_d))."""
+        if self._plan is None:
+            return full()  # (raises: run() before plan())
+        out_p, out_d, l_p, l_d = bound_run(self._memo, inputs, options,
+                                           lambda: tuple(x for pair in full() for x in pair))
+        if lse_p or lse_d:
+            return (out_p, out_d), (l_p if lse_p else None, l_d if lse_d else None)
+        return out_p, out_d
 
     def _check_plan(self):
         if self._plan is None:
@@ -235,7 +253,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                      last_page_len=last_h.to(**to))
         p.update(batch_size=b, max_page=V.max_entry(idx_h),
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
-        self._plan = p
+        self._set_plan(p)
 
     begin_forward = plan
 
@@ -265,6 +283,38 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         packed_custom_mask_d, enable_pdl=True and extra positional args.
         use_fp16_qk_reduction is a permission (we reduce in fp32).
         """
+        opts_p = dict(causal_p=causal_p, kv_layout_p=kv_layout_p,
+                      pos_encoding_mode_p=pos_encoding_mode_p, sm_scale_p=sm_scale_p,
+                      window_left_p=window_left_p, rope_scale_p=rope_scale_p,
+                      rope_theta_p=rope_theta_p)
+        opts_d = dict(causal_d=causal_d, kv_layout_d=kv_layout_d,
+                      pos_encoding_mode_d=pos_encoding_mode_d, sm_scale_d=sm_scale_d,
+                      window_left_d=window_left_d, rope_scale_d=rope_scale_d,
+                      rope_theta_d=rope_theta_d, use_fp16_qk_reduction=use_fp16_qk_reduction)
+        if (not args and custom_mask_p is None and custom_mask_d is None
+                and packed_custom_mask_d is None and q_scale is None and k_scale is None
+                and v_scale is None and not enable_pdl):
+            return self._bound(
+                (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p),
+                (*opts_p.values(), *opts_d.values()), return_lse_p, return_lse_d,
+                lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d,
+                                  packed_custom_mask_p=packed_custom_mask_p, return_lse_p=True,
+                                  return_lse_d=True, **opts_p, **opts_d))
+        return self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p,
+                         packed_custom_mask_p, return_lse_p=return_lse_p,
+                         custom_mask_d=custom_mask_d, packed_custom_mask_d=packed_custom_mask_d,
+                         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                         return_lse_d=return_lse_d, enable_pdl=enable_pdl, *args, **opts_p,
+                         **opts_d)
+
+    def _run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p=None,
+             packed_custom_mask_p=None, causal_p=False, kv_layout_p="NHD",
+             pos_encoding_mode_p="NONE", sm_scale_p=None, window_left_p=-1, rope_scale_p=None,
+             rope_theta_p=None, return_lse_p=False, custom_mask_d=None,
+             packed_custom_mask_d=None, causal_d=False, kv_layout_d=None,
+             pos_encoding_mode_d=None, sm_scale_d=None, window_left_d=None, rope_scale_d=None,
+             rope_theta_d=None, q_scale=None, k_scale=None, v_scale=None, return_lse_d=False,
+             use_fp16_qk_reduction=False, enable_pdl=None, *args):
         p = self._check_plan()
         if args:
             V.unsupported("*args", "extra positional arguments are not supported")
@@ -311,12 +361,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                 f"{p['kv_dtype']}")
         qo_len, kv_len = q_p.shape[0], kn.shape[0]
         dev = self.device
-        i2 = torch.arange(2, dtype=torch.int32, device=dev)
-        qo_p = i2 * qo_len
-        has_kv = 1 if kv_len > 0 else 0
-        kvi_p = i2 * has_kv
-        idx_p = torch.zeros(has_kv, dtype=torch.int32, device=dev)
-        last_p = torch.full((1,), kv_len, dtype=torch.int32, device=dev)
         nbits = qo_len * kv_len
         packed_p = mask_indptr_p = None
         if packed_custom_mask_p is not None:
@@ -334,8 +378,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             if causal_p and kv_len < qo_len:
                 raise ValueError(f"causal_p=True needs kv_len >= qo_len for the prefill request; "
                                  f"got kv_len={kv_len} < qo_len={qo_len}")
-        if packed_p is not None:
-            mask_indptr_p = i2 * ((nbits + 7) // 8)
+        qo_p, kvi_p, idx_p, last_p, mask_indptr_p, work = self._prefill_part(
+            qo_len, kv_len, (nbits + 7) // 8 if packed_p is not None else None)
 
         # ---- decode part ----------------------------------------------------------------------
         b = p["batch_size"]
@@ -346,8 +390,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
             window_left_d, "window_left_d")
         head_dim = p["head_dim"]
-        work = _pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
-                         uniform_work(b, 1, p["group"], p["block_m"], dev))
         return self._call(
             p, q_p=q_p, k_p=kn.unsqueeze(0), v_p=vn.unsqueeze(0), qo_p=qo_p, kvi_p=kvi_p,
             idx_p=idx_p, last_p=last_p, q_d=q_d, k_d=k_d, v_d=v_d, qo_d=p["qo_indptr"],
@@ -361,6 +403,30 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             want_lse_p=return_lse_p, want_lse_d=return_lse_d)
 
     run.__doc__ += _RETURN_DOC
+
+    def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None):
+        """The prefill request's device tensors (indptrs, one-page table, last page length,
+        mask indptr or None, and the POD work list with the planned decodes), made once per
+        (qo_len, kv_len, mask bytes) and kept: plain numbers decide them, and run() then
+        launches no copy for them (the memo keys them by identity)."""
+        traced = V.traced()  # (a traced graph holds its own; the dict would be a guard)
+        key = (qo_len, kv_len, mask_bytes)
+        part = None if traced else self._parts.get(key)
+        if part is None:
+            if not traced and len(self._parts) >= 64:  # an engine's many lengths: start over
+                self._set_plan(self._plan)
+            p, dev = self._plan, self.device
+            i2 = torch.arange(2, dtype=torch.int32, device=dev)
+            has_kv = 1 if kv_len > 0 else 0
+            work = _pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
+                             uniform_work(p["batch_size"], 1, p["group"], p["block_m"], dev))
+            part = (i2 * qo_len, i2 * has_kv, torch.zeros(has_kv, dtype=torch.int32, device=dev),
+                    torch.full((1,), kv_len, dtype=torch.int32, device=dev),
+                    None if mask_bytes is None else i2 * mask_bytes, work)
+            if not traced:
+                self._parts[key] = part
+                self._memo.add_static(part)
+        return part
 
 
 class BatchPODWithPagedKVCacheWrapper(_PODBase):
@@ -411,7 +477,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                          mask_indptr_p=torch.tensor(byte_ptr, dtype=torch.int32).to(**to),
                          qo_lens_p=qo_lens, kv_lens_p=kv_lens)
         p["work"] = _pod_work(*works).to(**to)
-        self._plan = p
+        self._set_plan(p)
 
     begin_forward = plan
 
@@ -432,6 +498,21 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         decode output, as in FlashInfer. enable_pdl=True raises; use_fp16_qk_reduction is a
         permission (we reduce in fp32).
         """
+        if (custom_mask_p is None and q_scale is None and k_scale is None and v_scale is None
+                and not enable_pdl):
+            return self._bound(
+                (q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, packed_custom_mask_p),
+                (causal_p, use_fp16_qk_reduction), return_lse, return_lse,
+                lambda: self._run(q_p, paged_kv_cache_p, q_d, paged_kv_cache_d,
+                                  packed_custom_mask_p=packed_custom_mask_p, causal_p=causal_p,
+                                  return_lse=True, use_fp16_qk_reduction=use_fp16_qk_reduction))
+        return self._run(q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p,
+                         packed_custom_mask_p, causal_p, q_scale, k_scale, v_scale, return_lse,
+                         use_fp16_qk_reduction, enable_pdl)
+
+    def _run(self, q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, custom_mask_p=None,
+             packed_custom_mask_p=None, causal_p=False, q_scale=None, k_scale=None,
+             v_scale=None, return_lse=False, use_fp16_qk_reduction=False, enable_pdl=None):
         p = self._check_plan()
         V.check_enable_pdl(enable_pdl)
         if not isinstance(use_fp16_qk_reduction, bool):

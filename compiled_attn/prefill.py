@@ -27,7 +27,8 @@ import math
 import torch
 
 from . import _validate as V
-from .op_call import call_op
+from .op_call import bound_run, call_op
+from .ops.launch import LaunchCache, Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .plan import block_m_for, build_split_work, build_work
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
@@ -177,6 +178,55 @@ def single_prefill_with_kv_cache(
 
     Returns out ``[qo_len, Hq, D_vo]``, and with return_lse also lse float32 ``[qo_len, Hq]``.
     """
+    if (scale_q is None and scale_k is None and scale_v is None and kv_cache_sf is None
+            and not torch.is_tensor(k_scale) and not torch.is_tensor(v_scale)):
+        # a bound launch (op_call.bound_run): a repeated call replays what the first launched
+        options = (o_dtype, causal, kv_layout, pos_encoding_mode, use_fp16_qk_reduction,
+                   sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, backend,
+                   k_scale, v_scale)
+        out, lse = bound_run(_SINGLE_MEMO, (q, k, v, custom_mask, packed_custom_mask), options,
+                             lambda: _single_prefill(
+                                 q, k, v, o_dtype=o_dtype, custom_mask=custom_mask,
+                                 packed_custom_mask=packed_custom_mask, causal=causal,
+                                 kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
+                                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
+                                 window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                 rope_scale=rope_scale, rope_theta=rope_theta, backend=backend,
+                                 return_lse=True, k_scale=k_scale, v_scale=v_scale))
+        return (out, lse) if return_lse else out
+    return _single_prefill(q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask,
+                           packed_custom_mask, causal, kv_layout, pos_encoding_mode,
+                           use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
+                           rope_scale, rope_theta, backend, return_lse, kv_cache_sf, k_scale,
+                           v_scale)
+
+
+def _single_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale_q: torch.Tensor | None = None,
+    scale_k: torch.Tensor | None = None,
+    scale_v: torch.Tensor | None = None,
+    o_dtype: torch.dtype | None = None,
+    custom_mask: torch.Tensor | None = None,
+    packed_custom_mask: torch.Tensor | None = None,
+    causal: bool = False,
+    kv_layout: str = "NHD",
+    pos_encoding_mode: str = "NONE",
+    use_fp16_qk_reduction: bool = False,
+    sm_scale: float | None = None,
+    window_left: int = -1,
+    logits_soft_cap: float | None = None,
+    rope_scale: float | None = None,
+    rope_theta: float | None = None,
+    backend: str = "auto",
+    return_lse: bool = False,
+    kv_cache_sf=None,
+    k_scale=None,
+    v_scale=None,
+):
+    """single_prefill_with_kv_cache's whole path (checks, views, the op)."""
     for name, val in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
         V.reject_if_set(name, val, "per-head fp8-q quantisation scales are not supported; "
                         "keep q in fp16/bf16 and pass scalar k_scale / v_scale for fp8 K/V")
@@ -246,6 +296,7 @@ def single_prefill_with_kv_cache(
     return (out, lse[0]) if return_lse else out
 
 
+_SINGLE_MEMO = Memo()
 single_prefill_with_kv_cache.__doc__ += "\n    " + _LSE_DOC + "\n"
 
 
@@ -555,7 +606,21 @@ class _BatchPrefillBase(_WrapperBase):
                      MASK_CAUSAL if causal else MASK_NONE)
         alibi = (get_alibi_slopes(p.num_qo_heads, self.device)
                  if opts["pos_encoding_mode"] == POS_ALIBI else None)
-        self._plan = _Plan(**{**p.__dict__, **opts, "mask_mode": mask_mode, "alibi": alibi})
+        self._set_plan(_Plan(**{**p.__dict__, **opts, "mask_mode": mask_mode, "alibi": alibi}))
+
+    def _set_plan(self, p: _Plan) -> None:
+        """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
+        self._plan = p
+        self._launches = LaunchCache(static=p.__dict__.values())
+        self._memo = Memo(static=p.__dict__.values())
+
+    def _bound(self, inputs: tuple, return_lse: bool, full):
+        """run() with default options as a bound launch (op_call.bound_run): full() returns
+        (out, lse)."""
+        if self._plan is None:
+            return full()[0]  # (raises: run() before plan())
+        out, lse = bound_run(self._memo, inputs, (), full)
+        return (out, lse) if return_lse else out
 
     # ---- run -----------------------------------------------------------------------------
     def _rows_ok(self, what: str, n: int, indptr: str, total: str) -> bool:
@@ -735,7 +800,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.last_page_len = self._to_dev(last_h, non_blocking)
         p.page_size = page_size
         p.max_page = V.max_entry(idx_h)
-        self._plan = p
+        self._set_plan(p)
 
     plan.__doc__ += _PLAN_COMMON_DOC
     begin_forward = plan
@@ -755,6 +820,25 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         skip_softmax_threshold_scale_factor, use_fp16_softmax / uses_spcompress (True),
         kv_cache_sf and extra positional args raise NotImplementedError.
         """
+        if (not args and q_scale is None and k_scale is None and v_scale is None and out is None
+                and lse is None and lse_base == "log2" and lse_layout == "NH" and not enable_pdl
+                and window_left is None and sinks is None and kv_cache_sf is None
+                and skip_softmax_threshold_scale_factor is None and not use_fp16_softmax
+                and not uses_spcompress):
+            return self._bound((q, paged_kv_cache), return_lse,
+                               lambda: self._run(q, paged_kv_cache, return_lse=True))
+        return self._run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale,
+                         v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
+                         lse_base=lse_base, lse_layout=lse_layout, enable_pdl=enable_pdl,
+                         window_left=window_left, sinks=sinks, kv_cache_sf=kv_cache_sf,
+                         skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
+                         use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
+
+    def _run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
+             lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,
+             window_left=None, sinks=None, kv_cache_sf=None,
+             skip_softmax_threshold_scale_factor=None, use_fp16_softmax=None,
+             uses_spcompress=None):
         p = self._check_q(q)
         lse_base, lse_layout = V.check_lse_base(lse_base), V.check_lse_layout(lse_layout)
         V.reject_if_set("skip_softmax_threshold_scale_factor", skip_softmax_threshold_scale_factor,
@@ -792,7 +876,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
             p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
-            p.o_dtype, merge=p.merge)
+            p.o_dtype, merge=p.merge, launches=self._launches)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
                         lse_base, lse_layout)
 
@@ -881,7 +965,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
                        if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))
         p.total_kv = int(kv_h[-1])
-        self._plan = p
+        self._set_plan(p)
 
     plan.__doc__ += _PLAN_COMMON_DOC
     begin_forward = plan
@@ -896,6 +980,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         NotImplementedError. fp8 k/v scales take effect here too (FlashInfer ignores them on
         this path).
         """
+        if (not args and q_scale is None and k_scale is None and v_scale is None
+                and o_scale is None and out is None and lse is None and lse_base == "log2"
+                and lse_layout == "NH" and not enable_pdl and kv_cache_sf is None):
+            return self._bound((q, k, v), return_lse, lambda: self._run(q, k, v, return_lse=True))
+        return self._run(q, k, v, *args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
+                         o_scale=o_scale, out=out, lse=lse, return_lse=return_lse,
+                         lse_base=lse_base, lse_layout=lse_layout, enable_pdl=enable_pdl,
+                         kv_cache_sf=kv_cache_sf)
+
+    def _run(self, q, k, v, *args, q_scale=None, k_scale=None, v_scale=None, o_scale=None,
+             out=None, lse=None, return_lse=False, lse_base="log2", lse_layout="NH",
+             enable_pdl=None, kv_cache_sf=None):
         p = self._check_q(q)
         lse_base, lse_layout = V.check_lse_base(lse_base), V.check_lse_layout(lse_layout)
         sm, v_f, v_t, w = self._run_scalars(p, args=args, q_scale=q_scale, k_scale=k_scale,
@@ -923,7 +1019,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             "batch_ragged_prefill",
             q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
             p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
-            p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge)
+            p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge,
+            launches=self._launches)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
                         lse_base, lse_layout)
 

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
+from . import launch as _launch
+
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # The TMA load is tma.async_copy_global_to_shared in triton 3.6 and tma.async_load from 3.7 on.
@@ -1188,7 +1190,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     else:
         grid = (n_items, hkv)
     # the persistent programs' item counter (never read otherwise)
-    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if persistent else work_arg
+    sched = _launch.counter(q.device) if persistent else work_arg
     # Q by the load warp's TMA (persistent, one query head per KV head, Q's rows a 2D view;
     # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
     # slot)
@@ -1207,8 +1209,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                                   _smem_layout(block_m, d, q.dtype))
     else:
         q_desc, q_req_rows = k_desc, 0  # (never read)
-    _gluon_fwd[grid](
-        work_arg, q, k_desc, kv_descriptor(v2, d, box), out, lse,
+    _launch.run_direct(
+        _gluon_fwd, grid, work_arg, q, k_desc, kv_descriptor(v2, d, box), out, lse,
         qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
         n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows, k2, v2, k2.stride(0),
         v2.stride(0), DENSE=dense is not None, Q_TMA=q2 is not None,

@@ -41,6 +41,8 @@ try:  # whether wrap_triton traces (private): None where this torch lacks it
 except ImportError:
     is_wrap_triton_enabled = None
 
+from . import launch
+from .policy import POLICY
 from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                         POS_ROPE_LLAMA)
 
@@ -93,7 +95,7 @@ SMALL_PAGE_MAX = 8
 SMALL_PAGE_PAD = 1.05
 # The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
 # any length, so CI runs that path.
-TMA_MIN_KV = 0 if INTERPRET else 1024
+# (POLICY.tma_min_kv)
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
@@ -120,7 +122,7 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
     if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
             and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
         return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
-    if max_kv_len <= TMA_MIN_KV:
+    if max_kv_len <= POLICY.tma_min_kv:
         return 64
     if d <= 64 or (paged and not gluon_pages):
         return 128
@@ -133,14 +135,14 @@ def _gluon_tiles(dqk: int, dvo: int) -> bool:
     a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Graphs that inline
     the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.graph_dispatch) run
     the Triton kernel on the same tiles (a plan serves both)."""
-    return (USE_GLUON and _gluon is not None and dqk == dvo == 128
+    return (POLICY.use_gluon and _gluon is not None and dqk == dvo == 128
             and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
 
 
 def _gluon_pages(page_size: int, dqk: int, dvo: int,
                  kv_dtype: torch.dtype | None = None) -> bool:
     """Whether eager paged launches of this page size, head dims and K/V dtype (None: fp16 /
-    bf16) go to the Gluon kernel in this process (a Hopper GPU, USE_GLUON, D 128, fp16 / bf16
+    bf16) go to the Gluon kernel in this process (a Hopper GPU, use_gluon, D 128, fp16 / bf16
     K/V, pages it reads on either tile height, by TMA boxes or gathers: _gluon_scope): they are
     then tiled as contiguous K/V are (pages 1-8 too, rather than the small pages' 256-row
     tiles). Page 16, D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th
@@ -997,15 +999,15 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         # path (both cost more CPU per call than the pointer loads or per-item descriptors),
         # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
         eager = _eager_launch()
-        small = eager and HOST_TMA and _too_small(q, kv_mode, mean_kv, v.shape[-1],
+        small = eager and POLICY.host_tma and _too_small(q, kv_mode, mean_kv, v.shape[-1],
                                                   consts["MASK_MODE"])
-        if whole and HOST_TMA and eager and not small:
+        if whole and POLICY.host_tma and eager and not small:
             args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
             args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
             tma = 2
-        elif whole and block_m in PERSIST_TMA and not small:
+        elif whole and block_m in POLICY.persist_tma and not small:
             tma = 3
-        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= TMA_MIN_KV):
+        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= POLICY.tma_min_kv):
             tma = 1
     cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
@@ -1018,7 +1020,7 @@ def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
     """Whether these options let contiguous K/V (dense or ragged) be read through tensor
     descriptors, the tile (cfg TMA: the Triton kernel's; the Gluon kernel's always) and the
     layout (_tma_ok) aside."""
-    return USE_TMA and kv_mode != KV_PAGED and not consts["ROPE"]
+    return POLICY.use_tma and kv_mode != KV_PAGED and not consts["ROPE"]
 
 
 def _too_small(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
@@ -1045,11 +1047,11 @@ def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int,
 def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, scalars,
                   page_size, mean_kv):
     """The Gluon kernel's arguments (_gluon_views) when this launch takes it, else None (the
-    Triton kernel runs it): an eager launch with host descriptors on (HOST_TMA; traced graphs
+    Triton kernel runs it): an eager launch with host descriptors on (policy host_tma; traced graphs
     cannot capture them), _gluon_rule, and for contiguous K/V a layout that whole-tensor
     descriptors read (_tma_ok, _whole_tensor_ok) on TMA hardware. The rule goes first: a small
     launch then skips the layout checks."""
-    if not (HOST_TMA and _eager_launch()
+    if not (POLICY.host_tma and _eager_launch()
             and _gluon_rule(consts, kv_mode, q, mean_kv, v.shape[-1], launch=True)):
         return None
     if kv_mode != KV_PAGED and not (_tma_hardware(k.device)
@@ -1088,7 +1090,7 @@ _KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
 def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalars,
                  kv_layout: bool = True) -> bool:
     """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
-    USE_GLUON, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
+    use_gluon, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
     and 128-row tiles, D 256 on 128-row ones), pages it reads (prefill_gluon.page_read: TMA
     boxes or a producer warp group's gathers), fp16 / bf16
     throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
@@ -1098,7 +1100,7 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     the eager launch (_gluon_views, which adds the pointers' alignment) and
     compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
     False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
-    if not (USE_GLUON and _gluon is not None):
+    if not (POLICY.use_gluon and _gluon is not None):
         return False
     # (the head dim compared, not hashed: a traced q's is a SymInt; graph_dispatch has
     # guarded it to an int already)
@@ -1147,7 +1149,7 @@ def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
 # the host's pace (eager TFLOP/s, S 512 / 1k: 103 / 194 with host descriptors, 201 / 282 with
 # pointer loads; at S 2k, 137 GFLOP, host descriptors win, 396 vs 372; benchmarks/NOTES.md).
 # The interpreter has no such cost: CI runs the descriptor paths at any size.
-HOST_TMA_MIN_FLOP = 0 if INTERPRET else 1e11
+# (POLICY.host_tma_min_flop)
 
 
 def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
@@ -1157,7 +1159,7 @@ def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
     if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
         return False
     flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
-    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < HOST_TMA_MIN_FLOP
+    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
 
 
 def _eager_launch() -> bool:
@@ -1196,29 +1198,25 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
 # persistent grid whose programs build theirs once (H100, kernel time: +3-16% over per-item
 # descriptors or pointer loads at S <= 2k, even at 4k-8k; with 128-row tiles, which the policy
 # gives long keys, 5% slower at S 16k): other tiles build them per program and work item.
-USE_TMA = True
-HOST_TMA = True
-# The Gluon Hopper kernel (prefill_gluon.py) for the host-descriptor launches in its scope
-# (_gluon_views): on by default; off in every KV_PATHS entry but "gluon", so that forcing a
-# path forces the Triton kernel on it.
-USE_GLUON = True
-PERSIST_TMA = frozenset({64})
+# (The switches live on ops.policy.POLICY: use_tma, host_tma, persist_tma, and use_gluon for
+# the Gluon Hopper kernel, off in every KV_PATHS entry but "gluon", so that forcing a path
+# forces the Triton kernel on it.)
 
 # The module settings that force each K/V load path of dense and ragged launches (tests and
 # benchmarks compare them; the results are the same): name -> (TMA constexpr, settings).
 # "host" even for small eager launches, "persistent" for both tile heights, "device" even for
 # short keys.
 KV_PATHS = {
-    "gluon": (2, dict(USE_GLUON=True, USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0,
-                      PERSIST_TMA=frozenset())),
-    "host": (2, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=True, HOST_TMA_MIN_FLOP=0,
-                     PERSIST_TMA=frozenset())),
-    "persistent": (3, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=False,
-                           PERSIST_TMA=frozenset({64, 128}))),
-    "device": (1, dict(USE_GLUON=False, USE_TMA=True, HOST_TMA=False, PERSIST_TMA=frozenset(),
-                       TMA_MIN_KV=0)),
-    "pointers": (0, dict(USE_GLUON=False, USE_TMA=False, HOST_TMA=False,
-                         PERSIST_TMA=frozenset())),
+    "gluon": (2, dict(use_gluon=True, use_tma=True, host_tma=True, host_tma_min_flop=0,
+                      persist_tma=frozenset())),
+    "host": (2, dict(use_gluon=False, use_tma=True, host_tma=True, host_tma_min_flop=0,
+                     persist_tma=frozenset())),
+    "persistent": (3, dict(use_gluon=False, use_tma=True, host_tma=False,
+                           persist_tma=frozenset({64, 128}))),
+    "device": (1, dict(use_gluon=False, use_tma=True, host_tma=False, persist_tma=frozenset(),
+                       tma_min_kv=0)),
+    "pointers": (0, dict(use_gluon=False, use_tma=False, host_tma=False,
+                         persist_tma=frozenset())),
 }
 
 
@@ -1246,12 +1244,6 @@ def _mean(total, count):
     if isinstance(total, int) and isinstance(count, int) and count > 0:
         return total / count
     return None
-
-
-def _kernel(fn):
-    from torch.library import wrap_triton
-
-    return fn if INTERPRET else wrap_triton(fn)
 
 
 def dense_block_m(q, k, v, mask_mode: int) -> int:
@@ -1393,9 +1385,10 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     if split:
         # Allocated for every split plan (a chunk never writes outside these buffers, even if
         # a plan forgot its merge row).
-        part_o = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
-                                dtype=torch.float32)
-        part_l = work.new_empty((work.shape[0], n_hkv, consts["BLOCK_M"]), dtype=torch.float32)
+        part_o = launch.scratch((work.shape[0], n_hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
+                                torch.float32, work.device)
+        part_l = launch.scratch((work.shape[0], n_hkv, consts["BLOCK_M"]), torch.float32,
+                                work.device)
     gl_args = cfg.get("gluon")
     if gl_args is not None:
         # The Gluon kernel (_gluon_launch chose it); dense mode keeps this launch's item order.
@@ -1413,17 +1406,17 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     counter = work
     if consts["TMA"] == 3:
         grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)
-        counter = torch.zeros(1, dtype=torch.int32, device=out.device)
+        counter = launch.counter(out.device)
     if consts["TMA"] in (1, 3):
         _ensure_allocator()
-    _kernel(_prefill_fwd)[grid](
-        work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
+    launch.run(
+        _prefill_fwd, grid, work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
         **consts,
         SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
         qo_indptr = prog_args[5]
-        _kernel(_merge_fwd)[(merge.shape[0], n_hkv)](
-            merge, part_o, part_l, out, lse, qo_indptr,
+        launch.run(
+            _merge_fwd, (merge.shape[0], n_hkv), merge, part_o, part_l, out, lse, qo_indptr,
             sinks if sinks is not None else qo_indptr,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), float(v_scale),
             GROUP=consts["GROUP"], SINKS=sinks is not None, BLOCK_M=consts["BLOCK_M"],
@@ -1500,7 +1493,7 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     cfg = dict(num_warps=args_p[2]["num_warps"], num_stages=2)
     consts = {**{f"{k}_P": pod_cfg.get(k, v) for k, v in args_p[1].items()},
               **{f"{k}_D": pod_cfg.get(k, v) for k, v in args_d[1].items()}}
-    _kernel(_pod_fwd)[(work.shape[0], k_cache_p.shape[2])](
-        work, *args_p[0], *args_d[0], **consts,
+    launch.run(
+        _pod_fwd, (work.shape[0], k_cache_p.shape[2]), work, *args_p[0], *args_d[0], **consts,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out_p, lse_p, out_d, lse_d

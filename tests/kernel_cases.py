@@ -281,7 +281,9 @@ def force_kv_path(monkeypatch, path: str) -> int:
     "persistent", "device" or "pointers") and return its TMA constexpr."""
     from compiled_attn.ops import prefill_kernel
 
+    from compiled_attn.ops.policy import POLICY
+
     tma, settings = prefill_kernel.KV_PATHS[path]
     for name, value in settings.items():
-        monkeypatch.setattr(prefill_kernel, name, value)
+        monkeypatch.setattr(POLICY, name, value)
     return tma

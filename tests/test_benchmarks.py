@@ -327,15 +327,16 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
     from benchmarks.kv_paths import forced_kv_path
     from compiled_attn.ops import prefill_kernel as K
 
-    names = {n for _, st in K.KV_PATHS.values() for n in st}
-    before = {n: getattr(K, n) for n in names}
+    from compiled_attn.ops.policy import POLICY
+
+    before = POLICY.settings()
     for path, (tma, settings) in K.KV_PATHS.items():
         with pytest.raises(RuntimeError):
             with forced_kv_path(path) as got:
                 assert got == tma
-                assert {n: getattr(K, n) for n in settings} == settings
+                assert {n: getattr(POLICY, n) for n in settings} == settings
                 raise RuntimeError("a failed timing")
-        assert {n: getattr(K, n) for n in names} == before
+        assert POLICY.settings() == before
 
 
 def test_forced_tile_sets_and_restores_the_tile_policy():

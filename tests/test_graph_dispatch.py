@@ -22,6 +22,7 @@ from compiled_attn import graph_dispatch as gd
 from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as pk
+from compiled_attn.ops.policy import POLICY
 
 pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="ops are plain custom ops under "
                                 "TRITON_INTERPRET=1: nothing decomposes")
@@ -140,8 +141,8 @@ def test_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch, name):
     """eager_gluon (static: what a trace knows) equals the launcher's own choice on real,
     contiguous tensors, for every variant; the launcher's size rule both ways."""
     seen = set()
-    for threshold in (pk.HOST_TMA_MIN_FLOP, 0):
-        monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", threshold)
+    for threshold in (POLICY.host_tma_min_flop, 0):
+        monkeypatch.setattr(POLICY, "host_tma_min_flop", threshold)
         for var in VARIANTS:
             if name != "batch_paged_prefill" and "page" in var:
                 continue
@@ -159,7 +160,7 @@ def test_head_dim_tiles_stay_opaque(hopper, monkeypatch, name):
     """D 256 and D 64 on 128-row tiles (prefill_gluon.TILES by head dim; no Triton
     descriptors in _config) are the Gluon kernel's eagerly, so traced calls of them stay
     opaque; a soft cap keeps them out of its scope."""
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     variants = [{"d": 256}] + ([] if name == "single_prefill" else [{"d": 64, "block_m": 128}])
     if name == "batch_paged_prefill":
         variants = [dict(v, page=128) for v in variants]
@@ -179,14 +180,14 @@ def test_keep_opaque_only_for_python_wrapper_graphs(hopper, monkeypatch):
     from torch._inductor import config
     from torch._inductor.virtualized import V
 
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     args = call("batch_ragged_prefill")
     assert gd.keep_opaque("batch_ragged_prefill", args)
     with V.set_aot_compilation(True):
         assert not gd.keep_opaque("batch_ragged_prefill", args)
     with config.patch(cpp_wrapper=True):
         assert not gd.keep_opaque("batch_ragged_prefill", args)
-    monkeypatch.setattr(gd, "GRAPH_GLUON", False)
+    monkeypatch.setattr(POLICY, "graph_gluon", False)
     assert not gd.keep_opaque("batch_ragged_prefill", args)
     assert not gd.keep_opaque("pod_prefill_decode", ())
 
@@ -218,15 +219,15 @@ def _compiled(compiled, *args):
 
 def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
     """A direct call of the op under torch.compile: one fallback call of the op in the
-    generated code (the eager launcher runs it), equal to the eager call; GRAPH_GLUON off: the
+    generated code (the eager launcher runs it), equal to the eager call; graph_gluon off: the
     op decomposed, no call of it left."""
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     fn, ts = op_fn("batch_ragged_prefill", call("batch_ragged_prefill"))
     eager = fn(*ts)
     out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
     assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1, code
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
-    monkeypatch.setattr(gd, "GRAPH_GLUON", False)
+    monkeypatch.setattr(POLICY, "graph_gluon", False)
     out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
     assert "compiled_attn.batch_ragged_prefill" not in code
     torch.testing.assert_close(out[0], eager[0])
@@ -236,7 +237,7 @@ def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
 def test_dynamic_shapes_stay_opaque(hopper, monkeypatch, name):
     """torch.compile(dynamic=True): the rule reads symbolic sizes (head dims, tile and page
     specialised as constexprs are) and still keeps the call opaque, equal to eager."""
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     fn, ts = op_fn(name, call(name))
     out, code = _compiled(torch.compile(fn, fullgraph=True, dynamic=True), *ts)
     assert code.count(f"torch.ops.compiled_attn.{name}.default(") == 1, code
@@ -263,7 +264,7 @@ def test_rewrite_keeps_gluon_calls_opaque(hopper, monkeypatch):
     (not the inlined implementation) where the Gluon kernel would take it."""
     from compiled_attn import fx_passes
 
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     qkv = _sdpa_inputs()
     fx_passes.counters.clear()
     with torch.no_grad():
@@ -299,7 +300,7 @@ def test_export_keeps_the_op_without_asking(hopper, monkeypatch):
 def test_aoti_package_decomposes(hopper, monkeypatch, tmp_path):
     """AOTInductor: even for a call the rule would keep opaque under torch.compile, the package
     holds no call of our op (the C++ runs without Python): the op decomposed."""
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     qkv = _sdpa_inputs()
     with torch.no_grad():
         ep = compiled_attn.export(_Causal(), qkv)
@@ -350,7 +351,7 @@ def test_rewrite_pins_the_traced_strides(hopper, monkeypatch):
         return ref_single(q, k, v, *rest, **kw)
 
     monkeypatch.setattr(reference, "single_prefill", recording)
-    monkeypatch.setattr(pk, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     g = torch.Generator().manual_seed(7)
     b, s, h, d = 1, 32, 4, 128
     qkv = [torch.randn(b, s, h, d, generator=g).to(torch.bfloat16) for _ in range(3)]

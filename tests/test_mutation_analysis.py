@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from compiled_attn.ops import contracts as C
+from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
 
 from .test_api_prefill import indptr, make_paged, rand
@@ -62,7 +63,7 @@ def launches(monkeypatch):
 
     calls: list = []
     monkeypatch.setattr(driver, "_active", _FakeDriver())
-    monkeypatch.setattr(K, "_kernel", lambda fn: _Recorder(fn, calls))
+    monkeypatch.setattr(L, "_kernel", lambda fn: _Recorder(fn, calls))
     monkeypatch.setattr(K, "_ensure_allocator", lambda: None)
     monkeypatch.setattr(K, "sm_count", lambda index=None: 132)
     return calls

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import contracts
+from compiled_attn.ops.policy import POLICY
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_observed_or_traced_calls_go_through_the_op(kernel_device, monkeypatch, 
     elif why == "kwarg_subclass":
         kwargs = {"sinks": torch.nn.Parameter(x)}
     elif why == "switched_off":
-        monkeypatch.setattr(op_call, "DIRECT", False)
+        monkeypatch.setattr(POLICY, "direct", False)
     if why == "dispatch_mode":
         with _Record():
             assert not op_call.plain_eager(args, kwargs)

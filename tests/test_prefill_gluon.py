@@ -11,6 +11,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.ops.policy import POLICY
 
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
@@ -175,7 +176,7 @@ def test_scope_out(change, monkeypatch):
 
 
 def test_scope_off_switch_and_device(monkeypatch):
-    monkeypatch.setattr(K, "USE_GLUON", False)
+    monkeypatch.setattr(POLICY, "use_gluon", False)
     assert _scope(monkeypatch) is None
     monkeypatch.undo()
     assert not K._gluon_device(torch.device("cpu"))
@@ -192,7 +193,7 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     for name in ("_gluon_device", "_tma_hardware", "_eager_launch"):
         monkeypatch.setattr(K, name, lambda *a: True)
     monkeypatch.setattr(K, "_tma_ok", lambda *a: True)
-    monkeypatch.setattr(K, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     q = torch.randn(256, 8, d, dtype=torch.bfloat16)
     k, v = (torch.randn(512, 2, d, dtype=torch.bfloat16) for _ in range(2))
     indptr = torch.tensor([0, 256], dtype=torch.int32)
@@ -240,7 +241,7 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     assert full(8, torch.bfloat16) == full(8, torch.float16) == 128
     # fp8 K/V never take the Gluon kernel: their page 8 keeps the small pages' tiles
     assert full(8, torch.float8_e4m3fn) == K.SMALL_PAGE_BLOCK_M
-    monkeypatch.setattr(K, "USE_GLUON", False)
+    monkeypatch.setattr(POLICY, "use_gluon", False)
     assert tile(16, kv=2048) == 128 and full(8) == full(1) == K.SMALL_PAGE_BLOCK_M
 
 

@@ -11,6 +11,7 @@ import torch
 from compiled_attn import ops
 from compiled_attn.plan import build_work
 from tests.kernel_cases import check, make_case, move_past_2_31, params
+from compiled_attn.ops.policy import POLICY
 
 pytestmark = [
     pytest.mark.gpu,
@@ -226,7 +227,7 @@ def _spy(monkeypatch):
         return orig(*a, **kw)
 
     monkeypatch.setattr(prefill_kernel._gluon, "launch", spy)
-    monkeypatch.setattr(prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     return seen
 
 

@@ -14,6 +14,7 @@ import torch
 from compiled_attn import graph_dispatch, ops
 from compiled_attn.plan import block_m_for, build_split_work, build_work
 from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, move_past_2_31,
+from compiled_attn.ops.policy import POLICY
                                 params, record_tma, ref, run)
 
 pytestmark = [
@@ -149,7 +150,7 @@ SMALL_PAGE_EXTRA = {
 
 @pytest.mark.parametrize("feature,page", SMALL_PAGE)
 def test_small_page_256_row_tiles(feature, page, monkeypatch):
-    monkeypatch.setattr(ops.prefill_kernel, "USE_GLUON", False)
+    monkeypatch.setattr(POLICY, "use_gluon", False)
     qo, kv = [300, 17, 0, 129, 1500], [700, 17, 5, 129, 1501]
     hq, hkv = (14, 2) if feature == "gqa7_fp16" else (8, 2)
     c = make_case("paged", qo, kv, hq=hq, hkv=hkv, dqk=128,
@@ -173,7 +174,7 @@ def test_small_page_256_row_tiles(feature, page, monkeypatch):
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
 def test_fp8_kv(kv_dtype, dt, kind, monkeypatch):
-    monkeypatch.setattr(ops.prefill_kernel, "TMA_MIN_KV", 0)  # ragged: descriptors
+    monkeypatch.setattr(POLICY, "tma_min_kv", 0)  # ragged: descriptors
     c = make_case(kind, [100, 250], [400, 250], hq=8, hkv=2, dqk=128, dtype=dt,
                   kv_dtype=kv_dtype, device="cuda", seed=2)
     _check("fp8", c, params(head_dim=128, sm_scale=0.05, v_scale=2.0))
@@ -250,7 +251,7 @@ def test_eager_small_launch_skips_host_descriptors(tokens, captured, expect, mon
         assert seen == [expect]
         return
     with monkeypatch.context() as m:  # compile the host-descriptor kernel outside the capture
-        m.setattr(ops.prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+        m.setattr(POLICY, "host_tma_min_flop", 0)
         run(c, p)
     seen = record_tma(monkeypatch)
     g = torch.cuda.CUDAGraph()
@@ -305,13 +306,13 @@ def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch)
         return out * 2, lse
 
     # eager: host descriptors even for this small launch (traced: the default paths)
-    monkeypatch.setattr(ops.prefill_kernel, "HOST_TMA_MIN_FLOP", 0)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     eager = f(c.q, c.k, c.v, c.work)
     assert seen == [2]
     # The traced Triton launch is under test (what AOTInductor packages): with HOST_TMA_MIN_FLOP
     # at 0 these calls are in the Gluon kernel's scope, and torch.compile would keep them opaque
     # (compiled_attn.graph_dispatch; tests/test_graph_dispatch_gpu.py covers that).
-    monkeypatch.setattr(graph_dispatch, "GRAPH_GLUON", False)
+    monkeypatch.setattr(POLICY, "graph_gluon", False)
     # dynamic: the work list's length is symbolic, so is the persistent grid's size
     compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)(c.q, c.k, c.v, c.work)
     # The calls made while tracing (the compiled code then launches from Inductor's wrapper).

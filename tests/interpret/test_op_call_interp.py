@@ -1,6 +1,6 @@
 """compiled_attn.op_call under the Triton interpreter: a plain eager call of a public entry point
 runs the op's implementation directly, and gives the op's own result bit for bit (the op path
-taken with op_call.DIRECT off)."""
+taken with the policy's direct off)."""
 
 import pytest
 import torch
@@ -9,6 +9,7 @@ import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import contracts
 from tests.test_api_prefill import WS, indptr, make_paged, rand
+from compiled_attn.ops.policy import POLICY
 
 QO, KV = [5, 0, 9], [13, 7, 9]
 HQ, HKV, D, PAGE = 4, 2, 32, 4
@@ -43,7 +44,7 @@ def test_direct_call_is_the_op_bit_for_bit(entry, monkeypatch):
                         lambda *a, **k: calls.append(name) or impl(*a, **k))
     out, lse = run()
     assert calls == [name]  # the direct path ran (the op holds its own reference to impl)
-    monkeypatch.setattr(op_call, "DIRECT", False)
+    monkeypatch.setattr(POLICY, "direct", False)
     ref_out, ref_lse = run()
     assert calls == [name]
     assert not out.isnan().any() and not lse.isnan().any()

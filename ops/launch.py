@@ -1,0 +1,433 @@
+"""Bound launches: an eager op call's kernel launches, decided once and replayed.
+
+An eager call spends its host time deciding what to launch (the launch policy: kernel, tile,
+K/V path, grid; views and tensor descriptors) and in Triton's JIT dispatch (binding the
+arguments, the specialisation key, the kernel-cache lookup). All of it depends only on the
+call's metadata: shapes, strides, dtypes, devices, pointer alignment and which tensors alias,
+the plain-number arguments, the current device and the launch policy's state. So the first
+call with a given metadata runs the full path under a ``Recorder``, which notes every kernel
+launch (the compiled kernel, its grid, each argument) and where each tensor argument comes
+from: one of the call's tensors (or a view starting at its pointer), one of the call's outputs,
+or a scratch buffer the launch path allocated through ``scratch`` / ``counter``. Later calls
+with the same metadata replay that: allocate the outputs and scratch, substitute the new
+pointers, and call each compiled kernel's own launcher (``CompiledKernel.run``, the call
+Triton's JIT makes last; the same on triton 3.6 to 3.9).
+
+Invariants:
+- A call whose launches the recorder cannot explain (a tensor argument of unknown origin, an
+  argument of a type it does not know) is never bound: every call with its key takes the full
+  path. Nothing is guessed.
+- The launch path reads no device value on the host (the op contract), so metadata decides
+  everything a launch depends on; the key holds all of it, including the policy's version
+  (``policy.version``: a scoped override bumps it).
+- A call under CUDA-graph capture, with a launch hook installed (profilers) or under any mode
+  that observes ops never replays (compiled_attn.op_call.plain_eager decides the latter).
+- Under the Triton interpreter a replay calls the interpreted kernel with views rebuilt from the
+  recorded geometry, so CI runs the same record / replay logic on the real kernel code; on a GPU
+  it passes pointers as integers, which Triton's launchers accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+from . import policy
+from .contracts import INTERPRET
+
+try:  # whether wrap_triton traces (private; torch 2.11-2.13)
+    from torch._library.triton import set_wrap_triton_enabled
+except ImportError:  # pragma: no cover - no bound launches then
+    set_wrap_triton_enabled = None
+
+try:  # Triton's launch hooks (profilers); replays are skipped while one is set
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover
+    _knobs = None
+
+
+# ---------------------------------------------------------------------------------------------
+# the recorder and the launch path's hooks
+# ---------------------------------------------------------------------------------------------
+class _Unbindable(Exception):
+    """A recorded call cannot be replayed (the message says why; kept for tests)."""
+
+
+class Recorder:
+    """What one call launched: its launches in order, and the scratch buffers the launch path
+    asked for (by pointer: how to allocate each again)."""
+
+    def __init__(self):
+        self.launches: list = []   # (fn, grid, bound args (list), options (dict), compiled)
+        self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros", shape, dtype)
+        self.problem: str | None = None
+
+
+_RECORDER: Recorder | None = None
+
+
+def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised buffer the launch path needs beside its outputs (split-KV partials)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if _RECORDER is not None:
+        _RECORDER.scratch[t.data_ptr()] = ("empty", tuple(shape), dtype)
+    return t
+
+
+def counter(device) -> torch.Tensor:
+    """A zeroed int32 [1] work counter (persistent grids claim items from it)."""
+    t = torch.zeros(1, dtype=torch.int32, device=device)
+    if _RECORDER is not None:
+        _RECORDER.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
+    return t
+
+
+_PARAMS: dict = {}
+
+
+def _bound_args(fn, args: tuple, kwargs: dict):
+    """The kernel's arguments in parameter order (constexprs included, defaults filled: what
+    Triton's JIT passes to CompiledKernel.run) and the launch options (the other keywords)."""
+    params = _PARAMS.get(fn)
+    if params is None:
+        params = _PARAMS[fn] = list(inspect.signature(fn.fn).parameters.values())
+    names = [p.name for p in params]
+    vals = list(args)
+    for p in params[len(args):]:
+        if p.name in kwargs:
+            vals.append(kwargs[p.name])
+        elif p.default is not p.empty:
+            vals.append(p.default)
+        else:
+            raise _Unbindable(f"{fn.fn.__name__}: no value for {p.name}")
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    return vals, options
+
+
+def _kernel(fn):
+    """Triton kernel fn as the op implementations launch it: through wrap_triton (a traced call
+    becomes a kernel node Inductor inlines; an eager one runs it), the bare kernel under the
+    interpreter."""
+    if INTERPRET:
+        return fn
+    from torch.library import wrap_triton
+
+    return wrap_triton(fn)
+
+
+def run(fn, grid, *args, **kwargs):
+    """Launch Triton kernel ``fn`` over ``grid`` (_kernel): every Triton launch of the op
+    implementations goes through here; a recording call also notes the launch."""
+    if _RECORDER is None:
+        return _kernel(fn)[grid](*args, **kwargs)
+    return _record(fn, grid, args, kwargs)
+
+
+def run_direct(fn, grid, *args, **kwargs):
+    """Launch a kernel that is never traced (the Gluon kernel: eager launches only) over grid;
+    a recording call also notes the launch."""
+    if _RECORDER is None:
+        return fn[grid](*args, **kwargs)
+    return _record(fn, grid, args, kwargs)
+
+
+def _record(fn, grid, args, kwargs):
+    rec = _RECORDER
+    try:
+        vals, options = _bound_args(fn, args, kwargs)
+    except _Unbindable as e:
+        rec.problem = rec.problem or str(e)
+        vals, options = None, None
+    compiled = fn[grid](*args, **kwargs)  # eager: wrap_triton is off while recording
+    rec.launches.append((fn, tuple(grid), vals, options, compiled))
+    return compiled
+
+
+# ---------------------------------------------------------------------------------------------
+# keys
+# ---------------------------------------------------------------------------------------------
+def _flatten(values, out: list) -> list:
+    """values with tuples / lists (a (k, v) cache) flattened, in order."""
+    for a in values:
+        if isinstance(a, (tuple, list)):
+            _flatten(a, out)
+        else:
+            out.append(a)
+    return out
+
+
+def _signature(values, static: frozenset):
+    """The metadata of a call's arguments that a launch may depend on, and its tensors in order.
+    A tensor the caller keeps fixed between calls (static: a plan's index arrays) is keyed by
+    identity; others by shape, strides, dtype, device, storage offset and pointer alignment."""
+    sig = []
+    tensors = []
+    for a in values:
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            if id(a) in static:
+                sig.append(id(a))
+            else:
+                sig.append((a.shape, a.stride(), a.dtype, a.device, a.storage_offset(),
+                            a.data_ptr() % 16))
+        else:
+            sig.append(a)
+    return sig, tensors
+
+
+def _alias_pattern(ptrs: list) -> tuple:
+    """For each tensor, the first tensor with the same pointer (aliasing is part of the key:
+    the recorded sources of pointer arguments assume it)."""
+    return tuple(ptrs.index(p) for p in ptrs)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) bytes of t's elements (non-negative strides; empty: an empty span)."""
+    lo = t.data_ptr()
+    if t.numel() == 0 or any(st < 0 for st in t.stride()):
+        return lo, lo
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# a bound call
+# ---------------------------------------------------------------------------------------------
+class _Ptr:
+    """A pointer for a replayed descriptor's base: Triton's launchers read data_ptr()."""
+
+    __slots__ = ("p",)
+
+    def __init__(self, p: int):
+        self.p = p
+
+    def data_ptr(self) -> int:
+        return self.p
+
+
+def _is_descriptor(a) -> bool:
+    return dataclasses.is_dataclass(a) and hasattr(a, "base") and hasattr(a, "block_shape")
+
+
+def _is_constant(a) -> bool:
+    """A launch argument fixed by the key: numbers, flags, dtypes, constexprs, layouts."""
+    return (a is None or isinstance(a, (bool, int, float, str, torch.dtype))
+            or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
+
+
+class Bound:
+    """One recorded call, replayable for calls with the same key.
+
+    Each tensor argument of a launch (or a descriptor's base) has a source: ("in", i, delta)
+    the call's i-th tensor's pointer plus delta bytes (0, or a view inside that tensor alone),
+    ("out", j) its j-th output, ("tmp", j) the j-th scratch buffer, ("static", t) a tensor the
+    caller keeps alive and unchanged (a plan's); with the view geometry (size, stride, dtype)
+    the interpreter's replay rebuilds."""
+
+    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=()):
+        if rec.problem:
+            raise _Unbindable(rec.problem)
+        self._ptrs = [t.data_ptr() for t in tensors]
+        self._spans = [_span(t) for t in tensors]
+        self._tensors = tensors  # (recording only; dropped below)
+        self._static = {t.data_ptr(): t for t in static if isinstance(t, torch.Tensor)}
+        self.outputs = []
+        self._out_ptr = {}
+        for o in outputs:
+            if not isinstance(o, torch.Tensor):
+                raise _Unbindable("an output is not a tensor")
+            self._out_ptr.setdefault(o.data_ptr(), len(self.outputs))
+            self.outputs.append((tuple(o.shape), o.stride(), o.dtype))
+        if not self.outputs:
+            raise _Unbindable("no outputs")
+        self.device = outputs[0].device
+        self.scratch = []
+        self._tmp = {}
+        for p, spec in rec.scratch.items():
+            self._tmp[p] = len(self.scratch)
+            self.scratch.append(spec)
+        self.launches = []
+        for fn, grid, vals, options, compiled in rec.launches:
+            patches = []
+            for pos, a in enumerate(vals):
+                if isinstance(a, torch.Tensor):
+                    patches.append((pos, False, self._source(a)))
+                elif _is_descriptor(a):
+                    if not isinstance(a.base, torch.Tensor):
+                        raise _Unbindable("a descriptor over a non-tensor")
+                    patches.append((pos, True, self._source(a.base)))
+                elif not _is_constant(a):
+                    raise _Unbindable(f"argument {pos} of {fn.fn.__name__}: {type(a).__name__}")
+            self.launches.append((fn, grid, list(vals), patches, options, compiled))
+        del self._tensors, self._spans, self._ptrs
+
+    def _source(self, t: torch.Tensor):
+        p = t.data_ptr()
+        geom = (tuple(t.shape), t.stride(), t.dtype)
+        if p in self._out_ptr:
+            return ("out", self._out_ptr[p], 0, geom)
+        if p in self._tmp:
+            return ("tmp", self._tmp[p], 0, geom)
+        if p in self._static and p not in self._ptrs:
+            return ("static", self._static[p], 0, geom)
+        hits = [i for i, q in enumerate(self._ptrs) if q == p]
+        if not hits:  # a view inside exactly one of the call's tensors
+            hits = [i for i, (lo, hi) in enumerate(self._spans) if lo <= p < hi]
+            if len(hits) != 1:
+                raise _Unbindable("a tensor argument of unknown origin")
+        i = hits[0]
+        src = self._tensors[i]
+        delta = p - self._ptrs[i]
+        if t.dtype != src.dtype or delta % src.element_size():
+            raise _Unbindable("a view of another dtype or alignment")
+        return ("in", i, delta, geom)
+
+    def replay(self, tensors: list):
+        """Launch for a call with this key (tensors: its tensors in order); returns the
+        outputs."""
+        dev = self.device
+        outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in self.outputs]
+        tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
+                else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
+        if INTERPRET:
+            self._replay_interpreted(tensors, outs, tmps)
+            return tuple(outs)
+        pools = {"in": tensors, "out": outs, "tmp": tmps}
+        stream = torch._C._cuda_getCurrentRawStream(dev.index)
+        for fn, grid, template, patches, _, compiled in self.launches:
+            a = template.copy()
+            for pos, desc, (kind, j, delta, _g) in patches:
+                ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
+                if desc:
+                    d = object.__new__(type(a[pos]))
+                    d.__dict__.update(a[pos].__dict__)
+                    d.base = _Ptr(ptr)
+                    a[pos] = d
+                else:
+                    a[pos] = ptr
+            g = grid + (1,) * (3 - len(grid))
+            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                         None, None, None, *a)
+        return tuple(outs)
+
+    def _replay_interpreted(self, tensors, outs, tmps):
+        pools = {"in": tensors, "out": outs, "tmp": tmps}
+        for fn, grid, template, patches, options, _ in self.launches:
+            a = template.copy()
+            for pos, desc, (kind, j, delta, (size, stride, dtype)) in patches:
+                src = j if kind == "static" else pools[kind][j]
+                view = src.as_strided(size, stride,
+                                      src.storage_offset() + delta // src.element_size())
+                a[pos] = dataclasses.replace(a[pos], base=view) if desc else view
+            fn[grid](*a, **options)
+
+
+# ---------------------------------------------------------------------------------------------
+# memos of bound calls
+# ---------------------------------------------------------------------------------------------
+_UNBOUND = object()
+
+
+class Memo:
+    """Bound calls by key. static: tensors the caller passes unchanged to every call (a plan's
+    index arrays; keyed by identity, their pointers fixed): the memo holds them alive, so an
+    identity is never reused while keyed. add_static() adds more (POD's per-length tensors)."""
+
+    MAX = 256
+
+    def __init__(self, static=()):
+        self._static_refs = [t for t in static if isinstance(t, torch.Tensor)]
+        self._static = frozenset(id(t) for t in self._static_refs)
+        self._bound: dict = {}
+        self.hits = self.records = self.refused = 0
+
+    def add_static(self, tensors) -> None:
+        new = [t for t in tensors if isinstance(t, torch.Tensor)]
+        self._static_refs.extend(new)
+        self._static = self._static | {id(t) for t in new}
+
+    def clear(self) -> None:
+        self._bound.clear()
+
+    def key(self, values, extra=()):
+        """(key, tensors) of a call with these arguments (tuples flattened); extra: plain values
+        the caller adds (its options)."""
+        sig, tensors = _signature(_flatten(values, []), self._static)
+        ptrs = [t.data_ptr() for t in tensors]
+        device = tensors[0].device
+        return ((policy.version(), *sig, *extra, _alias_pattern(ptrs),
+                 torch.cuda.current_device() if device.type == "cuda" else -1), tensors)
+
+    def lookup(self, key, tensors):
+        """The replayed outputs of a call with this key, or None (unbound, refused, or not
+        replayable now)."""
+        bound = self._bound.get(key)
+        if bound is None or bound is _UNBOUND or not _replayable(tensors[0].device):
+            return None
+        self.hits += 1
+        return bound.replay(tensors)
+
+    def known_unbound(self, key) -> bool:
+        return self._bound.get(key) is _UNBOUND
+
+    def record(self, key, tensors, fn, *args, **kwargs):
+        """fn(*args, **kwargs) (eager, wrap_triton off) with its launches recorded and bound
+        under key; returns fn's result, whose tensors (a tuple, or one) are the outputs."""
+        global _RECORDER
+        if _RECORDER is not None or not _replayable(tensors[0].device):
+            with set_wrap_triton_enabled(False):
+                return fn(*args, **kwargs)
+        rec = Recorder()
+        _RECORDER = rec
+        try:
+            with set_wrap_triton_enabled(False):
+                result = fn(*args, **kwargs)
+        finally:
+            _RECORDER = None
+        outputs = result if isinstance(result, tuple) else (result,)
+        try:
+            bound = Bound(rec, tensors, outputs, self._static_refs)
+            self.records += 1
+        except _Unbindable:
+            bound = _UNBOUND
+            self.refused += 1
+        if len(self._bound) >= self.MAX:
+            self._bound.clear()
+        self._bound[key] = bound
+        return result
+
+
+class LaunchCache(Memo):
+    """The op-level memo: calls of one op implementation, keyed by the op's own arguments."""
+
+    def call(self, impl, name: str, args: tuple, kwargs: dict):
+        """impl(*args, **kwargs) (an op implementation, eager, wrap_triton off), replayed where
+        a call with the same key was bound."""
+        key, tensors = self.key((*args, *kwargs.values()), (name, tuple(kwargs)))
+        out = self.lookup(key, tensors)
+        if out is not None:
+            return out
+        if self.known_unbound(key) or _RECORDER is not None:
+            with set_wrap_triton_enabled(False):
+                return impl(*args, **kwargs)
+        return self.record(key, tensors, impl, *args, **kwargs)
+
+
+def _idle(hook) -> bool:
+    """A launch hook that calls nothing: None, or an empty HookChain (triton 3.6-3.9)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
+def _replayable(device: torch.device) -> bool:
+    """Whether a replay may stand in for the full path now: no CUDA-graph capture (captured
+    launches keep the full path, whose choices differ there) and no Triton launch hook."""
+    if _knobs is not None and not (_idle(_knobs.runtime.launch_enter_hook)
+                                   and _idle(_knobs.runtime.launch_exit_hook)):
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+# calls without a caller's memo (single prefill, the cuDNN / TRT-LLM-style functions)
+DEFAULT = LaunchCache()

@@ -1,0 +1,85 @@
+"""The launch policy's settings: one object every launch decision reads.
+
+The kernels' launchers (prefill_kernel, prefill_gluon), compiled_attn's plan() and the traced
+dispatch (compiled_attn.graph_dispatch) decide from a call's shapes, strides, dtypes and options
+which kernel, tile, K/V path and grid run it; the switches and thresholds those decisions take
+live here, on ``POLICY``, rather than as module globals. Tests and benchmark variants change
+them for a scope with ``override(...)`` (or pytest's monkeypatch.setattr on POLICY). Every
+change bumps ``version()``, which the bound-launch cache (launch.py) keys on, so no launch
+decided under one setting is replayed under another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class Policy:
+    """The settings (attributes); setting one bumps the version."""
+
+    _version = 0
+
+    def __init__(self):
+        # The Gluon Hopper kernel for the launches in its scope (prefill_kernel._gluon_scope).
+        self.use_gluon = True
+        # Tensor descriptors for contiguous K/V in the Triton kernel (per program or on the host).
+        self.use_tma = True
+        # Host-built descriptors (TMA 2 and the Gluon kernel) for eager launches.
+        self.host_tma = True
+        # Eager launches below this many FLOPs skip whole-tensor descriptors: their host cost
+        # outlasts the kernel there (benchmarks/NOTES.md, 2026-11-22). The interpreter has no
+        # such cost: CI runs the descriptor paths at any size.
+        self.host_tma_min_flop = 0 if INTERPRET else 1e11
+        # Per-program descriptors only for mean key lengths above this (shorter ranges do not
+        # amortise them).
+        self.tma_min_kv = 0 if INTERPRET else 1024
+        # Tile heights whose whole-tensor descriptors may take the persistent grid (TMA 3).
+        self.persist_tma = frozenset({64})
+        # Traced calls that the Gluon kernel would take stay opaque (graph_dispatch).
+        self.graph_gluon = True
+        # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
+        self.direct = True
+        # Plain eager calls replay their bound launches (launch.py).
+        self.bound_launches = True
+
+    def __setattr__(self, name, value):
+        object.__setattr__(self, name, value)
+        Policy._version += 1
+
+    def settings(self) -> dict:
+        return dict(vars(self))
+
+
+POLICY = Policy()
+
+
+def version() -> int:
+    """Bumped by every change of a setting."""
+    return Policy._version
+
+
+def touch() -> None:
+    """Bump the version (forget every bound launch): after a change the settings cannot see,
+    such as a test replacing a launcher function."""
+    Policy._version += 1
+
+
+@contextlib.contextmanager
+def override(**settings):
+    """Change settings for a scope; unknown names raise AttributeError."""
+    saved = {}
+    for name, value in settings.items():
+        if not hasattr(POLICY, name):
+            raise AttributeError(f"the launch policy has no setting {name!r}; settings: "
+                                 f"{sorted(POLICY.settings())}")
+        saved[name] = getattr(POLICY, name)
+    try:
+        for name, value in settings.items():
+            setattr(POLICY, name, value)
+        yield POLICY
+    finally:
+        for name, value in saved.items():
+            setattr(POLICY, name, value)

@@ -1,0 +1,202 @@
+"""Bound launches (ops/launch.py) under the Triton interpreter: the first eager call with a given
+metadata records its launches, a later call with the same metadata and fresh tensors replays
+them, and the replay's outputs equal the full path's bit for bit (the policy's bound_launches
+off). What the key holds (aliasing, strides, the policy) and what the recorder refuses are
+pinned here too."""
+
+import pytest
+import torch
+
+import compiled_attn as fi
+from compiled_attn import op_call
+from compiled_attn.ops import launch, policy
+from compiled_attn.ops import contracts as C
+from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.plan import build_split_work
+from tests import kernel_cases as kc
+from tests.test_api_prefill import WS, indptr, make_paged, rand
+
+F16, F32 = torch.float16, torch.float32
+QO, KV = [5, 0, 9], [13, 7, 9]
+HQ, HKV, D = 4, 2, 32
+
+
+def _args(c, p):
+    tail = (p["mask_mode"], p["window_left"], p["chunk_size"], p["sm_scale"],
+            p["logits_soft_cap"], p["pos_encoding_mode"], p["rope_scale"], p["rope_theta"],
+            p["v_scale"], None)
+    if c.kind == "single":
+        return "single_prefill", (c.q, c.k, c.v, c.packed_mask, c.alibi, c.sinks, *tail), {}
+    if c.kind == "ragged":
+        return "batch_ragged_prefill", (c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.work,
+                                        c.packed_mask, c.mask_indptr, c.alibi, c.sinks,
+                                        c.block_m, *tail), {"merge": c.merge}
+    return "batch_paged_prefill", (c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, c.page_indices,
+                                   c.last_page_len, c.work, c.packed_mask, c.mask_indptr,
+                                   c.alibi, c.sinks, c.block_m, *tail), {"merge": c.merge}
+
+
+def _twice(make, p, cache):
+    """Record with one case, replay with a fresh one of the same metadata; returns the replay's
+    outputs and the full path's on the same inputs."""
+    name, args, kw = _args(make(seed=1), p)
+    op_call.call_op(name, *args, launches=cache, **kw)
+    assert cache.records == 1 and cache.hits == 0
+    name, args, kw = _args(make(seed=2), p)
+    for t in args:  # poison nothing the op reads; the outputs are fresh
+        assert not (isinstance(t, torch.Tensor) and t.is_floating_point() and t.isnan().any())
+    got = op_call.call_op(name, *args, launches=cache, **kw)
+    assert cache.hits == 1, "the second call did not replay"
+    with policy.override(bound_launches=False):
+        want = op_call.call_op(name, *args, **kw)
+    return got, want
+
+
+CASES = {
+    "single causal": (lambda seed: kc.make_case("single", [9], [13], HQ, HKV, D, seed=seed),
+                      dict()),
+    "single HND window soft cap": (
+        lambda seed: kc.make_case("single", [9], [17], HQ, HKV, D, layout="HND", seed=seed),
+        dict(window_left=5, logits_soft_cap=20.0)),
+    "single custom mask alibi sinks": (
+        lambda seed: kc.make_case("single", [7], [11], HQ, HKV, D, custom_mask=True, alibi=True,
+                                  sinks=True, seed=seed),
+        dict(mask_mode=C.MASK_CUSTOM, pos_encoding_mode=C.POS_ALIBI)),
+    "single rope": (lambda seed: kc.make_case("single", [9], [13], HQ, HKV, D, seed=seed),
+                    dict(pos_encoding_mode=C.POS_ROPE_LLAMA)),
+    "ragged causal": (lambda seed: kc.make_case("ragged", QO, KV, HQ, HKV, D, seed=seed), dict()),
+    "ragged custom mask": (
+        lambda seed: kc.make_case("ragged", QO, KV, HQ, HKV, D, custom_mask=True, seed=seed),
+        dict(mask_mode=C.MASK_CUSTOM)),
+    "paged page 4": (lambda seed: kc.make_case("paged", QO, KV, HQ, HKV, D, page_size=4,
+                                               seed=seed), dict()),
+    "paged page 1 tuple": (lambda seed: kc.make_case("paged", QO, KV, HQ, HKV, D, page_size=1,
+                                                     tuple_cache=True, seed=seed), dict()),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replay_equals_the_full_path(case):
+    make, opts = CASES[case]
+    (out, lse), (ref_out, ref_lse) = _twice(make, kc.params(**opts, head_dim=D),
+                                           launch.LaunchCache())
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def test_split_plan_replays_both_launches():
+    # a split-KV plan: the prefill launch writes scratch partials, the merge launch reads them
+    qo, kv = [3, 6], [300, 260]
+
+    def make(seed):
+        c = kc.make_case("ragged", qo, kv, HQ, HKV, D, seed=seed)
+        c.work, c.merge = build_split_work(qo, kv, HQ // HKV, c.block_m, HKV, num_sms=32,
+                                           min_keys_per_chunk=64)
+        assert c.work.shape[1] == 4 and c.merge.shape[0] > 0
+        return c
+
+    cache = launch.LaunchCache()
+    (out, lse), (ref_out, ref_lse) = _twice(make, kc.params(head_dim=D), cache)
+    bound = next(b for b in cache._bound.values() if b is not launch._UNBOUND)
+    assert len(bound.launches) == 2 and len(bound.scratch) == 2
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+def _wrapper_runs(kind):
+    q1, q2 = rand(sum(QO), HQ, D, seed=4, dtype=F32), rand(sum(QO), HQ, D, seed=5, dtype=F32)
+    if kind == "ragged":
+        kv = [(rand(sum(KV), HKV, D, seed=s, dtype=F32), rand(sum(KV), HKV, D, seed=s + 1,
+                                                              dtype=F32)) for s in (6, 8)]
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, causal=True, q_data_type=F32)
+        return w, [lambda: w.run(q1, *kv[0], return_lse=True),
+                   lambda: w.run(q2, *kv[1], return_lse=True)]
+    caches = [make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s)[0] for s in (7, 9)]
+    _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(QO), kvi, idx, last, HQ, HKV, D, 4, causal=True, q_data_type=F32)
+    return w, [lambda: w.run(q1, caches[0], return_lse=True),
+               lambda: w.run(q2, caches[1], return_lse=True)]
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_wrapper_run_replays_its_plan(kind):
+    w, runs = _wrapper_runs(kind)
+    runs[0]()
+    out, lse = runs[1]()
+    assert w._memo.records == 1 and w._memo.hits == 1  # run() itself replayed
+    with policy.override(bound_launches=False):
+        ref_out, ref_lse = runs[1]()
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_bound_run_keeps_every_check(kind):
+    # after a replayed run(), inputs that the checks refuse still raise their messages
+    w, runs = _wrapper_runs(kind)
+    runs[0]()
+    runs[1]()
+    q = rand(sum(QO), HQ, D, seed=4, dtype=F16)
+    kv = (rand(sum(KV), HKV, D, seed=6, dtype=F32),) * 2
+    cache = kv if kind == "ragged" else (make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)[0],)
+    with pytest.raises(TypeError, match="q: dtype torch.float16 but the plan has q_data_type"):
+        w.run(q, *cache)
+    with pytest.raises(ValueError, match="q: shape"):
+        w.run(rand(sum(QO) + 1, HQ, D, seed=4, dtype=F32), *cache)
+    assert w._memo.hits == 1
+
+
+def test_aliasing_is_part_of_the_key():
+    # recorded with k and v one tensor, then called with two: a new record, right numbers
+    cache = launch.LaunchCache()
+    p = kc.params(head_dim=D)
+    c = kc.make_case("single", [9], [13], HQ, HQ, D, seed=3)
+    name, args, kw = _args(c, p)
+    args = (args[0], args[1], args[1], *args[3:])
+    op_call.call_op(name, *args, launches=cache, **kw)
+    name, args, kw = _args(kc.make_case("single", [9], [13], HQ, HQ, D, seed=4), p)
+    got = op_call.call_op(name, *args, launches=cache, **kw)
+    assert cache.records == 2 and cache.hits == 0
+    with policy.override(bound_launches=False):
+        want = op_call.call_op(name, *args, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_strides_and_policy_are_part_of_the_key():
+    cache = launch.LaunchCache()
+    p = kc.params(head_dim=D)
+    name, args, kw = _args(kc.make_case("single", [9], [13], HQ, HKV, D, seed=3), p)
+    op_call.call_op(name, *args, launches=cache, **kw)
+    name, args, kw = _args(kc.make_case("single", [9], [13], HQ, HKV, D, layout="HND",
+                                        seed=4), p)
+    op_call.call_op(name, *args, launches=cache, **kw)
+    assert cache.records == 2 and cache.hits == 0
+    with policy.override(tma_min_kv=10 ** 9):
+        op_call.call_op(name, *args, launches=cache, **kw)
+    assert cache.records == 3 and cache.hits == 0
+
+
+def test_unexplained_launch_argument_is_never_bound(monkeypatch):
+    # a launch argument of unknown origin (here: a tensor the launch path made without
+    # launch.scratch / launch.counter) leaves the key unbound: every call takes the full path
+    real = launch.counter
+    monkeypatch.setattr(launch, "counter", lambda device: real(device).clone())
+    cache = launch.LaunchCache()
+    p = kc.params(head_dim=D)
+    with policy.override(**K.KV_PATHS["persistent"][1]):
+        for seed in (1, 2):
+            name, args, kw = _args(kc.make_case("ragged", QO, KV, HQ, HKV, D, seed=seed), p)
+            out, lse = op_call.call_op(name, *args, launches=cache, **kw)
+            assert not out.isnan().any()
+    assert cache.refused == 1 and cache.records == 0 and cache.hits == 0
+
+
+def test_policy_override_restores_and_names_settings():
+    before = policy.POLICY.settings()
+    v = policy.version()
+    with policy.override(use_tma=False):
+        assert policy.POLICY.use_tma is False and policy.version() > v
+    assert policy.POLICY.settings() == before
+    with pytest.raises(AttributeError, match="no setting 'use_tmaa'"):
+        with policy.override(use_tmaa=False):
+            pass
