@@ -7,7 +7,7 @@ attention first) and, in inference, that graph is the forward graph. Its ``uuid(
 source of every module of the rewrite (compiled_attn.graph_dispatch included), of the ops whose
 implementation the rewrite inlines into Inductor's graph (every module of compiled_attn.ops:
 the Triton launch on GPU, the reference on CPU; and compiled_attn.plan, which the launchers
-ask), plus the pass configuration and graph_dispatch.GRAPH_GLUON, so Inductor's FX graph cache
+ask), plus the pass configuration and the launch policy's graph_gluon, so Inductor's FX graph cache
 never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the
 pass does not run, so ``counters`` only count rewrites made by this process.
 
@@ -58,7 +58,7 @@ class AttentionRewritePass(CustomGraphPass):
         return get_hash_for_files(_SOURCES + (graph_dispatch.__file__, plan.__file__)
                                   + op_sources,
                                   extra=f"enabled={self.enabled} "
-                                        f"graph_gluon={graph_dispatch.GRAPH_GLUON}")
+                                        f"graph_gluon={ops.policy.POLICY.graph_gluon}")
 
 
 def rewrite_exported_program(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
