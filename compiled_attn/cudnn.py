@@ -205,7 +205,8 @@ def cudnn_batch_prefill_with_kv_cache(
         return_lse: also return the LSE.
         q_scale, k_scale: fp8 dequantisation scales (one value each), multiplied into
             ``scale``. v_scale: multiplies the output (not the LSE).
-        batch_offsets_q/o/k/v: [B+1] start offsets of each request in q / out / k / v, in
+        batch_offsets_q, batch_offsets_o, batch_offsets_k, batch_offsets_v: [B+1] start
+            offsets of each request in q / out / k / v, in
             ``batch_offsets_units`` ("elements": token offset * the tensor's token stride;
             "tokens": plain indptrs). Requests must be packed back to back (the offsets equal
             the cumulative lengths); other layouts raise NotImplementedError.

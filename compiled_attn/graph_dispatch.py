@@ -4,7 +4,7 @@ The ops are ``torch.library.triton_op`` (ops/contracts.py): torch.compile decomp
 into its Triton launch, which Inductor inlines and AOTInductor packages. Eager calls on a Hopper
 GPU run the Gluon kernel (ops/prefill_gluon.py) instead wherever its scope allows, and on the
 H100 that kernel runs a ragged D128 causal batch 1.2-1.3x faster than the inlined Triton one
-(benchmarks/NOTES.md, 19th session); wrap_triton cannot take a Gluon kernel, so inlined graphs
+(benchmarks/NOTES.md, 2026-11-23); wrap_triton cannot take a Gluon kernel, so inlined graphs
 never reach it. This module keeps such calls opaque instead: in a torch.compile graph built for
 the Python wrapper (not AOTInductor, not C++ wrapper code, not torch.export) on a Hopper GPU, a
 call of single_prefill / batch_ragged_prefill / batch_paged_prefill that the eager launcher

@@ -433,8 +433,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
     """A paged prefill batch and a paged decode batch in one launch, both planned."""
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
-        """float_workspace_buffer: a tensor on the device the wrapper runs on; kv_layout of both
-        caches: "NHD" or "HND"."""
+        """float_workspace_buffer: a tensor of any shape (FlashInfer's: uint8 ``[bytes]``) on the
+        device the wrapper runs on; kv_layout of both caches: "NHD" or "HND"."""
         self._init_common(float_workspace_buffer, kv_layout)
 
     def plan(self, qo_indptr_p: torch.Tensor, kv_indptr_p: torch.Tensor,
@@ -445,10 +445,12 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
              window_left: int = -1, q_data_type=None, kv_data_type=None, data_type=None,
              sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, non_blocking: bool = True) -> None:
-        """Plan both batches: for each part x in (p, d), qo_indptr_x ``[B_x+1]`` (query rows per
-        request), kv_indptr_x ``[B_x+1]`` (pages), kv_indices_x ``[kv_indptr_x[-1]]``,
-        last_page_len_x ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply
-        to both parts (as in FlashInfer); decode requests may have any number of rows."""
+        """Plan both batches, the prefill part (suffix _p, B_p requests) and the decode part
+        (suffix _d, B_d requests): qo_indptr_p / qo_indptr_d ``[B_x+1]`` (query rows per
+        request), kv_indptr_p / kv_indptr_d ``[B_x+1]`` (pages), kv_indices_p / kv_indices_d
+        ``[kv_indptr_x[-1]]``, last_page_len_p / last_page_len_d ``[B_x]`` (integer, CPU or
+        GPU; read on the host). The options apply to both parts (as in FlashInfer); decode
+        requests may have any number of rows."""
         p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
                                pos_encoding_mode, window_left, q_data_type, kv_data_type,
                                data_type, sm_scale, rope_scale, rope_theta)

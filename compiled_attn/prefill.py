@@ -340,13 +340,16 @@ class _WrapperBase:
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
+        """Whether the wrapper was built with use_cuda_graph=True (fixed batch size, plan()
+        copies into the caller's buffers, run() capturable)."""
         return self._use_cuda_graph
 
     def reset_workspace_buffer(self, float_workspace_buffer: torch.Tensor,
                                int_workspace_buffer: torch.Tensor | None = None) -> None:
-        """Replace the workspace buffers (1-D byte tensors on the wrapper's device). compiled_attn
-        keeps its plan in its own tensors and splits no KV, so the buffers only fix the device;
-        they must stay on it."""
+        """Replace the workspace buffers: float_workspace_buffer and int_workspace_buffer,
+        uint8 ``[bytes]`` tensors (any size) on the wrapper's device. compiled_attn keeps its
+        plan in its own tensors and allocates split-KV partials per run, so the buffers only fix
+        the device; they must stay on it."""
         for name, buf in (("float_workspace_buffer", float_workspace_buffer),
                           ("int_workspace_buffer", int_workspace_buffer)):
             if buf is not None:
@@ -912,7 +915,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                  custom_mask_buf: torch.Tensor | None = None,
                  mask_indptr_buf: torch.Tensor | None = None, backend: str = "auto",
                  jit_args=None, jit_kwargs=None, variant_owns_mask: bool = False) -> None:
-        """As BatchPrefillWithPagedKVCacheWrapper; with use_cuda_graph=True, qo_indptr_buf and
+        """float_workspace_buffer, kv_layout, backend, jit_args, jit_kwargs, variant_owns_mask:
+        as BatchPrefillWithPagedKVCacheWrapper; with use_cuda_graph=True, qo_indptr_buf and
         kv_indptr_buf (int32 ``[B+1]``) are required, custom_mask_buf / mask_indptr_buf when a
         custom mask will be planned."""
         self._init_common(float_workspace_buffer, kv_layout, use_cuda_graph,
