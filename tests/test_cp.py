@@ -147,12 +147,28 @@ def _errors(rank, world, group):
         cp.prefill(x, x, x, group=None)
 
 
-def _worker(rank, world, port, results):
+def _cpu_cases(rank, world, attempt):
+    """Every CPU case on this rank of a gloo group of ``world`` ranks."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
     singles = [dist.new_group([r]) for r in range(world)]
+    for name, spec in CASES.items():
+        attempt(name, lambda: _run_case(name, spec, rank, world, dist.group.WORLD))
+    for name in SINGLETON:
+        attempt(f"{name}@1", lambda: _run_case(name, CASES[name], 0, 1, singles[rank]))
+    name = COMPILED[world]
+    attempt(f"{name}@compiled",
+            lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
+    attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
+
+
+def _worker(rank, world, port, backend, body, results):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
     found = {}
 
     def attempt(key, fn):
@@ -162,14 +178,7 @@ def _worker(rank, world, port, results):
         except Exception:  # noqa: BLE001  (recorded for the test that reports it)
             found[key] = f"rank {rank}: {traceback.format_exc()}"
 
-    for name, spec in CASES.items():
-        attempt(name, lambda: _run_case(name, spec, rank, world, dist.group.WORLD))
-    for name in SINGLETON:
-        attempt(f"{name}@1", lambda: _run_case(name, CASES[name], 0, 1, singles[rank]))
-    name = COMPILED[world]
-    attempt(f"{name}@compiled",
-            lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
-    attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
+    body(rank, world, attempt)
     results.put((rank, found))
     dist.destroy_process_group()
 
@@ -180,24 +189,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(body, world: int, backend: str = "gloo") -> dict:
+    """Spawn ``world`` ranks of a ``backend`` group on 127.0.0.1, each running
+    ``body(rank, world, attempt)`` (a module-level function; ``attempt(key, fn)`` records fn's
+    exception under key); returns key -> the ranks' tracebacks, or None where every rank
+    passed."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, _free_port(), backend, body, queue), nprocs=world,
+             join=True)
+    merged: dict = {}
+    for _ in range(world):
+        _, found = queue.get()
+        for key, err in found.items():
+            merged[key] = "\n".join(e for e in (merged.get(key), err) if e) or None
+    return merged
+
+
 _RESULTS: dict = {}
 
 
 def _results(world: int) -> dict:
-    """Every case's failures (None when it passed on every rank) in a group of ``world`` ranks,
-    spawned once per group size."""
+    """The CPU cases' results in a group of ``world`` ranks, spawned once per group size."""
     if world not in _RESULTS:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        mp.spawn(_worker, args=(world, _free_port(), queue), nprocs=world, join=True)
-        merged: dict = {}
-        for _ in range(world):
-            _, found = queue.get()
-            for key, err in found.items():
-                merged[key] = "\n".join(e for e in (merged.get(key), err) if e) or None
-        _RESULTS[world] = merged
+        _RESULTS[world] = run_ranks(_cpu_cases, world)
     return _RESULTS[world]
 
 
