@@ -42,7 +42,8 @@ CASES = {
     "fp16_ring": ([0, 24], 2, 2, True, "ring", {"dtype": torch.float16}),
 }
 SINGLETON = ("docs_all_gather", "docs_ring")  # also run on one-rank groups (N = 1)
-# also under torch.compile(fullgraph=True): the ring on 2 ranks, the all-gather on 3
+# also under torch.compile(fullgraph=True) and torch.export: the ring on 2 ranks, the
+# all-gather on 3
 COMPILED = {2: "docs_ring", 3: "docs_all_gather"}
 
 
@@ -128,6 +129,16 @@ def _run_case(name, spec, rank, world, group, compiled=False):
         c_out, c_lse = torch.compile(run, fullgraph=True, backend="aot_eager")(ql, kl, vl)
         torch.testing.assert_close(c_out, out, atol=1e-6, rtol=0)
         torch.testing.assert_close(c_lse, lse, atol=1e-6, rtol=0)
+
+        class Attn(torch.nn.Module):
+            def forward(self, a, b, c):
+                return run(a, b, c)
+
+        ep = torch.export.export(Attn(), (ql, kl, vl))
+        assert any("_c10d_functional" in str(n.target) for n in ep.graph.nodes)
+        e_out, e_lse = ep.module()(ql, kl, vl)
+        torch.testing.assert_close(e_out, out, atol=1e-6, rtol=0)
+        torch.testing.assert_close(e_lse, lse, atol=1e-6, rtol=0)
 
 
 def _errors(rank, world, group):
