@@ -38,6 +38,7 @@ from .utils import *  # noqa: F401,F403  packbits, page helpers, merge_state(s),
 from .cudnn import *  # noqa: F401,F403  cudnn_batch_prefill_with_kv_cache
 from .trtllm import *  # noqa: F401,F403  trtllm_fmha_v2_prefill
 from .compile import *  # noqa: F401,F403  compile(), export()
+from . import cp  # noqa: E402,F401  context-parallel prefill (torch.distributed imported on use)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,454 @@
+"""Context-parallel prefill: one long prompt (or a packed batch of documents) split over the ranks
+of a torch.distributed group, attended with compiled_attn's ragged op.
+
+Layout (head-tail, "zigzag"): each document of length L is cut into 2N chunks of
+C = ceil(L / 2N) tokens (N ranks; the last chunks are padded up to 2N * C, padding at the
+document's end); rank r holds chunk r (head) and chunk 2N-1-r (tail) of every document, in
+document order: ``[doc0 head, doc0 tail, doc1 head, doc1 tail, ...]``. For one document with L a
+multiple of 2N this is exactly torch's ``_HeadTailLoadBalancer`` order followed by an even shard
+(torch.distributed.tensor.experimental context_parallel); for packed documents every rank holds
+each document's head and tail chunk (TransformerEngine's THD partitioning, and the diagram of
+torch's ``_PerDocumentHeadTailLoadBalancer``; torch 2.13's code of that balancer orders the
+global buffer document-major instead, which an even shard does not balance). Causal work per rank
+is then equal up to one chunk row.
+
+Padding rows (positions >= L) are part of the local tensors: their queries see no key (output 0,
+LSE -inf) and their keys are never seen. ``shard`` writes zeros there, ``unshard`` drops them.
+
+Two methods (``prefill``):
+- ``"all_gather"`` (the default for GQA): K/V of every rank are all-gathered (by head slices, so
+  the gather of slice h + 1 runs under the attention of slice h), and each local query chunk
+  attends its document's key prefix in one ragged launch: the bottom-right causal alignment
+  (query row i at position kv_len - qo_len + i) makes a chunk against its prefix exact, with no
+  merge. The prefixes of a rank's head and tail chunk overlap, and the ragged op reads each
+  request's keys as one segment of a monotone indptr, so the prefixes are concatenated into one
+  buffer (a copy of (2N+1)/2N of the keys: memory-bound, ~1 ms at 128k tokens against ~150 ms
+  of attention).
+- ``"ring"`` (the default for MHA): zigzag ring pass-KV. At step s rank r holds rank
+  (r - s) mod N's K/V and sends it on to r + 1 while attending it (the next step's K/V is in
+  flight during this step's launch: two buffers). Step 0 is a causal launch over the local
+  chunks (order-preserving, so local causal is global causal); a source j < r contributes its
+  head chunk to every local row, a source j > r both its chunks to the tail rows only; partial
+  results are merged by LSE (``merge_state``) in float32.
+
+Communication is torch's functional collectives (``all_gather_single`` / ``all_gather_tensor``,
+``permute_tensor``): the same code runs eagerly (NCCL's stream, asynchronous until the result
+is used) and traces under torch.compile(fullgraph=True) and torch.export as
+``_c10d_functional`` nodes that Inductor can schedule around the attention ops. An opaque
+custom op taking the group by name would hide both the communication and the compute from the
+compiler; the functional form leaves Inductor the choice.
+
+LSEs are base 2 (natural logsumexp / ln 2), as every compiled_attn entry point returns.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from . import _validate as V
+from .op_call import call_op
+from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
+from .plan import block_m_for, build_work
+from .utils import merge_state
+
+__all__ = ["Layout", "shard", "unshard", "prefill", "METHODS"]
+
+METHODS = ("auto", "all_gather", "ring")
+
+
+# --------------------------------------------------------------------------------------------
+# layout
+# --------------------------------------------------------------------------------------------
+class Layout:
+    """The head-tail layout of documents of ``lengths`` tokens over ``world_size`` ranks
+    (module docstring). All sizes are host ints, so a Layout traces as constants."""
+
+    def __init__(self, world_size: int, lengths: Sequence[int]):
+        V.check_count("world_size", world_size, 1)
+        self.world_size = n = int(world_size)
+        self.lengths = tuple(int(x) for x in lengths)
+        self.chunks = tuple(-(-length // (2 * n)) for length in self.lengths)
+        self.local_len = 2 * sum(self.chunks)
+        self.doc_starts = tuple(_cumsum(self.lengths))  # natural order, without padding
+        self.total = sum(self.lengths)
+        self.local_starts = tuple(_cumsum([2 * c for c in self.chunks]))
+
+    @classmethod
+    def of(cls, world_size: int, *, indptr=None, seq_len: int | None = None) -> "Layout":
+        """The layout of documents split by ``indptr`` (host ints or a CPU integer tensor
+        [docs + 1], from 0), or of one document of ``seq_len`` tokens."""
+        if indptr is None:
+            if seq_len is None:
+                raise ValueError("indptr / seq_len: pass the documents' boundaries (indptr) or "
+                                 "the length of the one document (seq_len)")
+            V.check_count("seq_len", seq_len, 0)
+            return cls(world_size, [int(seq_len)])
+        if torch.is_tensor(indptr):
+            ind = V.host_indptr("indptr", indptr).tolist()
+        else:
+            ind = [int(x) for x in indptr]
+            if not ind or ind[0] != 0 or any(b < a for a, b in zip(ind, ind[1:])):
+                raise ValueError(f"indptr: got {list(indptr)!r}; pass the document boundaries "
+                                 "[0, end of doc 0, end of doc 1, ...], non-decreasing from 0")
+        if seq_len is not None and int(seq_len) != ind[-1]:
+            raise ValueError(f"seq_len: {seq_len} differs from indptr[-1] = {ind[-1]}; pass one "
+                             "of them or make them agree")
+        return cls(world_size, [b - a for a, b in zip(ind, ind[1:])])
+
+    def real(self, doc: int, chunk: int) -> int:
+        """Tokens of document ``doc``'s chunk ``chunk`` that are not padding (a prefix)."""
+        c = self.chunks[doc]
+        return min(max(self.lengths[doc] - chunk * c, 0), c)
+
+    def side_chunks(self, rank: int) -> tuple[int, int]:
+        """The chunks rank holds in every document: (head, tail)."""
+        return rank, 2 * self.world_size - 1 - rank
+
+    def chunk_row(self, doc: int, chunk: int) -> tuple[int, int]:
+        """(rank, row in that rank's local tensor) of the first token of a chunk."""
+        n = self.world_size
+        rank = chunk if chunk < n else 2 * n - 1 - chunk
+        return rank, self.local_starts[doc] + (0 if chunk < n else self.chunks[doc])
+
+    def real_rows(self, doc: int, rank: int) -> int:
+        """Tokens of the document on ``rank`` that are not padding (a prefix of its head and
+        tail chunks: a tail chunk holds tokens only when the head chunk is full)."""
+        head, tail = self.side_chunks(rank)
+        return self.real(doc, head) + self.real(doc, tail)
+
+
+def _cumsum(xs):
+    out, s = [], 0
+    for x in xs:
+        out.append(s)
+        s += x
+    return out
+
+
+def _seq_layout(x: torch.Tensor, world_size: int, indptr, dim: int) -> Layout:
+    V.check_tensor("x", x)
+    return Layout.of(world_size, indptr=indptr, seq_len=None if indptr is not None
+                     else x.shape[dim])
+
+
+def shard(x: torch.Tensor, world_size: int, rank: int, *, indptr=None,
+          dim: int = 0) -> torch.Tensor:
+    """Rank ``rank``'s part of x in the head-tail layout (module docstring).
+
+    x: the whole sequence, natural order, tokens along ``dim`` (e.g. q ``[S, Hq, D]``).
+    indptr: document boundaries (host ints / CPU tensor [docs + 1]; default: one document of
+    x.shape[dim] tokens). Returns ``[Layout.local_len, ...]`` along dim: per document its head
+    chunk then its tail chunk, each of ceil(L / 2N) tokens, padding rows zero.
+    """
+    lay = _seq_layout(x, world_size, indptr, dim)
+    if not 0 <= rank < lay.world_size:
+        raise ValueError(f"rank: got {rank}; use 0 <= rank < world_size = {lay.world_size}")
+    if indptr is not None and x.shape[dim] != lay.total:
+        raise ValueError(f"x: {x.shape[dim]} tokens along dim {dim} but indptr[-1] = "
+                         f"{lay.total}; pass the whole sequence")
+    pieces = []
+    for b in range(len(lay.lengths)):
+        for c in lay.side_chunks(rank):
+            real, size = lay.real(b, c), lay.chunks[b]
+            if real:
+                pieces.append(x.narrow(dim, lay.doc_starts[b] + c * size, real))
+            if real < size:
+                shape = list(x.shape)
+                shape[dim] = size - real
+                pieces.append(x.new_zeros(shape))
+    if not pieces:
+        shape = list(x.shape)
+        shape[dim] = 0
+        return x.new_empty(shape)
+    return torch.cat(pieces, dim=dim)
+
+
+def unshard(x: torch.Tensor, world_size: int, *, indptr=None, seq_len: int | None = None,
+            dim: int = 0) -> torch.Tensor:
+    """The natural-order sequence from the ranks' parts.
+
+    x: every rank's local tensor concatenated in rank order along ``dim`` (what an all-gather
+    of the local tensors gives), ``[world_size * local_len, ...]``. indptr / seq_len: the
+    documents (as for shard; one of them, since padding hides the true length). Returns
+    ``[S, ...]`` without the padding rows.
+    """
+    V.check_tensor("x", x)
+    lay = Layout.of(world_size, indptr=indptr, seq_len=seq_len)
+    if x.shape[dim] != lay.world_size * lay.local_len:
+        raise ValueError(f"x: {x.shape[dim]} rows along dim {dim}, but {lay.world_size} ranks "
+                         f"x {lay.local_len} local rows are expected for these documents; pass "
+                         "every rank's part, concatenated in rank order")
+    pieces = []
+    for b in range(len(lay.lengths)):
+        for c in range(2 * lay.world_size):
+            real = lay.real(b, c)
+            if real:
+                rank, row = lay.chunk_row(b, c)
+                pieces.append(x.narrow(dim, rank * lay.local_len + row, real))
+    if not pieces:
+        shape = list(x.shape)
+        shape[dim] = 0
+        return x.new_empty(shape)
+    return torch.cat(pieces, dim=dim)
+
+
+# --------------------------------------------------------------------------------------------
+# one ragged launch over a list of (query rows, key rows) requests
+# --------------------------------------------------------------------------------------------
+def _attend(q, k, v, reqs, causal: bool, opts: dict):
+    """The ragged op over consecutive requests ``reqs`` = [(qo_len, kv_len), ...] that tile q's
+    rows and k's rows in order (a request of qo_len 0 skips keys; one of kv_len 0 gives its
+    rows output 0, LSE -inf). q: [Nq, Hq, Dqk]; k / v: [Nk, Hkv, D] with Nk >= the keys
+    listed. Returns out [Nq, Hq, Dvo] (q's dtype), lse float32 [Nq, Hq], base 2."""
+    reqs = [r for r in reqs if r[0] or r[1]]
+    qo = [r[0] for r in reqs]
+    kv = [r[1] for r in reqs]
+    # head counts and dims are constexprs of the kernel: specialised when traced symbolically
+    group = int(q.shape[1]) // int(k.shape[1])
+    dqk, dvo = int(q.shape[2]), int(v.shape[2])
+    block_m = block_m_for(dqk, dvo, group, max(kv, default=0), causal)
+    dev = q.device
+    qo_indptr = torch.tensor(_cumsum(qo) + [sum(qo)], dtype=torch.int32, device=dev)
+    kv_indptr = torch.tensor(_cumsum(kv) + [sum(kv)], dtype=torch.int32, device=dev)
+    work = torch.tensor(_work_rows(tuple(qo), tuple(kv), group, block_m), dtype=torch.int32,
+                        device=dev).reshape(-1, 2)
+    return call_op("batch_ragged_prefill", q, k, v, qo_indptr, kv_indptr, work, None, None,
+                   None, None, block_m, MASK_CAUSAL if causal else MASK_NONE,
+                   opts["window_left"], 0, opts["sm_scale"], opts["logits_soft_cap"], POS_NONE,
+                   1.0, 1e4, 1.0, q.dtype)
+
+
+@torch.compiler.assume_constant_result
+def _work_rows(qo: tuple, kv: tuple, group: int, block_m: int) -> tuple:
+    """build_work's list as nested tuples of ints: computed on the host when traced (Dynamo
+    cannot trace its sort), a constant of the graph."""
+    return tuple(map(tuple, build_work(list(qo), group, block_m, "cpu", kv_lens=list(kv)).tolist()))
+
+
+def _pad_rows(reqs: list, rows: int, taken: int) -> None:
+    """Append the request giving a document's padding query rows no key."""
+    if rows > taken:
+        reqs.append((rows - taken, 0))
+
+
+# --------------------------------------------------------------------------------------------
+# all-gather
+# --------------------------------------------------------------------------------------------
+def _prefix_plan(lay: Layout, rank: int, causal: bool):
+    """For the all-gather method: the requests over the local query rows and the key pieces
+    (rank, local row, rows) that, concatenated, form each request's keys."""
+    reqs, pieces = [], []
+    for b in range(len(lay.lengths)):
+        size = lay.chunks[b]
+        if not causal:  # every real local row sees the document's real keys
+            rows = lay.real_rows(b, rank)
+            if rows:
+                reqs.append((rows, lay.lengths[b]))
+                pieces += _natural_pieces(lay, b, lay.lengths[b])
+            _pad_rows(reqs, 2 * size, rows)
+            continue
+        for c in lay.side_chunks(rank):
+            real = lay.real(b, c)
+            if real:  # the chunk's real rows against the keys up to their last position
+                reqs.append((real, c * size + real))
+                pieces += _natural_pieces(lay, b, c * size + real)
+            _pad_rows(reqs, size, real)
+    return reqs, pieces
+
+
+def _natural_pieces(lay: Layout, doc: int, keys: int):
+    """The (rank, local row, rows) runs holding a document's first ``keys`` tokens."""
+    out, size = [], lay.chunks[doc]
+    for c in range(-(-keys // size) if size else 0):
+        rank, row = lay.chunk_row(doc, c)
+        out.append((rank, row, min(size, keys - c * size)))
+    return out
+
+
+def _gather(x: torch.Tensor, group) -> torch.Tensor:
+    """Issue the all-gather of x along dim 0 (asynchronous until the result is used)."""
+    import torch.distributed._functional_collectives as fc
+
+    ag = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+    return ag(x.contiguous(), 0, group)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    import torch.distributed._functional_collectives as fc
+
+    return t.wait() if isinstance(t, fc.AsyncCollectiveTensor) else t
+
+
+def _join(gathered: torch.Tensor, pieces, local_len: int) -> torch.Tensor:
+    """The key runs ``pieces`` of an all-gathered [N * local_len, H, D] tensor, concatenated."""
+    if not pieces:
+        return gathered[:0]
+    return torch.cat([gathered.narrow(0, r * local_len + row, n) for r, row, n in pieces])
+
+
+def _all_gather(q, k, v, lay: Layout, rank: int, group, causal: bool, opts: dict,
+                head_slices: int):
+    reqs, pieces = _prefix_plan(lay, rank, causal)
+    hkv, g = int(k.shape[1]), int(q.shape[1]) // int(k.shape[1])
+    step = hkv // head_slices
+    slices = [(h, h + step) for h in range(0, hkv, step)]
+    if lay.world_size == 1:
+        gathered = [(k[:, a:b], v[:, a:b]) for a, b in slices]
+    else:  # every slice's gather goes out first; slice i's attention runs under i + 1's
+        gathered = [(_gather(k[:, a:b], group), _gather(v[:, a:b], group)) for a, b in slices]
+    outs, lses = [], []
+    for (a, b), (gk, gv) in zip(slices, gathered):
+        kk = _join(_wait(gk), pieces, lay.local_len)
+        vv = _join(_wait(gv), pieces, lay.local_len)
+        qs = q if len(slices) == 1 else q[:, a * g:b * g].contiguous()
+        o, s = _attend(qs, kk, vv, reqs, causal, opts)
+        outs.append(o)
+        lses.append(s)
+    if len(slices) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+
+
+# --------------------------------------------------------------------------------------------
+# ring
+# --------------------------------------------------------------------------------------------
+def _ring_plan(lay: Layout, rank: int, source: int, causal: bool):
+    """(requests, causal) of the ring step that holds rank ``source``'s K/V: per document the
+    local query rows against the source's key rows (module docstring), each request's keys a
+    prefix of the source's document rows, the rest skipped."""
+    reqs = []
+    step_causal = causal and source == rank
+    for b in range(len(lay.lengths)):
+        size = lay.chunks[b]
+        rows = lay.real_rows(b, rank)
+        src_head, src_tail = lay.side_chunks(source)
+        if not causal or source == rank:  # all real rows against all real keys
+            keys = lay.real_rows(b, source)
+            reqs.append((rows, keys))
+        elif source < rank:  # every local row sees the source's head chunk only
+            keys = lay.real(b, src_head)
+            reqs.append((rows, keys))
+        else:  # source > rank: only the tail rows see the source, both its chunks
+            keys = lay.real_rows(b, source)
+            tail = lay.real(b, lay.side_chunks(rank)[1])
+            reqs += [(size, 0), (tail, keys)]
+            rows = size + tail
+        _pad_rows(reqs, 2 * size, rows)
+        reqs.append((0, 2 * size - keys))  # the source's rows this step does not read
+    return reqs, step_causal
+
+
+def _pass_on(t: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """Issue the send of t to rank + 1 and the receive of rank - 1's t (asynchronous)."""
+    import torch.distributed._functional_collectives as fc
+
+    dst = [(i + 1) % world_size for i in range(world_size)]
+    return fc.permute_tensor(t.contiguous().reshape(-1), dst, group)
+
+
+def _ring(q, k, v, lay: Layout, rank: int, group, causal: bool, opts: dict):
+    n = lay.world_size
+    acc = None
+    kc, vc = k, v
+    for s in range(n):
+        nxt = None
+        if s < n - 1:  # the next step's K/V is in flight during this step's launch
+            nxt = (_pass_on(kc, group, n), _pass_on(vc, group, n))
+        reqs, step_causal = _ring_plan(lay, rank, (rank - s) % n, causal)
+        o, lse = _attend(q, kc, vc, reqs, step_causal, opts)
+        if acc is None:
+            acc = (o, lse) if n == 1 else (o.float(), lse)
+        else:
+            acc = merge_state(acc[0], acc[1], o.float(), lse)
+        if nxt is not None:
+            kc = _wait(nxt[0]).reshape(k.shape)
+            vc = _wait(nxt[1]).reshape(v.shape)
+    return acc[0].to(q.dtype), acc[1]
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+def _group_coords(group) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if group is None:
+        raise ValueError("group: pass the torch.distributed process group the sequence is "
+                         "split over (e.g. torch.distributed.group.WORLD)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _method(method, hq: int, hkv: int, causal: bool, window_left: int) -> str:
+    if method not in METHODS:
+        raise ValueError(f"method: got {method!r}; use one of {list(METHODS)}")
+    if method == "auto":
+        method = "all_gather" if hq > hkv or window_left >= 0 else "ring"
+    if method == "ring" and window_left >= 0:
+        V.unsupported("window_left", "the ring method has no sliding window (a window's keys "
+                      "are mostly on the query's own rank); use method='all_gather'")
+    if window_left >= 0 and not causal:
+        V.unsupported("window_left", "with causal=False (the window's left bound alone) under "
+                      "context parallelism; pass causal=True")
+    return method
+
+
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=None,
+            method: str = "auto", causal: bool = False, sm_scale: float | None = None,
+            window_left: int = -1, logits_soft_cap: float | None = None,
+            head_slices: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's query rows against the whole sequence spread over ``group``.
+
+    q: ``[local_len, Hq, D_qk]``, k: ``[local_len, Hkv, D_qk]``, v: ``[local_len, Hkv, D_vo]``:
+    this rank's part in the head-tail layout (``shard``; module docstring), the same on every
+    rank of ``group`` (a torch.distributed ProcessGroup). indptr: document boundaries of the
+    whole packed sequence (host ints or a CPU tensor [docs + 1]; under torch.compile pass a
+    list), without padding; default one document of world_size * local_len tokens.
+    method: "all_gather" (K/V gathered, one launch per head slice, exact: each row's result is
+    the single-GPU op's on the same tiles), "ring" (K/V passed around the ring, partial results
+    merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv) and windows, ring for
+    MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left (causal only; all_gather only),
+    logits_soft_cap: as single_prefill_with_kv_cache, over global positions. head_slices
+    (all_gather): gathers issued per slice of the KV heads so that the attention of one slice
+    runs under the next one's gather; default 2 when Hkv is even, else 1.
+
+    Returns out ``[local_len, Hq, D_vo]`` (q's dtype) and lse float32 ``[local_len, Hq]``,
+    base 2 (natural logsumexp / ln 2) over the final logits, for the local rows in the same
+    layout; padding rows and rows that see no key: output 0, LSE -inf.
+    """
+    V.check_tensor("q", q, ndim=3, what="[local_len, Hq, D_qk]")
+    V.check_tensor("k", k, ndim=3, device=q.device, what="[local_len, Hkv, D_qk]")
+    V.check_tensor("v", v, ndim=3, device=q.device, what="[local_len, Hkv, D_vo]")
+    if k.shape[0] != q.shape[0] or v.shape[:2] != k.shape[:2] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q / k / v: shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)} disagree; pass [local_len, Hq, D_qk], "
+                         "[local_len, Hkv, D_qk], [local_len, Hkv, D_vo] of one shard")
+    V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
+    hq, hkv = int(q.shape[1]), int(k.shape[1])
+    V.check_heads(hq, hkv, names=("q's head count (q.shape[1])", "k's KV head count"))
+    world, rank = _group_coords(group)
+    lay = Layout.of(world, indptr=indptr,
+                    seq_len=world * int(q.shape[0]) if indptr is None else None)
+    if lay.local_len != q.shape[0]:
+        raise ValueError(f"q: {q.shape[0]} local rows, but the documents {list(lay.lengths)} "
+                         f"over {world} ranks give {lay.local_len} per rank (each document "
+                         "padded to a multiple of 2 * world_size); pass shard()'s output")
+    opts = dict(
+        sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(q.shape[2]),
+                               positive=False),
+        window_left=V.check_window_left(window_left),
+        logits_soft_cap=V.check_soft_cap(logits_soft_cap))
+    method = _method(method, hq, hkv, bool(causal), opts["window_left"])
+    if method == "ring":
+        if head_slices not in (None, 1):
+            V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
+        return _ring(q, k, v, lay, rank, group, bool(causal), opts)
+    if head_slices is None:
+        head_slices = 2 if hkv % 2 == 0 else 1
+    V.check_count("head_slices", head_slices, 1)
+    if hkv % head_slices:
+        raise ValueError(f"head_slices: {head_slices} does not divide the {hkv} KV heads; "
+                         "pass a divisor of k.shape[1]")
+    return _all_gather(q, k, v, lay, rank, group, bool(causal), opts, head_slices)

@@ -1,0 +1,292 @@
+"""compiled_attn.cp on CPU: the head-tail layout in one process, and context-parallel prefill in
+gloo groups of 2 and 3 spawned ranks (127.0.0.1 only) on the reference path, against the same
+op on the whole sequence in one process and a float64 oracle.
+
+Each group size is one spawn that runs every case (process start and imports dominate); a case's
+failure on any rank is recorded and reported by its own test. The CPU reference is not
+bit-reproducible across call shapes (its matrix products block differently), so the all-gather
+method is held to a few float32 roundings here; bitwise equality with the single-GPU op is a GPU
+test (tests/test_cp_gpu.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import traceback
+import zlib
+
+import pytest
+import torch
+
+from compiled_attn import cp
+from compiled_attn.ops import reference
+
+D = 16
+# name -> (indptr, Hq, Hkv, causal, method, options)
+CASES = {
+    "gqa_causal_all_gather": ([0, 24], 4, 2, True, "all_gather", {}),
+    "gqa_causal_one_slice": ([0, 24], 4, 2, True, "all_gather", {"head_slices": 1}),
+    "mha_causal_ring": ([0, 24], 2, 2, True, "ring", {}),
+    "mha_causal_auto": ([0, 24], 2, 2, True, "auto", {}),
+    "uneven_all_gather": ([0, 23], 4, 2, True, "all_gather", {}),
+    "uneven_ring": ([0, 23], 2, 2, True, "ring", {}),
+    "docs_all_gather": ([0, 5, 5, 18, 19], 4, 2, True, "all_gather", {}),
+    "docs_ring": ([0, 5, 5, 18, 19], 2, 2, True, "ring", {}),
+    "docs_noncausal_all_gather": ([0, 5, 5, 18, 19], 4, 1, False, "all_gather", {}),
+    "docs_noncausal_ring": ([0, 5, 5, 18, 19], 2, 2, False, "ring", {}),
+    "short_docs_ring": ([0, 1, 3], 2, 2, True, "ring", {}),
+    "window_cap_all_gather": ([0, 23], 4, 2, True, "all_gather",
+                              {"window_left": 3, "logits_soft_cap": 5.0}),
+    "gqa_ring": ([0, 7, 24], 4, 2, True, "ring", {"sm_scale": 0.3}),
+    "fp16_ring": ([0, 24], 2, 2, True, "ring", {"dtype": torch.float16}),
+}
+SINGLETON = ("docs_all_gather", "docs_ring")  # also run on one-rank groups (N = 1)
+# also under torch.compile(fullgraph=True) and torch.export: the ring on 2 ranks, the
+# all-gather on 3
+COMPILED = {2: "docs_ring", 3: "docs_all_gather"}
+
+
+def _params(opts: dict, causal: bool) -> dict:
+    return dict(mask_mode=1 if causal else 0, window_left=opts.get("window_left", -1),
+                chunk_size=0, sm_scale=opts.get("sm_scale", D ** -0.5),
+                logits_soft_cap=opts.get("logits_soft_cap", 0.0), pos_encoding_mode=0,
+                rope_scale=1.0, rope_theta=1e4, v_scale=1.0)
+
+
+def _whole(q, k, v, indptr, causal, opts, dtype):
+    """(the op on the whole sequence in this dtype, the float64 oracle)."""
+    ip = torch.tensor(indptr, dtype=torch.int32)
+    p = _params(opts, causal)
+    one = torch.ops.compiled_attn.batch_ragged_prefill(
+        q, k, v, ip, ip, torch.zeros(0, 2, dtype=torch.int32), None, None, None, None, 64,
+        p["mask_mode"], p["window_left"], 0, p["sm_scale"], p["logits_soft_cap"], 0, 1.0, 1e4,
+        1.0, dtype)
+    ref = reference.batch_ragged_prefill(q.double(), k.double(), v.double(), ip, ip, None,
+                                         None, None, None, out_dtype=torch.float64, **p)
+    return one, ref
+
+
+def _gathered(t, world, group, indptr):
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return cp.unshard(torch.cat(parts), world, indptr=indptr)
+
+
+def _check(name, out, lse, ql, lay, rank, world, group, indptr, q, k, v, causal, method, opts,
+           dtype):
+    assert out.shape == ql.shape[:2] + (v.shape[-1],) and lse.shape == ql.shape[:2]
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert not out.isnan().any() and not lse.isnan().any(), "NaN"
+    # padding rows: output 0, LSE -inf
+    pad = torch.ones(lay.local_len, dtype=torch.bool)
+    for b in range(len(lay.lengths)):
+        start = lay.local_starts[b]
+        pad[start:start + lay.real_rows(b, rank)] = False
+    assert torch.all(out[pad] == 0) and torch.all(lse[pad] == float("-inf")), "padding rows"
+    o = _gathered(out, world, group, indptr)
+    s = _gathered(lse, world, group, indptr)
+    (one_o, one_s), (r_o, r_s) = _whole(q, k, v, indptr, causal, opts, dtype)
+    fin = torch.isfinite(r_s)
+    assert torch.equal(torch.isfinite(s), fin), "rows that see no key differ"
+    assert torch.all(o[~fin] == 0)
+    eps = torch.finfo(dtype).eps
+    scale = r_o.abs().max().item() if r_o.numel() else 0.0
+    if method == "all_gather" or (method == "auto" and q.shape[1] > k.shape[1]):
+        diff = (o.double() - one_o.double()).abs().max().item() if o.numel() else 0.0
+        assert diff <= 4 * eps * scale, f"all-gather vs the whole-sequence op: {diff:.3g}"
+        sdiff = (s[fin] - one_s[fin]).abs().max().item() if fin.any() else 0.0
+        assert sdiff <= 4 * torch.finfo(torch.float32).eps * max(1.0, r_s[fin].abs().max()), sdiff
+    err = (o.double() - r_o).abs().max().item() if o.numel() else 0.0
+    own = (one_o.double() - r_o).abs().max().item() if o.numel() else 0.0
+    assert err <= 2 * own + eps * scale + 1e-7, f"error {err:.3g} vs the op's own {own:.3g}"
+    lerr = (s[fin].double() - r_s[fin]).abs().max().item() if fin.any() else 0.0
+    lown = (one_s[fin].double() - r_s[fin]).abs().max().item() if fin.any() else 0.0
+    assert lerr <= 2 * lown + 1e-5, f"LSE error {lerr:.3g} vs the op's own {lown:.3g}"
+
+
+def _run_case(name, spec, rank, world, group, compiled=False):
+    indptr, hq, hkv, causal, method, opts = spec
+    opts = dict(opts)
+    dtype = opts.pop("dtype", torch.float32)
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    n = indptr[-1]
+    q, k, v = (torch.randn(n, h, D, generator=g).to(dtype) for h in (hq, hkv, hkv))
+    ql, kl, vl = (cp.shard(t, world, rank, indptr=indptr) for t in (q, k, v))
+    lay = cp.Layout.of(world, indptr=indptr)
+
+    def run(a, b, c):
+        return cp.prefill(a, b, c, group=group, indptr=indptr, causal=causal, method=method,
+                          **opts)
+
+    out, lse = run(ql, kl, vl)
+    _check(name, out, lse, ql, lay, rank, world, group, indptr, q, k, v, causal, method, opts,
+           dtype)
+    if compiled:
+        torch._dynamo.reset()
+        c_out, c_lse = torch.compile(run, fullgraph=True, backend="aot_eager")(ql, kl, vl)
+        torch.testing.assert_close(c_out, out, atol=1e-6, rtol=0)
+        torch.testing.assert_close(c_lse, lse, atol=1e-6, rtol=0)
+
+        class Attn(torch.nn.Module):
+            def forward(self, a, b, c):
+                return run(a, b, c)
+
+        ep = torch.export.export(Attn(), (ql, kl, vl))
+        assert any("_c10d_functional" in str(n.target) for n in ep.graph.nodes)
+        e_out, e_lse = ep.module()(ql, kl, vl)
+        torch.testing.assert_close(e_out, out, atol=1e-6, rtol=0)
+        torch.testing.assert_close(e_lse, lse, atol=1e-6, rtol=0)
+
+
+def _errors(rank, world, group):
+    """Bad arguments raise with the argument's name (on every rank alike)."""
+    x = torch.randn(4, 2, D)
+    with pytest.raises(ValueError, match="method"):
+        cp.prefill(x, x, x, group=group, method="tree")
+    with pytest.raises(NotImplementedError, match="window_left"):
+        cp.prefill(x, x, x, group=group, method="ring", causal=True, window_left=2)
+    with pytest.raises(NotImplementedError, match="window_left"):
+        cp.prefill(x, x, x, group=group, causal=False, window_left=2)
+    with pytest.raises(ValueError, match="local rows"):
+        cp.prefill(x, x, x, group=group, indptr=[0, 100], causal=True)
+    with pytest.raises(ValueError, match="head_slices"):
+        cp.prefill(x, x, x, group=group, method="all_gather", head_slices=3)
+    with pytest.raises(ValueError, match="group"):
+        cp.prefill(x, x, x, group=None)
+
+
+def _cpu_cases(rank, world, attempt):
+    """Every CPU case on this rank of a gloo group of ``world`` ranks."""
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    for name, spec in CASES.items():
+        attempt(name, lambda: _run_case(name, spec, rank, world, dist.group.WORLD))
+    for name in SINGLETON:
+        attempt(f"{name}@1", lambda: _run_case(name, CASES[name], 0, 1, singles[rank]))
+    name = COMPILED[world]
+    attempt(f"{name}@compiled",
+            lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
+    attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
+
+
+def _worker(rank, world, port, backend, body, results):
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    found = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            found[key] = None
+        except Exception:  # noqa: BLE001  (recorded for the test that reports it)
+            found[key] = f"rank {rank}: {traceback.format_exc()}"
+
+    body(rank, world, attempt)
+    results.put((rank, found))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(body, world: int, backend: str = "gloo") -> dict:
+    """Spawn ``world`` ranks of a ``backend`` group on 127.0.0.1, each running
+    ``body(rank, world, attempt)`` (a module-level function; ``attempt(key, fn)`` records fn's
+    exception under key); returns key -> the ranks' tracebacks, or None where every rank
+    passed."""
+    import torch.multiprocessing as mp
+
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world, _free_port(), backend, body, queue), nprocs=world,
+             join=True)
+    merged: dict = {}
+    for _ in range(world):
+        _, found = queue.get()
+        for key, err in found.items():
+            merged[key] = "\n".join(e for e in (merged.get(key), err) if e) or None
+    return merged
+
+
+_RESULTS: dict = {}
+
+
+def _results(world: int) -> dict:
+    """The CPU cases' results in a group of ``world`` ranks, spawned once per group size."""
+    if world not in _RESULTS:
+        _RESULTS[world] = run_ranks(_cpu_cases, world)
+    return _RESULTS[world]
+
+
+KEYS = (list(CASES) + [f"{n}@1" for n in SINGLETON]
+        + [f"{n}@compiled" for n in sorted(set(COMPILED.values()))] + ["errors"])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("key", KEYS)
+def test_prefill(world, key):
+    if key.endswith("@compiled") and key != f"{COMPILED[world]}@compiled":
+        pytest.skip(f"compiled for {COMPILED[world]} on {world} ranks (CI time)")
+    res = _results(world)
+    assert key in res, f"{key} did not run"
+    assert res[key] is None, res[key]
+
+
+# --------------------------------------------------------------------------------------------
+# layout, in one process
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("indptr", [[0, 24], [0, 23], [0, 5, 5, 18, 19], [0, 1], [0]])
+def test_shard_unshard_round_trip(world, indptr):
+    x = torch.randn(indptr[-1], 3)
+    lay = cp.Layout.of(world, indptr=indptr)
+    parts = [cp.shard(x, world, r, indptr=indptr) for r in range(world)]
+    assert all(p.shape == (lay.local_len, 3) for p in parts)
+    assert torch.equal(cp.unshard(torch.cat(parts), world, indptr=indptr), x)
+    # every token once, padding zeros: the parts hold x's tokens and nothing else
+    assert sum(int((p != 0).any(1).sum()) for p in parts) == indptr[-1]
+
+
+def test_shard_matches_torch_head_tail_order():
+    lb = pytest.importorskip(
+        "torch.distributed.tensor.experimental._context_parallel._load_balancer")
+    for world, n in ((2, 8), (3, 24), (4, 32)):
+        x = torch.arange(n)
+        idx = lb._HeadTailLoadBalancer(n, world, "cpu")._generate_indices()[0]
+        theirs = x[idx.long()].chunk(world)
+        for r in range(world):
+            assert torch.equal(cp.shard(x, world, r), theirs[r])
+
+
+def test_shard_along_dim_and_packed_doc_order():
+    x = torch.arange(2 * 10).reshape(2, 10)
+    # documents of 4 and 6 tokens over 2 ranks: chunks of 1 and 2 tokens (the second padded)
+    r0 = cp.shard(x, 2, 0, indptr=[0, 4, 10], dim=1)
+    assert r0[0].tolist() == [0, 3, 4, 5, 0, 0]  # doc0 chunk 0 | chunk 3, doc1 chunk 0 | chunk 3
+    r1 = cp.shard(x, 2, 1, indptr=[0, 4, 10], dim=1)
+    assert r1[0].tolist() == [1, 2, 6, 7, 8, 9]
+    back = cp.unshard(torch.cat([r0, r1], 1), 2, indptr=[0, 4, 10], dim=1)
+    assert torch.equal(back, x)
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="indptr"):
+        cp.Layout.of(2, indptr=[0, 5, 3])
+    with pytest.raises(ValueError, match="rank"):
+        cp.shard(torch.zeros(8), 2, 2)
+    with pytest.raises(ValueError, match="x"):
+        cp.shard(torch.zeros(8), 2, 0, indptr=[0, 9])
+    with pytest.raises(ValueError, match="rank order"):
+        cp.unshard(torch.zeros(7), 2, seq_len=8)
+    with pytest.raises(ValueError, match="seq_len"):
+        cp.unshard(torch.zeros(8), 2)
