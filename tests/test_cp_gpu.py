@@ -49,21 +49,18 @@ def _gather_unshard(t, world):
 
 
 def _pinned(pin):
-    """The prefill_kernel switches of a pin: 'triton' (no Gluon kernel), 'any' (no launch
+    """The launch policy's settings of a pin: 'triton' (no Gluon kernel), 'any' (no launch
     falls back from Gluon for its size)."""
-    return {"USE_GLUON": False} if pin == "triton" else {"HOST_TMA_MIN_FLOP": 0}
+    return {"use_gluon": False} if pin == "triton" else {"host_tma_min_flop": 0}
 
 
 def _bitwise(rank, world, hq, hkv, d, pin):
     import torch.distributed as dist
 
     from compiled_attn import cp, plan
-    from compiled_attn.ops import prefill_kernel
+    from compiled_attn.ops import policy
 
-    saved = {k: getattr(prefill_kernel, k) for k in _pinned(pin)}
-    for k, val in _pinned(pin).items():
-        setattr(prefill_kernel, k, val)
-    try:
+    with policy.override(**_pinned(pin)):
         g = hq // hkv
         longest = [S_EXACT * (2 * world - r) // (2 * world) for r in range(world)]
         tiles = {plan.block_m_for(d, d, g, n, True) for n in longest + [S_EXACT]}
@@ -78,9 +75,6 @@ def _bitwise(rank, world, hq, hkv, d, pin):
         assert not o.isnan().any()
         assert torch.equal(o, one_o), (o.float() - one_o.float()).abs().max().item()
         assert torch.equal(s, one_s), (s - one_s).abs().max().item()
-    finally:
-        for k, val in saved.items():
-            setattr(prefill_kernel, k, val)
 
 
 def _ref64(q, k, v):
