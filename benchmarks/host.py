@@ -1,0 +1,249 @@
+"""The host suite: what one eager call of each entry point costs the host, beside FlashInfer and
+SDPA in the same process.
+
+Inputs are tiny (4 requests x 64 tokens, Hq 32 / Hkv 8, D 128, bf16, page 16: a few
+microseconds of GPU work), and each timing queues CALLS calls behind a sleeping GPU
+(torch.cuda._sleep), so the host never waits on the device: the time per call is the host's
+alone. Providers are timed in interleaved rounds; each row keeps the median over rounds. The
+torch.compile'd forms (fullgraph) are timed the same way. Rows: suite "host", case = the entry
+point, provider, "host_us" (median), "host_us_rounds", and on ours "ratio_vs_<peer>" = the peer's
+host time over ours (above 1: we are cheaper). The host's CPU model is recorded in the header.
+
+Run on the GPU machine: ``python -m benchmarks.host --out benchmarks/results/host_<gpu>.json``
+(FlashInfer from .whl/, benchmarks/gpu_setup.sh; --no-flashinfer without it; --fi-pod adds
+FlashInfer's POD, whose first call JIT-builds for minutes). A plot goes beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from benchmarks.results import environment
+
+NREQ, LEN, HQ, HKV, D, PAGE = 4, 64, 32, 8, 128, 16
+DT = torch.bfloat16
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _inputs(dev):
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g).to(dev, DT)
+
+    n = NREQ * LEN
+    pages = NREQ * LEN // PAGE
+    perm = torch.randperm(pages, generator=g).to(torch.int32)
+    return dict(
+        q1=rnd(LEN, HQ, D), k1=rnd(LEN, HKV, D), v1=rnd(LEN, HKV, D),
+        q=rnd(n, HQ, D), k=rnd(n, HKV, D), v=rnd(n, HKV, D),
+        cache=rnd(pages, 2, PAGE, HKV, D),
+        qo=torch.arange(NREQ + 1, dtype=torch.int32, device=dev) * LEN,
+        kvi=torch.arange(NREQ + 1, dtype=torch.int32, device=dev) * (LEN // PAGE),
+        idx=perm.to(dev), last=torch.full((NREQ,), PAGE, dtype=torch.int32, device=dev),
+        qd=rnd(NREQ, HQ, D), qo_d=torch.arange(NREQ + 1, dtype=torch.int32, device=dev),
+    )
+
+
+def _wrappers(mod, x, dev, name):
+    """Zero-argument calls of module ``mod``'s (compiled_attn or flashinfer) entry points."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    calls = {}
+    kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    calls["single_prefill"] = lambda: mod.single_prefill_with_kv_cache(
+        x["q1"], x["k1"], x["v1"], causal=True, **kw)
+    rw = mod.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
+    rw.plan(x["qo"], x["qo"], HQ, HKV, D, causal=True, q_data_type=DT)
+    calls["ragged_run"] = lambda: rw.run(x["q"], x["k"], x["v"])
+    pw = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+    pw.plan(x["qo"], x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, causal=True,
+            q_data_type=DT)
+    calls["paged_run"] = lambda: pw.run(x["q"], x["cache"])
+    return calls
+
+
+def _pod(mod, x, dev):
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    w = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+    return lambda: w.run(x["q1"], x["k1"], x["v1"], x["qd"], x["cache"], causal_p=True)
+
+
+def _batch_pod(mod, x, dev):
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    w = mod.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(x["qo"], x["kvi"], x["idx"], x["last"], x["qo_d"], x["kvi"], x["idx"], x["last"],
+           HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+    return lambda: w.run(x["q"], x["cache"], x["qd"], x["cache"], causal_p=True)
+
+
+def providers(args) -> dict:
+    """(case, provider) -> zero-argument call; a provider that cannot be set up maps to the
+    error text."""
+    import compiled_attn as ca
+
+    dev = torch.device("cuda")
+    x = _inputs(dev)
+    out: dict = {}
+
+    def add(case, prov, make):
+        try:
+            out[case, prov] = make()
+        except Exception as e:  # noqa: BLE001  (recorded as the row's error)
+            out[case, prov] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+    for case, fn in _wrappers(ca, x, dev, "compiled_attn").items():
+        add(case, "compiled_attn", lambda fn=fn: fn)
+    add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
+    add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
+    if not args.no_flashinfer:
+        try:
+            import flashinfer
+
+            for case, fn in _wrappers(flashinfer, x, dev, "flashinfer").items():
+                add(case, "flashinfer", lambda fn=fn: fn)
+            if args.fi_pod:
+                add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
+        except Exception as e:  # noqa: BLE001
+            for case in ("single_prefill", "ragged_run", "paged_run"):
+                out[case, "flashinfer"] = f"{type(e).__name__}: {e}"
+    # SDPA on the single request, GQA expanded outside the timed call
+    f = torch.nn.functional.scaled_dot_product_attention
+    qs = x["q1"].transpose(0, 1).unsqueeze(0)
+    ks = x["k1"].repeat_interleave(HQ // HKV, 1).transpose(0, 1).unsqueeze(0)
+    vs = x["v1"].repeat_interleave(HQ // HKV, 1).transpose(0, 1).unsqueeze(0)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    add("single_prefill", "sdpa", lambda: lambda: f(qs, ks, vs, is_causal=True))
+    for prov, be in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                     ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def make(be=be):
+            def call():
+                with sdpa_kernel(be):
+                    return f(qs, ks, vs, is_causal=True)
+            return call
+        add("single_prefill", prov, make)
+    # torch.compile'd forms
+    add("compiled_single_prefill", "compiled_attn", lambda: _compiled(
+        lambda q, k, v: ca.single_prefill_with_kv_cache(q, k, v, causal=True),
+        x["q1"], x["k1"], x["v1"]))
+    add("compiled_single_prefill", "sdpa", lambda: _compiled(
+        lambda q, k, v: f(q, k, v, is_causal=True), qs, ks, vs))
+    return out
+
+
+def _compiled(fn, *a):
+    c = torch.compile(fn, fullgraph=True)
+    c(*a)
+    return lambda: c(*a)
+
+
+def host_us(fn, calls: int) -> float:
+    """Host microseconds per call of fn, calls queued behind a sleeping GPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_500_000_000)  # ~0.8 s: longer than the calls take to issue
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="results JSON to write")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median kept)")
+    ap.add_argument("--calls", type=int, default=200, help="calls queued per timing")
+    ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's rows")
+    ap.add_argument("--fi-pod", action="store_true",
+                    help="add FlashInfer's POD (its JIT build takes minutes on a fresh machine)")
+    args = ap.parse_args(argv)
+    provs = providers(args)
+    times: dict = {k: [] for k, v in provs.items() if callable(v)}
+    for k in list(times):  # warm: compiles, first-call recording
+        try:
+            for _ in range(5):
+                provs[k]()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            provs[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            traceback.print_exc()
+            del times[k]
+    for r in range(args.rounds):
+        for k in times:
+            times[k].append(host_us(provs[k], args.calls))
+    rows = []
+    for (case, prov), v in provs.items():
+        row = dict(suite="host", case=case, provider=prov, median_ms=None, tflops=None)
+        if (case, prov) in times:
+            t = times[case, prov]
+            row.update(host_us=statistics.median(t), host_us_rounds=t, status="ok")
+        else:
+            row.update(status="failed" if "Error" in v else "unavailable", error=v)
+        rows.append(row)
+    for row in rows:
+        if row["provider"] == "compiled_attn" and row.get("host_us"):
+            for peer in rows:
+                if peer["case"] == row["case"] and peer is not row and peer.get("host_us"):
+                    row[f"ratio_vs_{peer['provider']}"] = peer["host_us"] / row["host_us"]
+    doc = dict(environment(), cpu=_cpu_model(), rows=rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    _plot(doc, args.out.with_suffix(".png"))
+    print(f"{'case':26} {'provider':14} {'host us':>8}  ratios (peer / ours)")
+    for row in rows:
+        ratios = " ".join(f"{k[9:]}={v:.2f}" for k, v in row.items() if k.startswith("ratio_vs_"))
+        us = f"{row['host_us']:8.1f}" if row.get("host_us") else "       -"
+        print(f"{row['case']:26} {row['provider']:14} {us}  {ratios or row.get('error', '')}")
+
+
+def _plot(doc, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in doc["rows"] if r.get("host_us")]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = 0.8 / len(provs)
+    for i, p in enumerate(provs):
+        xs, ys = [], []
+        for j, c in enumerate(cases):
+            r = next((r for r in rows if r["case"] == c and r["provider"] == p), None)
+            if r:
+                xs.append(j + i * w)
+                ys.append(r["host_us"])
+        ax.bar(xs, ys, w, label=p)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases, rotation=20, ha="right")
+    ax.set_ylabel("host us per eager call (lower is better)")
+    ax.set_title(f"host time per call, {doc['gpu']}, {doc['cpu']}, {doc['date'][:10]}",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

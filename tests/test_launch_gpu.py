@@ -1,0 +1,124 @@
+"""Bound launches (ops/launch.py, op_call.bound_run) on the GPU: a replayed eager call gives the
+full path's bits for every entry point and kernel (the Gluon kernel with its host descriptors and
+persistent counter, the Triton kernel's K/V paths, split-KV with its merge, POD), and CUDA-graph
+capture after replays stays exact."""
+
+import pytest
+import torch
+
+import compiled_attn as fi
+from compiled_attn.ops import policy
+from compiled_attn.ops import prefill_kernel as K
+from tests.test_api_prefill import indptr, make_paged
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BF16 = torch.bfloat16
+QO, KV = [37, 300, 1, 128], [200, 517, 64, 128]
+HQ, HKV = 32, 8
+
+
+def _rand(*shape, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g).to("cuda", BF16)
+
+
+def _ws():
+    return torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+
+
+def _entry(kind, d, seed, page=16):
+    """A zero-argument call of entry point ``kind`` on fresh inputs (seed), its outputs a tuple
+    of tensors."""
+    if kind == "single":
+        q, k, v = _rand(300, HQ, d, seed=seed), _rand(517, HKV, d, seed=seed + 1), \
+            _rand(517, HKV, d, seed=seed + 2)
+        return lambda: fi.single_prefill_with_kv_cache(q, k, v, causal=True, return_lse=True)
+    q = _rand(sum(QO), HQ, d, seed=seed)
+    if kind == "ragged":
+        k, v = _rand(sum(KV), HKV, d, seed=seed + 1), _rand(sum(KV), HKV, d, seed=seed + 2)
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(_ws())
+        w.plan(indptr(QO).cuda(), indptr(KV).cuda(), HQ, HKV, d, causal=True, q_data_type=BF16)
+        return lambda: w.run(q, k, v, return_lse=True)
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, d, d, page, dtype=BF16, seed=seed)
+    cache = cache.cuda()
+    if kind == "paged":
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(_ws())
+        w.plan(indptr(QO).cuda(), kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page,
+               causal=True, q_data_type=BF16)
+        return lambda: w.run(q, cache, return_lse=True)
+    qd = _rand(len(KV), HQ, d, seed=seed + 3)
+    if kind == "pod":
+        w = fi.PODWithPagedKVCacheWrapper(_ws())
+        w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+        kp, vp = _rand(300, HKV, d, seed=seed + 4), _rand(300, HKV, d, seed=seed + 5)
+        qp = _rand(200, HQ, d, seed=seed + 6)
+        return lambda: _flat(w.run(qp, kp, vp, qd, cache, causal_p=True, return_lse_p=True,
+                                   return_lse_d=True))
+    w = fi.BatchPODWithPagedKVCacheWrapper(_ws())
+    qo_d = indptr([1] * len(KV)).cuda()
+    w.plan(indptr(QO).cuda(), kvi.cuda(), idx.cuda(), last.cuda(), qo_d, kvi.cuda(), idx.cuda(),
+           last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+    return lambda: _flat(w.run(q, cache, qd, cache, causal_p=True, return_lse=True))
+
+
+def _flat(res):
+    return tuple(x for pair in res for x in pair)
+
+
+def _replay_vs_full(call):
+    call()  # records
+    torch.full((1 << 24,), float("nan"), device="cuda")  # poison the allocator's next blocks
+    got = call()  # replays
+    with policy.override(bound_launches=False):
+        want = call()
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert not g.float().isnan().any()
+        assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("kind", ["single", "ragged", "paged", "pod", "batch_pod"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_replay_is_the_full_path(kind, d):
+    _replay_vs_full(_entry(kind, d, seed=d))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_replay_gathered_pages(page):
+    _replay_vs_full(_entry("paged", 128, seed=7, page=page))
+
+
+@pytest.mark.parametrize("path", list(K.KV_PATHS))
+def test_replay_every_kv_path(path):
+    # host descriptors, the persistent grid's counter, device descriptors, pointer loads
+    with policy.override(**K.KV_PATHS[path][1]):
+        _replay_vs_full(_entry("ragged", 128, seed=11))
+        _replay_vs_full(_entry("single", 128, seed=12))
+
+
+def test_replay_split_kv_plan():
+    # few long requests: the plan splits their keys; replay runs the kernel and the merge
+    q = _rand(64, HQ, 128, seed=20)
+    k, v = _rand(32768, HKV, 128, seed=21), _rand(32768, HKV, 128, seed=22)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(_ws())
+    w.plan(indptr([64]).cuda(), indptr([32768]).cuda(), HQ, HKV, 128, causal=True,
+           q_data_type=BF16)
+    assert w._plan.merge is not None and w._plan.work.shape[1] == 4
+    _replay_vs_full(lambda: w.run(q, k, v, return_lse=True))
+
+
+def test_capture_after_replays_is_exact():
+    call = _entry("paged", 128, seed=30)
+    call()
+    call()  # a replay
+    want = call()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
