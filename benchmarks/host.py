@@ -175,8 +175,12 @@ def main(argv=None):
     ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's rows")
     ap.add_argument("--fi-pod", action="store_true",
                     help="add FlashInfer's POD (its JIT build takes minutes on a fresh machine)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a cProfile of our calls (where the host time goes)")
     args = ap.parse_args(argv)
     provs = providers(args)
+    if args.profile:
+        _profile(provs)
     times: dict = {k: [] for k, v in provs.items() if callable(v)}
     for k in list(times):  # warm: compiles, first-call recording
         try:
@@ -213,6 +217,27 @@ def main(argv=None):
         ratios = " ".join(f"{k[9:]}={v:.2f}" for k, v in row.items() if k.startswith("ratio_vs_"))
         us = f"{row['host_us']:8.1f}" if row.get("host_us") else "       -"
         print(f"{row['case']:26} {row['provider']:14} {us}  {ratios or row.get('error', '')}")
+
+
+def _profile(provs):
+    import cProfile
+    import pstats
+
+    for (case, prov), fn in provs.items():
+        if prov != "compiled_attn" or not callable(fn):
+            continue
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_500_000_000)
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(200):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        print(f"=== {case}")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(14)
 
 
 def _plot(doc, path):
