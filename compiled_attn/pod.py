@@ -342,7 +342,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._check_q("q_d", q_d, b, p, "batch size")
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p)
         sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
-        sm_d *= V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm_d = V.fits_float32("sm_scale_d * q_scale * k_scale", sm_d * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
             window_left_d, "window_left_d")
         head_dim = p["head_dim"]
@@ -459,7 +460,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             mask_p = MASK_CAUSAL if causal_p else MASK_NONE
         if packed_p is not None:
             mask_indptr_p = p["mask_indptr_p"]
-        sm_d = p["sm_scale"] * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm_d = V.fits_float32("sm_scale * q_scale * k_scale", p["sm_scale"] * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         return self._call(
             p, q_p=q_p, k_p=k_p, v_p=v_p, qo_p=p["qo_indptr_p"], kvi_p=p["kv_indptr_p"],
             idx_p=p["kv_indices_p"], last_p=p["last_page_len_p"], q_d=q_d, k_d=k_d, v_d=v_d,

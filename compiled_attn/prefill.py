@@ -234,7 +234,8 @@ def single_prefill_with_kv_cache(
                              f"qo_len={qo_len} (the first rows would see no key). Pass a "
                              "custom_mask, or use a batch wrapper, which allows it")
 
-    sm = opts["sm_scale"] * V.host_scale("k_scale", k_scale)
+    sm = V.fits_float32("sm_scale * k_scale",
+                        opts["sm_scale"] * V.host_scale("k_scale", k_scale))
     v_scale_f, v_scale_t = _split_v_scale(v_scale)
     alibi = get_alibi_slopes(hq, q.device) if opts["pos_encoding_mode"] == POS_ALIBI else None
     out, lse = call_op(
@@ -434,7 +435,7 @@ class _BatchPrefillBase(_WrapperBase):
         for name, given, have in (("seq_lens", seq_lens, kv_lens), ("seq_lens_q", seq_lens_q,
                                                                     qo_lens)):
             if given is not None:
-                g = given.detach().to("cpu", torch.int64).reshape(-1)
+                g = V.host_copy(name, given).reshape(-1)
                 if g.shape != have.shape or not torch.equal(g, have):
                     raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
                                      f"index arrays give, {have.tolist()}; pass None or the "
@@ -601,7 +602,8 @@ class _BatchPrefillBase(_WrapperBase):
         if o_scale is not None and V.host_scale("o_scale", o_scale) != 1.0:
             V.unsupported("o_scale", "fp8 output quantisation is not supported; leave o_scale "
                           "None (or 1.0)")
-        sm = p.sm_scale * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm = V.fits_float32("sm_scale * q_scale * k_scale", p.sm_scale * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         v_f, v_t = _split_v_scale(v_scale)
         w = p.window_left if window_left is None else V.check_window_left(window_left)
         return sm, v_f, v_t, w
@@ -860,8 +862,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         b = qo_h.numel() - 1
         kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1)
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
-            if given is not None and not torch.equal(
-                    given.detach().to("cpu", torch.int64).reshape(-1), same):
+            if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")
         p = self._plan_common(
