@@ -220,7 +220,9 @@ def cudnn_batch_prefill_with_kv_cache(
             batch_offsets_units="tokens" and batch_offsets_q (resp. batch_offsets_k, ragged
             only): the lengths are then the differences of the offsets.
         block_tables: int32 [B, max_pages]; request b's token t sits in page
-            ``block_tables[b, t // page]``, slot ``t % page``. None for ragged K/V.
+            ``block_tables[b, t // page]``, slot ``t % page``. None for ragged K/V. Columns
+            past a request's ceil(kv_len / page) pages are never read (the table may be wider
+            than needed, and hold anything there).
         causal: bottom-right aligned causal mask (row i sees keys j <= kv_len - qo_len + i).
         return_lse: also return the LSE.
         q_scale, k_scale: fp8 dequantisation scales (one value each), multiplied into
@@ -231,9 +233,12 @@ def cudnn_batch_prefill_with_kv_cache(
             the cumulative lengths); other layouts raise NotImplementedError.
         batch_offsets_stats: [B+1] start offsets into the LSE buffer (elements: token offset *
             Hq); request b's row i, head h is written at flat element
-            ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h].
+            ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h]. A request
+            whose rows would fall outside the B * max_token_per_sequence * Hq buffer raises
+            (a device assert under is_cuda_graph_compatible).
         out: optional [Nq, Hq, Dvo] output buffer (written in place).
-        lse: optional float32 [B, max_token_per_sequence, Hq] buffer (return_lse=True only).
+        lse: optional float32 [B, max_token_per_sequence, Hq] buffer on q's device
+            (return_lse=True only).
         is_cuda_graph_compatible: no host reads (capturable): uniform work list, offsets
             checked on the device; tensor fp8 scales then raise.
         backend: None, "cudnn" or "cubin": all run our kernel (same numbers).

@@ -205,7 +205,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
              rope_scale: float | None = None, rope_theta: float | None = None,
              non_blocking: bool = True) -> None:
         """Plan the decode batch: indptr ``[B+1]`` (pages per request), indices
-        ``[indptr[-1]]``, last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
+        ``[>= indptr[-1]]`` (a longer pre-allocated buffer: entries past indptr[-1] are not
+        read), last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
         options (pos_encoding_mode, window_left, sm_scale, rope_*) are the decode part's;
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
         b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
@@ -381,7 +382,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
              sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, non_blocking: bool = True) -> None:
         """Plan both batches: for each part x in (p, d), qo_indptr_x ``[B_x+1]`` (query rows per
-        request), kv_indptr_x ``[B_x+1]`` (pages), kv_indices_x ``[kv_indptr_x[-1]]``,
+        request), kv_indptr_x ``[B_x+1]`` (pages), kv_indices_x ``[>= kv_indptr_x[-1]]``
+        (entries past kv_indptr_x[-1] are not read),
         last_page_len_x ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply
         to both parts (as in FlashInfer); decode requests may have any number of rows."""
         p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,

@@ -634,8 +634,10 @@ _PLAN_COMMON_DOC = """
         pos_encoding_mode "NONE"/"ROPE_LLAMA"/"ALIBI" (ALiBi with absolute positions; see
         single_prefill_with_kv_cache for the LSE difference to FlashInfer). window_left >= -1,
         logits_soft_cap >= 0 (None = 0), sm_scale (default 1/sqrt(head_dim_qk)), rope_scale (1),
-        rope_theta (1e4). q_data_type / kv_data_type / o_data_type: dtypes run() must get
-        (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
+        rope_theta (1e4); a window of 2^31 - 1 keys or more is no window (-1), and sm_scale,
+        logits_soft_cap, rope_scale, rope_theta beyond float32's range raise (the kernel
+        computes them in float32). q_data_type / kv_data_type / o_data_type: dtypes run()
+        must get (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
         non_blocking: asynchronous host-to-device copies. seq_lens / seq_lens_q, if given, must
         equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
         given, must bound them; so must uniform_q_len (FlashInfer's promise that every request
@@ -702,9 +704,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
              disable_split_kv: bool = False, uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` (query rows per request), paged_kv_indptr ``[B+1]``
-        (pages per request), paged_kv_indices ``[paged_kv_indptr[-1]]``,
+        (pages per request), paged_kv_indices ``[>= paged_kv_indptr[-1]]`` (a pre-allocated
+        buffer may be longer, as in FlashInfer: entries past paged_kv_indptr[-1] are neither
+        read nor checked, so a sub-batch can be planned with the whole batch's buffer),
         paged_kv_last_page_len ``[B]``, all integer, on CPU or GPU (read on the host here).
-        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError.
+        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError. With
+        use_cuda_graph=True the first paged_kv_indptr[-1] entries are copied into
+        paged_kv_indices_buf, which needs room for those only (FlashInfer's needs room for
+        the whole argument).
         """
         V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")

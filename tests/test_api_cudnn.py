@@ -298,6 +298,17 @@ def test_mixed_dtypes_raise():
         fn(**_base(k_cache=kc, v_cache=kc.float()))
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_block_tables_wider_than_needed(graph):
+    """Columns past a request's pages are never read, whatever they hold: -1, a page past the
+    cache, int32 max (tables sized for the longest request an engine serves)."""
+    o, l = fn(**_base(is_cuda_graph_compatible=graph))
+    wide = torch.tensor([[0, 1, -1, 4, 2 ** 31 - 1], [2, 2 ** 31 - 1, 4, -1, -1]],
+                        dtype=torch.int32)
+    o2, l2 = fn(**_base(block_tables=wide, is_cuda_graph_compatible=graph))
+    assert torch.equal(o2, o) and torch.equal(l2, l)
+
+
 def test_stats_offsets_may_leave_gaps_inside_the_buffer():
     """Offsets inside the buffer are taken as given (request 1's rows after a gap), the
     unwritten entries stay -inf."""
