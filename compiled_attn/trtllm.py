@@ -162,7 +162,7 @@ def trtllm_fmha_v2_prefill(
             keys j >= p_i - window_left) or "chunked" (keys in [floor(p_i / C) * C, p_i]).
         window_left: >= 0 with mask_mode="sliding_window" only; -1 otherwise.
         chunked_attention_size: C, a power of two, with mask_mode="chunked" only; 0 otherwise.
-        save_softmax_stats: raises NotImplementedError (see below).
+        save_softmax_stats: True raises NotImplementedError (see below).
         skip_softmax_threshold_scale_factor: None or 0 only (skip-softmax is not implemented).
 
     Returns:
@@ -170,11 +170,15 @@ def trtllm_fmha_v2_prefill(
         no request: the kernel does not write them (as FlashInfer; the CPU reference writes 0);
         slice them off.
 
-    save_softmax_stats=True raises: FlashInfer returns (row max, sum of exp) per row, and the
-    compiled_attn ops return only the LSE (base 2). The row max cannot be recovered from the
-    LSE, and FlashInfer does not document that its consumers accept any (m, s) pair with
-    m + ln(s) = LSE (such as (LSE, 1)); its stored max is even scaled differently per GPU
-    architecture. It needs an op that also returns the row max.
+    save_softmax_stats=True raises: FlashInfer returns float32 [T, Hq, 2] = (max, sum) per
+    row, and the compiled_attn ops return only the LSE (base 2), from which the row max cannot
+    be recovered; (LSE, 1) would satisfy max + ln(sum) = LSE but is not the row max FlashInfer
+    stores. Its encoding (tests/attention/test_fmha_v2_prefill.py, Hopper): sum =
+    sum_j exp(s_j - m) in natural units over the final logits s_j; the stored max is
+    m / (sqrt(D) * bmm1_scale) (the max of the raw q.k over sqrt(D)) without a soft cap and
+    m / sqrt(D) with one (Blackwell stores m itself). It needs the ops to also write the row
+    max m (the kernels' running max m_i, base 2, times ln 2; the split-KV merge taking the max
+    of its chunks' maxima); then sum = 2^(lse - m_i).
     """
     # ---- options
     if input_layout not in LAYOUTS:
