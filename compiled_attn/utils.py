@@ -189,9 +189,10 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     bs = b.clamp(max=ind.numel() - 2)
     app_len = ind[1:] - ind[:-1]
     lens = seq_lens.to(torch.int64).to(dev)
-    V.device_check((app_len >= 0) & (lens >= app_len), "get_batch_indices_positions: "
-                   "append_indptr decreases, or a seq_lens entry is shorter than its request's "
-                   "appended tokens (seq_lens is each KV length after the append)")
+    V.device_check((app_len >= 0) & (lens >= app_len) & (ind[0] >= 0),
+                   "get_batch_indices_positions: append_indptr decreases or starts below 0, or "
+                   "a seq_lens entry is shorter than its request's appended tokens (seq_lens "
+                   "is each KV length after the append)")
     pos = lens[bs] - app_len[bs] + (i - ind[bs])
     b_out = torch.where(inside, b, torch.full_like(b, -1)).to(torch.int32)
     p_out = torch.where(inside, pos, torch.zeros_like(pos)).to(torch.int32)

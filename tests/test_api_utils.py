@@ -210,6 +210,9 @@ def test_get_batch_indices_positions_indptr_not_at_zero():
     b, p = fi.get_batch_indices_positions(torch.tensor([1, 3], dtype=torch.int32),
                                           torch.tensor([5], dtype=torch.int32), 4)
     assert b.tolist() == [-1, 0, 0, -1] and p.tolist() == [0, 3, 4, 0]
+    with pytest.raises(RuntimeError, match="append_indptr decreases or starts below 0"):
+        fi.get_batch_indices_positions(torch.tensor([-1, 3], dtype=torch.int32),
+                                       torch.tensor([5], dtype=torch.int32), 4)
 
 
 def test_append_paged_kv_cache_checks_devices_before_writing():
