@@ -6,14 +6,16 @@ reduce to two calls: PACKED_QKV, CONTIGUOUS_Q_KV and SEPARATE_Q_K_V give ragged 
 (``torch.ops.compiled_attn.batch_ragged_prefill`` over views of the caller's tensors, no copy),
 Q_PAGED_KV_NHD / Q_PAGED_KV_HND give a paged cache addressed by a rectangular block table
 (``batch_paged_prefill``, the table compacted on the device), as one stacked cache or as
-FlashInfer's separate (k_cache, v_cache) pools with [B, 2, M] tables. The mask modes (padding, causal,
-sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map onto the
-op's arguments. Nothing here reads a device value on the host: the work list is the uniform one
-over ``max_q_len`` and the consistency of the length arrays is asserted on the device, so the
-call can be captured in a CUDA graph.
+FlashInfer's separate (k_cache, v_cache) pools with [B, 2, M] tables. The mask modes (padding,
+causal, sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map
+onto the op's arguments. Nothing here reads a device value on the host: the work list is the
+uniform one over ``max_q_len`` and the consistency of the length arrays is asserted on the
+device, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -64,7 +66,7 @@ def _separate_pools(pools, nhd: bool):
     if not (k.is_contiguous() and v.is_contiguous()):
         _fail("qkv[1]", "holds a non-contiguous cache", "pass contiguous k_cache / v_cache "
               "(block offsets count whole pages from k_cache's start)")
-    page_bytes = k[0].numel() * k.element_size()
+    page_bytes = math.prod(k.shape[1:]) * k.element_size()
     delta = v.data_ptr() - k.data_ptr()
     same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
     if not same or page_bytes == 0 or delta <= 0 or delta % page_bytes:
