@@ -67,8 +67,13 @@ def check_lse_layout(layout, name: str = "lse_layout") -> str:
     return layout
 
 
+WINDOW_ALL = 2 ** 31 - 1  # key positions are int32: a window this wide sees every key
+
+
 def check_window_left(w, name: str = "window_left") -> int:
-    """Any integer type (a numpy integer too, by operator.index; not bool) -> a Python int."""
+    """Any integer type (a numpy integer too, by operator.index; not bool) -> a Python int. A
+    window of WINDOW_ALL (2^31 - 1) keys or more reaches every key position (positions are
+    int32), so it is no window: -1 (the kernels then never see an integer past int32)."""
     try:
         wi = None if isinstance(w, bool) else operator.index(w)
     except TypeError:
@@ -76,7 +81,7 @@ def check_window_left(w, name: str = "window_left") -> int:
     if wi is None or wi < -1:
         raise ValueError(f"{name}: got {w!r}; use an int >= 0 (keys j >= position - window_left "
                          "are seen) or -1 to disable the window")
-    return int(wi)
+    return -1 if wi >= WINDOW_ALL else int(wi)
 
 
 def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
@@ -87,7 +92,7 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
     if not math.isfinite(c) or c < 0:
         raise ValueError(f"{name}: got {c!r}; use a finite value > 0 to cap the logits at "
                          "c * tanh(s / c), or 0 / None to disable")
-    return c
+    return fits_float32(name, c)
 
 
 def is_number(x) -> bool:
@@ -121,6 +126,18 @@ def check_scale(name: str, x, default: float, *, positive: bool = True) -> float
     x = _number(name, x)
     if not math.isfinite(x) or (positive and x <= 0):
         raise ValueError(f"{name}: got {x!r}; use a finite value{' > 0' if positive else ''}")
+    return fits_float32(name, x)
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def fits_float32(name: str, x: float) -> float:
+    """x (finite) within float32's range: the kernels compute every scale and cap in float32,
+    where a larger value is inf and turns rows into NaN or zeros."""
+    if abs(x) > FLOAT32_MAX:
+        raise ValueError(f"{name}: got {x!r}, beyond float32's range (|x| <= {FLOAT32_MAX:.4g}) "
+                         "in which the kernel computes it; pass a smaller value")
     return x
 
 
@@ -140,11 +157,11 @@ def host_scale(name: str, x) -> float:
                 f"{name}: got a {x.device.type} tensor; the kernel takes this scale as a host "
                 f"float and run() never reads device values: pass float({name}) (or a CPU "
                 "tensor) instead")
-        x = float(x.item())
+        x = float(check_readable(name, x).item())
     x = _number(name, x)
     if not math.isfinite(x):
         raise ValueError(f"{name}: got {x!r}; use a finite float")
-    return x
+    return fits_float32(name, x)
 
 
 def check_backend(backend, name: str = "backend") -> str:
@@ -299,6 +316,28 @@ def _is_int_dtype(dt: torch.dtype) -> bool:
     return not dt.is_floating_point and not dt.is_complex and dt != torch.bool
 
 
+def check_int(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t (a tensor) holds integers: a float index would be truncated silently."""
+    if not _is_int_dtype(t.dtype):
+        raise TypeError(f"{name}: expected an integer dtype (int32); got {t.dtype}; pass "
+                        "integer indices / lengths (e.g. .to(torch.int32))")
+    return t
+
+
+def check_readable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t's values can be read: a tensor on the meta device has a shape but no data, so a
+    host copy or .item() of it would fail without naming the argument."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: is on the meta device, which holds no values; pass a tensor "
+                         "with data (on the CPU or the device the call runs on)")
+    return t
+
+
+def host_copy(name: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A host copy of argument ``name`` in ``dtype`` (a device sync when it lives on a GPU)."""
+    return check_readable(name, t).detach().to("cpu", dtype)
+
+
 def host_indptr(name: str, t, *, length: int | None = None) -> torch.Tensor:
     """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
     0, non-decreasing, and of length `length` when given (batch size + 1)."""
@@ -308,12 +347,11 @@ def host_indptr(name: str, t, *, length: int | None = None) -> torch.Tensor:
     if t.dim() != 1 or t.numel() < 1:
         raise ValueError(f"{name}: expected a 1-D tensor [batch_size + 1]; got shape "
                          f"{tuple(t.shape)}")
-    if not _is_int_dtype(t.dtype):
-        raise TypeError(f"{name}: expected an integer dtype (int32); got {t.dtype}")
+    check_int(name, t)
     if length is not None and t.numel() != length:
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
                          "needed (one offset per request plus the end)")
-    h = t.detach().to("cpu", torch.int64)
+    h = host_copy(name, t)
     if int(h[0]) != 0:
         raise ValueError(f"{name}: must start at 0; got {name}[0] = {int(h[0])}")
     d = h[1:] - h[:-1]
@@ -338,28 +376,30 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks a page table (indptr [B+1] already through host_indptr, in pages).
 
-    indices: integer [indptr[-1]] (extra entries past indptr[-1] are an error), each >= 0
-    (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
+    indices: integer [>= indptr[-1]]: a pre-allocated buffer may be longer (as in FlashInfer,
+    whose kernels read entries indptr[b]..indptr[b+1]-1 only); entries past indptr[-1] are
+    neither read nor checked, and the returned copy ends at indptr[-1]. The entries used are
+    >= 0 (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
     last_page_len: integer [B], in [1, page_size] for a request with pages, [0, page_size] for
-    one without (its kv_len is 0 either way). Returns host int64 copies (indices,
+    one without (its kv_len is 0 either way). Returns host int64 copies (indices[:indptr[-1]],
     last_page_len) and kv_len [B] = (pages - 1) * page_size + last_page_len (0 without pages).
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size: got {page_size!r}; use a Python int >= 1")
     b = indptr.numel() - 1
-    check_tensor(idx_n, indices, ndim=1, what="[total pages]")
-    if not _is_int_dtype(indices.dtype):
-        raise TypeError(f"{idx_n}: expected an integer dtype (int32); got {indices.dtype}")
-    check_total(ind_n, indptr, indices.numel(), f"{idx_n}.numel()")
-    check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]")
-    if not _is_int_dtype(last_page_len.dtype):
-        raise TypeError(f"{last_n}: expected an integer dtype (int32); got {last_page_len.dtype}")
-    idx_h = indices.detach().to("cpu", torch.int64)
+    check_int(idx_n, check_tensor(idx_n, indices, ndim=1, what="[total pages]"))
+    used = int(indptr[-1])
+    if indices.numel() < used:
+        raise ValueError(f"{ind_n}: ends at {used} but {idx_n} holds only {indices.numel()} "
+                         f"entries; {idx_n} needs at least {ind_n}[-1] entries (entries past "
+                         "it are ignored)")
+    check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
+    idx_h = host_copy(idx_n, indices[:used])
     if idx_h.numel() and int(idx_h.min()) < 0:
         i = int(torch.nonzero(idx_h < 0)[0, 0])
         raise ValueError(f"{idx_n}: entry {i} is {int(idx_h[i])}; page indices must be >= 0")
-    last_h = last_page_len.detach().to("cpu", torch.int64)
+    last_h = host_copy(last_n, last_page_len)
     npages = indptr[1:] - indptr[:-1]
     lo = torch.where(npages > 0, torch.ones_like(last_h), torch.zeros_like(last_h))
     bad = (last_h < lo) | (last_h > page_size)

@@ -44,6 +44,7 @@ def _check_tensor(arg: str, t, dims: int | None = None):
 def _lens(arg: str, t: torch.Tensor, q: torch.Tensor, graph_mode: bool) -> torch.Tensor:
     """Per-request lengths, shape [B] or [B, 1, 1, 1], as int64 on q's device."""
     _check_tensor(arg, t)
+    V.check_readable(f"{_NAME}: {arg}", t)
     if t.dtype not in (torch.int32, torch.int64):
         _fail(arg, f"must be int32 or int64, got {t.dtype}", "pass integer lengths")
     if t.dim() == 0 or t.numel() != t.shape[0]:
@@ -64,6 +65,7 @@ def _offsets_in_tokens(arg: str, offs: torch.Tensor, batch: int, units: str, row
                        device) -> torch.Tensor:
     """Batch offsets [B+1] (any trailing unit dims) converted to token units, int64."""
     _check_tensor(arg, offs)
+    V.check_readable(f"{_NAME}: {arg}", offs)
     if offs.dtype not in (torch.int32, torch.int64):
         _fail(arg, f"must be int32 or int64, got {offs.dtype}", "pass integer offsets")
     if offs.numel() != batch + 1:
@@ -93,6 +95,23 @@ def _check_packed(arg: str, offs_tok: torch.Tensor, indptr: torch.Tensor, units:
               "gaps or reordering between requests are not implemented: pack the requests "
               "back to back and pass cumsum([0, *seq_lens]) in these units",
               NotImplementedError)
+
+
+def _check_stats_offsets(starts: torch.Tensor, extents: torch.Tensor, size: int,
+                         graph_mode: bool) -> None:
+    """Each request's LSE rows (``extents[b]`` elements from ``starts[b]``, both [B] int64)
+    lie inside the lse buffer of ``size`` elements; a request without rows may point anywhere.
+    Checked on the host, or on the device under is_cuda_graph_compatible."""
+    ok = (extents == 0) | ((starts >= 0) & (starts + extents <= size))
+    if graph_mode:
+        V.device_check(ok, f"{_NAME}: batch_offsets_stats puts a request's LSE rows outside "
+                           f"the lse buffer's {size} elements")
+    elif not bool(ok.all()):
+        b = int(torch.nonzero(~ok)[0, 0])
+        _fail("batch_offsets_stats", f"entry {b} ({int(starts[b])} elements) puts request {b}'s "
+              f"{int(extents[b])} LSE values outside the lse buffer's {size} elements "
+              "(B * max_token_per_sequence * Hq)",
+              "pass offsets whose requests' rows fit the [B, max_token_per_sequence, Hq] buffer")
 
 
 def _pages_used(kv_lens: torch.Tensor, page: int, max_pages: int):
@@ -131,6 +150,7 @@ def _scale_value(arg: str, s, graph_mode: bool) -> float:
     if not torch.is_tensor(s):
         return _finite(arg, s)
     _check_tensor(arg, s)
+    V.check_readable(f"{_NAME}: {arg}", s)
     if s.numel() != 1:
         _fail(arg, f"must hold one value (shape [1, 1, 1, 1]), got shape {tuple(s.shape)}",
               "pass a per-tensor scale")
@@ -149,7 +169,7 @@ def _finite(arg: str, x) -> float:
     x = float(x)
     if not math.isfinite(x):
         _fail(arg, f"is {x}", "pass a finite float")
-    return x
+    return V.fits_float32(f"{_NAME}: {arg}", x)
 
 
 def cudnn_batch_prefill_with_kv_cache(
@@ -200,7 +220,9 @@ def cudnn_batch_prefill_with_kv_cache(
             batch_offsets_units="tokens" and batch_offsets_q (resp. batch_offsets_k, ragged
             only): the lengths are then the differences of the offsets.
         block_tables: int32 [B, max_pages]; request b's token t sits in page
-            ``block_tables[b, t // page]``, slot ``t % page``. None for ragged K/V.
+            ``block_tables[b, t // page]``, slot ``t % page``. None for ragged K/V. Columns
+            past a request's ceil(kv_len / page) pages are never read (the table may be wider
+            than needed, and hold anything there).
         causal: bottom-right aligned causal mask (row i sees keys j <= kv_len - qo_len + i).
         return_lse: also return the LSE.
         q_scale, k_scale: fp8 dequantisation scales (one value each), multiplied into
@@ -212,9 +234,12 @@ def cudnn_batch_prefill_with_kv_cache(
             the cumulative lengths); other layouts raise NotImplementedError.
         batch_offsets_stats: [B+1] start offsets into the LSE buffer (elements: token offset *
             Hq); request b's row i, head h is written at flat element
-            ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h].
+            ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h]. A request
+            whose rows would fall outside the B * max_token_per_sequence * Hq buffer raises
+            (a device assert under is_cuda_graph_compatible).
         out: optional [Nq, Hq, Dvo] output buffer (written in place).
-        lse: optional float32 [B, max_token_per_sequence, Hq] buffer (return_lse=True only).
+        lse: optional float32 [B, max_token_per_sequence, Hq] buffer on q's device
+            (return_lse=True only).
         is_cuda_graph_compatible: no host reads (capturable): uniform work list, offsets
             checked on the device; tensor fp8 scales then raise.
         backend: None, "cudnn" or "cubin": all run our kernel (same numbers).
@@ -354,6 +379,7 @@ def cudnn_batch_prefill_with_kv_cache(
 
     if paged:
         _check_tensor("block_tables", block_tables, 2)
+        V.check_readable(f"{_NAME}: block_tables", block_tables)
         if block_tables.dtype not in (torch.int32, torch.int64):
             _fail("block_tables", f"must be int32, got {block_tables.dtype}",
                   "pass int32 page indices")
@@ -412,9 +438,24 @@ def cudnn_batch_prefill_with_kv_cache(
         bm = tile(ql)
         work = plan.build_work(ql, group, bm, q.device, kv_lens=kl)
 
+    # ---- the LSE buffer and where each request's rows go in it (before anything is written)
+    size = bsz * max_token_per_sequence * hq
+    if return_lse:
+        if lse is not None:
+            _check_tensor("lse", lse, 3)
+            if tuple(lse.shape) != (bsz, max_token_per_sequence, hq) or \
+                    lse.dtype != torch.float32 or lse.device != q.device:
+                _fail("lse", f"is {tuple(lse.shape)} {lse.dtype} on {lse.device}",
+                      f"pass float32 [{bsz}, {max_token_per_sequence}, {hq}] (B, "
+                      f"max_token_per_sequence, Hq) on {q.device}")
+        if offs_stats is not None:
+            rows = qo_lens.clamp(max=max_token_per_sequence)
+            _check_stats_offsets(offs_stats[:-1], rows * hq, size, graph_mode)
+
     # ---- scales, dtypes, the op
-    sm_scale = float(scale) * _scale_value("q_scale", q_scale, graph_mode) \
-        * _scale_value("k_scale", k_scale, graph_mode)
+    sm_scale = V.fits_float32(f"{_NAME}: scale * q_scale * k_scale", float(scale)
+                              * _scale_value("q_scale", q_scale, graph_mode)
+                              * _scale_value("k_scale", k_scale, graph_mode))
     out_scale = _scale_value("v_scale", v_scale, graph_mode)
     qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
     params = (MASK_CAUSAL if causal else MASK_NONE, -1, 0, sm_scale, 0.0, POS_NONE, 1.0, 1e4,
@@ -439,17 +480,10 @@ def cudnn_batch_prefill_with_kv_cache(
         return out, None
 
     # ---- LSE into cuDNN's layout
-    if lse is not None:
-        _check_tensor("lse", lse, 3)
-        if tuple(lse.shape) != (bsz, max_token_per_sequence, hq) or lse.dtype != torch.float32:
-            _fail("lse", f"is {tuple(lse.shape)} {lse.dtype}",
-                  f"pass float32 [{bsz}, {max_token_per_sequence}, {hq}] (B, "
-                  "max_token_per_sequence, Hq)")
     tok = torch.arange(nq, device=q.device, dtype=torch.int64)
     req = torch.bucketize(tok, qo_indptr[1:], right=True).clamp(max=max(bsz - 1, 0))
     row = tok - qo_indptr[req] if bsz else tok
     inside = (tok < qo_indptr[-1]) & (row < max_token_per_sequence)
-    size = bsz * max_token_per_sequence * hq
     if offs_stats is None:
         base = req * (max_token_per_sequence * hq) + row * hq
     else:

@@ -223,7 +223,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
              rope_scale: float | None = None, rope_theta: float | None = None,
              non_blocking: bool = True) -> None:
         """Plan the decode batch: indptr ``[B+1]`` (pages per request), indices
-        ``[indptr[-1]]``, last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
+        ``[>= indptr[-1]]`` (a longer pre-allocated buffer: entries past indptr[-1] are not
+        read), last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
         options (pos_encoding_mode, window_left, sm_scale, rope_*) are the decode part's;
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
         b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
@@ -386,7 +387,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._check_q("q_d", q_d, b, p, "batch size")
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p)
         sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
-        sm_d *= V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm_d = V.fits_float32("sm_scale_d * q_scale * k_scale", sm_d * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
             window_left_d, "window_left_d")
         head_dim = p["head_dim"]
@@ -448,9 +450,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         """Plan both batches, the prefill part (suffix _p, B_p requests) and the decode part
         (suffix _d, B_d requests): qo_indptr_p / qo_indptr_d ``[B_x+1]`` (query rows per
         request), kv_indptr_p / kv_indptr_d ``[B_x+1]`` (pages), kv_indices_p / kv_indices_d
-        ``[kv_indptr_x[-1]]``, last_page_len_p / last_page_len_d ``[B_x]`` (integer, CPU or
-        GPU; read on the host). The options apply to both parts (as in FlashInfer); decode
-        requests may have any number of rows."""
+        ``[>= kv_indptr_x[-1]]`` (entries past kv_indptr_x[-1] are not read), last_page_len_p /
+        last_page_len_d ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply to
+        both parts (as in FlashInfer); decode requests may have any number of rows."""
         p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
                                pos_encoding_mode, window_left, q_data_type, kv_data_type,
                                data_type, sm_scale, rope_scale, rope_theta)
@@ -542,7 +544,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             mask_p = MASK_CAUSAL if causal_p else MASK_NONE
         if packed_p is not None:
             mask_indptr_p = p["mask_indptr_p"]
-        sm_d = p["sm_scale"] * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm_d = V.fits_float32("sm_scale * q_scale * k_scale", p["sm_scale"] * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         return self._call(
             p, q_p=q_p, k_p=k_p, v_p=v_p, qo_p=p["qo_indptr_p"], kvi_p=p["kv_indptr_p"],
             idx_p=p["kv_indices_p"], last_p=p["last_page_len_p"], q_d=q_d, k_d=k_d, v_d=v_d,

@@ -284,7 +284,8 @@ def _single_prefill(
                              f"qo_len={qo_len} (the first rows would see no key). Pass a "
                              "custom_mask, or use a batch wrapper, which allows it")
 
-    sm = opts["sm_scale"] * V.host_scale("k_scale", k_scale)
+    sm = V.fits_float32("sm_scale * k_scale",
+                        opts["sm_scale"] * V.host_scale("k_scale", k_scale))
     v_scale_f, v_scale_t = _split_v_scale(v_scale)
     alibi = get_alibi_slopes(hq, q.device) if opts["pos_encoding_mode"] == POS_ALIBI else None
     out, lse = call_op(
@@ -488,7 +489,7 @@ class _BatchPrefillBase(_WrapperBase):
         for name, given, have in (("seq_lens", seq_lens, kv_lens), ("seq_lens_q", seq_lens_q,
                                                                     qo_lens)):
             if given is not None:
-                g = given.detach().to("cpu", torch.int64).reshape(-1)
+                g = V.host_copy(name, given).reshape(-1)
                 if g.shape != have.shape or not torch.equal(g, have):
                     raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
                                      f"index arrays give, {have.tolist()}; pass None or the "
@@ -669,7 +670,8 @@ class _BatchPrefillBase(_WrapperBase):
         if o_scale is not None and V.host_scale("o_scale", o_scale) != 1.0:
             V.unsupported("o_scale", "fp8 output quantisation is not supported; leave o_scale "
                           "None (or 1.0)")
-        sm = p.sm_scale * V.host_scale("q_scale", q_scale) * V.host_scale("k_scale", k_scale)
+        sm = V.fits_float32("sm_scale * q_scale * k_scale", p.sm_scale * V.host_scale(
+            "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         v_f, v_t = _split_v_scale(v_scale)
         w = p.window_left if window_left is None else V.check_window_left(window_left)
         return sm, v_f, v_t, w
@@ -700,8 +702,10 @@ _PLAN_COMMON_DOC = """
         pos_encoding_mode "NONE"/"ROPE_LLAMA"/"ALIBI" (ALiBi with absolute positions; see
         single_prefill_with_kv_cache for the LSE difference to FlashInfer). window_left >= -1,
         logits_soft_cap >= 0 (None = 0), sm_scale (default 1/sqrt(head_dim_qk)), rope_scale (1),
-        rope_theta (1e4). q_data_type / kv_data_type / o_data_type: dtypes run() must get
-        (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
+        rope_theta (1e4); a window of 2^31 - 1 keys or more is no window (-1), and sm_scale,
+        logits_soft_cap, rope_scale, rope_theta beyond float32's range raise (the kernel
+        computes them in float32). q_data_type / kv_data_type / o_data_type: dtypes run()
+        must get (kv may be fp8). use_fp16_qk_reduction: a permission (we reduce in fp32).
         non_blocking: asynchronous host-to-device copies. seq_lens / seq_lens_q, if given, must
         equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
         given, must bound them; so must uniform_q_len (FlashInfer's promise that every request
@@ -768,9 +772,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
              disable_split_kv: bool = False, uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` (query rows per request), paged_kv_indptr ``[B+1]``
-        (pages per request), paged_kv_indices ``[paged_kv_indptr[-1]]``,
+        (pages per request), paged_kv_indices ``[>= paged_kv_indptr[-1]]`` (a pre-allocated
+        buffer may be longer, as in FlashInfer: entries past paged_kv_indptr[-1] are neither
+        read nor checked, so a sub-batch can be planned with the whole batch's buffer),
         paged_kv_last_page_len ``[B]``, all integer, on CPU or GPU (read on the host here).
-        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError.
+        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError. With
+        use_cuda_graph=True the first paged_kv_indptr[-1] entries are copied into
+        paged_kv_indices_buf, which needs room for those only (FlashInfer's needs room for
+        the whole argument).
         """
         V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")
@@ -948,8 +957,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         b = qo_h.numel() - 1
         kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1)
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
-            if given is not None and not torch.equal(
-                    given.detach().to("cpu", torch.int64).reshape(-1), same):
+            if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")
         p = self._plan_common(

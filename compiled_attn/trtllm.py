@@ -5,21 +5,24 @@ argument accepted) on top of the ``compiled_attn`` torch.library ops. The five i
 reduce to two calls: PACKED_QKV, CONTIGUOUS_Q_KV and SEPARATE_Q_K_V give ragged K/V
 (``torch.ops.compiled_attn.batch_ragged_prefill`` over views of the caller's tensors, no copy),
 Q_PAGED_KV_NHD / Q_PAGED_KV_HND give a paged cache addressed by a rectangular block table
-(``batch_paged_prefill``, the table compacted on the device). The mask modes (padding, causal,
-sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map onto the
-op's arguments. Nothing here reads a device value on the host: the work list is the uniform one
-over ``max_q_len`` and the consistency of the length arrays is asserted on the device, so the
-call can be captured in a CUDA graph.
+(``batch_paged_prefill``, the table compacted on the device), as one stacked cache or as
+FlashInfer's separate (k_cache, v_cache) pools with [B, 2, M] tables. The mask modes (padding,
+causal, sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map
+onto the op's arguments. Nothing here reads a device value on the host: the work list is the
+uniform one over ``max_q_len`` and the consistency of the length arrays is asserted on the
+device, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from . import _validate as V
 from . import plan
 from .op_call import call_op
-from .cudnn import _compact_block_tables
+from .cudnn import _compact_block_tables, _pages_used
 from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE
 from .utils import get_alibi_slopes
 
@@ -43,6 +46,36 @@ def _tuple_of(qkv, n: int, layout: str, what: str):
         if not torch.is_tensor(t):
             _fail(f"qkv[{i}]", f"must be a tensor, got {type(t).__name__}", f"pass {what}")
     return qkv
+
+
+def _separate_pools(pools, nhd: bool):
+    """FlashInfer's non-interleaved paged cache: (k_cache, v_cache), 4-D of one shape and
+    dtype, contiguous, V at a positive whole number of pages after K in one allocation (the
+    [B, 2, M] block tables give page offsets from k_cache's start). Returns (k_cache, v_cache,
+    that offset in pages)."""
+    what = "[pages, page, Hkv, D]" if nhd else "[pages, Hkv, page, D]"
+    if len(pools) != 2:
+        _fail("qkv[1]", f"is a sequence of {len(pools)} tensors", f"pass (k_cache, v_cache), "
+              f"each {what}")
+    k, v = pools
+    V.check_tensor("qkv[1][0] (k_cache)", k, ndim=4, what=what)
+    V.check_tensor("qkv[1][1] (v_cache)", v, ndim=4, device=k.device, what=what)
+    if k.shape != v.shape or k.dtype != v.dtype:
+        _fail("qkv[1]", f"holds k_cache {tuple(k.shape)} {k.dtype} and v_cache "
+              f"{tuple(v.shape)} {v.dtype}", "pass two caches of one shape and dtype")
+    if not (k.is_contiguous() and v.is_contiguous()):
+        _fail("qkv[1]", "holds a non-contiguous cache", "pass contiguous k_cache / v_cache "
+              "(block offsets count whole pages from k_cache's start)")
+    page_bytes = math.prod(k.shape[1:]) * k.element_size()
+    delta = v.data_ptr() - k.data_ptr()
+    same = k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    if not same or page_bytes == 0 or delta <= 0 or delta % page_bytes:
+        _fail("qkv[1]", f"holds caches {delta} bytes apart ({'one' if same else 'two'} "
+              f"allocation{'' if same else 's'}; a page is {page_bytes} bytes)",
+              "place v_cache a positive whole number of pages after k_cache in one "
+              "allocation (e.g. kv = torch.empty(2, pages, ...); kv[0], kv[1]), or pass a "
+              "stacked [pages, 2, ...] cache")
+    return k, v, delta // page_bytes
 
 
 def _int_vector(arg: str, t, n: int, device) -> torch.Tensor:
@@ -96,6 +129,10 @@ def trtllm_fmha_v2_prefill(
             SEPARATE_Q_K_V: (q [T, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dvo]).
             Q_PAGED_KV_NHD: (q [T, Hq, D], paged_kv [P, 2, page, Hkv, D]).
             Q_PAGED_KV_HND: (q [T, Hq, D], paged_kv [P, 2, Hkv, page, D]).
+            Either paged layout also takes (q, (k_cache, v_cache)), each [P, page, Hkv, D]
+            (NHD) / [P, Hkv, page, D] (HND), one shape and dtype, contiguous, v_cache a
+            positive whole number of pages (delta) after k_cache in one allocation
+            (FlashInfer's non-interleaved pools), with [B, 2, M] block tables.
             Any strides. q fp16/bf16/fp32 (fp8 is upcast exactly to bf16); K/V also fp8 (fold
             its scales into bmm1_scale / bmm2_scale).
         workspace_buffer: accepted for compatibility; our kernel needs no workspace.
@@ -110,7 +147,12 @@ def trtllm_fmha_v2_prefill(
         cum_seq_lens_kv: int32 [B+1] KV indptr (ragged layouts: into k/v's tokens; must match
             seq_lens).
         block_tables: int32 [B, max_pages] (paged layouts): request b's token t is in page
-            ``block_tables[b, t // page]``, slot ``t % page``.
+            ``block_tables[b, t // page]``, slot ``t % page``. With (k_cache, v_cache) pools:
+            [B, 2, max_pages], K page offsets then V page offsets, both counted in pages from
+            k_cache's start; a V offset must be its K offset + delta (V page i is v_cache[i],
+            as FlashInfer's own test builds them; other V orders fail a device-side check).
+            Columns past a request's ceil(seq_len / page) pages are never read (the table may
+            be wider than needed, and hold anything there).
         out: optional [T, Hq, Dvo] output buffer (written in place, returned).
         out_dtype: output dtype (torch dtype or name); default out's dtype, else q's.
         sinks: float32 [Hq] attention sink logits (natural units; a list/tuple holding one such
@@ -122,7 +164,7 @@ def trtllm_fmha_v2_prefill(
             keys j >= p_i - window_left) or "chunked" (keys in [floor(p_i / C) * C, p_i]).
         window_left: >= 0 with mask_mode="sliding_window" only; -1 otherwise.
         chunked_attention_size: C, a power of two, with mask_mode="chunked" only; 0 otherwise.
-        save_softmax_stats: raises NotImplementedError (see below).
+        save_softmax_stats: True raises NotImplementedError (see below).
         skip_softmax_threshold_scale_factor: None or 0 only (skip-softmax is not implemented).
 
     Returns:
@@ -130,11 +172,15 @@ def trtllm_fmha_v2_prefill(
         no request: the kernel does not write them (as FlashInfer; the CPU reference writes 0);
         slice them off.
 
-    save_softmax_stats=True raises: FlashInfer returns (row max, sum of exp) per row, and the
-    compiled_attn ops return only the LSE (base 2). The row max cannot be recovered from the
-    LSE, and FlashInfer does not document that its consumers accept any (m, s) pair with
-    m + ln(s) = LSE (such as (LSE, 1)); its stored max is even scaled differently per GPU
-    architecture. It needs an op that also returns the row max.
+    save_softmax_stats=True raises: FlashInfer returns float32 [T, Hq, 2] = (max, sum) per
+    row, and the compiled_attn ops return only the LSE (base 2), from which the row max cannot
+    be recovered; (LSE, 1) would satisfy max + ln(sum) = LSE but is not the row max FlashInfer
+    stores. Its encoding (tests/attention/test_fmha_v2_prefill.py, Hopper): sum =
+    sum_j exp(s_j - m) in natural units over the final logits s_j; the stored max is
+    m / (sqrt(D) * bmm1_scale) (the max of the raw q.k over sqrt(D)) without a soft cap and
+    m / sqrt(D) with one (Blackwell stores m itself). It needs the ops to also write the row
+    max m (the kernels' running max m_i, base 2, times ln 2; the split-KV merge taking the max
+    of its chunks' maxima); then sum = 2^(lse - m_i).
     """
     # ---- options
     if input_layout not in LAYOUTS:
@@ -187,6 +233,7 @@ def trtllm_fmha_v2_prefill(
 
     # ---- tensors by layout
     paged = input_layout.startswith("Q_PAGED_KV")
+    v_delta = None  # separate (k_cache, v_cache) pools: v_cache's offset from k_cache in pages
     if input_layout == "PACKED_QKV":
         V.check_tensor("qkv", qkv, ndim=4, what="[tokens, 3, H, D]")
         if qkv.shape[1] != 3:
@@ -204,17 +251,17 @@ def trtllm_fmha_v2_prefill(
         V.check_tensor("qkv[1]", k, ndim=3, what="[tokens, Hkv, D_qk]")
         V.check_tensor("qkv[2]", v, ndim=3, what="[tokens, Hkv, D_vo]")
     else:
-        if isinstance(qkv, (tuple, list)) and len(qkv) == 2 and isinstance(qkv[1], (tuple, list)):
-            _fail("qkv[1]", "is a (k_cache, v_cache) tuple: caches addressed relative to "
-                            "k_cache's base pointer ([B, 2, M] block tables) are not supported",
-                  "pass one stacked [pages, 2, ...] tensor", NotImplementedError)
-        q, kv = _tuple_of(qkv, 2, input_layout, "(q [T, Hq, D], paged_kv [pages, 2, ...])")
         nhd = input_layout.endswith("NHD")
-        V.check_tensor("qkv[1]", kv, ndim=5,
-                       what="[pages, 2, page, Hkv, D]" if nhd else "[pages, 2, Hkv, page, D]")
-        if kv.shape[1] != 2:
-            _fail("qkv[1]", f"has shape {tuple(kv.shape)}", "the second dim must be 2 (K, V)")
-        k, v = kv[:, 0], kv[:, 1]
+        if isinstance(qkv, (tuple, list)) and len(qkv) == 2 and isinstance(qkv[1], (tuple, list)):
+            q = _tuple_of(qkv[:1], 1, input_layout, "(q [T, Hq, D], (k_cache, v_cache))")[0]
+            k, v, v_delta = _separate_pools(qkv[1], nhd)
+        else:
+            q, kv = _tuple_of(qkv, 2, input_layout, "(q [T, Hq, D], paged_kv [pages, 2, ...])")
+            V.check_tensor("qkv[1]", kv, ndim=5, what="[pages, 2, page, Hkv, D]" if nhd
+                           else "[pages, 2, Hkv, page, D]")
+            if kv.shape[1] != 2:
+                _fail("qkv[1]", f"has shape {tuple(kv.shape)}", "the second dim must be 2 (K, V)")
+            k, v = kv[:, 0], kv[:, 1]
         if not nhd:
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # -> [P, page, Hkv, D] views
     V.check_tensor("q", q, ndim=3, what="[tokens, Hq, D_qk]")
@@ -295,16 +342,32 @@ def trtllm_fmha_v2_prefill(
         if block_tables is None:
             _fail("block_tables", f"is required for input_layout={input_layout!r}",
                   "pass int32 [batch_size, max_pages] page indices")
-        V.check_tensor("block_tables", block_tables, ndim=2, device=dev,
-                       what="[batch_size, max_pages]")
+        if v_delta is None:
+            V.check_tensor("block_tables", block_tables, ndim=2, device=dev,
+                           what="[batch_size, max_pages] (a stacked [pages, 2, ...] cache; "
+                           "[B, 2, M] tables go with a (k_cache, v_cache) tuple)")
+        else:
+            V.check_tensor("block_tables", block_tables, ndim=3, device=dev,
+                           what="[batch_size, 2, max_pages] (K and V page offsets from "
+                           "k_cache's start, for a (k_cache, v_cache) tuple)")
+            if block_tables.shape[1] != 2:
+                _fail("block_tables", f"has shape {tuple(block_tables.shape)}",
+                      "pass [batch_size, 2, max_pages]: K offsets, then V offsets")
         if block_tables.shape[0] != bsz:
             _fail("block_tables", f"has {block_tables.shape[0]} rows for batch_size {bsz}",
                   "pass one row per request")
         if block_tables.dtype not in (torch.int32, torch.int64):
             _fail("block_tables", f"must be int32, got {block_tables.dtype}", "pass int32")
-        _device_check(kv_lens <= block_tables.shape[1] * page,
+        _device_check(kv_lens <= block_tables.shape[-1] * page,
                       "block_tables has too few columns for seq_lens")
-        pind, pidx, last = _compact_block_tables(block_tables, kv_lens, page)
+        k_table = block_tables if v_delta is None else block_tables[:, 0]
+        if v_delta is not None:
+            _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
+            _device_check(~used | (block_tables[:, 1] == k_table + v_delta),
+                          f"block_tables[:, 1] must be block_tables[:, 0] + {v_delta} (v_cache "
+                          "starts that many pages after k_cache) for every page in use: V "
+                          "pages ordered apart from their K pages are not supported")
+        pind, pidx, last = _compact_block_tables(k_table, kv_lens, page)
         _device_check((pidx >= 0) & (pidx < k.shape[0]),
                       "block_tables holds page indices outside the cache")
         o, _ = call_op(

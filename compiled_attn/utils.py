@@ -137,9 +137,11 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     kv_last_page_len's dtype. FlashInfer returns last_page_len for a request with no pages (it
     clamps pages - 1 at 0); a request without pages holds no token, so this returns 0.
     """
-    V.check_tensor("kv_indptr", kv_indptr, ndim=1, what="[B+1] (pages per request, cumulated)")
-    V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,),
-                   device=kv_indptr.device, what="[B], one entry per request of kv_indptr")
+    V.check_int("kv_indptr", V.check_tensor("kv_indptr", kv_indptr, ndim=1,
+                                             what="[B+1] (pages per request, cumulated)"))
+    V.check_int("kv_last_page_len", V.check_tensor(
+        "kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,),
+        device=kv_indptr.device, what="[B], one entry per request of kv_indptr"))
     V.check_count("page_size", page_size, 1)
     npages = kv_indptr[1:] - kv_indptr[:-1]
     V.device_check(npages >= 0, "get_seq_lens: kv_indptr decreases; pass cumulated page "
@@ -162,16 +164,19 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     ``append_indptr[b] <= i < append_indptr[b+1]``. seq_lens: ``[B]``, each request's KV length
     after the append, so the appended tokens take the last positions:
     ``position = seq_lens[b] - append_len[b] + (i - append_indptr[b])``. nnz: number of
-    entries to produce (usually ``append_indptr[-1]``); entries past ``append_indptr[-1]`` get
-    batch index -1 and position 0. batch_indices, positions: optional int32 ``[nnz]`` outputs,
-    written in place. Returns (batch_indices, positions), int32 ``[nnz]``, on append_indptr's
-    device. No host reads.
+    entries to produce (usually ``append_indptr[-1]``); entries outside
+    ``[append_indptr[0], append_indptr[-1])`` (past the last request, or before the first when
+    append_indptr does not start at 0) belong to no request: batch index -1 and position 0.
+    batch_indices, positions: optional int32 ``[nnz]`` outputs, written in place. Returns
+    (batch_indices, positions), int32 ``[nnz]``, on append_indptr's device. No host reads.
     """
-    V.check_tensor("append_indptr", append_indptr, ndim=1, what="[B+1]")
+    V.check_int("append_indptr", V.check_tensor("append_indptr", append_indptr, ndim=1,
+                                                 what="[B+1]"))
     if append_indptr.shape[0] == 0:
         raise ValueError("append_indptr: is empty; pass [B+1] entries starting at 0")
-    V.check_tensor("seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
-                   what="[B], one KV length per request of append_indptr")
+    V.check_int("seq_lens", V.check_tensor(
+        "seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
+        what="[B], one KV length per request of append_indptr"))
     V.check_count("nnz", nnz, 0)
     dev = append_indptr.device
     ind = append_indptr.to(torch.int64)
@@ -180,13 +185,14 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
         return _write_outputs(nnz, dev, torch.full_like(i, -1).to(torch.int32),
                               torch.zeros_like(i).to(torch.int32), batch_indices, positions)
     b = torch.bucketize(i, ind[1:], right=True)
-    inside = i < ind[-1]
+    inside = (i >= ind[0]) & (i < ind[-1])
     bs = b.clamp(max=ind.numel() - 2)
     app_len = ind[1:] - ind[:-1]
     lens = seq_lens.to(torch.int64).to(dev)
-    V.device_check((app_len >= 0) & (lens >= app_len), "get_batch_indices_positions: "
-                   "append_indptr decreases, or a seq_lens entry is shorter than its request's "
-                   "appended tokens (seq_lens is each KV length after the append)")
+    V.device_check((app_len >= 0) & (lens >= app_len) & (ind[0] >= 0),
+                   "get_batch_indices_positions: append_indptr decreases or starts below 0, or "
+                   "a seq_lens entry is shorter than its request's appended tokens (seq_lens "
+                   "is each KV length after the append)")
     pos = lens[bs] - app_len[bs] + (i - ind[bs])
     b_out = torch.where(inside, b, torch.full_like(b, -1)).to(torch.int32)
     p_out = torch.where(inside, pos, torch.zeros_like(pos)).to(torch.int32)
@@ -219,18 +225,29 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     the slot, so kv_last_page_len is only checked for shape. A batch index past the page
     table, a position outside its request's pages (which FlashInfer writes into another
     request's page), or a page index outside the cache (kv_indices < 0 or >= P) fails a
-    device-side check (no host read; on CPU it raises at once).
+    device-side check (no host read; on CPU it raises at once). Every tensor is on the cache's
+    device (else a ValueError naming it) and every check runs before the first write, so an
+    append is written whole or not at all. kv_indices may be longer than kv_indptr[-1] (a
+    pre-allocated buffer); entries past it are not read.
     """
     layout = V.check_kv_layout(kv_layout)
     k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
+    dev = k_cache.device
+    V.check_tensor("paged_kv_cache (v)", v_cache, device=dev)
     page = k_cache.shape[1]
+    V.check_tensor("append_key", append_key, ndim=3, what="[nnz, Hkv, D_qk]")
     nnz = append_key.shape[0]
-    V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]))
-    V.check_tensor("append_value", append_value, shape=(nnz, v_cache.shape[2], v_cache.shape[3]))
+    V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]),
+                   device=dev)
+    V.check_tensor("append_value", append_value,
+                   shape=(nnz, v_cache.shape[2], v_cache.shape[3]), device=dev)
     ints = (torch.int32, torch.int64)
-    V.check_tensor("batch_indices", batch_indices, shape=(nnz,), dtypes=ints)
-    V.check_tensor("positions", positions, shape=(nnz,), dtypes=ints)
-    V.check_tensor("kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,))
+    V.check_tensor("batch_indices", batch_indices, shape=(nnz,), dtypes=ints, device=dev)
+    V.check_tensor("positions", positions, shape=(nnz,), dtypes=ints, device=dev)
+    for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
+        V.check_int(name, V.check_tensor(name, t, ndim=1, device=dev))
+    V.check_int("kv_last_page_len", V.check_tensor(
+        "kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,), device=dev))
     # Tokens with batch index < 0 (padding past append_indptr[-1]) are dropped by a boolean
     # selection: one device sync on a GPU, but no write can alias a real token's slot.
     keep = batch_indices >= 0
@@ -256,8 +273,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                    f"[0, {n_pages})")
     page_idx = page_idx.clamp(0, max(n_pages - 1, 0))
     slot = pos % page
-    k_cache[page_idx, slot] = append_key[keep].to(k_cache.dtype)
-    v_cache[page_idx, slot] = append_value[keep].to(v_cache.dtype)
+    k_new, v_new = append_key[keep].to(k_cache.dtype), append_value[keep].to(v_cache.dtype)
+    k_cache[page_idx, slot] = k_new
+    v_cache[page_idx, slot] = v_new
 
 
 # --------------------------------------------------------------------------------------------
@@ -271,25 +289,37 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     (``log2(sum_j 2^(s_ij * log2 e))`` = natural logsumexp / ln 2, as every compiled_attn entry
     point returns). Returns (v ``[N, H, D]`` in v_a's dtype, s float32 ``[N, H]``), with
     ``s = log2(2^s_a + 2^s_b)`` and ``v = v_a 2^(s_a - s) + v_b 2^(s_b - s)``. A row where both
-    LSEs are -inf (no key seen) merges to output 0, LSE -inf.
+    LSEs are -inf (no key seen) merges to output 0, LSE -inf; a NaN LSE gives NaN (output and
+    LSE). v_a / v_b are floating point (TypeError otherwise).
     """
     V.check_tensor("v_a", v_a, ndim=3, what="[N, H, D]")
     V.check_tensor("v_b", v_b, shape=v_a.shape, device=v_a.device, what="[N, H, D] as v_a")
     for name, s in (("s_a", s_a), ("s_b", s_b)):
         V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device, what="[N, H] of v_a")
+    _check_floating(("v_a", v_a), ("v_b", v_b), ("s_a", s_a), ("s_b", s_b))
     v, s = merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
     return v, s
+
+
+def _check_floating(*named: tuple[str, torch.Tensor]) -> None:
+    """Merged outputs and LSEs are floating point: an integer merge would be truncated."""
+    for name, t in named:
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype (float16 / bfloat16 / float32); "
+                            f"got {t.dtype}; pass attention outputs and their LSEs")
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the outputs of several disjoint KV segments by their base-2 LSEs.
 
-    v: ``[N, S, H, D]`` (S states per row); s: float ``[N, S, H]`` (base 2). Returns (v
-    ``[N, H, D]`` in v's dtype, s float32 ``[N, H]``); rows whose states all have LSE -inf
-    give output 0, LSE -inf.
+    v: floating ``[N, S, H, D]`` (S states per row; an integer v raises TypeError: its merge
+    would be truncated); s: floating ``[N, S, H]`` (base 2). Returns (v ``[N, H, D]`` in v's
+    dtype, s float32 ``[N, H]``); rows whose states all have LSE -inf give output 0, LSE -inf;
+    a NaN among a row's LSEs gives NaN output and LSE (never -inf, "no key seen").
     """
     V.check_tensor("v", v, ndim=4, what="[N, S, H, D]")
     V.check_tensor("s", s, shape=v.shape[:3], device=v.device, what="[N, S, H] of v")
+    _check_floating(("v", v), ("s", s))
     if v.shape[1] == 0:  # no state: as if every state had LSE -inf
         n, _, h, d = v.shape
         return v.new_zeros((n, h, d)), s.new_full((n, h), float("-inf"), dtype=torch.float32)
@@ -298,11 +328,12 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     m = sf.amax(dim=1, keepdim=True)  # [N, 1, H]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp2(sf - m_safe)  # 0 for -inf states
-    total = w.sum(dim=1)  # [N, H]
-    seen = total > 0
-    denom = torch.where(seen, total, torch.ones_like(total))
+    total = w.sum(dim=1)  # [N, H]; NaN where an LSE is NaN, which passes through
+    unseen = total == 0
+    denom = torch.where(unseen, torch.ones_like(total), total)
     out = (v.to(ct) * w[..., None]).sum(dim=1) / denom[..., None]
-    lse = torch.where(seen, torch.log2(denom) + m_safe[:, 0], torch.full_like(total, float("-inf")))
+    lse = torch.where(unseen, torch.full_like(total, float("-inf")),
+                      torch.log2(denom) + m_safe[:, 0])
     return out.to(v.dtype), lse.to(torch.float32)
 
 

@@ -237,6 +237,25 @@ def test_lse_base_ln(graph):
     (dict(is_cuda_graph_compatible=True, k_scale=torch.tensor(0.5)), NotImplementedError,
      "k_scale.*host read"),
     (dict(actual_seq_lens_q=_lens([4, 2])), ValueError, "max_token_per_sequence"),
+    # (an audit: a stats offset past the lse buffer gave that request an LSE of -inf; an lse
+    # buffer on another device, and lengths or scales on the meta device, reached a copy)
+    (dict(batch_offsets_stats=torch.tensor([0, 20, 32], dtype=torch.int32)), ValueError,
+     r"batch_offsets_stats entry 1 \(20 elements\) puts request 1's 8 LSE values outside "
+     "the lse buffer's 24 elements"),
+    (dict(batch_offsets_stats=torch.tensor([-4, 12, 20], dtype=torch.int32)), ValueError,
+     "batch_offsets_stats entry 0"),
+    (dict(lse=torch.empty(2, 3, 4, device="meta")), ValueError, "lse is .* on meta"),
+    (dict(actual_seq_lens_q=_lens([3, 2]).to("meta")), ValueError,
+     "actual_seq_lens_q: is on the meta device"),
+    (dict(actual_seq_lens_kv=_lens([6, 4]).to("meta")), ValueError,
+     "actual_seq_lens_kv: is on the meta device"),
+    (dict(q_scale=torch.tensor([1.0], device="meta")), ValueError,
+     "q_scale: is on the meta device"),
+    (dict(block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device="meta")),
+     ValueError, "block_tables: is on the meta device"),
+    (dict(batch_offsets_stats=torch.tensor([0, 12, 20], device="meta")), ValueError,
+     "batch_offsets_stats: is on the meta device"),
+    (dict(scale=1e39), ValueError, "scale: got 1e[+]?39, beyond float32's range"),
 ])
 def test_bad_inputs(over, exc, match):
     with pytest.raises(exc, match=match):
@@ -256,6 +275,8 @@ def test_bad_inputs(over, exc, match):
     (dict(k_cache=torch.randn(7, 2, 8, dtype=torch.float64),
           v_cache=torch.randn(7, 2, 8, dtype=torch.float64), block_tables=None),
      "k_cache has fewer tokens than sum"),
+    (dict(batch_offsets_stats=torch.tensor([0, 20, 32], dtype=torch.int32)),
+     "batch_offsets_stats puts a request's LSE rows outside the lse buffer's 24 elements"),
 ])
 def test_graph_mode_checks_values_on_device(over, match):
     """is_cuda_graph_compatible reads no value on the host: what the eager call checks there
@@ -275,6 +296,27 @@ def test_mixed_dtypes_raise():
     with pytest.raises(TypeError, match="k_cache / v_cache: dtypes torch.float64 and "
                                         "torch.float32 differ"):
         fn(**_base(k_cache=kc, v_cache=kc.float()))
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_block_tables_wider_than_needed(graph):
+    """Columns past a request's pages are never read, whatever they hold: -1, a page past the
+    cache, int32 max (tables sized for the longest request an engine serves)."""
+    o, l = fn(**_base(is_cuda_graph_compatible=graph))
+    wide = torch.tensor([[0, 1, -1, 4, 2 ** 31 - 1], [2, 2 ** 31 - 1, 4, -1, -1]],
+                        dtype=torch.int32)
+    o2, l2 = fn(**_base(block_tables=wide, is_cuda_graph_compatible=graph))
+    assert torch.equal(o2, o) and torch.equal(l2, l)
+
+
+def test_stats_offsets_may_leave_gaps_inside_the_buffer():
+    """Offsets inside the buffer are taken as given (request 1's rows after a gap), the
+    unwritten entries stay -inf."""
+    _, ref = fn(**_base())
+    _, l = fn(**_base(batch_offsets_stats=torch.tensor([0, 16, 24], dtype=torch.int32)))
+    flat, want = l.reshape(-1), ref.reshape(-1)
+    assert torch.equal(flat[:12], want[:12]) and torch.equal(flat[16:24], want[12:20])
+    assert torch.isneginf(flat[12:16]).all()
 
 
 def test_graph_mode_checks_offsets_on_device():

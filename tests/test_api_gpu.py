@@ -152,3 +152,104 @@ def test_cudnn_graph_mode_captures_and_replays_new_lengths():
             actual_seq_lens_q=torch.tensor(qo), actual_seq_lens_kv=torch.tensor(kv),
             block_tables=table.cpu(), causal=True, return_lse=False)[0]
         _close(out[:sum(qo)], ref[:sum(qo)])
+
+
+def _poisoned(indices, n_pages):
+    """indices followed by entries no kernel may read (a buffer sized for a larger batch)."""
+    tail = torch.tensor([-1, n_pages, 2 ** 31 - 1] * 5, dtype=torch.int32)
+    return torch.cat([indices, tail])
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_page_indices_longer_than_indptr(page):
+    """Paged, CUDA-graph-mode and BatchPOD plans take page-index buffers longer than
+    indptr[-1] (FlashInfer reads the first indptr[-1] entries only): the poisoned tail is never
+    read, and the output is the exact-length plan's, bit for bit."""
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d = 16, 4, 128
+    qo, kv = [300, 1, 500, 99], [400, 1, 700, 99]
+    pages = sum(-(-n // page) for n in kv) + 8
+    cache = torch.randn(pages, 2, page, hkv, d, generator=g)
+    cache_gpu = cache.to("cuda", torch.bfloat16)
+    indptr, indices, last = _page_table(kv, page, pages, g)
+    q = torch.randn(sum(qo), hq, d, generator=g).to("cuda", torch.bfloat16)
+    ws = torch.empty(1, device="cuda")
+    ref_w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    ref_w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
+               q_data_type=torch.float64)
+    ref = ref_w.run(q.double().cpu(), cache_gpu.double().cpu())
+    exact = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    exact.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
+               q_data_type=torch.bfloat16)
+    want = exact.run(q, cache_gpu)
+    _close(want, ref)
+    b = len(qo)
+    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buf=torch.zeros(indices.numel(), dtype=torch.int32,
+                                                 device="cuda"),
+                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    long_idx = _poisoned(indices, pages).cuda()
+    for w in (compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
+              compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True,
+                                                                **bufs)):
+        w.plan(_indptr(qo).cuda(), indptr.cuda(), long_idx, last.cuda(), hq, hkv, d, page,
+               causal=True, q_data_type=torch.bfloat16)
+        got = w.run(q, cache_gpu)
+        torch.cuda.synchronize()
+        _close(got, ref)
+        if not w.is_cuda_graph_enabled:  # the same plan: the same launch
+            assert torch.equal(got, want)
+    # BatchPOD: the decode part reads the first pages of the same table, with a longer buffer
+    kv_d = [77, 1, 33]
+    di_ptr, di, dl = _page_table(kv_d, page, pages, g)
+    q_d = torch.randn(len(kv_d), hq, d, generator=g)
+    res = []
+    for dev, dt, idx_p, idx_d in (("cuda", torch.bfloat16, long_idx, _poisoned(di, pages).cuda()),
+                                  ("cpu", torch.float64, indices, di)):
+        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
+        w.plan(_indptr(qo), indptr, idx_p, last, _indptr([1] * len(kv_d)), di_ptr, idx_d, dl,
+               hq, hkv, d, page, q_data_type=dt, kv_data_type=dt)
+        c = cache.to(dev, dt)
+        res.append(w.run(q.to(dev, dt), c, q_d.to(dev, dt), c, causal_p=True))
+    _close(res[0][0], res[1][0])
+    _close(res[0][1], res[1][1])
+
+
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_NHD", "Q_PAGED_KV_HND"])
+@pytest.mark.parametrize("page,hkv", [(32, 1), (128, 4)])
+def test_trtllm_separate_k_v_pools(layout, page, hkv):
+    """FlashInfer's test_trtllm_fmha_v2_prefill_non_interleaved_kv: K and V as the halves of
+    one [2, P, ...] allocation with [B, 2, M] block tables (V offsets + P) give the stacked
+    cache's output; here against the CPU float64 reference too, with the tables' unused
+    columns poisoned."""
+    g = torch.Generator().manual_seed(5)
+    b, hq, d = 4, 8, 128
+    seq = torch.randint(512, 1025, (b,), generator=g, dtype=torch.int32)
+    max_kv = int(seq.max())
+    max_blocks = -(-max_kv // page) + 1  # one column more than any request needs
+    pages = b * max_blocks
+    nhd = layout.endswith("NHD")
+    shape = (pages, 2, page, hkv, d) if nhd else (pages, 2, hkv, page, d)
+    paged = torch.randn(*shape, generator=g).to("cuda", torch.bfloat16)
+    table = torch.full((b, max_blocks), -1, dtype=torch.int32)
+    for i in range(b):
+        n = -(-int(seq[i]) // page)
+        table[i, :n] = torch.arange(i * max_blocks, i * max_blocks + n, dtype=torch.int32)
+    cum = _indptr(seq.tolist())
+    q = torch.randn(int(cum[-1]), hq, d, generator=g).to("cuda", torch.bfloat16)
+    ws = torch.empty(1, device="cuda")
+
+    def run(qkv, tables, dev):
+        return compiled_attn.trtllm_fmha_v2_prefill(
+            qkv, layout, ws.to(dev), seq.to(dev), max_kv, max_kv, 1 / d ** 0.5, 1.0, b,
+            cum.to(dev), cum.to(dev), block_tables=tables.to(dev), mask_mode="causal")
+
+    stacked = run((q, paged), table, "cuda")
+    fused = torch.stack([paged[:, 0], paged[:, 1]])
+    tables = torch.stack([table, torch.where(table >= 0, table + pages, table)], 1)
+    separate = run((q, (fused[0], fused[1])), tables.to(torch.int32), "cuda")
+    torch.cuda.synchronize()
+    ref = run((q.double().cpu(), paged.double().cpu()), table, "cpu")
+    _close(stacked, ref)
+    _close(separate, ref)

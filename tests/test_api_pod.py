@@ -9,7 +9,8 @@ import torch
 
 import compiled_attn as fi
 
-from .test_api_prefill import D64, WS, check, dense, dense_batch, indptr, make_paged, rand
+from .test_api_prefill import (D64, WS, check, dense, dense_batch, indptr, make_paged,
+                               poisoned_tail, rand)
 
 KV_D = [13, 1, 8, 0]  # decode KV lengths, an empty one included
 
@@ -237,3 +238,33 @@ def test_batch_pod_replans_keep_one_traced_graph(dynamic):
     with pytest.raises(RuntimeError, match="q_p: rows do not match the plan's qo_indptr_p"), \
             shape_config.patch(use_duck_shape=False):
         f(q_p[1:], caches[0], q_d, caches[1])
+
+
+def test_pod_page_indices_longer_than_indptr():
+    """Both POD wrappers take page-index buffers longer than indptr[-1] (FlashInfer reads only
+    the first indptr[-1] entries); the tails hold entries no kernel may read."""
+    hq, hkv, d, page = 4, 2, 8, 4
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=60)
+    q_p, k_p = rand(3, hq, d, seed=61), rand(5, hkv, d, seed=62)
+    q_d = rand(len(KV_D), hq, d, seed=63)
+    b = len(KV_D)
+    graph_bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32),
+                      paged_kv_indices_buffer=torch.zeros(idx.numel(), dtype=torch.int32),
+                      paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32))
+    for w in (fi.PODWithPagedKVCacheWrapper(WS),
+              fi.PODWithPagedKVCacheWrapper(WS, "NHD", True, **graph_bufs)):
+        w.plan(kvi, poisoned_tail(idx, cache.shape[0]), last, hq, hkv, d, page,
+               q_data_type=D64)
+        o_p, o_d = w.run(q_p, k_p, k_p, q_d, cache)
+        check(o_p, None, *dense(q_p, k_p, k_p))
+        check(o_d, None, *dense_batch(q_d, [1] * b, ks, vs))
+    qo_p, kv_p = [5, 2], [9, 6]
+    cache_p, kvi_p, idx_p, last_p, ks_p, vs_p = make_paged(kv_p, hkv, d, d, page, seed=64)
+    q_pb = rand(sum(qo_p), hq, d, seed=65)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(qo_p), kvi_p, poisoned_tail(idx_p, cache_p.shape[0]), last_p,
+           indptr([1] * b), kvi, poisoned_tail(idx, cache.shape[0]), last, hq, hkv, d, page,
+           data_type=D64)
+    (o_p, o_d), (l_p, l_d) = w.run(q_pb, cache_p, q_d, cache, causal_p=True, return_lse=True)
+    check(o_p, l_p, *dense_batch(q_pb, qo_p, ks_p, vs_p, causal=True))
+    check(o_d, l_d, *dense_batch(q_d, [1] * b, ks, vs))

@@ -335,6 +335,47 @@ def test_paged_cuda_graph_buffers_path():
         w.plan(indptr([1, 1, 1]), big[1], big[2], big[3], hq, hkv, d, page, q_data_type=D64)
 
 
+def poisoned_tail(idx: torch.Tensor, n_pages: int) -> torch.Tensor:
+    """idx followed by entries a kernel must never read: -1, a page past the cache, int32 max
+    (a pre-allocated buffer sized for a larger batch)."""
+    tail = torch.tensor([-1, n_pages, 2 ** 31 - 1], dtype=idx.dtype)
+    return torch.cat([idx, tail])
+
+
+def test_paged_indices_buffer_longer_than_indptr():
+    """FlashInfer reads paged_kv_indices[:paged_kv_indptr[-1]] only, and its batch-invariance
+    test re-plans a sub-batch with the whole buffer (as serving engines do with buffers sized
+    for the largest batch): the entries past indptr[-1] are neither read nor checked, in eager
+    and CUDA-graph plans (the graph buffer needs room for indptr[-1] entries only)."""
+    qo, kv, page, hq, hkv, d = [3, 5, 2], [9, 4, 11], 4, 4, 2, 8
+    cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=50)
+    buf = poisoned_tail(idx, cache.shape[0])
+    q = rand(sum(qo), hq, d, seed=51)
+    bufs = dict(qo_indptr_buf=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buf=torch.zeros(idx.numel() + 1, dtype=torch.int32),
+                paged_kv_last_page_len_buf=torch.zeros(3, dtype=torch.int32))
+    for w in (fi.BatchPrefillWithPagedKVCacheWrapper(WS),
+              fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)):
+        w.plan(indptr(qo), kvi, buf, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+        out, lse = w.run(q, cache, return_lse=True)
+        check(out, lse, *dense_batch(q, qo, ks, vs, causal=True))
+    # the sub-batch of the first two requests, planned with the same buffer
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(qo[:2]), kvi[:3], buf, last[:2], hq, hkv, d, page, causal=True,
+           q_data_type=D64)
+    n = sum(qo[:2])
+    out, lse = w.run(q[:n], cache, return_lse=True)
+    check(out, lse, *dense_batch(q[:n], qo[:2], ks[:2], vs[:2], causal=True))
+    # a buffer shorter than indptr[-1] still raises; a negative page in use still does
+    with pytest.raises(ValueError, match="paged_kv_indices holds only"):
+        w.plan(indptr(qo), kvi, idx[:-1], last, hq, hkv, d, page, q_data_type=D64)
+    bad = buf.clone()
+    bad[0] = -1
+    with pytest.raises(ValueError, match="paged_kv_indices: entry 0 is -1"):
+        w.plan(indptr(qo), kvi, bad, last, hq, hkv, d, page, q_data_type=D64)
+
+
 # --------------------------------------------------------------------------------------------
 # ragged wrapper
 # --------------------------------------------------------------------------------------------

@@ -223,11 +223,73 @@ def test_bad_inputs(layout, kw, exc, match):
         _bad(layout, **kw)
 
 
-def test_paged_tuple_caches_not_implemented():
-    q = torch.randn(5, 4, 8, dtype=torch.float64)
-    kc = torch.randn(4, 4, 2, 8, dtype=torch.float64)
-    with pytest.raises(NotImplementedError, match="stacked"):
-        _bad("Q_PAGED_KV_NHD", qkv=(q, (kc, kc.clone())))
+def separate_pools(cache: torch.Tensor, table: torch.Tensor):
+    """FlashInfer's non-interleaved form of a stacked [P, 2, ...] cache and its [B, M] table:
+    K and V as the two halves of one [2, P, ...] allocation, and [B, 2, M] tables whose V
+    offsets count from k_cache's start (page + P), as its test_fmha_v2_prefill builds them."""
+    fused = torch.stack([cache[:, 0], cache[:, 1]])
+    pages = cache.shape[0]
+    return (fused[0], fused[1]), torch.stack([table, table + pages], 1).to(torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_NHD", "Q_PAGED_KV_HND"])
+def test_paged_separate_k_v_pools(layout):
+    """(q, (k_cache, v_cache)) with [B, 2, M] block tables gives the stacked cache's output
+    (FlashInfer's test_trtllm_fmha_v2_prefill_non_interleaved_kv), against the oracle."""
+    torch.manual_seed(13)
+    qo, kv, hq, hkv, d = [6, 4, 9], [13, 4, 9], 6, 3, 16
+    qs, ks, vs = _seqs(qo, kv, hq, hkv, d, d)
+    (q, cache), table = _build(layout, qs, ks, vs, seed=7, page=4)
+    pools, tables = separate_pools(cache, table)
+    out = torch.full((sum(qo), hq, d), float("nan"), dtype=torch.float64)
+    got = _call((q, pools), layout, tables, qo, kv, out=out, logits_soft_cap_scale=2.0)
+    torch.testing.assert_close(got, _oracle(qs, ks, vs, sm_scale=0.3, causal=True, soft_cap=2.0))
+    assert torch.equal(got, _call((q, cache), layout, table, qo, kv, logits_soft_cap_scale=2.0))
+
+
+def test_paged_separate_k_v_pools_bad_inputs():
+    torch.manual_seed(14)
+    qs, ks, vs = _seqs([3, 2], [4, 5], 4, 2, 8, 8)
+    (q, cache), table = _build("Q_PAGED_KV_NHD", qs, ks, vs)
+    (kc, vc), tables = separate_pools(cache, table)
+    cases = [
+        (dict(qkv=(q, (kc, vc))), ValueError, r"block_tables: expected a 3-D tensor"),
+        (dict(qkv=(q, (kc, vc)), table=tables[:, :1]), ValueError,
+         r"block_tables has shape \(2, 1, 2\)"),
+        (dict(qkv=(q, cache), table=tables), ValueError, "block_tables: expected a 2-D tensor"),
+        (dict(qkv=(q, (kc, vc.clone())), table=tables), ValueError,
+         "two allocations.*positive whole number of pages after k_cache"),
+        (dict(qkv=(q, (vc, kc)), table=tables), ValueError, "bytes apart"),
+        (dict(qkv=(q, (kc, vc[:, :, :1])), table=tables), ValueError, "one shape and dtype"),
+        (dict(qkv=(q, (kc, vc, vc)), table=tables), ValueError, "sequence of 3 tensors"),
+        (dict(qkv=(q, (kc, vc.transpose(1, 2))), table=tables), ValueError,
+         "one shape and dtype"),
+    ]
+    for kw, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            _bad("Q_PAGED_KV_NHD", **kw)
+    # V pages that do not follow their K pages by v_cache's offset: a device-side check
+    shuffled = tables.clone()
+    shuffled[0, 1, 0] = tables[1, 1, 0]
+    with pytest.raises(RuntimeError, match=r"block_tables\[:, 1\] must be block_tables\[:, 0\]"):
+        _bad("Q_PAGED_KV_NHD", qkv=(q, (kc, vc)), table=shuffled)
+    # entries past a request's pages are not read (a wide, poisoned table)
+    wide = torch.cat([tables, torch.full((2, 2, 3), -7, dtype=torch.int32)], 2)
+    assert torch.equal(_bad("Q_PAGED_KV_NHD", qkv=(q, (kc, vc)), table=wide),
+                       _bad("Q_PAGED_KV_NHD", qkv=(q, cache), table=table))
+
+
+@pytest.mark.parametrize("layout", ["Q_PAGED_KV_NHD", "Q_PAGED_KV_HND"])
+def test_block_tables_wider_than_needed(layout):
+    """Columns past each request's pages are never read, whatever they hold (FlashInfer's
+    tables are sized for the longest request the engine serves)."""
+    torch.manual_seed(15)
+    qo, kv = [5, 3], [9, 2]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 8, 8)
+    (q, cache), table = _build(layout, qs, ks, vs, seed=8, page=4)
+    tail = torch.tensor([[-1, cache.shape[0], 2 ** 31 - 1]] * 2, dtype=torch.int32)
+    got = _call((q, cache), layout, torch.cat([table, tail], 1), qo, kv)
+    torch.testing.assert_close(got, _oracle(qs, ks, vs, sm_scale=0.3, causal=True))
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -177,3 +177,81 @@ def test_helpers_bad_inputs():
     # a scale given as a string is not a number
     with pytest.raises(TypeError, match="k_scale: got '2'; pass a number"):
         fi.single_prefill_with_kv_cache(rand(2, 2, 8), rand(3, 2, 8), rand(3, 2, 8), k_scale="2")
+
+
+def test_helpers_refuse_float_indices():
+    # Float index arrays were truncated silently (kv_indptr [0., 1.5] gave a length of 3,
+    # kv_last_page_len [1.5] one of 5.5, kv_indices [1.7] wrote page 1): integer dtypes only.
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    f32 = lambda *x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    cases = [
+        (lambda: fi.get_seq_lens(f32(0., 1.5), i32(1), 2), "kv_indptr"),
+        (lambda: fi.get_seq_lens(i32(0, 1), f32(1.5), 2), "kv_last_page_len"),
+        (lambda: fi.get_batch_indices_positions(i32(0, 3), f32(3.5), 3), "seq_lens"),
+        (lambda: fi.get_batch_indices_positions(f32(0., 3.), i32(3), 3), "append_indptr"),
+    ]
+    for fn, name in cases:
+        with pytest.raises(TypeError, match=f"^{name}: expected an integer dtype"):
+            fn()
+    cache = torch.zeros(3, 2, 2, 1, 4, dtype=D64)
+    k = rand(1, 1, 4, seed=1)
+    for name, idx, ptr, last in (("kv_indices", f32(1.7), i32(0, 1), i32(1)),
+                                 ("kv_indptr", i32(1), f32(0., 1.), i32(1)),
+                                 ("kv_last_page_len", i32(1), i32(0, 1), f32(1.))):
+        with pytest.raises(TypeError, match=f"^{name}: expected an integer dtype"):
+            fi.append_paged_kv_cache(k, k, i32(0), i32(0), cache, idx, ptr, last)
+    assert not cache.any()
+
+
+def test_get_batch_indices_positions_indptr_not_at_zero():
+    # Tokens before append_indptr[0] belong to no request, as the docstring says (they were
+    # given to request 0 with a position one before its first appended token); FlashInfer's
+    # kernel fills only [append_indptr[0], append_indptr[-1]).
+    b, p = fi.get_batch_indices_positions(torch.tensor([1, 3], dtype=torch.int32),
+                                          torch.tensor([5], dtype=torch.int32), 4)
+    assert b.tolist() == [-1, 0, 0, -1] and p.tolist() == [0, 3, 4, 0]
+    with pytest.raises(RuntimeError, match="append_indptr decreases or starts below 0"):
+        fi.get_batch_indices_positions(torch.tensor([-1, 3], dtype=torch.int32),
+                                       torch.tensor([5], dtype=torch.int32), 4)
+
+
+def test_append_paged_kv_cache_checks_devices_before_writing():
+    # A key or an index array on another device returned without writing K (V was written)
+    # or wrote nothing; now each names the argument, and nothing is written.
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cache = torch.zeros(3, 2, 2, 1, 4, dtype=D64)
+    k = rand(1, 1, 4, seed=2)
+    args = dict(append_key=k, append_value=k, batch_indices=i32(0), positions=i32(1),
+                paged_kv_cache=cache, kv_indices=i32(2), kv_indptr=i32(0, 1),
+                kv_last_page_len=i32(2))
+    for name in ("append_key", "append_value", "batch_indices", "positions", "kv_indices",
+                 "kv_indptr", "kv_last_page_len"):
+        bad = dict(args, **{name: args[name].to("meta")})
+        with pytest.raises(ValueError, match=f"^{name}: is on meta but must be on cpu"):
+            fi.append_paged_kv_cache(**bad)
+    with pytest.raises(ValueError, match=r"^paged_kv_cache \(v\): is on meta"):
+        fi.append_paged_kv_cache(**dict(args, paged_kv_cache=(cache[:, 0], cache[:, 1].to("meta"))))
+    assert not cache.any()
+    fi.append_paged_kv_cache(**args)  # the same call on one device writes K and V
+    assert torch.equal(cache[2, 0, 1], k[0]) and torch.equal(cache[2, 1, 1], k[0])
+
+
+def test_merge_state_passes_nan_through_and_refuses_integer_values():
+    # A NaN LSE merged to -inf ("saw no key") beside a NaN output; int32 values merged to
+    # int32 (1 and 2 gave 1).
+    v = rand(2, 1, 4, seed=3)
+    s = torch.zeros(2, 1)
+    s_nan = torch.tensor([[float("nan")], [0.0]])
+    o, lse = fi.merge_state(v, s_nan, v * 2, s)
+    assert torch.isnan(o[0]).all() and torch.isnan(lse[0]).all()
+    torch.testing.assert_close(o[1], v[1] * 1.5)
+    assert float(lse[1, 0]) == 1.0
+    o, lse = fi.merge_states(torch.stack([v, v], 1), torch.stack([s_nan, s_nan], 1))
+    assert torch.isnan(lse[0]).all() and torch.isnan(o[0]).all() and float(lse[1, 0]) == 1.0
+    ones = torch.ones(1, 2, 1, 1, dtype=torch.int32)
+    with pytest.raises(TypeError, match="^v: expected a floating dtype"):
+        fi.merge_states(ones, torch.zeros(1, 2, 1))
+    with pytest.raises(TypeError, match="^s: expected a floating dtype"):
+        fi.merge_states(ones.float(), torch.zeros(1, 2, 1, dtype=torch.int32))
+    with pytest.raises(TypeError, match="^v_a: expected a floating dtype"):
+        fi.merge_state(ones[:, 0], torch.zeros(1, 1), ones[:, 0], torch.zeros(1, 1))

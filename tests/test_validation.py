@@ -40,7 +40,7 @@ PLAN_ERRORS = [
     (dict(paged_kv_indptr=torch.tensor([0, 2], dtype=torch.int32)), ValueError,
      r"paged_kv_indptr: has 2 entries but batch_size \+ 1 = 3"),
     (dict(paged_kv_indices=torch.tensor([0, 1, 2, 3], dtype=torch.int32)), ValueError,
-     r"paged_kv_indptr: ends at 5 but paged_kv_indices.numel\(\) is 4"),
+     r"paged_kv_indptr: ends at 5 but paged_kv_indices holds only 4 entries"),
     (dict(paged_kv_indices=torch.tensor([0, 1, -2, 3, 4], dtype=torch.int32)), ValueError,
      "paged_kv_indices: entry 2 is -2; page indices must be >= 0"),
     (dict(paged_kv_last_page_len=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
@@ -302,3 +302,70 @@ def test_helpers_check_values():
     assert torch.equal(out, torch.zeros(2, 1, 4)) and torch.isneginf(lse).all()
     with pytest.raises(TypeError, match="x: expected a tensor"):
         fi.packbits([1, 0, 1])
+
+
+def test_index_tensors_and_scales_without_data_name_the_argument(paged):
+    # Index tensors on the meta device reached a host copy and raised "Cannot copy out of
+    # meta tensor" without naming the argument.
+    cache, kvi, idx, last = paged
+    for name, t in (("qo_indptr", indptr(QO)), ("paged_kv_indptr", kvi),
+                    ("paged_kv_indices", idx), ("paged_kv_last_page_len", last),
+                    ("seq_lens", torch.tensor(KV))):
+        with pytest.raises(ValueError, match=f"^{name}: is on the meta device"):
+            plan_paged(paged, **{name: t.to("meta")})
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    for args in ((indptr(QO).to("meta"), indptr(KV)), (indptr(QO), indptr(KV).to("meta"))):
+        with pytest.raises(ValueError, match=r"^(qo|kv)_indptr: is on the meta device"):
+            w.plan(*args, HQ, HKV, D, q_data_type=D64)
+    with pytest.raises(ValueError, match="^v_indptr: is on the meta device"):
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, v_indptr=indptr(KV).to("meta"))
+    pod = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    with pytest.raises(ValueError, match="^kv_indices_d: is on the meta device"):
+        pod.plan(indptr(QO), kvi, idx, last, indptr([1, 1]), kvi, idx.to("meta"), last, HQ, HKV,
+                 D, PAGE, q_data_type=D64)
+
+
+def test_scales_and_caps_beyond_float32_raise(paged):
+    # 1e39 passed the finite check in float64 and then computed garbage in float32 (CPU:
+    # rows zeroed; kernel: NaN), so did a soft cap of 1e39 and a product of scales past
+    # float32's range.
+    q, k = rand(3, HQ, D), rand(5, HKV, D)
+    for kw, name in ((dict(sm_scale=1e39), "sm_scale"), (dict(logits_soft_cap=1e39),
+                                                         "logits_soft_cap"),
+                     (dict(sm_scale=-1e39), "sm_scale"), (dict(rope_theta=1e39), "rope_theta"),
+                     (dict(sm_scale=1e30, k_scale=1e30), r"sm_scale \* k_scale"),
+                     (dict(k_scale=1e39), "k_scale")):
+        with pytest.raises(ValueError, match=f"^{name}: got .*beyond float32's range"):
+            fi.single_prefill_with_kv_cache(q, k, k, **kw)
+    for kw, name in ((dict(sm_scale=1e39), "sm_scale"), (dict(logits_soft_cap=1e39),
+                                                         "logits_soft_cap")):
+        with pytest.raises(ValueError, match=f"^{name}: got .*beyond float32's range"):
+            plan_paged(paged, **kw)
+    w = plan_paged(paged, sm_scale=1e30)
+    with pytest.raises(ValueError, match=r"^sm_scale \* q_scale \* k_scale: got"):
+        w.run(rand(sum(QO), HQ, D), paged[0], q_scale=1e5, k_scale=1e5)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(ValueError, match="^bmm1_scale: got .*beyond float32's range"):
+        fi.trtllm_fmha_v2_prefill((q, k, k), "SEPARATE_Q_K_V", WS, i32(5), 3, 5, 1e39, 1.0, 1,
+                                  i32(0, 3), i32(0, 5))
+    # the largest float32 is still a scale
+    assert V.check_scale("sm_scale", torch.finfo(torch.float32).max, 1.0) > 0
+
+
+def test_window_wider_than_any_position_is_no_window(paged):
+    # window_left=2**64 passed the check, then the kernel launch raised Triton's "integer to be
+    # specialized too large" and the CPU path "Expected a value of type 'int'": a window of
+    # 2^31 - 1 keys or more reaches every (int32) position, so it is no window.
+    assert V.check_window_left(2 ** 64) == -1 and V.check_window_left(2 ** 31 - 1) == -1
+    assert V.check_window_left(2 ** 31 - 2) == 2 ** 31 - 2
+    q, k, v = rand(5, HQ, D, seed=1), rand(9, HKV, D, seed=2), rand(9, HKV, D, seed=3)
+    want = fi.single_prefill_with_kv_cache(q, k, v, causal=True)
+    for w in (2 ** 64, 2 ** 31 - 1):
+        got = fi.single_prefill_with_kv_cache(q, k, v, causal=True, window_left=w)
+        assert torch.equal(got, want)
+    qb = rand(sum(QO), HQ, D, seed=4)
+    want = plan_paged(paged, causal=True).run(qb, paged[0])
+    got = plan_paged(paged, causal=True, window_left=2 ** 64).run(qb, paged[0])
+    assert torch.equal(got, want)
+    got = plan_paged(paged, causal=True, window_left=1).run(qb, paged[0], window_left=2 ** 64)
+    assert torch.equal(got, want)
