@@ -273,9 +273,10 @@ class Bound:
         if p in self._static and p not in self._ptrs:
             return ("static", self._static[p], 0, geom)
         hits = [i for i, q in enumerate(self._ptrs) if q == p]
-        if not hits:  # a view inside exactly one of the call's tensors
+        if not hits:  # a view inside exactly one of the call's tensors (or its aliases: the
+            # key holds which tensors share a pointer, so any of them gives the same address)
             hits = [i for i, (lo, hi) in enumerate(self._spans) if lo <= p < hi]
-            if len(hits) != 1:
+            if len({self._ptrs[i] for i in hits}) != 1:
                 raise _Unbindable("a tensor argument of unknown origin")
         i = hits[0]
         src = self._tensors[i]
