@@ -68,12 +68,13 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full):
     the checks it passed (a call that differs in any checked property has another key and takes
     the whole path, which raises what it raises). inputs: the call's tensors (tuples allowed);
     options: every other argument that the path reads, as plain values."""
-    flat = launch._flatten(inputs, [])
-    if not (POLICY.bound_launches and POLICY.direct and plain_eager(tuple(flat))
-            and any(isinstance(t, torch.Tensor) for t in flat)):
+    if not (POLICY.bound_launches and POLICY.direct and plain_eager(())):
         return full()
     try:
-        key, tensors = memo.key(flat, options)
+        kt = memo.eager_key(inputs, options)
+        if kt is None:
+            return full()
+        key, tensors = kt
         hash(key)
     except TypeError:  # an argument that is no tensor and no plain value: the checks say so
         return full()

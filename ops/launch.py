@@ -76,9 +76,35 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+# Work counters of eager launches come from a zeroed pool per (device, stream): a slot a launch,
+# the whole pool zeroed again (one memset, ordered after every launch that used it) when spent.
+# A launch being captured into a CUDA graph takes a fresh zeroed tensor instead (the graph's
+# memset re-zeroes it at every replay).
+POOL_SLOTS = 4096
+_POOLS: dict = {}
+
+
+def _pool_slot(device: torch.device) -> tuple[torch.Tensor, int]:
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = _POOLS[key] = [torch.zeros(POOL_SLOTS, dtype=torch.int32, device=device), 0]
+    t, i = pool
+    if i == POOL_SLOTS:
+        t.zero_()
+        i = 0
+    pool[1] = i + 1
+    return t, i
+
+
 def counter(device) -> torch.Tensor:
     """A zeroed int32 [1] work counter (persistent grids claim items from it)."""
-    t = torch.zeros(1, dtype=torch.int32, device=device)
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        t, i = _pool_slot(device)
+        t = t[i:i + 1]
+    else:
+        t = torch.zeros(1, dtype=torch.int32, device=device)
     if _RECORDER is not None:
         _RECORDER.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
     return t
@@ -217,6 +243,87 @@ def _is_constant(a) -> bool:
             or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
 
 
+class _Direct:
+    """A compiled kernel's C launcher called directly, with its tensor descriptors expanded
+    ahead (Triton's own wrapper expands every descriptor argument and re-encodes its tensor map
+    at every call): the expansion of a descriptor is kept while its base pointer stays the same
+    (the map is copied into the launch's parameters, so one encoding serves many launches).
+    Built only where the launcher has triton 3.6's shape (CudaLauncher(gridX, gridY, gridZ,
+    stream, function, *args) over a launcher taking 13 base arguments, descriptors expanded by
+    make_tensordesc_arg(arg, metadata)) and needs no scratch; else None and the replay calls
+    CompiledKernel.run (the same on every version)."""
+
+    @staticmethod
+    def of(compiled, template: list):
+        try:
+            from triton.backends.nvidia import driver as nvd
+
+            L = compiled.run
+            params = list(inspect.signature(type(L).__call__).parameters)
+            if (type(L).__name__ != "CudaLauncher" or L.global_scratch_size
+                    or L.profile_scratch_size or getattr(nvd, "_BASE_ARGS_FORMAT_LEN", 0) != 13
+                    or params != ["self", "gridX", "gridY", "gridZ", "stream", "function",
+                                  "args"]
+                    or len(inspect.signature(nvd.make_tensordesc_arg).parameters) != 2):
+                return None
+            launch = L.launch
+            code = getattr(launch, "__code__", None)
+            if code is None:  # no descriptor argument: the C launcher itself
+                return _Direct(L, launch, set(), [], nvd, template)
+            cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
+            if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+                return None
+            return _Direct(L, cells["launcher"], set(cells["tensordesc_indices"]),
+                           list(cells["tensordesc_meta"]), nvd, template)
+        except Exception:  # noqa: BLE001  (another Triton: the portable replay)
+            return None
+
+    def __init__(self, L, launcher, td: set, metas: list, nvd, template: list):
+        self.launcher, self.coop, self.pdl = launcher, L.launch_cooperative_grid, L.launch_pdl
+        self.make = nvd.make_tensordesc_arg
+        self.meta = {}      # bound position -> its descriptor's metadata
+        self.at = []        # bound position -> (first expanded position, length)
+        self.cache = {}     # bound position -> (base pointer, expansion)
+        expanded = []
+        k = 0
+        for i, a in enumerate(template):
+            if i in td:
+                self.meta[i] = metas[k] if k < len(metas) else None
+                k += 1
+                e = list(self.make(a, self.meta[i]))
+                self.cache[i] = (a.base.data_ptr(), e)
+                self.at.append((len(expanded), len(e)))
+                expanded.extend(e)
+            else:
+                self.at.append((len(expanded), 1))
+                expanded.append(a)
+        self.template = expanded
+
+    def __call__(self, g, stream, compiled, patches, pools):
+        f = self.template.copy()
+        for pos, desc, (kind, j, delta, _g) in patches:
+            ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
+            e, n = self.at[pos]
+            if desc:
+                base, exp = self.cache[pos]
+                if base != ptr:
+                    d = object.__new__(type(self._desc[pos]))
+                    d.__dict__.update(self._desc[pos].__dict__)
+                    d.base = _Ptr(ptr)
+                    exp = list(self.make(d, self.meta[pos]))
+                    self.cache[pos] = (ptr, exp)
+                f[e:e + n] = exp
+            else:
+                f[e] = ptr
+        self.launcher(g[0], g[1], g[2], stream, compiled.function, self.coop, self.pdl, None,
+                      None, compiled.packed_metadata, None, None, None, *f)
+
+
+def _pool_ptr(device: torch.device) -> _Ptr:
+    t, i = _pool_slot(device)
+    return _Ptr(t.data_ptr() + 4 * i)
+
+
 class Bound:
     """One recorded call, replayable for calls with the same key.
 
@@ -260,7 +367,11 @@ class Bound:
                     patches.append((pos, True, self._source(a.base)))
                 elif not _is_constant(a):
                     raise _Unbindable(f"argument {pos} of {fn.fn.__name__}: {type(a).__name__}")
-            self.launches.append((fn, grid, list(vals), patches, options, compiled))
+            direct = None if INTERPRET else _Direct.of(compiled, list(vals))
+            if direct is not None:
+                direct._desc = {pos: vals[pos] for pos, desc, _s in patches if desc}
+            self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
+                                  options, compiled, direct))
         del self._tensors, self._spans, self._ptrs
 
     def _source(self, t: torch.Tensor):
@@ -290,14 +401,19 @@ class Bound:
         outputs."""
         dev = self.device
         outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in self.outputs]
-        tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
-                else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
         if INTERPRET:
+            tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
+                    else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
+        tmps = [_pool_ptr(dev) if kind == "zeros" else torch.empty(s, dtype=dt, device=dev)
+                for kind, s, dt in self.scratch]
         pools = {"in": tensors, "out": outs, "tmp": tmps}
         stream = torch._C._cuda_getCurrentRawStream(dev.index)
-        for fn, grid, template, patches, _, compiled in self.launches:
+        for fn, g, template, patches, _, compiled, direct in self.launches:
+            if direct is not None:
+                direct(g, stream, compiled, patches, pools)
+                continue
             a = template.copy()
             for pos, desc, (kind, j, delta, _g) in patches:
                 ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
@@ -308,14 +424,13 @@ class Bound:
                     a[pos] = d
                 else:
                     a[pos] = ptr
-            g = grid + (1,) * (3 - len(grid))
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                          None, None, None, *a)
         return tuple(outs)
 
     def _replay_interpreted(self, tensors, outs, tmps):
         pools = {"in": tensors, "out": outs, "tmp": tmps}
-        for fn, grid, template, patches, options, _ in self.launches:
+        for fn, grid, template, patches, options, _, _d in self.launches:
             a = template.copy()
             for pos, desc, (kind, j, delta, (size, stride, dtype)) in patches:
                 src = j if kind == "static" else pools[kind][j]
@@ -351,6 +466,37 @@ class Memo:
 
     def clear(self) -> None:
         self._bound.clear()
+
+    def eager_key(self, values, extra=()):
+        """key() for a plain eager call (op_call.plain_eager's per-tensor half: plain tensors
+        on a device the kernels run, none requiring grad while grad is on), in one pass; None
+        for any other call or one without tensors."""
+        sig = []
+        tensors = []
+        ptrs = []
+        grad = torch.is_grad_enabled()
+        static = self._static
+        for a in values:
+            if isinstance(a, torch.Tensor):
+                if type(a) is not torch.Tensor or (grad and a.requires_grad):
+                    return None
+                dev = a.device
+                if dev.type != "cuda" and not (INTERPRET and dev.type == "cpu"):
+                    return None
+                p = a.data_ptr()
+                tensors.append(a)
+                ptrs.append(p)
+                sig.append(id(a) if id(a) in static else
+                           (a.shape, a.stride(), a.dtype, dev, a.storage_offset(), p % 16))
+            elif isinstance(a, (tuple, list)):
+                return self.eager_key(_flatten(values, []), extra) if a else None
+            else:
+                sig.append(a)
+        if not tensors:
+            return None
+        return ((policy.version(), *sig, *extra, _alias_pattern(ptrs),
+                 torch.cuda.current_device() if tensors[0].device.type == "cuda" else -1),
+                tensors)
 
     def key(self, values, extra=()):
         """(key, tensors) of a call with these arguments (tuples flattened); extra: plain values

@@ -122,3 +122,32 @@ def test_capture_after_replays_is_exact():
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_replay_new_pointers_reencode_descriptors():
+    # the same metadata with other tensors: the replay's descriptors take the new pointers
+    # (the Gluon kernel's host descriptors; single prefill forced onto them at this size)
+    d, page = 128, 16
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, d, d, page, dtype=BF16, seed=40)
+    caches = [cache.cuda(), (cache.cuda() * 0.5).contiguous()]
+    qs = [_rand(sum(QO), HQ, d, seed=41), _rand(sum(QO), HQ, d, seed=42)]
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(_ws())
+    w.plan(indptr(QO).cuda(), kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page,
+           causal=True, q_data_type=BF16)
+    w.run(qs[0], caches[0])
+    w.run(qs[0], caches[0])
+    got = w.run(qs[1], caches[1], return_lse=True)
+    assert w._memo.hits == 2
+    with policy.override(bound_launches=False):
+        want = w.run(qs[1], caches[1], return_lse=True)
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
+    with policy.override(host_tma_min_flop=0):
+        calls = [_entry("single", 128, seed=s) for s in (43, 44)]
+        calls[0]()
+        calls[0]()
+        got = calls[1]()
+        with policy.override(bound_launches=False):
+            want = calls[1]()
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
