@@ -70,15 +70,14 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full):
     options: every other argument that the path reads, as plain values."""
     if not (POLICY.bound_launches and POLICY.direct and plain_eager(())):
         return full()
+    kt = memo.eager_key(inputs, options)
+    if kt is None:
+        return full()
+    key, tensors = kt
     try:
-        kt = memo.eager_key(inputs, options)
-        if kt is None:
-            return full()
-        key, tensors = kt
-        hash(key)
+        out = memo.lookup(key, tensors)
     except TypeError:  # an argument that is no tensor and no plain value: the checks say so
         return full()
-    out = memo.lookup(key, tensors)
     if out is not None:
         return out
     if memo.known_unbound(key):

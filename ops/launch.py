@@ -38,9 +38,9 @@ from . import policy
 from .contracts import INTERPRET
 
 try:  # whether wrap_triton traces (private; torch 2.11-2.13)
-    from torch._library.triton import set_wrap_triton_enabled
+    from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
 except ImportError:  # pragma: no cover - no bound launches then
-    set_wrap_triton_enabled = None
+    is_wrap_triton_enabled = set_wrap_triton_enabled = None
 
 try:  # Triton's launch hooks (profilers); replays are skipped while one is set
     from triton import knobs as _knobs
@@ -97,10 +97,19 @@ def _pool_slot(device: torch.device) -> tuple[torch.Tensor, int]:
     return t, i
 
 
+def _eager_real() -> bool:
+    """Whether the launch path runs eagerly on real tensors: no trace (Dynamo, wrap_triton's
+    tracing, a dispatch mode such as FakeTensorMode / FunctionalTensorMode) and no capture. Only
+    then may it take a pool slot (a traced graph must own its counter)."""
+    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and not (is_wrap_triton_enabled is not None and is_wrap_triton_enabled())
+            and not torch.cuda.is_current_stream_capturing())
+
+
 def counter(device) -> torch.Tensor:
     """A zeroed int32 [1] work counter (persistent grids claim items from it)."""
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and _eager_real():
         t, i = _pool_slot(device)
         t = t[i:i + 1]
     else:
