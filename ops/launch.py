@@ -35,6 +35,7 @@ import inspect
 import torch
 
 from . import policy
+from .policy import Policy
 from .contracts import INTERPRET
 
 try:  # whether wrap_triton traces (private; torch 2.11-2.13)
@@ -479,33 +480,42 @@ class Memo:
     def eager_key(self, values, extra=()):
         """key() for a plain eager call (op_call.plain_eager's per-tensor half: plain tensors
         on a device the kernels run, none requiring grad while grad is on), in one pass; None
-        for any other call or one without tensors."""
-        sig = []
+        for any other call or one without tensors. (The aliasing pattern is added only where
+        two tensors share a pointer: the two kinds of key differ in length.)"""
+        sig = [Policy._version, extra]
         tensors = []
         ptrs = []
         grad = torch.is_grad_enabled()
         static = self._static
+        cuda = False
         for a in values:
-            if isinstance(a, torch.Tensor):
-                if type(a) is not torch.Tensor or (grad and a.requires_grad):
+            if type(a) is torch.Tensor:
+                if grad and a.requires_grad:
                     return None
-                dev = a.device
-                if dev.type != "cuda" and not (INTERPRET and dev.type == "cpu"):
+                if a.is_cuda:
+                    d, cuda = a.get_device(), True
+                elif INTERPRET and a.device.type == "cpu":
+                    d = -1
+                else:
                     return None
                 p = a.data_ptr()
                 tensors.append(a)
                 ptrs.append(p)
                 sig.append(id(a) if id(a) in static else
-                           (a.shape, a.stride(), a.dtype, dev, a.storage_offset(), p % 16))
+                           (a.shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
+            elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
+                return None
             elif isinstance(a, (tuple, list)):
                 return self.eager_key(_flatten(values, []), extra) if a else None
             else:
                 sig.append(a)
         if not tensors:
             return None
-        return ((policy.version(), *sig, *extra, _alias_pattern(ptrs),
-                 torch.cuda.current_device() if tensors[0].device.type == "cuda" else -1),
-                tensors)
+        if len(set(ptrs)) != len(ptrs):
+            sig.append(_alias_pattern(ptrs))
+        if cuda:
+            sig.append(torch.cuda.current_device())
+        return tuple(sig), tensors
 
     def key(self, values, extra=()):
         """(key, tensors) of a call with these arguments (tuples flattened); extra: plain values
