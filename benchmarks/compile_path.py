@@ -7,7 +7,7 @@ Four providers per case, the same inputs:
   op node, which Inductor runs through the eager launcher.
 - ``compiled_triton``: the same, traced with ``POLICY.graph_gluon = False``: the op
   decomposed into the Triton kernel that Inductor inlines (what every compiled graph ran
-  before the 20th session, and what AOTInductor packages).
+  before 2026-11-23, and what AOTInductor packages).
 - ``compiled_cudagraphs``: ``compiled`` under ``mode="reduce-overhead"`` (CUDA graphs replay
   the opaque call's launch; the inputs marked static, so no copy per call): the kernel without
   the host's cost.

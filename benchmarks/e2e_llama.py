@@ -148,7 +148,7 @@ def main() -> int:
             m = make()
             t0 = time.perf_counter()
             # compiled_attn_compile_triton: the rewrite with graph_dispatch off, so every call
-            # inlines the Triton kernel (what compiled graphs ran before the 20th session)
+            # inlines the Triton kernel (what compiled graphs ran before 2026-11-23)
             POLICY.graph_gluon = name != "compiled_attn_compile_triton"
             try:
                 with caches_off():  # a fresh compile: the rewrite runs and counts

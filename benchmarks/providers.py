@@ -502,7 +502,7 @@ class _Slot:
         the GPU state sampled while they run). CUDA also reads the host's time to issue the
         slice's first HOST_CALLS calls into self.host: the settling calls' backlog is drained
         first, so that no call of these waits on a full launch queue (one that did would count
-        the GPU's time as the host's; the rows timed before the 19th session's harness did)."""
+        the GPU's time as the host's; rows timed before the 2026-11-23 harness did)."""
         if not self.cuda:
             for _ in range(count):
                 self.times.append(self.span_ms(1))

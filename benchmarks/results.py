@@ -4,7 +4,7 @@ Every row has "suite", "case", "provider", "median_ms", "tflops" (null when the 
 run: then "status" is "unavailable" or "failed" and "error" says why), plus the case's columns
 (B, S, Hq, Hkv, D, causal, layout, ...), "rel_err" against the reference and, on compiled_attn's
 rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run. Timed CUDA rows
-also carry "host_ms" and "cpu_bound" (CPU_BOUND below). Rows timed since the 16th session carry
+also carry "host_ms" and "cpu_bound" (CPU_BOUND below). Rows timed since 2026-11-23 carry
 "kernel_src" (kernel_fingerprint: the code of our kernels when the row was timed).
 """
 

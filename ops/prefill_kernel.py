@@ -61,32 +61,14 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 CRASH_STAGES = tl.constexpr(2)
 
 
-# Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
-# TMA_MIN_KV) use 64-row tiles; descriptors built per work item do not pay there (pointer loads
-# instead), descriptors over the whole K/V (host-built, or once per persistent program) do. Longer D
-# 128 batches read K/V through descriptors, with 64-row tiles (more programs, a shorter causal tail)
-# up to SHORT_KV keys for causal batches (half that without a mask) and 128-row tiles beyond.
-# Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV; paged KV that the
-# Gluon kernel reads (TMA boxes or gathers) is tiled as contiguous K/V (_gluon_pages). Other small
-# pages (SMALL_PAGE_MAX keys or fewer; the Triton kernel's: fp8 K/V, no Hopper GPU, options out of
-# the Gluon scope) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
-# (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill them: their padded rows at
-# most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384 packed rows ran 0.82x on two
-# 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile gathers every key from its own page;
-# 512 threads share a 64-key tile at 2 vectors each (8 in a 128x128 tile of 256 threads) and gather
-# K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over our ragged
-# rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at S 4k 0.91-0.93 ->
-# 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7% slower), D 64 (0.97 -> 0.84),
-# requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x). Where the Gluon kernel runs (eager
-# launches on a Hopper GPU, _gluon_tiles), its 128-row tiles are two warp groups in ping-pong, which
-# beat 64-row tiles from 2k causal keys on (H100 dev_ab, 13th session, D128 causal H32: S 1k 343 /
-# 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574 vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
-# Pages the Gluon kernel gathers (1 to 7 keys at D 128) take its 128-row tiles from
-# GATHER_MIN_KV causal keys on (half that without a mask), on short requests with 64-key slots
-# (prefill_gluon.GATHER_SHORT_TILE): its 64-row tile re-reads each key tile for every 64 rows,
-# gathers included. H100 dev_ab (31st session, D128 H32 page 1, over our ragged op): causal S 1k
-# 0.92-0.97 against 0.88-0.90, S 512 0.90 against 0.92 and S 256 0.93 against 0.95 (so 64-row
-# tiles there); without a mask S 512 1.00 against 0.89.
+# Tile choice (block_m_for): 64-row tiles for short key ranges (POLICY.tma_min_kv; up to SHORT_KV
+# causal keys where K/V go through descriptors, GLUON_SHORT_KV on the Gluon kernel's ping-pong
+# tiles, half either without a mask), 128-row tiles beyond; the Triton kernel's small pages
+# (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 take 256-row tiles of 64 keys when the requests
+# fill them (padded rows at most SMALL_PAGE_PAD times 128-row tiles'); pages the Gluon kernel
+# gathers take its 128-row tiles from GATHER_MIN_KV causal keys on. Measured in
+# benchmarks/NOTES.md (2026-11-22: tile sweeps, small-page tiles; 2026-11-23: ping-pong tiles;
+# 2026-11-24: gathered pages).
 SHORT_KV = 4096
 GLUON_SHORT_KV = 1024
 GATHER_MIN_KV = 512
@@ -94,8 +76,7 @@ SMALL_PAGE_BLOCK_M = 256
 SMALL_PAGE_MAX = 8
 SMALL_PAGE_PAD = 1.05
 # The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
-# any length, so CI runs that path.
-# (POLICY.tma_min_kv)
+# any length (POLICY.tma_min_kv is 0 there), so CI runs that path.
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
@@ -145,11 +126,9 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int,
     bf16) go to the Gluon kernel in this process (a Hopper GPU, use_gluon, D 128, fp16 / bf16
     K/V, pages it reads on either tile height, by TMA boxes or gathers: _gluon_scope): they are
     then tiled as contiguous K/V are (pages 1-8 too, rather than the small pages' 256-row
-    tiles). Page 16, D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th
-    session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k
-    0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE; gathered pages: page_gathered). (Graphs
-    that inline the op run the Triton kernel, which prefers 128-row tiles for paged K/V: they
-    take these tiles too.)"""
+    tiles), since on the Gluon kernel paged K/V prefer contiguous K/V's tile heights
+    (benchmarks/NOTES.md, 2026-11-23). (Graphs that inline the op run the Triton kernel, which
+    prefers 128-row tiles for paged K/V: they take these tiles too.)"""
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_read(page_size, tile[0], dqk)

@@ -4,7 +4,7 @@ re-plan; opcheck and torch.compile(fullgraph=True) on CUDA; more than 2^31 KV el
 
 Every case compares the op with the float64 reference (tests/kernel_cases.py) and bounds its
 error by twice PyTorch's own error in the same dtype plus a rounding term; the worst ratio seen
-is printed at the end of the session (conftest collects it)."""
+is printed at the end of the run (conftest collects it)."""
 
 import random
 
