@@ -163,7 +163,7 @@ def op_call(case: Case, inp: Inputs):
     list, BatchPrefillWithPagedKVCacheWrapper.plan's; the tensors apart so that a caller can
     trace them); extra: block_m and the work items (batch ops only)."""
     import compiled_attn.ops as cops
-    from compiled_attn.plan import block_m_for, build_work
+    from compiled_attn.ops.schedule import block_m_for, build_work
 
     mask = cops.MASK_CAUSAL if case.causal else cops.MASK_NONE
     tail = (mask, -1, 0, case.head_dim ** -0.5, 0.0, cops.POS_NONE, 1.0, 1e4, 1.0, None)

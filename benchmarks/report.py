@@ -131,7 +131,7 @@ def kernel_marks(rows, kernel_src: str) -> tuple[dict, str]:
     marks = {id(r): ("?" if r.get("kernel_src") is None else "*") for r in ours
              if r.get("kernel_src") != kernel_src}
     other = sum(m == "*" for m in marks.values())
-    text = (f"Kernel source (results.kernel_fingerprint of ops/ and compiled_attn/plan.py): this "
+    text = (f"Kernel source (results.kernel_fingerprint of ops/): this "
             f"checkout's is `{kernel_src}`. Of our {len(ours)} timed rows, "
             f"{len(ours) - len(marks)} were timed on it, {other} on another source (`*` below) "
             f"and {len(marks) - other} before rows recorded theirs (`?` below): a marked row "

@@ -23,8 +23,10 @@ TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
 # the op contracts; the work list): a row's "kernel_src" fingerprints them as they were when it
 # was timed, and the report marks rows whose fingerprint is not the tree's. The reference (the
 # CPU path) is not among them: a timed CUDA op never runs it.
-KERNEL_SOURCES = ("ops", "compiled_attn/plan.py")
-NOT_KERNEL_SOURCES = ("ops/reference.py",)
+# ops/ holds the kernels, their launchers and the work-list builders (schedule.py); not the CPU
+# reference, nor which kernel a traced call runs (dispatch.py).
+KERNEL_SOURCES = ("ops",)
+NOT_KERNEL_SOURCES = ("ops/reference.py", "ops/dispatch.py")
 ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
 STATUSES = ("ok", "unavailable", "failed")
 # A CUDA row whose host time to issue a call ("host_ms") is at least this fraction of its median

@@ -5,7 +5,7 @@ signature, every argument accepted) on top of the ``compiled_attn`` torch.librar
 KV cache addressed by a rectangular ``block_tables`` [B, max_pages] becomes a call of
 ``torch.ops.compiled_attn.batch_paged_prefill`` (the table is compacted into the indptr/indices
 form on the device), ragged K/V becomes ``torch.ops.compiled_attn.batch_ragged_prefill``, and the
-work list comes from ``compiled_attn.plan``. The LSE is handed back in cuDNN's padded
+work list comes from ``compiled_attn.ops.schedule``. The LSE is handed back in cuDNN's padded
 ``[B, max_token_per_sequence, Hq]`` layout. With ``is_cuda_graph_compatible=True`` nothing reads a
 device value on the host: the work list is the uniform one over ``max_token_per_sequence`` and
 the offsets are checked on the device.
@@ -18,9 +18,8 @@ import math
 import torch
 
 from . import _validate as V
-from . import plan
 from .op_call import call_op
-from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
+from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE, schedule
 from .utils import LN2
 
 __all__ = ["cudnn_batch_prefill_with_kv_cache"]
@@ -374,8 +373,8 @@ def cudnn_batch_prefill_with_kv_cache(
     page = k_cache.shape[2] if paged else 0  # paged caches are [P, Hkv, page, D]
 
     def tile(qo_rows):
-        return plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
-                                page_size=page, qo_lens=qo_rows, kv_dtype=k_cache.dtype)
+        return schedule.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
+                                    page_size=page, qo_lens=qo_rows, kv_dtype=k_cache.dtype)
 
     if paged:
         _check_tensor("block_tables", block_tables, 2)
@@ -406,7 +405,7 @@ def cudnn_batch_prefill_with_kv_cache(
             V.device_check(kv_indptr[-1:] <= k_cache.shape[0], f"{_NAME}: k_cache has fewer "
                            "tokens than sum(actual_seq_lens_kv)")
         bm = tile([max_token_per_sequence])
-        work = plan.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
+        work = schedule.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
     else:
         ql = [int(x) for x in qo_lens.tolist()]
         kl = [int(x) for x in kv_lens.tolist()]
@@ -436,7 +435,7 @@ def cudnn_batch_prefill_with_kv_cache(
             _fail("k_cache", f"has {k_cache.shape[0]} tokens, the lengths need {sum(kl)}",
                   "pass all KV tokens, packed")
         bm = tile(ql)
-        work = plan.build_work(ql, group, bm, q.device, kv_lens=kl)
+        work = schedule.build_work(ql, group, bm, q.device, kv_lens=kl)
 
     # ---- the LSE buffer and where each request's rows go in it (before anything is written)
     size = bsz * max_token_per_sequence * hq

@@ -22,7 +22,7 @@ from . import _validate as V
 from .op_call import bound_run, call_op
 from .ops.launch import Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
-from .plan import block_m_for, build_work, uniform_work
+from .ops.schedule import block_m_for, build_work, uniform_work
 from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
 

@@ -5,9 +5,9 @@ ragged / paged batch wrappers.
 ``torch.ops.compiled_attn.single_prefill`` once. The two batch wrappers follow FlashInfer's
 plan/run split: ``plan()`` reads the index arrays on the host (they may live on CPU or GPU),
 validates them (with messages that say how to fix the input), packs custom masks per request,
-builds the int32 work list (``compiled_attn.plan.build_work``) and stores every tensor the op
-needs on the wrapper's device; ``run()`` checks only shapes, dtypes and devices against the
-plan and calls ``torch.ops.compiled_attn.batch_{paged,ragged}_prefill``, so it never reads a
+builds the int32 work list (``compiled_attn.ops.schedule.build_work``) and stores every tensor
+the op needs on the wrapper's device; ``run()`` checks only shapes, dtypes and devices against
+the plan and calls ``torch.ops.compiled_attn.batch_{paged,ragged}_prefill``, so it never reads a
 device value on the host: it can be captured in a CUDA graph and traced by torch.compile.
 Both wrappers share one base class for plan bookkeeping and run plumbing; they differ only in
 how the KV side is described (offsets vs. page table). Semantics are those of docs/spec.md:
@@ -30,7 +30,7 @@ from . import _validate as V
 from .op_call import bound_run, call_op
 from .ops.launch import LaunchCache, Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
-from .plan import block_m_for, build_split_work, build_work
+from .ops.schedule import block_m_for, build_split_work, build_work
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 

@@ -20,10 +20,9 @@ import math
 import torch
 
 from . import _validate as V
-from . import plan
 from .op_call import call_op
 from .cudnn import _compact_block_tables, _pages_used
-from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE
+from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE, schedule
 from .utils import get_alibi_slopes
 
 __all__ = ["trtllm_fmha_v2_prefill"]
@@ -320,9 +319,9 @@ def trtllm_fmha_v2_prefill(
     # ---- the op
     page = k.shape[1] if paged else 0  # paged: k is the [P, page, Hkv, D] view of the cache
     # the work list gives every request max_q_len rows of tiles
-    bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged,
-                          page_size=page, qo_lens=[max_q_len], kv_dtype=k.dtype)
-    work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
+    bm = schedule.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged,
+                              page_size=page, qo_lens=[max_q_len], kv_dtype=k.dtype)
+    work = schedule.uniform_work(bsz, max_q_len, group, bm, dev)
     slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
     if sinks is not None:
         if isinstance(sinks, (list, tuple)):

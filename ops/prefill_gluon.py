@@ -44,6 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
+from .device import sm_count
+from .tiles import GLUON_SHORT_KV
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -1036,18 +1038,13 @@ def gather_short(pages: int, page: int, requests: int, causal: bool) -> bool:
     """Whether a gathered launch's requests are short (GATHER_SHORT_TILE): ``pages`` table
     entries of ``page`` keys over ``requests`` requests average at most GLUON_SHORT_KV keys
     (causal; half that without a mask), the bound block_m_for puts on contiguous K/V's 64-row
-    tiles (imported here, not at the top: prefill_kernel imports this module)."""
-    from .prefill_kernel import GLUON_SHORT_KV
-
+    tiles (on purpose: block_m_for reads the longest request, this the mean)."""
     return pages * page <= max(requests, 1) * (GLUON_SHORT_KV if causal else GLUON_SHORT_KV // 2)
 
 
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the persistent grid's size), from the
-    launcher's one cached properties query (prefill_kernel.sm_count; imported here, not at the
-    top: prefill_kernel imports this module)."""
-    from .prefill_kernel import sm_count
-
+    """Streaming multiprocessors of the device (the persistent grid's size), from the one
+    cached properties query (device.sm_count)."""
     return sm_count(device.index)
 
 
@@ -1063,7 +1060,7 @@ def kv_2d_layout(t: torch.Tensor, kind: str, known=bool) -> bool:
     storage offset it can): heads and dims packed, 16-byte rows, no empty dim, and a dense
     batch packed over its tokens or pages a whole number of rows apart. known reads each
     condition (prefill_kernel._known where sizes may be symbolic); the one test of both the
-    eager launch (kv_2d) and compiled_attn.graph_dispatch."""
+    eager launch (kv_2d) and compiled_attn.ops.dispatch."""
     es, d, rows = t.element_size(), t.shape[-1], t.stride(-3)
     if not (known(t.stride(-1) == 1) and known(t.stride(-2) == d)
             and known(rows * es % 16 == 0) and known(t.storage_offset() * es % 16 == 0)

@@ -20,7 +20,6 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -42,9 +41,11 @@ except ImportError:
     is_wrap_triton_enabled = None
 
 from . import launch
+from .device import _device_properties, _sm_major, sm_count  # noqa: F401 (the cache, for tests)
+from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from .policy import POLICY
-from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
-                        POS_ROPE_LLAMA)
+from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
+                    SMALL_PAGE_PAD)
 
 try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
     from . import prefill_gluon as _gluon
@@ -61,29 +62,12 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 CRASH_STAGES = tl.constexpr(2)
 
 
-# Tile choice (block_m_for): 64-row tiles for short key ranges (POLICY.tma_min_kv; up to SHORT_KV
-# causal keys where K/V go through descriptors, GLUON_SHORT_KV on the Gluon kernel's ping-pong
-# tiles, half either without a mask), 128-row tiles beyond; the Triton kernel's small pages
-# (SMALL_PAGE_MAX keys or fewer) at 64 < D <= 128 take 256-row tiles of 64 keys when the requests
-# fill them (padded rows at most SMALL_PAGE_PAD times 128-row tiles'); pages the Gluon kernel
-# gathers take its 128-row tiles from GATHER_MIN_KV causal keys on. Measured in
-# benchmarks/NOTES.md (2026-11-22: tile sweeps, small-page tiles; 2026-11-23: ping-pong tiles;
-# 2026-11-24: gathered pages).
-SHORT_KV = 4096
-GLUON_SHORT_KV = 1024
-GATHER_MIN_KV = 512
-SMALL_PAGE_BLOCK_M = 256
-SMALL_PAGE_MAX = 8
-SMALL_PAGE_PAD = 1.05
-# The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
-# any length (POLICY.tma_min_kv is 0 there), so CI runs that path.
-
-
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
                 max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
                 page_size: int = 0, qo_lens: Sequence[int] | None = None,
                 kv_dtype: torch.dtype | None = None) -> int:
-    """Tile height in packed rows for these head dims (plan() and the launch agree on it).
+    """Tile height in packed rows for these head dims (plan() and the launch agree on it; the
+    bounds and their reasons: tiles.py).
     max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
     any length; CUDA-graph plans pass None so that one capture serves every re-plan).
     page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
@@ -114,7 +98,7 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
 def _gluon_tiles(dqk: int, dvo: int) -> bool:
     """Whether eager launches at these head dims go to the Gluon kernel in this process (USE_GLUON,
     a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Graphs that inline
-    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.graph_dispatch) run
+    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.ops.dispatch) run
     the Triton kernel on the same tiles (a plan serves both)."""
     return (POLICY.use_gluon and _gluon is not None and dqk == dvo == 128
             and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
@@ -1016,7 +1000,7 @@ def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int,
     contiguous K/V where they may take descriptors (_kv_descriptors) and the launch is worth
     their host cost (not _small_launch; launch True: the launch itself asking, where a CUDA-graph
     capture exempts a small launch, _too_small). Asked by _gluon_launch and by
-    compiled_attn.graph_dispatch.eager_gluon."""
+    compiled_attn.ops.dispatch.eager_gluon."""
     small = _too_small if launch else _small_launch
     return kv_mode == KV_PAGED or (
         _kv_descriptors(consts, kv_mode)
@@ -1040,24 +1024,6 @@ def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, 
     return _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_properties(index: int):
-    """CUDA device ``index``'s properties, queried once (_props). A query costs ~5 us on the
-    H100's host; launches ask twice."""
-    return torch.cuda.get_device_properties(index)
-
-
-def _props(index: int | None):
-    """The properties of CUDA device ``index`` (None: the current device): the one source of
-    its compute capability (_sm_major) and multiprocessor count (sm_count, and through it the
-    Gluon launcher's persistent grid)."""
-    return _device_properties(torch.cuda.current_device() if index is None else index)
-
-
-def _sm_major(device: torch.device) -> int:
-    return _props(device.index).major
-
-
 def _gluon_device(device: torch.device) -> bool:
     """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the interpreter)."""
     return not INTERPRET and device.type == "cuda" and _sm_major(device) == 9
@@ -1077,11 +1043,11 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
     (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
     the eager launch (_gluon_views, which adds the pointers' alignment) and
-    compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
+    compiled_attn.ops.dispatch (which keeps a traced call opaque when it passes). kv_layout
     False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
     if not (POLICY.use_gluon and _gluon is not None):
         return False
-    # (the head dim compared, not hashed: a traced q's is a SymInt; graph_dispatch has
+    # (the head dim compared, not hashed: a traced q's is a SymInt; ops.dispatch has
     # guarded it to an int already)
     d = q.shape[-1]
     tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
@@ -1229,7 +1195,7 @@ def dense_block_m(q, k, v, mask_mode: int) -> int:
     """single_prefill's tile height (block_m_for): q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D],
     real, fake or traced. Head dims and the head ratio are constexprs of either kernel, so a
     symbolic one is specialised (guard_int); a symbolic Skv counts as unknown. The launch's
-    rule and compiled_attn.graph_dispatch's."""
+    rule and compiled_attn.ops.dispatch's."""
     skv = k.shape[1]
     return block_m_for(guard_int(q.shape[-1]), guard_int(v.shape[-1]),
                        guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
@@ -1238,7 +1204,7 @@ def dense_block_m(q, k, v, mask_mode: int) -> int:
 
 def ragged_mean_kv(k, qo_indptr):
     """A ragged batch's mean KV length, k [Nk, Hkv, D], qo_indptr [R + 1] (None when either
-    size is symbolic or R is 0): what _program_args and graph_dispatch size the launch by."""
+    size is symbolic or R is 0): what _program_args and ops.dispatch size the launch by."""
     return _mean(k.shape[0], qo_indptr.shape[0] - 1)
 
 
@@ -1315,11 +1281,6 @@ def _ensure_allocator() -> None:
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.
 RESIDENT_PER_SM = {64: 2, 128: 1}
-
-
-def sm_count(index: int | None = None) -> int:
-    """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
-    return _props(index).multi_processor_count
 
 
 def _resident_tiles(device: torch.device, block_m: int) -> int:
