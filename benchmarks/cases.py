@@ -1,4 +1,4 @@
-"""The workloads of issue 5 as plain data (no torch: listed and tested on the CPU machine).
+"""The benchmark workloads as plain data (no torch: listed and tested on the CPU machine).
 
 A Case is one attention problem: per-request query and KV lengths, heads, head dim, mask, and how
 the KV is addressed (``dense`` [B, S, H, D] batch, ``ragged`` indptr offsets, ``paged`` page table).
@@ -132,7 +132,7 @@ def flashinfer_cases(quick: bool = False) -> list[Case]:
 
 def paged_cases(quick: bool = False) -> list[Case]:
     """The FlashInfer sweep with the KV in a paged cache (pages 16 and 1, shuffled page indices),
-    beside our ragged run on the same lengths (the paged/ragged ratios of issue 5)."""
+    beside our ragged run on the same lengths (the paged/ragged ratios)."""
     out = []
     for b, s in _fi_sweep(quick):
         g = f"B{b} S{s}"

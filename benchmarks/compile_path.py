@@ -3,11 +3,11 @@
 Four providers per case, the same inputs:
 - ``eager``: the op called directly (the Gluon kernel on a Hopper GPU where its scope allows).
 - ``compiled``: the same call inside ``torch.compile(fullgraph=True, dynamic=False)`` as
-  shipped: compiled_attn.graph_dispatch keeps a call the Gluon kernel would take as one opaque
+  shipped: compiled_attn.ops.dispatch keeps a call the Gluon kernel would take as one opaque
   op node, which Inductor runs through the eager launcher.
 - ``compiled_triton``: the same, traced with ``POLICY.graph_gluon = False``: the op
   decomposed into the Triton kernel that Inductor inlines (what every compiled graph ran
-  before the 20th session, and what AOTInductor packages).
+  before 2026-11-23, and what AOTInductor packages).
 - ``compiled_cudagraphs``: ``compiled`` under ``mode="reduce-overhead"`` (CUDA graphs replay
   the opaque call's launch; the inputs marked static, so no copy per call): the kernel without
   the host's cost.
@@ -76,8 +76,6 @@ def _compile(fn, tensors, graph_gluon: bool, mode: str | None = None):
 
     from torch._inductor.graph import GraphLowering
 
-    from compiled_attn import graph_dispatch
-
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
     saved = POLICY.graph_gluon
     POLICY.graph_gluon = graph_gluon
@@ -122,7 +120,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def run_case(case, args) -> list[dict]:
     from benchmarks import providers as P
 
-    from compiled_attn import graph_dispatch
+    from compiled_attn.ops import dispatch
 
     torch._dynamo.reset()
     inp = P.make_inputs(case, "cuda", torch.bfloat16)
@@ -132,7 +130,7 @@ def run_case(case, args) -> list[dict]:
     def call(*ts):
         return op(*full(*ts))
 
-    opaque_expected = graph_dispatch.eager_gluon(name, full(*tensors))
+    opaque_expected = dispatch.eager_gluon(name, full(*tensors))
     eager_fn = lambda: call(*tensors)  # noqa: E731
     eager_out = eager_fn()[0].clone()
     fns = {"eager": eager_fn}

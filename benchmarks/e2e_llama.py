@@ -3,8 +3,8 @@ intermediate 14336, 4 layers, random weights, bf16, transformers' LlamaModel wit
 attention), one 4096-token prompt, batch 1, timed seven ways on one GPU: eager, plain
 ``torch.compile(model)``, plain torch.compile of the same weights with SDPA told the mask is
 causal (below), ``compiled_attn.compile(model)`` (the same with the attention rewrite into our
-ops: the Gluon kernel on Hopper through compiled_attn.graph_dispatch), the same with
-graph_dispatch off (the Triton kernel inlined, as AOTInductor packages it), and the causal-SDPA
+ops: the Gluon kernel on Hopper through compiled_attn.ops.dispatch), the same with
+POLICY.graph_gluon off (the Triton kernel inlined, as AOTInductor packages it), and the causal-SDPA
 form and ours under CUDA graphs (``mode="reduce-overhead"``: replays skip the host, so those
 two compare the GPU work alone; our opaque op call costs more host time than SDPA's).
 
@@ -104,7 +104,7 @@ def main() -> int:
     import transformers
 
     import compiled_attn
-    from compiled_attn import fx_passes, graph_dispatch
+    from compiled_attn import fx_passes
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.compile_path import _gluon_launches, caches_off
@@ -147,8 +147,8 @@ def main() -> int:
             fx_passes.counters.clear()
             m = make()
             t0 = time.perf_counter()
-            # compiled_attn_compile_triton: the rewrite with graph_dispatch off, so every call
-            # inlines the Triton kernel (what compiled graphs ran before the 20th session)
+            # compiled_attn_compile_triton: the rewrite with graph_gluon off, so every call
+            # inlines the Triton kernel (what compiled graphs ran before 2026-11-23)
             POLICY.graph_gluon = name != "compiled_attn_compile_triton"
             try:
                 with caches_off():  # a fresh compile: the rewrite runs and counts

@@ -3,7 +3,7 @@ calls returned into the committed one.
 
 Each device call runs on a copy of the working tree, so the file it returns holds the committed
 rows plus its own runs' (one per `benchmarks.run` the call made into it); copying the last one
-over TARGET would drop the other calls' runs of the session. A returned file's own runs are its
+over TARGET would drop the other calls' runs. A returned file's own runs are its
 rows whose run_date (run stamps each run's rows with its start) is later than every run TARGET
 held when the merge began; each replaces TARGET's rows of its cases whole (results.merge_rows'
 rule, as run --cases does on the device), oldest first, so no peer row of an earlier run stays

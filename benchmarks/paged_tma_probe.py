@@ -6,7 +6,7 @@ four [BLOCK_M, 16] score blocks share one running max, and the P @ V product is 
 dots into one accumulator. It is timed against the same loop reading contiguous K/V through
 [BLOCK_N, D] boxes, in one process, and checked against SDPA (outputs poisoned first). Run on
 the GPU machine: ``python3 -m benchmarks.paged_tma_probe``; writes paged_tma_probe.json under
-$OUT (benchmarks/NOTES.md, 7th session)."""
+$OUT (benchmarks/NOTES.md, 2026-11-22)."""
 
 from __future__ import annotations
 

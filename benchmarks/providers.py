@@ -163,7 +163,7 @@ def op_call(case: Case, inp: Inputs):
     list, BatchPrefillWithPagedKVCacheWrapper.plan's; the tensors apart so that a caller can
     trace them); extra: block_m and the work items (batch ops only)."""
     import compiled_attn.ops as cops
-    from compiled_attn.plan import block_m_for, build_work
+    from compiled_attn.ops.schedule import block_m_for, build_work
 
     mask = cops.MASK_CAUSAL if case.causal else cops.MASK_NONE
     tail = (mask, -1, 0, case.head_dim ** -0.5, 0.0, cops.POS_NONE, 1.0, 1e4, 1.0, None)
@@ -502,7 +502,7 @@ class _Slot:
         the GPU state sampled while they run). CUDA also reads the host's time to issue the
         slice's first HOST_CALLS calls into self.host: the settling calls' backlog is drained
         first, so that no call of these waits on a full launch queue (one that did would count
-        the GPU's time as the host's; the rows timed before the 19th session's harness did)."""
+        the GPU's time as the host's; rows timed before the 2026-11-23 harness did)."""
         if not self.cuda:
             for _ in range(count):
                 self.times.append(self.span_ms(1))

@@ -1,10 +1,10 @@
-"""python -m benchmarks.report benchmarks/results/h100.json: the ratios of issue 5, printed and
+"""python -m benchmarks.report benchmarks/results/h100.json: the performance ratios, printed and
 written as markdown to <stem>_ratios.md beside the JSON.
 
 1. ours over each peer, per case (same run: our TFLOP/s / the peer's);
 2. paged over our ragged on the same lengths (page 16, page 1), FlashInfer fa3's beside it;
 3. variable-length batches over our fixed-length rate at the same total tokens;
-4. the targets of issue 5 with the worst measured ratio and how many rows pass.
+4. the performance targets with the worst measured ratio and how many rows pass.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def kernel_marks(rows, kernel_src: str) -> tuple[dict, str]:
     marks = {id(r): ("?" if r.get("kernel_src") is None else "*") for r in ours
              if r.get("kernel_src") != kernel_src}
     other = sum(m == "*" for m in marks.values())
-    text = (f"Kernel source (results.kernel_fingerprint of ops/ and compiled_attn/plan.py): this "
+    text = (f"Kernel source (results.kernel_fingerprint of ops/): this "
             f"checkout's is `{kernel_src}`. Of our {len(ours)} timed rows, "
             f"{len(ours) - len(marks)} were timed on it, {other} on another source (`*` below) "
             f"and {len(marks) - other} before rows recorded theirs (`?` below): a marked row "
@@ -164,7 +164,7 @@ def render(doc: dict, kernel_src: str | None = None) -> str:
                "run_date says which run it is from." if split else ""), ""]
 
     L += [marks_text, ""]
-    L += ["## Targets of issue 5", "", "| target | rows | worst | pass |", "|---|---|---|---|"]
+    L += ["## Performance targets", "", "| target | rows | worst | pass |", "|---|---|---|---|"]
     for text, thr, vals in targets(rows):
         got = [v for v in vals if v is not None]
         npass = sum(v >= thr for v in got)

@@ -4,7 +4,7 @@ Every row has "suite", "case", "provider", "median_ms", "tflops" (null when the 
 run: then "status" is "unavailable" or "failed" and "error" says why), plus the case's columns
 (B, S, Hq, Hkv, D, causal, layout, ...), "rel_err" against the reference and, on compiled_attn's
 rows, "ratio_vs_<provider>" = our TFLOP/s over that provider's in the same run. Timed CUDA rows
-also carry "host_ms" and "cpu_bound" (CPU_BOUND below). Rows timed since the 16th session carry
+also carry "host_ms" and "cpu_bound" (CPU_BOUND below). Rows timed since 2026-11-23 carry
 "kernel_src" (kernel_fingerprint: the code of our kernels when the row was timed).
 """
 
@@ -23,8 +23,10 @@ TOP_KEYS = ("gpu", "torch", "triton", "date", "rows")
 # the op contracts; the work list): a row's "kernel_src" fingerprints them as they were when it
 # was timed, and the report marks rows whose fingerprint is not the tree's. The reference (the
 # CPU path) is not among them: a timed CUDA op never runs it.
-KERNEL_SOURCES = ("ops", "compiled_attn/plan.py")
-NOT_KERNEL_SOURCES = ("ops/reference.py",)
+# ops/ holds the kernels, their launchers and the work-list builders (schedule.py); not the CPU
+# reference, nor which kernel a traced call runs (dispatch.py).
+KERNEL_SOURCES = ("ops",)
+NOT_KERNEL_SOURCES = ("ops/reference.py", "ops/dispatch.py")
 ROW_KEYS = ("suite", "case", "provider", "median_ms", "tflops")
 STATUSES = ("ok", "unavailable", "failed")
 # A CUDA row whose host time to issue a call ("host_ms") is at least this fraction of its median

@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--rounds 9 --warmup-ms 300 --rep-ms 900 (about 5x the timing time): "
                         "with the defaults, two copies of our op (provider compiled_attn_twin) "
                         "read up to 10%% apart on the 20 ms FlashInfer-sweep rows on the H100, "
-                        "with these within 1%% (benchmarks/NOTES.md, 8th session)")
+                        "with these within 1%% (benchmarks/NOTES.md, 2026-11-22)")
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")

@@ -3,7 +3,7 @@ warp_specialize=True)``) compile, stay correct and pay for a minimal non-causal 
 on this GPU? A standalone kernel (host tensor descriptors for Q, K, V, O; not our prefill
 kernel), timed with and without the attribute for a few tiles against SDPA's output; prints a
 table and writes ws_probe.json under $OUT. Run on the GPU machine: ``python3 -m
-benchmarks.ws_probe``. H100, triton 3.6 (benchmarks/NOTES.md, 7th session): no gain where it
+benchmarks.ws_probe``. H100, triton 3.6 (benchmarks/NOTES.md, 2026-11-22): no gain where it
 compiles, wrong output (NaN) at 64x64 / 4 warps, compile failures for 128-row 4-warp tiles;
 worth re-running on a newer Triton."""
 import json

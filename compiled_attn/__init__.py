@@ -31,7 +31,7 @@ def _map_source_subpackages() -> None:
 
 _map_source_subpackages()
 from . import ops  # noqa: E402,F401  (registers the compiled_attn:: ops)
-from . import graph_dispatch  # noqa: E402,F401  (traced calls that keep the Gluon kernel)
+from .ops import dispatch  # noqa: E402,F401  (installs the rule keeping traced Gluon calls)
 from .prefill import *  # noqa: F401,F403  single / ragged / paged prefill
 from .pod import *  # noqa: F401,F403  POD wrappers
 from .utils import *  # noqa: F401,F403  packbits, page helpers, merge_state(s), alibi slopes

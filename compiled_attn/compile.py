@@ -19,7 +19,7 @@ __all__ = ["compile", "export"]
 _builtin_compile = compile  # noqa: A001 - keep Python's builtin reachable in this module
 
 
-def compile(model, **torch_compile_kwargs: Any):  # noqa: A001 - public name (issue 4)
+def compile(model, **torch_compile_kwargs: Any):  # noqa: A001 - public name
     """torch.compile(model, **torch_compile_kwargs) with compiled_attn's attention rewrite as
     Inductor's joint_custom_pre_pass. backend must be Inductor (the default)."""
     from compiled_attn.fx_passes import AttentionRewritePass

@@ -51,7 +51,7 @@ import torch
 from . import _validate as V
 from .op_call import call_op
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
-from .plan import block_m_for, build_work
+from .ops.schedule import block_m_for, build_work
 from .utils import merge_state
 
 __all__ = ["Layout", "shard", "unshard", "prefill", "METHODS"]

@@ -5,7 +5,7 @@ signature, every argument accepted) on top of the ``compiled_attn`` torch.librar
 KV cache addressed by a rectangular ``block_tables`` [B, max_pages] becomes a call of
 ``torch.ops.compiled_attn.batch_paged_prefill`` (the table is compacted into the indptr/indices
 form on the device), ragged K/V becomes ``torch.ops.compiled_attn.batch_ragged_prefill``, and the
-work list comes from ``compiled_attn.plan``. The LSE is handed back in cuDNN's padded
+work list comes from ``compiled_attn.ops.schedule``. The LSE is handed back in cuDNN's padded
 ``[B, max_token_per_sequence, Hq]`` layout. With ``is_cuda_graph_compatible=True`` nothing reads a
 device value on the host: the work list is the uniform one over ``max_token_per_sequence`` and
 the offsets are checked on the device.
@@ -18,9 +18,8 @@ import math
 import torch
 
 from . import _validate as V
-from . import plan
 from .op_call import call_op
-from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
+from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE, schedule
 from .utils import LN2
 
 __all__ = ["cudnn_batch_prefill_with_kv_cache"]
@@ -255,15 +254,57 @@ def cudnn_batch_prefill_with_kv_cache(
         write them (as FlashInfer; the CPU reference writes 0); slice them off.
     """
     graph_mode = bool(is_cuda_graph_compatible)
+    _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
+                     max_sequence_kv, block_tables, return_lse, lse, batch_offsets_units,
+                     backend, lse_base)
+    paged = block_tables is not None
+    offsets = dict(q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v)
+    bsz, qo_lens, kv_lens = _lengths(q, k_cache, actual_seq_lens_q, actual_seq_lens_kv, offsets,
+                                     batch_offsets_units, paged, graph_mode)
+    qo_indptr = _exclusive_cumsum(qo_lens)
+    kv_indptr = _exclusive_cumsum(kv_lens)
+    out_dtype = _out_dtype(q, v_cache, out, o_data_type)
+    offs_stats = _packed_offsets(q, k_cache, v_cache, out, offsets, batch_offsets_stats,
+                                 batch_offsets_units, qo_indptr, kv_indptr, paged, graph_mode)
+    bm, work = _work_list(q, k_cache, v_cache, block_tables, qo_lens, kv_lens, qo_indptr,
+                          kv_indptr, max_token_per_sequence, max_sequence_kv, causal,
+                          graph_mode)
+    if return_lse:
+        _check_lse_buffer(q, lse, qo_lens, offs_stats, max_token_per_sequence, graph_mode)
+    sm_scale = V.fits_float32(f"{_NAME}: scale * q_scale * k_scale", float(scale)
+                              * _scale_value("q_scale", q_scale, graph_mode)
+                              * _scale_value("k_scale", k_scale, graph_mode))
+    params = (MASK_CAUSAL if causal else MASK_NONE, -1, 0, sm_scale, 0.0, POS_NONE, 1.0, 1e4,
+              _scale_value("v_scale", v_scale, graph_mode), out_dtype)
+    o, lse_tok = _call(q, k_cache, v_cache, block_tables, qo_indptr, kv_indptr, kv_lens, work,
+                       bm, params)
+    if out is None:
+        out = o
+    else:
+        out.copy_(o)
+    if not return_lse:
+        return out, None
+    padded = _lse_in_cudnn_layout(lse_tok, qo_indptr, offs_stats, bsz, max_token_per_sequence,
+                                  lse_base)
+    if lse is None:
+        return out, padded
+    lse.copy_(padded)
+    return out, lse
+
+
+# ---- the sections of cudnn_batch_prefill_with_kv_cache, in call order
+def _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
+                     max_sequence_kv, block_tables, return_lse, lse, units, backend, lse_base):
+    """The call's options; the tensors' ranks, shapes, heads, head dims, dtypes and devices."""
     V.check_lse_base(lse_base)
     _check_tensor("q", q, 3)
     _check_tensor("workspace_buffer", workspace_buffer)
     if backend not in (None, "cudnn", "cubin"):
         _fail("backend", f"must be None, 'cudnn' or 'cubin', got {backend!r}",
               "leave it None (every backend runs compiled_attn's kernel)")
-    if batch_offsets_units not in ("elements", "tokens"):
+    if units not in ("elements", "tokens"):
         _fail("batch_offsets_units", f"must be 'elements' or 'tokens', got "
-                                     f"{batch_offsets_units!r}", "pick one of the two")
+                                     f"{units!r}", "pick one of the two")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         _fail("scale", f"must be a Python float, got {type(scale).__name__}",
               "pass e.g. 1 / sqrt(head_dim)")
@@ -302,45 +343,52 @@ def cudnn_batch_prefill_with_kv_cache(
         if t.device != q.device:
             _fail(arg, f"is on {t.device} but q is on {q.device}", "move it to q's device")
 
-    # ---- per-request lengths and the batch size
-    units = batch_offsets_units
+
+def _lengths(q, k_cache, actual_seq_lens_q, actual_seq_lens_kv, offsets: dict, units: str,
+             paged: bool, graph_mode: bool):
+    """(batch size, qo_lens, kv_lens) from the length arrays, or from token offsets.
+    offsets: batch_offsets_q / _o / _k / _v by letter; in token units the output's and V's
+    default to q's and K's (set here, in place)."""
     if actual_seq_lens_q is not None:
         qo_lens = _lens("actual_seq_lens_q", actual_seq_lens_q, q, graph_mode)
         bsz = qo_lens.shape[0]
-    elif units == "tokens" and batch_offsets_q is not None:
-        bsz = batch_offsets_q.numel() - 1
+    elif units == "tokens" and offsets["q"] is not None:
+        bsz = offsets["q"].numel() - 1
         qo_lens = None
     else:
         _fail("actual_seq_lens_q", "is missing",
               "pass it, or pass batch_offsets_q with batch_offsets_units='tokens'")
-    offs_q = None if batch_offsets_q is None else _offsets_in_tokens(
-        "batch_offsets_q", batch_offsets_q, bsz, units, q.stride(0), q.device)
+    offs_q = None if offsets["q"] is None else _offsets_in_tokens(
+        "batch_offsets_q", offsets["q"], bsz, units, q.stride(0), q.device)
     if qo_lens is None:
         qo_lens = offs_q[1:] - offs_q[:-1]
     if actual_seq_lens_kv is not None:
         kv_lens = _lens("actual_seq_lens_kv", actual_seq_lens_kv, q, graph_mode)
-    elif units == "tokens" and batch_offsets_k is not None and not paged:
+    elif units == "tokens" and offsets["k"] is not None and not paged:
         kv_lens = None
     else:
         _fail("actual_seq_lens_kv", "is missing",
               "pass it, or (ragged K/V) pass batch_offsets_k with batch_offsets_units='tokens'")
     if units == "tokens":
-        batch_offsets_o = batch_offsets_q if batch_offsets_o is None else batch_offsets_o
-        batch_offsets_v = batch_offsets_k if batch_offsets_v is None else batch_offsets_v
-    if paged and (batch_offsets_k is not None or batch_offsets_v is not None):
+        offsets["o"] = offsets["q"] if offsets["o"] is None else offsets["o"]
+        offsets["v"] = offsets["k"] if offsets["v"] is None else offsets["v"]
+    if paged and (offsets["k"] is not None or offsets["v"] is not None):
         _fail("batch_offsets_k", "was given with block_tables",
               "K/V offsets apply to ragged K/V only; drop them for a paged cache")
-    offs_k = None if batch_offsets_k is None else _offsets_in_tokens(
-        "batch_offsets_k", batch_offsets_k, bsz, units, k_cache.stride(0), q.device)
+    offs_k = None if offsets["k"] is None else _offsets_in_tokens(
+        "batch_offsets_k", offsets["k"], bsz, units, k_cache.stride(0), q.device)
     if kv_lens is None:
         kv_lens = offs_k[1:] - offs_k[:-1]
     if kv_lens.shape[0] != bsz:
         _fail("actual_seq_lens_kv", f"has {kv_lens.shape[0]} entries, actual_seq_lens_q {bsz}",
               "pass one length per request to both")
-    qo_indptr = _exclusive_cumsum(qo_lens)
-    kv_indptr = _exclusive_cumsum(kv_lens)
+    return bsz, qo_lens, kv_lens
 
-    # ---- output buffer and dtype
+
+def _out_dtype(q, v_cache, out, o_data_type) -> torch.dtype:
+    """The output dtype (o_data_type, else out's, else q's); out checked against it."""
+    nq, hq, _ = q.shape
+    dvo = v_cache.shape[-1]
     out_dtype = o_data_type or (out.dtype if out is not None else q.dtype)
     out_dtype = V.canonical_dtype("o_data_type", out_dtype)
     if out_dtype not in _FP8:
@@ -352,14 +400,20 @@ def cudnn_batch_prefill_with_kv_cache(
         if tuple(out.shape) != (nq, hq, dvo) or out.dtype != out_dtype or out.device != q.device:
             _fail("out", f"is {tuple(out.shape)} {out.dtype} on {out.device}",
                   f"pass a [{nq}, {hq}, {dvo}] {out_dtype} tensor on {q.device}")
+    return out_dtype
 
-    # ---- offsets: q/o/k/v must describe packed requests
-    checks = [("batch_offsets_q", batch_offsets_q, qo_indptr, q.stride(0)),
-              ("batch_offsets_o", batch_offsets_o, qo_indptr,
+
+def _packed_offsets(q, k_cache, v_cache, out, offsets: dict, batch_offsets_stats, units: str,
+                    qo_indptr, kv_indptr, paged: bool, graph_mode: bool):
+    """Checks that the q / o / k / v offsets describe packed requests; returns the LSE
+    offsets in elements (None without batch_offsets_stats)."""
+    bsz, hq, dvo = qo_indptr.shape[0] - 1, q.shape[1], v_cache.shape[-1]
+    checks = [("batch_offsets_q", offsets["q"], qo_indptr, q.stride(0)),
+              ("batch_offsets_o", offsets["o"], qo_indptr,
                out.stride(0) if out is not None else hq * dvo)]
     if not paged:
-        checks += [("batch_offsets_k", batch_offsets_k, kv_indptr, k_cache.stride(0)),
-                   ("batch_offsets_v", batch_offsets_v, kv_indptr, v_cache.stride(0))]
+        checks += [("batch_offsets_k", offsets["k"], kv_indptr, k_cache.stride(0)),
+                   ("batch_offsets_v", offsets["v"], kv_indptr, v_cache.stride(0))]
     for arg, raw, ind, row in checks:
         if raw is not None:
             tok = _offsets_in_tokens(arg, raw, bsz, units, row, q.device)
@@ -368,14 +422,25 @@ def cudnn_batch_prefill_with_kv_cache(
         "batch_offsets_stats", batch_offsets_stats, bsz, "tokens", 1, q.device)
     if offs_stats is not None and units == "tokens":
         offs_stats = offs_stats * hq  # token units -> LSE elements
+    return offs_stats
 
-    # ---- host-side checks and the work list
-    group = hq // hkv
+
+def _work_list(q, k_cache, v_cache, block_tables, qo_lens, kv_lens, qo_indptr, kv_indptr,
+               max_token_per_sequence: int, max_sequence_kv: int, causal: bool,
+               graph_mode: bool):
+    """(tile height, work list). graph_mode: the uniform list over max_token_per_sequence,
+    the lengths and page table checked on the device (no host read: capturable); else the
+    lengths' own list, checked on the host."""
+    paged = block_tables is not None
+    nq, hq, dqk = q.shape
+    bsz = qo_lens.shape[0]
+    group = hq // k_cache.shape[1]
     page = k_cache.shape[2] if paged else 0  # paged caches are [P, Hkv, page, D]
 
     def tile(qo_rows):
-        return plan.block_m_for(dqk, dvo, group, max_sequence_kv, causal, paged,
-                                page_size=page, qo_lens=qo_rows, kv_dtype=k_cache.dtype)
+        return schedule.block_m_for(dqk, v_cache.shape[-1], group, max_sequence_kv, causal,
+                                    paged, page_size=page, qo_lens=qo_rows,
+                                    kv_dtype=k_cache.dtype)
 
     if paged:
         _check_tensor("block_tables", block_tables, 2)
@@ -406,81 +471,82 @@ def cudnn_batch_prefill_with_kv_cache(
             V.device_check(kv_indptr[-1:] <= k_cache.shape[0], f"{_NAME}: k_cache has fewer "
                            "tokens than sum(actual_seq_lens_kv)")
         bm = tile([max_token_per_sequence])
-        work = plan.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
-    else:
-        ql = [int(x) for x in qo_lens.tolist()]
-        kl = [int(x) for x in kv_lens.tolist()]
-        if any(n < 0 for n in ql + kl):
-            _fail("actual_seq_lens_q/kv", f"hold negative lengths {ql} / {kl}",
-                  "pass lengths >= 0")
-        if ql and max(ql) > max_token_per_sequence:
-            _fail("max_token_per_sequence", f"= {max_token_per_sequence} < the longest query "
-                  f"{max(ql)}", "pass max(actual_seq_lens_q) or more")
-        if kl and max(kl) > max_sequence_kv:
-            _fail("max_sequence_kv", f"= {max_sequence_kv} < the longest KV {max(kl)}",
-                  "pass max(actual_seq_lens_kv) or more")
-        if sum(ql) > nq:
-            _fail("q", f"has {nq} tokens, the lengths need {sum(ql)}",
-                  "pass all query tokens, packed")
-        if paged:
-            need = max([-(-n // page) for n in kl], default=0)
-            if need > block_tables.shape[1]:
-                _fail("block_tables", f"has {block_tables.shape[1]} columns, a request needs "
-                      f"{need} pages of {page}", "widen the table")
-            used = torch.cat([block_tables[b, : -(-n // page)].reshape(-1).cpu()
-                              for b, n in enumerate(kl)] + [torch.zeros(0, dtype=torch.int64)])
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
-                _fail("block_tables", f"holds page indices outside [0, {k_cache.shape[0]})",
-                      "index pages of k_cache/v_cache")
-        elif sum(kl) > k_cache.shape[0]:
-            _fail("k_cache", f"has {k_cache.shape[0]} tokens, the lengths need {sum(kl)}",
-                  "pass all KV tokens, packed")
-        bm = tile(ql)
-        work = plan.build_work(ql, group, bm, q.device, kv_lens=kl)
-
-    # ---- the LSE buffer and where each request's rows go in it (before anything is written)
-    size = bsz * max_token_per_sequence * hq
-    if return_lse:
-        if lse is not None:
-            _check_tensor("lse", lse, 3)
-            if tuple(lse.shape) != (bsz, max_token_per_sequence, hq) or \
-                    lse.dtype != torch.float32 or lse.device != q.device:
-                _fail("lse", f"is {tuple(lse.shape)} {lse.dtype} on {lse.device}",
-                      f"pass float32 [{bsz}, {max_token_per_sequence}, {hq}] (B, "
-                      f"max_token_per_sequence, Hq) on {q.device}")
-        if offs_stats is not None:
-            rows = qo_lens.clamp(max=max_token_per_sequence)
-            _check_stats_offsets(offs_stats[:-1], rows * hq, size, graph_mode)
-
-    # ---- scales, dtypes, the op
-    sm_scale = V.fits_float32(f"{_NAME}: scale * q_scale * k_scale", float(scale)
-                              * _scale_value("q_scale", q_scale, graph_mode)
-                              * _scale_value("k_scale", k_scale, graph_mode))
-    out_scale = _scale_value("v_scale", v_scale, graph_mode)
-    qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
-    params = (MASK_CAUSAL if causal else MASK_NONE, -1, 0, sm_scale, 0.0, POS_NONE, 1.0, 1e4,
-              out_scale, out_dtype)
-    qo_i32, kv_i32 = qo_indptr.to(torch.int32), kv_indptr.to(torch.int32)
+        return bm, schedule.uniform_work(bsz, max_token_per_sequence, group, bm, q.device)
+    ql = [int(x) for x in qo_lens.tolist()]
+    kl = [int(x) for x in kv_lens.tolist()]
+    if any(n < 0 for n in ql + kl):
+        _fail("actual_seq_lens_q/kv", f"hold negative lengths {ql} / {kl}",
+              "pass lengths >= 0")
+    if ql and max(ql) > max_token_per_sequence:
+        _fail("max_token_per_sequence", f"= {max_token_per_sequence} < the longest query "
+              f"{max(ql)}", "pass max(actual_seq_lens_q) or more")
+    if kl and max(kl) > max_sequence_kv:
+        _fail("max_sequence_kv", f"= {max_sequence_kv} < the longest KV {max(kl)}",
+              "pass max(actual_seq_lens_kv) or more")
+    if sum(ql) > nq:
+        _fail("q", f"has {nq} tokens, the lengths need {sum(ql)}",
+              "pass all query tokens, packed")
     if paged:
+        need = max([-(-n // page) for n in kl], default=0)
+        if need > block_tables.shape[1]:
+            _fail("block_tables", f"has {block_tables.shape[1]} columns, a request needs "
+                  f"{need} pages of {page}", "widen the table")
+        used = torch.cat([block_tables[b, : -(-n // page)].reshape(-1).cpu()
+                          for b, n in enumerate(kl)] + [torch.zeros(0, dtype=torch.int64)])
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= k_cache.shape[0]):
+            _fail("block_tables", f"holds page indices outside [0, {k_cache.shape[0]})",
+                  "index pages of k_cache/v_cache")
+    elif sum(kl) > k_cache.shape[0]:
+        _fail("k_cache", f"has {k_cache.shape[0]} tokens, the lengths need {sum(kl)}",
+              "pass all KV tokens, packed")
+    bm = tile(ql)
+    return bm, schedule.build_work(ql, group, bm, q.device, kv_lens=kl)
+
+
+def _check_lse_buffer(q, lse, qo_lens, offs_stats, max_token_per_sequence: int,
+                      graph_mode: bool) -> None:
+    """The LSE buffer and where each request's rows go in it, checked before anything is
+    written."""
+    bsz, hq = qo_lens.shape[0], q.shape[1]
+    if lse is not None:
+        _check_tensor("lse", lse, 3)
+        if tuple(lse.shape) != (bsz, max_token_per_sequence, hq) or \
+                lse.dtype != torch.float32 or lse.device != q.device:
+            _fail("lse", f"is {tuple(lse.shape)} {lse.dtype} on {lse.device}",
+                  f"pass float32 [{bsz}, {max_token_per_sequence}, {hq}] (B, "
+                  f"max_token_per_sequence, Hq) on {q.device}")
+    if offs_stats is not None:
+        rows = qo_lens.clamp(max=max_token_per_sequence)
+        _check_stats_offsets(offs_stats[:-1], rows * hq, bsz * max_token_per_sequence * hq,
+                             graph_mode)
+
+
+def _call(q, k_cache, v_cache, block_tables, qo_indptr, kv_indptr, kv_lens, work, bm: int,
+          params: tuple):
+    """The op on the batch: paged (block tables compacted on the device) or ragged; fp8 q is
+    upcast to bf16. params: the op's trailing scalars. Returns (out, lse [tokens, Hq])."""
+    qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
+    qo_i32, kv_i32 = qo_indptr.to(torch.int32), kv_indptr.to(torch.int32)
+    if block_tables is not None:
         page_indptr, page_indices, last = _compact_block_tables(block_tables.to(q.device),
-                                                                kv_lens, page)
-        o, lse_tok = call_op(
+                                                                kv_lens, k_cache.shape[2])
+        return call_op(
             "batch_paged_prefill",
             qx, k_cache.transpose(1, 2), v_cache.transpose(1, 2), qo_i32, page_indptr,
             page_indices, last, work, None, None, None, None, bm, *params)
-    else:
-        o, lse_tok = call_op(
-            "batch_ragged_prefill",
-            qx, k_cache, v_cache, qo_i32, kv_i32, work, None, None, None, None, bm, *params)
-    if out is None:
-        out = o
-    else:
-        out.copy_(o)
-    if not return_lse:
-        return out, None
+    return call_op(
+        "batch_ragged_prefill",
+        qx, k_cache, v_cache, qo_i32, kv_i32, work, None, None, None, None, bm, *params)
 
-    # ---- LSE into cuDNN's layout
-    tok = torch.arange(nq, device=q.device, dtype=torch.int64)
+
+def _lse_in_cudnn_layout(lse_tok, qo_indptr, offs_stats, bsz: int, max_token_per_sequence: int,
+                         lse_base: str) -> torch.Tensor:
+    """The op's LSE [tokens, Hq] as cuDNN's float32 [B, max_token_per_sequence, Hq]: padded
+    by request, or at batch_offsets_stats; -inf where no row lands."""
+    nq, hq = lse_tok.shape
+    dev = lse_tok.device
+    size = bsz * max_token_per_sequence * hq
+    tok = torch.arange(nq, device=dev, dtype=torch.int64)
     req = torch.bucketize(tok, qo_indptr[1:], right=True).clamp(max=max(bsz - 1, 0))
     row = tok - qo_indptr[req] if bsz else tok
     inside = (tok < qo_indptr[-1]) & (row < max_token_per_sequence)
@@ -489,15 +555,10 @@ def cudnn_batch_prefill_with_kv_cache(
     else:
         base = offs_stats[req] + row * hq
         inside = inside & (base >= 0) & (base + hq <= size)
-    flat = torch.full((size + hq,), float("-inf"), device=q.device, dtype=torch.float32)
+    flat = torch.full((size + hq,), float("-inf"), device=dev, dtype=torch.float32)
     dest = torch.where(inside, base, torch.full_like(base, size))[:, None] \
-        + torch.arange(hq, device=q.device)[None, :]
+        + torch.arange(hq, device=dev)[None, :]
     if lse_base == "ln":
         lse_tok = lse_tok * LN2
     flat.index_put_((dest.reshape(-1),), lse_tok.reshape(-1))
-    padded = flat[:size].reshape(bsz, max_token_per_sequence, hq)
-    if lse is None:
-        return out, padded
-    lse.copy_(padded)
-    return out, lse
-
+    return flat[:size].reshape(bsz, max_token_per_sequence, hq)

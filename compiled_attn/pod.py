@@ -19,10 +19,11 @@ import math
 import torch
 
 from . import _validate as V
+from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
 from .ops.launch import Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
-from .plan import block_m_for, build_work, uniform_work
+from .ops.schedule import block_m_for, build_work, uniform_work
 from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
 
@@ -35,23 +36,6 @@ _RETURN_DOC = """
         LSEs), each lse float32 ``[rows, Hq]``, base 2 (natural logsumexp / ln 2) over the final
         logits, -inf for a row that sees no key (its output is 0); an LSE not asked for is None.
         """
-
-
-def _plan_dtypes(q_data_type, kv_data_type, data_type, device_type):
-    """FlashInfer's POD dtype arguments: data_type (deprecated) sets both q_data_type and
-    kv_data_type where those are None; q_data_type defaults to float16. (FlashInfer's signature
-    defaults q_data_type to "float16", which makes data_type silently miss q.)"""
-    if data_type is not None:
-        q_data_type = data_type if q_data_type is None else q_data_type
-        kv_data_type = data_type if kv_data_type is None else kv_data_type
-    q_dt = V.canonical_dtype("q_data_type", q_data_type if q_data_type is not None else "float16")
-    kv_dt = q_dt if kv_data_type is None else V.canonical_dtype("kv_data_type", kv_data_type)
-    V.check_q_dtype("q_data_type", q_dt, device_type)
-    V.check_kv_dtype("kv_data_type", kv_dt, device_type)
-    if kv_dt not in V.FP8_DTYPES and kv_dt != q_dt:
-        raise TypeError(f"kv_data_type {kv_dt} differs from q_data_type {q_dt}; use one dtype "
-                        "(only fp8 K/V may differ from q)")
-    return q_dt, kv_dt
 
 
 def _page_table(names, indptr, indices, last_page_len, page_size, b=None):
@@ -74,27 +58,18 @@ class _PODBase(_WrapperBase):
         self._plan = None
         self._use_cuda_graph = False
 
-    def _plan_options(self, num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
-                      window_left, q_data_type, kv_data_type, data_type, sm_scale, rope_scale,
-                      rope_theta) -> dict:
-        dev = self.device.type
-        group = V.check_heads(num_qo_heads, num_kv_heads)
-        V.check_head_dims(head_dim, head_dim, dev, names=("head_dim", "head_dim"))
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size: got {page_size!r}; use a Python int >= 1")
-        pos = V.check_pos_encoding_mode(pos_encoding_mode)
-        V.check_rope_dim(head_dim, pos)
-        q_dt, kv_dt = _plan_dtypes(q_data_type, kv_data_type, data_type, dev)
-        return dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    group=group, block_m=block_m_for(head_dim, head_dim, group),
-                    page_size=page_size, pos=pos, window_left=V.check_window_left(window_left),
-                    sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(head_dim),
-                                           positive=False),
-                    rope_scale=V.check_scale("rope_scale", rope_scale, 1.0),
-                    rope_theta=V.check_scale("rope_theta", rope_theta, 1e4),
-                    q_dtype=q_dt, kv_dtype=kv_dt,
-                    alibi=(get_alibi_slopes(num_qo_heads, self.device)
-                           if pos == POS_ALIBI else None))
+    def _plan_options(self, args: dict) -> dict:
+        """The plan dict's options, from a POD plan()'s arguments by FlashInfer name
+        (PlanOptions.of_pod), with the tile height and the ALiBi slopes."""
+        o = PlanOptions.of_pod(args, self.device.type)
+        return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
+                    head_dim=o.head_dim_qk, group=o.group,
+                    block_m=block_m_for(o.head_dim_qk, o.head_dim_qk, o.group),
+                    page_size=args["page_size"], pos=o.pos_encoding_mode,
+                    window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
+                    rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
+                    alibi=(get_alibi_slopes(o.num_qo_heads, self.device)
+                           if o.pos_encoding_mode == POS_ALIBI else None))
 
     def _set_plan(self, p: dict) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
@@ -155,20 +130,21 @@ class _PODBase(_WrapperBase):
                                name, p[f"kv_indices{suffix}"])
         return k, v
 
-    def _call(self, p, *, q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d,
-              idx_d, last_d, work, packed_p, mask_indptr_p, mask_p, window_p, sm_p, mask_d,
-              window_d, sm_d, pos, rope_scale, rope_theta, v_scale, want_lse_p, want_lse_d):
-        """One POD launch; v_scale (decode only, as FlashInfer) multiplies out_d afterwards."""
+    def _call(self, p, part_p: tuple, part_d: tuple, *, work, packed_p, mask_indptr_p,
+              opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple):
+        """One POD launch. part_p / part_d: each part's (q, k, v, qo_indptr, kv_indptr,
+        kv_indices, last_page_len) in the op's order; opt_p / opt_d: (mask mode, window_left,
+        sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
+        decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards."""
         v_f, v_t = _split_v_scale(v_scale)
         out_p, lse_p, out_d, lse_d = call_op(
-            "pod_prefill_decode",
-            q_p, k_p, v_p, qo_p, kvi_p, idx_p, last_p, q_d, k_d, v_d, qo_d, kvi_d, idx_d, last_d,
-            work, packed_p, mask_indptr_p, p["alibi"], p["block_m"], mask_p, window_p, sm_p, 0.0,
-            mask_d, window_d, sm_d, 0.0, pos, rope_scale, rope_theta, 1.0, q_p.dtype)
+            "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p, p["alibi"],
+            p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
         if v_f != 1.0 or v_t is not None:
             ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
             scale = v_t.to(ct) if v_t is not None else v_f
             out_d = (out_d.to(ct) * scale).to(out_d.dtype)
+        want_lse_p, want_lse_d = want_lse
         if want_lse_p or want_lse_d:
             return (out_p, out_d), (lse_p if want_lse_p else None, lse_d if want_lse_d else None)
         return out_p, out_d
@@ -227,13 +203,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         read), last_page_len ``[B]`` (integer, CPU or GPU; read on the host). The
         options (pos_encoding_mode, window_left, sm_scale, rope_*) are the decode part's;
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
+        args = dict(locals())  # the arguments by FlashInfer name, for _plan_options
         b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
         ind_h, idx_h, last_h, kv_lens = _page_table(("indptr", "indices", "last_page_len"),
                                                     indptr, indices, last_page_len, page_size, b)
         b = ind_h.numel() - 1
-        p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
-                               pos_encoding_mode, window_left, q_data_type, kv_data_type,
-                               data_type, sm_scale, rope_scale, rope_theta)
+        p = self._plan_options(args)
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
@@ -392,17 +367,15 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         window_d = p["window_left"] if window_left_d is None else V.check_window_left(
             window_left_d, "window_left_d")
         head_dim = p["head_dim"]
+        opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
+                 V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
+                               positive=False))
         return self._call(
-            p, q_p=q_p, k_p=kn.unsqueeze(0), v_p=vn.unsqueeze(0), qo_p=qo_p, kvi_p=kvi_p,
-            idx_p=idx_p, last_p=last_p, q_d=q_d, k_d=k_d, v_d=v_d, qo_d=p["qo_indptr"],
-            kvi_d=p["kv_indptr"], idx_d=p["kv_indices"], last_d=p["last_page_len"], work=work,
-            packed_p=packed_p, mask_indptr_p=mask_indptr_p, mask_p=mask_p,
-            window_p=V.check_window_left(window_left_p, "window_left_p"),
-            sm_p=V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
-                               positive=False),
-            mask_d=MASK_CAUSAL if causal_d else MASK_NONE, window_d=window_d, sm_d=sm_d,
-            pos=pos_p, rope_scale=rs_p, rope_theta=rt_p, v_scale=v_scale,
-            want_lse_p=return_lse_p, want_lse_d=return_lse_d)
+            p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), qo_p, kvi_p, idx_p, last_p),
+            (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),
+            work=work, packed_p=packed_p, mask_indptr_p=mask_indptr_p, opt_p=opt_p,
+            opt_d=(MASK_CAUSAL if causal_d else MASK_NONE, window_d, sm_d),
+            rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d))
 
     run.__doc__ += _RETURN_DOC
 
@@ -453,9 +426,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         ``[>= kv_indptr_x[-1]]`` (entries past kv_indptr_x[-1] are not read), last_page_len_p /
         last_page_len_d ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply to
         both parts (as in FlashInfer); decode requests may have any number of rows."""
-        p = self._plan_options(num_qo_heads, num_kv_heads, head_dim, page_size,
-                               pos_encoding_mode, window_left, q_data_type, kv_data_type,
-                               data_type, sm_scale, rope_scale, rope_theta)
+        p = self._plan_options(dict(locals()))
         to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
         works = []
         for x in ("p", "d"):
@@ -546,14 +517,14 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             mask_indptr_p = p["mask_indptr_p"]
         sm_d = V.fits_float32("sm_scale * q_scale * k_scale", p["sm_scale"] * V.host_scale(
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
+        part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
+                                                        "last_page_len")) for x in ("p", "d")}
         return self._call(
-            p, q_p=q_p, k_p=k_p, v_p=v_p, qo_p=p["qo_indptr_p"], kvi_p=p["kv_indptr_p"],
-            idx_p=p["kv_indices_p"], last_p=p["last_page_len_p"], q_d=q_d, k_d=k_d, v_d=v_d,
-            qo_d=p["qo_indptr_d"], kvi_d=p["kv_indptr_d"], idx_d=p["kv_indices_d"],
-            last_d=p["last_page_len_d"], work=p["work"], packed_p=packed_p,
-            mask_indptr_p=mask_indptr_p, mask_p=mask_p, window_p=p["window_left"],
-            sm_p=p["sm_scale"], mask_d=MASK_NONE, window_d=p["window_left"], sm_d=sm_d,
-            pos=p["pos"], rope_scale=p["rope_scale"], rope_theta=p["rope_theta"],
-            v_scale=v_scale, want_lse_p=return_lse, want_lse_d=return_lse)
+            p, (q_p, k_p, v_p, *part["p"]), (q_d, k_d, v_d, *part["d"]), work=p["work"],
+            packed_p=packed_p, mask_indptr_p=mask_indptr_p,
+            opt_p=(mask_p, p["window_left"], p["sm_scale"]),
+            opt_d=(MASK_NONE, p["window_left"], sm_d),
+            rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
+            want_lse=(return_lse, return_lse))
 
     run.__doc__ += _RETURN_DOC

@@ -5,9 +5,9 @@ ragged / paged batch wrappers.
 ``torch.ops.compiled_attn.single_prefill`` once. The two batch wrappers follow FlashInfer's
 plan/run split: ``plan()`` reads the index arrays on the host (they may live on CPU or GPU),
 validates them (with messages that say how to fix the input), packs custom masks per request,
-builds the int32 work list (``compiled_attn.plan.build_work``) and stores every tensor the op
-needs on the wrapper's device; ``run()`` checks only shapes, dtypes and devices against the
-plan and calls ``torch.ops.compiled_attn.batch_{paged,ragged}_prefill``, so it never reads a
+builds the int32 work list (``compiled_attn.ops.schedule.build_work``) and stores every tensor
+the op needs on the wrapper's device; ``run()`` checks only shapes, dtypes and devices against
+the plan and calls ``torch.ops.compiled_attn.batch_{paged,ragged}_prefill``, so it never reads a
 device value on the host: it can be captured in a CUDA graph and traced by torch.compile.
 Both wrappers share one base class for plan bookkeeping and run plumbing; they differ only in
 how the KV side is described (offsets vs. page table). Semantics are those of docs/spec.md:
@@ -22,15 +22,15 @@ relative error) with float32 accumulation and softmax.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from . import _validate as V
+from ._plan_options import PlanOptions, scalar_options
 from .op_call import bound_run, call_op
 from .ops.launch import LaunchCache, Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
-from .plan import block_m_for, build_split_work, build_work
+from .ops.schedule import block_m_for, build_split_work, build_work
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -64,27 +64,6 @@ def _apply_v_scale_tensor(out: torch.Tensor, vt: torch.Tensor | None) -> torch.T
         return out
     ct = torch.float64 if out.dtype == torch.float64 else torch.float32
     return (out.to(ct) * vt.to(ct)).to(out.dtype)
-
-
-def _common_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_left,
-                    logits_soft_cap, rope_scale, rope_theta, use_fp16_qk_reduction) -> dict:
-    """Validated scalar options with FlashInfer's defaults applied.
-
-    use_fp16_qk_reduction is a permission to reduce q.k in fp16; compiled_attn always reduces
-    in fp32 (at least as accurate), which honours it."""
-    if not isinstance(use_fp16_qk_reduction, bool):
-        raise TypeError(f"use_fp16_qk_reduction: got {use_fp16_qk_reduction!r}; pass a bool")
-    pos = V.check_pos_encoding_mode(pos_encoding_mode)
-    V.check_rope_dim(head_dim_qk, pos)
-    return dict(
-        pos_encoding_mode=pos,
-        sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(head_dim_qk),
-                               positive=False),
-        window_left=V.check_window_left(window_left),
-        logits_soft_cap=V.check_soft_cap(logits_soft_cap),
-        rope_scale=V.check_scale("rope_scale", rope_scale, 1.0),
-        rope_theta=V.check_scale("rope_theta", rope_theta, 1e4),
-    )
 
 
 def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
@@ -258,7 +237,7 @@ def _single_prefill(
                         "(only fp8 K/V may differ from q)")
     V.check_heads(hq, hkv, names=("q's head count (q.shape[1])", "k's KV head count"))
     V.check_head_dims(dqk, dvo, dev, names=("D_qk", "D_vo"))
-    opts = _common_options(head_dim_qk=dqk, pos_encoding_mode=pos_encoding_mode,
+    opts = scalar_options(head_dim_qk=dqk, pos_encoding_mode=pos_encoding_mode,
                            sm_scale=sm_scale, window_left=window_left,
                            logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
                            rope_theta=rope_theta, use_fp16_qk_reduction=use_fp16_qk_reduction)
@@ -326,6 +305,67 @@ def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
         raise ValueError(f"uniform_q_len={uniform_q_len} does not describe this batch (query "
                          f"lengths {int(lens.min())}..{int(lens.max())}); pass None, or the "
                          "length every request has")
+
+
+def _check_plan_args(args: dict, qo_h: torch.Tensor) -> None:
+    """The batch plan arguments compiled_attn refuses or only checks: multi-item scoring and
+    fixed_split_size (NotImplementedError), disable_split_kv's type, uniform_q_len's promise."""
+    multi = "multi-item scoring (prefix_len_ptr / token_pos_in_items_* / max_item_len_ptr)"
+    for name in ("prefix_len_ptr", "token_pos_in_items_ptr", "max_item_len_ptr"):
+        V.reject_if_set(name, args[name], f"{multi} is not supported")
+    if args["token_pos_in_items_len"] != 0:
+        V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
+    fixed_split_size = args["fixed_split_size"]
+    if fixed_split_size is not None and fixed_split_size != -1:
+        V.unsupported("fixed_split_size", "compiled_attn chooses its KV chunks itself "
+                      "(pass disable_split_kv=True for outputs that do not depend on the "
+                      "batch); pass None")
+    disable_split_kv = args["disable_split_kv"]
+    if not isinstance(disable_split_kv, bool):
+        raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
+    _check_uniform_q_len(args["uniform_q_len"], qo_h)
+
+
+def _check_length_hints(args: dict, qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
+    """Optional lengths given for other backends (seq_lens, seq_lens_q) must agree with the
+    index arrays, and the bounds (max_token_per_sequence, max_sequence_kv) must hold."""
+    for name, have in (("seq_lens", kv_lens), ("seq_lens_q", qo_lens)):
+        if args[name] is not None:
+            g = V.host_copy(name, args[name]).reshape(-1)
+            if g.shape != have.shape or not torch.equal(g, have):
+                raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
+                                 f"index arrays give, {have.tolist()}; pass None or the "
+                                 "same lengths")
+    for name, have in (("max_token_per_sequence", qo_lens), ("max_sequence_kv", kv_lens)):
+        bound = args[name]
+        if bound is not None and have.numel() and int(bound) < int(have.max()):
+            raise ValueError(f"{name} = {bound} is below the longest request's "
+                             f"{int(have.max())}; pass None or an upper bound")
+
+
+def _plan_mask(args: dict, qo_lens: torch.Tensor, kv_lens: torch.Tensor):
+    """(mask_mode, packed mask bytes or None, int32 byte offsets [B+1] or None) of a batch
+    plan: custom masks packed per request, each request's segment padded to whole bytes."""
+    custom_mask, packed_custom_mask = args["custom_mask"], args["packed_custom_mask"]
+    if packed_custom_mask is None and custom_mask is None:
+        return (MASK_CAUSAL if args["causal"] else MASK_NONE), None, None
+    mask_bits = (qo_lens * kv_lens).tolist()
+    if packed_custom_mask is not None:
+        byte_ptr = [0]
+        for n in mask_bits:
+            byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
+        V.mask_packed_length(
+            "packed_custom_mask", packed_custom_mask, byte_ptr[-1],
+            "sum over requests of ceil(qo_len * kv_len / 8): each request's bits start "
+            "on a new byte")
+        packed = packed_custom_mask
+    else:
+        V.mask_bool_length("custom_mask", custom_mask, sum(mask_bits),
+                           "sum over requests of qo_len * kv_len, each request's "
+                           "[qo_len, kv_len] mask flattened row-major")
+        src, byte_ptr = _segment_bit_sources(mask_bits, custom_mask.device)
+        packed = _pack_from_sources(custom_mask, src, "little")
+    return MASK_CUSTOM, packed, torch.tensor(byte_ptr, dtype=torch.int32)
 
 
 class _Plan:
@@ -437,159 +477,97 @@ class _BatchPrefillBase(_WrapperBase):
             buf[n:].fill_(fill)
         return buf
 
-    def _plan_common(self, *, qo_h, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk,
-                     head_dim_vo, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-                     use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap, rope_scale,
-                     rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking,
-                     prefix_len_ptr, token_pos_in_items_ptr, token_pos_in_items_len,
-                     max_item_len_ptr, seq_lens, seq_lens_q, max_token_per_sequence,
-                     max_sequence_kv, fixed_split_size, disable_split_kv, uniform_q_len, paged,
-                     page_size=0) -> _Plan:
-        """Everything plan() does that does not depend on how KV is addressed. qo_h: host
-        int64 qo_indptr (checked); kv_lens: host int64 [B]; page_size: the paged cache's (0:
-        ragged)."""
-        multi = "multi-item scoring (prefix_len_ptr / token_pos_in_items_* / max_item_len_ptr)"
-        for name, val in (("prefix_len_ptr", prefix_len_ptr),
-                          ("token_pos_in_items_ptr", token_pos_in_items_ptr),
-                          ("max_item_len_ptr", max_item_len_ptr)):
-            V.reject_if_set(name, val, f"{multi} is not supported")
-        if token_pos_in_items_len != 0:
-            V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
-        if fixed_split_size is not None and fixed_split_size != -1:
-            V.unsupported("fixed_split_size", "compiled_attn chooses its KV chunks itself "
-                          "(pass disable_split_kv=True for outputs that do not depend on the "
-                          "batch); pass None")
-        if not isinstance(disable_split_kv, bool):
-            raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
-        _check_uniform_q_len(uniform_q_len, qo_h)
-        # disable_split_kv=True is honoured: the plan then never splits KV. Otherwise a CUDA
-        # plan outside CUDA-graph mode splits long key ranges when tiles would leave SMs idle.
-        dev = self.device.type
-        b = qo_h.numel() - 1
+    def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_lens: torch.Tensor, *,
+                     paged: bool, page_size: int = 0) -> _Plan:
+        """Everything plan() does that does not depend on how KV is addressed. args: the
+        plan()'s arguments by FlashInfer name; qo_h: host int64 qo_indptr (checked); kv_lens:
+        host int64 [B]; page_size: the paged cache's (0: ragged)."""
+        _check_plan_args(args, qo_h)
+        opts = PlanOptions.of_batch(args, self.device.type)
         qo_lens = qo_h[1:] - qo_h[:-1]
-        total_rows = int(qo_h[-1])
-        hd_vo = head_dim_qk if head_dim_vo is None else head_dim_vo
-        group = V.check_heads(num_qo_heads, num_kv_heads)
-        V.check_head_dims(head_dim_qk, hd_vo, dev)
-        opts = _common_options(head_dim_qk=head_dim_qk, pos_encoding_mode=pos_encoding_mode,
-                               sm_scale=sm_scale, window_left=window_left,
-                               logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-                               rope_theta=rope_theta,
-                               use_fp16_qk_reduction=use_fp16_qk_reduction)
-        q_dt = V.canonical_dtype("q_data_type", q_data_type)
-        kv_dt = q_dt if kv_data_type is None else V.canonical_dtype("kv_data_type", kv_data_type)
-        o_dt = q_dt if o_data_type is None else V.canonical_dtype("o_data_type", o_data_type)
-        V.check_q_dtype("q_data_type", q_dt, dev)
-        V.check_kv_dtype("kv_data_type", kv_dt, dev)
-        V.check_out_dtype("o_data_type", o_dt, dev)
-        if kv_dt not in V.FP8_DTYPES and kv_dt != q_dt:
-            raise TypeError(f"kv_data_type {kv_dt} differs from q_data_type {q_dt}; use one "
-                            "dtype (only fp8 K/V may differ from q)")
-        # Optional lengths given for other backends must agree with the index arrays.
-        for name, given, have in (("seq_lens", seq_lens, kv_lens), ("seq_lens_q", seq_lens_q,
-                                                                    qo_lens)):
-            if given is not None:
-                g = V.host_copy(name, given).reshape(-1)
-                if g.shape != have.shape or not torch.equal(g, have):
-                    raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
-                                     f"index arrays give, {have.tolist()}; pass None or the "
-                                     "same lengths")
-        for name, bound, have in (("max_token_per_sequence", max_token_per_sequence, qo_lens),
-                                  ("max_sequence_kv", max_sequence_kv, kv_lens)):
-            if bound is not None and have.numel() and int(bound) < int(have.max()):
-                raise ValueError(f"{name} = {bound} is below the longest request's "
-                                 f"{int(have.max())}; pass None or an upper bound")
-
-        # ---- custom mask: per-request segments, each padded to whole bytes -----------------
-        mask_bits = (qo_lens * kv_lens).tolist()
-        packed = mask_indptr = None
-        if packed_custom_mask is not None or custom_mask is not None:
-            if packed_custom_mask is not None:
-                src = None
-                byte_ptr = [0]
-                for n in mask_bits:
-                    byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
-                V.mask_packed_length(
-                    "packed_custom_mask", packed_custom_mask, byte_ptr[-1],
-                    "sum over requests of ceil(qo_len * kv_len / 8): each request's bits start "
-                    "on a new byte")
-                packed = packed_custom_mask
-            else:
-                V.mask_bool_length("custom_mask", custom_mask, sum(mask_bits),
-                                   "sum over requests of qo_len * kv_len, each request's "
-                                   "[qo_len, kv_len] mask flattened row-major")
-                src, byte_ptr = _segment_bit_sources(mask_bits, custom_mask.device)
-                packed = _pack_from_sources(custom_mask, src, "little")
-            mask_indptr = torch.tensor(byte_ptr, dtype=torch.int32)
-            mask_mode = MASK_CUSTOM
-        else:
-            mask_mode = MASK_CAUSAL if causal else MASK_NONE
-
-        # ---- work list -----------------------------------------------------------------------
+        _check_length_hints(args, qo_lens, kv_lens)
+        mask_mode, packed, mask_indptr = _plan_mask(args, qo_lens, kv_lens)
         # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed).
+        b = qo_h.numel() - 1
         max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
-        block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE, paged,
-                              page_size=page_size, qo_lens=qo_list, kv_dtype=kv_dt)
-        work = build_work(qo_list, group, block_m, "cpu", kv_lens=kv_lens.tolist())
+        block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
+                              mask_mode != MASK_NONE, paged, page_size=page_size,
+                              qo_lens=qo_list, kv_dtype=opts.kv_dtype)
+        work = build_work(qo_list, opts.group, block_m, "cpu", kv_lens=kv_lens.tolist())
+        non_blocking = args["non_blocking"]
         if self._use_cuda_graph:
-            if b != self._fixed_batch_size:
-                raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
-                                 "the CUDA-graph buffers were made for; the batch size is fixed "
-                                 "with use_cuda_graph=True (pad with empty requests)")
-            if self._max_total_rows is None:
-                # The first plan fixes the row capacity (as in FlashInfer); the work buffer is
-                # sized for any plan within it: sum_b ceil(x_b / m) <= (X + B (m - 1)) // m.
-                self._max_total_rows = total_rows
-                cap = (total_rows * group + b * (block_m - 1)) // block_m
-                self._work_buf = torch.empty((max(cap, 1), 2), dtype=torch.int32,
-                                             device=self.device)
-                self._work_key = (group, block_m)
-            elif total_rows > self._max_total_rows:
-                raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
-                                 f"{self._max_total_rows} of the first plan, which fixed the "
-                                 "CUDA-graph capacity; make the first plan() the largest batch")
-            if (group, block_m) != self._work_key:
-                raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
-                                 "plan in CUDA-graph mode; create a new wrapper for new shapes")
-            # Padding rows (request -1) are skipped by the kernel.
-            wb = self._work_buf
-            if work.shape[0] > wb.shape[0]:  # cannot happen by the bound above
-                raise AssertionError("work list exceeds its computed capacity")
-            wb[work.shape[0]:, 0].fill_(-1)
-            wb[work.shape[0]:, 1].fill_(0)
-            wb[:work.shape[0]].copy_(work, non_blocking=non_blocking)
-            work_dev = wb
-            qo_dev = self._into_buf("qo_indptr_buf", qo_h, non_blocking)
-            if packed is not None:
-                packed_dev = self._into_buf("custom_mask_buf", packed.reshape(-1), non_blocking)
-                mask_indptr_dev = self._into_buf("mask_indptr_buf", mask_indptr, non_blocking)
-            else:
-                packed_dev = mask_indptr_dev = None
-            merge_dev = None
+            tensors = self._graph_tensors(qo_h, opts.group, block_m, work, packed, mask_indptr,
+                                          non_blocking)
         else:
-            merge_dev = None
-            if self.device.type == "cuda" and not disable_split_kv:
-                # Split-KV where the tiles would leave SMs idle (few query rows, long keys).
-                work, merge = build_split_work(qo_lens.tolist(), kv_lens.tolist(), group,
-                                               block_m, num_kv_heads, "cpu")
-                if merge is not None:
-                    merge_dev = self._to_dev(merge, non_blocking)
-                else:
-                    work = work[:, :2].contiguous()
-            work_dev = self._to_dev(work, non_blocking)
-            qo_dev = self._to_dev(qo_h, non_blocking)
-            packed_dev = None if packed is None else packed.to(self.device, non_blocking=non_blocking)
-            mask_indptr_dev = None if mask_indptr is None else self._to_dev(mask_indptr,
-                                                                             non_blocking)
-        alibi = (get_alibi_slopes(num_qo_heads, self.device)
-                 if opts["pos_encoding_mode"] == POS_ALIBI else None)
-        return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_lens, kv_lens=kv_lens,
-                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                     head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, group=group, block_m=block_m,
-                     q_dtype=q_dt, kv_dtype=kv_dt, o_dtype=o_dt, mask_mode=mask_mode,
-                     qo_indptr=qo_dev, work=work_dev, merge=merge_dev, packed_mask=packed_dev,
-                     mask_indptr=mask_indptr_dev, alibi=alibi, **opts)
+            tensors = self._plan_tensors(qo_h, kv_lens, opts, block_m, work, packed,
+                                         mask_indptr, args["disable_split_kv"], non_blocking)
+        alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
+                 if opts.pos_encoding_mode == POS_ALIBI else None)
+        return _Plan(batch_size=b, total_rows=int(qo_h[-1]), qo_lens=qo_lens, kv_lens=kv_lens,
+                     block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors,
+                     **opts.fields())
+
+    def _graph_tensors(self, qo_h, group: int, block_m: int, work, packed, mask_indptr,
+                       non_blocking: bool) -> dict:
+        """The plan's device tensors in CUDA-graph mode: copies into the constructor's buffers
+        and into a work buffer sized at the first plan (padding rows are request -1)."""
+        b, total_rows = qo_h.numel() - 1, int(qo_h[-1])
+        if b != self._fixed_batch_size:
+            raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
+                             "the CUDA-graph buffers were made for; the batch size is fixed "
+                             "with use_cuda_graph=True (pad with empty requests)")
+        if self._max_total_rows is None:
+            # The first plan fixes the row capacity (as in FlashInfer); the work buffer is
+            # sized for any plan within it: sum_b ceil(x_b / m) <= (X + B (m - 1)) // m.
+            self._max_total_rows = total_rows
+            cap = (total_rows * group + b * (block_m - 1)) // block_m
+            self._work_buf = torch.empty((max(cap, 1), 2), dtype=torch.int32,
+                                         device=self.device)
+            self._work_key = (group, block_m)
+        elif total_rows > self._max_total_rows:
+            raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
+                             f"{self._max_total_rows} of the first plan, which fixed the "
+                             "CUDA-graph capacity; make the first plan() the largest batch")
+        if (group, block_m) != self._work_key:
+            raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
+                             "plan in CUDA-graph mode; create a new wrapper for new shapes")
+        # Padding rows (request -1) are skipped by the kernel.
+        wb = self._work_buf
+        if work.shape[0] > wb.shape[0]:  # cannot happen by the bound above
+            raise AssertionError("work list exceeds its computed capacity")
+        wb[work.shape[0]:, 0].fill_(-1)
+        wb[work.shape[0]:, 1].fill_(0)
+        wb[:work.shape[0]].copy_(work, non_blocking=non_blocking)
+        qo_dev = self._into_buf("qo_indptr_buf", qo_h, non_blocking)
+        if packed is not None:
+            packed_dev = self._into_buf("custom_mask_buf", packed.reshape(-1), non_blocking)
+            mask_indptr_dev = self._into_buf("mask_indptr_buf", mask_indptr, non_blocking)
+        else:
+            packed_dev = mask_indptr_dev = None
+        return dict(qo_indptr=qo_dev, work=wb, merge=None, packed_mask=packed_dev,
+                    mask_indptr=mask_indptr_dev)
+
+    def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,
+                      mask_indptr, disable_split_kv: bool, non_blocking: bool) -> dict:
+        """The plan's device tensors outside CUDA-graph mode. disable_split_kv=True is
+        honoured: the plan then never splits KV; otherwise a CUDA plan splits long key ranges
+        where the tiles would leave SMs idle (few query rows, long keys)."""
+        merge_dev = None
+        if self.device.type == "cuda" and not disable_split_kv:
+            work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
+                                           opts.group, block_m, opts.num_kv_heads, "cpu")
+            if merge is not None:
+                merge_dev = self._to_dev(merge, non_blocking)
+            else:
+                work = work[:, :2].contiguous()
+        return dict(
+            qo_indptr=self._to_dev(qo_h, non_blocking), work=self._to_dev(work, non_blocking),
+            merge=merge_dev,
+            packed_mask=None if packed is None else packed.to(self.device,
+                                                              non_blocking=non_blocking),
+            mask_indptr=None if mask_indptr is None else self._to_dev(mask_indptr,
+                                                                      non_blocking))
 
     def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
@@ -601,7 +579,7 @@ class _BatchPrefillBase(_WrapperBase):
         if p is None:
             raise RuntimeError("forward() before plan(): call plan(...) with the batch's index "
                                "arrays first")
-        opts = _common_options(head_dim_qk=p.head_dim_qk, pos_encoding_mode=pos_encoding_mode,
+        opts = scalar_options(head_dim_qk=p.head_dim_qk, pos_encoding_mode=pos_encoding_mode,
                                sm_scale=sm_scale, window_left=window_left,
                                logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
                                rope_theta=rope_theta,
@@ -781,6 +759,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         paged_kv_indices_buf, which needs room for those only (FlashInfer's needs room for
         the whole argument).
         """
+        args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
@@ -788,20 +767,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1)
         idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
                                                     paged_kv_last_page_len, page_size)
-        p = self._plan_common(
-            qo_h=qo_h, kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-            head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, custom_mask=custom_mask,
-            packed_custom_mask=packed_custom_mask, causal=causal,
-            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-            rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
-            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
-            seq_lens=seq_lens, seq_lens_q=seq_lens_q,
-            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            uniform_q_len=uniform_q_len, paged=True, page_size=page_size)
+        p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size)
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
             p.kv_indices = self._into_buf("paged_kv_indices_buf", idx_h, non_blocking)
@@ -953,6 +919,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         does this. v_indptr / o_indptr (cuDNN inputs), if given, must equal kv_indptr /
         qo_indptr (separate value / output offsets raise NotImplementedError).
         """
+        args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
         kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1)
@@ -960,20 +927,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")
-        p = self._plan_common(
-            qo_h=qo_h, kv_lens=kv_h[1:] - kv_h[:-1], num_qo_heads=num_qo_heads,
-            num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-            custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
-            pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-            sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap,
-            rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
-            kv_data_type=kv_data_type, o_data_type=o_data_type, non_blocking=non_blocking,
-            prefix_len_ptr=prefix_len_ptr, token_pos_in_items_ptr=token_pos_in_items_ptr,
-            token_pos_in_items_len=token_pos_in_items_len, max_item_len_ptr=max_item_len_ptr,
-            seq_lens=seq_lens, seq_lens_q=seq_lens_q,
-            max_token_per_sequence=max_token_per_sequence, max_sequence_kv=max_sequence_kv,
-            fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-            uniform_q_len=uniform_q_len, paged=False)
+        p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False)
         p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
                        if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))
         p.total_kv = int(kv_h[-1])

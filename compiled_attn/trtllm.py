@@ -20,10 +20,9 @@ import math
 import torch
 
 from . import _validate as V
-from . import plan
 from .op_call import call_op
 from .cudnn import _compact_block_tables, _pages_used
-from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE
+from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE, schedule
 from .utils import get_alibi_slopes
 
 __all__ = ["trtllm_fmha_v2_prefill"]
@@ -182,7 +181,66 @@ def trtllm_fmha_v2_prefill(
     max m (the kernels' running max m_i, base 2, times ln 2; the split-KV merge taking the max
     of its chunks' maxima); then sum = 2^(lse - m_i).
     """
-    # ---- options
+    mode, window_left, chunk, cap, pos, sm_scale, out_scale = _options(
+        input_layout, mask_mode, window_left, chunked_attention_size, logits_soft_cap_scale,
+        pos_encoding_mode, save_softmax_stats, skip_softmax_threshold_scale_factor, bmm1_scale,
+        bmm2_scale, batch_size, max_q_len, max_kv_len)
+    V.check_tensor("workspace_buffer", workspace_buffer)
+    paged = input_layout.startswith("Q_PAGED_KV")
+    q, k, v, v_delta = _tensors(qkv, input_layout)
+    dev, hq, dvo = q.device, q.shape[1], v.shape[-1]
+    group = V.check_heads(hq, k.shape[-2], names=("query heads", "KV heads"))
+    V.check_head_dims(q.shape[2], dvo, dev.type)
+    if q.dtype not in _FP8:
+        V.check_q_dtype("q", q.dtype, dev.type)
+    else:  # computed as bfloat16
+        V.check_interpreter("q", torch.bfloat16, dev.type)
+    V.check_kv_dtype("k/v", k.dtype, dev.type)
+    V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype, names=("q", "k", "v"))
+    o_dtype = _out_dtype(q, v, out, out_dtype)
+    kv_lens, cq, ckv = _lengths(q, k, seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size,
+                                max_q_len, max_kv_len, paged)
+
+    # ---- the op
+    page = k.shape[1] if paged else 0  # paged: k is the [P, page, Hkv, D] view of the cache
+    # the work list gives every request max_q_len rows of tiles
+    bm = schedule.block_m_for(q.shape[2], dvo, group, max_kv_len, mode != "padding", paged,
+                              page_size=page, qo_lens=[max_q_len], kv_dtype=k.dtype)
+    work = schedule.uniform_work(batch_size, max_q_len, group, bm, dev)
+    slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
+    sinks = _sinks(sinks, hq, dev)
+    qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
+    mask_code = MASK_NONE if mode == "padding" else MASK_CAUSAL
+    params = (mask_code, window_left if mode == "sliding_window" else -1,
+              chunk if mode == "chunked" else 0, sm_scale, cap, pos, 1.0, 1e4, out_scale,
+              o_dtype)
+    cq32 = cq.to(torch.int32)
+    if paged:
+        pind, pidx, last = _page_table(block_tables, input_layout, kv_lens, k, v_delta,
+                                       batch_size)
+        o, _ = call_op(
+            "batch_paged_prefill",
+            qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
+    else:
+        if block_tables is not None:
+            _fail("block_tables", f"was given with input_layout={input_layout!r}",
+                  "drop it (only the Q_PAGED_KV layouts use a page table)")
+        o, _ = call_op(
+            "batch_ragged_prefill",
+            qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
+    if out is None:
+        return o
+    out.copy_(o)
+    return out
+
+
+# ---- the sections of trtllm_fmha_v2_prefill, in call order
+def _options(input_layout, mask_mode, window_left, chunked_attention_size,
+             logits_soft_cap_scale, pos_encoding_mode, save_softmax_stats,
+             skip_softmax_threshold_scale_factor, bmm1_scale, bmm2_scale, batch_size,
+             max_q_len, max_kv_len):
+    """The call's options, checked: (mask mode, window_left, chunk size, soft cap, position
+    encoding code, sm_scale, output scale)."""
     if input_layout not in LAYOUTS:
         _fail("input_layout", f"= {input_layout!r} is not a layout", f"use one of {LAYOUTS}")
     mode = mask_mode.lower() if isinstance(mask_mode, str) else mask_mode
@@ -229,11 +287,14 @@ def trtllm_fmha_v2_prefill(
                      ("max_kv_len", max_kv_len)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
             _fail(arg, f"must be a non-negative int, got {val!r}", "pass an int")
-    V.check_tensor("workspace_buffer", workspace_buffer)
+    return mode, window_left, chunk, cap, pos, sm_scale, out_scale
 
-    # ---- tensors by layout
-    paged = input_layout.startswith("Q_PAGED_KV")
-    v_delta = None  # separate (k_cache, v_cache) pools: v_cache's offset from k_cache in pages
+
+def _tensors(qkv, input_layout: str):
+    """(q [T, Hq, Dqk], k [Tk, Hkv, Dqk] or [P, page, Hkv, Dqk], v likewise with Dvo, v_delta)
+    from qkv by layout, checked for devices and matching shapes; v_delta: separate
+    (k_cache, v_cache) pools' offset of v_cache from k_cache in pages, else None."""
+    v_delta = None
     if input_layout == "PACKED_QKV":
         V.check_tensor("qkv", qkv, ndim=4, what="[tokens, 3, H, D]")
         if qkv.shape[1] != 3:
@@ -269,25 +330,20 @@ def trtllm_fmha_v2_prefill(
     for name, t in (("k", k), ("v", v)):
         if t.device != dev:
             _fail(name, f"is on {t.device} but q is on {dev}", "move it to q's device")
-    hq, dqk = q.shape[1], q.shape[2]
-    hkv, dvo = k.shape[-2], v.shape[-1]
+    dqk = q.shape[2]
     if k.shape[-1] != dqk:
         _fail("qkv", f"has head dim {k.shape[-1]} for K but {dqk} for Q", "use the same D_qk")
     if v.shape[:-1] != k.shape[:-1]:
         _fail("qkv", f"has K {tuple(k.shape)} and V {tuple(v.shape)}",
               "K and V must match except in the head dim")
-    group = V.check_heads(hq, hkv, names=("query heads", "KV heads"))
-    V.check_head_dims(dqk, dvo, dev.type)
-    if q.dtype not in _FP8:
-        V.check_q_dtype("q", q.dtype, dev.type)
-    else:  # computed as bfloat16
-        V.check_interpreter("q", torch.bfloat16, dev.type)
-    V.check_kv_dtype("k/v", k.dtype, dev.type)
-    V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype, names=("q", "k", "v"))
+    return q, k, v, v_delta
 
-    # ---- output dtype / buffer
+
+def _out_dtype(q, v, out, out_dtype) -> torch.dtype:
+    """The output dtype (out's, else out_dtype, else q's), with out checked [T, Hq, Dvo]."""
+    dev = q.device
     if out is not None:
-        V.check_tensor("out", out, shape=(q.shape[0], hq, dvo), device=dev,
+        V.check_tensor("out", out, shape=(q.shape[0], q.shape[1], v.shape[-1]), device=dev,
                        what="[tokens, Hq, D_vo]")
         if out_dtype is not None and V.canonical_dtype("out_dtype", out_dtype) != out.dtype:
             _fail("out_dtype", f"= {out_dtype} but out is {out.dtype}", "pass one of them")
@@ -298,9 +354,14 @@ def trtllm_fmha_v2_prefill(
         V.check_out_dtype("out_dtype", o_dtype, dev.type)
     else:
         V.check_interpreter("out_dtype", o_dtype, dev.type)
+    return o_dtype
 
-    # ---- lengths (checked on the device: no host reads)
-    bsz = batch_size
+
+def _lengths(q, k, seq_lens, cum_seq_lens_q, cum_seq_lens_kv, bsz: int, max_q_len: int,
+             max_kv_len: int, paged: bool):
+    """(kv_lens [B], cum_seq_lens_q [B+1], cum_seq_lens_kv [B+1]) on q's device, checked on
+    the device (no host reads)."""
+    dev = q.device
     kv_lens = _int_vector("seq_lens", seq_lens, bsz, dev)
     cq = _int_vector("cum_seq_lens_q", cum_seq_lens_q, bsz + 1, dev)
     ckv = _int_vector("cum_seq_lens_kv", cum_seq_lens_kv, bsz + 1, dev)
@@ -316,71 +377,56 @@ def trtllm_fmha_v2_prefill(
                       & (ckv[-1:] <= k.shape[0]),
                       "cum_seq_lens_kv must be the cumulative sum of seq_lens (starting at 0) "
                       "and end at most at K/V's token count")
+    return kv_lens, cq, ckv
 
-    # ---- the op
-    page = k.shape[1] if paged else 0  # paged: k is the [P, page, Hkv, D] view of the cache
-    # the work list gives every request max_q_len rows of tiles
-    bm = plan.block_m_for(dqk, dvo, group, max_kv_len, mode != "padding", paged,
-                          page_size=page, qo_lens=[max_q_len], kv_dtype=k.dtype)
-    work = plan.uniform_work(bsz, max_q_len, group, bm, dev)
-    slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
-    if sinks is not None:
-        if isinstance(sinks, (list, tuple)):
-            if len(sinks) != 1:
-                _fail("sinks", f"is a sequence of {len(sinks)} tensors",
-                      "pass one float32 [Hq] tensor")
-            sinks = sinks[0]
-        V.check_tensor("sinks", sinks, shape=(hq,), device=dev, what="[Hq] float32")
-        sinks = sinks.to(torch.float32)
-    qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
-    mask_code = MASK_NONE if mode == "padding" else MASK_CAUSAL
-    params = (mask_code, window_left if mode == "sliding_window" else -1,
-              chunk if mode == "chunked" else 0, sm_scale, cap, pos, 1.0, 1e4, out_scale,
-              o_dtype)
-    cq32 = cq.to(torch.int32)
-    if paged:
-        if block_tables is None:
-            _fail("block_tables", f"is required for input_layout={input_layout!r}",
-                  "pass int32 [batch_size, max_pages] page indices")
-        if v_delta is None:
-            V.check_tensor("block_tables", block_tables, ndim=2, device=dev,
-                           what="[batch_size, max_pages] (a stacked [pages, 2, ...] cache; "
-                           "[B, 2, M] tables go with a (k_cache, v_cache) tuple)")
-        else:
-            V.check_tensor("block_tables", block_tables, ndim=3, device=dev,
-                           what="[batch_size, 2, max_pages] (K and V page offsets from "
-                           "k_cache's start, for a (k_cache, v_cache) tuple)")
-            if block_tables.shape[1] != 2:
-                _fail("block_tables", f"has shape {tuple(block_tables.shape)}",
-                      "pass [batch_size, 2, max_pages]: K offsets, then V offsets")
-        if block_tables.shape[0] != bsz:
-            _fail("block_tables", f"has {block_tables.shape[0]} rows for batch_size {bsz}",
-                  "pass one row per request")
-        if block_tables.dtype not in (torch.int32, torch.int64):
-            _fail("block_tables", f"must be int32, got {block_tables.dtype}", "pass int32")
-        _device_check(kv_lens <= block_tables.shape[-1] * page,
-                      "block_tables has too few columns for seq_lens")
-        k_table = block_tables if v_delta is None else block_tables[:, 0]
-        if v_delta is not None:
-            _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
-            _device_check(~used | (block_tables[:, 1] == k_table + v_delta),
-                          f"block_tables[:, 1] must be block_tables[:, 0] + {v_delta} (v_cache "
-                          "starts that many pages after k_cache) for every page in use: V "
-                          "pages ordered apart from their K pages are not supported")
-        pind, pidx, last = _compact_block_tables(k_table, kv_lens, page)
-        _device_check((pidx >= 0) & (pidx < k.shape[0]),
-                      "block_tables holds page indices outside the cache")
-        o, _ = call_op(
-            "batch_paged_prefill",
-            qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
+
+def _sinks(sinks, hq: int, dev):
+    """sinks as a float32 [Hq] tensor (a list / tuple of one accepted), or None."""
+    if sinks is None:
+        return None
+    if isinstance(sinks, (list, tuple)):
+        if len(sinks) != 1:
+            _fail("sinks", f"is a sequence of {len(sinks)} tensors",
+                  "pass one float32 [Hq] tensor")
+        sinks = sinks[0]
+    V.check_tensor("sinks", sinks, shape=(hq,), device=dev, what="[Hq] float32")
+    return sinks.to(torch.float32)
+
+
+def _page_table(block_tables, input_layout: str, kv_lens, k, v_delta, bsz: int):
+    """The block table checked (its page indices on the device) and compacted into
+    (page indptr, page indices, last page length). k: the [P, page, Hkv, D] cache view;
+    v_delta: as _tensors gives it (a [B, 2, M] table with separate pools)."""
+    dev, page = k.device, k.shape[1]
+    if block_tables is None:
+        _fail("block_tables", f"is required for input_layout={input_layout!r}",
+              "pass int32 [batch_size, max_pages] page indices")
+    if v_delta is None:
+        V.check_tensor("block_tables", block_tables, ndim=2, device=dev,
+                       what="[batch_size, max_pages] (a stacked [pages, 2, ...] cache; "
+                       "[B, 2, M] tables go with a (k_cache, v_cache) tuple)")
     else:
-        if block_tables is not None:
-            _fail("block_tables", f"was given with input_layout={input_layout!r}",
-                  "drop it (only the Q_PAGED_KV layouts use a page table)")
-        o, _ = call_op(
-            "batch_ragged_prefill",
-            qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
+        V.check_tensor("block_tables", block_tables, ndim=3, device=dev,
+                       what="[batch_size, 2, max_pages] (K and V page offsets from "
+                       "k_cache's start, for a (k_cache, v_cache) tuple)")
+        if block_tables.shape[1] != 2:
+            _fail("block_tables", f"has shape {tuple(block_tables.shape)}",
+                  "pass [batch_size, 2, max_pages]: K offsets, then V offsets")
+    if block_tables.shape[0] != bsz:
+        _fail("block_tables", f"has {block_tables.shape[0]} rows for batch_size {bsz}",
+              "pass one row per request")
+    if block_tables.dtype not in (torch.int32, torch.int64):
+        _fail("block_tables", f"must be int32, got {block_tables.dtype}", "pass int32")
+    _device_check(kv_lens <= block_tables.shape[-1] * page,
+                  "block_tables has too few columns for seq_lens")
+    k_table = block_tables if v_delta is None else block_tables[:, 0]
+    if v_delta is not None:
+        _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
+        _device_check(~used | (block_tables[:, 1] == k_table + v_delta),
+                      f"block_tables[:, 1] must be block_tables[:, 0] + {v_delta} (v_cache "
+                      "starts that many pages after k_cache) for every page in use: V "
+                      "pages ordered apart from their K pages are not supported")
+    pind, pidx, last = _compact_block_tables(k_table, kv_lens, page)
+    _device_check((pidx >= 0) & (pidx < k.shape[0]),
+                  "block_tables holds page indices outside the cache")
+    return pind, pidx, last

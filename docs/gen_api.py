@@ -33,8 +33,8 @@ SECTIONS = (
     ("transformers integration", "compiled_attn.hf", "compiled_attn.hf"),
     ("FX rewrite of hand-written attention", "compiled_attn.fx_passes",
      "compiled_attn.fx_passes"),
-    ("Which kernel a traced call runs", "compiled_attn.graph_dispatch",
-     "compiled_attn.graph_dispatch"),
+    ("Which kernel a traced call runs", "compiled_attn.ops.dispatch",
+     "compiled_attn.ops.dispatch"),
 )
 OPS = ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill", "pod_prefill_decode")
 OP_CONSTANTS = ("MASK_NONE", "MASK_CAUSAL", "MASK_CUSTOM", "POS_NONE", "POS_ROPE_LLAMA",

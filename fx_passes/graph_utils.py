@@ -188,19 +188,18 @@ class Emitter:
         here the op's implementation (what triton_op's decomposition runs: the Triton launch
         through wrap_triton on GPU, the reference on CPU) is traced with make_fx and inlined.
         Under TRITON_INTERPRET=1 the op is opaque (ops/contracts.py) and stays a node, and so
-        does a call that compiled_attn.graph_dispatch keeps for the Gluon kernel (a Hopper GPU,
+        does a call that compiled_attn.ops.dispatch keeps for the Gluon kernel (a Hopper GPU,
         Python wrapper code, a call in that kernel's scope): Inductor runs it as a fallback
         call of the op, the eager launcher.
         """
-        from compiled_attn import graph_dispatch
-        from compiled_attn.ops import contracts
+        from compiled_attn.ops import contracts, dispatch
 
         if name not in contracts.IMPLEMENTATIONS:
             raise KeyError(f"no compiled_attn op named {name!r} (known: "
                            f"{sorted(contracts.IMPLEMENTATIONS)})")
         op = getattr(torch.ops.compiled_attn, name).default
         vals = tuple(map_arg(args, val))
-        if not self.inductor or contracts.INTERPRET or graph_dispatch.keep_opaque(name, vals):
+        if not self.inductor or contracts.INTERPRET or dispatch.keep_opaque(name, vals):
             node = self(op, *args)
             if self.inductor:
                 # Inductor's fallback call honours the op's exact-strides constraint only for

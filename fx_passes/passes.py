@@ -4,11 +4,11 @@ rewrite.
 ``AttentionRewritePass`` is installed as Inductor's ``joint_custom_pre_pass``: it sees the
 aten graph before Inductor's own pattern passes (so its SDPA-fusion does not rewrite hand-written
 attention first) and, in inference, that graph is the forward graph. Its ``uuid()`` hashes the
-source of every module of the rewrite (compiled_attn.graph_dispatch included), of the ops whose
-implementation the rewrite inlines into Inductor's graph (every module of compiled_attn.ops:
-the Triton launch on GPU, the reference on CPU; and compiled_attn.plan, which the launchers
-ask), plus the pass configuration and the launch policy's graph_gluon, so Inductor's FX graph cache
-never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the
+source of every module of the rewrite and of compiled_attn.ops (the ops whose implementation
+the rewrite inlines into Inductor's graph: the Triton launch on GPU, the reference on CPU, the
+work-list builders the launchers ask, and dispatch, which decides which rewritten calls stay
+opaque), plus the pass configuration and the launch policy's graph_gluon, so Inductor's FX graph
+cache never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the
 pass does not run, so ``counters`` only count rewrites made by this process.
 
 ``rewrite_exported_program`` rewrites an ExportedProgram's graph in place (its inputs, outputs
@@ -47,16 +47,14 @@ class AttentionRewritePass(CustomGraphPass):
             rewrite_graph(graph, inductor=True)
 
     def uuid(self) -> bytes:
-        from compiled_attn import graph_dispatch, ops, plan
+        import compiled_attn.ops as ops
 
-        # graph_dispatch decides which rewritten calls stay opaque: its code and switch too.
-        # The ops' code is inlined into the cached graph (Emitter.call_op): a change to it
-        # must miss the cache too.
+        # The ops' code is inlined into the cached graph (Emitter.call_op), and ops.dispatch
+        # decides which rewritten calls stay opaque: a change to either must miss the cache.
         ops_dir = os.path.dirname(ops.__file__)
         op_sources = tuple(sorted(os.path.join(ops_dir, f) for f in os.listdir(ops_dir)
                                   if f.endswith(".py")))
-        return get_hash_for_files(_SOURCES + (graph_dispatch.__file__, plan.__file__)
-                                  + op_sources,
+        return get_hash_for_files(_SOURCES + op_sources,
                                   extra=f"enabled={self.enabled} "
                                         f"graph_gluon={ops.policy.POLICY.graph_gluon}")
 

@@ -20,13 +20,15 @@ if __name__ != "compiled_attn.ops":
     )
 
 from . import reference  # noqa: E402,F401
-from .contracts import (  # noqa: E402,F401
+from .modes import (  # noqa: E402,F401
     MASK_NONE,
     MASK_CAUSAL,
     MASK_CUSTOM,
     POS_NONE,
     POS_ROPE_LLAMA,
     POS_ALIBI,
+)
+from .contracts import (  # noqa: E402,F401
     batch_paged_prefill,
     batch_ragged_prefill,
     pod_prefill_decode,

@@ -28,17 +28,12 @@ logits_soft_cap 0 disables the cap.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import reference
+from .modes import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE,  # noqa: F401 (re-exported)
+                    POS_ALIBI, POS_NONE, POS_ROPE_LLAMA)
 
-MASK_NONE, MASK_CAUSAL, MASK_CUSTOM = 0, 1, 2
-POS_NONE, POS_ROPE_LLAMA, POS_ALIBI = 0, 1, 2
-
-# Under the Triton interpreter, the kernel runs on CPU tensors (CI tests the real kernel code).
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 Tensor = torch.Tensor
 
 
@@ -181,7 +176,7 @@ def _batch_ragged_prefill(
     mask start at byte mask_indptr[b] (int32 [B+1]). Split-KV: work int32 [W, 4] = (request,
     first packed row, key chunk, number of chunks) with merge int32 [T, 4] = (request, first
     packed row, first work item, number of chunks) for each tile cut into more than one chunk
-    (compiled_attn.plan.build_split_work); a tile's chunks are consecutive work items.
+    (compiled_attn.ops.schedule.build_split_work); a tile's chunks are consecutive work items.
     Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,

@@ -1,7 +1,7 @@
 """The launch policy's settings: one object every launch decision reads.
 
 The kernels' launchers (prefill_kernel, prefill_gluon), compiled_attn's plan() and the traced
-dispatch (compiled_attn.graph_dispatch) decide from a call's shapes, strides, dtypes and options
+dispatch (compiled_attn.ops.dispatch) decide from a call's shapes, strides, dtypes and options
 which kernel, tile, K/V path and grid run it; the switches and thresholds those decisions take
 live here, on ``POLICY``, rather than as module globals. Tests and benchmark variants change
 them for a scope with ``override(...)`` (or pytest's monkeypatch.setattr on POLICY). Every
@@ -38,7 +38,7 @@ class Policy:
         self.tma_min_kv = 0 if INTERPRET else 1024
         # Tile heights whose whole-tensor descriptors may take the persistent grid (TMA 3).
         self.persist_tma = frozenset({64})
-        # Traced calls that the Gluon kernel would take stay opaque (graph_dispatch).
+        # Traced calls that the Gluon kernel would take stay opaque (ops.dispatch).
         self.graph_gluon = True
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True

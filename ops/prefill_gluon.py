@@ -44,6 +44,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
+from .device import sm_count
+from .tiles import GLUON_SHORT_KV
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -59,10 +61,8 @@ _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_g
 PAGED_BOXES = gl.constexpr(1)
 PAGED_GATHER = gl.constexpr(2)
 # The gathering warp group: GATHER_WARPS warps, each copy instruction over GATHER_TPW rows of a
-# warp. On the H100 (NOTES, 28th session; page 1, D128) 4 rows x 128 bytes ran 0.86-0.91 of the
-# ragged rate, 8 rows x 64 bytes 0.70-0.85, 16 rows x 32 bytes 0.44-0.60: the lines an
-# instruction touches, not the sectors, set the copies' rate. (2 rows x 256 bytes: 16 rows a
-# thread, which spill at the group's 64 registers.)
+# warp (4 rows x 128 bytes: the lines an instruction touches, not the sectors, set the copies'
+# rate; benchmarks/NOTES.md, 2026-11-24, pages of 1-7 keys).
 GATHER_WARPS = gl.constexpr(4)
 GATHER_TPW = gl.constexpr(4)
 
@@ -166,9 +166,8 @@ def _fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
             row = kv_start + t * BLOCK_N
         _tma_load(src, [row, hkv * D], bar, buf, pred=pred)
     else:
-        # Each box's page read by a warp-uniform load of its own (an immediate offset from the
-        # tile's first entry): taking it out of a [BOXES] vector read once per tile (a
-        # cross-lane reduction per box) cost page 8 8-15% on the H100 (NOTES, 17th session).
+        # Each box's page read by a warp-uniform load of its own: a [BOXES] vector read once per
+        # tile costs a cross-lane reduction per box (benchmarks/NOTES.md, 2026-11-23, page 8).
         table, left = pages
         for b in gl.static_range(BOXES):
             page_b = gl.load(table + b, mask=b < left, other=0)
@@ -216,7 +215,7 @@ def _row_offsets(page, pos, page_rows, stride_r, WIDE: gl.constexpr):
     """Element offsets of keys [BLOCK_N] at (page, pos) in a cache whose page p starts at row
     p * page_rows, rows stride_r elements apart: int32 unless WIDE (a cache of 2^31 elements or
     more). Int32 is the gather's fast path: the 64-bit products cost its warp group several
-    instructions a row, and page 1 ran 4-8% slower with them (NOTES, 30th session)."""
+    instructions a row (benchmarks/NOTES.md, 2026-11-24)."""
     if WIDE:
         return (page.to(gl.int64) * page_rows + pos) * stride_r.to(gl.int64)
     else:
@@ -237,12 +236,10 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
     _zero_tail. A warp's copy instruction covers GATHER_TPW rows of 16 * 32 / GATHER_TPW bytes
     (4 x 128: whole 128-byte lines; a thread 8 rows of a 128-key tile). Tile t + 1's
     page-table entries are read (once for K and V) before tile t's slot wait, so their latency
-    hides under it. Lean on purpose (sm_90 SASS of the ping-pong tile's loop: 210 instructions
-    a tile, 278 in the 28th session's): keys past kv_len clamped rather than masked (no
-    predicates), one page-table read for K and V, the thread's column folded into its base
-    pointer, row offsets in int32 unless WIDE (_row_offsets). The compute warps beside it on
-    the SM pay for its instructions: page 1 +6% at S 1k / 4k (NOTES, 29th session), int32
-    offsets +4-8% at S 4k-32k on ping-pong tiles (30th)."""
+    hides under it. Lean on purpose, since the compute warps beside it on the SM pay for its
+    instructions (benchmarks/NOTES.md, 2026-11-24): keys past kv_len clamped rather than masked
+    (no predicates), one page-table read for K and V, the thread's column folded into its base
+    pointer, row offsets in int32 unless WIDE (_row_offsets)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [GATHER_TPW, 32 // GATHER_TPW], [GATHER_WARPS, 1],
                                          [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk)
@@ -1001,31 +998,20 @@ def _gluon_fwd(
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
-# Tiles by the height plan() chose (prefill_kernel.block_m_for): (BLOCK_N, compute warps,
-# stages, P through shared memory, warp-specialized, ping-pong). Measured on the H100
-# (benchmarks/NOTES.md): 64-row tiles keep P in registers (ptxas then waits for P V before the
-# softmax, so nothing overlaps within the warp group, but two programs share each SM) and run
-# warp-specialized (11th session: +6-10% at S 1k-4k); 128-row tiles run ping-pong (13th
-# session: two warp groups of 64 rows taking turns on the tensor cores, a load warp; +15-17%
-# over the 8-warp single-group tile, which staged P through shared memory to overlap).
-# Keyed by (tile height, head dim). D 64's 128-row tile streams K / V three deep (its slots are
-# half D 128's; 26th session: +5-9% at S 4k-8k, -3% at S 2k causal); D 256's 128-row tile
-# reads 64-key tiles (two 128-key slots would not fit beside Q: 197 KB of shared memory with
-# 64; 26th session: 1.23-1.33x the Triton kernel, 0.93-1.05x SDPA cuDNN at S 2k-8k; 32-key
-# tiles ran level with Triton). D 256 has no 64-row tile (warp-specialized, two programs per
-# SM: ptxas needs more than the 128 registers each thread then has) and block_m_for never asks.
+# Tiles by (tile height, head dim), the height plan() chose (prefill_kernel.block_m_for):
+# (BLOCK_N, compute warps, stages, P through shared memory, warp-specialized, ping-pong).
+# 64-row tiles are warp-specialized with P in registers (two programs per SM), 128-row tiles
+# ping-pong two 64-row warp groups; D 256 reads 64-key tiles (two 128-key slots would not fit
+# beside Q) and has no 64-row tile (ptxas needs more registers than two programs per SM leave).
+# Measured in benchmarks/NOTES.md (2026-11-23: warp specialization, ping-pong; 2026-11-24: D 64
+# and D 256).
 _T64 = (64, 4, 2, False, True, False)
 TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, True),
          (128, 128): (128, 8, 2, False, True, True), (128, 256): (64, 8, 2, False, True, True)}
-# Gathered pages (page_gathered) on the 128-row tile where requests average at most
-# GLUON_SHORT_KV causal keys (half that without a mask; gather_short): 64-key slots three deep
-# and persistent programs, where longer requests keep TILES' 128-key slots, two deep, a program
-# per item. H100 (benchmarks/NOTES.md, 31st session; D128 causal H32, page 1, over our ragged
-# op in the same rounds): S 1k 0.92-0.97 in dev_ab (0.927 in the paged suite) against
-# 0.88-0.90 on the 64-row tile (which re-reads each key tile for every 64 rows: ncu put its L2
-# at 78-86% of peak there); from S 2k the long tile leads (S 2k 0.95 vs 0.91, 8k 0.97 vs 0.84,
-# 32k 0.97 vs 0.80). (gather_short repeats block_m_for's causal / non-causal bound on purpose:
-# one reads the longest request, the other the mean.)
+# Gathered pages (page_gathered) on the 128-row tile where requests are short (gather_short):
+# 64-key slots three deep and persistent programs, where longer requests keep TILES' 128-key
+# slots, two deep, a program per item; the 64-row tile would re-read each key tile for every 64
+# rows (benchmarks/NOTES.md, 2026-11-24, gathered pages on short requests).
 GATHER_SHORT_TILE = (64, 8, 3, False, True, True, True)
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
@@ -1042,12 +1028,9 @@ GATHER_REGS = (224, 64)
 def persistent_default(pingpong: bool, boxes: int) -> bool:
     """Whether a warp-specialized launch runs persistent programs (they stay resident and take
     work items from a counter; the load warp brings the next item's Q and first K / V tiles
-    under this one's last tiles). Measured on the H100 (benchmarks/NOTES.md, 15th session,
-    with Q by TMA): 64-row tiles +11 / +4 / +2 / 0% at S 1k / 2k / 4k / 8k; ping-pong tiles
-    with a box per page (page 16) +5 / +4 / +2.5% at S 2k / 4k / 8k, but on contiguous K / V
-    -2 to -7%: those keep a program per item. Gathered pages (PAGED_GATHER) follow contiguous
-    K/V (28th session, page 1 D128 causal H32, persistent over a program per item): 64-row
-    tiles +7 / +6 / +5 / +1% at S 1k / 2k / 4k / 8k, ping-pong +5 / +3 / -1.5 / -3%."""
+    under this one's last tiles): 64-row tiles and ping-pong tiles with a box per page gain;
+    ping-pong tiles on contiguous K / V lose and keep a program per item, and gathered pages
+    follow contiguous K / V (benchmarks/NOTES.md, 2026-11-23 and 2026-11-24)."""
     return not pingpong or boxes > 1
 
 
@@ -1055,18 +1038,13 @@ def gather_short(pages: int, page: int, requests: int, causal: bool) -> bool:
     """Whether a gathered launch's requests are short (GATHER_SHORT_TILE): ``pages`` table
     entries of ``page`` keys over ``requests`` requests average at most GLUON_SHORT_KV keys
     (causal; half that without a mask), the bound block_m_for puts on contiguous K/V's 64-row
-    tiles (imported here, not at the top: prefill_kernel imports this module)."""
-    from .prefill_kernel import GLUON_SHORT_KV
-
+    tiles (on purpose: block_m_for reads the longest request, this the mean)."""
     return pages * page <= max(requests, 1) * (GLUON_SHORT_KV if causal else GLUON_SHORT_KV // 2)
 
 
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the persistent grid's size), from the
-    launcher's one cached properties query (prefill_kernel.sm_count; imported here, not at the
-    top: prefill_kernel imports this module)."""
-    from .prefill_kernel import sm_count
-
+    """Streaming multiprocessors of the device (the persistent grid's size), from the one
+    cached properties query (device.sm_count)."""
     return sm_count(device.index)
 
 
@@ -1082,7 +1060,7 @@ def kv_2d_layout(t: torch.Tensor, kind: str, known=bool) -> bool:
     storage offset it can): heads and dims packed, 16-byte rows, no empty dim, and a dense
     batch packed over its tokens or pages a whole number of rows apart. known reads each
     condition (prefill_kernel._known where sizes may be symbolic); the one test of both the
-    eager launch (kv_2d) and compiled_attn.graph_dispatch."""
+    eager launch (kv_2d) and compiled_attn.ops.dispatch."""
     es, d, rows = t.element_size(), t.shape[-1], t.stride(-3)
     if not (known(t.stride(-1) == 1) and known(t.stride(-2) == d)
             and known(rows * es % 16 == 0) and known(t.storage_offset() * es % 16 == 0)
@@ -1225,11 +1203,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
 
 # The smallest page read a box per page: a TMA box into the 128-byte-swizzled slots spans at
 # least the swizzle pattern's 8 rows (Triton's TMA lowering refuses fewer, "Illegal shared
-# layout", triton 3.6 and 3.9), so pages of 1 to 7 keys cannot take a box each from Gluon
-# (page 1 would be a box per key); and each box costs the load warp (page 8's 32 per 128-key
-# tile and tensor run 0.94 / 0.91 / 0.91 of the ragged rate at S 1k / 4k / 8k, where the Triton
-# kernel's gathers ran 0.75 / 0.78 / 0.74; page 16's 16 level with ragged: NOTES, 17th session).
-# Smaller pages are gathered (page_gathered).
+# layout", triton 3.6 and 3.9), and each box costs the load warp (benchmarks/NOTES.md,
+# 2026-11-23, page 8 through TMA boxes). Smaller pages are gathered (page_gathered).
 MIN_BOX_PAGE = 8
 
 
@@ -1237,10 +1212,9 @@ def page_fits(page: int, block_n: int, d: int) -> bool:
     """Whether the Gluon kernel reads pages of this size at head dim d by TMA boxes: pages
     holding whole key tiles (one box per tile), or at D 128 pages of MIN_BOX_PAGE keys or more
     dividing a tile (a box per page, issued by the warp-specialized kernel's load warp: from the
-    compute warps, Gluon's CTA barrier before each box cost page 16 0.80-0.83 of the ragged rate
-    on the H100, benchmarks/NOTES.md, 10th session). D 64 pages below a tile have no boxes (the
-    one D 64 launch of them on the H100, test_opcheck_cuda, failed, cause not isolated: NOTES,
-    11th session)."""
+    compute warps, Gluon's CTA barrier before each box is too slow; benchmarks/NOTES.md,
+    2026-11-23). D 64 pages below a tile have no boxes (the one D 64 launch of them on the H100
+    failed, cause not isolated; benchmarks/NOTES.md, 2026-11-23)."""
     whole = page > 0 and page % block_n == 0
     return whole or (d == 128 and page >= MIN_BOX_PAGE and block_n % page == 0)
 
@@ -1253,13 +1227,9 @@ def page_read(page: int, block_n: int, d: int) -> bool:
 
 def page_gathered(page: int, block_n: int, d: int) -> bool:
     """Whether the Gluon kernel reads pages of this size at head dim d by a producer warp
-    group's cp.async gathers (PAGED_GATHER): pages of 1 to MIN_BOX_PAGE - 1 keys. Over our
-    ragged rate on the H100 (D 128 causal H 32, B*S 128k, S 1k / 2k / 4k / 8k / 32k;
-    benchmarks/NOTES.md, 28th session): page 1 0.81 / 0.89 / 0.88 / 0.90 / 0.90 where the Triton
-    kernel's pointer gathers ran 0.62 / 0.68 / 0.69 / 0.70 / 0.70; page 4 0.78-0.83 (Triton
-    0.73-0.78); D 64 page 1 0.94 / 0.92 (Triton 0.92 / 0.90). Larger pages without boxes keep
-    the Triton kernel, whose whole-page loads ran D 64 page 16 at 0.98 / 0.93 against the
-    gather's 0.80 / 0.87."""
+    group's cp.async gathers (PAGED_GATHER): pages of 1 to MIN_BOX_PAGE - 1 keys, where they
+    beat the Triton kernel's pointer gathers; larger pages without boxes keep the Triton
+    kernel's whole-page loads (benchmarks/NOTES.md, 2026-11-24, pages of 1-7 keys)."""
     return 0 < page < MIN_BOX_PAGE and not page_fits(page, block_n, d)
 
 

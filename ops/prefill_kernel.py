@@ -20,7 +20,6 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -42,9 +41,11 @@ except ImportError:
     is_wrap_triton_enabled = None
 
 from . import launch
+from .device import _device_properties, _sm_major, sm_count  # noqa: F401 (the cache, for tests)
+from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from .policy import POLICY
-from .contracts import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
-                        POS_ROPE_LLAMA)
+from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
+                    SMALL_PAGE_PAD)
 
 try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
     from . import prefill_gluon as _gluon
@@ -61,48 +62,12 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 CRASH_STAGES = tl.constexpr(2)
 
 
-# Tile choice (measured on the H100, benchmarks/NOTES.md). Batches whose keys are short (at most
-# TMA_MIN_KV) use 64-row tiles; descriptors built per work item do not pay there (pointer loads
-# instead), descriptors over the whole K/V (host-built, or once per persistent program) do. Longer D
-# 128 batches read K/V through descriptors, with 64-row tiles (more programs, a shorter causal tail)
-# up to SHORT_KV keys for causal batches (half that without a mask) and 128-row tiles beyond.
-# Pointer-load batches (paged KV, D <= 64) use 128-row tiles beyond TMA_MIN_KV; paged KV that the
-# Gluon kernel reads (TMA boxes or gathers) is tiled as contiguous K/V (_gluon_pages). Other small
-# pages (SMALL_PAGE_MAX keys or fewer; the Triton kernel's: fp8 K/V, no Hopper GPU, options out of
-# the Gluon scope) at 64 < D <= 128 use 256-row tiles of 64 keys with 16 warps
-# (SMALL_PAGE_BLOCK_M) when the lengths are known and the requests fill them: their padded rows at
-# most SMALL_PAGE_PAD times those of 128-row tiles (a request of 384 packed rows ran 0.82x on two
-# 256-row tiles, one of 256 rows 1.02x on one). A page-1 tile gathers every key from its own page;
-# 512 threads share a 64-key tile at 2 vectors each (8 in a 128x128 tile of 256 threads) and gather
-# K/V once for 256 rows. Measured on the H100 (benchmarks/NOTES.md, 9th session), over our ragged
-# rate: page 1 0.74-0.89 -> 0.89-0.93 on the FlashInfer sweep, pages 2 / 4 / 8 at S 4k 0.91-0.93 ->
-# 0.95-1.01. Not taken where it lost: page 16 and contiguous K/V (3-7% slower), D 64 (0.97 -> 0.84),
-# requests of 64 or 128 packed rows (decode-like: 0.62x, 0.62x). Where the Gluon kernel runs (eager
-# launches on a Hopper GPU, _gluon_tiles), its 128-row tiles are two warp groups in ping-pong, which
-# beat 64-row tiles from 2k causal keys on (H100 dev_ab, 13th session, D128 causal H32: S 1k 343 /
-# 317 vs 345, 2k 447 vs 416, 4k 527 vs 459, 8k 574 vs 491): GLUON_SHORT_KV replaces SHORT_KV there.
-# Pages the Gluon kernel gathers (1 to 7 keys at D 128) take its 128-row tiles from
-# GATHER_MIN_KV causal keys on (half that without a mask), on short requests with 64-key slots
-# (prefill_gluon.GATHER_SHORT_TILE): its 64-row tile re-reads each key tile for every 64 rows,
-# gathers included. H100 dev_ab (31st session, D128 H32 page 1, over our ragged op): causal S 1k
-# 0.92-0.97 against 0.88-0.90, S 512 0.90 against 0.92 and S 256 0.93 against 0.95 (so 64-row
-# tiles there); without a mask S 512 1.00 against 0.89.
-SHORT_KV = 4096
-GLUON_SHORT_KV = 1024
-GATHER_MIN_KV = 512
-SMALL_PAGE_BLOCK_M = 256
-SMALL_PAGE_MAX = 8
-SMALL_PAGE_PAD = 1.05
-# The interpreter has no per-program setup to amortise: it reads K/V through descriptors at
-# any length, so CI runs that path.
-# (POLICY.tma_min_kv)
-
-
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
                 max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
                 page_size: int = 0, qo_lens: Sequence[int] | None = None,
                 kv_dtype: torch.dtype | None = None) -> int:
-    """Tile height in packed rows for these head dims (plan() and the launch agree on it).
+    """Tile height in packed rows for these head dims (plan() and the launch agree on it; the
+    bounds and their reasons: tiles.py).
     max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
     any length; CUDA-graph plans pass None so that one capture serves every re-plan).
     page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
@@ -133,7 +98,7 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
 def _gluon_tiles(dqk: int, dvo: int) -> bool:
     """Whether eager launches at these head dims go to the Gluon kernel in this process (USE_GLUON,
     a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Graphs that inline
-    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.graph_dispatch) run
+    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.ops.dispatch) run
     the Triton kernel on the same tiles (a plan serves both)."""
     return (POLICY.use_gluon and _gluon is not None and dqk == dvo == 128
             and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
@@ -145,11 +110,9 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int,
     bf16) go to the Gluon kernel in this process (a Hopper GPU, use_gluon, D 128, fp16 / bf16
     K/V, pages it reads on either tile height, by TMA boxes or gathers: _gluon_scope): they are
     then tiled as contiguous K/V are (pages 1-8 too, rather than the small pages' 256-row
-    tiles). Page 16, D 128, causal, over our ragged rate on the H100 (benchmarks/NOTES.md, 11th
-    session), S 1k / 2k / 4k: 64-row tiles 0.97 / 1.02 / 1.03, 128-row 0.86 / 0.90 / 0.93; S 8k
-    0.95 / 0.96 (page 8: prefill_gluon.MIN_BOX_PAGE; gathered pages: page_gathered). (Graphs
-    that inline the op run the Triton kernel, which prefers 128-row tiles for paged K/V: they
-    take these tiles too.)"""
+    tiles), since on the Gluon kernel paged K/V prefer contiguous K/V's tile heights
+    (benchmarks/NOTES.md, 2026-11-23). (Graphs that inline the op run the Triton kernel, which
+    prefers 128-row tiles for paged K/V: they take these tiles too.)"""
     return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
             and _gluon_tiles(dqk, dvo)
             and all(_gluon.page_read(page_size, tile[0], dqk)
@@ -1037,7 +1000,7 @@ def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int,
     contiguous K/V where they may take descriptors (_kv_descriptors) and the launch is worth
     their host cost (not _small_launch; launch True: the launch itself asking, where a CUDA-graph
     capture exempts a small launch, _too_small). Asked by _gluon_launch and by
-    compiled_attn.graph_dispatch.eager_gluon."""
+    compiled_attn.ops.dispatch.eager_gluon."""
     small = _too_small if launch else _small_launch
     return kv_mode == KV_PAGED or (
         _kv_descriptors(consts, kv_mode)
@@ -1061,24 +1024,6 @@ def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, 
     return _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_properties(index: int):
-    """CUDA device ``index``'s properties, queried once (_props). A query costs ~5 us on the
-    H100's host; launches ask twice."""
-    return torch.cuda.get_device_properties(index)
-
-
-def _props(index: int | None):
-    """The properties of CUDA device ``index`` (None: the current device): the one source of
-    its compute capability (_sm_major) and multiprocessor count (sm_count, and through it the
-    Gluon launcher's persistent grid)."""
-    return _device_properties(torch.cuda.current_device() if index is None else index)
-
-
-def _sm_major(device: torch.device) -> int:
-    return _props(device.index).major
-
-
 def _gluon_device(device: torch.device) -> bool:
     """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the interpreter)."""
     return not INTERPRET and device.type == "cuda" and _sm_major(device) == 9
@@ -1098,11 +1043,11 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
     (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
     the eager launch (_gluon_views, which adds the pointers' alignment) and
-    compiled_attn.graph_dispatch (which keeps a traced call opaque when it passes). kv_layout
+    compiled_attn.ops.dispatch (which keeps a traced call opaque when it passes). kv_layout
     False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
     if not (POLICY.use_gluon and _gluon is not None):
         return False
-    # (the head dim compared, not hashed: a traced q's is a SymInt; graph_dispatch has
+    # (the head dim compared, not hashed: a traced q's is a SymInt; ops.dispatch has
     # guarded it to an int already)
     d = q.shape[-1]
     tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
@@ -1250,7 +1195,7 @@ def dense_block_m(q, k, v, mask_mode: int) -> int:
     """single_prefill's tile height (block_m_for): q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D],
     real, fake or traced. Head dims and the head ratio are constexprs of either kernel, so a
     symbolic one is specialised (guard_int); a symbolic Skv counts as unknown. The launch's
-    rule and compiled_attn.graph_dispatch's."""
+    rule and compiled_attn.ops.dispatch's."""
     skv = k.shape[1]
     return block_m_for(guard_int(q.shape[-1]), guard_int(v.shape[-1]),
                        guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
@@ -1259,7 +1204,7 @@ def dense_block_m(q, k, v, mask_mode: int) -> int:
 
 def ragged_mean_kv(k, qo_indptr):
     """A ragged batch's mean KV length, k [Nk, Hkv, D], qo_indptr [R + 1] (None when either
-    size is symbolic or R is 0): what _program_args and graph_dispatch size the launch by."""
+    size is symbolic or R is 0): what _program_args and ops.dispatch size the launch by."""
     return _mean(k.shape[0], qo_indptr.shape[0] - 1)
 
 
@@ -1336,11 +1281,6 @@ def _ensure_allocator() -> None:
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.
 RESIDENT_PER_SM = {64: 2, 128: 1}
-
-
-def sm_count(index: int | None = None) -> int:
-    """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
-    return _props(index).multi_processor_count
 
 
 def _resident_tiles(device: torch.device, block_m: int) -> int:

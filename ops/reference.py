@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from .modes import MASK_CAUSAL, MASK_CUSTOM, POS_ALIBI, POS_ROPE_LLAMA
+
 __all__ = [
     "attend",
     "single_prefill",
@@ -107,8 +109,6 @@ def attend(
     (HF's eager path); tests use it to measure PyTorch's own error in a dtype.
     Returns out [Nq, Hq, Dvo] in out_dtype and lse [Nq, Hq] float32, base 2.
     """
-    from .contracts import MASK_CAUSAL, MASK_CUSTOM, POS_ALIBI, POS_ROPE_LLAMA
-
     ct = _compute_dtype(q)
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv

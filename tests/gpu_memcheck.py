@@ -16,7 +16,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
-from compiled_attn.plan import build_split_work, build_work
+from compiled_attn.ops.schedule import build_split_work, build_work
 from tests.kernel_cases import check, force_kv_path, make_case, params
 
 # An empty request, a request with no keys, odd lengths, one request longer than a tile.

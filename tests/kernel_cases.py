@@ -16,7 +16,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import reference
-from compiled_attn.plan import block_m_for, build_work
+from compiled_attn.ops.schedule import block_m_for, build_work
 
 
 @dataclasses.dataclass

@@ -117,8 +117,7 @@ def test_batch_pod_wrapper_one_launch():
 def test_cudnn_graph_mode_captures_and_replays_new_lengths():
     """cuDNN's is_cuda_graph_compatible call reads no device value on the host (its value
     checks are device asserts): it captures in a CUDA graph and replays correctly after the
-    captured length tensors change in place. (Written in the 16th session without a GPU: not
-    yet run.)"""
+    captured length tensors change in place."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, page, b, max_pages = 8, 2, 128, 16, 3, 8
     max_q, max_kv = 64, page * max_pages

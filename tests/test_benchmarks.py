@@ -215,16 +215,16 @@ def test_report_pairs_only_rows_of_one_run():
 
 
 def test_kernel_fingerprint_follows_code_not_comments(tmp_path):
-    """kernel_fingerprint moves with the code of ops/ and compiled_attn/plan.py, not with their
-    comments, docstrings or formatting, nor with other files; the report marks our rows timed
-    on another source (*) or on none recorded (?)."""
+    """kernel_fingerprint moves with the code of ops/ (the work-list builders included), not
+    with their comments, docstrings or formatting, nor with other files; the report marks our
+    rows timed on another source (*) or on none recorded (?)."""
     from benchmarks import report
 
     (tmp_path / "ops").mkdir()
     (tmp_path / "compiled_attn").mkdir()
     kernel = tmp_path / "ops" / "kernel.py"
     kernel.write_text('"""Doc."""\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n')
-    (tmp_path / "compiled_attn" / "plan.py").write_text("W = 2\n")
+    (tmp_path / "ops" / "schedule.py").write_text("W = 2\n")
     base = results.kernel_fingerprint(tmp_path)
     assert len(base) == 12 and base == results.kernel_fingerprint(tmp_path)
     kernel.write_text('"""Other doc."""\n\ndef f(x):\n    return (x\n            + 1)  # two\n')
@@ -235,7 +235,7 @@ def test_kernel_fingerprint_follows_code_not_comments(tmp_path):
     kernel.write_text("def f(x):\n    return x + 2\n")
     assert results.kernel_fingerprint(tmp_path) != base
     kernel.write_text("def f(x):\n    return x + 1\n")
-    (tmp_path / "compiled_attn" / "plan.py").write_text("W = 3\n")
+    (tmp_path / "ops" / "schedule.py").write_text("W = 3\n")
     assert results.kernel_fingerprint(tmp_path) != base
     # the checkout's own sources are found and parse
     assert results.kernel_fingerprint() == results.kernel_fingerprint(ROOT)

@@ -57,13 +57,14 @@ def _pinned(pin):
 def _bitwise(rank, world, hq, hkv, d, pin):
     import torch.distributed as dist
 
-    from compiled_attn import cp, plan
+    from compiled_attn import cp
+    from compiled_attn.ops import schedule
     from compiled_attn.ops import policy
 
     with policy.override(**_pinned(pin)):
         g = hq // hkv
         longest = [S_EXACT * (2 * world - r) // (2 * world) for r in range(world)]
-        tiles = {plan.block_m_for(d, d, g, n, True) for n in longest + [S_EXACT]}
+        tiles = {schedule.block_m_for(d, d, g, n, True) for n in longest + [S_EXACT]}
         assert len(tiles) == 1, f"the ranks' launches and the whole one tile differently: {tiles}"
         q, k, v = _inputs(S_EXACT, hq, hkv, d, seed=d + hkv)
         ql, kl, vl = (cp.shard(t, world, rank) for t in (q, k, v))

@@ -4,6 +4,7 @@ docs page a file refers to exists."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 import pathlib
@@ -41,8 +42,8 @@ def test_api_md_names_every_public_name():
     headings = set(re.findall(r"^#{3,4} `([^`]+)`", text, re.M))
     names = [f"compiled_attn.{n}" for n in dir(compiled_attn)
              if not n.startswith("_") and not inspect.ismodule(getattr(compiled_attn, n))]
-    for sub in ("hf", "fx_passes", "graph_dispatch"):
-        mod = getattr(compiled_attn, sub)
+    for sub in ("hf", "fx_passes", "ops.dispatch"):
+        mod = importlib.import_module(f"compiled_attn.{sub}")
         names += [f"compiled_attn.{sub}.{n}" for n in mod.__all__]
     names += [f"torch.ops.compiled_attn.{n}" for n in
               ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill",

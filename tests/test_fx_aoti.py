@@ -233,9 +233,9 @@ def test_aoti_dynamic_seq_custom_mask(tmp_path):
 
 
 # torch.ops.compiled_attn.single_prefill alone (no rewrite, no mask), B = 2, through
-# AOTInductor's CPU build of the op's reference. Earlier sessions held this to be a torch bug
-# (batch 1 "wrong"): the test indexed the package's single output with [0] and compared batch 0
-# against both batches by broadcasting. assert_close_rel now requires equal shapes.
+# AOTInductor's CPU build of the op's reference. The package returns one output: indexing it
+# with [0] and comparing batch 0 against both batches by broadcasting once read as a torch bug,
+# so assert_close_rel requires equal shapes.
 def test_aoti_reference_op_small_batch2(tmp_path):
     from compiled_attn.ops import MASK_NONE
 

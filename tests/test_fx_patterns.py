@@ -265,7 +265,7 @@ def test_pass_uuid_covers_the_inlined_op_code(monkeypatch):
     # their code must be in the key: an upgrade that changes it once got the old body served.
     import os
 
-    from compiled_attn import graph_dispatch, plan
+    from compiled_attn.ops import dispatch, schedule
     from compiled_attn.fx_passes import passes, rewrite
     from compiled_attn.ops import contracts, prefill_gluon, prefill_kernel, reference
 
@@ -275,7 +275,7 @@ def test_pass_uuid_covers_the_inlined_op_code(monkeypatch):
     passes.AttentionRewritePass().uuid()
     (paths, extra), = seen
     hashed = {os.path.realpath(p) for p in paths}
-    for mod in (contracts, prefill_kernel, prefill_gluon, reference, plan, graph_dispatch,
+    for mod in (contracts, prefill_kernel, prefill_gluon, reference, schedule, dispatch,
                 passes, rewrite):
         assert os.path.realpath(mod.__file__) in hashed, mod.__name__
     assert "enabled=True" in extra and "graph_gluon=" in extra

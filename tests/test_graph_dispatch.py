@@ -1,4 +1,4 @@
-"""compiled_attn.graph_dispatch on CPU: which traced calls stay opaque (for the Gluon kernel)
+"""compiled_attn.ops.dispatch on CPU: which traced calls stay opaque (for the Gluon kernel)
 and which decompose into the Triton launch.
 
 The Hopper check (prefill_kernel._gluon_device, and _tma_hardware for the launcher) is replaced
@@ -18,7 +18,7 @@ import torch
 from torch._library.triton import set_wrap_triton_enabled
 
 import compiled_attn
-from compiled_attn import graph_dispatch as gd
+from compiled_attn.ops import dispatch as gd
 from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as pk

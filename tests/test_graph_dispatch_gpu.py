@@ -1,4 +1,4 @@
-"""GPU tier of compiled_attn.graph_dispatch (run on the H100: ``pytest -m gpu
+"""GPU tier of compiled_attn.ops.dispatch (run on the H100: ``pytest -m gpu
 tests/test_graph_dispatch_gpu.py``): torch.compile'd calls that the Gluon kernel takes eagerly
 stay opaque op calls and launch it; AOTInductor packages still inline the Triton kernel.
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import compiled_attn
-from compiled_attn import fx_passes, graph_dispatch
-from compiled_attn.ops import MASK_CAUSAL, POS_NONE
+from compiled_attn import fx_passes
+from compiled_attn.ops import MASK_CAUSAL, POS_NONE, dispatch
 from compiled_attn.ops import prefill_kernel as pk
-from compiled_attn.plan import block_m_for, build_work
+from compiled_attn.ops.schedule import block_m_for, build_work
 from tests.test_graph_dispatch import _compiled
 
 pytestmark = [
@@ -79,7 +79,7 @@ def test_compiled_ragged_call_runs_gluon(gluon_launches, dynamic):
     def f(q, k, v, indptr, work):
         return torch.ops.compiled_attn.batch_ragged_prefill(q, k, v, indptr, indptr, work, *tail)
 
-    assert graph_dispatch.eager_gluon("batch_ragged_prefill", (q, k, v, indptr, indptr, work,
+    assert dispatch.eager_gluon("batch_ragged_prefill", (q, k, v, indptr, indptr, work,
                                                                 *tail))
     eager = f(q, k, v, indptr, work)
     n_eager = len(gluon_launches)

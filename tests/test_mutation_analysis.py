@@ -7,7 +7,7 @@ that step fails, torch logs a warning and assumes every tensor argument is writt
 and the plan tensors then count as outputs of the node). That step calls Triton's compiler
 internals, which move between releases. On the H100, torch 2.11 with triton 3.9 (a pairing torch
 2.11 does not pin) hit exactly this, and seven Inductor tests of the GPU tier failed after it
-(benchmarks/NOTES.md, 23rd session). Where it succeeds it is conservative through jit helpers
+(benchmarks/NOTES.md, 2026-11-24). Where it succeeds it is conservative through jit helpers
 (a helper's results depend on all its arguments), which once made the work list read as
 written. So each launch family is analysed here, for an sm_90 target (no GPU needed), and must
 write only its outputs.

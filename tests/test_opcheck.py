@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import compiled_attn  # noqa: F401
-from compiled_attn import plan
+from compiled_attn.ops import schedule
 from compiled_attn.ops import (
     MASK_CAUSAL,
     MASK_CUSTOM,
@@ -57,8 +57,8 @@ def single_args(variant: str, sq=5, skv=7):
 
 
 def _work(qo_lens, hq, hkv, d):
-    bm = plan.block_m_for(d, d, hq // hkv)
-    return plan.build_work(qo_lens, hq // hkv, bm), bm
+    bm = schedule.block_m_for(d, d, hq // hkv)
+    return schedule.build_work(qo_lens, hq // hkv, bm), bm
 
 
 def ragged_args(variant: str, qo_lens=(3, 5, 0), kv_lens=(6, 5, 2)):
@@ -107,8 +107,8 @@ def pod_args(variant: str, qo_p=(5,), kv_p=(8,), n_dec=3):
     p_args = paged_args("plain", qo_p, kv_p, page)
     d_args = paged_args("plain", (1,) * n_dec, (5, 9, 2)[:n_dec], page)
     bm = p_args[12]
-    wp = plan.build_work(list(qo_p), hq // hkv, bm)
-    wd = plan.build_work([1] * n_dec, hq // hkv, bm)
+    wp = schedule.build_work(list(qo_p), hq // hkv, bm)
+    wd = schedule.build_work([1] * n_dec, hq // hkv, bm)
     work = torch.cat([torch.cat([torch.zeros(len(wp), 1, dtype=torch.int32), wp], 1),
                       torch.cat([torch.ones(len(wd), 1, dtype=torch.int32), wd], 1)])
     packed = mind = slopes = None

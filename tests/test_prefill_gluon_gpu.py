@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from compiled_attn import ops
-from compiled_attn.plan import build_work
+from compiled_attn.ops.schedule import build_work
 from tests.kernel_cases import check, make_case, move_past_2_31, params
 from compiled_attn.ops.policy import POLICY
 
@@ -303,7 +303,7 @@ def test_op_out_of_scope_runs_triton(kind, page, p, monkeypatch):
 def test_split_plan_in_scope_runs_triton(kind, monkeypatch):
     # A split-KV plan of a launch otherwise in the Gluon scope: the Triton kernel runs it
     # (ragged: with the host descriptors the scope check left unbuilt; paged: gathers).
-    from compiled_attn.plan import build_split_work
+    from compiled_attn.ops.schedule import build_split_work
 
     seen = _spy(monkeypatch)
     qo, kv = [3, 1, 40, 0, 2], [3000, 970, 2600, 5, 1]

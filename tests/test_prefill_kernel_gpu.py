@@ -4,16 +4,16 @@ re-plan; opcheck and torch.compile(fullgraph=True) on CUDA; more than 2^31 KV el
 
 Every case compares the op with the float64 reference (tests/kernel_cases.py) and bounds its
 error by twice PyTorch's own error in the same dtype plus a rounding term; the worst ratio seen
-is printed at the end of the session (conftest collects it)."""
+is printed at the end of the run (conftest collects it)."""
 
 import random
 
 import pytest
 import torch
 
-from compiled_attn import graph_dispatch, ops
-from compiled_attn.plan import block_m_for, build_split_work, build_work
+from compiled_attn import ops
 from compiled_attn.ops.policy import POLICY
+from compiled_attn.ops.schedule import block_m_for, build_split_work, build_work
 from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, move_past_2_31,
                                 params, record_tma, ref, run)
 
@@ -311,7 +311,7 @@ def test_torch_compile_fullgraph_cuda(kv, block_m, traced, dynamic, monkeypatch)
     assert seen == [2]
     # The traced Triton launch is under test (what AOTInductor packages): with HOST_TMA_MIN_FLOP
     # at 0 these calls are in the Gluon kernel's scope, and torch.compile would keep them opaque
-    # (compiled_attn.graph_dispatch; tests/test_graph_dispatch_gpu.py covers that).
+    # (compiled_attn.ops.dispatch; tests/test_graph_dispatch_gpu.py covers that).
     monkeypatch.setattr(POLICY, "graph_gluon", False)
     # dynamic: the work list's length is symbolic, so is the persistent grid's size
     compiled = torch.compile(f, fullgraph=True, dynamic=dynamic)(c.q, c.k, c.v, c.work)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import compiled_attn  # noqa: F401  (registers torch.ops.compiled_attn.*)
-from compiled_attn import plan
+from compiled_attn.ops import schedule
 from compiled_attn.ops import (
     MASK_CAUSAL,
     MASK_CUSTOM,
@@ -199,8 +199,8 @@ def common_args(q, k_last_dims, *, qo_lens, packed=None, mask_indptr=None, slope
     hq, dqk = q.shape[1], q.shape[2]
     hkv, dvo = k_last_dims
     g = hq // hkv
-    bm = plan.block_m_for(dqk, dvo, g)
-    work = plan.build_work(qo_lens, g, bm)
+    bm = schedule.block_m_for(dqk, dvo, g)
+    work = schedule.build_work(qo_lens, g, bm)
     sm_scale = sm_scale if sm_scale is not None else dqk ** -0.5
     head = (work, packed, mask_indptr, slopes, sinks, bm)
     tail = (mask_mode, window_left, chunk, sm_scale, cap, pos, rope_scale, rope_theta, v_scale,
@@ -633,9 +633,9 @@ def test_pod_prefill_and_decode(variant):
     slopes = alibi_slopes_spec(hq) if variant != "plain" else None
     win_p, cap_p, win_d, cap_d = (2, 3.0, 3, 1.5) if variant != "plain" else (-1, 0.0, -1, 0.0)
     g = hq // hkv
-    bm = plan.block_m_for(d, d, g)
-    w_p = plan.build_work(qo_p, g, bm)
-    w_d = plan.build_work(qo_d, g, bm)
+    bm = schedule.block_m_for(d, d, g)
+    w_p = schedule.build_work(qo_p, g, bm)
+    w_d = schedule.build_work(qo_d, g, bm)
     work = torch.cat([torch.cat([torch.zeros(len(w_p), 1, dtype=torch.int32), w_p], 1),
                       torch.cat([torch.ones(len(w_d), 1, dtype=torch.int32), w_d], 1)])
     out_p, lse_p, out_d, lse_d = OPS.pod_prefill_decode(

@@ -87,7 +87,7 @@ def test_paged_plan_passes_page_size_and_rows(page_size, rows, want):
 def test_work_order_groups_requests_heaviest_first():
     # Requests by their heaviest tile (longest first), each request's tiles heaviest first
     # (causal: the last rows see the most keys): L2 reuse within a request, short tiles last.
-    from compiled_attn.plan import build_work
+    from compiled_attn.ops.schedule import build_work
 
     qo, kv = [100, 300, 0, 200], [100, 300, 5, 250]
     w = build_work(qo, 1, 64, kv_lens=kv).tolist()
@@ -146,7 +146,7 @@ def test_device_properties_queried_once_for_capability_and_sm_counts(monkeypatch
 
 
 def test_dense_block_m_is_the_launch_tile():
-    # dense_block_m (shared by the launch and graph_dispatch) is block_m_for over the call's
+    # dense_block_m (shared by the launch and ops.dispatch) is block_m_for over the call's
     # head dims, head ratio and KV length.
     q = torch.empty(2, 4096, 32, 128)
     for hkv, skv, mask in ((8, 4096, contracts.MASK_CAUSAL), (32, 512, contracts.MASK_NONE),

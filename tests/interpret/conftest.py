@@ -11,7 +11,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
-    # Collection hooks see every item of the session: mark only this directory's.
+    # Collection hooks see every collected item: mark only this directory's.
     if os.environ.get("TRITON_INTERPRET") != "1":
         skip = pytest.mark.skip(reason="needs TRITON_INTERPRET=1 (make test runs it so)")
         for item in items:

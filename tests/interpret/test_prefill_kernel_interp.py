@@ -186,7 +186,7 @@ def test_split_kv(kind, mode, monkeypatch):
     # Few query rows, long keys: the plan cuts tiles into key chunks whose partials
     # _merge_fwd combines; every chunk count (1 = no merge) appears. ragged_persistent: the
     # chunks of a persistent grid (programs take several items).
-    from compiled_attn.plan import build_split_work
+    from compiled_attn.ops.schedule import build_split_work
 
     if kind == "ragged_persistent":
         force_kv_path(monkeypatch, "persistent")
@@ -207,7 +207,7 @@ def test_split_kv(kind, mode, monkeypatch):
 
 
 def test_split_plan_without_idle_sms_is_unsplit():
-    from compiled_attn.plan import build_split_work
+    from compiled_attn.ops.schedule import build_split_work
 
     work, merge = build_split_work([512] * 8, [4096] * 8, 1, 64, 8, num_sms=16)
     assert merge is None and bool((work[:, 3] == 1).all()) and work.shape[1] == 4

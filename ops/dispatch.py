@@ -25,9 +25,10 @@ that the launcher then declines runs the Triton kernel from the fallback call, w
 numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it against the
 launcher's own choice.
 
-The launch policy's ``graph_gluon`` setting (ops.policy.POLICY) switches the rule off (every traced call decomposes, as before this module). It
-is read when a graph is traced; AOTAutograd's cache does not key on it, so turn the caches off
-(or start a new process) when comparing both settings.
+The launch policy's ``graph_gluon`` setting (ops.policy.POLICY) switches the rule off (every
+traced call decomposes into its Triton launch). It is read when a graph is traced; AOTAutograd's
+cache does not key on it, so turn the caches off (or start a new process) when comparing both
+settings. compiled_attn imports this module on import, which installs the rule.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import inspect
 
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from compiled_attn.ops import contracts
-from compiled_attn.ops.policy import POLICY
+from . import contracts
+from .policy import POLICY
 
 __all__ = ["GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
 
@@ -70,7 +71,7 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether an eager call of op ``name`` with these arguments (real, fake or functional
     tensors; the op's own argument order) would run the Gluon kernel, as far as its static
     properties tell (module docstring)."""
-    from compiled_attn.ops import prefill_kernel as pk
+    from . import prefill_kernel as pk
 
     if name not in GLUON_OPS or not (POLICY.use_gluon and pk._gluon is not None and POLICY.host_tma):
         return False

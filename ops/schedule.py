@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from compiled_attn.ops import prefill_kernel
+from . import prefill_kernel
+from .device import sm_count
 
 
 def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
@@ -86,7 +87,7 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
     num_sms: the GPU's multiprocessor count (default: the current CUDA device's, else 132).
     """
     if num_sms is None:
-        num_sms = prefill_kernel.sm_count() if torch.cuda.is_available() else 132
+        num_sms = sm_count() if torch.cuda.is_available() else 132
     tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
     programs = len(tiles) * num_kv_heads
     # Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
