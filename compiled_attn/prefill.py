@@ -314,6 +314,18 @@ single_prefill_with_kv_cache_return_lse.__doc__ += _LSE_DOC
 # --------------------------------------------------------------------------------------------
 # batch wrappers: shared plan / run machinery
 # --------------------------------------------------------------------------------------------
+def _check_fixed_split_size(fixed_split_size) -> int | None:
+    """FlashInfer's fixed_split_size: None or -1 (off) or a positive int (pages per KV chunk;
+    ragged: keys)."""
+    if fixed_split_size is None or (type(fixed_split_size) is int and fixed_split_size == -1):
+        return None
+    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, int) \
+            or fixed_split_size <= 0:
+        raise ValueError(f"fixed_split_size: got {fixed_split_size!r}; pass a positive int "
+                         "(pages per KV chunk; ragged: keys), or None / -1 for the default plan")
+    return fixed_split_size
+
+
 def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
     """FlashInfer's uniform_q_len: None, or a promise that every request has that many query
     rows (0 or less: no promise). A promise that qo_indptr (host int64) breaks is a ValueError."""
@@ -455,12 +467,15 @@ class _BatchPrefillBase(_WrapperBase):
             V.reject_if_set(name, val, f"{multi} is not supported")
         if token_pos_in_items_len != 0:
             V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
-        if fixed_split_size is not None and fixed_split_size != -1:
-            V.unsupported("fixed_split_size", "compiled_attn chooses its KV chunks itself "
-                          "(pass disable_split_kv=True for outputs that do not depend on the "
-                          "batch); pass None")
         if not isinstance(disable_split_kv, bool):
             raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
+        split_size = _check_fixed_split_size(fixed_split_size)
+        # FlashInfer: disable_split_kv=True wins over a fixed split size.
+        fixed = split_size is not None and not disable_split_kv
+        if fixed and self._use_cuda_graph:
+            V.unsupported("fixed_split_size", "with use_cuda_graph=True: CUDA-graph plans keep "
+                          "a fixed work buffer and never split KV; pass None (such plans take one "
+                          "tile height for every batch) or plan without CUDA graphs")
         _check_uniform_q_len(uniform_q_len, qo_h)
         # disable_split_kv=True is honoured: the plan then never splits KV. Otherwise a CUDA
         # plan outside CUDA-graph mode splits long key ranges when tiles would leave SMs idle.
@@ -526,8 +541,9 @@ class _BatchPrefillBase(_WrapperBase):
             mask_mode = MASK_CAUSAL if causal else MASK_NONE
 
         # ---- work list -----------------------------------------------------------------------
-        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed).
-        max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
+        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed);
+        # so do fixed-split plans, whose tiles must not depend on the rest of the batch.
+        max_kv = None if self._use_cuda_graph or fixed or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
         block_m = block_m_for(head_dim_qk, hd_vo, group, max_kv, mask_mode != MASK_NONE, paged,
                               page_size=page_size, qo_lens=qo_list, kv_dtype=kv_dt)
@@ -569,7 +585,16 @@ class _BatchPrefillBase(_WrapperBase):
             merge_dev = None
         else:
             merge_dev = None
-            if self.device.type == "cuda" and not disable_split_kv:
+            if fixed:
+                # Batch-invariant chunks (build_split_work's chunk_keys); the work list keeps
+                # its chunk columns even where no tile splits, so every such plan runs the same
+                # kernel (the Gluon kernel takes no split plan).
+                work, merge = build_split_work(
+                    qo_list, kv_lens.tolist(), group, block_m, num_kv_heads, "cpu",
+                    chunk_keys=split_size * max(page_size, 1), causal=mask_mode == MASK_CAUSAL)
+                if merge is not None:
+                    merge_dev = self._to_dev(merge, non_blocking)
+            elif self.device.type == "cuda" and not disable_split_kv:
                 # Split-KV where the tiles would leave SMs idle (few query rows, long keys).
                 work, merge = build_split_work(qo_lens.tolist(), kv_lens.tolist(), group,
                                                block_m, num_kv_heads, "cpu")
@@ -713,8 +738,14 @@ _PLAN_COMMON_DOC = """
         from the lengths themselves, so a hint that holds changes nothing, and one that does not
         is a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every tile's keys in one program
         (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
-        tiles would leave SMs idle); fixed_split_size and the multi-item-scoring arguments
-        raise NotImplementedError.
+        tiles would leave SMs idle, a choice that depends on the whole batch).
+        fixed_split_size (FlashInfer's batch-invariant mode; pages, ragged: keys; ignored with
+        disable_split_kv=True, as in FlashInfer): each tile's key range is cut into
+        ceil(keys / (fixed_split_size * page_size)) chunks of whole key blocks, and the tile
+        height no longer depends on the batch's longest request, so a request's output and LSE
+        do not depend on the rest of the batch (bit for bit); with use_cuda_graph=True it
+        raises NotImplementedError. The multi-item-scoring arguments raise
+        NotImplementedError.
         With use_cuda_graph=True the index arrays are copied into the constructor's buffers
         (sizes checked) and the work list into a fixed buffer sized at the first plan, whose
         total query rows become the capacity (as in FlashInfer); padding work rows are

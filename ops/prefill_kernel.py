@@ -950,8 +950,9 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
            logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta, v_scale,
            row_max=False, skip_softmax=0.0):
     """Scalar kernel arguments and constexpr switches shared by every launch. row_max and
-    skip_softmax (ragged and paged ops only) add STATS / SKIP, SKIP_LOG2 when set, so launches
-    without them pass the same constexprs as before they existed."""
+    skip_softmax (ragged and paged ops only) add STATS / SKIP, SKIP_LOG2 when set (POD's
+    kernel has neither; _launch_prefill passes their off values explicitly: torch's tracing of
+    a Triton launch fills no defaults)."""
     scalars = dict(
         qk_scale=float(sm_scale) * (1.0 if logits_soft_cap > 0 else LOG2E),
         soft_cap=float(logits_soft_cap) if logits_soft_cap > 0 else 1.0,
@@ -1458,9 +1459,11 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         counter = launch.counter(out.device)
     if consts["TMA"] in (1, 3):
         _ensure_allocator()
+    opts = dict(STATS=False, SKIP=False, SKIP_LOG2=0.0)  # (the kernel's defaults)
+    opts.update((k, consts[k]) for k in opts if k in consts)
     launch.run(
         _prefill_fwd, grid, work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
-        **consts,
+        **{k: v for k, v in consts.items() if k not in opts}, **opts,
         SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
         qo_indptr = prog_args[5]
@@ -1469,8 +1472,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
             sinks if sinks is not None else qo_indptr,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), float(v_scale),
             GROUP=consts["GROUP"], SINKS=sinks is not None, BLOCK_M=consts["BLOCK_M"],
-            BLOCK_DVO=consts["BLOCK_DVO"], DVO=consts["DVO"], num_warps=4,
-            **({"STATS": True} if consts.get("STATS") else {}))
+            BLOCK_DVO=consts["BLOCK_DVO"], DVO=consts["DVO"], STATS=opts["STATS"], num_warps=4)
     return out, lse
 
 

@@ -91,11 +91,12 @@ def _single():
     K.launch_single(q, k, v, None, None, None, **_params())
 
 
-def _ragged_launch(split):
+def _ragged_launch(split, **options):
     q, k, v, qo = _ragged()
     work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
     merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
-    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params())
+    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params(),
+                    **options)
 
 
 def _paged_launch(page=4, d=64, block_m=64):
@@ -116,6 +117,9 @@ CASES = {
     "single persistent": (_single, {"_tma_hardware": lambda device: True}),
     "ragged": (lambda: _ragged_launch(False), {}),
     "ragged split + merge": (lambda: _ragged_launch(True), {}),
+    # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
+    "ragged split + merge, row max, skip": (
+        lambda: _ragged_launch(True, row_max=True, skip_softmax=2.0), {}),
     "paged page 4": (_paged_launch, {}),
     # the H100's page-1 tile: 128 rows, D 128, pointer gathers
     "paged page 1 D128": (lambda: _paged_launch(1, 128, 128), {}),
@@ -149,5 +153,5 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert written and written <= WRITABLE & tensors, (fn.fn.__name__, sorted(written))
     if case == "single persistent":
         assert launches[0][2]["TMA"] == 3 and "counter_ptr" in written
-    if case == "ragged split + merge":
+    if case.startswith("ragged split + merge"):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
