@@ -155,3 +155,47 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert launches[0][2]["TMA"] == 3 and "counter_ptr" in written
     if case.startswith("ragged split + merge"):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
+
+
+def _compile_sm90(fn, args, kw):
+    """Compile a recorded launch for sm_90 through ptxas (no GPU needed): the signature from
+    the recorded arguments' types, constexprs and launch options as given."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(zip(fn.arg_names, args), **kw)
+    types = {F16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+    sig, consts = {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        a = kwargs[name]
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            consts[(i,)] = a
+        elif isinstance(a, torch.Tensor):
+            sig[name] = types[a.dtype]
+        else:
+            sig[name] = "fp32" if isinstance(a, float) else "i32"
+    opts = {k: v for k, v in kw.items() if k not in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+@pytest.mark.parametrize("case", ["ragged split", "ragged D128 128-row", "paged page 16"])
+def test_row_max_and_skip_compile_for_sm90(case, launches):
+    """The STATS / SKIP branches (a runtime branch around P.V inside the pipelined key loop)
+    compile through ptxas for sm_90 (pointer loads: the launchers see CPU tensors), and the
+    merge with STATS too."""
+    opts = dict(row_max=True, skip_softmax=2.0)
+    if case == "ragged split":
+        _ragged_launch(True, **opts)
+    elif case == "ragged D128 128-row":
+        q, k, v, qo = _ragged(d=128)
+        K.launch_ragged(q, k, v, qo, qo, torch.zeros(6, 2, dtype=torch.int32), None, None, None,
+                        None, 128, None, **_params(d=128), **opts)
+    else:
+        K.launch_paged(*_paged(d=128, page=16), torch.zeros(6, 2, dtype=torch.int32), None,
+                       None, None, None, 64, **_params(d=128), **opts)
+    assert launches and launches[0][2]["SKIP"] and launches[0][2]["STATS"]
+    for fn, args, kw in launches:
+        assert "ld.global" in _compile_sm90(fn, args, kw).asm["ptx"]
