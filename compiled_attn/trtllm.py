@@ -9,9 +9,9 @@ Q_PAGED_KV_NHD / Q_PAGED_KV_HND give a paged cache addressed by a rectangular bl
 FlashInfer's separate (k_cache, v_cache) pools with [B, 2, M] tables. The mask modes (padding,
 causal, sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map
 onto the op's arguments; save_softmax_stats takes the op's row max beside its LSE, and
-skip-softmax is the op's skip_softmax rule. Nothing here reads a device value on the host: the work list is the
-uniform one over ``max_q_len`` and the consistency of the length arrays is asserted on the
-device, so the call can be captured in a CUDA graph.
+skip-softmax is the op's skip_softmax rule. Nothing here reads a device value on the host: the
+work list is the uniform one over ``max_q_len`` and the consistency of the length arrays is
+asserted on the device, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
