@@ -293,6 +293,18 @@ single_prefill_with_kv_cache_return_lse.__doc__ += _LSE_DOC
 # --------------------------------------------------------------------------------------------
 # batch wrappers: shared plan / run machinery
 # --------------------------------------------------------------------------------------------
+def _check_fixed_split_size(fixed_split_size) -> int | None:
+    """FlashInfer's fixed_split_size: None or -1 (off) or a positive int (pages per KV chunk;
+    ragged: keys)."""
+    if fixed_split_size is None or (type(fixed_split_size) is int and fixed_split_size == -1):
+        return None
+    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, int) \
+            or fixed_split_size <= 0:
+        raise ValueError(f"fixed_split_size: got {fixed_split_size!r}; pass a positive int "
+                         "(pages per KV chunk; ragged: keys), or None / -1 for the default plan")
+    return fixed_split_size
+
+
 def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
     """FlashInfer's uniform_q_len: None, or a promise that every request has that many query
     rows (0 or less: no promise). A promise that qo_indptr (host int64) breaks is a ValueError."""
@@ -308,18 +320,14 @@ def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
 
 
 def _check_plan_args(args: dict, qo_h: torch.Tensor) -> None:
-    """The batch plan arguments compiled_attn refuses or only checks: multi-item scoring and
-    fixed_split_size (NotImplementedError), disable_split_kv's type, uniform_q_len's promise."""
+    """The batch plan arguments compiled_attn refuses or only checks: multi-item scoring
+    (NotImplementedError), disable_split_kv's type, uniform_q_len's promise (fixed_split_size:
+    _check_fixed_split_size)."""
     multi = "multi-item scoring (prefix_len_ptr / token_pos_in_items_* / max_item_len_ptr)"
     for name in ("prefix_len_ptr", "token_pos_in_items_ptr", "max_item_len_ptr"):
         V.reject_if_set(name, args[name], f"{multi} is not supported")
     if args["token_pos_in_items_len"] != 0:
         V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
-    fixed_split_size = args["fixed_split_size"]
-    if fixed_split_size is not None and fixed_split_size != -1:
-        V.unsupported("fixed_split_size", "compiled_attn chooses its KV chunks itself "
-                      "(pass disable_split_kv=True for outputs that do not depend on the "
-                      "batch); pass None")
     disable_split_kv = args["disable_split_kv"]
     if not isinstance(disable_split_kv, bool):
         raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
@@ -484,12 +492,20 @@ class _BatchPrefillBase(_WrapperBase):
         host int64 [B]; page_size: the paged cache's (0: ragged)."""
         _check_plan_args(args, qo_h)
         opts = PlanOptions.of_batch(args, self.device.type)
+        split_size = _check_fixed_split_size(args["fixed_split_size"])
+        # FlashInfer: disable_split_kv=True wins over a fixed split size.
+        fixed = split_size is not None and not args["disable_split_kv"]
+        if fixed and self._use_cuda_graph:
+            V.unsupported("fixed_split_size", "with use_cuda_graph=True: CUDA-graph plans keep "
+                          "a fixed work buffer and never split KV; pass None (such plans take one "
+                          "tile height for every batch) or plan without CUDA graphs")
         qo_lens = qo_h[1:] - qo_h[:-1]
         _check_length_hints(args, qo_lens, kv_lens)
         mask_mode, packed, mask_indptr = _plan_mask(args, qo_lens, kv_lens)
-        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed).
+        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed);
+        # so do fixed-split plans, whose tiles must not depend on the rest of the batch.
         b = qo_h.numel() - 1
-        max_kv = None if self._use_cuda_graph or b == 0 else int(kv_lens.max())
+        max_kv = None if self._use_cuda_graph or fixed or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
         block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
                               mask_mode != MASK_NONE, paged, page_size=page_size,
@@ -500,8 +516,10 @@ class _BatchPrefillBase(_WrapperBase):
             tensors = self._graph_tensors(qo_h, opts.group, block_m, work, packed, mask_indptr,
                                           non_blocking)
         else:
+            chunk_keys = split_size * max(page_size, 1) if fixed else None
             tensors = self._plan_tensors(qo_h, kv_lens, opts, block_m, work, packed,
-                                         mask_indptr, args["disable_split_kv"], non_blocking)
+                                         mask_indptr, args["disable_split_kv"], non_blocking,
+                                         chunk_keys, mask_mode == MASK_CAUSAL)
         alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
                  if opts.pos_encoding_mode == POS_ALIBI else None)
         return _Plan(batch_size=b, total_rows=int(qo_h[-1]), qo_lens=qo_lens, kv_lens=kv_lens,
@@ -549,12 +567,22 @@ class _BatchPrefillBase(_WrapperBase):
                     mask_indptr=mask_indptr_dev)
 
     def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,
-                      mask_indptr, disable_split_kv: bool, non_blocking: bool) -> dict:
-        """The plan's device tensors outside CUDA-graph mode. disable_split_kv=True is
+                      mask_indptr, disable_split_kv: bool, non_blocking: bool,
+                      chunk_keys: int | None = None, causal: bool = False) -> dict:
+        """The plan's device tensors outside CUDA-graph mode. chunk_keys (fixed_split_size):
+        batch-invariant KV chunks of that many keys (build_split_work's chunk_keys; the work
+        list keeps its chunk columns even where no tile splits, so every such plan runs the
+        same kernel: the Gluon kernel takes no split plan). Else disable_split_kv=True is
         honoured: the plan then never splits KV; otherwise a CUDA plan splits long key ranges
         where the tiles would leave SMs idle (few query rows, long keys)."""
         merge_dev = None
-        if self.device.type == "cuda" and not disable_split_kv:
+        if chunk_keys is not None:
+            work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
+                                           opts.group, block_m, opts.num_kv_heads, "cpu",
+                                           chunk_keys=chunk_keys, causal=causal)
+            if merge is not None:
+                merge_dev = self._to_dev(merge, non_blocking)
+        elif self.device.type == "cuda" and not disable_split_kv:
             work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
                                            opts.group, block_m, opts.num_kv_heads, "cpu")
             if merge is not None:
@@ -691,8 +719,14 @@ _PLAN_COMMON_DOC = """
         from the lengths themselves, so a hint that holds changes nothing, and one that does not
         is a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every tile's keys in one program
         (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
-        tiles would leave SMs idle); fixed_split_size and the multi-item-scoring arguments
-        raise NotImplementedError.
+        tiles would leave SMs idle, a choice that depends on the whole batch).
+        fixed_split_size (FlashInfer's batch-invariant mode; pages, ragged: keys; ignored with
+        disable_split_kv=True, as in FlashInfer): each tile's key range is cut into
+        ceil(keys / (fixed_split_size * page_size)) chunks of whole key blocks, and the tile
+        height no longer depends on the batch's longest request, so a request's output and LSE
+        do not depend on the rest of the batch (bit for bit); with use_cuda_graph=True it
+        raises NotImplementedError. The multi-item-scoring arguments raise
+        NotImplementedError.
         With use_cuda_graph=True the index arrays are copied into the constructor's buffers
         (sizes checked) and the work list into a fixed buffer sized at the first plan, whose
         total query rows become the capacity (as in FlashInfer); padding work rows are

@@ -8,9 +8,10 @@ Q_PAGED_KV_NHD / Q_PAGED_KV_HND give a paged cache addressed by a rectangular bl
 (``batch_paged_prefill``, the table compacted on the device), as one stacked cache or as
 FlashInfer's separate (k_cache, v_cache) pools with [B, 2, M] tables. The mask modes (padding,
 causal, sliding_window, chunked), bmm1/bmm2 scales, ALiBi, soft cap and attention sinks map
-onto the op's arguments. Nothing here reads a device value on the host: the work list is the
-uniform one over ``max_q_len`` and the consistency of the length arrays is asserted on the
-device, so the call can be captured in a CUDA graph.
+onto the op's arguments; save_softmax_stats takes the op's row max beside its LSE, and
+skip-softmax is the op's skip_softmax rule. Nothing here reads a device value on the host: the
+work list is the uniform one over ``max_q_len`` and the consistency of the length arrays is
+asserted on the device, so the call can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -163,25 +164,32 @@ def trtllm_fmha_v2_prefill(
             keys j >= p_i - window_left) or "chunked" (keys in [floor(p_i / C) * C, p_i]).
         window_left: >= 0 with mask_mode="sliding_window" only; -1 otherwise.
         chunked_attention_size: C, a power of two, with mask_mode="chunked" only; 0 otherwise.
-        save_softmax_stats: True raises NotImplementedError (see below).
-        skip_softmax_threshold_scale_factor: None or 0 only (skip-softmax is not implemented).
+        save_softmax_stats: also return float32 [T, Hq, 2] softmax statistics (below).
+        skip_softmax_threshold_scale_factor: None / 0 (exact attention) or a factor f > 0:
+            skip-softmax sparsity, FlashInfer's rule: a row leaves out a key tile whose
+            largest logit m_t has exp(m_t - m) < f / kv_len, m the row's running max over the
+            tiles before it (in key order) and kv_len the request's (tiles of the kernel's
+            BLOCK_N keys, 64 or 128 on the GPU, 32 under the interpreter, 64 in the CPU
+            reference); a tile every row of a work item leaves out skips its P.V. The left-out
+            softmax mass of a row is below f, so the output moves by less than 2 f max|v|.
+            Not in the Gluon kernel: such calls run the Triton kernel.
 
     Returns:
-        out [T, Hq, Dvo]. Rows that see no key are 0. Rows past cum_seq_lens_q[-1] belong to
-        no request: the kernel does not write them (as FlashInfer; the CPU reference writes 0);
-        slice them off.
+        out [T, Hq, Dvo]; with save_softmax_stats, (out, stats). Rows that see no key are 0.
+        Rows past cum_seq_lens_q[-1] belong to no request: the kernel does not write them (as
+        FlashInfer; the CPU reference writes 0); slice them off.
 
-    save_softmax_stats=True raises: FlashInfer returns float32 [T, Hq, 2] = (max, sum) per
-    row, and the compiled_attn ops return only the LSE (base 2), from which the row max cannot
-    be recovered; (LSE, 1) would satisfy max + ln(sum) = LSE but is not the row max FlashInfer
-    stores. Its encoding (tests/attention/test_fmha_v2_prefill.py, Hopper): sum =
-    sum_j exp(s_j - m) in natural units over the final logits s_j; the stored max is
-    m / (sqrt(D) * bmm1_scale) (the max of the raw q.k over sqrt(D)) without a soft cap and
-    m / sqrt(D) with one (Blackwell stores m itself). It needs the ops to also write the row
-    max m (the kernels' running max m_i, base 2, times ln 2; the split-KV merge taking the max
-    of its chunks' maxima); then sum = 2^(lse - m_i).
+    stats (FlashInfer's Hopper encoding, tests/attention/test_fmha_v2_prefill.py): per row,
+    stats[..., 1] = sum_j exp(s_j - m) over the final logits s_j (natural units: scale, soft
+    cap and ALiBi applied; m their max) and stats[..., 0] the max as Hopper's FMHAv2 stores
+    it: m / (sqrt(D_qk) * bmm1_scale) (the raw q.k max over sqrt(D_qk)) without a soft cap,
+    m / sqrt(D_qk) with one. So LSE = stats[..., 0] * sqrt(D_qk) * bmm1_scale +
+    ln(stats[..., 1]) (soft cap: stats[..., 0] * sqrt(D_qk) + ln(stats[..., 1])). A row that
+    sees no key has (-inf, 0). Differences: FlashInfer writes stats for CONTIGUOUS_Q_KV only
+    (and SEPARATE_Q_K_V in MLA shapes); here every layout has them. A sink is not part of
+    the sum (as the ops' LSE); Blackwell's FMHAv2 stores m itself, not reproduced.
     """
-    mode, window_left, chunk, cap, pos, sm_scale, out_scale = _options(
+    mode, window_left, chunk, cap, pos, sm_scale, out_scale, stats, skip = _options(
         input_layout, mask_mode, window_left, chunked_attention_size, logits_soft_cap_scale,
         pos_encoding_mode, save_softmax_stats, skip_softmax_threshold_scale_factor, bmm1_scale,
         bmm2_scale, batch_size, max_q_len, max_kv_len)
@@ -218,20 +226,22 @@ def trtllm_fmha_v2_prefill(
     if paged:
         pind, pidx, last = _page_table(block_tables, input_layout, kv_lens, k, v_delta,
                                        batch_size)
-        o, _ = call_op(
+        o, lse = call_op(
             "batch_paged_prefill",
-            qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params)
+            qx, k, v, cq32, pind, pidx, last, work, None, None, slopes, sinks, bm, *params,
+            row_max=stats, skip_softmax=skip)
     else:
         if block_tables is not None:
             _fail("block_tables", f"was given with input_layout={input_layout!r}",
                   "drop it (only the Q_PAGED_KV layouts use a page table)")
-        o, _ = call_op(
+        o, lse = call_op(
             "batch_ragged_prefill",
-            qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params)
-    if out is None:
-        return o
-    out.copy_(o)
-    return out
+            qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params,
+            row_max=stats, skip_softmax=skip)
+    if out is not None:
+        out.copy_(o)
+        o = out
+    return (o, _softmax_stats(lse, q.shape[2], sm_scale, cap)) if stats else o
 
 
 # ---- the sections of trtllm_fmha_v2_prefill, in call order
@@ -240,7 +250,7 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
              skip_softmax_threshold_scale_factor, bmm1_scale, bmm2_scale, batch_size,
              max_q_len, max_kv_len):
     """The call's options, checked: (mask mode, window_left, chunk size, soft cap, position
-    encoding code, sm_scale, output scale)."""
+    encoding code, sm_scale, output scale, save_softmax_stats, skip-softmax factor)."""
     if input_layout not in LAYOUTS:
         _fail("input_layout", f"= {input_layout!r} is not a layout", f"use one of {LAYOUTS}")
     mode = mask_mode.lower() if isinstance(mask_mode, str) else mask_mode
@@ -267,16 +277,14 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     else:
         _fail("pos_encoding_mode", f"= {pos_encoding_mode!r} is not supported",
               "use None or 'alibi' (apply RoPE to q/k before the call)", NotImplementedError)
-    if save_softmax_stats:
-        _fail("save_softmax_stats", "=True is not implemented: FlashInfer returns (row max, sum "
-              "of exp) and our ops return only the LSE, from which the row max cannot be "
-              "recovered (no FlashInfer documentation says (LSE, 1) is a valid pair)",
-              "pass save_softmax_stats=False; for the LSE use the compiled_attn prefill "
-              "wrappers with return_lse=True", NotImplementedError)
-    if skip_softmax_threshold_scale_factor not in (None, 0, 0.0):
-        _fail("skip_softmax_threshold_scale_factor",
-              f"= {skip_softmax_threshold_scale_factor!r}: skip-softmax is not implemented",
-              "pass 0 or None (exact attention)", NotImplementedError)
+    stats = bool(save_softmax_stats)
+    skip = skip_softmax_threshold_scale_factor
+    if skip is None:
+        skip = 0.0
+    elif not V.is_number(skip) or not (0.0 <= float(skip) < math.inf):
+        _fail("skip_softmax_threshold_scale_factor", f"= {skip!r}",
+              "pass a finite number >= 0 (0 or None: exact attention)")
+    skip = V.fits_float32("skip_softmax_threshold_scale_factor", float(skip))
     for arg, val in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if torch.is_tensor(val):
             _fail(arg, "is a tensor", "pass a Python float (the kernel takes it as a scalar)",
@@ -287,7 +295,7 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
                      ("max_kv_len", max_kv_len)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
             _fail(arg, f"must be a non-negative int, got {val!r}", "pass an int")
-    return mode, window_left, chunk, cap, pos, sm_scale, out_scale
+    return mode, window_left, chunk, cap, pos, sm_scale, out_scale, stats, skip
 
 
 def _tensors(qkv, input_layout: str):
@@ -430,3 +438,13 @@ def _page_table(block_tables, input_layout: str, kv_lens, k, v_delta, bsz: int):
     _device_check((pidx >= 0) & (pidx < k.shape[0]),
                   "block_tables holds page indices outside the cache")
     return pind, pidx, last
+
+
+def _softmax_stats(lse: torch.Tensor, dqk: int, bmm1_scale: float, cap: float) -> torch.Tensor:
+    """FlashInfer's (max, sum) stats float32 [T, Hq, 2] from the op's float32 [T, Hq, 2] =
+    (LSE, row max), both base 2 (the encoding: trtllm_fmha_v2_prefill's docstring)."""
+    lse2, m2 = lse[..., 0], lse[..., 1]
+    seen = m2 > float("-inf")
+    total = torch.where(seen, torch.exp2(lse2 - torch.where(seen, m2, 0.0)), 0.0)
+    stored = m2 * (math.log(2.0) / (math.sqrt(dqk) * (1.0 if cap > 0 else bmm1_scale)))
+    return torch.stack([stored, total], dim=-1)

@@ -111,11 +111,34 @@ def _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap, pos_e
     )
 
 
-def _out_pair(q: Tensor, lead: tuple, dvo: int, out_dtype: torch.dtype | None):
+def _out_pair(q: Tensor, lead: tuple, dvo: int, out_dtype: torch.dtype | None,
+              row_max: bool = False):
     hq = q.shape[-2]
     out = q.new_empty((*lead, hq, dvo), dtype=out_dtype or q.dtype)
-    lse = q.new_empty((*lead, hq), dtype=torch.float32)
+    lse = q.new_empty((*lead, hq, 2) if row_max else (*lead, hq), dtype=torch.float32)
     return out, lse
+
+
+def _stats_skip(row_max: bool, skip_softmax: float) -> dict:
+    """The ragged and paged ops' two approximation / statistics options, checked.
+
+    row_max: the second output becomes float32 [..., Hq, 2] = (LSE, row max), both base 2: the
+    max of each row's final logits (-inf for a row that sees no key), the LSE as without it.
+    skip_softmax: a factor f >= 0 (0: exact attention). With f > 0, a row skips a key tile
+    (BLOCK_N keys from a multiple of BLOCK_N, in ascending order) whose largest logit m_t is
+    below the row's running max m by more than ln(kv_len / f): exp(m_t - m) < f / kv_len,
+    FlashInfer's skip-softmax rule (kv_len the request's keys); the tile is left out of that
+    row's softmax, and its P.V is not computed when every row of the tile skips it. Each
+    skipped key's weight is below f / kv_len of the row's largest, so the skipped softmax
+    mass is below f and the output moves by less than 2 f max|v|. Under split-KV the running
+    max is that of the tile's own key chunk."""
+    if not isinstance(row_max, bool):
+        raise TypeError(f"row_max: got {row_max!r}; pass a bool")
+    skip = float(skip_softmax)
+    if not (skip >= 0.0 and skip < float("inf")):
+        raise ValueError(f"skip_softmax: got {skip_softmax!r}; pass a finite factor >= 0 "
+                         "(0: exact attention)")
+    return dict(row_max=row_max, skip_softmax=skip)
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,7 +188,8 @@ def _batch_ragged_prefill(
     alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
     mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
-    out_dtype: torch.dtype | None, merge: Tensor | None = None,
+    out_dtype: torch.dtype | None, merge: Tensor | None = None, row_max: bool = False,
+    skip_softmax: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Ragged-batch prefill.
 
@@ -177,7 +201,8 @@ def _batch_ragged_prefill(
     first packed row, key chunk, number of chunks) with merge int32 [T, 4] = (request, first
     packed row, first work item, number of chunks) for each tile cut into more than one chunk
     (compiled_attn.ops.schedule.build_split_work); a tile's chunks are consecutive work items.
-    Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    row_max, skip_softmax: see _stats_skip. Returns out [Nq, Hq, Dvo], lse [Nq, Hq] (row_max:
+    [Nq, Hq, 2]).
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
@@ -186,17 +211,20 @@ def _batch_ragged_prefill(
 
         return prefill_kernel.launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask,
                                             mask_indptr, alibi_slopes, sinks, block_m, merge,
-                                            out_dtype=out_dtype or q.dtype, **params)
+                                            out_dtype=out_dtype or q.dtype, **params,
+                                            **_stats_skip(row_max, skip_softmax))
     return reference.batch_ragged_prefill(q, k, v, qo_indptr, kv_indptr, packed_mask,
                                           mask_indptr, alibi_slopes, sinks,
-                                          out_dtype=out_dtype or q.dtype, **params)
+                                          out_dtype=out_dtype or q.dtype, **params,
+                                          **_stats_skip(row_max, skip_softmax))
 
 
 def _batch_ragged_prefill_fake(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr,
                                alibi_slopes, sinks, block_m, mask_mode, window_left, chunk_size,
                                sm_scale, logits_soft_cap, pos_encoding_mode, rope_scale,
-                               rope_theta, v_scale, out_dtype, merge=None):
-    return _out_pair(q, (q.shape[0],), v.shape[-1], out_dtype)
+                               rope_theta, v_scale, out_dtype, merge=None, row_max=False,
+                               skip_softmax=0.0):
+    return _out_pair(q, (q.shape[0],), v.shape[-1], out_dtype, row_max)
 
 
 batch_ragged_prefill = _register("batch_ragged_prefill", _batch_ragged_prefill,
@@ -213,15 +241,17 @@ def _batch_paged_prefill(
     alibi_slopes: Tensor | None, sinks: Tensor | None, block_m: int,
     mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
-    out_dtype: torch.dtype | None, merge: Tensor | None = None,
+    out_dtype: torch.dtype | None, merge: Tensor | None = None, row_max: bool = False,
+    skip_softmax: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """Paged-KV batch prefill.
 
     q: [Nq, Hq, Dqk] split by qo_indptr int32 [B+1]. k_cache: [P, page, Hkv, Dqk], v_cache:
     [P, page, Hkv, Dvo] in logical NHD order with any strides (HND caches and 5-D caches come in
     as views). kv_page_indptr int32 [B+1] (in pages), kv_page_indices int32 [npages],
-    kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr, merge:
-    as batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq].
+    kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr, merge,
+    row_max, skip_softmax: as batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq]
+    (row_max: [Nq, Hq, 2]).
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
@@ -231,19 +261,21 @@ def _batch_paged_prefill(
         return prefill_kernel.launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                            kv_page_indices, kv_last_page_len, work, packed_mask,
                                            mask_indptr, alibi_slopes, sinks, block_m, merge,
-                                           out_dtype=out_dtype or q.dtype, **params)
+                                           out_dtype=out_dtype or q.dtype, **params,
+                                           **_stats_skip(row_max, skip_softmax))
     return reference.batch_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                          kv_page_indices, kv_last_page_len, packed_mask,
                                          mask_indptr, alibi_slopes, sinks,
-                                         out_dtype=out_dtype or q.dtype, **params)
+                                         out_dtype=out_dtype or q.dtype, **params,
+                                         **_stats_skip(row_max, skip_softmax))
 
 
 def _batch_paged_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
                               kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes,
                               sinks, block_m, mask_mode, window_left, chunk_size, sm_scale,
                               logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta,
-                              v_scale, out_dtype, merge=None):
-    return _out_pair(q, (q.shape[0],), v_cache.shape[-1], out_dtype)
+                              v_scale, out_dtype, merge=None, row_max=False, skip_softmax=0.0):
+    return _out_pair(q, (q.shape[0],), v_cache.shape[-1], out_dtype, row_max)
 
 
 batch_paged_prefill = _register("batch_paged_prefill", _batch_paged_prefill,

@@ -81,7 +81,9 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     k, v = (a["k_cache"], a["v_cache"]) if paged else (a["k"], a["v"])
     if not pk._gluon_device(q.device):  # a Hopper GPU (before any guard on the shapes)
         return False
-    scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params)
+    scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params,
+                                row_max=a.get("row_max", False),
+                                skip_softmax=a.get("skip_softmax", 0.0))
     # Head dims, heads, tile height and page size are constexprs of either kernel: a symbolic
     # one (torch.compile(dynamic=True)) is specialised here, as the Triton launch would.
     guard_int(q.shape[-1])

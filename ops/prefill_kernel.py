@@ -241,12 +241,15 @@ def _attend_range(
     SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, FOLD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DVO: tl.constexpr,
     DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
+    SKIP: tl.constexpr = False, SKIP_LOG2: tl.constexpr = 0.0,
 ):
     """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi). MASKED tiles
     apply the visibility rule; unmasked ones are known to be fully visible to every row. With
     TMA 1, K and V tiles come through the per-program descriptors k_desc / v_desc (shape
     [kv_len, D] of this request and head: keys past kv_len and dims past D read as 0), with
-    TMA 2 / 3 through descriptors over the whole K / V: both by _load_tile."""
+    TMA 2 / 3 through descriptors over the whole K / V: both by _load_tile. SKIP: a row drops
+    a tile whose max is below its running max by more than log2(kv_len) - SKIP_LOG2 (base 2;
+    SKIP_LOG2 = log2 of the factor, contracts._stats_skip); a tile no row keeps skips its P.V."""
     offs_n = tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_DQK // 2
     if ROPE:
@@ -354,10 +357,23 @@ def _attend_range(
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_new
+        use_tile = True
+        if SKIP:
+            if UNSCALED:
+                t_max = tl.max(s, 1) * qk_scale
+            else:
+                t_max = tl.max(s, 1)
+            thr = SKIP_LOG2 - tl.log2(kv_len.to(tl.float32))
+            keep = (t_max > float("-inf")) & (t_max >= m_i + thr)
+            m_new = tl.where(keep, m_new, m_i)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            use_tile = tl.max(keep.to(tl.int32), 0) > 0
         if UNSCALED:
             p = tl.exp2(s * qk_scale - m_sub[:, None])
         else:
             p = tl.exp2(s - m_sub[:, None])
+        if SKIP:
+            p = tl.where(keep[:, None], p, 0.0)
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if TMA:
@@ -375,7 +391,8 @@ def _attend_range(
                 v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
             else:
                 v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if use_tile:  # (SKIP: no row kept the tile, whose P.V then adds nothing)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -399,6 +416,7 @@ def _program(
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
     TMA: tl.constexpr, SPLIT: tl.constexpr, ROW: tl.constexpr,
+    STATS: tl.constexpr = False, SKIP: tl.constexpr = False, SKIP_LOG2: tl.constexpr = 0.0,
 ):
     """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. Dense mode
     (KV_MODE 0) takes req and row0 as given; ragged / paged read them from row x of the work
@@ -406,7 +424,9 @@ def _program(
     row, and with SPLIT key chunk and number of chunks). With SPLIT, the item covers key chunk
     ``split`` of ``nsplit`` of the tile's key range; when nsplit > 1 it writes its normalised
     partial output and LSE to slot x of the partial buffers (part_o [W, Hkv, BLOCK_M,
-    BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd."""
+    BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd. STATS: lse_ptr's rows
+    also take the row max (base 2) one element after the LSE, and part_l is [W, Hkv, 2,
+    BLOCK_M] (chunk LSEs, then chunk maxima). SKIP, SKIP_LOG2: _attend_range."""
     # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
     qk_scale = tl.cast(qk_scale, tl.float32)
     soft_cap = tl.cast(soft_cap, tl.float32)
@@ -567,7 +587,7 @@ def _program(
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
         True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u0, u1, kv_len, kv_coord, hkv,
         k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
@@ -575,7 +595,7 @@ def _program(
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
         False, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q, q2, p_row, tok, row_ok, u1, n1, kv_len, kv_coord, hkv,
         k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
@@ -583,7 +603,7 @@ def _program(
         mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
         rope_rcp_scale, log2_theta,
         True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES)
+        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
     if SPLIT:
@@ -596,25 +616,30 @@ def _program(
             slot = (x.to(tl.int64) * n_hkv + hkv) * BLOCK_M
             tl.store(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :],
                      acc / l_safe[:, None])
-            tl.store(part_l_ptr + slot + offs_r,
+            lslot = slot * 2 if STATS else slot
+            tl.store(part_l_ptr + lslot + offs_r,
                      tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
+            if STATS:
+                tl.store(part_l_ptr + lslot + BLOCK_M + offs_r,
+                         tl.where(seen, m_i, float("-inf")))
         else:
             _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
                          row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
-                         BLOCK_DVO, DVO)
+                         BLOCK_DVO, DVO, m_i, STATS)
     else:
         _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
                      row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
-                     BLOCK_DVO, DVO)
+                     BLOCK_DVO, DVO, m_i, STATS)
 
 
 @triton.jit
 def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head, row_ok,
                  stride_ot, stride_oh, stride_lt, stride_lh, v_scale,
-                 SINKS: tl.constexpr, BLOCK_DVO: tl.constexpr, DVO: tl.constexpr):
+                 SINKS: tl.constexpr, BLOCK_DVO: tl.constexpr, DVO: tl.constexpr, mx,
+                 STATS: tl.constexpr):
     """Normalise (sinks add e^sink to the denominator; v_scale multiplies) and store the rows
     of a tile: out (q's token/head layout) and the base-2 LSE; a row with l = 0 writes 0 and
-    -inf."""
+    -inf. STATS: also the row max mx (base 2, -inf where l = 0) one element after the LSE."""
     seen = l_i > 0
     l_safe = tl.where(seen, l_i, 1.0)
     scale = v_scale / l_safe
@@ -630,6 +655,8 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
              mask=row_ok[:, None] & (offs_dv[None, :] < DVO))
     l_ptrs = lse_ptr + l_base + tok.to(tl.int64) * stride_lt + head.to(tl.int64) * stride_lh
     tl.store(l_ptrs, lse, mask=row_ok)
+    if STATS:
+        tl.store(l_ptrs + 1, tl.where(seen, mx, float("-inf")), mask=row_ok)
 
 
 @triton.jit
@@ -679,6 +706,7 @@ def _prefill_fwd(
     FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
     BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
     TMA: tl.constexpr, SPLIT: tl.constexpr,
+    STATS: tl.constexpr = False, SKIP: tl.constexpr = False, SKIP_LOG2: tl.constexpr = 0.0,
 ):
     """Grid (work items, KV heads), or with TMA 3 (persistent programs,). A work item is
     (batch entry, tile) in dense mode, else a row of the work list: (request, first row), or
@@ -730,7 +758,7 @@ def _prefill_fwd(
                 qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta,
                 v_scale, KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK,
                 SOFT_CAP, ALIBI, ROPE, SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK,
-                DVO, NUM_STAGES, TMA, SPLIT, 4 if SPLIT else 2)
+                DVO, NUM_STAGES, TMA, SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2)
             item = nxt
     else:
         req, row0, hkv, x = _work_item(
@@ -750,7 +778,7 @@ def _prefill_fwd(
             qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
             KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
             SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
-            SPLIT, 4 if SPLIT else 2)
+            SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2)
 
 
 @triton.jit
@@ -834,11 +862,11 @@ def _merge_fwd(
     merge_ptr, part_o_ptr, part_l_ptr, o_ptr, lse_ptr, qo_indptr_ptr, sinks_ptr,
     stride_ot, stride_oh, stride_lt, stride_lh, v_scale,
     GROUP: tl.constexpr, SINKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DVO: tl.constexpr,
-    DVO: tl.constexpr,
+    DVO: tl.constexpr, STATS: tl.constexpr = False,
 ):
     """Grid (split tiles, KV heads): combine a tile's partials (merge row: request, first
     row, first work item, number of chunks) by their base-2 LSEs, then apply sinks and
-    v_scale and store like _store_final."""
+    v_scale and store like _store_final. STATS: the row max is the largest chunk max."""
     t = tl.program_id(0)
     hkv = tl.program_id(1)
     req = tl.load(merge_ptr + t * 4)
@@ -856,9 +884,13 @@ def _merge_fwd(
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     s_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for i in range(n):
         slot = ((first + i).to(tl.int64) * tl.num_programs(1) + hkv) * BLOCK_M
-        lse_i = tl.load(part_l_ptr + slot + offs_r)
+        lslot = slot * 2 if STATS else slot
+        lse_i = tl.load(part_l_ptr + lslot + offs_r)
+        if STATS:
+            mx = tl.maximum(mx, tl.load(part_l_ptr + lslot + BLOCK_M + offs_r))
         o_i = tl.load(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :])
         m_new = tl.maximum(m_run, lse_i)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -870,15 +902,20 @@ def _merge_fwd(
     # In base-2 units: l = s_run * 2^m_run is the softmax denominator over all chunks.
     _store_final(acc, s_run, m_run, o_ptr, lse_ptr, sinks_ptr, qo_start.to(tl.int64) * stride_ot,
                  qo_start.to(tl.int64) * stride_lt, tok, head, row_ok, stride_ot, stride_oh,
-                 stride_lt, stride_lh, tl.cast(v_scale, tl.float32), SINKS, BLOCK_DVO, DVO)
+                 stride_lt, stride_lh, tl.cast(v_scale, tl.float32), SINKS, BLOCK_DVO, DVO, mx,
+                 STATS)
 
 
 # ---------------------------------------------------------------------------------------------
 # launchers (called from the op implementations in contracts.py)
 # ---------------------------------------------------------------------------------------------
 def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
-           logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta, v_scale):
-    """Scalar kernel arguments and constexpr switches shared by every launch."""
+           logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta, v_scale,
+           row_max=False, skip_softmax=0.0):
+    """Scalar kernel arguments and constexpr switches shared by every launch. row_max and
+    skip_softmax (ragged and paged ops only) add STATS / SKIP, SKIP_LOG2 when set (POD's
+    kernel has neither; _launch_prefill passes their off values explicitly: torch's tracing of
+    a Triton launch fills no defaults)."""
     scalars = dict(
         qk_scale=float(sm_scale) * (1.0 if logits_soft_cap > 0 else LOG2E),
         soft_cap=float(logits_soft_cap) if logits_soft_cap > 0 else 1.0,
@@ -898,6 +935,10 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
         SINKS=sinks is not None,
         FOLD=logits_soft_cap <= 0 and pos_encoding_mode != POS_ALIBI and sm_scale > 0,
     )
+    if row_max:
+        consts["STATS"] = True
+    if skip_softmax > 0:
+        consts.update(SKIP=True, SKIP_LOG2=math.log2(skip_softmax))
     return scalars, consts
 
 
@@ -1039,7 +1080,8 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     and 128-row tiles, D 256 on 128-row ones), pages it reads (prefill_gluon.page_read: TMA
     boxes or a producer warp group's gathers), fp16 / bf16
     throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
-    scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks or a V scale, and K/V with
+    scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks, a V scale, the row-max output
+    or skip-softmax (the Gluon kernel writes neither), and K/V with
     packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
     (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
     the eager launch (_gluon_views, which adds the pointers' alignment) and
@@ -1062,8 +1104,8 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
         return False
     if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
         return False
-    if any(consts[f] for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
-                               "SINKS")) or scalars["v_scale"] != 1.0:
+    if any(consts.get(f) for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
+                                   "SINKS", "STATS", "SKIP")) or scalars["v_scale"] != 1.0:
         return False
     kind = _KV_KIND[kv_mode]
     return not kv_layout or (_gluon.kv_2d_layout(k, kind, _known)
@@ -1227,11 +1269,18 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gl
     return out, lse, args
 
 
+def _lse_out(q, params) -> torch.Tensor:
+    """The LSE output of a ragged / paged launch: float32 [Nq, Hq], or [Nq, Hq, 2] (LSE, row
+    max) with row_max (_store_final's STATS)."""
+    shape = (q.shape[0], q.shape[1], 2) if params.get("row_max") else (q.shape[0], q.shape[1])
+    return q.new_empty(shape, dtype=torch.float32)
+
+
 def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_slopes,
                  sinks, block_m, out_dtype, params, gluon=False):
     """batch_ragged_prefill: q [Nq, Hq, Dqk], k/v [Nk, Hkv, D]."""
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    lse = _lse_out(q, params)
     args = _program_args(
         KV_RAGGED, q, k, v, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
@@ -1249,7 +1298,7 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
                 gluon=False):
     """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides)."""
     out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
-    lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    lse = _lse_out(q, params)
     args = _program_args(
         KV_PAGED, q, kc, vc, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
@@ -1327,8 +1376,9 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         # a plan forgot its merge row).
         part_o = launch.scratch((work.shape[0], n_hkv, consts["BLOCK_M"], consts["BLOCK_DVO"]),
                                 torch.float32, work.device)
-        part_l = launch.scratch((work.shape[0], n_hkv, consts["BLOCK_M"]), torch.float32,
-                                work.device)
+        stats = 2 if consts.get("STATS") else 1  # chunk LSEs (and chunk maxima)
+        part_l = launch.scratch((work.shape[0], n_hkv, stats * consts["BLOCK_M"]),
+                                torch.float32, work.device)
     gl_args = cfg.get("gluon")
     if gl_args is not None:
         # The Gluon kernel (_gluon_launch chose it); dense mode keeps this launch's item order.
@@ -1349,9 +1399,11 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         counter = launch.counter(out.device)
     if consts["TMA"] in (1, 3):
         _ensure_allocator()
+    opts = dict(STATS=False, SKIP=False, SKIP_LOG2=0.0)  # (the kernel's defaults)
+    opts.update((k, consts[k]) for k in opts if k in consts)
     launch.run(
         _prefill_fwd, grid, work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
-        **consts,
+        **{k: v for k, v in consts.items() if k not in opts}, **opts,
         SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
         qo_indptr = prog_args[5]
@@ -1360,7 +1412,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
             sinks if sinks is not None else qo_indptr,
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1), float(v_scale),
             GROUP=consts["GROUP"], SINKS=sinks is not None, BLOCK_M=consts["BLOCK_M"],
-            BLOCK_DVO=consts["BLOCK_DVO"], DVO=consts["DVO"], num_warps=4)
+            BLOCK_DVO=consts["BLOCK_DVO"], DVO=consts["DVO"], STATS=opts["STATS"], num_warps=4)
     return out, lse
 
 

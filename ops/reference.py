@@ -95,6 +95,9 @@ def attend(
     v_scale: float,
     out_dtype: torch.dtype,
     matmul_dtype: torch.dtype | None = None,
+    row_max: bool = False,
+    skip_softmax: float = 0.0,
+    skip_tile: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of every query row against every KV slot, with the request rules.
 
@@ -107,7 +110,10 @@ def attend(
     matmul_dtype: when set (fp16/bf16), the two matrix products take operands in that dtype and
     the probabilities are rounded to it before the second, as eager low-precision attention does
     (HF's eager path); tests use it to measure PyTorch's own error in a dtype.
-    Returns out [Nq, Hq, Dvo] in out_dtype and lse [Nq, Hq] float32, base 2.
+    row_max, skip_softmax: as the ragged / paged ops (contracts._stats_skip); skip_tile: the key
+    tile of the skip rule (default SKIP_TILE; the kernel's is its BLOCK_N).
+    Returns out [Nq, Hq, Dvo] in out_dtype and lse [Nq, Hq] float32, base 2 (row_max:
+    [Nq, Hq, 2] = (LSE, row max), base 2).
     """
     ct = _compute_dtype(q)
     hq, hkv = q.shape[1], k.shape[1]
@@ -157,6 +163,8 @@ def attend(
         s = s + alibi_slopes.to(ct)[:, None, None] * (j - pi).to(ct)[None]
 
     s = s.masked_fill(~see[None], float("-inf"))
+    if skip_softmax > 0:
+        s = _skip_tiles(s, kv_pos, row_kv, skip_softmax, skip_tile or SKIP_TILE)
     lse = torch.logsumexp(s, dim=-1)  # [Hq, Nq], natural units, -inf where nothing is seen
     finite = torch.isfinite(lse)
     safe_lse = torch.where(finite, lse, torch.zeros_like(lse))
@@ -168,7 +176,40 @@ def attend(
         out = out * torch.sigmoid(safe_lse - sink).transpose(0, 1)[..., None]
     out = torch.where(finite.transpose(0, 1)[..., None], out, torch.zeros_like(out)) * v_scale
     lse2 = torch.where(finite, lse / LN2, lse).transpose(0, 1).to(torch.float32).contiguous()
+    if row_max:
+        mx = s.amax(dim=-1) if s.shape[-1] else torch.full_like(lse, float("-inf"))
+        mx2 = torch.where(finite, mx / LN2, lse).transpose(0, 1).to(torch.float32)
+        lse2 = torch.stack([lse2, mx2], dim=-1)
     return out.to(out_dtype).contiguous(), lse2
+
+
+# The key tile of the reference's skip-softmax rule (the GPU kernel's BLOCK_N is 64 or 128,
+# the interpreter's 32: tests pass skip_tile to match it).
+SKIP_TILE = 64
+
+
+def _skip_tiles(s, kv_pos, row_kv, factor: float, tile: int):
+    """s [Hq, Nq, Nk] (natural logits, -inf where unseen) with the key tiles each row skips set
+    to -inf: tiles of ``tile`` request positions, visited in ascending order; a row skips a tile
+    whose max is below its running max over the tiles it kept by more than ln(kv_len / factor)
+    (contracts._stats_skip). The loop runs over the static tile count of Nk keys."""
+    hq, nq, nk = s.shape
+    ntiles = -(-nk // tile)
+    tid = (kv_pos // tile).clamp(min=0, max=max(ntiles - 1, 0))[None, None, :].expand(hq, nq, nk)
+    tmax = s.new_full((hq, nq, ntiles), float("-inf"))
+    tmax = tmax.scatter_reduce(2, tid, s, "amax", include_self=True)
+    thr = torch.log(factor / row_kv.clamp(min=1).to(s.dtype))[None, :]  # [1, Nq]
+    run = s.new_full((hq, nq), float("-inf"))
+    keep = []
+    for t in range(ntiles):
+        m_t = tmax[..., t]
+        k_t = (m_t > float("-inf")) & (m_t >= run + thr)
+        run = torch.where(k_t, torch.maximum(run, m_t), run)
+        keep.append(k_t)
+    if not keep:
+        return s
+    kept = torch.stack(keep, dim=-1).gather(2, tid)
+    return s.masked_fill(~kept, float("-inf"))
 
 
 def _segments(indptr: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

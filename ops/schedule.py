@@ -76,7 +76,8 @@ def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
 def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size: int,
                      block_m: int, num_kv_heads: int, device: torch.device | str = "cpu", *,
                      num_sms: int | None = None, min_keys_per_chunk: int = 1024,
-                     max_chunks: int = 16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     max_chunks: int = 16, chunk_keys: int | None = None,
+                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV plan: (work int32 [W, 4], merge int32 [T, 4] or None).
 
     When the tiles times the KV heads would leave most SMs idle (programs <= SMs / 2), a tile
@@ -85,20 +86,32 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
     row, chunk, chunks) and one merge row (request, first row, first work row, chunks) combines
     them. Otherwise the result is build_work's list with (0, 1) chunk columns and no merge.
     num_sms: the GPU's multiprocessor count (default: the current CUDA device's, else 132).
+
+    chunk_keys (FlashInfer's fixed_split_size, batch-invariant mode): every tile is cut into
+    ceil(keys / chunk_keys) chunks whatever the rest of the batch, keys being the keys its
+    rows may see (the causal bound when ``causal``, else kv_len); the kernel divides the
+    tile's key range into that many equal runs of whole key blocks. A request's chunks, and so
+    its numbers, then depend on that request alone.
     """
-    if num_sms is None:
+    if num_sms is None and chunk_keys is None:
         num_sms = sm_count() if torch.cuda.is_available() else 132
     tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
     programs = len(tiles) * num_kv_heads
     # Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
     # memory rate, and splitting them was slower (0.82x, benchmarks/NOTES.md); split only when
     # at most half the SMs would have a program, up to about one program per SM.
-    want = -(-num_sms // max(programs, 1)) if 2 * programs <= num_sms else 1
+    want = 1 if num_sms is None else (
+        -(-num_sms // max(programs, 1)) if 2 * programs <= num_sms else 1)
     rows, merges = [], []
     for b, row in tiles:
         last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
-        keys = min(int(kv_lens[b]), int(kv_lens[b]) - int(qo_lens[b]) + last_tok)
-        n = max(1, min(want, max_chunks, keys // max(min_keys_per_chunk, 1)))
+        keys = int(kv_lens[b])
+        if causal:
+            keys = min(keys, keys - int(qo_lens[b]) + last_tok)
+        if chunk_keys is not None:
+            n = max(1, -(-keys // chunk_keys))
+        else:
+            n = max(1, min(want, max_chunks, keys // max(min_keys_per_chunk, 1)))
         if n > 1:
             merges.append((b, row, len(rows), n))
         rows.extend((b, row, s, n) for s in range(n))

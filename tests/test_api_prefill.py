@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import compiled_attn as fi
+from compiled_attn.ops import contracts
 
 from .test_reference import dense_request, oracle_batch
 
@@ -682,3 +683,103 @@ def test_cuda_graph_paged_plan_on_a_cache_without_pages():
            torch.zeros(1, dtype=torch.int32), 2, 1, 4, 16, causal=True, q_data_type=D64)
     _assert_no_key(*w.run(rand(3, 2, 4, seed=155), torch.zeros(0, 2, 16, 1, 4, dtype=D64),
                           return_lse=True))
+
+
+# --------------------------------------------------------------------------------------------
+# fixed_split_size: batch invariance (FlashInfer's tests/attention/test_batch_invariant_fa2.py)
+# --------------------------------------------------------------------------------------------
+def batch_invariance(kind, *, qo_lens, kv_lens, inv, page=1, hq=4, hkv=2, d=16,
+                     fixed_split_size=None, disable_split_kv=False, causal=True, layout="NHD",
+                     pos_encoding_mode="NONE", dtype=D64, device="cpu", seed=0):
+    """FlashInfer's batch-invariance check: plan and run the batch, re-plan its first ``inv``
+    requests with the same index buffers (the paged indices' whole buffer, as serving engines
+    keep them) and run those; the shared rows' output and LSE must be equal bit for bit where
+    the kernel runs (GPU, interpreter). The CPU reference attends densely over the batch's
+    keys, so its sums round by the batch's key count: equal to rounding there.
+    Returns (wrapper after the first plan's run: its plan, out, lse, ks, vs, q) for further
+    checks (ks / vs per request, float64)."""
+    n_inv = sum(qo_lens[:inv])
+    q = rand(sum(qo_lens), hq, d, seed=seed, dtype=dtype).to(device)
+    opts = dict(causal=causal, pos_encoding_mode=pos_encoding_mode, q_data_type=dtype,
+                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+    qi = indptr(qo_lens).to(device)
+    if kind == "paged":
+        cache, kvi, idx, last, ks, vs = make_paged(kv_lens, hkv, d, d, page, layout=layout,
+                                                   dtype=dtype, seed=seed + 1)
+        cache, kvi, idx, last = (t.to(device) for t in (cache, kvi, idx, last))
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS.to(device), layout)
+        w.plan(qi, kvi, idx, last, hq, hkv, d, page, **opts)
+        plan = w._plan
+        out, lse = w.run(q, cache, return_lse=True)
+        w.plan(qi[:inv + 1], kvi[:inv + 1], idx, last[:inv], hq, hkv, d, page, **opts)
+        out_s, lse_s = w.run(q[:n_inv], cache, return_lse=True)
+    else:
+        k, v, ks, vs = ragged_kv(kv_lens, hkv, d, d, seed=seed + 1, layout=layout)
+        k, v = k.to(dtype).to(device), v.to(dtype).to(device)
+        ks = [x.to(dtype).to(D64) for x in ks]
+        vs = [x.to(dtype).to(D64) for x in vs]
+        kvi = indptr(kv_lens).to(device)
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS.to(device), layout)
+        w.plan(qi, kvi, hq, hkv, d, **opts)
+        plan = w._plan
+        out, lse = w.run(q, k, v, return_lse=True)
+        n_kv = sum(kv_lens[:inv])
+        k_s, v_s = (k[:, :n_kv], v[:, :n_kv]) if layout == "HND" else (k[:n_kv], v[:n_kv])
+        w.plan(qi[:inv + 1], kvi[:inv + 1], hq, hkv, d, **opts)
+        out_s, lse_s = w.run(q[:n_inv], k_s, v_s, return_lse=True)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    if contracts._use_kernel(q):
+        assert torch.equal(out[:n_inv], out_s)
+        assert torch.equal(lse[:n_inv], lse_s)
+    else:  # rounding of the output dtype (float64: 1e-12)
+        tol = dict(rtol=1e-12, atol=1e-12) if out.dtype == D64 else {}
+        torch.testing.assert_close(out[:n_inv], out_s, **tol)
+        torch.testing.assert_close(lse[:n_inv], lse_s, rtol=1e-6, atol=1e-6)
+    return plan, out, lse, ks, vs, q
+
+
+def check_fixed_split_plan(plan, qo_lens, kv_lens, chunk_keys, group, causal=True):
+    """A fixed-split plan's work list: chunk columns, and each tile cut into
+    ceil(keys / chunk_keys) chunks, keys its rows' causal bound."""
+    work = plan.work.cpu()
+    assert work.shape[1] == 4
+    bm = plan.block_m
+    seen = set()
+    for b, row, c, n in work.tolist():
+        if (b, row) in seen:
+            continue
+        seen.add((b, row))
+        last_tok = min(row + bm, qo_lens[b] * group) // group
+        keys = min(kv_lens[b], kv_lens[b] - qo_lens[b] + last_tok) if causal else kv_lens[b]
+        assert n == max(1, -(-keys // chunk_keys)), (b, row, n, keys)
+    assert any(n > 1 for *_, n in work.tolist())
+
+
+@pytest.mark.parametrize("kind,layout,page", [("paged", "NHD", 4), ("paged", "HND", 1),
+                                              ("ragged", "NHD", 1)])
+def test_fixed_split_size_batch_invariant(kind, layout, page):
+    """fixed_split_size takes effect (every tile in ceil(keys / (size * page)) chunks) and a
+    sub-batch re-planned with the same buffers gives the shared requests' bits, while the
+    request left out is the longest (it no longer sets the tile height)."""
+    qo, kv = [6, 3, 9], [40, 25, 90]
+    plan, out, lse, ks, vs, q = batch_invariance(
+        kind, qo_lens=qo, kv_lens=kv, inv=2, page=page, fixed_split_size=4, layout=layout,
+        seed=60)
+    check_fixed_split_plan(plan, qo, kv, 4 * page, 2)
+    check(out, lse, *dense_batch(q, qo, ks, vs, causal=True))
+
+
+def test_fixed_split_size_with_disable_split_kv_or_cuda_graph():
+    """disable_split_kv=True wins over fixed_split_size (as in FlashInfer); a CUDA-graph plan,
+    which never splits, refuses it."""
+    plan, *_ = batch_invariance("paged", qo_lens=[4, 2], kv_lens=[30, 12], inv=1, page=4,
+                                fixed_split_size=2, disable_split_kv=True, seed=61)
+    assert plan.work.shape[1] == 2
+    bufs = dict(qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
+                paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32),
+                paged_kv_indices_buf=torch.zeros(16, dtype=torch.int32),
+                paged_kv_last_page_len_buf=torch.zeros(2, dtype=torch.int32))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+    with pytest.raises(NotImplementedError, match="fixed_split_size.*use_cuda_graph"):
+        w.plan(indptr([4, 2]), indptr([8, 3]), torch.arange(11, dtype=torch.int32),
+               torch.tensor([2, 4], dtype=torch.int32), 4, 2, 16, 4, fixed_split_size=2)

@@ -7,11 +7,14 @@ messages that say how to fix them. Output buffers are poisoned with NaN before e
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import alibi_slopes_spec, dense_request, shuffled_block_table
+from tests.test_reference import (alibi_slopes_spec, dense_request, shuffled_block_table,
+                                  visibility)
 
 fn = compiled_attn.trtllm_fmha_v2_prefill
 WS = torch.empty(16, dtype=torch.uint8)
@@ -185,10 +188,12 @@ def test_bad_base_runs():
 
 
 @pytest.mark.parametrize("layout,kw,exc,match", [
-    ("SEPARATE_Q_K_V", dict(save_softmax_stats=True), NotImplementedError,
-     "save_softmax_stats.*row max"),
-    ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor=0.5), NotImplementedError,
-     "skip_softmax"),
+    ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor=-0.5), ValueError,
+     "skip_softmax_threshold_scale_factor.*>= 0"),
+    ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor=float("inf")), ValueError,
+     "skip_softmax_threshold_scale_factor.*finite"),
+    ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor="0.5"), ValueError,
+     "skip_softmax_threshold_scale_factor"),
     ("SEPARATE_Q_K_V", dict(window_left=4), ValueError, "window_left.*sliding_window"),
     ("SEPARATE_Q_K_V", dict(mask_mode="padding", window_left=2), ValueError,
      "window_left.*sliding_window"),
@@ -311,3 +316,170 @@ def test_max_q_len_too_small_caught_on_device():
     with pytest.raises(RuntimeError, match="max_q_len"):
         fn(qkv, "SEPARATE_Q_K_V", WS, torch.tensor([4, 5], dtype=torch.int32), 2, 5, 0.3, 1.0,
            2, _cum([3, 2]), _cum([4, 5]))
+
+
+# ---- save_softmax_stats and skip-softmax ---------------------------------------------------
+
+def oracle_stats(qs, ks, *, sm_scale, causal=True, soft_cap=0.0, window_left=-1):
+    """float64 (row max m, natural LSE) [T, Hq] of the final logits, per request densely."""
+    mxs, lses = [], []
+    for q, k in zip(qs, ks):
+        q, k = q.double(), k.double()
+        vis = visibility(q.shape[0], k.shape[0], causal=causal, window_left=window_left)
+        group = q.shape[1] // k.shape[1]
+        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * sm_scale
+        if soft_cap > 0:
+            s = soft_cap * torch.tanh(s / soft_cap)
+        s = s.masked_fill(~vis[None], float("-inf"))
+        if s.shape[-1] == 0:  # no keys
+            s = torch.full((*s.shape[:2], 1), float("-inf"), dtype=torch.float64)
+        mxs.append(s.amax(-1).T)
+        lses.append(torch.logsumexp(s, -1).T)
+    return torch.cat(mxs), torch.cat(lses)
+
+
+def check_stats(stats, qs, ks, *, bmm1_scale, soft_cap=0.0, causal=True, rtol=1e-5,
+                atol=1e-5):
+    """stats float32 [T, Hq, 2] in FlashInfer's Hopper encoding (trtllm_fmha_v2_prefill's
+    docstring) against oracle_stats: the stored max, and the LSE rebuilt as FlashInfer's own
+    test rebuilds it."""
+    d = qs[0].shape[-1]
+    mx, lse = oracle_stats(qs, ks, sm_scale=bmm1_scale, causal=causal, soft_cap=soft_cap)
+    assert stats.dtype == torch.float32 and stats.shape == (*mx.shape, 2)
+    assert not torch.isnan(stats).any()
+    div = d ** 0.5 * (1.0 if soft_cap > 0 else bmm1_scale)
+    torch.testing.assert_close(stats[..., 0].double(), mx / div, rtol=rtol, atol=atol)
+    rebuilt = stats[..., 0].double() * div + torch.log(stats[..., 1].double())
+    torch.testing.assert_close(rebuilt, lse, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("soft_cap", [0.0, 1.5])
+def test_save_softmax_stats(layout, soft_cap):
+    """(out, stats) on every layout, soft cap or not; out as without stats."""
+    torch.manual_seed(LAYOUTS.index(layout) + 7 * (soft_cap > 0))
+    qo, kv = (QO, QO) if layout == "PACKED_QKV" else (QO, KV)
+    hq, hkv = (4, 4) if layout == "PACKED_QKV" else (6, 2)
+    qs, ks, vs = _seqs(qo, kv, hq, hkv, 16, 16)
+    qkv, table = _build(layout, qs, ks, vs, seed=3)
+    cap = dict(logits_soft_cap_scale=soft_cap) if soft_cap else {}
+    out = torch.full((sum(qo), hq, 16), float("nan"), dtype=torch.float64)
+    got, stats = _call(qkv, layout, table, qo, kv, out=out, save_softmax_stats=True, **cap)
+    assert got is out
+    torch.testing.assert_close(got, _call(qkv, layout, table, qo, kv, **cap), rtol=0, atol=0)
+    check_stats(stats, qs, ks, bmm1_scale=0.3, soft_cap=soft_cap)
+
+
+def test_save_softmax_stats_rows_without_keys():
+    """A request with no keys: its rows' stats are (-inf, 0), FlashInfer's max + ln(sum) then
+    -inf (the LSE of an empty row), never NaN."""
+    torch.manual_seed(2)
+    qs, ks, vs = _seqs([3, 2], [0, 4], 2, 1, 8, 8)
+    qkv, _ = _build("SEPARATE_Q_K_V", qs, ks, vs)
+    out, stats = _call(qkv, "SEPARATE_Q_K_V", None, [3, 2], [0, 4], save_softmax_stats=True)
+    assert torch.equal(stats[:3, :, 0], torch.full((3, 2), float("-inf")))
+    assert torch.equal(stats[:3, :, 1], torch.zeros(3, 2))
+    assert torch.equal(out[:3], torch.zeros(3, 2, 8, dtype=out.dtype))
+    check_stats(stats[3:], qs[1:], ks[1:], bmm1_scale=0.3)
+
+
+def peaked_seqs(qo_lens, kv_lens, hq, hkv, d, tile, dtype=torch.float64, seed=0, peak=1.0):
+    """Requests whose keys of the first ``tile`` positions share a direction with every query
+    (large logits) while later keys are small noise: skip-softmax then leaves out later tiles
+    of most rows, but not all of their keys weigh nothing."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.ones(d, dtype=torch.float64)
+    qs, ks, vs = [], [], []
+    for qo, kv in zip(qo_lens, kv_lens):
+        q = torch.randn(qo, hq, d, generator=g, dtype=torch.float64) * 0.5 + peak * u
+        k = torch.randn(kv, hkv, d, generator=g, dtype=torch.float64) * 0.5
+        k[:tile] += peak * u
+        qs.append(q.to(dtype))
+        ks.append(k.to(dtype))
+        vs.append(torch.randn(kv, hkv, d, generator=g, dtype=torch.float64).to(dtype))
+    return qs, ks, vs
+
+
+def skip_oracle(qs, ks, vs, *, sm_scale, factor, tile, causal=True):
+    """float64 output of the skip-softmax rule written out row by row: key tiles of ``tile``
+    positions in ascending order; a row leaves out a tile whose max m_t has
+    exp(m_t - m) < factor / kv_len, m its running max over the tiles it kept. Also returns the
+    exact output and each row's left-out softmax mass [T, Hq]."""
+    outs, exact, masses = [], [], []
+    for q, k, v in zip(qs, ks, vs):
+        q, k, v = q.double(), k.double(), v.double()
+        qo, hq, _ = q.shape
+        kv, hkv, _ = k.shape
+        group = hq // hkv
+        vis = visibility(qo, kv, causal=causal)
+        o = torch.zeros(qo, hq, v.shape[-1], dtype=torch.float64)
+        oe = torch.zeros_like(o)
+        mass = torch.zeros(qo, hq, dtype=torch.float64)
+        for h in range(hq):
+            s = (q[:, h] @ k[:, h // group].T) * sm_scale
+            s = s.masked_fill(~vis, float("-inf"))
+            for i in range(qo):
+                if not bool(vis[i].any()):
+                    continue
+                keep = torch.zeros(kv, dtype=torch.bool)
+                run = float("-inf")
+                for t0 in range(0, kv, tile):
+                    m_t = float(s[i, t0:t0 + tile].max())
+                    if m_t > float("-inf") and m_t - run >= math.log(factor / kv):
+                        keep[t0:t0 + tile] = True
+                        run = max(run, m_t)
+                w = torch.softmax(s[i], 0)
+                mass[i, h] = w[~keep].sum()
+                oe[i, h] = w @ v[:, h // group]
+                wk = torch.softmax(s[i].masked_fill(~keep, float("-inf")), 0)
+                o[i, h] = wk @ v[:, h // group]
+        outs.append(o)
+        exact.append(oe)
+        masses.append(mass)
+    return torch.cat(outs), torch.cat(exact), torch.cat(masses)
+
+
+def check_skip(got, qs, ks, vs, *, sm_scale, factor, tile, causal=True, atol=1e-6,
+               rtol=1e-6):
+    """got against skip_oracle, and against exact attention within the left-out mass's bound
+    (|out - exact| <= 2 * mass * max|v| <= 2 * factor * max|v|), with some rows actually
+    skipping (else the case tests nothing)."""
+    ref, exact, mass = skip_oracle(qs, ks, vs, sm_scale=sm_scale, factor=factor, tile=tile,
+                                   causal=causal)
+    assert not torch.isnan(got).any()
+    assert float(mass.max()) > 1e-4, "no row left out any softmax mass"
+    assert float(mass.max()) < factor
+    vmax = max(float(v.double().abs().max()) for v in vs)
+    err = (got.double() - exact).abs().amax(-1)
+    assert bool((err <= 2 * mass * vmax + atol + rtol * exact.abs().amax(-1)).all())
+    assert float(err.max()) > 1e-4  # the approximation is in effect
+    torch.testing.assert_close(got.double(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("layout", ["SEPARATE_Q_K_V", "Q_PAGED_KV_NHD"])
+@pytest.mark.parametrize("mask_mode", ["causal", "padding"])
+def test_skip_softmax(layout, mask_mode):
+    """The CPU reference's tiles are reference.SKIP_TILE keys."""
+    from compiled_attn.ops.reference import SKIP_TILE
+
+    qo, kv = [40, 3], [200, 150]
+    qs, ks, vs = peaked_seqs(qo, kv, 4, 2, 16, SKIP_TILE, seed=len(layout) + len(mask_mode))
+    qkv, table = _build(layout, qs, ks, vs, seed=1, page=16)
+    got = _call(qkv, layout, table, qo, kv, mask_mode=mask_mode, bmm1_scale=0.25,
+                skip_softmax_threshold_scale_factor=4.0)
+    check_skip(got, qs, ks, vs, sm_scale=0.25, factor=4.0, tile=SKIP_TILE,
+               causal=mask_mode == "causal")
+
+
+def test_skip_softmax_zero_is_exact():
+    """A factor of 0 (or None) is the exact path, bit for bit."""
+    qs, ks, vs = peaked_seqs([40, 3], [200, 150], 4, 2, 16, 64, seed=4)
+    qkv, _ = _build("SEPARATE_Q_K_V", qs, ks, vs)
+    base = _call(qkv, "SEPARATE_Q_K_V", None, [40, 3], [200, 150])
+    for f in (0, 0.0, None):
+        got = _call(qkv, "SEPARATE_Q_K_V", None, [40, 3], [200, 150],
+                    skip_softmax_threshold_scale_factor=f)
+        assert torch.equal(got, base)
+    skipped = _call(qkv, "SEPARATE_Q_K_V", None, [40, 3], [200, 150],
+                    skip_softmax_threshold_scale_factor=4.0)
+    assert not torch.equal(skipped, base)

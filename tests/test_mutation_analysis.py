@@ -91,11 +91,12 @@ def _single():
     K.launch_single(q, k, v, None, None, None, **_params())
 
 
-def _ragged_launch(split):
+def _ragged_launch(split, **options):
     q, k, v, qo = _ragged()
     work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
     merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
-    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params())
+    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params(),
+                    **options)
 
 
 def _paged_launch(page=4, d=64, block_m=64):
@@ -116,6 +117,9 @@ CASES = {
     "single persistent": (_single, {"_tma_hardware": lambda device: True}),
     "ragged": (lambda: _ragged_launch(False), {}),
     "ragged split + merge": (lambda: _ragged_launch(True), {}),
+    # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
+    "ragged split + merge, row max, skip": (
+        lambda: _ragged_launch(True, row_max=True, skip_softmax=2.0), {}),
     "paged page 4": (_paged_launch, {}),
     # the H100's page-1 tile: 128 rows, D 128, pointer gathers
     "paged page 1 D128": (lambda: _paged_launch(1, 128, 128), {}),
@@ -149,5 +153,49 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert written and written <= WRITABLE & tensors, (fn.fn.__name__, sorted(written))
     if case == "single persistent":
         assert launches[0][2]["TMA"] == 3 and "counter_ptr" in written
-    if case == "ragged split + merge":
+    if case.startswith("ragged split + merge"):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
+
+
+def _compile_sm90(fn, args, kw):
+    """Compile a recorded launch for sm_90 through ptxas (no GPU needed): the signature from
+    the recorded arguments' types, constexprs and launch options as given."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kwargs = dict(zip(fn.arg_names, args), **kw)
+    types = {F16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
+    sig, consts = {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        a = kwargs[name]
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            consts[(i,)] = a
+        elif isinstance(a, torch.Tensor):
+            sig[name] = types[a.dtype]
+        else:
+            sig[name] = "fp32" if isinstance(a, float) else "i32"
+    opts = {k: v for k, v in kw.items() if k not in fn.arg_names}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+@pytest.mark.parametrize("case", ["ragged split", "ragged D128 128-row", "paged page 16"])
+def test_row_max_and_skip_compile_for_sm90(case, launches):
+    """The STATS / SKIP branches (a runtime branch around P.V inside the pipelined key loop)
+    compile through ptxas for sm_90 (pointer loads: the launchers see CPU tensors), and the
+    merge with STATS too."""
+    opts = dict(row_max=True, skip_softmax=2.0)
+    if case == "ragged split":
+        _ragged_launch(True, **opts)
+    elif case == "ragged D128 128-row":
+        q, k, v, qo = _ragged(d=128)
+        K.launch_ragged(q, k, v, qo, qo, torch.zeros(6, 2, dtype=torch.int32), None, None, None,
+                        None, 128, None, **_params(d=128), **opts)
+    else:
+        K.launch_paged(*_paged(d=128, page=16), torch.zeros(6, 2, dtype=torch.int32), None,
+                       None, None, None, 64, **_params(d=128), **opts)
+    assert launches and launches[0][2]["SKIP"] and launches[0][2]["STATS"]
+    for fn, args, kw in launches:
+        assert "ld.global" in _compile_sm90(fn, args, kw).asm["ptx"]

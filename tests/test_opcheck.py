@@ -77,8 +77,9 @@ def ragged_args(variant: str, qo_lens=(3, 5, 0), kv_lens=(6, 5, 2)):
     elif variant == "sinks_chunk":
         sinks = torch.randn(hq)
         tail = _tail(MASK_NONE, chunk=2, v_scale=0.5)
+    extra = (None, True, 2.0) if variant == "stats_skip" else ()  # merge, row_max, skip
     return (q, k, v, indptr(qo_lens), indptr(kv_lens), work, packed, mind, slopes, sinks,
-            bm) + tail
+            bm) + tail + extra
 
 
 def paged_args(variant: str, qo_lens=(4, 2), kv_lens=(9, 5), page=4):
@@ -98,8 +99,9 @@ def paged_args(variant: str, qo_lens=(4, 2), kv_lens=(9, 5), page=4):
         tail = _tail(MASK_CUSTOM)
     elif variant == "rope":
         tail = _tail(MASK_CAUSAL, pos=POS_ROPE_LLAMA, window=3)
+    extra = (None, True, 2.0) if variant == "stats_skip" else ()  # merge, row_max, skip
     return (q, kc, vc, indptr(qo_lens), indptr(npages), idx, last, work, packed, mind, None,
-            None, bm) + tail
+            None, bm) + tail + extra
 
 
 def pod_args(variant: str, qo_p=(5,), kv_p=(8,), n_dec=3):
@@ -126,8 +128,9 @@ CASES = (
     [("single_prefill", single_args, v)
      for v in ("plain", "custom_mask", "alibi_window", "rope_gqa", "sinks_cap")]
     + [("batch_ragged_prefill", ragged_args, v)
-       for v in ("plain", "custom_mask", "alibi", "sinks_chunk")]
-    + [("batch_paged_prefill", paged_args, v) for v in ("plain", "custom_mask", "rope", "gqa7")]
+       for v in ("plain", "custom_mask", "alibi", "sinks_chunk", "stats_skip")]
+    + [("batch_paged_prefill", paged_args, v)
+       for v in ("plain", "custom_mask", "rope", "gqa7", "stats_skip")]
     + [("pod_prefill_decode", pod_args, v) for v in ("plain", "alibi_mask")]
 )
 IDS = [f"{c[0]}-{c[2]}" for c in CASES]
@@ -137,7 +140,8 @@ IDS = [f"{c[0]}-{c[2]}" for c in CASES]
 # first variant of each op and on the masked ragged/paged variants; the other three utilities run
 # on every variant.
 _DYNAMIC = {"single_prefill-plain", "batch_ragged_prefill-plain", "batch_ragged_prefill-custom_mask",
-            "batch_paged_prefill-plain", "pod_prefill_decode-alibi_mask"}
+            "batch_paged_prefill-plain", "pod_prefill_decode-alibi_mask",
+            "batch_paged_prefill-stats_skip"}
 OPCHECK_PARAMS = [pytest.param(c, u, id=f"{i}-{u}") for c, i in zip(CASES, IDS)
                   for u in DEFAULT_UTILS if u != "test_aot_dispatch_dynamic" or i in _DYNAMIC]
 
