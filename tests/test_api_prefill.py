@@ -1,5 +1,5 @@
 """Public prefill API (single prefill, paged and ragged batch wrappers) on CPU against the
-dense float64 oracle of tests/test_reference.py (a per-request, per-head loop with
+dense float64 oracle of tests/helpers.py (a per-request, per-head loop with
 torch.softmax, never ops.reference). Outputs are poisoned with NaN before runs that write into
 caller buffers; NaN never passes (assert_close with equal_nan=False)."""
 
@@ -12,87 +12,7 @@ import torch
 
 import compiled_attn as fi
 
-from .test_reference import dense_request, oracle_batch
-
-D64 = torch.float64
-TOL = dict(atol=1e-10, rtol=1e-10)
-WS = torch.empty(16, dtype=torch.uint8)
-
-
-# --------------------------------------------------------------------------------------------
-# the oracle
-# --------------------------------------------------------------------------------------------
-def slopes(h: int) -> torch.Tensor:
-    n = 2 ** int(math.floor(math.log2(h)))
-    s = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-    s += [2.0 ** (-4.0 / n * (2 * i + 1)) for i in range(h - n)]
-    return torch.tensor(s, dtype=D64)
-
-
-def dense(q, k, v, *, causal=False, mask=None, window_left=-1, sm_scale=None, soft_cap=0.0,
-          alibi=False, rope=False, rope_scale=1.0, rope_theta=1e4, sinks=None, v_scale=1.0):
-    """One request through the float64 oracle (tests/test_reference.py dense_request), with the
-    API's argument names. q [qo, Hq, D], k [kv, Hkv, D], v [kv, Hkv, Dv]. mask: bool [qo, kv]
-    (or flat). Returns out [qo, Hq, Dv] and base-2 lse [qo, Hq]."""
-    qo, hq, d = q.shape
-    return dense_request(
-        q, k, v, sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, causal=causal,
-        window_left=window_left, mask=None if mask is None else mask.reshape(qo, k.shape[0]),
-        soft_cap=soft_cap, alibi_slopes=slopes(hq) if alibi else None,
-        rope=(rope_scale, rope_theta) if rope else None, sinks=sinks, v_scale=v_scale)
-
-
-def dense_batch(q, qo_lens, ks, vs, masks=None, **kw):
-    """Concatenate dense() over requests: ks / vs are per-request K/V lists."""
-    return oracle_batch(q, ks, vs, qo_lens, masks=masks, one=dense, **kw)
-
-
-def check(out, lse, ref_out, ref_lse, tol=TOL):
-    torch.testing.assert_close(out.to(D64), ref_out, equal_nan=False, **tol)
-    if lse is not None:
-        torch.testing.assert_close(lse.to(D64), ref_lse, equal_nan=False,
-                                   **({"atol": 1e-5, "rtol": 1e-6} if lse.dtype == torch.float32
-                                      else tol))
-
-
-def indptr(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
-
-
-def make_paged(kv_lens, hkv, dqk, dvo, page, *, layout="NHD", fmt="5d", dtype=D64, seed=0,
-               spare_pages=3):
-    """Random per-request K/V, written into a shuffled paged cache. Returns (cache, indptr,
-    indices, last_page_len, ks, vs) with ks/vs the dense per-request tensors (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    npages = [(n + page - 1) // page for n in kv_lens]
-    total = sum(npages) + spare_pages
-    perm = torch.randperm(total, generator=g)[:sum(npages)].to(torch.int32)
-    dmax = max(dqk, dvo)
-    kc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dqk].clone()
-    vc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dvo].clone()
-    ks, vs, p0 = [], [], 0
-    for n, np_ in zip(kv_lens, npages):
-        pages = perm[p0:p0 + np_].long()
-        ks.append(kc[pages].reshape(-1, hkv, dqk)[:n])
-        vs.append(vc[pages].reshape(-1, hkv, dvo)[:n])
-        p0 += np_
-    last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv_lens], dtype=torch.int32)
-    kc, vc = kc.to(dtype), vc.to(dtype)
-    ks = [x.to(dtype).to(D64) for x in ks]
-    vs = [x.to(dtype).to(D64) for x in vs]
-    if layout == "HND":
-        kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-    if fmt == "5d":
-        assert dqk == dvo
-        cache = torch.stack([kc, vc], dim=1)
-    else:
-        cache = (kc, vc)
-    return cache, indptr(npages), perm, last, ks, vs
-
-
-def rand(*shape, seed=0, dtype=D64):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
+from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, rand
 
 # --------------------------------------------------------------------------------------------
 # single prefill

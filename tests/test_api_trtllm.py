@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import alibi_slopes_spec, dense_request, shuffled_block_table
+from tests.helpers import alibi_slopes_spec, dense_request, shuffled_block_table
 
 fn = compiled_attn.trtllm_fmha_v2_prefill
 WS = torch.empty(16, dtype=torch.uint8)

@@ -30,7 +30,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import GptFast, assert_close_rel, hf_model, inputs
+from .helpers import GptFast, assert_close_rel, hf_model, inputs
 
 # Runs [(package, args), ...] in one process; an exception in one package is returned as its
 # text in that package's slot, so that the others still run.

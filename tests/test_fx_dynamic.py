@@ -18,7 +18,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import assert_close_rel, check_counters, hf_model
+from .helpers import assert_close_rel, check_counters, hf_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import Logits, assert_close_rel, hf_model, inputs
+from .helpers import assert_close_rel, hf_model, inputs
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 # Set up the GPU machine for the benchmarks. Source it from the repository root:
-#     source benchmarks/gpu_setup.sh
+#     source dev/gpu_setup.sh
 # - installs the wheels in .whl/ (FlashInfer 0.7.2.post1 + apache-tvm-ffi, downloaded on the CPU
 #   machine and carried along: the GPU machine has no network) into $CA_SITE (default /tmp/site)
 #   and puts that folder on PYTHONPATH;
