@@ -267,6 +267,10 @@ def _progress(what: str) -> None:
 DEMO_EXTRA = "pip install 'compiled_attn[demo]'  (transformers)"
 
 
+def _has_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m compiled_attn",
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
     ok = paged_prefill_check()
     rc = 0 if ok else 1
     if not args.quick:
-        if importlib.util.find_spec("transformers") is None:
+        if not _has_transformers():
             print(f"[2] tiny Llama: skipped, transformers is not installed; {DEMO_EXTRA}, "
                   "or run with --quick for section 1 alone")
             rc = rc or 2
