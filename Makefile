@@ -8,8 +8,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.compiled_attn-installed
-# pytest-xdist workers for make test (auto: one per CPU)
+# pytest-xdist workers for make test (auto: one per CPU). loadgroup keeps the tests that share a
+# module's built packages (xdist_group) on one worker.
 WORKERS ?= auto
+XDIST  := -n $(WORKERS) --dist loadgroup
+# One Inductor compile thread per test process: with a pool, every xdist worker (and every
+# subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
+# C++ kernels compile sooner than that pool starts.
+TEST_ENV := TORCHINDUCTOR_COMPILE_THREADS=1
 # pip prints errors only; the set-up's own lines say what it is doing
 PIP    := $(PY) -m pip install -qq
 
@@ -40,9 +46,9 @@ test:
 	@start=$$(date +%s); \
 	$(MAKE) --no-print-directory setup || exit $$?; \
 	echo "test: the CPU suite in parallel workers (-n $(WORKERS))"; \
-	$(PY) -m pytest -q -n $(WORKERS) --durations=15 tests --ignore=tests/interpret; rc=$$?; \
+	$(TEST_ENV) $(PY) -m pytest -q $(XDIST) --durations=15 tests --ignore=tests/interpret; rc=$$?; \
 	echo "test: the kernels under the Triton interpreter (TRITON_INTERPRET=1)"; \
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n $(WORKERS) tests/interpret || rc=$$?; \
+	$(TEST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) tests/interpret || rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start )) s in all, set-up included"; exit $$rc
 
 # On the GPU machine (torch and triton preinstalled; no network): pytest-xdist's wheels are
@@ -52,7 +58,7 @@ test:
 # gpu_solo tests, which need most of the GPU's memory, alone.
 test-gpu:
 	@python3 -c "import xdist" 2>/dev/null || { echo "test-gpu: needs pytest-xdist (pip install pytest-xdist, or its wheels in .whl/ and source dev/gpu_setup.sh)"; exit 2; }
-	python3 -m pytest -q -n 8 -m "gpu and not gpu_solo" tests
+	python3 -m pytest -q -n 8 --dist loadgroup -m "gpu and not gpu_solo" tests
 	python3 -m pytest -q -m "gpu and gpu_solo" tests
 
 clean:

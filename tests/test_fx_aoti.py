@@ -160,6 +160,7 @@ def hf_aoti_results(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("hf_aoti")  # one worker builds the module's packages (--dist loadgroup)
 @pytest.mark.parametrize("case", HF_AOTI_CASES, ids=_aoti_id)
 def test_aoti_hf(case, hf_aoti_results):
     _, _, padding, kinds = case
@@ -173,6 +174,7 @@ def test_aoti_hf(case, hf_aoti_results):
     assert_close_rel(out, ref, am.bool() if am is not None else None)
 
 
+@pytest.mark.slow
 def test_aoti_padding_mask_site(tmp_path):
     """One SDPA site whose bool padding mask is built in the graph (Sq*Skv = 121 bits, not a
     whole number of bytes): rewritten to a custom mask, AOTInductor package run in process vs
@@ -201,6 +203,7 @@ def test_aoti_padding_mask_site(tmp_path):
     assert_close_rel(out, ref)
 
 
+@pytest.mark.slow
 def test_aoti_dynamic_seq_custom_mask(tmp_path):
     """A bool-masked SDPA site exported with a dynamic sequence length, packaged once and run
     at lengths below and above the example's. The in-graph bit packing once padded with
@@ -236,6 +239,7 @@ def test_aoti_dynamic_seq_custom_mask(tmp_path):
 # AOTInductor's CPU build of the op's reference. Earlier sessions held this to be a torch bug
 # (batch 1 "wrong"): the test indexed the package's single output with [0] and compared batch 0
 # against both batches by broadcasting. assert_close_rel now requires equal shapes.
+@pytest.mark.slow
 def test_aoti_reference_op_small_batch2(tmp_path):
     from compiled_attn.ops import MASK_NONE
 

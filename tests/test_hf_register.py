@@ -71,6 +71,7 @@ def test_hf_attn_implementation_torch_compile(padding):
     assert_close_rel(out, ref, rows)
 
 
+@pytest.mark.slow
 def test_hf_attention_sinks_gpt_oss():
     """GPT-OSS passes its attention sinks as s_aux (one logit per query head in each row's
     softmax denominator): they reach the op's sinks (they were dropped, 0.28 off at logits of
