@@ -696,3 +696,15 @@ def test_cases_filter_keeps_whole_timing_groups(capsys):
     assert names == [["B32", "S4096", "ragged"], ["B32", "S4096", "page16"],
                      ["B32", "S4096", "page1"], ["zipf", "mean1024", "ragged"],
                      ["fixed", "1024", "(="]], names
+
+
+@pytest.mark.parametrize("name", ["dev_ab", "dev_kernel", "dev_launch_cost", "paged_tma_probe",
+                                  "ws_probe", "split_kv_check", "kv_paths", "merge",
+                                  "gpu_memcheck"])
+def test_dev_tools_import(name):
+    """The developer tools import from the repository root as python -m dev.NAME would (their
+    imports of benchmarks/ and tests/ resolve); gpu_aoti_probe runs at import, on CUDA only."""
+    import importlib
+
+    mod = importlib.import_module(f"dev.{name}")
+    assert mod.__doc__

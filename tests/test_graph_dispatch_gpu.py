@@ -161,7 +161,7 @@ def test_rewrite_runs_gluon(gluon_launches, mode):
 
 def test_aoti_package_inlines_triton():
     """AOTInductor (built here; loading packages crashes on this machine's torch, see
-    tests/gpu_aoti_probe.py): the same module's package launches the Triton kernel and holds
+    dev/gpu_aoti_probe.py): the same module's package launches the Triton kernel and holds
     no call of our op, though torch.compile keeps that call opaque."""
     import zipfile
 
