@@ -8,10 +8,10 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.compiled_attn-installed
-# pytest-xdist workers for make test (auto: one per CPU). loadgroup keeps the tests that share a
-# module's built packages (xdist_group) on one worker.
+# pytest-xdist workers for make test (auto: one per CPU). loadfile: a test module runs on one
+# worker, so its module-scoped fixtures (built models and AOTInductor packages) are built once.
 WORKERS ?= auto
-XDIST  := -n $(WORKERS) --dist loadgroup
+XDIST  := -n $(WORKERS) --dist loadfile
 # One Inductor compile thread per test process: with a pool, every xdist worker (and every
 # subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
 # C++ kernels compile sooner than that pool starts.
@@ -58,7 +58,7 @@ test:
 # gpu_solo tests, which need most of the GPU's memory, alone.
 test-gpu:
 	@python3 -c "import xdist" 2>/dev/null || { echo "test-gpu: needs pytest-xdist (pip install pytest-xdist, or its wheels in .whl/ and source dev/gpu_setup.sh)"; exit 2; }
-	python3 -m pytest -q -n 8 --dist loadgroup -m "gpu and not gpu_solo" tests
+	python3 -m pytest -q -n 8 -m "gpu and not gpu_solo" tests
 	python3 -m pytest -q -m "gpu and gpu_solo" tests
 
 clean:

@@ -160,7 +160,6 @@ def hf_aoti_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("hf_aoti")  # one worker builds the module's packages (--dist loadgroup)
 @pytest.mark.parametrize("case", HF_AOTI_CASES, ids=_aoti_id)
 def test_aoti_hf(case, hf_aoti_results):
     _, _, padding, kinds = case
