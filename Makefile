@@ -8,10 +8,13 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.compiled_attn-installed
-# pytest-xdist workers for make test (auto: one per CPU). loadfile: a test module runs on one
-# worker, so its module-scoped fixtures (built models and AOTInductor packages) are built once.
+# pytest-xdist workers for make test (auto: one per CPU). worksteal: each worker starts on a
+# contiguous half of the tests (so a module's tests, and its module-scoped fixtures such as
+# built AOTInductor packages, stay on one worker) and an idle worker takes from the other's tail.
+# ('load' deals tests round-robin and builds such fixtures on every worker; 'loadfile' leaves
+# the longest module finishing alone; pytest 9.2 ignores xdist's loadgroup.)
 WORKERS ?= auto
-XDIST  := -n $(WORKERS) --dist loadfile
+XDIST  := -n $(WORKERS) --dist worksteal
 # One Inductor compile thread per test process: with a pool, every xdist worker (and every
 # subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
 # C++ kernels compile sooner than that pool starts.
@@ -38,13 +41,13 @@ $(STAMP): pyproject.toml
 
 demo:
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory setup || exit $$?; \
+	$(MAKE) -s --no-print-directory setup || exit $$?; \
 	$(PY) -m compiled_attn; rc=$$?; \
 	echo "make demo: $$(( $$(date +%s) - start )) s in all, set-up included"; exit $$rc
 
 test:
 	@start=$$(date +%s); \
-	$(MAKE) --no-print-directory setup || exit $$?; \
+	$(MAKE) -s --no-print-directory setup || exit $$?; \
 	echo "test: the CPU suite in parallel workers (-n $(WORKERS))"; \
 	$(TEST_ENV) $(PY) -m pytest -q $(XDIST) --durations=15 tests --ignore=tests/interpret; rc=$$?; \
 	echo "test: the kernels under the Triton interpreter (TRITON_INTERPRET=1)"; \

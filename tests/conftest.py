@@ -5,9 +5,10 @@
   finishing alone.
 - A one-line legend under the summary says what the skipped and deselected counts are (the
   tiers that run elsewhere), so that neither reads as a problem.
-- A last garbage collection before the interpreter exits: Triton's code generator and its IR
-  builder reference each other, and a cycle still uncollected at exit outlives Triton's
-  nanobind module, whose leak check then prints a page of "leaked instance" lines."""
+- A last garbage collection before the interpreter exits, so that no reference cycle holding
+  Triton IR objects (its code generator and builder reference each other) is left for the
+  interpreter's teardown, after which Triton's nanobind module prints a page of "leaked
+  instance" lines at exit."""
 
 from __future__ import annotations
 
