@@ -26,19 +26,23 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     stats = terminalreporter.stats
+    # Under pytest-xdist the workers deselect, and the count does not reach this summary.
     deselected = len(stats.get("deselected", []))
+    gpu_out = "not gpu" in (config.getoption("markexpr", "") or "")
     skipped = [r for r in stats.get("skipped", []) if getattr(r, "when", "") in ("setup", "call")]
-    if not deselected and not skipped:
-        return
     parts = []
-    if deselected:
-        parts.append(f"{deselected} deselected = outside this run's -m / -k selection (by "
-                     "default the GPU tier, @pytest.mark.gpu: make test-gpu on a CUDA machine)")
+    if gpu_out:
+        parts.append("the GPU tier (@pytest.mark.gpu) is deselected"
+                     + (f" ({deselected} tests)" if deselected else "")
+                     + ": make test-gpu runs it on a CUDA machine")
+    elif deselected:
+        parts.append(f"{deselected} deselected by this run's -m / -k selection")
     if skipped:
         reasons = Counter(_reason(r) for r in skipped)
-        parts.append(f"{len(skipped)} skipped = " + "; ".join(
+        parts.append(f"{len(skipped)} skipped: " + "; ".join(
             f"{n} {why}" for why, n in reasons.most_common()))
-    terminalreporter.write_line("legend: " + ", ".join(parts))
+    if parts:
+        terminalreporter.write_line("legend: " + ", ".join(parts))
 
 
 def _reason(report) -> str:
