@@ -1,10 +1,26 @@
-# make demo: set up .venv if missing, then run the main job.
-# make test: set up .venv if missing, then run the CPU test suite (reference, API, ops, kernels
-#            under the Triton interpreter, FX rewrites, packaging).
+# make demo: set up .venv if missing, then run the demo (python -m compiled_attn; ~2 minutes on
+#            2 CPUs, plus ~2.5 minutes of set-up the first time).
+# make test: set up .venv if missing, then run the CPU test suite (reference, API, ops, FX
+#            rewrites, packaging, benchmarks harness) in parallel workers, then the kernels under
+#            the Triton interpreter. Each target prints its total time, set-up included.
+# make test-gpu: the GPU tier, on a CUDA machine (see the target).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.compiled_attn-installed
+# pytest-xdist workers for make test (auto: one per CPU). worksteal: each worker starts on a
+# contiguous half of the tests (so a module's tests, and its module-scoped fixtures such as
+# built AOTInductor packages, stay on one worker) and an idle worker takes from the other's tail.
+# ('load' deals tests round-robin and builds such fixtures on every worker; 'loadfile' leaves
+# the longest module finishing alone; pytest 9.2 ignores xdist's loadgroup.)
+WORKERS ?= auto
+XDIST  := -n $(WORKERS) --dist worksteal
+# One Inductor compile thread per test process: with a pool, every xdist worker (and every
+# subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
+# C++ kernels compile sooner than that pool starts.
+TEST_ENV := TORCHINDUCTOR_COMPILE_THREADS=1
+# pip prints errors only; the set-up's own lines say what it is doing
+PIP    := $(PY) -m pip install -qq
 
 .PHONY: demo test test-gpu setup clean
 
@@ -13,24 +29,40 @@ setup: $(STAMP)
 # torch is pinned to 2.13.0 here: that is the CPU build on this machine's local disk; a looser
 # pin would download a multi-GB CUDA build.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q setuptools wheel
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,bench]'
-	touch $(STAMP)
+	@echo "setup: creating $(VENV) (first run only: about 2.5 minutes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup: installing torch 2.13.0 (CPU build)"
+	@$(PIP) torch==2.13.0
+	@$(PIP) setuptools wheel
+	@echo "setup: installing compiled_attn (editable) with its test, bench and demo extras"
+	@$(PIP) --no-build-isolation -e '.[test,bench,demo]'
+	@touch $(STAMP)
+	@echo "setup: done"
 
-demo: $(STAMP)
-	$(PY) -m compiled_attn
+demo:
+	@start=$$(date +%s); \
+	$(MAKE) -s --no-print-directory setup || exit $$?; \
+	$(PY) -m compiled_attn; rc=$$?; \
+	echo "make demo: $$(( $$(date +%s) - start )) s in all, set-up included"; exit $$rc
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/interpret
+test:
+	@start=$$(date +%s); \
+	$(MAKE) -s --no-print-directory setup || exit $$?; \
+	echo "test: the CPU suite in parallel workers (-n $(WORKERS))"; \
+	$(TEST_ENV) $(PY) -m pytest -q $(XDIST) --durations=15 tests --ignore=tests/interpret; rc=$$?; \
+	echo "test: the kernels under the Triton interpreter (TRITON_INTERPRET=1)"; \
+	$(TEST_ENV) TRITON_INTERPRET=1 $(PY) -m pytest -q $(XDIST) tests/interpret || rc=$$?; \
+	echo "make test: $$(( $$(date +%s) - start )) s in all, set-up included"; exit $$rc
 
-# On the GPU machine (torch and triton preinstalled there): pip install --no-deps
-# --no-build-isolation -e . first. The GPU tier runs as 8 pytest processes at once (most of it
-# is compiling kernels on the CPUs): tests/gpu_tier.py, logs under $OUT or here.
+# On the GPU machine (torch and triton preinstalled; no network): pytest-xdist's wheels are
+# carried in .whl/ (docs/benchmarks.md) and `source dev/gpu_setup.sh` installs them with the
+# project. The GPU tier runs in 8 workers at once (most of its time is Triton and Gluon
+# compiling kernels on the CPUs; each worker is its own CUDA context on the one GPU), then the
+# gpu_solo tests, which need most of the GPU's memory, alone.
 test-gpu:
-	python3 tests/gpu_tier.py --shards 8 tests
+	@python3 -c "import xdist" 2>/dev/null || { echo "test-gpu: needs pytest-xdist (pip install pytest-xdist, or its wheels in .whl/ and source dev/gpu_setup.sh)"; exit 2; }
+	python3 -m pytest -q -n 8 -m "gpu and not gpu_solo" tests
+	python3 -m pytest -q -m "gpu and gpu_solo" tests
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

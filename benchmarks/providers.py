@@ -579,3 +579,13 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
                     vals = [st[key] for st in sl.states if st.get(key) is not None]
                     t.state[key] = round(_median(vals)) if vals else None
     return out
+
+
+def time_ms(fn: Callable[[], Any], warmup_ms: float = 100.0, rep_ms: float = 400.0,
+            cuda: bool = True) -> float:
+    """Median milliseconds per call of one callable through bench (one round): the developer
+    probes' timing, so every figure in the project comes from the same harness."""
+    t = bench([([fn], contextlib.nullcontext)], warmup_ms, rep_ms, cuda, rounds=1)[0]
+    if t.error is not None:
+        raise t.error
+    return t.median_ms

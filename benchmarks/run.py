@@ -1,5 +1,5 @@
-"""python -m benchmarks.run --suite fa3|flashinfer|paged|gqa|varlen|all [--quick] [--out PATH]
-[--providers a,b,...] [--no-flashinfer] [--cases REGEX] [--precise]
+"""python -m benchmarks.run --suite fa3|flashinfer|paged|gqa|varlen|all|smoke [--quick]
+[--out PATH] [--providers a,b,...] [--no-flashinfer] [--cases REGEX] [--precise]
 
 Times compiled_attn's ops and the peers in this one process on the same inputs (docs/benchmarks.md).
 Per case: make the inputs (rotated copies when they would fit in L2), compute the reference (SDPA),
@@ -10,6 +10,9 @@ the same lengths, a varlen batch and its fixed-length companion) is timed interl
 per-call CUDA-event timings, taken in rounds over all of them, each slice after settling calls of
 its own. The results file is rewritten after every group, so a run cut short keeps what it
 measured; rows of suites not run now are kept from the existing file (--fresh drops them).
+
+The results file is named after the device (benchmarks/results/h100.json on an H100, cpu.json
+on the CPU). Without --out a run will not write into a file that another device's run wrote.
 """
 
 from __future__ import annotations
@@ -21,28 +24,63 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from . import results
 from .cases import SUITES, cases_for
 from .flops import tflops
 
 L2_BYTES = 50 * 1024 * 1024
-DEFAULT_OUT = "benchmarks/results/h100.json"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+VENDOR_WORDS = {"nvidia", "geforce", "tesla", "amd", "radeon", "instinct"}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def device_slug(name: str) -> str:
+    """The results file's stem for a device name: 'NVIDIA H100 80GB HBM3' -> 'h100',
+    'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090', 'cpu' -> 'cpu'
+    (the first word with a digit, after the vendor's words)."""
+    words = [w for w in re.split(r"[\s_-]+", name.lower()) if w and w not in VENDOR_WORDS]
+    for i, w in enumerate(words):
+        if any(ch.isdigit() for ch in w):
+            return (words[i - 1] + w) if w.isdigit() and i > 0 else w
+    return "-".join(words) or "device"
+
+
+def results_path(out: str | None, gpu: str) -> tuple[Path | None, str | None]:
+    """(path, None) where this run may write, or (None, why) when the default file for this
+    device holds another device's rows: only an explicit --out replaces or extends those."""
+    if out is not None:
+        return Path(out), None
+    path = RESULTS_DIR / f"{device_slug(gpu)}.json"
+    if path.exists():
+        try:
+            theirs = results.load(path)["gpu"]
+        except Exception as e:  # noqa: BLE001  (a file we cannot read is not ours to replace)
+            theirs = f"unreadable ({_err(e)})"
+        if theirs != gpu:
+            return None, (f"{path} holds results from {theirs}, and this run is on {gpu}: pass "
+                          f"--out PATH (another file, or {path} itself to merge into it)")
+    return path, None
+
+
+def build_parser() -> argparse.ArgumentParser:
     from .providers import ALL_PROVIDERS, DEFAULT_PROVIDERS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="all",
-                   help=f"comma-separated of {', '.join(SUITES)}, or all (default all)")
+                   help=f"comma-separated of {', '.join(SUITES)}; all (those five, the default); "
+                        "or smoke (tiny cases that also run on --device cpu, for the tests)")
     p.add_argument("--quick", action="store_true", help="reduced grid (a couple of minutes)")
     p.add_argument("--cases", default=None, metavar="REGEX",
                    help="only the cases whose name matches (re.search, e.g. 'D128 S(4096|8192)'), "
                         "with the rest of their timing groups (a paged case's ragged twin, a "
                         "varlen case's fixed-length companion); the results file keeps the "
                         "suite's other cases from its earlier run")
-    p.add_argument("--out", default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None,
+                   help="results JSON (default benchmarks/results/<device>.json, e.g. h100.json; "
+                        "a run refuses a default file written on another device or the CPU "
+                        "unless --out names it)")
     p.add_argument("--fresh", action="store_true",
                    help="drop the existing file's rows of other suites instead of keeping them")
     p.add_argument("--providers", default=",".join(DEFAULT_PROVIDERS),
@@ -60,7 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "possibly slower kernels); default static shapes")
     p.add_argument("--warmup-ms", type=float, default=100.0,
                    help="untimed settling calls before each timed slice (default 100)")
-    p.add_argument("--rep-ms", type=float, default=300.0)
+    p.add_argument("--rep-ms", type=float, default=300.0,
+                   help="timed calls per provider and case, in ms of calls, spread over the "
+                        "rounds (at least 20 calls; default 300)")
     p.add_argument("--rounds", type=int, default=3,
                    help="timing rounds: each times a slice of every provider's calls of a case "
                         "group, interleaved, after --warmup-ms of settling calls (default 3; "
@@ -73,11 +113,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=2e-2,
                    help="max relative error (Frobenius) against the reference before a "
                         "provider is recorded as failed and not timed (default 2e-2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                   help="dtype of q, k, v and the output (default bfloat16)")
     p.add_argument("--device", default=None, help="default cuda (cpu only for --suite smoke)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random inputs; input copy c uses seed + c (default 0)")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--flex-on-cpu", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from .providers import ALL_PROVIDERS
+
+    p = build_parser()
     a = p.parse_args(argv)
 
     if a.suite == "all":
@@ -86,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.suites = [s.strip() for s in a.suite.split(",") if s.strip()]
         bad = [s for s in a.suites if s not in SUITES + ("smoke",)]
         if bad:
-            p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)} or all")
+            p.error(f"unknown suite(s) {bad}; choose from {', '.join(SUITES)}, all or smoke")
     if a.precise:
         if any(getattr(a, k) != p.get_default(k) for k in ("rounds", "warmup_ms", "rep_ms")):
             p.error("--precise sets --rounds 9 --warmup-ms 300 --rep-ms 900: pass either "
@@ -108,42 +157,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--flashinfer-dims wants 'all' or comma-separated ints, got "
                 f"{a.flashinfer_dims!r}")
     return a
-
-
-class Progress:
-    """tqdm when importable, else a plain counter line (display only; results are the same)."""
-
-    def __init__(self, total: int):
-        self.total, self.n = total, 0
-        self.tty = sys.stderr.isatty()
-        try:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="run", dynamic_ncols=True, file=sys.stderr,
-                            mininterval=0.5 if self.tty else 15.0, smoothing=0.1)
-        except ImportError:
-            self.bar = None
-
-    def step(self, desc: str):
-        self.n += 1
-        if self.bar is not None:
-            self.bar.set_postfix_str(desc[:60], refresh=False)
-            self.bar.update(1)
-        else:
-            end = "\r" if self.tty else "\n"
-            print(f"[{self.n}/{self.total}] {desc}", end=end, file=sys.stderr, flush=True)
-
-    def write(self, line: str):
-        if self.bar is not None:
-            self.bar.write(line, file=sys.stdout)
-        else:
-            if self.tty:
-                print(file=sys.stderr)
-            print(line, flush=True)
-
-    def close(self):
-        if self.bar is not None:
-            self.bar.close()
 
 
 def rel_err(out, ref) -> float:
@@ -214,7 +227,7 @@ def add_ratios(rows: list[dict]) -> None:
                 o[f"ratio_vs_{r['provider']}"] = o["tflops"] / r["tflops"]
 
 
-def run_group(cases, args, device, dtype, progress: Progress) -> list[tuple[object, list[dict]]]:
+def run_group(cases, args, device, dtype, progress: tqdm) -> list[tuple[object, list[dict]]]:
     """[(case, rows)] for cases of one timing group (Case.timing_group): every provider of every
     case set up and checked first, then all of them timed together, interleaved (providers.bench),
     so the ratios within a case and across the group (paged vs ragged, varlen vs fixed) come
@@ -235,7 +248,8 @@ def run_group(cases, args, device, dtype, progress: Progress) -> list[tuple[obje
         ref = reference(case, inps[0])
         rows = []
         for name in args.provider_list:
-            progress.step(f"{case.suite} {case.name}: {name}")
+            progress.set_postfix_str(f"{case.suite} {case.name}: {name}"[:60], refresh=False)
+            progress.update(1)
             row, runner = prepare_provider(name, case, inps, ref, args, cuda)
             row["input_copies"] = copies
             rows.append(row)
@@ -334,7 +348,10 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     env = results.environment()
     kernel_src = results.kernel_fingerprint()
-    out = Path(args.out)
+    out, refused = results_path(args.out, env["gpu"])
+    if out is None:
+        print(f"not written: {refused}", file=sys.stderr)
+        return 2
     old_rows = []
     if out.exists() and not args.fresh:
         try:
@@ -343,7 +360,9 @@ def main(argv=None) -> int:
             print(f"note: {out} unreadable ({_err(e)}); starting it afresh", file=sys.stderr)
     print(f"{env['gpu']} torch {env['torch']} triton {env['triton']}: {len(cases)} cases, "
           f"providers {', '.join(args.provider_list)} -> {out}", flush=True)
-    progress = Progress(len(cases) * len(args.provider_list))
+    progress = tqdm(total=len(cases) * len(args.provider_list), unit="run", dynamic_ncols=True,
+                    file=sys.stderr, mininterval=0.5 if sys.stderr.isatty() else 15.0,
+                    smoothing=0.1)
     new_rows: list[dict] = []
     t0 = time.perf_counter()
     try:
@@ -354,7 +373,7 @@ def main(argv=None) -> int:
                         r["run_date"] = env["date"]  # date and kernel source
                         r["kernel_src"] = kernel_src
                     new_rows += rows
-                    progress.write(summary_line(case, rows))
+                    progress.write(summary_line(case, rows), file=sys.stdout)
                 ran = None if args.cases is None else [(c.suite, c.name) for c in cases]
                 results.write(out, env, results.merge_rows(old_rows, new_rows, args.suites, ran))
     finally:

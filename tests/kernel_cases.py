@@ -6,6 +6,9 @@ size, NHD/HND, 5-D or tuple cache, shuffled pages). ``run`` calls the op under t
 the same dtype (the reference with low-precision matrix products, as eager attention computes),
 twice that plus a rounding term. NaN never passes; outputs are poisoned before each run by the
 caller passing ``poison=True``.
+
+A builder module, like tests/helpers.py (which holds the API tests' oracle and inputs): test
+modules and dev/gpu_memcheck.py import from here; no test module imports another.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import assert_lse, dense_request, shuffled_block_table
+from tests.helpers import assert_lse, dense_request, shuffled_block_table
 
 fn = compiled_attn.cudnn_batch_prefill_with_kv_cache
 WS = torch.empty(16, dtype=torch.uint8)

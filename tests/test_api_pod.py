@@ -9,8 +9,8 @@ import torch
 
 import compiled_attn as fi
 
-from .test_api_prefill import (D64, WS, check, dense, dense_batch, indptr, make_paged,
-                               poisoned_tail, rand)
+from .helpers import (D64, WS, check, dense, dense_batch, indptr, make_paged, poisoned_tail,
+                      rand)
 
 KV_D = [13, 1, 8, 0]  # decode KV lengths, an empty one included
 

@@ -1,5 +1,5 @@
 """Public prefill API (single prefill, paged and ragged batch wrappers) on CPU against the
-dense float64 oracle of tests/test_reference.py (a per-request, per-head loop with
+dense float64 oracle of tests/helpers.py (a per-request, per-head loop with
 torch.softmax, never ops.reference). Outputs are poisoned with NaN before runs that write into
 caller buffers; NaN never passes (assert_close with equal_nan=False)."""
 
@@ -13,87 +13,8 @@ import torch
 import compiled_attn as fi
 from compiled_attn.ops import contracts
 
-from .test_reference import dense_request, oracle_batch
-
-D64 = torch.float64
-TOL = dict(atol=1e-10, rtol=1e-10)
-WS = torch.empty(16, dtype=torch.uint8)
-
-
-# --------------------------------------------------------------------------------------------
-# the oracle
-# --------------------------------------------------------------------------------------------
-def slopes(h: int) -> torch.Tensor:
-    n = 2 ** int(math.floor(math.log2(h)))
-    s = [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
-    s += [2.0 ** (-4.0 / n * (2 * i + 1)) for i in range(h - n)]
-    return torch.tensor(s, dtype=D64)
-
-
-def dense(q, k, v, *, causal=False, mask=None, window_left=-1, sm_scale=None, soft_cap=0.0,
-          alibi=False, rope=False, rope_scale=1.0, rope_theta=1e4, sinks=None, v_scale=1.0):
-    """One request through the float64 oracle (tests/test_reference.py dense_request), with the
-    API's argument names. q [qo, Hq, D], k [kv, Hkv, D], v [kv, Hkv, Dv]. mask: bool [qo, kv]
-    (or flat). Returns out [qo, Hq, Dv] and base-2 lse [qo, Hq]."""
-    qo, hq, d = q.shape
-    return dense_request(
-        q, k, v, sm_scale=1.0 / math.sqrt(d) if sm_scale is None else sm_scale, causal=causal,
-        window_left=window_left, mask=None if mask is None else mask.reshape(qo, k.shape[0]),
-        soft_cap=soft_cap, alibi_slopes=slopes(hq) if alibi else None,
-        rope=(rope_scale, rope_theta) if rope else None, sinks=sinks, v_scale=v_scale)
-
-
-def dense_batch(q, qo_lens, ks, vs, masks=None, **kw):
-    """Concatenate dense() over requests: ks / vs are per-request K/V lists."""
-    return oracle_batch(q, ks, vs, qo_lens, masks=masks, one=dense, **kw)
-
-
-def check(out, lse, ref_out, ref_lse, tol=TOL):
-    torch.testing.assert_close(out.to(D64), ref_out, equal_nan=False, **tol)
-    if lse is not None:
-        torch.testing.assert_close(lse.to(D64), ref_lse, equal_nan=False,
-                                   **({"atol": 1e-5, "rtol": 1e-6} if lse.dtype == torch.float32
-                                      else tol))
-
-
-def indptr(lens):
-    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
-
-
-def make_paged(kv_lens, hkv, dqk, dvo, page, *, layout="NHD", fmt="5d", dtype=D64, seed=0,
-               spare_pages=3):
-    """Random per-request K/V, written into a shuffled paged cache. Returns (cache, indptr,
-    indices, last_page_len, ks, vs) with ks/vs the dense per-request tensors (float64)."""
-    g = torch.Generator().manual_seed(seed)
-    npages = [(n + page - 1) // page for n in kv_lens]
-    total = sum(npages) + spare_pages
-    perm = torch.randperm(total, generator=g)[:sum(npages)].to(torch.int32)
-    dmax = max(dqk, dvo)
-    kc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dqk].clone()
-    vc = torch.randn(total, page, hkv, dmax, generator=g, dtype=D64)[..., :dvo].clone()
-    ks, vs, p0 = [], [], 0
-    for n, np_ in zip(kv_lens, npages):
-        pages = perm[p0:p0 + np_].long()
-        ks.append(kc[pages].reshape(-1, hkv, dqk)[:n])
-        vs.append(vc[pages].reshape(-1, hkv, dvo)[:n])
-        p0 += np_
-    last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv_lens], dtype=torch.int32)
-    kc, vc = kc.to(dtype), vc.to(dtype)
-    ks = [x.to(dtype).to(D64) for x in ks]
-    vs = [x.to(dtype).to(D64) for x in vs]
-    if layout == "HND":
-        kc, vc = kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
-    if fmt == "5d":
-        assert dqk == dvo
-        cache = torch.stack([kc, vc], dim=1)
-    else:
-        cache = (kc, vc)
-    return cache, indptr(npages), perm, last, ks, vs
-
-
-def rand(*shape, seed=0, dtype=D64):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-
+from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, rand
+from tests.helpers import batch_invariance, check_fixed_split_plan, poisoned_tail, ragged_kv  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # single prefill
@@ -336,11 +257,6 @@ def test_paged_cuda_graph_buffers_path():
         w.plan(indptr([1, 1, 1]), big[1], big[2], big[3], hq, hkv, d, page, q_data_type=D64)
 
 
-def poisoned_tail(idx: torch.Tensor, n_pages: int) -> torch.Tensor:
-    """idx followed by entries a kernel must never read: -1, a page past the cache, int32 max
-    (a pre-allocated buffer sized for a larger batch)."""
-    tail = torch.tensor([-1, n_pages, 2 ** 31 - 1], dtype=idx.dtype)
-    return torch.cat([idx, tail])
 
 
 def test_paged_indices_buffer_longer_than_indptr():
@@ -380,13 +296,6 @@ def test_paged_indices_buffer_longer_than_indptr():
 # --------------------------------------------------------------------------------------------
 # ragged wrapper
 # --------------------------------------------------------------------------------------------
-def ragged_kv(kv_lens, hkv, dqk, dvo, seed, layout="NHD"):
-    k, v = rand(sum(kv_lens), hkv, dqk, seed=seed), rand(sum(kv_lens), hkv, dvo, seed=seed + 1)
-    ks = list(k.split(kv_lens))
-    vs = list(v.split(kv_lens))
-    if layout == "HND":
-        k, v = k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
-    return k, v, ks, vs
 
 
 @pytest.mark.parametrize("layout,hq,hkv,dqk,dvo,feature", [
@@ -688,71 +597,8 @@ def test_cuda_graph_paged_plan_on_a_cache_without_pages():
 # --------------------------------------------------------------------------------------------
 # fixed_split_size: batch invariance (FlashInfer's tests/attention/test_batch_invariant_fa2.py)
 # --------------------------------------------------------------------------------------------
-def batch_invariance(kind, *, qo_lens, kv_lens, inv, page=1, hq=4, hkv=2, d=16,
-                     fixed_split_size=None, disable_split_kv=False, causal=True, layout="NHD",
-                     pos_encoding_mode="NONE", dtype=D64, device="cpu", seed=0):
-    """FlashInfer's batch-invariance check: plan and run the batch, re-plan its first ``inv``
-    requests with the same index buffers (the paged indices' whole buffer, as serving engines
-    keep them) and run those; the shared rows' output and LSE must be equal bit for bit where
-    the kernel runs (GPU, interpreter). The CPU reference attends densely over the batch's
-    keys, so its sums round by the batch's key count: equal to rounding there.
-    Returns (wrapper after the first plan's run: its plan, out, lse, ks, vs, q) for further
-    checks (ks / vs per request, float64)."""
-    n_inv = sum(qo_lens[:inv])
-    q = rand(sum(qo_lens), hq, d, seed=seed, dtype=dtype).to(device)
-    opts = dict(causal=causal, pos_encoding_mode=pos_encoding_mode, q_data_type=dtype,
-                fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
-    qi = indptr(qo_lens).to(device)
-    if kind == "paged":
-        cache, kvi, idx, last, ks, vs = make_paged(kv_lens, hkv, d, d, page, layout=layout,
-                                                   dtype=dtype, seed=seed + 1)
-        cache, kvi, idx, last = (t.to(device) for t in (cache, kvi, idx, last))
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS.to(device), layout)
-        w.plan(qi, kvi, idx, last, hq, hkv, d, page, **opts)
-        plan = w._plan
-        out, lse = w.run(q, cache, return_lse=True)
-        w.plan(qi[:inv + 1], kvi[:inv + 1], idx, last[:inv], hq, hkv, d, page, **opts)
-        out_s, lse_s = w.run(q[:n_inv], cache, return_lse=True)
-    else:
-        k, v, ks, vs = ragged_kv(kv_lens, hkv, d, d, seed=seed + 1, layout=layout)
-        k, v = k.to(dtype).to(device), v.to(dtype).to(device)
-        ks = [x.to(dtype).to(D64) for x in ks]
-        vs = [x.to(dtype).to(D64) for x in vs]
-        kvi = indptr(kv_lens).to(device)
-        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS.to(device), layout)
-        w.plan(qi, kvi, hq, hkv, d, **opts)
-        plan = w._plan
-        out, lse = w.run(q, k, v, return_lse=True)
-        n_kv = sum(kv_lens[:inv])
-        k_s, v_s = (k[:, :n_kv], v[:, :n_kv]) if layout == "HND" else (k[:n_kv], v[:n_kv])
-        w.plan(qi[:inv + 1], kvi[:inv + 1], hq, hkv, d, **opts)
-        out_s, lse_s = w.run(q[:n_inv], k_s, v_s, return_lse=True)
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    if contracts._use_kernel(q):
-        assert torch.equal(out[:n_inv], out_s)
-        assert torch.equal(lse[:n_inv], lse_s)
-    else:  # rounding of the output dtype (float64: 1e-12)
-        tol = dict(rtol=1e-12, atol=1e-12) if out.dtype == D64 else {}
-        torch.testing.assert_close(out[:n_inv], out_s, **tol)
-        torch.testing.assert_close(lse[:n_inv], lse_s, rtol=1e-6, atol=1e-6)
-    return plan, out, lse, ks, vs, q
 
 
-def check_fixed_split_plan(plan, qo_lens, kv_lens, chunk_keys, group, causal=True):
-    """A fixed-split plan's work list: chunk columns, and each tile cut into
-    ceil(keys / chunk_keys) chunks, keys its rows' causal bound."""
-    work = plan.work.cpu()
-    assert work.shape[1] == 4
-    bm = plan.block_m
-    seen = set()
-    for b, row, c, n in work.tolist():
-        if (b, row) in seen:
-            continue
-        seen.add((b, row))
-        last_tok = min(row + bm, qo_lens[b] * group) // group
-        keys = min(kv_lens[b], kv_lens[b] - qo_lens[b] + last_tok) if causal else kv_lens[b]
-        assert n == max(1, -(-keys // chunk_keys)), (b, row, n, keys)
-    assert any(n > 1 for *_, n in work.tolist())
 
 
 @pytest.mark.parametrize("kind,layout,page", [("paged", "NHD", 4), ("paged", "HND", 1),

@@ -13,65 +13,22 @@ import pytest
 import torch
 
 import compiled_attn
-from tests.test_reference import (alibi_slopes_spec, dense_request, shuffled_block_table,
-                                  visibility)
+from tests.helpers import (alibi_slopes_spec, dense_request, shuffled_block_table,
+                           visibility)
+from tests.helpers import _build, _call, _cum, _paged, _seqs, check_skip, check_stats, fn, oracle_stats, peaked_seqs, skip_oracle  # noqa: F401
 
-fn = compiled_attn.trtllm_fmha_v2_prefill
 WS = torch.empty(16, dtype=torch.uint8)
 QO, KV = [5, 0, 3, 8], [9, 4, 3, 8]
 
 
-def _cum(lens):
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def _seqs(qo_lens, kv_lens, hq, hkv, dqk, dvo, dtype=torch.float64):
-    qs = [torch.randn(n, hq, dqk, dtype=torch.float64).to(dtype) for n in qo_lens]
-    ks = [torch.randn(n, hkv, dqk, dtype=torch.float64).to(dtype) for n in kv_lens]
-    vs = [torch.randn(n, hkv, dvo, dtype=torch.float64).to(dtype) for n in kv_lens]
-    return qs, ks, vs
 
 
-def _paged(ks, vs, page, layout, seed, dtype=None):
-    """[P, 2, page, Hkv, D] (NHD) or [P, 2, Hkv, page, D] (HND) and a shuffled block table
-    (-1 where unused)."""
-    g = torch.Generator().manual_seed(seed)
-    bsz, hkv, d = len(ks), ks[0].shape[1], ks[0].shape[2]
-    max_pages = max(-(-k.shape[0] // page) for k in ks)
-    total = bsz * max_pages + 1
-    cache = torch.randn(total, 2, page, hkv, d, dtype=torch.float64)
-    table = shuffled_block_table([k.shape[0] for k in ks], page, max_pages, total, g)
-    for b, (k, v) in enumerate(zip(ks, vs)):
-        for t in range(k.shape[0]):
-            pg = int(table[b, t // page])
-            cache[pg, 0, t % page] = k[t].double()
-            cache[pg, 1, t % page] = v[t].double()
-    if dtype is not None:
-        cache = cache.to(dtype)
-    if layout == "HND":
-        cache = cache.transpose(2, 3).contiguous()
-    return cache, table
 
 
-def _build(layout, qs, ks, vs, seed=0, page=4, kv_dtype=None):
-    q = torch.cat(qs)
-    if layout == "PACKED_QKV":
-        return torch.stack([q, torch.cat(ks), torch.cat(vs)], 1), None
-    if layout == "CONTIGUOUS_Q_KV":
-        return (q, torch.stack([torch.cat(ks), torch.cat(vs)], 1)), None
-    if layout == "SEPARATE_Q_K_V":
-        return (q, torch.cat(ks), torch.cat(vs)), None
-    cache, table = _paged(ks, vs, page, layout[-3:], seed, kv_dtype)
-    return (q, cache), table
 
 
-def _call(qkv, layout, table, qo_lens, kv_lens, out=None, **kw):
-    kw.setdefault("bmm1_scale", 0.3)
-    kw.setdefault("bmm2_scale", 1.0)
-    return fn(qkv, layout, WS, torch.tensor(kv_lens, dtype=torch.int32),
-              max_q_len=max(qo_lens), max_kv_len=max(kv_lens), batch_size=len(qo_lens),
-              cum_seq_lens_q=_cum(qo_lens), cum_seq_lens_kv=_cum(kv_lens), block_tables=table,
-              out=out, **kw)
 
 
 def _oracle(qs, ks, vs, **kw):
@@ -320,37 +277,8 @@ def test_max_q_len_too_small_caught_on_device():
 
 # ---- save_softmax_stats and skip-softmax ---------------------------------------------------
 
-def oracle_stats(qs, ks, *, sm_scale, causal=True, soft_cap=0.0, window_left=-1):
-    """float64 (row max m, natural LSE) [T, Hq] of the final logits, per request densely."""
-    mxs, lses = [], []
-    for q, k in zip(qs, ks):
-        q, k = q.double(), k.double()
-        vis = visibility(q.shape[0], k.shape[0], causal=causal, window_left=window_left)
-        group = q.shape[1] // k.shape[1]
-        s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(group, 1)) * sm_scale
-        if soft_cap > 0:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        s = s.masked_fill(~vis[None], float("-inf"))
-        if s.shape[-1] == 0:  # no keys
-            s = torch.full((*s.shape[:2], 1), float("-inf"), dtype=torch.float64)
-        mxs.append(s.amax(-1).T)
-        lses.append(torch.logsumexp(s, -1).T)
-    return torch.cat(mxs), torch.cat(lses)
 
 
-def check_stats(stats, qs, ks, *, bmm1_scale, soft_cap=0.0, causal=True, rtol=1e-5,
-                atol=1e-5):
-    """stats float32 [T, Hq, 2] in FlashInfer's Hopper encoding (trtllm_fmha_v2_prefill's
-    docstring) against oracle_stats: the stored max, and the LSE rebuilt as FlashInfer's own
-    test rebuilds it."""
-    d = qs[0].shape[-1]
-    mx, lse = oracle_stats(qs, ks, sm_scale=bmm1_scale, causal=causal, soft_cap=soft_cap)
-    assert stats.dtype == torch.float32 and stats.shape == (*mx.shape, 2)
-    assert not torch.isnan(stats).any()
-    div = d ** 0.5 * (1.0 if soft_cap > 0 else bmm1_scale)
-    torch.testing.assert_close(stats[..., 0].double(), mx / div, rtol=rtol, atol=atol)
-    rebuilt = stats[..., 0].double() * div + torch.log(stats[..., 1].double())
-    torch.testing.assert_close(rebuilt, lse, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -383,77 +311,10 @@ def test_save_softmax_stats_rows_without_keys():
     check_stats(stats[3:], qs[1:], ks[1:], bmm1_scale=0.3)
 
 
-def peaked_seqs(qo_lens, kv_lens, hq, hkv, d, tile, dtype=torch.float64, seed=0, peak=1.0):
-    """Requests whose keys of the first ``tile`` positions share a direction with every query
-    (large logits) while later keys are small noise: skip-softmax then leaves out later tiles
-    of most rows, but not all of their keys weigh nothing."""
-    g = torch.Generator().manual_seed(seed)
-    u = torch.ones(d, dtype=torch.float64)
-    qs, ks, vs = [], [], []
-    for qo, kv in zip(qo_lens, kv_lens):
-        q = torch.randn(qo, hq, d, generator=g, dtype=torch.float64) * 0.5 + peak * u
-        k = torch.randn(kv, hkv, d, generator=g, dtype=torch.float64) * 0.5
-        k[:tile] += peak * u
-        qs.append(q.to(dtype))
-        ks.append(k.to(dtype))
-        vs.append(torch.randn(kv, hkv, d, generator=g, dtype=torch.float64).to(dtype))
-    return qs, ks, vs
 
 
-def skip_oracle(qs, ks, vs, *, sm_scale, factor, tile, causal=True):
-    """float64 output of the skip-softmax rule written out row by row: key tiles of ``tile``
-    positions in ascending order; a row leaves out a tile whose max m_t has
-    exp(m_t - m) < factor / kv_len, m its running max over the tiles it kept. Also returns the
-    exact output and each row's left-out softmax mass [T, Hq]."""
-    outs, exact, masses = [], [], []
-    for q, k, v in zip(qs, ks, vs):
-        q, k, v = q.double(), k.double(), v.double()
-        qo, hq, _ = q.shape
-        kv, hkv, _ = k.shape
-        group = hq // hkv
-        vis = visibility(qo, kv, causal=causal)
-        o = torch.zeros(qo, hq, v.shape[-1], dtype=torch.float64)
-        oe = torch.zeros_like(o)
-        mass = torch.zeros(qo, hq, dtype=torch.float64)
-        for h in range(hq):
-            s = (q[:, h] @ k[:, h // group].T) * sm_scale
-            s = s.masked_fill(~vis, float("-inf"))
-            for i in range(qo):
-                if not bool(vis[i].any()):
-                    continue
-                keep = torch.zeros(kv, dtype=torch.bool)
-                run = float("-inf")
-                for t0 in range(0, kv, tile):
-                    m_t = float(s[i, t0:t0 + tile].max())
-                    if m_t > float("-inf") and m_t - run >= math.log(factor / kv):
-                        keep[t0:t0 + tile] = True
-                        run = max(run, m_t)
-                w = torch.softmax(s[i], 0)
-                mass[i, h] = w[~keep].sum()
-                oe[i, h] = w @ v[:, h // group]
-                wk = torch.softmax(s[i].masked_fill(~keep, float("-inf")), 0)
-                o[i, h] = wk @ v[:, h // group]
-        outs.append(o)
-        exact.append(oe)
-        masses.append(mass)
-    return torch.cat(outs), torch.cat(exact), torch.cat(masses)
 
 
-def check_skip(got, qs, ks, vs, *, sm_scale, factor, tile, causal=True, atol=1e-6,
-               rtol=1e-6):
-    """got against skip_oracle, and against exact attention within the left-out mass's bound
-    (|out - exact| <= 2 * mass * max|v| <= 2 * factor * max|v|), with some rows actually
-    skipping (else the case tests nothing)."""
-    ref, exact, mass = skip_oracle(qs, ks, vs, sm_scale=sm_scale, factor=factor, tile=tile,
-                                   causal=causal)
-    assert not torch.isnan(got).any()
-    assert float(mass.max()) > 1e-4, "no row left out any softmax mass"
-    assert float(mass.max()) < factor
-    vmax = max(float(v.double().abs().max()) for v in vs)
-    err = (got.double() - exact).abs().amax(-1)
-    assert bool((err <= 2 * mass * vmax + atol + rtol * exact.abs().amax(-1)).all())
-    assert float(err.max()) > 1e-4  # the approximation is in effect
-    torch.testing.assert_close(got.double(), ref, atol=atol, rtol=rtol)
 
 
 @pytest.mark.parametrize("layout", ["SEPARATE_Q_K_V", "Q_PAGED_KV_NHD"])

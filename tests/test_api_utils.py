@@ -11,7 +11,7 @@ import torch
 
 import compiled_attn as fi
 
-from .test_api_prefill import D64, dense, rand, slopes
+from .helpers import D64, dense, rand, slopes
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 61])

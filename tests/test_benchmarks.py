@@ -275,6 +275,56 @@ def test_cpu_smoke_run_end_to_end(tmp_path):
     assert "ratio_vs_sdpa_flash" in st[("dense D64 S128 causal", "compiled_attn")]
 
 
+def test_results_file_is_named_after_the_device():
+    from benchmarks.run import device_slug
+
+    assert device_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert device_slug("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert device_slug("cpu") == "cpu"
+
+
+def test_cpu_run_leaves_another_devices_results_alone(tmp_path, monkeypatch):
+    """Without --out, a CPU run writes benchmarks/results/cpu.json; where that file holds
+    another device's rows it refuses (exit 2, file unchanged). --out naming the file writes."""
+    pytest.importorskip("compiled_attn.ops")
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "RESULTS_DIR", tmp_path)
+    args = ["--suite", "smoke", "--device", "cpu", "--providers", "compiled_attn",
+            "--warmup-ms", "1", "--rep-ms", "2", "--cases", "D64 S128 causal"]
+    assert run.main(args) == 0
+    mine = tmp_path / "cpu.json"
+    assert results.load(mine)["gpu"] == "cpu"
+
+    theirs = {"gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11", "triton": "3.6",
+              "date": "2026-11-24T22:13:51+00:00", "rows": []}
+    mine.write_text(json.dumps(theirs))
+    before = mine.read_bytes()
+    assert run.main(args) == 2
+    assert mine.read_bytes() == before
+    assert run.main(args + ["--out", str(mine)]) == 0
+    assert results.load(mine)["gpu"] == "cpu"
+
+
+def test_cli_help_covers_every_flag_and_suite(capsys):
+    import argparse
+
+    from benchmarks import run
+
+    parser = run.build_parser()
+    bare = [a.option_strings for a in parser._actions
+            if a.option_strings and not a.help]
+    assert not bare, f"flags without help: {bare}"
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for suite in (*cases.SUITES, "smoke"):
+        assert suite in text.split("--suite", 1)[1], suite
+    assert argparse.SUPPRESS not in text
+
+
 def test_twin_provider_is_an_a_a_control(tmp_path):
     """compiled_attn_twin times our op again as a peer: same op, same output, and the report
     gives its ratio (the harness's own spread) beside the real peers'."""
@@ -324,7 +374,7 @@ def test_precise_timing_settings_reach_the_harness_and_the_rows(tmp_path, monkey
 def test_forced_kv_path_sets_and_restores_every_path_setting():
     """The dev tools' path switch: inside, the path's settings; after, even on an error, every
     path setting as it was (the production policy)."""
-    from benchmarks.kv_paths import forced_kv_path
+    from dev.kv_paths import forced_kv_path
     from compiled_attn.ops import prefill_kernel as K
 
     from compiled_attn.ops.policy import POLICY
@@ -340,7 +390,7 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
 
 
 def test_forced_tile_sets_and_restores_the_tile_policy():
-    from benchmarks.kv_paths import forced_tile
+    from dev.kv_paths import forced_tile
     from compiled_attn.ops import prefill_kernel as K
 
     before = K.block_m_for, K._config
@@ -574,7 +624,7 @@ def test_merge_folds_device_files(tmp_path):
     # both runs, replaces re-timed cases whole (a peer row the new run lacks goes too), keeps
     # untouched cases, and a later file's stale copy of a replaced row does not come back, nor
     # does one when the files are folded again (a second merge of the same calls)
-    from benchmarks import merge
+    from dev import merge
 
     def row(case, provider, date, tflops=100.0):
         return {"suite": "fa3", "case": case, "provider": provider, "median_ms": 1.0,
@@ -647,3 +697,15 @@ def test_cases_filter_keeps_whole_timing_groups(capsys):
     assert names == [["B32", "S4096", "ragged"], ["B32", "S4096", "page16"],
                      ["B32", "S4096", "page1"], ["zipf", "mean1024", "ragged"],
                      ["fixed", "1024", "(="]], names
+
+
+@pytest.mark.parametrize("name", ["dev_ab", "dev_kernel", "dev_launch_cost", "paged_tma_probe",
+                                  "ws_probe", "split_kv_check", "kv_paths", "merge",
+                                  "gpu_memcheck"])
+def test_dev_tools_import(name):
+    """The developer tools import from the repository root as python -m dev.NAME would (their
+    imports of benchmarks/ and tests/ resolve); gpu_aoti_probe runs at import, on CUDA only."""
+    import importlib
+
+    mod = importlib.import_module(f"dev.{name}")
+    assert mod.__doc__

@@ -21,6 +21,7 @@ import torch
 
 from compiled_attn import cp
 from compiled_attn.ops import reference
+from tests.helpers import _free_port, _worker, run_ranks  # noqa: F401
 
 D = 16
 # name -> (indptr, Hq, Hkv, causal, method, options)
@@ -173,49 +174,10 @@ def _cpu_cases(rank, world, attempt):
     attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
 
 
-def _worker(rank, world, port, backend, body, results):
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))
-    found = {}
-
-    def attempt(key, fn):
-        try:
-            fn()
-            found[key] = None
-        except Exception:  # noqa: BLE001  (recorded for the test that reports it)
-            found[key] = f"rank {rank}: {traceback.format_exc()}"
-
-    body(rank, world, attempt)
-    results.put((rank, found))
-    dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def run_ranks(body, world: int, backend: str = "gloo") -> dict:
-    """Spawn ``world`` ranks of a ``backend`` group on 127.0.0.1, each running
-    ``body(rank, world, attempt)`` (a module-level function; ``attempt(key, fn)`` records fn's
-    exception under key); returns key -> the ranks' tracebacks, or None where every rank
-    passed."""
-    import torch.multiprocessing as mp
-
-    queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, _free_port(), backend, body, queue), nprocs=world,
-             join=True)
-    merged: dict = {}
-    for _ in range(world):
-        _, found = queue.get()
-        for key, err in found.items():
-            merged[key] = "\n".join(e for e in (merged.get(key), err) if e) or None
-    return merged
 
 
 _RESULTS: dict = {}

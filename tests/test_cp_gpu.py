@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_cp import run_ranks
+from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.gpu
 

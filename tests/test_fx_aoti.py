@@ -30,7 +30,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import GptFast, assert_close_rel, hf_model, inputs
+from .helpers import GptFast, assert_close_rel, hf_model, inputs
 
 # Runs [(package, args), ...] in one process; an exception in one package is returned as its
 # text in that package's slot, so that the others still run.
@@ -173,6 +173,7 @@ def test_aoti_hf(case, hf_aoti_results):
     assert_close_rel(out, ref, am.bool() if am is not None else None)
 
 
+@pytest.mark.slow
 def test_aoti_padding_mask_site(tmp_path):
     """One SDPA site whose bool padding mask is built in the graph (Sq*Skv = 121 bits, not a
     whole number of bytes): rewritten to a custom mask, AOTInductor package run in process vs
@@ -201,6 +202,7 @@ def test_aoti_padding_mask_site(tmp_path):
     assert_close_rel(out, ref)
 
 
+@pytest.mark.slow
 def test_aoti_dynamic_seq_custom_mask(tmp_path):
     """A bool-masked SDPA site exported with a dynamic sequence length, packaged once and run
     at lengths below and above the example's. The in-graph bit packing once padded with
@@ -236,6 +238,7 @@ def test_aoti_dynamic_seq_custom_mask(tmp_path):
 # AOTInductor's CPU build of the op's reference. The package returns one output: indexing it
 # with [0] and comparing batch 0 against both batches by broadcasting once read as a torch bug,
 # so assert_close_rel requires equal shapes.
+@pytest.mark.slow
 def test_aoti_reference_op_small_batch2(tmp_path):
     from compiled_attn.ops import MASK_NONE
 

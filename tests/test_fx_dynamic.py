@@ -18,7 +18,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import assert_close_rel, check_counters, hf_model
+from .helpers import assert_close_rel, check_counters, hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,6 +60,7 @@ def _compile_dynamic(model, runs, record_property):
 RUNS = [(16, None), (24, None), (24, "left"), (16, "left")]
 
 
+@pytest.mark.slow
 def test_compile_dynamic_llama_sdpa(record_property):
     model = hf_model("llama", "sdpa")
     graphs = _compile_dynamic(model, RUNS, record_property)

@@ -20,7 +20,7 @@ import torch
 
 import compiled_attn
 from compiled_attn import fx_passes
-from tests.test_fx_models import GptFast, Logits
+from tests.helpers import GptFast, Logits
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,6 +24,8 @@ from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as pk
 from compiled_attn.ops.policy import POLICY
 
+from .helpers import run_compiled
+
 pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="ops are plain custom ops under "
                                 "TRITON_INTERPRET=1: nothing decomposes")
 
@@ -206,17 +208,6 @@ def op_fn(name, args):
     return fn, [args[i] for i in pos]
 
 
-def _compiled(compiled, *args):
-    """Run a torch.compile'd callable with the caches off; returns (output, generated code)."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        out, code = run_and_get_code(compiled, *args)
-    return out, "\n".join(code)
-
-
 def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
     """A direct call of the op under torch.compile: one fallback call of the op in the
     generated code (the eager launcher runs it), equal to the eager call; graph_gluon off: the
@@ -224,11 +215,11 @@ def test_compiled_op_call_stays_opaque(hopper, monkeypatch):
     monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     fn, ts = op_fn("batch_ragged_prefill", call("batch_ragged_prefill"))
     eager = fn(*ts)
-    out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
+    out, code = run_compiled(torch.compile(fn, fullgraph=True), *ts)
     assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1, code
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
     monkeypatch.setattr(POLICY, "graph_gluon", False)
-    out, code = _compiled(torch.compile(fn, fullgraph=True), *ts)
+    out, code = run_compiled(torch.compile(fn, fullgraph=True), *ts)
     assert "compiled_attn.batch_ragged_prefill" not in code
     torch.testing.assert_close(out[0], eager[0])
 
@@ -239,7 +230,7 @@ def test_dynamic_shapes_stay_opaque(hopper, monkeypatch, name):
     specialised as constexprs are) and still keeps the call opaque, equal to eager."""
     monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     fn, ts = op_fn(name, call(name))
-    out, code = _compiled(torch.compile(fn, fullgraph=True, dynamic=True), *ts)
+    out, code = run_compiled(torch.compile(fn, fullgraph=True, dynamic=True), *ts)
     assert code.count(f"torch.ops.compiled_attn.{name}.default(") == 1, code
     eager = fn(*ts)
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
@@ -268,7 +259,7 @@ def test_rewrite_keeps_gluon_calls_opaque(hopper, monkeypatch):
     qkv = _sdpa_inputs()
     fx_passes.counters.clear()
     with torch.no_grad():
-        out, code = _compiled(compiled_attn.compile(_Causal(), fullgraph=True), *qkv)
+        out, code = run_compiled(compiled_attn.compile(_Causal(), fullgraph=True), *qkv)
         ref = _Causal()(*qkv)
     assert fx_passes.counters["rewritten"] == 1, dict(fx_passes.counters)
     assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1, code
@@ -358,7 +349,7 @@ def test_rewrite_pins_the_traced_strides(hopper, monkeypatch):
     cos, sin = (torch.randn(s, d, generator=g).to(torch.bfloat16) for _ in range(2))
     fx_passes.counters.clear()
     with torch.no_grad():
-        out, code = _compiled(compiled_attn.compile(_RopeCausal(), fullgraph=True),
+        out, code = run_compiled(compiled_attn.compile(_RopeCausal(), fullgraph=True),
                               *qkv, cos, sin)
         ref = _RopeCausal()(*qkv, cos, sin)
     assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1, code

@@ -19,7 +19,7 @@ from compiled_attn import fx_passes
 from compiled_attn.ops import MASK_CAUSAL, POS_NONE, dispatch
 from compiled_attn.ops import prefill_kernel as pk
 from compiled_attn.ops.schedule import block_m_for, build_work
-from tests.test_graph_dispatch import _compiled
+from tests.helpers import run_compiled
 
 pytestmark = [
     pytest.mark.gpu,
@@ -84,7 +84,7 @@ def test_compiled_ragged_call_runs_gluon(gluon_launches, dynamic):
     eager = f(q, k, v, indptr, work)
     n_eager = len(gluon_launches)
     assert n_eager >= 1
-    out, code = _compiled(torch.compile(f, fullgraph=True, dynamic=dynamic), q, k, v, indptr,
+    out, code = run_compiled(torch.compile(f, fullgraph=True, dynamic=dynamic), q, k, v, indptr,
                          work)
     assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1
     assert "_prefill_fwd" not in code
@@ -114,7 +114,7 @@ def test_compiled_paged_page16_runs_gluon(gluon_launches):
 
     eager = f(q, kc, vc, qo, pind, idx, last, work)
     assert len(gluon_launches) == 1
-    out, code = _compiled(torch.compile(f, fullgraph=True), q, kc, vc, qo, pind, idx, last, work)
+    out, code = run_compiled(torch.compile(f, fullgraph=True), q, kc, vc, qo, pind, idx, last, work)
     assert code.count("torch.ops.compiled_attn.batch_paged_prefill.default(") == 1
     assert len(gluon_launches) > 1  # the compiled call launched it too
     assert torch.equal(out[0], eager[0])
@@ -147,7 +147,7 @@ def test_rewrite_runs_gluon(gluon_launches, mode):
     fx_passes.counters.clear()
     with torch.no_grad():
         model = compiled_attn.compile(_Llama(), fullgraph=True, mode=mode)
-        out, code = _compiled(model, *x)
+        out, code = run_compiled(model, *x)
         assert fx_passes.counters["rewritten"] == 1, dict(fx_passes.counters)
         assert code.count("torch.ops.compiled_attn.single_prefill.default(") == 1
         assert gluon_launches, "the compiled call did not launch the Gluon kernel"
@@ -161,7 +161,7 @@ def test_rewrite_runs_gluon(gluon_launches, mode):
 
 def test_aoti_package_inlines_triton():
     """AOTInductor (built here; loading packages crashes on this machine's torch, see
-    tests/gpu_aoti_probe.py): the same module's package launches the Triton kernel and holds
+    dev/gpu_aoti_probe.py): the same module's package launches the Triton kernel and holds
     no call of our op, though torch.compile keeps that call opaque."""
     import zipfile
 

@@ -10,7 +10,7 @@ import torch
 import compiled_attn
 from compiled_attn import fx_passes
 
-from .test_fx_models import Logits, assert_close_rel, hf_model, inputs
+from .helpers import assert_close_rel, hf_model, inputs
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,6 +71,7 @@ def test_hf_attn_implementation_torch_compile(padding):
     assert_close_rel(out, ref, rows)
 
 
+@pytest.mark.slow
 def test_hf_attention_sinks_gpt_oss():
     """GPT-OSS passes its attention sinks as s_aux (one logit per query head in each row's
     softmax denominator): they reach the op's sinks (they were dropped, 0.28 off at logits of

@@ -9,7 +9,7 @@ import torch
 import compiled_attn as fi
 from compiled_attn.ops import policy
 from compiled_attn.ops import prefill_kernel as K
-from tests.test_api_prefill import indptr, make_paged
+from tests.helpers import indptr, make_paged
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

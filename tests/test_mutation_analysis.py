@@ -25,7 +25,7 @@ from compiled_attn.ops import contracts as C
 from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
 
-from .test_api_prefill import indptr, make_paged, rand
+from .helpers import indptr, make_paged, rand
 
 twk = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 pytestmark = pytest.mark.skipif(K.INTERPRET, reason="the interpreter's kernels are not traced")

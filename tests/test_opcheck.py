@@ -23,7 +23,7 @@ from compiled_attn.ops import (
     POS_NONE,
     POS_ROPE_LLAMA,
 )
-from tests.test_reference import alibi_slopes_spec, indptr, pack_segments
+from tests.helpers import alibi_slopes_spec, indptr, pack_segments
 
 OPS = torch.ops.compiled_attn
 DEFAULT_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",

@@ -1,4 +1,5 @@
-"""Packaging: the wheel holds every module, and the top-level ops/fx_passes fail loudly.
+"""Packaging: the wheel holds every module and the LICENSE, the README's quick start runs, and
+the top-level ops/fx_passes fail loudly.
 
 ops/ and fx_passes/ sit at the repository top level and install as compiled_attn.ops and
 compiled_attn.fx_passes (setuptools package-dir mapping). The wheel test builds from a copy of
@@ -10,6 +11,7 @@ repository root must raise an ImportError that says how to import them.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +49,7 @@ def test_wheel_contains_every_module(tmp_path):
     """Bounded at 60 s by the build subprocess timeout (a few seconds here)."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy2(ROOT / name, src / name)
     for folder in MAPPING:
@@ -64,6 +66,9 @@ def test_wheel_contains_every_module(tmp_path):
     names = set(zipfile.ZipFile(wheels[0]).namelist())
     missing = _source_modules() - names
     assert not missing, f"modules missing from the wheel: {sorted(missing)}"
+    licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert licenses, f"LICENSE not in the wheel: {sorted(names)}"
+    assert b"Apache License" in zipfile.ZipFile(wheels[0]).read(licenses[0])
     # no top-level ops / fx_passes packages in the wheel (they would shadow other projects)
     assert not any(n.startswith(("ops/", "fx_passes/")) for n in names), sorted(names)
 
@@ -94,3 +99,18 @@ def test_top_level_import_fails_loudly(pkg, proper):
                           capture_output=True, text=True, timeout=120)
     assert bare.returncode != 0
     assert "ImportError" in bare.stderr and proper in bare.stderr, bare.stderr
+
+
+def test_readme_quick_start_runs():
+    """The README's quick start, run as written (a fresh process): it prints its check against
+    SDPA, within float32 rounding on CPU."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Quick start", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.search(r"max \|out - SDPA\| = (\S+)", proc.stdout)
+    assert m, proc.stdout
+    assert float(m.group(1)) < (1e-5 if proc.stdout.startswith("cpu") else 2e-2), proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr

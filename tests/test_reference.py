@@ -1,13 +1,8 @@
 """ops.reference, through the public ops on CPU, against an independent dense float64 oracle.
 
-The oracle below (``dense_request``) is written from docs/spec.md alone: one request at a time,
-an explicit visibility matrix built row by row, explicit rotate-half RoPE, ALiBi with the slopes
-formula of spec.md, ``torch.softmax`` for the probabilities and ``torch.logsumexp`` / ln 2 for
-the base-2 LSE. It shares no code with ops/reference.py. The ops are called through
+The oracle (``dense_request`` in tests/helpers.py) is written from the spec alone and shares no
+code with ops/reference.py. The ops are called through
 ``torch.ops.compiled_attn.*`` with CPU tensors, which dispatches to the reference.
-
-The other API test modules (cuDNN, TRT-LLM) import ``dense_request`` and ``alibi_slopes_spec``
-from here as their oracle.
 """
 
 from __future__ import annotations
@@ -29,152 +24,16 @@ from compiled_attn.ops import (
     POS_ROPE_LLAMA,
 )
 
+from .helpers import (LN2, alibi_slopes_spec, assert_lse, dense_request, indptr, oracle_batch,
+                      pack_segments)
+
 OPS = torch.ops.compiled_attn
-LN2 = math.log(2.0)
 F64_TOL = dict(rtol=1e-9, atol=1e-9)
-
-
-# ------------------------------------------------------------------------------------------
-# The independent oracle
-# ------------------------------------------------------------------------------------------
-def alibi_slopes_spec(num_heads: int) -> torch.Tensor:
-    """spec.md: n = 2^floor(log2 H); slope_h = 2^(-8(h+1)/n) for h < n; the remaining heads
-    take 2^(-4/n) to the odd powers 1, 3, 5, ..."""
-    n = 2 ** int(math.floor(math.log2(num_heads)))
-    slopes = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
-    base = 2.0 ** (-4.0 / n)
-    slopes += [base ** (2 * i + 1) for i in range(num_heads - n)]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
-def rotate_half_rope(x: torch.Tensor, positions, rope_scale: float, rope_theta: float):
-    """x [N, H, D] float64; pair (c, c + D/2) rotated by pos / scale * theta^(-2c/D)."""
-    n, h, d = x.shape
-    half = d // 2
-    out = x.clone()
-    for c in range(half):
-        freq = rope_theta ** (-2.0 * c / d)
-        ang = torch.tensor([p / rope_scale * freq for p in positions], dtype=torch.float64)
-        cos, sin = torch.cos(ang)[:, None], torch.sin(ang)[:, None]
-        a, b = x[:, :, c], x[:, :, c + half]
-        out[:, :, c] = a * cos - b * sin
-        out[:, :, c + half] = b * cos + a * sin
-    return out
-
-
-def visibility(qo_len: int, kv_len: int, *, causal: bool, window_left: int = -1,
-               mask: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-    """bool [qo_len, kv_len]: which keys each query row sees (spec.md, bottom-right aligned)."""
-    vis = torch.zeros(qo_len, kv_len, dtype=torch.bool)
-    for i in range(qo_len):
-        p = kv_len - qo_len + i
-        for j in range(kv_len):
-            if mask is not None:
-                ok = bool(mask[i, j])
-            else:
-                ok = (j <= p) if causal else True
-            if window_left >= 0 and j < p - window_left:
-                ok = False
-            if chunk > 0 and not ((p // chunk) * chunk <= j <= p):
-                ok = False
-            vis[i, j] = ok
-    return vis
-
-
-def dense_request(q, k, v, *, sm_scale, causal=False, window_left=-1, mask=None, chunk=0,
-                  soft_cap=0.0, alibi_slopes=None, rope=None, sinks=None, v_scale=1.0):
-    """One request, densely in float64.
-
-    q [qo, Hq, Dqk], k [kv, Hkv, Dqk], v [kv, Hkv, Dvo] (any dtype, upcast to float64).
-    rope: None or (rope_scale, rope_theta). Returns out [qo, Hq, Dvo] float64 and the base-2
-    LSE [qo, Hq] float64 (-inf for rows that see nothing; their output is 0).
-    """
-    q, k, v = q.double(), k.double(), v.double()
-    qo, hq, _ = q.shape
-    kv, hkv, dvo = v.shape
-    group = hq // hkv
-    if rope is not None:
-        q = rotate_half_rope(q, [kv - qo + i for i in range(qo)], *rope)
-        k = rotate_half_rope(k, list(range(kv)), *rope)
-    vis = visibility(qo, kv, causal=causal, window_left=window_left, mask=mask, chunk=chunk)
-    out = torch.zeros(qo, hq, dvo, dtype=torch.float64)
-    lse = torch.full((qo, hq), float("-inf"), dtype=torch.float64)
-    for h in range(hq):
-        kh = h // group
-        s = (q[:, h, :] @ k[:, kh, :].T) * sm_scale
-        if soft_cap > 0:
-            s = soft_cap * torch.tanh(s / soft_cap)
-        if alibi_slopes is not None:
-            for i in range(qo):
-                p = kv - qo + i
-                s[i] += float(alibi_slopes[h]) * (torch.arange(kv, dtype=torch.float64) - p)
-        for i in range(qo):
-            seen = vis[i]
-            if not bool(seen.any()):
-                continue
-            row = s[i][seen]
-            lse[i, h] = torch.logsumexp(row, dim=0) / LN2
-            if sinks is None:
-                w = torch.softmax(row, dim=0)
-            else:
-                m = torch.maximum(row.max(), torch.tensor(float(sinks[h]), dtype=torch.float64))
-                e = torch.exp(row - m)
-                w = e / (e.sum() + torch.exp(float(sinks[h]) - m))
-            out[i, h] = (w[:, None] * v[seen, kh, :]).sum(0) * v_scale
-    return out, lse
-
-
-def pack_segments(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each bool mask flattened row-major, bits little-endian within a byte, each segment
-    padded to whole bytes. Returns (uint8 bytes, int32 byte offsets [B+1])."""
-    data: list[int] = []
-    offsets = [0]
-    for m in masks:
-        bits = [bool(x) for x in m.reshape(-1).tolist()]
-        for start in range(0, len(bits), 8):
-            byte = 0
-            for t, bit in enumerate(bits[start:start + 8]):
-                byte |= int(bit) << t
-            data.append(byte)
-        offsets.append(len(data))
-    return torch.tensor(data, dtype=torch.uint8), torch.tensor(offsets, dtype=torch.int32)
-
-
-def shuffled_block_table(kv_lens, page: int, max_pages: int, total: int,
-                         g: torch.Generator) -> torch.Tensor:
-    """int32 [B, max_pages] block table: request b's pages, in order, drawn without repetition
-    from a shuffled range of ``total`` pages; -1 where unused. Token t of request b is in page
-    ``table[b, t // page]``, slot ``t % page``."""
-    perm = torch.randperm(total, generator=g)
-    table = torch.full((len(kv_lens), max_pages), -1, dtype=torch.int32)
-    nxt = 0
-    for b, n in enumerate(kv_lens):
-        used = -(-int(n) // page)
-        table[b, :used] = perm[nxt:nxt + used].to(torch.int32)
-        nxt += used
-    return table
-
-
-def indptr(lens) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + int(n))
-    return torch.tensor(out, dtype=torch.int32)
 
 
 def assert_close_f64(actual, expected, tol=F64_TOL):
     assert not torch.isnan(actual).any(), "NaN in the op's output"
     torch.testing.assert_close(actual.double(), expected.double(), **tol)
-
-
-def assert_lse(actual, expected, tol=dict(rtol=1e-6, atol=1e-6)):
-    """Finite entries close, -inf exactly where the oracle has -inf, never NaN."""
-    assert actual.dtype == torch.float32
-    assert not torch.isnan(actual).any(), "NaN in the LSE"
-    inf = torch.isinf(expected)
-    assert torch.equal(torch.isinf(actual), inf), "-inf rows differ"
-    assert (actual[inf] < 0).all()
-    torch.testing.assert_close(actual[~inf].double(), expected[~inf], **tol)
 
 
 def rand(*shape, dtype=torch.float64, scale=1.0):
@@ -217,21 +76,6 @@ def call_paged(q, k_cache, v_cache, qo_lens, page_indptr, page_indices, last_len
     head, tail = common_args(q, (k_cache.shape[2], v_cache.shape[3]), qo_lens=qo_lens, **kw)
     return OPS.batch_paged_prefill(q, k_cache, v_cache, indptr(qo_lens), page_indptr,
                                    page_indices, last_len, *head, *tail)
-
-
-def oracle_batch(q, ks, vs, qo_lens, *, masks=None, one=None, **kw):
-    """Concatenate a per-request oracle (one: default dense_request) over a ragged q; ks/vs:
-    per-request k/v; masks: per-request masks or None."""
-    one = one or dense_request
-    outs, lses = [], []
-    start = 0
-    for b, n in enumerate(qo_lens):
-        o, l = one(q[start:start + n], ks[b], vs[b], mask=None if masks is None else masks[b],
-                   **kw)
-        outs.append(o)
-        lses.append(l)
-        start += n
-    return torch.cat(outs), torch.cat(lses)
 
 
 # ------------------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ import compiled_attn
 from compiled_attn import plan
 from compiled_attn.ops import MASK_CAUSAL, MASK_NONE, POS_NONE, policy, reference
 from compiled_attn.ops import prefill_kernel as pk
-from tests.test_api_prefill import batch_invariance, check_fixed_split_plan, dense_batch
-from tests.test_api_trtllm import check_stats, peaked_seqs, skip_oracle
-from tests.test_reference import dense_request
+from tests.helpers import batch_invariance, check_fixed_split_plan, dense_batch
+from tests.helpers import check_stats, peaked_seqs, skip_oracle
+from tests.helpers import dense_request
 
 pytestmark = [
     pytest.mark.gpu,

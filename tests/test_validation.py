@@ -9,7 +9,7 @@ import torch
 import compiled_attn as fi
 from compiled_attn import _validate as V
 
-from .test_api_prefill import D64, WS, indptr, make_paged, rand
+from .helpers import D64, WS, indptr, make_paged, rand
 
 QO, KV, PAGE, HQ, HKV, D = [3, 4], [5, 9], 4, 4, 2, 8
 

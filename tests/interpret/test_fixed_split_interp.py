@@ -6,7 +6,7 @@ re-planned with the same buffers giving the shared requests' output and LSE bit 
 import pytest
 import torch
 
-from tests.test_api_prefill import (batch_invariance, check_fixed_split_plan, dense_batch)
+from tests.helpers import (batch_invariance, check_fixed_split_plan, dense_batch)
 
 
 @pytest.mark.parametrize("kind,layout,page,dtype", [

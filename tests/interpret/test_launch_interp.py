@@ -14,7 +14,7 @@ from compiled_attn.ops import contracts as C
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work
 from tests import kernel_cases as kc
-from tests.test_api_prefill import WS, indptr, make_paged, rand
+from tests.helpers import WS, indptr, make_paged, rand
 
 F16, F32 = torch.float16, torch.float32
 QO, KV = [5, 0, 9], [13, 7, 9]

@@ -8,7 +8,7 @@ import torch
 import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import contracts
-from tests.test_api_prefill import WS, indptr, make_paged, rand
+from tests.helpers import WS, indptr, make_paged, rand
 from compiled_attn.ops.policy import POLICY
 
 QO, KV = [5, 0, 9], [13, 7, 9]

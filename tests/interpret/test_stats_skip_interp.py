@@ -10,7 +10,7 @@ import compiled_attn
 from compiled_attn import plan
 from compiled_attn.ops import MASK_CAUSAL, POS_NONE, reference
 from compiled_attn.ops.prefill_kernel import _config
-from tests.test_api_trtllm import (_build, _call, _seqs, check_skip, check_stats, peaked_seqs)
+from tests.helpers import (_build, _call, _seqs, check_skip, check_stats, peaked_seqs)
 
 OPS = torch.ops.compiled_attn
 TILE = _config(64, 16, 16)["BLOCK_N"]  # the interpreter's key tile

@@ -5,12 +5,13 @@ preparation alone (no Triton launch). Calls are queued behind a sleeping GPU so 
 waits on the device; the per-call time is then the host's alone. The paths and parts are
 timed in interleaved rounds and the best round kept (the host's own noise is large). Run on
 the GPU machine:
-``python3 -m benchmarks.dev_launch_cost`` (about a minute); writes dev_launch_cost.txt under
+``python3 -m dev.dev_launch_cost`` (about a minute); writes dev_launch_cost.txt under
 $OUT. docs/design.md "Eager launch cost" quotes it. ``--entries`` times the public entry points
 with and without compiled_attn.op_call's direct path instead (entries() below)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 
@@ -74,7 +75,7 @@ def _entry_calls(b, s, h, d):
     single_prefill_with_kv_cache on one request of s tokens."""
     import compiled_attn as fi
 
-    from .providers import scatter_pages
+    from benchmarks.providers import scatter_pages
 
     q, k, v = (torch.randn(b * s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
@@ -132,9 +133,12 @@ def entries() -> None:
 
 
 def main() -> None:
-    import sys
-
-    if "--entries" in sys.argv[1:]:
+    ap = argparse.ArgumentParser(prog="python -m dev.dev_launch_cost",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--entries", action="store_true",
+                    help="time the public entry points with and without compiled_attn.op_call's "
+                         "direct path instead of the op's parts per K/V path")
+    if ap.parse_args().entries:
         entries()
         return
     cases = {"D128 causal B32 x 512 H16": (32, 512, 16, 128),

@@ -1,6 +1,6 @@
 """A small subset of kernel cases for compute-sanitizer (run on the GPU machine):
 
-    compute-sanitizer --tool memcheck python3 -m tests.gpu_memcheck
+    compute-sanitizer --tool memcheck python3 -m dev.gpu_memcheck
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
 read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp

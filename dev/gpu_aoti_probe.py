@@ -1,5 +1,5 @@
 """Does an AOTInductor package load on this GPU machine at all? (run on the GPU machine:
-``python3 -m tests.gpu_aoti_probe``). Builds a package of a plain two-layer MLP on CUDA, with
+``python3 -m dev.gpu_aoti_probe``). Builds a package of a plain two-layer MLP on CUDA, with
 no compiled_attn import anywhere, and loads and runs it in a fresh process. A crash here puts
 the compiled_attn demo's AOTInductor load failure on the torch build, not on our ops."""
 

@@ -1,8 +1,8 @@
 # Set up the GPU machine for the benchmarks. Source it from the repository root:
-#     source benchmarks/gpu_setup.sh
-# - installs the wheels in .whl/ (FlashInfer 0.7.2.post1 + apache-tvm-ffi, downloaded on the CPU
-#   machine and carried along: the GPU machine has no network) into $CA_SITE (default /tmp/site)
-#   and puts that folder on PYTHONPATH;
+#     source dev/gpu_setup.sh
+# - installs the wheels in .whl/ (FlashInfer 0.7.2.post1 + apache-tvm-ffi, and pytest-xdist +
+#   execnet for make test-gpu; downloaded on the CPU machine and carried along: the GPU machine
+#   has no network) into $CA_SITE (default /tmp/site) and puts that folder on PYTHONPATH;
 # - installs compiled_attn itself (editable, no deps, no build isolation: that would download
 #   setuptools), unless compiled_attn.ops already imports.
 # Idempotent: a warm machine skips what is already there. Sourced, so no `set -e` (it would leak
@@ -34,7 +34,7 @@ if ! python3 -c "import compiled_attn.ops" >/dev/null 2>&1; then
 fi
 python3 - <<'PY'
 import importlib
-for name in ("torch", "triton", "compiled_attn", "flashinfer", "tqdm", "matplotlib"):
+for name in ("torch", "triton", "compiled_attn", "flashinfer", "xdist", "tqdm", "matplotlib"):
     try:
         m = importlib.import_module(name)
         print(f"gpu_setup: {name} {getattr(m, '__version__', '?')}")

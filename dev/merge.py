@@ -1,4 +1,4 @@
-"""python -m benchmarks.merge TARGET RETURNED [RETURNED ...]: fold the results files that device
+"""python -m dev.merge TARGET RETURNED [RETURNED ...]: fold the results files that device
 calls returned into the committed one.
 
 Each device call runs on a copy of the working tree, so the file it returns holds the committed
@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from . import results
+from benchmarks import results
 
 
 def fold(target: dict, returned: list[dict]) -> dict:

@@ -2,9 +2,9 @@
 with disable_split_kv=True, same inputs, one process; prints both times and the max difference."""
 
 import torch
-import triton
 
 import compiled_attn
+from benchmarks.providers import time_ms
 
 
 def main():
@@ -29,8 +29,7 @@ def case(qo, kv):
         w.plan(qi, ki, idx, last, hq, hkv, d, page, causal=True, q_data_type=torch.bfloat16,
                disable_split_kv=disable)
         outs.append(w.run(q, cache))
-        times.append(triton.testing.do_bench(lambda: w.run(q, cache), warmup=25, rep=100,
-                                             return_mode="median"))
+        times.append(time_ms(lambda: w.run(q, cache), warmup_ms=25, rep_ms=100))
         print(f"disable_split_kv={disable}: work items {w._plan.work.shape[0]}, merge rows "
               f"{0 if w._plan.merge is None else w._plan.merge.shape[0]}, {times[-1]:.3f} ms")
     print(f"split-KV speedup {times[0] / times[1]:.2f}x, max |diff| "

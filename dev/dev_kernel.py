@@ -11,7 +11,6 @@ import os
 import sys
 
 import torch
-import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compiled_attn import ops
@@ -19,7 +18,7 @@ from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_work
 
 from .kv_paths import forced_kv_path, forced_tile
-from .providers import scatter_pages
+from benchmarks.providers import scatter_pages, time_ms
 
 
 def tflops(b, s, h, d, causal, ms):
@@ -28,8 +27,8 @@ def tflops(b, s, h, d, causal, ms):
 
 
 def bench(fn):
-    # >= 100 ms of warm-up and 400 ms of timed calls: a 20 ms call still gets 20 samples
-    return triton.testing.do_bench(fn, warmup=100, rep=400, return_mode="median")
+    # >= 100 ms of settling and 400 ms of timed calls: a 20 ms call still gets 20 samples
+    return time_ms(fn, warmup_ms=100, rep_ms=400)
 
 
 def main():

@@ -3,7 +3,7 @@ warp_specialize=True)``) compile, stay correct and pay for a minimal non-causal 
 on this GPU? A standalone kernel (host tensor descriptors for Q, K, V, O; not our prefill
 kernel), timed with and without the attribute for a few tiles against SDPA's output; prints a
 table and writes ws_probe.json under $OUT. Run on the GPU machine: ``python3 -m
-benchmarks.ws_probe``. H100, triton 3.6 (benchmarks/NOTES.md, 2026-11-22): no gain where it
+dev.ws_probe``. H100, triton 3.6 (benchmarks/NOTES.md, 2026-11-22): no gain where it
 compiles, wrong output (NaN) at 64x64 / 4 warps, compile failures for 128-row 4-warp tiles;
 worth re-running on a newer Triton."""
 import json
@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from benchmarks.providers import time_ms
 
 
 @triton.jit
@@ -55,7 +57,7 @@ def run(bm, bn, nw, ns, ws, B, H, S, D=128):
     ref = torch.nn.functional.scaled_dot_product_attention(
         *(t.view(B, H, S, D) for t in (q, k, v))).reshape(B * H * S, D)
     err = (o.float() - ref.float()).abs().max().item()
-    ms = triton.testing.do_bench(f, warmup=100, rep=400, return_mode="median")
+    ms = time_ms(f, warmup_ms=100, rep_ms=400)
     return err, 4 * B * H * S * S * D / ms / 1e9
 
 

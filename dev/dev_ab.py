@@ -13,8 +13,8 @@ its spread is the noise floor. A variant prev:BM/BN/WARPS/STAGES[:...] runs a gl
 another copy of ops/prefill_gluon.py (--prev FILE, e.g. the last commit's), for kernel A/B;
 --prev A,B,... loads several, as prev:, prev1:, prev2:, ...
 
-    python3 -m benchmarks.dev_ab --cases 4096,8192 --variants prod:host,prod:host,256/64/16/3:host
-    python3 -m benchmarks.dev_ab --variants prod:host,prod:host:p16,256/64/16/3:host:p1
+    python3 -m dev.dev_ab --cases 4096,8192 --variants prod:host,prod:host,256/64/16/3:host
+    python3 -m dev.dev_ab --variants prod:host,prod:host:p16,256/64/16/3:host:p1
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_work
 
-from .flops import visible_pairs
+from benchmarks.flops import visible_pairs
 from .kv_paths import forced_kv_path, forced_tile
-from .providers import bench, scatter_pages
+from benchmarks.providers import bench, scatter_pages
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ of the cache seen as [pages * 16, Hkv * D]) is a plain box. This standalone non-
 four [BLOCK_M, 16] score blocks share one running max, and the P @ V product is four K = 16
 dots into one accumulator. It is timed against the same loop reading contiguous K/V through
 [BLOCK_N, D] boxes, in one process, and checked against SDPA (outputs poisoned first). Run on
-the GPU machine: ``python3 -m benchmarks.paged_tma_probe``; writes paged_tma_probe.json under
+the GPU machine: ``python3 -m dev.paged_tma_probe``; writes paged_tma_probe.json under
 $OUT (benchmarks/NOTES.md, 2026-11-22)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from benchmarks.providers import time_ms
 
 PAGE = 16
 
@@ -158,8 +160,7 @@ def main():
                         fn()
                         torch.cuda.synchronize()
                         r["err"] = (o.float() - ref).abs().max().item()
-                        ms = triton.testing.do_bench(fn, warmup=100, rep=400,
-                                                     return_mode="median")
+                        ms = time_ms(fn, warmup_ms=100, rep_ms=400)
                         r["tflops"] = round(_tflops(b, s, h, d, ms), 1)
                     except Exception as e:  # a config that fails to compile is reported
                         r["error"] = f"{type(e).__name__}: {str(e)[-160:]}"
