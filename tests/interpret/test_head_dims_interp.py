@@ -1,0 +1,148 @@
+"""Head dims that are not a power of two (and 512) in the Triton kernel, run on CPU tensors by
+the Triton interpreter against the float64 reference (tests/kernel_cases.py): the kernel pads
+its tiles to a power of two and masks every load and store on the real dim. Each case keeps the
+lanes past the real dim NaN in memory (q, k, v and the caches are views into wider NaN-filled
+buffers), so a load that reads past the dim, or a store that writes past it, shows up."""
+
+import pytest
+import torch
+
+from compiled_attn import ops
+from compiled_attn.ops import contracts
+from compiled_attn.plan import build_split_work
+from tests.kernel_cases import check, force_kv_path, make_case, params, record_tma, run
+
+BATCH = ([5, 0, 70, 3, 9], [9, 4, 70, 0, 4])  # odd lengths, empty requests, qo > kv
+
+
+def _nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose last dim is followed by NaN lanes in memory (row stride the
+    next power of two, at least 16 elements more than t's dim for dims that are one)."""
+    d = t.shape[-1]
+    wide = 1 << (d - 1).bit_length()
+    wide = wide if wide > d else 2 * d
+    buf = torch.full((*t.shape[:-1], wide), float("nan"), dtype=t.dtype)
+    buf[..., :d] = t
+    return buf[..., :d]
+
+
+def _padded_case(kind, qo, kv, dqk, dvo=None, **kw):
+    """make_case with q, k, v (the caches too) NaN-padded past their head dims."""
+    c = make_case(kind, qo, kv, dqk=dqk, dvo=dvo, **kw)
+    if kind == "paged" and c.k.shape[-1] == c.v.shape[-1] and not kw.get("tuple_cache"):
+        # the 5-D cache [P, 2, ...] keeps its K / V halves in one buffer
+        both = _nan_padded(torch.stack([c.k, c.v], 1))
+        c.k, c.v = both[:, 0], both[:, 1]
+    else:
+        c.k, c.v = _nan_padded(c.k), _nan_padded(c.v)
+    c.q = _nan_padded(c.q)
+    return c
+
+
+@pytest.mark.parametrize("d", [80, 96, 112, 160])
+@pytest.mark.parametrize("kind", ["single", "ragged", "paged"])
+def test_head_dims(kind, d):
+    qo, kv = ([37], [50]) if kind == "single" else BATCH
+    c = _padded_case(kind, qo, kv, d, hq=4, hkv=2, page_size=5, seed=d)
+    check(c, params(head_dim=d))
+
+
+@pytest.mark.parametrize("mode", ["none", "rope", "soft_cap_alibi", "custom", "sinks"])
+def test_head_dim_96_options(mode):
+    # The logit transforms and masks at a padded dim; RoPE rotates pairs (c, c + D/2) of the
+    # real dim (its halves start at 48 here, not at the tile's 64).
+    p = {"none": params(mask_mode=ops.MASK_NONE, head_dim=96),
+         "rope": params(pos_encoding_mode=ops.POS_ROPE_LLAMA, rope_scale=2.0, rope_theta=500.0,
+                        head_dim=96),
+         "soft_cap_alibi": params(logits_soft_cap=2.0, sm_scale=0.5,
+                                  pos_encoding_mode=ops.POS_ALIBI),
+         "custom": params(mask_mode=ops.MASK_CUSTOM, head_dim=96),
+         "sinks": params(v_scale=0.5, head_dim=96)}[mode]
+    c = _padded_case("paged", *BATCH, 96, hq=4, hkv=2, page_size=16, custom_mask=mode == "custom",
+                     alibi=mode == "soft_cap_alibi", sinks=mode == "sinks", seed=7)
+    check(c, p)
+
+
+@pytest.mark.parametrize("d", [16, 24, 80])
+@pytest.mark.parametrize("kind", ["ragged", "single"])
+def test_rope_head_dims(kind, d):
+    # In-kernel RoPE at dims whose halves (8, 12, 40) are not a power of two or are narrower
+    # than a dot's depth (16): the half tiles are padded and masked.
+    qo, kv = ([20], [33]) if kind == "single" else ([9, 20], [30, 20])
+    c = _padded_case(kind, qo, kv, d, hq=2, hkv=1, seed=d + 1)
+    check(c, params(pos_encoding_mode=ops.POS_ROPE_LLAMA, rope_theta=1e4, head_dim=d))
+
+
+def test_dqk_ne_dvo_padded_fp32():
+    c = _padded_case("ragged", [13, 30], [20, 45], 96, 40, hq=6, hkv=2, dtype=torch.float32,
+                     seed=3)
+    check(c, params(head_dim=96))
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+@pytest.mark.parametrize("d", [80, 160])
+def test_split_kv(d, kind):
+    # Split-KV partials hold the padded tile's width; the merge stores the real dim only.
+    qo, kv = [3, 1, 40, 0, 2], [300, 97, 260, 5, 1]
+    c = _padded_case(kind, qo, kv, d, hq=4, hkv=2, page_size=16, sinks=True, seed=31)
+    c.work, c.merge = build_split_work(qo, kv, 2, c.block_m, 2, num_sms=32, min_keys_per_chunk=64)
+    assert c.merge is not None and int(c.merge[:, 3].max()) > 2
+    check(c, params(head_dim=d))
+
+
+@pytest.mark.parametrize("path", ["host", "persistent", "device", "pointers"])
+@pytest.mark.parametrize("kind", ["ragged", "single"])
+def test_kv_load_paths(kind, path, monkeypatch):
+    # Descriptors describe K / V with their real dim: a box past it reads zeros, never the
+    # NaN lanes beside it. Every path gives the reference's numbers.
+    tma = force_kv_path(monkeypatch, path)
+    seen = record_tma(monkeypatch)
+    qo, kv = ([37], [50]) if kind == "single" else BATCH
+    c = _padded_case(kind, qo, kv, 112, hq=4, hkv=2, seed=41)
+    check(c, params(head_dim=112))
+    assert seen == [tma]
+
+
+@pytest.mark.parametrize("kind", ["single", "ragged", "paged", "split"])
+def test_head_dim_512(kind):
+    qo, kv = ([9], [40]) if kind == "single" else ([9, 0, 3], [40, 7, 70])
+    c = _padded_case("ragged" if kind == "split" else kind, qo, kv, 512, hq=2, hkv=1,
+                     page_size=16, seed=5)
+    if kind == "split":
+        c.work, c.merge = build_split_work(qo, kv, 2, c.block_m, 1, num_sms=16,
+                                           min_keys_per_chunk=32)
+        assert c.merge is not None
+    check(c, params(head_dim=512))
+
+
+def test_pod_head_dim_80():
+    # POD's prefill and decode parts at a padded dim, in one launch; each part checked against
+    # its reference (the launch runs inside the prefill part's check, after its poisoning).
+    pre = _padded_case("paged", [19, 0, 40], [30, 6, 40], 80, hq=4, hkv=2, page_size=5, seed=21)
+    dec = _padded_case("paged", [1] * 4, [9, 1, 33, 17], 80, hq=4, hkv=2, page_size=16, seed=22)
+    work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32),
+                                 c.work], 1) for part, c in ((0, pre), (1, dec))])
+    pp, pd = params(head_dim=80), params(mask_mode=ops.MASK_NONE, sm_scale=0.3)
+    outs = []
+
+    def pod(c, p, out_dtype):
+        outs.extend(ops.pod_prefill_decode(
+            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
+            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
+            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
+            pp["mask_mode"], -1, pp["sm_scale"], 0.0, pd["mask_mode"], -1, pd["sm_scale"], 0.0,
+            ops.POS_NONE, 1.0, 1e4, 1.0, None))
+        return outs[0], outs[1]
+
+    check(pre, pp, runner=pod)
+    check(dec, pd, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+
+
+@pytest.mark.parametrize("dqk,dvo,bad", [(36, 36, "D_qk = 36"), (64, 520, "D_vo = 520"),
+                                          (8, 8, "D_qk = 8"), (264, 264, "D_qk = 264")])
+def test_unsupported_head_dim_names_the_set(dqk, dvo, bad):
+    c = make_case("ragged", [3], [5], hq=1, hkv=1, dqk=dqk, dvo=dvo, seed=1)
+    with pytest.raises(ValueError, match=rf"{bad} has no kernel.*multiple of 8 from 16 to 256, "
+                                         r"or 512"):
+        run(c, params(head_dim=dqk))
+    assert contracts._use_kernel(c.q)  # the kernel, not the reference, refused
