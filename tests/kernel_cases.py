@@ -119,6 +119,30 @@ def make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, *, dtype=torch.flo
     return c
 
 
+def nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose last dim is followed by NaN lanes in memory (row stride the
+    next power of two, or twice the dim for a power of two): a kernel that reads or writes past
+    the head dim shows up."""
+    d = t.shape[-1]
+    wide = 1 << (d - 1).bit_length()
+    wide = wide if wide > d else 2 * d
+    buf = torch.full((*t.shape[:-1], wide), float("nan"), dtype=t.dtype, device=t.device)
+    buf[..., :d] = t
+    return buf[..., :d]
+
+
+def make_padded_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, **kw) -> Case:
+    """make_case with q, k and v (paged: the 5-D cache) NaN-padded past their head dims."""
+    c = make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo, **kw)
+    if kind == "paged" and not kw.get("tuple_cache"):
+        both = nan_padded(torch.stack([c.k, c.v], 1))  # one [P, 2, ...] buffer, as the cache
+        c.k, c.v = both[:, 0], both[:, 1]
+    else:
+        c.k, c.v = nan_padded(c.k), nan_padded(c.v)
+    c.q = nan_padded(c.q)
+    return c
+
+
 def move_past_2_31(c: Case) -> None:
     """Move paged case c's pages to the end of a combined [P, 2, page, Hkv, D] cache of more
     than 2^31 elements (so every key offset is past 2^31), the slots no request owns NaN; c's
