@@ -269,6 +269,30 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
 
 
+def check_pod(pre: Case, dec: Case, p_pre: dict, p_dec: dict) -> None:
+    """Run paged cases pre (the prefill part) and dec (the decode part; same heads, head dim and
+    tile height) through pod_prefill_decode in one launch, with params p_pre / p_dec (mask
+    mode and scale each; no window, soft cap or position encoding), and check each part as
+    ``check`` does (the launch runs inside the prefill part's check, after its poisoning)."""
+    dev = pre.q.device
+    work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32,
+                                            device=dev), c.work], 1)
+                      for part, c in ((0, pre), (1, dec))])
+    outs = []
+
+    def pod(c, p, out_dtype):
+        outs.extend(ops.pod_prefill_decode(
+            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
+            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
+            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
+            p_pre["mask_mode"], -1, p_pre["sm_scale"], 0.0, p_dec["mask_mode"], -1,
+            p_dec["sm_scale"], 0.0, ops.POS_NONE, 1.0, 1e4, 1.0, None))
+        return outs[0], outs[1]
+
+    check(pre, p_pre, runner=pod)
+    check(dec, p_dec, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+
+
 def capture_graph(fn):
     """fn() captured in a CUDA graph, after a warm-up call on a side stream (compiles and
     allocates outside the capture); returns (graph, fn's result inside the graph)."""

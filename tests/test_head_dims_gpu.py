@@ -14,8 +14,8 @@ import torch
 import compiled_attn
 from compiled_attn import ops
 from compiled_attn.plan import build_split_work
-from tests.kernel_cases import (check, force_kv_path, make_case, make_padded_case, params,
-                                record_tma)
+from tests.kernel_cases import (check, check_pod, force_kv_path, make_case, make_padded_case,
+                                params, record_tma)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,29 +117,12 @@ def test_pod(d):
                            device="cuda", page_size=16, seed=21)
     dec = make_padded_case("paged", [1] * 6, [900, 1, 33, 0, 17, 2049], 8, 2, d, dtype=BF16,
                            device="cuda", page_size=16, seed=22)
-    work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32,
-                                            device="cuda"), c.work], 1)
-                      for part, c in ((0, pre), (1, dec))])
-    pp, pd = params(head_dim=d), params(mask_mode=ops.MASK_NONE, head_dim=d)
-    outs = []
-
-    def pod(c, p, out_dtype):
-        outs.extend(ops.pod_prefill_decode(
-            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
-            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
-            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
-            pp["mask_mode"], -1, pp["sm_scale"], 0.0, pd["mask_mode"], -1, pd["sm_scale"], 0.0,
-            ops.POS_NONE, 1.0, 1e4, 1.0, None))
-        return outs[0], outs[1]
-
-    check(pre, pp, runner=pod)
-    check(dec, pd, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+    check_pod(pre, dec, params(head_dim=d), params(mask_mode=ops.MASK_NONE, head_dim=d))
 
 
 @pytest.mark.parametrize("d", [96, 512])
 def test_paged_wrapper(d):
-    # The public wrapper plans these dims on CUDA (it refused all but 64 / 128 / 256 /
-    # (192, 128)) and runs them; its plan may split long keys.
+    # The public wrapper plans these dims on CUDA and runs them; its plan may split long keys.
     c = _case("paged", d, padded=False, seed=5)
     w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
     w.plan(c.qo_indptr.cpu(), c.kv_indptr.cpu(), c.page_indices.cpu(), c.last_page_len.cpu(),

@@ -10,8 +10,8 @@ import torch
 from compiled_attn import ops
 from compiled_attn.ops import contracts
 from compiled_attn.plan import build_split_work
-from tests.kernel_cases import (check, force_kv_path, make_case, make_padded_case, params,
-                                record_tma, run)
+from tests.kernel_cases import (check, check_pod, force_kv_path, make_case, make_padded_case,
+                                params, record_tma, run)
 
 BATCH = ([5, 0, 70, 3, 9], [9, 4, 70, 0, 4])  # odd lengths, empty requests, qo > kv
 
@@ -98,22 +98,7 @@ def test_pod_head_dim_80():
     pre = make_padded_case("paged", [19, 0, 40], [30, 6, 40], 4, 2, 80, page_size=5, seed=21)
     dec = make_padded_case("paged", [1] * 4, [9, 1, 33, 17], 4, 2, 80, page_size=16,
                            seed=22)
-    work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32),
-                                 c.work], 1) for part, c in ((0, pre), (1, dec))])
-    pp, pd = params(head_dim=80), params(mask_mode=ops.MASK_NONE, sm_scale=0.3)
-    outs = []
-
-    def pod(c, p, out_dtype):
-        outs.extend(ops.pod_prefill_decode(
-            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
-            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
-            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
-            pp["mask_mode"], -1, pp["sm_scale"], 0.0, pd["mask_mode"], -1, pd["sm_scale"], 0.0,
-            ops.POS_NONE, 1.0, 1e4, 1.0, None))
-        return outs[0], outs[1]
-
-    check(pre, pp, runner=pod)
-    check(dec, pd, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+    check_pod(pre, dec, params(head_dim=80), params(mask_mode=ops.MASK_NONE, sm_scale=0.3))
 
 
 @pytest.mark.parametrize("dqk,dvo,bad", [(36, 36, "D_qk = 36"), (64, 520, "D_vo = 520"),
