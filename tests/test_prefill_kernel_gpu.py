@@ -13,8 +13,8 @@ import torch
 
 from compiled_attn import graph_dispatch, ops
 from compiled_attn.plan import block_m_for, build_split_work, build_work
-from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, move_past_2_31,
 from compiled_attn.ops.policy import POLICY
+from tests.kernel_cases import (capture_graph, check, force_kv_path, make_case, move_past_2_31,
                                 params, record_tma, ref, run)
 
 pytestmark = [
