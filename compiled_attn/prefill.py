@@ -696,8 +696,8 @@ _PLAN_COMMON_DOC = """
         mask flattened row-major and concatenated (``sum(qo_len * kv_len)`` entries); or
         packed_custom_mask: uint8, the same bits packed per request with
         ``segment_packbits(mask, indptr, bitorder="little")`` (each request starts on a new
-        byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask
-        replaces causal; the window still applies; a mask of the wrong length is a ValueError.
+        byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask replaces causal; the window
+        still applies; a mask of the wrong length is a ValueError.
         causal: bottom-right aligned (row i of a request sits at ``kv_len - qo_len + i``);
         kv_len < qo_len is allowed (rows that see no key give 0 / LSE -inf).
         pos_encoding_mode "NONE"/"ROPE_LLAMA"/"ALIBI" (ALiBi with absolute positions; see
