@@ -18,13 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from .ops.contracts import FP8_DTYPES, refuse_if_miscomputed
+from .ops.contracts import INTERPRET, FP8_DTYPES, check_kernel_head_dims, refuse_if_miscomputed
 
 __all__: list[str] = []  # internal module: nothing is re-exported by compiled_attn
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 POS_ENCODING_CODES = {"NONE": 0, "ROPE_LLAMA": 1, "ALIBI": 2}  # = ops.POS_* codes
-CUDA_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))
 BACKENDS = ("auto", "fa2", "fa3")
 
 
@@ -452,13 +451,15 @@ def check_heads(num_qo_heads, num_kv_heads, names=("num_qo_heads", "num_kv_heads
 
 def check_head_dims(head_dim_qk, head_dim_vo, device_type: str,
                     names=("head_dim_qk", "head_dim_vo")) -> None:
+    """Positive ints; on CUDA (and on CPU under TRITON_INTERPRET=1, where the kernel runs) each
+    one the kernel runs (ops.contracts.KERNEL_HEAD_DIMS: multiples of 8 from 16 to 256, and
+    512; any pair of them); on CPU any."""
     qn, vn = names
     for n, v in ((qn, head_dim_qk), (vn, head_dim_vo)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{n}: got {v!r}; use a Python int >= 1")
-    if device_type == "cuda" and (head_dim_qk, head_dim_vo) not in CUDA_HEAD_DIMS:
-        raise ValueError(f"({qn}, {vn}) = ({head_dim_qk}, {head_dim_vo}) has no CUDA kernel; "
-                         f"use one of {list(CUDA_HEAD_DIMS)} (any head dim runs on CPU)")
+    if device_type == "cuda" or (INTERPRET and device_type == "cpu"):
+        check_kernel_head_dims(head_dim_qk, head_dim_vo, names)
 
 
 def check_rope_dim(head_dim_qk: int, pos_code: int) -> None:

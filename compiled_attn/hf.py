@@ -10,7 +10,8 @@ and padding included), or None when plain causal attention is exact. The attenti
 is None, Gemma2's ``softcap`` as logits_soft_cap, and attention sinks (GPT-OSS's ``s_aux``: one
 logit per query head in the softmax denominator) as the op's sinks. Rows that see no key return
 0, as SDPA does. What the op cannot take raises NotImplementedError: a model's additive bias
-(T5's ``position_bias``), a ``head_mask``, a float mask.
+(T5's ``position_bias``), a ``head_mask``, a float mask; a head dim the kernel does not run (on
+CUDA: a multiple of 8 from 16 to 256, or 512) raises ValueError naming the supported set.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         sinks = sinks.to(torch.float32).contiguous()
     bsz, hq, sq, d = query.shape
     skv = key.shape[2]
+    _check_head_dims(query, d, value.shape[-1])
     scale = float(scaling) if scaling is not None else d ** -0.5
     window_left = -1
     packed = None
@@ -83,6 +85,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), packed, None, sinks,
         mode, window_left, 0, scale, float(softcap or 0.0), 0, 1.0, 1e4, 1.0, None)
     return out, None
+
+
+def _check_head_dims(query, dqk, dvo) -> None:
+    """Where the op runs the kernel (CUDA; CPU under TRITON_INTERPRET=1), a ValueError naming
+    the supported head dims (ops.contracts.KERNEL_HEAD_DIMS) and the way out for a model whose
+    head dim is not one of them; traced symbolic dims are left to the launch's own check."""
+    from compiled_attn.ops.contracts import _use_kernel, check_kernel_head_dims
+
+    if type(dqk) is not int or type(dvo) is not int or not _use_kernel(query):
+        return
+    try:
+        check_kernel_head_dims(dqk, dvo, names=("the model's head dim (query.shape[-1])",
+                                                "value.shape[-1]"))
+    except ValueError as e:
+        raise ValueError(f"compiled_attn attention: {e}; or use attn_implementation='sdpa' for "
+                         "this model") from None
 
 
 def register(name: str = "compiled_attn") -> str:

@@ -697,12 +697,13 @@ _RUN_DOC = """
 
 _PLAN_COMMON_DOC = """
         num_qo_heads, num_kv_heads: Hq % Hkv == 0 (GQA groups of any size). head_dim_qk,
-        head_dim_vo (default head_dim_qk): on CUDA (64,64)/(128,128)/(256,256)/(192,128), on CPU
-        any. custom_mask: bool, each request's ``[qo_len, kv_len]`` mask flattened row-major and
-        concatenated (``sum(qo_len * kv_len)`` entries); or packed_custom_mask: uint8, the same
-        bits packed per request with ``segment_packbits(mask, indptr, bitorder="little")`` (each
-        request starts on a new byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask
-        replaces causal; the window still applies; a mask of the wrong length is a ValueError.
+        head_dim_vo (default head_dim_qk): on CUDA each a multiple of 8 from 16 to 256, or 512
+        (any pair of them), on CPU any. custom_mask: bool, each request's ``[qo_len, kv_len]``
+        mask flattened row-major and concatenated (``sum(qo_len * kv_len)`` entries); or
+        packed_custom_mask: uint8, the same bits packed per request with
+        ``segment_packbits(mask, indptr, bitorder="little")`` (each request starts on a new
+        byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask replaces causal; the window
+        still applies; a mask of the wrong length is a ValueError.
         causal: bottom-right aligned (row i of a request sits at ``kv_len - qo_len + i``);
         kv_len < qo_len is allowed (rows that see no key give 0 / LSE -inf).
         pos_encoding_mode "NONE"/"ROPE_LLAMA"/"ALIBI" (ALiBi with absolute positions; see

@@ -6,8 +6,8 @@ Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both 
 read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp
 group), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon
 Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge
-kernel, at small sizes; each result is also checked against the float64 reference. Exits
-non-zero on a mismatch."""
+kernel, head dims 80 / 112 / 160 / 512, at small sizes; each result is also checked against
+the float64 reference. Exits non-zero on a mismatch."""
 
 import sys
 
@@ -130,6 +130,35 @@ def main() -> int:
                 check(c, params(head_dim=128))
                 cases += 1
             cases += 1
+    # Head dims between powers of two (tiles padded, every load and store masked on the dim)
+    # and 512, in tensors whose rows are exactly d wide (a read past the dim of the last row
+    # leaves the allocation): every K/V path of ragged batches (descriptors whose box is wider
+    # than the dim), pages of 1 and 16 keys, RoPE's half loads, and split-KV with its merge.
+    qo, kv = [3, 1, 40, 0, 2], [3000, 970, 2600, 5, 1]
+    for d in (80, 112, 160, 512):
+        for path in ("host", "persistent", "device", "pointers"):
+            if d > 128 and path != "pointers":
+                continue  # no descriptors past D 128: every path is the pointer loads
+            with pytest.MonkeyPatch.context() as m:
+                force_kv_path(m, path)
+                c = make_case("ragged", QO, KV, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
+                              device="cuda", seed=d)
+                c.work = torch.cat([c.work, pad])
+                check(c, params(head_dim=d))
+                cases += 1
+        for page in (1, 16):
+            c = make_case("paged", QO, KV, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
+                          device="cuda", page_size=page, seed=d + page)
+            check(c, params(head_dim=d, pos_encoding_mode=ops.POS_ROPE_LLAMA if page == 16
+                            else ops.POS_NONE))
+            cases += 1
+        c = make_case("ragged", qo, kv, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
+                      device="cuda", seed=d + 2)
+        c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
+                                           min_keys_per_chunk=256)
+        c.work, c.merge = c.work.cuda(), c.merge.cuda()
+        check(c, params(head_dim=d))
+        cases += 1
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases} cases checked")
     return 0

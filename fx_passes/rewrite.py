@@ -636,6 +636,21 @@ def _transpose_last2(em: Emitter, x):
     return x
 
 
+def _check_kernel_head_dims(q, dqk: int | None, dvo: int | None) -> None:
+    """Skip a site whose static head dims the kernel does not run (ops.contracts.
+    KERNEL_HEAD_DIMS) where the op would run the kernel (q: the site's q value; a CUDA tensor,
+    or a CPU one under TRITON_INTERPRET=1): left as written, it runs, where the op would raise.
+    Symbolic head dims are specialised by the launch, which checks them then."""
+    from compiled_attn.ops.contracts import _use_kernel, check_kernel_head_dims
+
+    if dqk is None or dvo is None or not _use_kernel(q):
+        return
+    try:
+        check_kernel_head_dims(dqk, dvo)
+    except ValueError:
+        raise Skip(f"head dims ({dqk}, {dvo}) have no kernel on {q.device.type}") from None
+
+
 def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     """Replace one matched site. Returns the mask kind used; raises Skip before any change."""
     from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
@@ -656,6 +671,7 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         raise Skip("q/k/v batch or length mismatch (broadcast batch)")
     if dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise Skip(f"q dtype {dtype(q)}")
+    _check_kernel_head_dims(val(q), static_int(dqk), static_int(vs[3]))
     out_dtype = dtype(site.out)
 
     # GQA: the kernel maps query head h to kv head h // (Hq / Hkv).

@@ -37,6 +37,27 @@ from .modes import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE,  # noqa: F40
 Tensor = torch.Tensor
 
 
+# Head dims the Triton kernel runs, D_qk and D_vo each (any pair): multiples of 8 from 16 to 256
+# (tiles padded to a power of two, every load and store masked on the real dim; 8 elements keep
+# rows 16-byte aligned for descriptors and vector loads at fp16, 16 is the smallest dot depth)
+# and 512 (its own tiles: prefill_kernel._config). The CPU reference takes any head dim.
+KERNEL_HEAD_DIMS = frozenset((*range(16, 257, 8), 512))
+KERNEL_HEAD_DIMS_TEXT = "a multiple of 8 from 16 to 256, or 512"
+
+
+def check_kernel_head_dims(dqk, dvo, names=("D_qk", "D_vo")) -> None:
+    """Raise ValueError naming the argument (names: those of dqk, dvo) and the supported set
+    unless the Triton kernel runs these head dims (KERNEL_HEAD_DIMS): the one rule of the ops'
+    launches, the API's validation on CUDA and the FX rewrite."""
+    for name, d in zip(names, (dqk, dvo)):
+        if d not in KERNEL_HEAD_DIMS:
+            raise ValueError(
+                f"{name} = {d} has no kernel on the GPU (nor under TRITON_INTERPRET=1): the "
+                f"kernel runs head dims that are {KERNEL_HEAD_DIMS_TEXT}; pad the head dim to "
+                "one of those (zero padding of q / k leaves the logits unchanged; pass sm_scale "
+                "for the real dim), or run on CPU (any head dim)")
+
+
 # fp8 dtypes: K/V caches may hold them (upcast in the kernel); outputs may be written in them
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -46,6 +46,7 @@ from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, PO
 from .policy import POLICY
 from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
                     SMALL_PAGE_PAD)
+from .contracts import check_kernel_head_dims
 
 try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
     from . import prefill_gluon as _gluon
@@ -82,6 +83,8 @@ def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
             and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
             and not gluon_pages):
         return SMALL_PAGE_BLOCK_M
+    if d > 256:
+        return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
     if d > 128 or max_kv_len is None:
         return 128
     if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
@@ -137,7 +140,11 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
     # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
     # through shared memory with K and V). The Triton kernel's descriptors never with
     # CRASH_STAGES nor for 128-row D <= 64 tiles (slower there) nor D 256 (ptxas of triton
-    # 3.6); the Gluon kernel, asked first (_gluon_launch), has its own tiles for those.
+    # 3.6); the Gluon kernel, asked first (_gluon_launch), has its own tiles for those. D 512
+    # (64-row tiles: block_m_for) streams 32-key K / V tiles two deep: compiled for sm_90 by
+    # triton 3.6 on 2026-11-27 it took 96-128 KB of shared memory (split-KV and custom masks
+    # the most), 192 KB at most if Q and both stages of K and V were all held there.
+    # Head dims between powers of two run their power of two's tiles (_dims).
     d = max(dqk, dvo)
     stages = 2 if mask_mode == MASK_CUSTOM else 3
     tma = stages != CRASH_STAGES.value
@@ -149,7 +156,9 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
         return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
     if d <= 128:
         return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
-    return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
+    if d <= 256:
+        return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2, TMA=False)
 
 
 @triton.jit
@@ -161,11 +170,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.constexpr):
-    """Rotate-half RoPE of the two halves x1, x2 (float32). ROWS: pos indexes dim 0 (x is
-    [N, HALF]); otherwise dim 1 (x is [HALF, N])."""
+def _rope(x1, x2, pos, rope_rcp_scale, log2_theta, HALF: tl.constexpr, ROWS: tl.constexpr,
+          D: tl.constexpr):
+    """Rotate-half RoPE of the two halves x1, x2 (float32) of a head dim D (HALF >= D / 2 lanes;
+    lanes past D / 2 hold zeros). ROWS: pos indexes dim 0 (x is [N, HALF]); otherwise dim 1 (x
+    is [HALF, N])."""
     c = tl.arange(0, HALF).to(tl.float32)
-    inv_freq = tl.exp2(-2.0 * c / (2 * HALF) * log2_theta)
+    inv_freq = tl.exp2(-2.0 * c / D * log2_theta)
     if ROWS:
         ang = (pos.to(tl.float32) * rope_rcp_scale)[:, None] * inv_freq[None, :]
     else:
@@ -252,6 +263,7 @@ def _attend_range(
     SKIP_LOG2 = log2 of the factor, contracts._stats_skip); a tile no row keeps skips its P.V."""
     offs_n = tl.arange(0, BLOCK_N)
     HALF: tl.constexpr = BLOCK_DQK // 2
+    RH: tl.constexpr = DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
     if ROPE:
         offs_d1 = tl.arange(0, HALF)
     else:
@@ -314,9 +326,12 @@ def _attend_range(
                             MASKED, DQK, BLOCK_N, BLOCK_DQK)
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif ROPE:
-            k1 = tl.load(kt_ptrs, mask=j_ok[None, :], other=0.0).to(tl.float32)
-            k2 = tl.load(kt_ptrs + HALF * stride_kd, mask=j_ok[None, :], other=0.0).to(tl.float32)
-            k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False)
+            k_ok = j_ok[None, :]
+            if RH != HALF:
+                k_ok = k_ok & (offs_d1[:, None] < RH)
+            k1 = tl.load(kt_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            k2 = tl.load(kt_ptrs + RH * stride_kd, mask=k_ok, other=0.0).to(tl.float32)
+            k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False, DQK)
             s = tl.dot(q, k1.to(q.dtype)) + tl.dot(q2, k2.to(q.dtype))
         elif MASKED or DQK != BLOCK_DQK:
             k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < DQK), other=0.0)
@@ -509,13 +524,15 @@ def _program(
     # ---- load q (int64 offsets), RoPE'd in place when asked ---------------------------------
     q_rows = q_ptr + q_base + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
     HALF: tl.constexpr = BLOCK_DQK // 2
+    RH: tl.constexpr = DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
     if ROPE:
-        offs_h = tl.arange(0, HALF).to(tl.int64) * stride_qd
-        q1 = tl.load(q_rows[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0)
-        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + HALF * stride_qd, mask=row_ok[:, None],
-                     other=0.0)
+        lanes = tl.arange(0, HALF)
+        offs_h = lanes.to(tl.int64) * stride_qd
+        q_ok = row_ok[:, None] & (lanes[None, :] < RH)
+        q1 = tl.load(q_rows[:, None] + offs_h[None, :], mask=q_ok, other=0.0)
+        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + RH * stride_qd, mask=q_ok, other=0.0)
         r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, rope_rcp_scale,
-                       log2_theta, HALF, True)
+                       log2_theta, HALF, True, DQK)
         q = r1.to(q1.dtype)
         q2 = r2.to(q1.dtype)
     else:
@@ -954,11 +971,11 @@ def _pow2(n):
 
 
 def _dims(dqk: int, dvo: int, rope: bool) -> dict:
-    bdqk = _pow2(dqk)
-    if rope and bdqk != dqk:
-        raise NotImplementedError(
-            f"in-kernel RoPE needs a power-of-two head_dim_qk, got {dqk}; apply RoPE outside "
-            "(pos_encoding_mode='NONE') for this head dim")
+    """The head dims' constexprs: real dims (contracts.KERNEL_HEAD_DIMS, else ValueError) and
+    their tiles, padded to a power of two; RoPE's half tiles are dot operands of 16 or more."""
+    dqk, dvo = guard_int(dqk), guard_int(dvo)
+    check_kernel_head_dims(dqk, dvo)
+    bdqk = max(_pow2(dqk), 32 if rope else 16)
     return dict(BLOCK_DQK=bdqk, BLOCK_DVO=_pow2(dvo), DQK=dqk, DVO=dvo)
 
 

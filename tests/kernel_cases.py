@@ -122,6 +122,30 @@ def make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, *, dtype=torch.flo
     return c
 
 
+def nan_padded(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view whose last dim is followed by NaN lanes in memory (row stride the
+    next power of two, or twice the dim for a power of two): a kernel that reads or writes past
+    the head dim shows up."""
+    d = t.shape[-1]
+    wide = 1 << (d - 1).bit_length()
+    wide = wide if wide > d else 2 * d
+    buf = torch.full((*t.shape[:-1], wide), float("nan"), dtype=t.dtype, device=t.device)
+    buf[..., :d] = t
+    return buf[..., :d]
+
+
+def make_padded_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo=None, **kw) -> Case:
+    """make_case with q, k and v (paged: the 5-D cache) NaN-padded past their head dims."""
+    c = make_case(kind, qo_lens, kv_lens, hq, hkv, dqk, dvo, **kw)
+    if kind == "paged" and not kw.get("tuple_cache"):
+        both = nan_padded(torch.stack([c.k, c.v], 1))  # one [P, 2, ...] buffer, as the cache
+        c.k, c.v = both[:, 0], both[:, 1]
+    else:
+        c.k, c.v = nan_padded(c.k), nan_padded(c.v)
+    c.q = nan_padded(c.q)
+    return c
+
+
 def move_past_2_31(c: Case) -> None:
     """Move paged case c's pages to the end of a combined [P, 2, page, Hkv, D] cache of more
     than 2^31 elements (so every key offset is past 2^31), the slots no request owns NaN; c's
@@ -246,6 +270,30 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     assert err <= bound, f"output error {err:.3g} > bound {bound:.3g} (torch's own {terr:.3g})"
     assert lerr <= lbound, f"LSE error {lerr:.3g} > bound {lbound:.3g} (torch's own {lterr:.3g})"
     return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
+
+
+def check_pod(pre: Case, dec: Case, p_pre: dict, p_dec: dict) -> None:
+    """Run paged cases pre (the prefill part) and dec (the decode part; same heads, head dim and
+    tile height) through pod_prefill_decode in one launch, with params p_pre / p_dec (mask
+    mode and scale each; no window, soft cap or position encoding), and check each part as
+    ``check`` does (the launch runs inside the prefill part's check, after its poisoning)."""
+    dev = pre.q.device
+    work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32,
+                                            device=dev), c.work], 1)
+                      for part, c in ((0, pre), (1, dec))])
+    outs = []
+
+    def pod(c, p, out_dtype):
+        outs.extend(ops.pod_prefill_decode(
+            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
+            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
+            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
+            p_pre["mask_mode"], -1, p_pre["sm_scale"], 0.0, p_dec["mask_mode"], -1,
+            p_dec["sm_scale"], 0.0, ops.POS_NONE, 1.0, 1e4, 1.0, None))
+        return outs[0], outs[1]
+
+    check(pre, p_pre, runner=pod)
+    check(dec, p_dec, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
 
 
 def capture_graph(fn):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import compiled_attn
-from compiled_attn import plan
+from compiled_attn.ops import schedule as plan
 from compiled_attn.ops import MASK_CAUSAL, MASK_NONE, POS_NONE, policy, reference
 from compiled_attn.ops import prefill_kernel as pk
 from tests.helpers import batch_invariance, check_fixed_split_plan, dense_batch

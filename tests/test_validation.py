@@ -209,11 +209,13 @@ def test_single_prefill_errors():
 
 
 def test_cuda_head_dims_and_dtypes_rules():
-    for ok in [(64, 64), (128, 128), (256, 256), (192, 128)]:
+    for ok in [(64, 64), (128, 128), (256, 256), (192, 128), (96, 96), (80, 80), (512, 512),
+               (16, 16), (248, 40)]:
         V.check_head_dims(*ok, "cuda")
-    with pytest.raises(ValueError, match=r"\(head_dim_qk, head_dim_vo\) = \(96, 96\) has no CUDA"):
-        V.check_head_dims(96, 96, "cuda")
-    V.check_head_dims(96, 40, "cpu")  # any head dim on CPU
+    with pytest.raises(ValueError, match=r"head_dim_vo = 100 has no kernel on the GPU .*a "
+                                         r"multiple of 8 from 16 to 256, or 512"):
+        V.check_head_dims(96, 100, "cuda")
+    V.check_head_dims(96, 41, "cpu")  # any head dim on CPU
     with pytest.raises(TypeError, match="q: got torch.float64; on cuda use one of"):
         V.check_q_dtype("q", torch.float64, "cuda")
 

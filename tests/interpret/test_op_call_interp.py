@@ -55,7 +55,7 @@ def test_interpreter_refuses_bf16_and_fp8_outputs():
     # The interpreter computes bf16 dot products and fp8 roundings wrongly on CPU (an audit:
     # errors of ~1e9 and -0.474 -> -0.25 in e5m2, with no error raised): the entry points
     # refuse those dtypes under TRITON_INTERPRET=1 and name the way out; fp16 still runs.
-    q, k, v = (rand(4, 2, 8, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    q, k, v = (rand(4, 2, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
     with pytest.raises(NotImplementedError, match="bfloat16 under TRITON_INTERPRET=1"):
         fi.single_prefill_with_kv_cache(q, k, v)
     q, k, v = (x.to(torch.float16) for x in (q, k, v))
@@ -77,7 +77,7 @@ def test_ops_refuse_what_the_interpreter_miscomputes():
     # no wrapper validates, raises too, naming the argument; fp16 / fp32 run the kernel.
     from compiled_attn import ops
 
-    q, k, v = (rand(1, 4, 2, 8, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
+    q, k, v = (rand(1, 4, 2, 16, seed=s, dtype=torch.bfloat16) for s in (1, 2, 3))
     tail = (None, None, None, ops.MASK_CAUSAL, -1, 0, 0.3, 0.0, ops.POS_NONE, 1.0, 1e4, 1.0)
     with pytest.raises(NotImplementedError, match="^q: torch.bfloat16 under TRITON_INTERPRET"):
         torch.ops.compiled_attn.single_prefill(q, k, v, *tail, None)
