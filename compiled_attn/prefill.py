@@ -157,59 +157,28 @@ def single_prefill_with_kv_cache(
 
     Returns out ``[qo_len, Hq, D_vo]``, and with return_lse also lse float32 ``[qo_len, Hq]``.
     """
+    args = (q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout,
+            pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
+            rope_scale, rope_theta, backend, k_scale, v_scale)
     if (scale_q is None and scale_k is None and scale_v is None and kv_cache_sf is None
             and not torch.is_tensor(k_scale) and not torch.is_tensor(v_scale)):
         # a bound launch (op_call.bound_run): a repeated call replays what the first launched
-        options = (o_dtype, causal, kv_layout, pos_encoding_mode, use_fp16_qk_reduction,
-                   sm_scale, window_left, logits_soft_cap, rope_scale, rope_theta, backend,
-                   k_scale, v_scale)
-        out, lse = bound_run(_SINGLE_MEMO, (q, k, v, custom_mask, packed_custom_mask), options,
-                             lambda: _single_prefill(
-                                 q, k, v, o_dtype=o_dtype, custom_mask=custom_mask,
-                                 packed_custom_mask=packed_custom_mask, causal=causal,
-                                 kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
-                                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
-                                 window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                 rope_scale=rope_scale, rope_theta=rope_theta, backend=backend,
-                                 return_lse=True, k_scale=k_scale, v_scale=v_scale))
+        out, lse = bound_run(_SINGLE_MEMO, (q, k, v, custom_mask, packed_custom_mask),
+                             args[3:4] + args[6:], lambda: _single_prefill(*args, True))
         return (out, lse) if return_lse else out
-    return _single_prefill(q, k, v, scale_q, scale_k, scale_v, o_dtype, custom_mask,
-                           packed_custom_mask, causal, kv_layout, pos_encoding_mode,
-                           use_fp16_qk_reduction, sm_scale, window_left, logits_soft_cap,
-                           rope_scale, rope_theta, backend, return_lse, kv_cache_sf, k_scale,
-                           v_scale)
-
-
-def _single_prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale_q: torch.Tensor | None = None,
-    scale_k: torch.Tensor | None = None,
-    scale_v: torch.Tensor | None = None,
-    o_dtype: torch.dtype | None = None,
-    custom_mask: torch.Tensor | None = None,
-    packed_custom_mask: torch.Tensor | None = None,
-    causal: bool = False,
-    kv_layout: str = "NHD",
-    pos_encoding_mode: str = "NONE",
-    use_fp16_qk_reduction: bool = False,
-    sm_scale: float | None = None,
-    window_left: int = -1,
-    logits_soft_cap: float | None = None,
-    rope_scale: float | None = None,
-    rope_theta: float | None = None,
-    backend: str = "auto",
-    return_lse: bool = False,
-    kv_cache_sf=None,
-    k_scale=None,
-    v_scale=None,
-):
-    """single_prefill_with_kv_cache's whole path (checks, views, the op)."""
     for name, val in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
         V.reject_if_set(name, val, "per-head fp8-q quantisation scales are not supported; "
                         "keep q in fp16/bf16 and pass scalar k_scale / v_scale for fp8 K/V")
     V.reject_if_set("kv_cache_sf", kv_cache_sf, "NVFP4 KV caches are not supported")
+    return _single_prefill(*args, return_lse)
+
+
+def _single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, kv_layout,
+                    pos_encoding_mode, use_fp16_qk_reduction, sm_scale, window_left,
+                    logits_soft_cap, rope_scale, rope_theta, backend, k_scale, v_scale,
+                    return_lse):
+    """single_prefill_with_kv_cache's whole path (checks, views, the op), its arguments in
+    this order (per-head q scales and NVFP4 already refused)."""
     V.check_backend(backend)
     layout = V.check_kv_layout(kv_layout)
     V.check_tensor("q", q, ndim=3, what="[qo_len, Hq, D_qk]")
