@@ -1,4 +1,4 @@
-"""Session-wide pytest hooks.
+"""Pytest hooks for the whole test run.
 
 - Modules with tests marked ``slow`` run first, so that under pytest-xdist (make test) the long
   builds start at once and the short tests fill in around them instead of one long test
