@@ -58,11 +58,14 @@ test:
 # carried in .whl/ (docs/benchmarks.md) and `source dev/gpu_setup.sh` installs them with the
 # project. The GPU tier runs in 8 workers at once (most of its time is Triton and Gluon
 # compiling kernels on the CPUs; each worker is its own CUDA context on the one GPU), then the
-# gpu_solo tests, which need most of the GPU's memory, alone.
+# gpu_solo tests, which need most of the GPU's memory, alone. Each test's outcome is printed as
+# it finishes (-v: a run cut short by a time limit still names its failures); GPU_TESTS narrows
+# the selection (e.g. GPU_TESTS=tests/test_head_dims_gpu.py) to split the tier over calls.
+GPU_TESTS ?= tests
 test-gpu:
 	@python3 -c "import xdist" 2>/dev/null || { echo "test-gpu: needs pytest-xdist (pip install pytest-xdist, or its wheels in .whl/ and source dev/gpu_setup.sh)"; exit 2; }
-	python3 -m pytest -q -n 8 -m "gpu and not gpu_solo" tests
-	python3 -m pytest -q -m "gpu and gpu_solo" tests
+	python3 -m pytest -v -rfE -n 8 -m "gpu and not gpu_solo" $(GPU_TESTS)
+	python3 -m pytest -v -rfE -m "gpu and gpu_solo" $(GPU_TESTS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
