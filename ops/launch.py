@@ -253,6 +253,15 @@ def _is_constant(a) -> bool:
             or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
 
 
+def _rebased(desc, ptr: int):
+    """A copy of a recorded tensor descriptor over base pointer ptr (its checks skipped: the
+    key fixed its shape, strides and alignment)."""
+    d = object.__new__(type(desc))
+    d.__dict__.update(desc.__dict__)
+    d.base = _Ptr(ptr)
+    return d
+
+
 class _Direct:
     """A compiled kernel's C launcher called directly, with its tensor descriptors expanded
     ahead (Triton's own wrapper expands every descriptor argument and re-encodes its tensor map
@@ -291,6 +300,7 @@ class _Direct:
     def __init__(self, L, launcher, td: set, metas: list, nvd, template: list):
         self.launcher, self.coop, self.pdl = launcher, L.launch_cooperative_grid, L.launch_pdl
         self.make = nvd.make_tensordesc_arg
+        self.desc = {}      # bound position -> its recorded descriptor
         self.meta = {}      # bound position -> its descriptor's metadata
         self.at = []        # bound position -> (first expanded position, length)
         self.cache = {}     # bound position -> (base pointer, expansion)
@@ -298,6 +308,7 @@ class _Direct:
         k = 0
         for i, a in enumerate(template):
             if i in td:
+                self.desc[i] = a
                 self.meta[i] = metas[k] if k < len(metas) else None
                 k += 1
                 e = list(self.make(a, self.meta[i]))
@@ -317,10 +328,7 @@ class _Direct:
             if desc:
                 base, exp = self.cache[pos]
                 if base != ptr:
-                    d = object.__new__(type(self._desc[pos]))
-                    d.__dict__.update(self._desc[pos].__dict__)
-                    d.base = _Ptr(ptr)
-                    exp = list(self.make(d, self.meta[pos]))
+                    exp = list(self.make(_rebased(self.desc[pos], ptr), self.meta[pos]))
                     self.cache[pos] = (ptr, exp)
                 f[e:e + n] = exp
             else:
@@ -378,8 +386,6 @@ class Bound:
                 elif not _is_constant(a):
                     raise _Unbindable(f"argument {pos} of {fn.fn.__name__}: {type(a).__name__}")
             direct = None if INTERPRET else _Direct.of(compiled, list(vals))
-            if direct is not None:
-                direct._desc = {pos: vals[pos] for pos, desc, _s in patches if desc}
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))
         del self._tensors, self._spans, self._ptrs
@@ -428,10 +434,7 @@ class Bound:
             for pos, desc, (kind, j, delta, _g) in patches:
                 ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
                 if desc:
-                    d = object.__new__(type(a[pos]))
-                    d.__dict__.update(a[pos].__dict__)
-                    d.base = _Ptr(ptr)
-                    a[pos] = d
+                    a[pos] = _rebased(a[pos], ptr)
                 else:
                     a[pos] = ptr
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
