@@ -398,7 +398,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             part = (i2 * qo_len, i2 * has_kv, torch.zeros(has_kv, dtype=torch.int32, device=dev),
                     torch.full((1,), kv_len, dtype=torch.int32, device=dev),
                     None if mask_bytes is None else i2 * mask_bytes, work)
-            if not traced:
+            # (tensors made while a CUDA graph captures hold their values only in the graph's
+            # replays: never kept for eager calls)
+            if not traced and not (dev.type == "cuda"
+                                   and torch.cuda.is_current_stream_capturing()):
                 self._parts[key] = part
                 self._memo.add_static(part)
         return part

@@ -151,3 +151,33 @@ def test_replay_new_pointers_reencode_descriptors():
             want = calls[1]()
     for g, r in zip(got, want):
         assert torch.equal(g, r)
+
+
+def test_pod_prefill_part_made_in_a_capture_is_not_kept():
+    # POD keeps its prefill request's small device tensors per length for eager calls; ones
+    # made while a CUDA graph captures hold their values only in the graph's replays, so an
+    # eager call after a capture-first wrapper must not reuse them
+    d, page = 128, 16
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, d, d, page, dtype=BF16, seed=60)
+    cache = cache.cuda()
+    qd = _rand(len(KV), HQ, d, seed=61)
+    kp, vp, qp = _rand(300, HKV, d, seed=62), _rand(300, HKV, d, seed=63), _rand(200, HQ, d,
+                                                                               seed=64)
+
+    def wrapper():
+        w = fi.PODWithPagedKVCacheWrapper(_ws())
+        w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+        return w
+
+    ref = wrapper()
+    want = ref.run(qp, kp, vp, qd, cache, causal_p=True)  # compiles the kernel eagerly
+    torch.cuda.synchronize()
+    w = wrapper()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # this wrapper's first call is captured
+        w.run(qp, kp, vp, qd, cache, causal_p=True)
+    torch.full((1 << 24,), float("nan"), device="cuda")
+    got = w.run(qp, kp, vp, qd, cache, causal_p=True)  # eager, before any replay
+    torch.cuda.synchronize()
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
