@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import threading
 
 import torch
 
@@ -66,14 +67,20 @@ class Recorder:
         self.problem: str | None = None
 
 
-_RECORDER: Recorder | None = None
+# The recorder of the call this thread is recording, if any (threads record apart).
+_TLS = threading.local()
+
+
+def _recorder() -> Recorder | None:
+    return getattr(_TLS, "rec", None)
 
 
 def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialised buffer the launch path needs beside its outputs (split-KV partials)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if _RECORDER is not None:
-        _RECORDER.scratch[t.data_ptr()] = ("empty", tuple(shape), dtype)
+    rec = _recorder()
+    if rec is not None:
+        rec.scratch[t.data_ptr()] = ("empty", tuple(shape), dtype)
     return t
 
 
@@ -115,8 +122,9 @@ def counter(device) -> torch.Tensor:
         t = t[i:i + 1]
     else:
         t = torch.zeros(1, dtype=torch.int32, device=device)
-    if _RECORDER is not None:
-        _RECORDER.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
+    rec = _recorder()
+    if rec is not None:
+        rec.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
     return t
 
 
@@ -156,7 +164,7 @@ def _kernel(fn):
 def run(fn, grid, *args, **kwargs):
     """Launch Triton kernel ``fn`` over ``grid`` (_kernel): every Triton launch of the op
     implementations goes through here; a recording call also notes the launch."""
-    if _RECORDER is None:
+    if _recorder() is None:
         return _kernel(fn)[grid](*args, **kwargs)
     return _record(fn, grid, args, kwargs)
 
@@ -164,13 +172,13 @@ def run(fn, grid, *args, **kwargs):
 def run_direct(fn, grid, *args, **kwargs):
     """Launch a kernel that is never traced (the Gluon kernel: eager launches only) over grid;
     a recording call also notes the launch."""
-    if _RECORDER is None:
+    if _recorder() is None:
         return fn[grid](*args, **kwargs)
     return _record(fn, grid, args, kwargs)
 
 
 def _record(fn, grid, args, kwargs):
-    rec = _RECORDER
+    rec = _recorder()
     try:
         vals, options = _bound_args(fn, args, kwargs)
     except _Unbindable as e:
@@ -544,17 +552,16 @@ class Memo:
     def record(self, key, tensors, fn, *args, **kwargs):
         """fn(*args, **kwargs) (eager, wrap_triton off) with its launches recorded and bound
         under key; returns fn's result, whose tensors (a tuple, or one) are the outputs."""
-        global _RECORDER
-        if _RECORDER is not None or not _replayable(tensors[0].device):
+        if _recorder() is not None or not _replayable(tensors[0].device):
             with set_wrap_triton_enabled(False):
                 return fn(*args, **kwargs)
         rec = Recorder()
-        _RECORDER = rec
+        _TLS.rec = rec
         try:
             with set_wrap_triton_enabled(False):
                 result = fn(*args, **kwargs)
         finally:
-            _RECORDER = None
+            _TLS.rec = None
         outputs = result if isinstance(result, tuple) else (result,)
         try:
             bound = Bound(rec, tensors, outputs, self._static_refs)
@@ -578,7 +585,7 @@ class LaunchCache(Memo):
         out = self.lookup(key, tensors)
         if out is not None:
             return out
-        if self.known_unbound(key) or _RECORDER is not None:
+        if self.known_unbound(key) or _recorder() is not None:
             with set_wrap_triton_enabled(False):
                 return impl(*args, **kwargs)
         return self.record(key, tensors, impl, *args, **kwargs)
