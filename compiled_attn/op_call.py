@@ -31,6 +31,7 @@ try:  # triton_op's own switch for eager launches (private; present in torch 2.1
 except ImportError:  # pragma: no cover - then every call goes through the dispatcher
     set_wrap_triton_enabled = None
 
+
 def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a call with these arguments may skip the dispatcher (module docstring)."""
     if not POLICY.direct or set_wrap_triton_enabled is None or torch.compiler.is_compiling():
