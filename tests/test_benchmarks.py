@@ -770,3 +770,27 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path):
     text = pod.table(doc["rows"])
     assert case.name in text and "1.20" in text
     pod.plot(doc, tmp_path / "pod.png")
+
+
+@pytest.mark.parametrize("kind,pre,page", [("pod", (40,), 16), ("batch_pod", (40, 17), 1)])
+def test_pod_suite_inputs_agree_across_our_providers(kind, pre, page):
+    """The suite's page tables, contiguous k_p / v_p and mixed plan describe one batch: on the
+    CPU, POD, the parts alone and the mixed paged prefill give the same numbers."""
+    import torch
+
+    import compiled_attn as ca
+    from benchmarks import pod
+
+    case = pod.PodCase(kind, pre, 3, 37, 4, 2, page)
+    x = pod.make_inputs(case, torch.device("cpu"))
+    calls = {f"ours_{k}": v for k, v in pod._calls(ca, case, x, torch.device("cpu"), False).items()}
+    assert pod._max_diff(calls) == 0.0
+    out_p, out_d = calls["ours_pod"]()
+    assert torch.equal(calls["ours_mixed"](), torch.cat([out_p, out_d]))
+    di, dx, _ = x["dec"]
+    pages = x["cache"][dx[di[1]:di[2]].long()].float()  # decode request 1
+    k, v = (pages[:, j].reshape(-1, case.hkv, pod.D)[:case.kv].repeat_interleave(2, 1)
+            for j in (0, 1))
+    p = (torch.einsum("hd,nhd->hn", x["q_d"][1].float(), k) / pod.D ** 0.5).softmax(-1)
+    ref = torch.einsum("hn,nhd->hd", p, v)
+    assert (out_d[1].float() - ref).abs().max() < 1e-2
