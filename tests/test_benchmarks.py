@@ -709,3 +709,88 @@ def test_dev_tools_import(name):
 
     mod = importlib.import_module(f"dev.{name}")
     assert mod.__doc__
+
+
+def test_pod_suite_cases_and_cli(capsys):
+    from benchmarks import pod
+
+    full, quick = pod.case_list(), pod.case_list(quick=True)
+    assert len(quick) == 6 and len(full) > 100 and len({c.name for c in full}) == len(full)
+    assert {c.kind for c in quick} == {"pod", "batch_pod"}
+    assert {(c.hq, c.hkv) for c in full} == set(pod.GQAS) and {c.page for c in full} == {16, 1}
+    for p, d, kv in [(256, 16, 1024), (8192, 256, 32768)]:
+        assert pod.PodCase("pod", (p,), d, kv, 64, 8, 1) in full
+    assert all(len(c.prefill_lens) > 1 for c in full if c.kind == "batch_pod")
+    c = pod.PodCase("pod", (2048,), 128, 4096, 32, 8, 16)
+    assert c.decode_bytes() == 128 * 4096 * 2 * 8 * 128 * 2
+    assert c.flops("all") == c.flops("prefill") + c.flops("decode") == \
+        4.0 * 128 * 32 * (2048 * 2049 // 2 + 128 * 4096)
+    parser = pod.build_parser()
+    assert not [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+    a = parser.parse_args(["--out", "x.json", "--quick", "--no-flashinfer"])
+    assert a.quick and a.no_flashinfer and a.budget_s == 480.0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--help"])
+    assert "--budget-s" in capsys.readouterr().out
+
+
+def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path):
+    from benchmarks import pod
+
+    case = pod.PodCase("pod", (2048,), 128, 4096, 32, 8, 16)
+    t = {"ours_pod": 500.0, "ours_prefill": 100.0, "ours_decode": 400.0, "ours_apart": 600.0,
+         "ours_mixed": 700.0, "fi_pod": 550.0, "fi_prefill": 90.0, "fi_decode": 380.0,
+         "fi_apart": 480.0, "copy": 300.0}
+    res = {(p, "eager"): v for p, v in t.items()}
+    res.update({(p, "graph"): v * 0.9 for p, v in t.items()})
+    res["fi_pod", "graph"] = "RuntimeError: capture refused"
+    res["copy", "graph"] = "skipped: --no-flashinfer"
+    rows = pod.assemble(case, res, diff=0.01)
+    assert len(rows) == len(pod.PROVIDERS) * 2
+    by = {(r["provider"], r["mode"]): r for r in rows}
+    e = by["ours_pod", "eager"]
+    assert e["ratio_vs_apart"] == pytest.approx(600 / 500)
+    assert e["ratio_vs_fi_pod"] == pytest.approx(550 / 500)
+    assert e["bound_us"] == pytest.approx(400 + 0.25 * 100)
+    assert e["pod_over_bound"] == pytest.approx(500 / 425) and e["max_abs_diff_vs_apart"] == 0.01
+    g = by["ours_pod", "graph"]
+    assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
+    assert by["fi_pod", "graph"]["status"] == "failed"
+    assert by["copy", "graph"]["status"] == "unavailable"
+    d = by["ours_decode", "eager"]
+    nbytes = case.decode_bytes()
+    assert d["decode_tbs"] == pytest.approx(nbytes / 400e-6 / 1e12)
+    assert d["decode_over_copy"] == pytest.approx((nbytes / 400) / (2 * nbytes / 300))
+    assert "decode_over_copy" not in by["ours_decode", "graph"]  # no copy timing in that mode
+    assert by["copy", "eager"]["tflops"] == 0.0 and e["median_ms"] == 0.5
+    skipped = pod.skipped(case, "--budget-s 480 spent")
+    assert {r["status"] for r in skipped} == {"unavailable"}
+    doc = dict(ENV, rows=rows + skipped)
+    results.validate(doc)
+    text = pod.table(doc["rows"])
+    assert case.name in text and "1.20" in text
+    pod.plot(doc, tmp_path / "pod.png")
+
+
+@pytest.mark.parametrize("kind,pre,page", [("pod", (40,), 16), ("batch_pod", (40, 17), 1)])
+def test_pod_suite_inputs_agree_across_our_providers(kind, pre, page):
+    """The suite's page tables, contiguous k_p / v_p and mixed plan describe one batch: on the
+    CPU, POD, the parts alone and the mixed paged prefill give the same numbers."""
+    import torch
+
+    import compiled_attn as ca
+    from benchmarks import pod
+
+    case = pod.PodCase(kind, pre, 3, 37, 4, 2, page)
+    x = pod.make_inputs(case, torch.device("cpu"))
+    calls = {f"ours_{k}": v for k, v in pod._calls(ca, case, x, torch.device("cpu"), False).items()}
+    assert pod._max_diff(calls) == 0.0
+    out_p, out_d = calls["ours_pod"]()
+    assert torch.equal(calls["ours_mixed"](), torch.cat([out_p, out_d]))
+    di, dx, _ = x["dec"]
+    pages = x["cache"][dx[di[1]:di[2]].long()].float()  # decode request 1
+    k, v = (pages[:, j].reshape(-1, case.hkv, pod.D)[:case.kv].repeat_interleave(2, 1)
+            for j in (0, 1))
+    p = (torch.einsum("hd,nhd->hn", x["q_d"][1].float(), k) / pod.D ** 0.5).softmax(-1)
+    ref = torch.einsum("hn,nhd->hd", p, v)
+    assert (out_d[1].float() - ref).abs().max() < 1e-2

@@ -1,0 +1,485 @@
+"""The pod suite: a prefill and a batch of decodes served by one POD launch, beside the same work
+run apart, as one mixed paged prefill, through FlashInfer, and beside a device copy of the decode's
+K/V bytes (the ceiling a decode can reach), all on the same inputs in one process.
+
+Cases (bf16, D 128, causal prefill with kv = its own tokens, decodes of one row at kv each, pages
+shuffled): prefill 256 / 2048 / 8192 x decodes 16 / 128 / 256 x kv 1k / 4k / 32k, at GQA 32/8 and
+64/8 and pages of 16 and 1; BatchPOD cases hold several paged prefill requests. Providers:
+ours_pod (PODWithPagedKVCacheWrapper, or BatchPODWithPagedKVCacheWrapper), ours_prefill,
+ours_decode (BatchPrefillWithPagedKVCacheWrapper, one row per request), ours_apart (the two back
+to back), ours_mixed (the whole batch as one paged prefill plan); fi_pod, fi_prefill, fi_decode
+(BatchDecodeWithPagedKVCacheWrapper), fi_apart when FlashInfer imports; copy (the decode's K/V
+bytes, at most COPY_CAP, copied on the device). Each provider is timed eager and as the replay of
+a CUDA graph that captured one call, all interleaved in one bench() per case (the project's
+harness: CUDA events, medians over rounds).
+
+Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
+the results schema). On ours_pod: ratio_vs_apart = our apart's time over POD's (above 1: POD is
+faster), ratio_vs_fi_pod = FlashInfer POD's over ours, bound_us = max(prefill, decode) + 0.25
+min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
+(target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
+decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the
+copy's rate (bytes read plus bytes written per second; target: 0.95 or more).
+
+Run on the GPU machine: ``python -m benchmarks.pod --out benchmarks/results/pod_<gpu>.json``
+(--quick: six representative cases for one device call; --no-flashinfer without FlashInfer;
+--budget-s bounds the run, later cases are recorded "unavailable"). A plot goes beside the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.results import environment, validate
+
+D = 128
+PREFILLS = (256, 2048, 8192)
+DECODES = (16, 128, 256)
+KVS = (1024, 4096, 32768)
+GQAS = ((32, 8), (64, 8))
+PAGES = (16, 1)
+BATCH_PREFILLS = (2048, 1024, 512, 512)  # BatchPOD's prefill requests
+COPY_CAP = 8 << 30  # bytes: the copy ceiling's rate is flat well below this
+ELEM = 2  # bf16 bytes
+PROVIDERS = ("ours_pod", "ours_prefill", "ours_decode", "ours_apart", "ours_mixed",
+             "fi_pod", "fi_prefill", "fi_decode", "fi_apart", "copy")
+MODES = ("eager", "graph")
+
+
+@dataclass(frozen=True)
+class PodCase:
+    """One prefill part (prefill_lens: one request for POD, several for BatchPOD) and
+    ``decodes`` one-row requests at ``kv`` keys each."""
+    kind: str  # "pod" or "batch_pod"
+    prefill_lens: tuple
+    decodes: int
+    kv: int
+    hq: int
+    hkv: int
+    page: int
+
+    @property
+    def name(self) -> str:
+        pre = "+".join(map(str, self.prefill_lens))
+        return (f"{self.kind} p{pre} d{self.decodes}x{self.kv} "
+                f"g{self.hq}/{self.hkv} page{self.page}")
+
+    def pages(self, n: int) -> int:
+        return -(-n // self.page)
+
+    def decode_bytes(self) -> int:
+        """K and V bytes the decodes read (whole pages)."""
+        return self.decodes * self.pages(self.kv) * self.page * 2 * self.hkv * D * ELEM
+
+    def cache_bytes(self) -> int:
+        pages = self.decodes * self.pages(self.kv) + sum(self.pages(n) for n in self.prefill_lens)
+        return pages * self.page * 2 * self.hkv * D * ELEM
+
+    def device_bytes(self) -> int:
+        """What the inputs and the copy's destination take on the device (an estimate)."""
+        rows = sum(self.prefill_lens) + self.decodes
+        contiguous_kv = sum(self.prefill_lens) * 2 * self.hkv * D * ELEM  # POD's k_p / v_p
+        return (self.cache_bytes() + min(self.decode_bytes(), COPY_CAP) + contiguous_kv
+                + 4 * rows * self.hq * D * ELEM)
+
+    def flops(self, part: str) -> float:
+        """Attention FLOPs (2 matmuls, 2 per multiply-add) of "prefill", "decode" or "all"."""
+        pairs = 0
+        if part in ("prefill", "all"):
+            pairs += sum(n * (n + 1) // 2 for n in self.prefill_lens)
+        if part in ("decode", "all"):
+            pairs += self.decodes * self.kv
+        return 4.0 * D * self.hq * pairs
+
+
+def case_list(quick: bool = False) -> list[PodCase]:
+    """The suite's cases; quick: six representative ones (the balanced case, a prefill-heavy
+    and a decode-heavy one, GQA 64/8, page 1, BatchPOD)."""
+    if quick:
+        return [PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
+                PodCase("pod", (8192,), 16, 1024, 32, 8, 16),
+                PodCase("pod", (256,), 128, 32768, 32, 8, 16),
+                PodCase("pod", (2048,), 128, 4096, 64, 8, 16),
+                PodCase("pod", (2048,), 128, 4096, 32, 8, 1),
+                PodCase("batch_pod", BATCH_PREFILLS, 128, 4096, 32, 8, 16)]
+    out = []
+    for (hq, hkv), page in itertools.product(GQAS, PAGES):
+        for p, d, kv in itertools.product(PREFILLS, DECODES, KVS):
+            out.append(PodCase("pod", (p,), d, kv, hq, hkv, page))
+        for d in DECODES:
+            out.append(PodCase("batch_pod", BATCH_PREFILLS, d, 4096, hq, hkv, page))
+    return out
+
+
+def providers_for(case: PodCase) -> tuple:
+    return PROVIDERS
+
+
+def _work(provider: str) -> str:
+    if provider in ("ours_prefill", "fi_prefill"):
+        return "prefill"
+    if provider in ("ours_decode", "fi_decode"):
+        return "decode"
+    return "none" if provider == "copy" else "all"
+
+
+def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[dict]:
+    """The case's rows from results: (provider, mode) -> median microseconds (float) or the
+    reason it has none (str; "unavailable: ..." or "skipped: ..." mark a row unavailable, other
+    text a failure). diff: POD's eager max abs difference from the parts alone."""
+    rows = []
+    fields = dict(kind=case.kind, prefill_lens=list(case.prefill_lens), decodes=case.decodes,
+                  kv=case.kv, Hq=case.hq, Hkv=case.hkv, D=D, page_size=case.page,
+                  decode_bytes=case.decode_bytes())
+    for prov, mode in itertools.product(providers_for(case), MODES):
+        row = dict(suite="pod", case=case.name, **fields, provider=prov, mode=mode,
+                   median_us=None, median_ms=None, tflops=None)
+        v = results.get((prov, mode), "unavailable: not run")
+        if isinstance(v, str):
+            row.update(status="unavailable" if v.startswith(("unavailable", "skipped"))
+                       else "failed", error=v)
+        else:
+            w = _work(prov)
+            row.update(status="ok", median_us=v, median_ms=v / 1e3,
+                       tflops=0.0 if w == "none" else case.flops(w) / (v * 1e-6) / 1e12)
+        rows.append(row)
+    us = {(r["provider"], r["mode"]): r["median_us"] for r in rows}
+    copy_bytes = min(case.decode_bytes(), COPY_CAP)
+    for row in rows:
+        mode, prov, t = row["mode"], row["provider"], row["median_us"]
+        if t is None:
+            continue
+        if prov in ("ours_decode", "fi_decode"):
+            row["decode_tbs"] = case.decode_bytes() / (t * 1e-6) / 1e12
+            c = us.get(("copy", mode))
+            if c:
+                row["copy_tbs"] = 2 * copy_bytes / (c * 1e-6) / 1e12  # read + write
+                row["decode_over_copy"] = row["decode_tbs"] / row["copy_tbs"]
+        if prov == "copy":
+            row["copy_bytes"] = copy_bytes
+        if prov != "ours_pod":
+            continue
+        if us.get(("ours_apart", mode)):
+            row["ratio_vs_apart"] = us["ours_apart", mode] / t
+        if us.get(("fi_pod", mode)):
+            row["ratio_vs_fi_pod"] = us["fi_pod", mode] / t
+        pre, dec = us.get(("ours_prefill", mode)), us.get(("ours_decode", mode))
+        if pre and dec:
+            row["bound_us"] = max(pre, dec) + 0.25 * min(pre, dec)
+            row["pod_over_bound"] = t / row["bound_us"]
+        if mode == "eager" and diff is not None:
+            row["max_abs_diff_vs_apart"] = diff
+    return rows
+
+
+def skipped(case: PodCase, reason: str) -> list[dict]:
+    """Every row of a case not run, with the reason."""
+    return assemble(case, {(p, m): f"unavailable: {reason}"
+                           for p, m in itertools.product(providers_for(case), MODES)})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="results JSON to write (a PNG "
+                    "plot is written beside it)")
+    ap.add_argument("--quick", action="store_true", help="six representative cases (one "
+                    "device call) instead of the whole grid")
+    ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's providers "
+                    "(their rows are recorded unavailable)")
+    ap.add_argument("--budget-s", type=float, default=480.0, help="seconds after which no new "
+                    "case starts; the cases left are recorded unavailable (default 480)")
+    ap.add_argument("--only", default=None, help="run only cases whose name contains this text "
+                    "(e.g. 'page1', 'batch_pod', 'g64/8'), to split the grid over calls")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case "
+                    "(median over all timed calls)")
+    ap.add_argument("--warmup-ms", type=float, default=25.0, help="untimed calls before each "
+                    "slice of a provider's timed calls, in milliseconds")
+    ap.add_argument("--rep-ms", type=float, default=150.0, help="milliseconds of timed calls "
+                    "per provider and mode")
+    ap.add_argument("--max-gib", type=float, default=60.0, help="skip a case whose inputs "
+                    "would take more device memory than this (GiB)")
+    return ap
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA: inputs, providers, graphs (not run on the CPU)
+# ------------------------------------------------------------------------------------------
+def make_inputs(case: PodCase, dev, seed: int = 0) -> dict:
+    """One cache ``[pages, 2, page, Hkv, D]`` (FlashInfer's NHD 5-D form): the decodes' pages
+    first, then the prefill requests' (each part's page order shuffled); the page tables of both
+    parts and of the mixed batch (prefill requests, then decodes); q_p ``[sum(prefill_lens),
+    Hq, D]``, q_d ``[decodes, Hq, D]``, q_mixed their concatenation; POD's contiguous k_p / v_p
+    ``[prefill_lens[0], Hkv, D]`` hold the prefill request's pages' keys and values."""
+    import torch
+
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(seed)
+    gcpu = torch.Generator().manual_seed(seed)
+    i32 = dict(dtype=torch.int32, device=dev)
+
+    def table(lens, first_page):
+        npg = [case.pages(n) for n in lens]
+        idx = first_page + torch.randperm(sum(npg), generator=gcpu).to(torch.int32)
+        indptr = torch.tensor([0, *itertools.accumulate(npg)], dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * case.page for n, p in zip(lens, npg)],
+                            dtype=torch.int32)
+        return indptr.to(dev), idx.to(dev), last.to(dev)
+
+    dec_lens = [case.kv] * case.decodes
+    n_dec = case.decodes * case.pages(case.kv)
+    n_all = n_dec + sum(case.pages(n) for n in case.prefill_lens)
+    cache = torch.randn(n_all, 2, case.page, case.hkv, D, generator=g, device=dev, dtype=dt)
+    x = dict(cache=cache, dec=table(dec_lens, 0), pre=table(case.prefill_lens, n_dec))
+    x["q_p"] = torch.randn(sum(case.prefill_lens), case.hq, D, generator=g, device=dev, dtype=dt)
+    x["q_d"] = torch.randn(case.decodes, case.hq, D, generator=g, device=dev, dtype=dt)
+    x["q_mixed"] = torch.cat([x["q_p"], x["q_d"]])
+    x["qo_p"] = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
+    x["qo_d"] = torch.arange(case.decodes + 1, **i32)
+    (pi, px, pl), (di, dx, dl) = x["pre"], x["dec"]
+    x["mixed"] = (torch.tensor([0, *itertools.accumulate([*case.prefill_lens, *[1] * case.decodes])],
+                               **i32),
+                  torch.cat([pi, di[1:] + pi[-1]]), torch.cat([px, dx]), torch.cat([pl, dl]))
+    n0 = case.prefill_lens[0]
+    pages0 = cache[px[:int(pi[1])].long()]  # [pages, 2, page, Hkv, D]
+    x["k_p"] = pages0[:, 0].reshape(-1, case.hkv, D)[:n0].contiguous()
+    x["v_p"] = pages0[:, 1].reshape(-1, case.hkv, D)[:n0].contiguous()
+    copy_elems = min(case.decode_bytes(), COPY_CAP) // ELEM
+    x["copy_src"] = cache.view(-1)[:copy_elems]
+    x["copy_dst"] = torch.empty_like(x["copy_src"])
+    return x
+
+
+def _calls(mod, case: PodCase, x: dict, dev, fi: bool) -> dict:
+    """provider suffix -> zero-argument call, for module mod (compiled_attn or flashinfer)."""
+    import torch
+
+    dt = torch.bfloat16
+    hq, hkv, page = case.hq, case.hkv, case.page
+
+    def ws():
+        return torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+
+    kw = dict(q_data_type=dt, kv_data_type=dt)
+    out = {}
+    pi, px, pl = x["pre"]
+    di, dx, dl = x["dec"]
+    if case.kind == "pod":
+        w = mod.PODWithPagedKVCacheWrapper(ws(), "NHD")
+        w.plan(di, dx, dl, hq, hkv, D, page, **kw)
+        out["pod"] = lambda: w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
+                                   causal_p=True)
+        out["prefill"] = lambda: mod.single_prefill_with_kv_cache(x["q_p"], x["k_p"], x["v_p"],
+                                                                  causal=True)
+    else:
+        w = mod.BatchPODWithPagedKVCacheWrapper(ws(), "NHD")
+        w.plan(x["qo_p"], pi, px, pl, x["qo_d"], di, dx, dl, hq, hkv, D, page, **kw)
+        out["pod"] = lambda: w.run(x["q_p"], x["cache"], x["q_d"], x["cache"], causal_p=True)
+        wp = mod.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+        wp.plan(x["qo_p"], pi, px, pl, hq, hkv, D, page, causal=True, **kw)
+        out["prefill"] = lambda: wp.run(x["q_p"], x["cache"])
+    if fi:
+        wd = mod.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD")
+        wd.plan(di, dx, dl, hq, hkv, D, page, **kw)
+        out["decode"] = lambda: wd.run(x["q_d"], x["cache"])
+    else:
+        wd = mod.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+        wd.plan(x["qo_d"], di, dx, dl, hq, hkv, D, page, causal=False, **kw)
+        out["decode"] = lambda: wd.run(x["q_d"], x["cache"])
+        wm = mod.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+        wm.plan(*x["mixed"], hq, hkv, D, page, causal=True, **kw)
+        out["mixed"] = lambda: wm.run(x["q_mixed"], x["cache"])
+    pre_call, dec_call = out["prefill"], out["decode"]
+    out["apart"] = lambda: (pre_call(), dec_call())
+    return out
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+
+def _graph(fn):
+    """A replay of a CUDA graph that captured one call of fn (warmed on a side stream)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _max_diff(calls: dict) -> float | None:
+    """POD's eager outputs against the parts alone (max abs difference, NaN kept as nan)."""
+    import torch
+
+    try:
+        out_p, out_d = calls["ours_pod"]()
+        ref_p, ref_d = calls["ours_prefill"](), calls["ours_decode"]()
+        diffs = [(a.float() - b.float()).abs().max() for a, b in ((out_p, ref_p),
+                                                                  (out_d, ref_d)) if a.numel()]
+        return float(torch.stack(diffs).max()) if diffs else 0.0
+    except Exception:  # noqa: BLE001  (a failing provider is recorded on its own row)
+        return None
+
+
+def run_case(case: PodCase, args) -> list[dict]:
+    import torch
+
+    import compiled_attn as ca
+    from benchmarks.providers import bench
+
+    dev = torch.device("cuda")
+    res: dict = {}
+    try:
+        x = make_inputs(case, dev)
+    except Exception as e:  # noqa: BLE001
+        return assemble(case, {(p, m): f"inputs: {_err(e)}"
+                               for p, m in itertools.product(providers_for(case), MODES)})
+    calls: dict = {}
+    try:
+        calls.update({f"ours_{k}": v for k, v in _calls(ca, case, x, dev, False).items()})
+    except Exception as e:  # noqa: BLE001
+        for p in PROVIDERS:
+            if p.startswith("ours_"):
+                calls[p] = _err(e)
+    if args.no_flashinfer:
+        calls.update({p: "skipped: --no-flashinfer" for p in PROVIDERS if p.startswith("fi_")})
+    else:
+        try:
+            import flashinfer
+        except Exception as e:  # noqa: BLE001  (recorded on FlashInfer's rows)
+            flashinfer, why = None, f"unavailable: import flashinfer failed: {_err(e)}"
+        try:
+            if flashinfer is None:
+                raise RuntimeError(why)
+            calls.update({f"fi_{k}": v for k, v in _calls(flashinfer, case, x, dev, True).items()})
+        except Exception as e:  # noqa: BLE001
+            text = why if flashinfer is None else _err(e)
+            calls.update({p: text for p in PROVIDERS if p.startswith("fi_")})
+    calls["copy"] = lambda: x["copy_dst"].copy_(x["copy_src"])
+    diff = _max_diff(calls) if callable(calls.get("ours_pod")) else None
+    runners, keys = [], []
+    for prov in providers_for(case):
+        fn = calls.get(prov, "unavailable: not built")
+        if not callable(fn):
+            for m in MODES:
+                res[prov, m] = fn
+            continue
+        for mode in MODES:
+            try:
+                f = fn if mode == "eager" else _graph(fn)
+                f()
+                torch.cuda.synchronize()
+                runners.append(([f], contextlib.nullcontext))
+                keys.append((prov, mode))
+            except Exception as e:  # noqa: BLE001
+                res[prov, mode] = _err(e)
+                torch.cuda.synchronize()
+    for key, t in zip(keys, bench(runners, args.warmup_ms, args.rep_ms, True, args.rounds)):
+        res[key] = t.median_ms * 1e3 if t.error is None else _err(t.error)
+    return assemble(case, res, diff)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    cases = [c for c in case_list(args.quick) if args.only is None or args.only in c.name]
+    t0, rows = time.monotonic(), []
+    for case in cases:
+        spent = time.monotonic() - t0
+        if spent > args.budget_s:
+            rows += skipped(case, f"--budget-s {args.budget_s:g} spent ({spent:.0f} s) before "
+                                  "this case started")
+        elif case.device_bytes() > args.max_gib * 2 ** 30:
+            rows += skipped(case, f"needs ~{case.device_bytes() / 2 ** 30:.1f} GiB > --max-gib "
+                                  f"{args.max_gib:g}")
+        else:
+            rows += run_case(case, args)
+            _free()
+        print(f"[{time.monotonic() - t0:6.0f} s] {case.name}", flush=True)
+    doc = dict(environment(), rows=rows)
+    validate(doc)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc, args.out.with_suffix(".png"))
+    print(table(rows))
+
+
+def _free():
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def table(rows: list[dict]) -> str:
+    """The short summary: one line per case and mode, POD's time and its ratios."""
+    lines = [f"{'case':44} {'mode':5} {'pod us':>8} {'/apart':>7} {'/fi pod':>7} "
+             f"{'/bound':>7} {'dec/copy':>8}"]
+
+    def f(v, w=7):
+        return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
+
+    for r in rows:
+        if r["provider"] != "ours_pod":
+            continue
+        dec = next((d for d in rows if d["case"] == r["case"] and d["mode"] == r["mode"]
+                    and d["provider"] == "ours_decode"), {})
+        us = f"{r['median_us']:8.1f}" if r["median_us"] else f"{'-':>8}"
+        lines.append(f"{r['case']:44} {r['mode']:5} {us} {f(r.get('ratio_vs_apart'))} "
+                     f"{f(r.get('ratio_vs_fi_pod'))} {f(r.get('pod_over_bound'))} "
+                     f"{f(dec.get('decode_over_copy'), 8)}"
+                     + ("" if r["status"] == "ok" else f"  {r.get('error', '')[:60]}"))
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path) -> None:
+    """POD's ratios per case (graph replays): over our apart, over FlashInfer's POD, and the
+    decode part's fraction of the copy ceiling; a line at 1."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = [r for r in doc["rows"] if r["mode"] == "graph"]
+    cases = list(dict.fromkeys(r["case"] for r in rows if r["provider"] == "ours_pod"))
+    series = (("ours_pod", "ratio_vs_apart", "POD: apart / POD"),
+              ("ours_pod", "ratio_vs_fi_pod", "POD: FlashInfer POD / ours"),
+              ("ours_decode", "decode_over_copy", "decode: bytes/s over copy"))
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cases) + 3), 5))
+    w = 0.8 / len(series)
+    for i, (prov, key, label) in enumerate(series):
+        xs, ys = [], []
+        for j, c in enumerate(cases):
+            r = next((r for r in rows if r["case"] == c and r["provider"] == prov), {})
+            if r.get(key) is not None:
+                xs.append(j + i * w)
+                ys.append(r[key])
+        ax.bar(xs, ys, w, label=label)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases, rotation=70, ha="right",
+                  fontsize=6)
+    ax.set_ylabel("ratio (above 1: ours faster / at ceiling)")
+    ax.set_title(f"pod suite (CUDA graph replays), {doc['gpu']}, {doc['date'][:10]}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
+
