@@ -11,8 +11,9 @@ opaque), plus the pass configuration and the launch policy's graph_gluon, so Ind
 cache never serves a graph rewritten, or an op body inlined, by other code. Note: on a cache hit the
 pass does not run, so ``counters`` only count rewrites made by this process.
 
-``rewrite_exported_program`` rewrites an ExportedProgram's graph in place (its inputs, outputs
-and signature are untouched: only nodes between them change) and returns it.
+``rewrite_exported_program`` rewrites an ExportedProgram's graph in place and returns it. Its
+inputs and signature keep their meaning; where a rewritten node was itself a graph output (the
+attention result returned directly), the output spec is renamed to the node that replaces it.
 """
 
 from __future__ import annotations
@@ -65,4 +66,20 @@ def rewrite_exported_program(ep: torch.export.ExportedProgram) -> torch.export.E
     gm = ep.graph_module
     rewrite_graph(gm.graph)
     gm.recompile()
+    _sync_output_specs(ep)
     return ep
+
+
+def _sync_output_specs(ep: torch.export.ExportedProgram) -> None:
+    """Point each tensor output spec at the node now in its slot of the graph's output: the
+    specs name output nodes, and torch.export.save rejects a spec whose node is gone."""
+    from torch.export.graph_signature import TensorArgument
+
+    outs = ep.graph.output_node().args[0]
+    specs = ep.graph_signature.output_specs
+    if len(outs) != len(specs):
+        raise AssertionError(f"the graph returns {len(outs)} values but its signature has "
+                             f"{len(specs)} output specs")
+    for spec, node in zip(specs, outs):
+        if isinstance(spec.arg, TensorArgument) and isinstance(node, torch.fx.Node):
+            spec.arg.name = node.name

@@ -358,3 +358,66 @@ def test_sites_left_alone_with_a_trace(case):
     c = dict(fx_passes.counters)
     assert c.get("rewritten", 0) == 0 and any(key.startswith(want) for key in c), c
     torch.testing.assert_close(out, fn(q, k, v, extra))
+
+
+def _attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) * D ** -0.5, dim=-1) @ v
+
+
+class _AttentionOut(torch.nn.Module):
+    """Returns the attention result itself: the rewritten node is the graph's output."""
+
+    def forward(self, q, k, v):
+        return _attention(q, k, v)
+
+
+class _AttentionAndOther(torch.nn.Module):
+    def forward(self, q, k, v):
+        return _attention(q, k, v), q.sum(-1)
+
+
+class _Projected(torch.nn.Module):
+    """x [B, S, HQ * D] -> qkv projection -> attention -> (output projection if ``out_proj``)."""
+
+    def __init__(self, out_proj: bool):
+        super().__init__()
+        self.qkv = torch.nn.Linear(HQ * D, 3 * HQ * D)
+        self.o = torch.nn.Linear(HQ * D, HQ * D) if out_proj else None
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(B, S, 3, HQ, D).permute(2, 0, 3, 1, 4)
+        a = _attention(q, k, v)
+        return a if self.o is None else self.o(a.transpose(1, 2).reshape(B, S, HQ * D))
+
+
+@pytest.mark.parametrize("case", ["attention_out", "attention_and_other", "projection_before",
+                                  "projections_around"])
+def test_export_save_load_with_attention_as_output(case, tmp_path):
+    """The rewrite renames the signature's output spec when it replaces a graph output, so
+    torch.export.save accepts the program; the loaded program matches a float64 eager run."""
+    g = torch.Generator().manual_seed(1)
+    if case in ("attention_out", "attention_and_other"):
+        model = _AttentionOut() if case == "attention_out" else _AttentionAndOther()
+        args = [torch.randn(B, HQ, S, D, generator=g) for _ in range(3)]
+    else:
+        torch.manual_seed(1)
+        model = _Projected(out_proj=case == "projections_around")
+        args = [torch.randn(B, S, HQ * D, generator=g)]
+    model.eval()
+    with torch.no_grad():
+        ref = model.double()(*[a.double() for a in args])
+        eager = model.float()(*args)
+        fx_passes.counters.clear()
+        ep = compiled_attn.export(model, tuple(args))
+        assert fx_passes.counters["rewritten"] == 1, dict(fx_passes.counters)
+        torch.export.save(ep, tmp_path / "ep.pt2")
+        ep2 = torch.export.load(tmp_path / "ep.pt2")
+        assert any(n.target is torch.ops.compiled_attn.single_prefill.default
+                   for n in ep2.graph.nodes)
+        out = ep2.module()(*args)
+    refs, eagers, outs = ((x,) if torch.is_tensor(x) else tuple(x) for x in (ref, eager, out))
+    assert len(outs) == len(refs)
+    for o, r, e in zip(outs, refs, eagers):
+        assert o.shape == r.shape and not torch.isnan(o).any()
+        err, eager_err = ((t.double() - r).abs().max().item() for t in (o, e))
+        assert err <= 4 * eager_err + 1e-6 * r.abs().max().item(), (err, eager_err)

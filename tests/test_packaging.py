@@ -1,4 +1,4 @@
-"""Packaging: the wheel holds every module and the LICENSE, the README's quick start runs, and
+"""Packaging: the wheel holds every module and the LICENSE and requires numpy, the README's quick start runs, and
 the top-level ops/fx_passes fail loudly.
 
 ops/ and fx_passes/ sit at the repository top level and install as compiled_attn.ops and
@@ -69,6 +69,11 @@ def test_wheel_contains_every_module(tmp_path):
     licenses = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert licenses, f"LICENSE not in the wheel: {sorted(names)}"
     assert b"Apache License" in zipfile.ZipFile(wheels[0]).read(licenses[0])
+    # numpy is required: without it torch's own import warns "Failed to initialize NumPy"
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)(.*)$",
+                          zipfile.ZipFile(wheels[0]).read(meta).decode(), re.M)
+    assert ("numpy", "") in requires, requires
     # no top-level ops / fx_passes packages in the wheel (they would shadow other projects)
     assert not any(n.startswith(("ops/", "fx_passes/")) for n in names), sorted(names)
 
