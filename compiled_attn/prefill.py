@@ -590,8 +590,7 @@ class _BatchPrefillBase(_WrapperBase):
     def _set_plan(self, p: _Plan) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
         self._plan = p
-        self._launches = LaunchCache(static=p.__dict__.values())
-        self._memo = Memo(static=p.__dict__.values())
+        self._memo = LaunchCache(static=p.__dict__.values())
 
     def _bound(self, inputs: tuple, return_lse: bool, full):
         """run() with default options as a bound launch (op_call.bound_run): full() returns
@@ -858,7 +857,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
             p.work, p.packed_mask, p.mask_indptr, p.alibi, sinks, p.block_m, p.mask_mode, w, 0,
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
-            p.o_dtype, merge=p.merge, launches=self._launches)
+            p.o_dtype, merge=p.merge, launches=self._memo)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
                         lse_base, lse_layout)
 
@@ -990,7 +989,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             q, kn, vn, p.qo_indptr, p.kv_indptr, p.work, p.packed_mask, p.mask_indptr,
             p.alibi, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
             p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge,
-            launches=self._launches)
+            launches=self._memo)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
                         lse_base, lse_layout)
 

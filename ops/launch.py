@@ -35,7 +35,6 @@ import threading
 
 import torch
 
-from . import policy
 from .policy import Policy
 from .contracts import INTERPRET
 
@@ -200,25 +199,6 @@ def _flatten(values, out: list) -> list:
         else:
             out.append(a)
     return out
-
-
-def _signature(values, static: frozenset):
-    """The metadata of a call's arguments that a launch may depend on, and its tensors in order.
-    A tensor the caller keeps fixed between calls (static: a plan's index arrays) is keyed by
-    identity; others by shape, strides, dtype, device, storage offset and pointer alignment."""
-    sig = []
-    tensors = []
-    for a in values:
-        if isinstance(a, torch.Tensor):
-            tensors.append(a)
-            if id(a) in static:
-                sig.append(id(a))
-            else:
-                sig.append((a.shape, a.stride(), a.dtype, a.device, a.storage_offset(),
-                            a.data_ptr() % 16))
-        else:
-            sig.append(a)
-    return sig, tensors
 
 
 def _alias_pattern(ptrs: list) -> tuple:
@@ -489,9 +469,12 @@ class Memo:
         self._bound.clear()
 
     def eager_key(self, values, extra=()):
-        """key() for a plain eager call (op_call.plain_eager's per-tensor half: plain tensors
-        on a device the kernels run, none requiring grad while grad is on), in one pass; None
-        for any other call or one without tensors. (The aliasing pattern is added only where
+        """(key, tensors) of a plain eager call with these arguments (tuples flattened) and the
+        caller's plain extra values (its options), or None for a call that is not plain eager
+        (op_call.plain_eager's per-tensor half: plain tensors on a device the kernels run, none
+        requiring grad while grad is on) or has no tensor. A tensor the memo holds as static is
+        keyed by identity; others by shape, strides, dtype, device, storage offset and pointer
+        alignment. (The aliasing pattern is added only where
         two tensors share a pointer: the two kinds of key differ in length.)"""
         sig = [Policy._version, extra]
         tensors = []
@@ -527,15 +510,6 @@ class Memo:
         if cuda:
             sig.append(torch.cuda.current_device())
         return tuple(sig), tensors
-
-    def key(self, values, extra=()):
-        """(key, tensors) of a call with these arguments (tuples flattened); extra: plain values
-        the caller adds (its options)."""
-        sig, tensors = _signature(_flatten(values, []), self._static)
-        ptrs = [t.data_ptr() for t in tensors]
-        device = tensors[0].device
-        return ((policy.version(), *sig, *extra, _alias_pattern(ptrs),
-                 torch.cuda.current_device() if device.type == "cuda" else -1), tensors)
 
     def lookup(self, key, tensors):
         """The replayed outputs of a call with this key, or None (unbound, refused, or not
@@ -581,7 +555,11 @@ class LaunchCache(Memo):
     def call(self, impl, name: str, args: tuple, kwargs: dict):
         """impl(*args, **kwargs) (an op implementation, eager, wrap_triton off), replayed where
         a call with the same key was bound."""
-        key, tensors = self.key((*args, *kwargs.values()), (name, tuple(kwargs)))
+        kt = self.eager_key((*args, *kwargs.values()), (name, tuple(kwargs)))
+        if kt is None:  # (call_op asked plain_eager already: a tensor-less call, say)
+            with set_wrap_triton_enabled(False):
+                return impl(*args, **kwargs)
+        key, tensors = kt
         out = self.lookup(key, tensors)
         if out is not None:
             return out
