@@ -1473,6 +1473,16 @@ def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices
                            sinks, params["v_scale"])
 
 
+def pod_pipeline(d: int) -> dict:
+    """POD's per-part K/V pipeline at head dim d: both parts' loops live in one kernel and each
+    has its own shared memory, so each gets half a plain launch's footprint. At D 512 the
+    64 x 512 float32 accumulator's layout changes take shared memory too, and two 32-key stages
+    per part needed 320 KB (sm_90, triton 3.6): one stage of 32 keys fits."""
+    if d > 256:
+        return dict(BLOCK_N=32, NUM_STAGES=1)
+    return dict(BLOCK_N=32 if d > 128 else 64, NUM_STAGES=2)
+
+
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
                kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
                kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
@@ -1497,8 +1507,7 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         return out_p, lse_p, out_d, lse_d
     # Both parts' loops live in one kernel and Triton gives each its own shared memory: halve
     # each part's pipeline footprint (BLOCK_N and stages) so the sum fits.
-    d = max(q_p.shape[-1], v_cache_p.shape[-1])
-    pod_cfg = dict(BLOCK_N=32 if d > 128 else 64, NUM_STAGES=2)
+    pod_cfg = pod_pipeline(max(q_p.shape[-1], v_cache_p.shape[-1]))
     cfg = dict(num_warps=args_p[2]["num_warps"], num_stages=2)
     consts = {**{f"{k}_P": pod_cfg.get(k, v) for k, v in args_p[1].items()},
               **{f"{k}_D": pod_cfg.get(k, v) for k, v in args_d[1].items()}}

@@ -142,8 +142,10 @@ def test_unsupported_head_dim_names_the_set():
 
 
 def test_fx_rewrite_and_hf_attention():
-    # The FX rewrite replaces SDPA at D 80 with the op and leaves D 36 (no kernel) as written;
-    # the transformers attention function runs D 96 (Phi-3-mini's).
+    # The FX rewrite replaces SDPA at D 80 with the op and leaves D 264 (no kernel) as written;
+    # the transformers attention function runs D 96 (Phi-3-mini's). D 36 (no kernel either) was
+    # rewritten on the H200 (torch 2.11): torch's CUDA SDPA pads a head dim to a multiple of 8
+    # before the pass sees it, so the op may run D 40; either way the result is checked.
     from compiled_attn import fx_passes, hf
 
     class Sdpa(torch.nn.Module):
@@ -165,15 +167,16 @@ def test_fx_rewrite_and_hf_attention():
         eps = torch.finfo(BF16).eps
         assert err <= 2 * torch_err + eps * want.abs().max().item(), (err, torch_err)
 
-    for d, rewritten in ((80, True), (36, False)):
+    for d, rewritten in ((80, True), (264, False), (36, None)):
         args = bhsd(d, d)
         torch._dynamo.reset()
         fx_passes.counters.clear()
         with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
             out = compiled_attn.compile(Sdpa(), fullgraph=True)(*args)
         c = dict(fx_passes.counters)
-        assert c.get("rewritten", 0) == int(rewritten), c
-        if not rewritten:
+        if rewritten is not None:
+            assert c.get("rewritten", 0) == int(rewritten), c
+        if rewritten is False:
             assert c.get(f"skipped:head dims ({d}, {d}) have no kernel on cuda") == 1, c
         bound_check(out, args)
 

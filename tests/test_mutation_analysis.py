@@ -157,27 +157,34 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
 
 
-def _compile_sm90(fn, args, kw):
+def _compile_sm90(fn, args, kw, specialize=False):
     """Compile a recorded launch for sm_90 through ptxas (no GPU needed): the signature from
-    the recorded arguments' types, constexprs and launch options as given."""
+    the recorded arguments' types, constexprs and launch options as given. specialize: as a
+    launch on the GPU specializes (pointers 16-byte aligned, integers of 1 constant, integers
+    divisible by 16 marked so), which widens vectors and changes shared-memory use."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kwargs = dict(zip(fn.arg_names, args), **kw)
     types = {F16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
-    sig, consts = {}, {}
+    sig, consts, attrs = {}, {}, {}
+    aligned = [["tt.divisibility", 16]]
     for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
         a = kwargs[name]
-        if p.is_constexpr:
+        if p.is_constexpr or (specialize and type(a) is int and a == 1):
             sig[name] = "constexpr"
             consts[(i,)] = a
         elif isinstance(a, torch.Tensor):
             sig[name] = types[a.dtype]
+            if specialize:
+                attrs[(i,)] = aligned
         else:
             sig[name] = "fp32" if isinstance(a, float) else "i32"
+            if specialize and type(a) is int and a % 16 == 0:
+                attrs[(i,)] = aligned
     opts = {k: v for k, v in kw.items() if k not in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -199,3 +206,25 @@ def test_row_max_and_skip_compile_for_sm90(case, launches):
     assert launches and launches[0][2]["SKIP"] and launches[0][2]["STATS"]
     for fn, args, kw in launches:
         assert "ld.global" in _compile_sm90(fn, args, kw).asm["ptx"]
+
+
+# sm_90's shared memory per block (227 KB, the H100's and H200's opt-in limit)
+SM90_SHARED = 232448
+
+
+@pytest.mark.parametrize("d", [256, 512])
+def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
+    """POD holds both parts' K/V pipelines in one kernel: at D 512, as the GPU specializes the
+    launch, two 32-key stages per part needed 320 KB (prefill_kernel.pod_pipeline)."""
+    monkeypatch.setattr(K, "_tma_hardware", lambda device: True)
+
+    def paged(qo):
+        (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, 16, fmt="4d",
+                                                                dtype=F16)
+        return rand(sum(qo), 8, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
+
+    K.launch_pod(*paged([300, 0, 129]), *paged([1] * 6), torch.zeros(6, 3, dtype=torch.int32),
+                 None, None, None, K.block_m_for(d, d, 4), _params(d=d),
+                 _params(C.MASK_NONE, d=d))
+    (fn, args, kw), = launches
+    assert _compile_sm90(fn, args, kw, specialize=True).metadata.shared <= SM90_SHARED
