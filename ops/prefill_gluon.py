@@ -44,7 +44,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
-from .device import sm_count
 from .tiles import GLUON_SHORT_KV
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
@@ -1043,9 +1042,11 @@ def gather_short(pages: int, page: int, requests: int, causal: bool) -> bool:
 
 
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the persistent grid's size), from the one
-    cached properties query (device.sm_count)."""
-    return sm_count(device.index)
+    """Streaming multiprocessors of the device (the persistent grid's size): its description
+    in the launch decision (choose.device_of), so this grid and choose's agree."""
+    from .choose import device_of  # (choose imports this module)
+
+    return device_of(device).sm_count
 
 
 def ws_maxnreg(warps: int) -> int:

@@ -37,7 +37,7 @@ POLICIES = {
     "use_gluon=False": dict(use_gluon=False), "use_tma=False": dict(use_tma=False),
     "host_tma=False": dict(host_tma=False), "host_tma_min_flop=0": dict(host_tma_min_flop=0),
     "tma_min_kv=0": dict(tma_min_kv=0), "persist_tma=64,128": dict(persist_tma=frozenset({64, 128})),
-    **{f"path={name}": settings for name, (_, settings) in pk.KV_PATHS.items()},
+    **{f"path={name}": settings for name, (_, settings) in choose.KV_PATHS.items()},
 }
 
 BASE = dict(kind="ragged", page=0, d=128, mask="causal", gqa=4, dtype="bf16", kv="long",

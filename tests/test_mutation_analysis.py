@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn.ops import contracts as C
 from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
@@ -65,7 +66,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(driver, "_active", _FakeDriver())
     monkeypatch.setattr(L, "_kernel", lambda fn: _Recorder(fn, calls))
     monkeypatch.setattr(K, "_ensure_allocator", lambda: None)
-    monkeypatch.setattr(K, "sm_count", lambda index=None: 132)
+    # a device of 132 SMs without tensor descriptors (the launch decision's description)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.Device("cpu", 0, 132))
     return calls
 
 
@@ -114,7 +116,7 @@ def _pod_launch():
 CASES = {
     "single pointers": (_single, {}),
     # TMA 3: K/V descriptors built per persistent program, as in a traced graph
-    "single persistent": (_single, {"_tma_hardware": lambda device: True}),
+    "single persistent": (_single, {"device_of": lambda device: choose.H100}),
     "ragged": (lambda: _ragged_launch(False), {}),
     "ragged split + merge": (lambda: _ragged_launch(True), {}),
     # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
@@ -140,7 +142,7 @@ def _written(fn, kwargs) -> set[str]:
 def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
     launch, patches = CASES[case]
     for name, value in patches.items():
-        monkeypatch.setattr(K, name, value)
+        monkeypatch.setattr(choose, name, value)
     launch()
     assert launches, "the launcher launched nothing"
     for fn, args, kw in launches:
