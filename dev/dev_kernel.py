@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from compiled_attn.ops import choose
 from compiled_attn import ops
-from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_work
 
 from .kv_paths import forced_kv_path, forced_tile

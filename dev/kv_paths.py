@@ -10,7 +10,6 @@ import contextlib
 
 from compiled_attn.ops import choose
 from compiled_attn.ops import policy
-from compiled_attn.ops import prefill_kernel as K
 
 
 @contextlib.contextmanager

@@ -375,7 +375,7 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
     """The dev tools' path switch: inside, the path's settings; after, even on an error, every
     path setting as it was (the production policy)."""
     from dev.kv_paths import forced_kv_path
-    from compiled_attn.ops import choose, prefill_kernel as K
+    from compiled_attn.ops import choose
 
     from compiled_attn.ops.policy import POLICY
 
@@ -391,7 +391,7 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
 
 def test_forced_tile_sets_and_restores_the_tile_policy():
     from dev.kv_paths import forced_tile
-    from compiled_attn.ops import choose, prefill_kernel as K
+    from compiled_attn.ops import choose
 
     before = choose.tile, choose.config
     with pytest.raises(RuntimeError):

@@ -9,7 +9,6 @@ import torch
 from compiled_attn.ops import choose
 import compiled_attn as fi
 from compiled_attn.ops import policy
-from compiled_attn.ops import prefill_kernel as K
 from tests.helpers import indptr, make_paged
 
 pytestmark = [pytest.mark.gpu,

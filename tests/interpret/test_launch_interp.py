@@ -12,7 +12,6 @@ import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import launch, policy
 from compiled_attn.ops import contracts as C
-from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work
 from tests import kernel_cases as kc
 from tests.helpers import WS, indptr, make_paged, rand
