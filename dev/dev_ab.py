@@ -4,7 +4,7 @@ of slices in a fresh order, each slice settled first) beside SDPA flash, so that
 cannot tilt the ratios the way it tilts back-to-back do_bench calls (whichever variant ran
 first read up to 10% faster there). A variant is TILE:PATH: TILE a tile height (64, 128 or
 prod, block_m_for's choice, launched with _config's BLOCK_N / warps / stages) or a whole tile
-BM/BN/WARPS/STAGES (e.g. 256/64/16/3), and PATH a K/V path (a key of prefill_kernel.KV_PATHS:
+BM/BN/WARPS/STAGES (e.g. 256/64/16/3), and PATH a K/V path (a key of choose.KV_PATHS:
 host, persistent, device, pointers). A third field pN runs the paged op instead, on page size N
 with a shuffled page table (providers.scatter_pages; PATH gluon reads pages the Gluon kernel
 takes by TMA boxes, every other PATH by the Triton kernel's pointer gathers), so
@@ -27,6 +27,7 @@ import os
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_work
@@ -138,7 +139,7 @@ def main():
             bm_s, path, *layout = var.split(":")
             page = int(layout[0][1:]) if layout else 0
             tile = bm_s if "/" in bm_s else None
-            bm = (K.block_m_for(d, d, h // hkv, s, causal, page > 0, page_size=page,
+            bm = (choose.tile(d, d, h // hkv, s, causal, page > 0, page_size=page,
                                 qo_lens=[qo] * b)
                   if bm_s == "prod" else int(bm_s.split("/")[0]))
             w = build_work([qo] * b, h // hkv, bm, "cuda", kv_lens=[s] * b)

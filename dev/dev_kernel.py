@@ -13,8 +13,8 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
-from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_work
 
 from .kv_paths import forced_kv_path, forced_tile
@@ -38,7 +38,7 @@ def main():
                     help="BLOCK_M:BLOCK_N:warps:stages tiles, or prod (the production policy)")
     ap.add_argument("--groups", default="auto",
                     help="dense launch order: (batch entry, KV head) pairs per group, auto (the "
-                         "production rule, prefill_kernel._dense_group) or an int (1: one pair "
+                         "production rule, choose._dense_group) or an int (1: one pair "
                          "at a time)")
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--heads", type=int, default=0, help="heads (default: 2048 // D)")
@@ -47,13 +47,13 @@ def main():
     ap.add_argument("--tma", default="2,3,1,0",
                     help="K/V through host-built descriptors (2), descriptors built once per "
                          "persistent program (3), per work item (1), or pointer loads (0): "
-                         "the paths of prefill_kernel.KV_PATHS, forced at any size")
+                         "the paths of choose.KV_PATHS, forced at any size")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     rows = []
-    orig_bm, orig_group = K.block_m_for, K._dense_group
-    # the K/V path of each --tma value (K.KV_PATHS)
-    paths = {str(t): name for name, (t, _) in K.KV_PATHS.items()}
+    orig_bm, orig_group = choose.tile, choose._dense_group
+    # the K/V path of each --tma value (choose.KV_PATHS)
+    paths = {str(t): name for name, (t, _) in choose.KV_PATHS.items()}
     for case in a.cases.split(","):
         d, s, causal = (int(x) for x in case.split(":"))
         h, b = a.heads or 2048 // d, max(1, a.tokens // s)
@@ -79,7 +79,7 @@ def main():
 
         def ragged_tflops(bm_):
             """Our ragged op on this case with tile height bm_ (the launch config is whatever
-            K._config says now)."""
+            choose.config says now)."""
             work_ = build_work([s] * b, 1, bm_, "cuda", kv_lens=[s] * b)
             return tflops(b, s, h, d, causal, bench(lambda: ops.batch_ragged_prefill(
                 qf, kr, vr, qi, qi, work_, None, None, None, None, bm_, *tail)))
@@ -94,7 +94,7 @@ def main():
             bm = orig_bm(d, d, 1, s, bool(causal), a.paged) if tile is None else tile[0]
             with forced_kv_path(paths[tma]), (contextlib.nullcontext() if tile is None
                                               else forced_tile(*tile)):
-                K._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
+                choose._dense_group = orig_group if grp == "auto" else (lambda *_a, g=int(grp): g)
                 try:
                     fn = lambda: ops.single_prefill(q, k, v, None, None, None, *tail)
                     out, _ = fn()
@@ -121,7 +121,7 @@ def main():
                                error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    K._dense_group = orig_group
+    choose._dense_group = orig_group
     with open(os.path.join(a.out, "dev_kernel.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print("\n d    S     c  cfg          tma grp   ours   flash  cudnn  paged16 paged1 ragged "

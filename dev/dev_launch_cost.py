@@ -1,5 +1,5 @@
 """Dev tool: the CPU cost of one eager call of our dense op, per K/V load path
-(prefill_kernel.KV_PATHS), and its parts: the op through torch's dispatcher, our launcher
+(choose.KV_PATHS), and its parts: the op through torch's dispatcher, our launcher
 called directly (no dispatcher; wrap_triton off, as inside the op), and our argument
 preparation alone (no Triton launch). Calls are queued behind a sleeping GPU so the host never
 waits on the device; the per-call time is then the host's alone. The paths and parts are
@@ -18,6 +18,7 @@ import time
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 
@@ -149,14 +150,14 @@ def main() -> None:
         parts = _parts(*_inputs(*shape))
         best = {}
         for _ in range(ROUNDS):
-            for path in K.KV_PATHS:
+            for path in choose.KV_PATHS:
                 with forced_kv_path(path):
                     for part, fn in parts.items():
                         for _ in range(10):  # warm (compiles on the first round)
                             fn()
                         us = _host_us(fn)
                         best[path, part] = min(best.get((path, part), us), us)
-        for path in K.KV_PATHS:
+        for path in choose.KV_PATHS:
             lines.append(f"{name:28} {path:11} " +
                          " ".join(f"{best[path, part]:9.1f}" for part in parts))
             print(lines[-1], flush=True)

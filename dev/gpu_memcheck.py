@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work, build_work
@@ -44,9 +45,9 @@ def main() -> int:
                   device="cuda", layout="HND")
     check(s, params())
     # The tile height the misaligned-address report came from (BLOCK_M 64, paged).
-    orig, orig_cfg = K.block_m_for, K._config
-    K.block_m_for = lambda *a, **kw: 64
-    K._config = lambda *a: dict(BLOCK_N=64, num_warps=4, num_stages=2, TMA=False)
+    orig, orig_cfg = choose.tile, choose.config
+    choose.tile = lambda *a, **kw: 64
+    choose.config = lambda *a: dict(BLOCK_N=64, num_warps=4, num_stages=2, TMA=False)
     try:
         c = make_case("paged", [64, 300], [128, 300], hq=16, hkv=16, dqk=128,
                       dtype=torch.bfloat16, device="cuda", page_size=16)
@@ -54,7 +55,7 @@ def main() -> int:
         c.work = build_work([64, 300], 1, 64, "cuda")
         check(c, params(head_dim=128))
     finally:
-        K.block_m_for, K._config = orig, orig_cfg
+        choose.tile, choose.config = orig, orig_cfg
     cases += 2
     # Small pages on 256-row tiles of 16 warps (per-key gather and whole pages), padded rows.
     for page in (1, 4, 5):

@@ -1,5 +1,5 @@
 """The dev tools' switches of the kernel's launch policy: forced_kv_path picks one of the K/V
-load paths (prefill_kernel.KV_PATHS: host, persistent, device, pointers) at any launch size,
+load paths (choose.KV_PATHS: host, persistent, device, pointers) at any launch size,
 forced_tile one tile (height, key block, warps, stages); each puts every setting back on exit,
 so that tools timing several variants in one process leave the production policy behind.
 (Tests force paths through pytest's monkeypatch instead: tests/kernel_cases.force_kv_path.)"""
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import contextlib
 
+from compiled_attn.ops import choose
 from compiled_attn.ops import policy
-from compiled_attn.ops import prefill_kernel as K
 
 
 @contextlib.contextmanager
 def forced_kv_path(name: str):
     """Within the block, launches take K/V path ``name``; yields its TMA constexpr."""
-    tma, settings = K.KV_PATHS[name]
+    tma, settings = choose.KV_PATHS[name]
     with policy.override(**settings):
         yield tma
 
@@ -23,11 +23,11 @@ def forced_kv_path(name: str):
 @contextlib.contextmanager
 def forced_tile(block_m: int, block_n: int, num_warps: int, num_stages: int):
     """Within the block, launches (and block_m_for) take this tile, K/V descriptors allowed."""
-    saved = K.block_m_for, K._config
-    K.block_m_for = lambda *_a, **_kw: block_m
-    K._config = lambda *_a: dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+    saved = choose.tile, choose.config
+    choose.tile = lambda *_a, **_kw: block_m
+    choose.config = lambda *_a: dict(BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
                                  TMA=True)
     try:
         yield
     finally:
-        K.block_m_for, K._config = saved
+        choose.tile, choose.config = saved

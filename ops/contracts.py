@@ -40,7 +40,7 @@ Tensor = torch.Tensor
 # Head dims the Triton kernel runs, D_qk and D_vo each (any pair): multiples of 8 from 16 to 256
 # (tiles padded to a power of two, every load and store masked on the real dim; 8 elements keep
 # rows 16-byte aligned for descriptors and vector loads at fp16, 16 is the smallest dot depth)
-# and 512 (its own tiles: prefill_kernel._config). The CPU reference takes any head dim.
+# and 512 (its own tiles: choose.config). The CPU reference takes any head dim.
 KERNEL_HEAD_DIMS = frozenset((*range(16, 257, 8), 512))
 KERNEL_HEAD_DIMS_TEXT = "a multiple of 8 from 16 to 256, or 512"
 

@@ -16,14 +16,13 @@ Two entries, one rule (``keep_opaque``): the FunctionalTensorMode rule installed
 here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attention rewrite's
 ``Emitter.call_op``, which otherwise inlines the op's implementation into Inductor's graph).
 
-``eager_gluon`` is the static part of the eager launcher's own choice
-(prefill_kernel._gluon_launch): the option and size rule (prefill_kernel._gluon_rule; the size
-test where shapes are static) and the Gluon kernel's scope, prefill_kernel._gluon_scope: device,
-dtypes, head dims, options, tile height, page size, K/V layout where strides are known. Not
-what only a launch can know (the pointers' alignment, a CUDA-graph capture): a call it admits
-that the launcher then declines runs the Triton kernel from the fallback call, with the same
-numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it against the
-launcher's own choice.
+``eager_gluon`` asks the eager launcher's own decision, ops.choose.choose, with static=True:
+the option and size rules (the size test where shapes are static) and the Gluon kernel's
+scope: device, dtypes, head dims, options, tile height, page size, K/V layout where strides
+are known. Not what only a launch can know (the pointers' alignment, a CUDA-graph capture): a
+call it admits that the launcher then declines runs the Triton kernel from the fallback call,
+with the same numbers and the eager call's host cost. tests/test_graph_dispatch.py checks it
+against the launcher's own choice.
 
 The launch policy's ``graph_gluon`` setting (ops.policy.POLICY) switches the rule off (every
 traced call decomposes into its Triton launch). It is read when a graph is traced; AOTAutograd's
@@ -37,7 +36,7 @@ import inspect
 
 from torch.fx.experimental.symbolic_shapes import guard_int
 
-from . import contracts
+from . import choose, contracts
 from .policy import POLICY
 
 __all__ = ["GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
@@ -70,39 +69,36 @@ def bind(name: str, args: tuple, kwargs: dict | None = None) -> tuple[dict, dict
 def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether an eager call of op ``name`` with these arguments (real, fake or functional
     tensors; the op's own argument order) would run the Gluon kernel, as far as its static
-    properties tell (module docstring)."""
+    properties tell: choose.choose(static=True) (module docstring)."""
     from . import prefill_kernel as pk
 
-    if name not in GLUON_OPS or not (POLICY.use_gluon and pk._gluon is not None and POLICY.host_tma):
+    if name not in GLUON_OPS or not (POLICY.use_gluon and choose._gluon is not None
+                                     and POLICY.host_tma):
         return False
     a, params = bind(name, args, kwargs)
     q = a["q"]
     paged = name == "batch_paged_prefill"
     k, v = (a["k_cache"], a["v_cache"]) if paged else (a["k"], a["v"])
-    if not pk._gluon_device(q.device):  # a Hopper GPU (before any guard on the shapes)
+    dev = choose.device_of(q.device)
+    if not dev.gluon:  # a Hopper GPU (before any guard on the shapes)
         return False
     scalars, consts = pk._flags(q, a["alibi_slopes"], a["sinks"], **params,
                                 row_max=a.get("row_max", False),
                                 skip_softmax=a.get("skip_softmax", 0.0))
     # Head dims, heads, tile height and page size are constexprs of either kernel: a symbolic
     # one (torch.compile(dynamic=True)) is specialised here, as the Triton launch would.
-    guard_int(q.shape[-1])
-    dvo = guard_int(v.shape[-1])
-    mask_mode = consts["MASK_MODE"]
     if name == "single_prefill":
-        kv_mode, mean_kv = pk.KV_DENSE, k.shape[1]
-        block_m = pk.dense_block_m(q, k, v, mask_mode)
+        ask = dict(kv_mode=choose.KV_DENSE)
     else:
-        if guard_int(a["work"].shape[1]) != 2:  # a split-KV plan: the Triton kernel and its merge
-            return False
-        block_m = guard_int(a["block_m"])
-        kv_mode = pk.KV_PAGED if paged else pk.KV_RAGGED
-        mean_kv = None if paged else pk.ragged_mean_kv(k, a["qo_indptr"])
-    if not pk._gluon_rule(consts, kv_mode, q, mean_kv, dvo):  # (_gluon_launch's two tests)
-        return False
-    page_size = guard_int(k.shape[1]) if paged else 0
-    return pk._gluon_scope(kv_mode, q, k, v, a["out_dtype"] or q.dtype, block_m, page_size,
-                           consts, scalars)
+        work = a["work"]
+        ask = dict(kv_mode=choose.KV_PAGED if paged else choose.KV_RAGGED,
+                   block_m=guard_int(a["block_m"]), items=work.shape[0],
+                   split=guard_int(work.shape[1]) != 2, requests=a["qo_indptr"].shape[0] - 1,
+                   pages=a["kv_page_indices"].shape[0] if paged else None)
+    kv_mode = ask.pop("kv_mode")
+    launch = choose.choose(kv_mode, q, k, v, consts, scalars, a["out_dtype"] or q.dtype,
+                           device=dev, static=True, **ask)
+    return launch.kernel == "gluon"
 
 
 def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:

@@ -1,4 +1,4 @@
-"""The launch policy's settings: one object every launch decision reads.
+"""The launch policy's settings: one object the launch decision (ops.choose) reads.
 
 The kernels' launchers (prefill_kernel, prefill_gluon), compiled_attn's plan() and the traced
 dispatch (compiled_attn.ops.dispatch) decide from a call's shapes, strides, dtypes and options
@@ -23,7 +23,7 @@ class Policy:
     _version = 0
 
     def __init__(self):
-        # The Gluon Hopper kernel for the launches in its scope (prefill_kernel._gluon_scope).
+        # The Gluon Hopper kernel for the launches in its scope (choose._gluon_scope).
         self.use_gluon = True
         # Tensor descriptors for contiguous K/V in the Triton kernel (per program or on the host).
         self.use_tma = True

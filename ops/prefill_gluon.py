@@ -19,7 +19,7 @@ programs (persistent_default) stay resident and take work items from a global co
 the load warp, which decodes each item for the compute groups, brings its Q by TMA (one query
 head per KV head) and starts its K / V under the previous item's last tiles.
 
-Scope (prefill_kernel._gluon_scope; everything else takes the Triton kernel): dense,
+Scope (ops.choose._gluon_scope; everything else takes the Triton kernel): dense,
 ragged or paged K/V seen as 2D [rows, Hkv * D] (kv_2d; pages holding whole key tiles, or of 8+
 keys dividing one: page_fits; pages of 1-7 keys: page_gathered), bf16 / fp16, head dim 64, 128
 or 256 (TILES) for Q/K and V alike, causal or no mask, none of the logit transforms,
@@ -44,7 +44,6 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
-from .device import sm_count
 from .tiles import GLUON_SHORT_KV
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
@@ -998,7 +997,7 @@ def _gluon_fwd(
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
-# Tiles by (tile height, head dim), the height plan() chose (prefill_kernel.block_m_for):
+# Tiles by (tile height, head dim), the height plan() chose (choose.tile):
 # (BLOCK_N, compute warps, stages, P through shared memory, warp-specialized, ping-pong).
 # 64-row tiles are warp-specialized with P in registers (two programs per SM), 128-row tiles
 # ping-pong two 64-row warp groups; D 256 reads 64-key tiles (two 128-key slots would not fit
@@ -1043,9 +1042,11 @@ def gather_short(pages: int, page: int, requests: int, causal: bool) -> bool:
 
 
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (the persistent grid's size), from the one
-    cached properties query (device.sm_count)."""
-    return sm_count(device.index)
+    """Streaming multiprocessors of the device (the persistent grid's size): its description
+    in the launch decision (choose.device_of), so this grid and choose's agree."""
+    from .choose import device_of  # (choose imports this module)
+
+    return device_of(device).sm_count
 
 
 def ws_maxnreg(warps: int) -> int:

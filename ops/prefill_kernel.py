@@ -26,8 +26,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -35,130 +34,20 @@ try:  # Triton's allocator slot (private): None where this Triton lacks it
     from triton.runtime._allocation import NullAllocator, _allocator
 except ImportError:
     NullAllocator = _allocator = None
-try:  # whether wrap_triton traces (private): None where this torch lacks it
-    from torch._library.triton import is_wrap_triton_enabled
-except ImportError:
-    is_wrap_triton_enabled = None
-
-from . import launch
-from .device import _device_properties, _sm_major, sm_count  # noqa: F401 (the cache, for tests)
+from . import choose, launch
+from .choose import KV_DENSE, KV_PAGED, KV_RAGGED, known as _known
 from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
-from .policy import POLICY
-from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
-                    SMALL_PAGE_PAD)
+from .tiles import SMALL_PAGE_BLOCK_M  # noqa: F401 (tests read it here)
 from .contracts import check_kernel_head_dims
 
-try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
-    from . import prefill_gluon as _gluon
-except (ImportError, AttributeError):
-    _gluon = None
+_gluon = choose._gluon  # the Gluon Hopper kernel's module (None where this Triton lacks Gluon)
 
 LOG2E = 1.4426950408889634
 
-KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
-
 # ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
-# as whole-page 3D blocks (seen on the H100): the launch (_config) and the kernel (PAGE3D) turn
-# both kinds of load off for this stage count.
-CRASH_STAGES = tl.constexpr(2)
-
-
-def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
-                page_size: int = 0, qo_lens: Sequence[int] | None = None,
-                kv_dtype: torch.dtype | None = None) -> int:
-    """Tile height in packed rows for these head dims (plan() and the launch agree on it; the
-    bounds and their reasons: tiles.py).
-    max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
-    any length; CUDA-graph plans pass None so that one capture serves every re-plan).
-    page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
-    query rows as the work list tiles them (None: unknown); kv_dtype: the K/V dtype (None:
-    fp16 / bf16; fp8 K/V never take the Gluon kernel, so their small pages keep 256-row
-    tiles)."""
-    if INTERPRET:
-        return 64
-    d = max(head_dim_qk, head_dim_vo)
-    gluon_pages = paged and _gluon_pages(page_size, head_dim_qk, head_dim_vo, kv_dtype)
-    if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
-            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
-            and not gluon_pages):
-        return SMALL_PAGE_BLOCK_M
-    if d > 256:
-        return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
-    if d > 128 or max_kv_len is None:
-        return 128
-    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
-            and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
-        return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
-    if max_kv_len <= POLICY.tma_min_kv:
-        return 64
-    if d <= 64 or (paged and not gluon_pages):
-        return 128
-    short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo) else SHORT_KV
-    return 64 if max_kv_len <= (short if causal else short // 2) else 128
-
-
-def _gluon_tiles(dqk: int, dvo: int) -> bool:
-    """Whether eager launches at these head dims go to the Gluon kernel in this process (USE_GLUON,
-    a Hopper GPU, D 128), whose tiles block_m_for then sizes (GLUON_SHORT_KV). Graphs that inline
-    the op (AOTInductor; torch.compile keeps such calls opaque: compiled_attn.ops.dispatch) run
-    the Triton kernel on the same tiles (a plan serves both)."""
-    return (POLICY.use_gluon and _gluon is not None and dqk == dvo == 128
-            and torch.cuda.is_available() and _gluon_device(torch.device("cuda")))
-
-
-def _gluon_pages(page_size: int, dqk: int, dvo: int,
-                 kv_dtype: torch.dtype | None = None) -> bool:
-    """Whether eager paged launches of this page size, head dims and K/V dtype (None: fp16 /
-    bf16) go to the Gluon kernel in this process (a Hopper GPU, use_gluon, D 128, fp16 / bf16
-    K/V, pages it reads on either tile height, by TMA boxes or gathers: _gluon_scope): they are
-    then tiled as contiguous K/V are (pages 1-8 too, rather than the small pages' 256-row
-    tiles), since on the Gluon kernel paged K/V prefer contiguous K/V's tile heights
-    (benchmarks/NOTES.md, 2026-11-23). (Graphs that inline the op run the Triton kernel, which
-    prefers 128-row tiles for paged K/V: they take these tiles too.)"""
-    return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
-            and _gluon_tiles(dqk, dvo)
-            and all(_gluon.page_read(page_size, tile[0], dqk)
-                    for (_, d), tile in _gluon.TILES.items() if d == dqk))
-
-
-def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
-    """Whether tiles of block_m packed rows cover these requests with at most SMALL_PAGE_PAD
-    times the rows (padding included) that tiles of ``smaller`` rows would."""
-    def padded(m):
-        return sum(-(-int(n) * group_size // m) * m for n in qo_lens)
-    rows = padded(smaller)
-    return rows > 0 and padded(block_m) <= SMALL_PAGE_PAD * rows
-
-
-def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
-    """Launch configuration (BLOCK_N, warps, stages, whether K/V may use tensor descriptors)
-    for a tile height, head dims, KV addressing and mask mode."""
-    if INTERPRET:
-        return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
-    # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
-    # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
-    # through shared memory with K and V). The Triton kernel's descriptors never with
-    # CRASH_STAGES nor for 128-row D <= 64 tiles (slower there) nor D 256 (ptxas of triton
-    # 3.6); the Gluon kernel, asked first (_gluon_launch), has its own tiles for those. D 512
-    # (64-row tiles: block_m_for) streams 32-key K / V tiles two deep: compiled for sm_90 by
-    # triton 3.6 on 2026-11-27 it took 96-128 KB of shared memory (split-KV and custom masks
-    # the most), 192 KB at most if Q and both stages of K and V were all held there.
-    # Head dims between powers of two run their power of two's tiles (_dims).
-    d = max(dqk, dvo)
-    stages = 2 if mask_mode == MASK_CUSTOM else 3
-    tma = stages != CRASH_STAGES.value
-    if block_m == SMALL_PAGE_BLOCK_M and d <= 128:  # four warpgroups of 64 rows (small pages)
-        return dict(BLOCK_N=64, num_warps=16, num_stages=stages, TMA=tma)
-    if d <= 128 and block_m == 64:
-        return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
-    if d <= 64:
-        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
-    if d <= 128:
-        return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
-    if d <= 256:
-        return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
-    return dict(BLOCK_N=32, num_warps=8, num_stages=2, TMA=False)
+# as whole-page 3D blocks (seen on the H100): the launch (choose.config) and the kernel (PAGE3D)
+# turn both kinds of load off for this stage count.
+CRASH_STAGES = tl.constexpr(choose.CRASH_STAGES)
 
 
 @triton.jit
@@ -959,12 +848,6 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
     return scalars, consts
 
 
-def _known(cond) -> bool:
-    """A launch-time condition: plain ints compare to a bool directly (eager calls, no
-    statically_known_true per check); symbolic ones must be known true."""
-    return cond if type(cond) is bool else statically_known_true(cond)
-
-
 def _pow2(n):
     """triton.next_power_of_2 without its constexpr-function wrapper for plain ints."""
     return 1 << (n - 1).bit_length() if type(n) is int and n > 0 else triton.next_power_of_2(n)
@@ -981,18 +864,19 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
 
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
                   l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
-                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params,
-                  mean_kv=None, gluon=False):
+                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params, ask):
     """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
-    and the launch configuration. mean_kv: the batch's mean KV length when the shapes give it
-    (descriptors are skipped for short ones). gluon: the launcher can run the Gluon kernel
-    (single, ragged and paged launches without a split plan; not POD): cfg["gluon"] then holds
-    its arguments where the launch takes it (_gluon_launch), and no Triton descriptors are
-    built."""
+    and the launch configuration. block_m: the plan's tile height (None: the dense launch's,
+    choose.dense_tile). ask: the launch's own arguments to choose.choose (work rows, requests,
+    pages, split, whether it may take the Gluon kernel, POD); cfg["launch"] holds its answer,
+    and cfg["gluon"] the Gluon kernel's arguments where it takes that kernel (no Triton
+    descriptors are built then)."""
     hq, hkv = q.shape[-2], k.shape[-2]
     scalars, consts = _flags(q, alibi_slopes, sinks, **params)
+    choice = choose.choose(kv_mode, q, k, v, consts, scalars, out.dtype, block_m=block_m, **ask)
+    block_m = choice.block_m
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
-    cfg = _config(block_m, q.shape[-1], v.shape[-1], kv_mode, consts["MASK_MODE"])
+    cfg = dict(num_warps=choice.warps, num_stages=choice.stages, launch=choice)
     dummy = qo_indptr if qo_indptr is not None else q  # never read: its constexpr is off
     opt = lambda t: dummy if t is None else t  # noqa: E731
     args = [
@@ -1002,191 +886,36 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
         *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
         *dense, *scalars.values(),
     ]
-    # The Gluon kernel first (_gluon_launch: its scope, layout and size rules); what it does not
-    # take runs the Triton kernel, whose K/V go through tensor descriptors where its tile and
-    # the layout allow: over the whole K/V, built once on the host (TMA 2: eager launches) or
-    # once per program of a persistent grid (TMA 3: traced graphs, 64-row tiles); else per
-    # program and work item on the device (TMA 1), which short key ranges do not amortise
-    # (pointer loads then, TMA 0).
-    tma = 0
-    if gluon:
-        cfg["gluon"] = _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m,
-                                     consts, scalars, page_size, mean_kv)
-        tma = 2 if cfg["gluon"] is not None else 0
-    if (not tma and cfg["TMA"] and _kv_descriptors(consts, kv_mode)
-            and _tma_hardware(k.device) and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
-        whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
-        # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
-        # path (both cost more CPU per call than the pointer loads or per-item descriptors),
-        # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
-        eager = _eager_launch()
-        small = eager and POLICY.host_tma and _too_small(q, kv_mode, mean_kv, v.shape[-1],
-                                                  consts["MASK_MODE"])
-        if whole and POLICY.host_tma and eager and not small:
-            args[1] = _host_descriptor(k, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DQK"])
-            args[2] = _host_descriptor(v, kv_mode, cfg["BLOCK_N"], dims["BLOCK_DVO"])
-            tma = 2
-        elif whole and block_m in POLICY.persist_tma and not small:
-            tma = 3
-        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= POLICY.tma_min_kv):
-            tma = 1
+    if choice.kernel == "gluon":
+        cfg["gluon"] = _gluon_views(kv_mode, k, v, scalars, page_size)
+    elif choice.tma == 2:
+        args[1] = _host_descriptor(k, kv_mode, choice.block_n, dims["BLOCK_DQK"])
+        args[2] = _host_descriptor(v, kv_mode, choice.block_n, dims["BLOCK_DVO"])
     cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
-                  BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], **dims, NUM_STAGES=cfg["num_stages"],
-                  TMA=tma)
+                  BLOCK_M=block_m, BLOCK_N=choice.block_n, **dims,
+                  NUM_STAGES=choice.stages, TMA=choice.tma)
     return args, consts, cfg
-
-
-def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
-    """Whether these options let contiguous K/V (dense or ragged) be read through tensor
-    descriptors, the tile (cfg TMA: the Triton kernel's; the Gluon kernel's always) and the
-    layout (_tma_ok) aside."""
-    return POLICY.use_tma and kv_mode != KV_PAGED and not consts["ROPE"]
-
-
-def _too_small(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
-    """_small_launch, unless a CUDA graph is capturing the launch (its replays skip the host,
-    so the faster kernel wins at any size)."""
-    return (_small_launch(q, kv_mode, mean_kv, dvo, mask_mode)
-            and not torch.cuda.is_current_stream_capturing())
-
-
-def _gluon_rule(consts: dict, kv_mode: int, q, mean_kv, dvo: int,
-                launch: bool = False) -> bool:
-    """Whether an eager launch with these options and this much work may run the Gluon kernel,
-    its scope (_gluon_scope), the tensors' layout and the hardware aside: paged K/V always;
-    contiguous K/V where they may take descriptors (_kv_descriptors) and the launch is worth
-    their host cost (not _small_launch; launch True: the launch itself asking, where a CUDA-graph
-    capture exempts a small launch, _too_small). Asked by _gluon_launch and by
-    compiled_attn.ops.dispatch.eager_gluon."""
-    small = _too_small if launch else _small_launch
-    return kv_mode == KV_PAGED or (
-        _kv_descriptors(consts, kv_mode)
-        and not small(q, kv_mode, mean_kv, dvo, consts["MASK_MODE"]))
-
-
-def _gluon_launch(kv_mode, q, k, v, out, k_strides, v_strides, block_m, consts, scalars,
-                  page_size, mean_kv):
-    """The Gluon kernel's arguments (_gluon_views) when this launch takes it, else None (the
-    Triton kernel runs it): an eager launch with host descriptors on (policy host_tma; traced graphs
-    cannot capture them), _gluon_rule, and for contiguous K/V a layout that whole-tensor
-    descriptors read (_tma_ok, _whole_tensor_ok) on TMA hardware. The rule goes first: a small
-    launch then skips the layout checks."""
-    if not (POLICY.host_tma and _eager_launch()
-            and _gluon_rule(consts, kv_mode, q, mean_kv, v.shape[-1], launch=True)):
-        return None
-    if kv_mode != KV_PAGED and not (_tma_hardware(k.device)
-                                    and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)
-                                    and _whole_tensor_ok(k) and _whole_tensor_ok(v)):
-        return None
-    return _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size)
-
-
-def _gluon_device(device: torch.device) -> bool:
-    """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the interpreter)."""
-    return not INTERPRET and device.type == "cuda" and _sm_major(device) == 9
 
 
 _KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
 
 
-def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalars,
-                 kv_layout: bool = True) -> bool:
-    """Whether a launch is in the Gluon kernel's scope as far as its static properties tell:
-    use_gluon, a Hopper GPU, a tile for this height and head dim (TILES: D 64 and 128 on 64-
-    and 128-row tiles, D 256 on 128-row ones), pages it reads (prefill_gluon.page_read: TMA
-    boxes or a producer warp group's gathers), fp16 / bf16
-    throughout, V's head dim equal to Q's, unit stride, causal or no mask with a positive
-    scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks, a V scale, the row-max output
-    or skip-softmax (the Gluon kernel writes neither), and K/V with
-    packed heads and dims (prefill_gluon.kv_2d_layout). q / k / v may be traced tensors
-    (sizes read by _known; block_m, page_size and head dims plain ints): the one test of both
-    the eager launch (_gluon_views, which adds the pointers' alignment) and
-    compiled_attn.ops.dispatch (which keeps a traced call opaque when it passes). kv_layout
-    False leaves the K/V layout to the caller (the eager launch's kv_2d checks it)."""
-    if not (POLICY.use_gluon and _gluon is not None):
-        return False
-    # (the head dim compared, not hashed: a traced q's is a SymInt; ops.dispatch has
-    # guarded it to an int already)
-    d = q.shape[-1]
-    tile = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
-    if tile is None or not _gluon_device(q.device):
-        return False
-    dt = q.dtype
-    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
-        return False
-    if kv_mode == KV_PAGED and not _gluon.page_read(page_size, tile[0], d):
-        return False
-    if v.shape[-1] != d or not _known(q.stride(-1) == 1):
-        return False
-    if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
-        return False
-    if any(consts.get(f) for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
-                                   "SINKS", "STATS", "SKIP")) or scalars["v_scale"] != 1.0:
-        return False
-    kind = _KV_KIND[kv_mode]
-    return not kv_layout or (_gluon.kv_2d_layout(k, kind, _known)
-                             and _gluon.kv_2d_layout(v, kind, _known))
-
-
-def _gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page_size=0):
+def _gluon_views(kv_mode, k, v, scalars, page_size=0):
     """The 2D K / V views, base-2 scale and page layout for the Gluon kernel (prefill_gluon.py)
-    when this eager launch (_gluon_launch's rules) is in its scope (_gluon_scope,
-    and K/V pointers 16-byte aligned: prefill_gluon.kv_2d), else None (the Triton kernel runs
-    it). (Split-KV plans and POD launches never ask: _program_args' gluon.)"""
-    if not _gluon_scope(kv_mode, q, k, v, out.dtype, block_m, page_size, consts, scalars,
-                        kv_layout=False):
-        return None
+    of a launch choose.choose gave it (its layout and alignment checked there)."""
     kind = _KV_KIND[kv_mode]
-    k2, v2 = _gluon.kv_2d(k, kind), _gluon.kv_2d(v, kind)
-    if k2 is None or v2 is None:
-        return None
     paged = None
     if kv_mode == KV_PAGED:
         paged = (page_size, _gluon.page_rows(k), _gluon.page_rows(v))
-    return dict(k2=k2, v2=v2, qk_scale=scalars["qk_scale"], paged=paged)
-
-
-# Eager launches below this many FLOPs skip the whole-tensor descriptors. On the H100's host
-# an eager call with host descriptors costs ~170-300 us of CPU against ~130 us with pointer
-# loads, while the kernel of D128 causal B16 x 1k (69 GFLOP) takes ~200 us: such loops run at
-# the host's pace (eager TFLOP/s, S 512 / 1k: 103 / 194 with host descriptors, 201 / 282 with
-# pointer loads; at S 2k, 137 GFLOP, host descriptors win, 396 vs 372; benchmarks/NOTES.md).
-# The interpreter has no such cost: CI runs the descriptor paths at any size.
-# (POLICY.host_tma_min_flop)
-
-
-def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
-    """Whether an eager launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
-    for causal) is below HOST_TMA_MIN_FLOP; False when a length is not a plain number."""
-    rows = q.shape[0] * q.shape[1] if kv_mode == KV_DENSE else q.shape[0]
-    if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
-        return False
-    flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
-    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
-
-
-def _eager_launch() -> bool:
-    """Whether this launch runs the kernel directly (the interpreter, or triton_op's eager call
-    on real tensors), not a wrap_triton trace: wrap_triton does not capture host descriptors
-    while tracing ("TMA descriptor capturing not yet supported in non-dynamo tracing", torch
-    2.11-2.13), so graphs traced by torch.compile / export build theirs per program."""
-    if INTERPRET:
-        return True
-    return is_wrap_triton_enabled is not None and not is_wrap_triton_enabled()
-
-
-def _whole_tensor_ok(t: torch.Tensor) -> bool:
-    """Whether K or V can be seen through one descriptor over the whole tensor (TMA 2 / 3):
-    no empty dim and no zero stride (an expanded batch or head is not left to the tensor-map
-    checks of the driver or the device); otherwise descriptors per work item (TMA 1)."""
-    return all(_known(x > 0) for x in t.shape) and all(_known(x > 0) for x in t.stride())
+    return dict(k2=_gluon.kv_2d(k, kind), v2=_gluon.kv_2d(v, kind),
+                qk_scale=scalars["qk_scale"], paged=paged)
 
 
 def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
     """A host tensor descriptor over K or V (dense [B, S, Hkv, D] seen as [B, Hkv, S, D], block
     [1, 1, block_n, block_d]; ragged [N, Hkv, D] seen as [Hkv, N, D], block [1, block_n,
-    block_d]); the caller checked _whole_tensor_ok."""
+    block_d]); choose.choose checked the layout (TMA 2)."""
     # the permuted views' shapes and strides, without building the views
     order = (0, 2, 1, 3) if kv_mode == KV_DENSE else (1, 0, 2)
     shape, strides = t.shape, t.stride()
@@ -1194,84 +923,10 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
                             [1] * (len(order) - 2) + [block_n, block_d])
 
 
-# Tensor descriptors (TMA) for K/V: on by default where the hardware has them; benchmarks and
-# tests turn them off to compare with the pointer loads (same results). HOST_TMA: built once
-# per launch on the host and passed to every program (3-10% faster at S <= 4k on the H100 than
-# two per program built on the device, benchmarks/NOTES.md) in eager calls. PERSIST_TMA: the
-# tile heights that, where host descriptors cannot go (traced graphs, or HOST_TMA off), run a
-# persistent grid whose programs build theirs once (H100, kernel time: +3-16% over per-item
-# descriptors or pointer loads at S <= 2k, even at 4k-8k; with 128-row tiles, which the policy
-# gives long keys, 5% slower at S 16k): other tiles build them per program and work item.
-# (The switches live on ops.policy.POLICY: use_tma, host_tma, persist_tma, and use_gluon for
-# the Gluon Hopper kernel, off in every KV_PATHS entry but "gluon", so that forcing a path
-# forces the Triton kernel on it.)
-
-# The module settings that force each K/V load path of dense and ragged launches (tests and
-# benchmarks compare them; the results are the same): name -> (TMA constexpr, settings).
-# "host" even for small eager launches, "persistent" for both tile heights, "device" even for
-# short keys.
-KV_PATHS = {
-    "gluon": (2, dict(use_gluon=True, use_tma=True, host_tma=True, host_tma_min_flop=0,
-                      persist_tma=frozenset())),
-    "host": (2, dict(use_gluon=False, use_tma=True, host_tma=True, host_tma_min_flop=0,
-                     persist_tma=frozenset())),
-    "persistent": (3, dict(use_gluon=False, use_tma=True, host_tma=False,
-                           persist_tma=frozenset({64, 128}))),
-    "device": (1, dict(use_gluon=False, use_tma=True, host_tma=False, persist_tma=frozenset(),
-                       tma_min_kv=0)),
-    "pointers": (0, dict(use_gluon=False, use_tma=False, host_tma=False,
-                         persist_tma=frozenset())),
-}
-
-
-def _tma_hardware(device: torch.device) -> bool:
-    """Device tensor descriptors exist: Hopper or newer (or the interpreter)."""
-    return INTERPRET or (device.type == "cuda" and _sm_major(device) >= 9)
-
-
-def _tma_ok(t: torch.Tensor, strides) -> bool:
-    """Whether K or V (strides: batch, token, page, head, dim) is laid out for a device tensor
-    descriptor: unit dim stride, and every other stride and the start 16-byte aligned (the
-    storage itself is allocator-aligned; a real tensor's pointer is checked too). Decided per
-    launch; otherwise pointer loads."""
-    es = t.element_size()
-    if not _known(strides[4] == 1):
-        return False
-    for x in (strides[0], strides[1], strides[3], t.storage_offset()):
-        if not _known((x * es) % 16 == 0):
-            return False
-    return INTERPRET or (type(t) is not torch.Tensor and is_fake(t)) or t.data_ptr() % 16 == 0
-
-
-def _mean(total, count):
-    """total / count for plain ints (None when symbolic or count is 0)."""
-    if isinstance(total, int) and isinstance(count, int) and count > 0:
-        return total / count
-    return None
-
-
-def dense_block_m(q, k, v, mask_mode: int) -> int:
-    """single_prefill's tile height (block_m_for): q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D],
-    real, fake or traced. Head dims and the head ratio are constexprs of either kernel, so a
-    symbolic one is specialised (guard_int); a symbolic Skv counts as unknown. The launch's
-    rule and compiled_attn.ops.dispatch's."""
-    skv = k.shape[1]
-    return block_m_for(guard_int(q.shape[-1]), guard_int(v.shape[-1]),
-                       guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
-                       skv if isinstance(skv, int) else None, mask_mode != MASK_NONE)
-
-
-def ragged_mean_kv(k, qo_indptr):
-    """A ragged batch's mean KV length, k [Nk, Hkv, D], qo_indptr [R + 1] (None when either
-    size is symbolic or R is 0): what _program_args and ops.dispatch size the launch by."""
-    return _mean(k.shape[0], qo_indptr.shape[0] - 1)
-
-
 def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gluon=False):
     """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
     skv = k.shape[1]
-    block_m = dense_block_m(q, k, v, params["mask_mode"])
     out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
     lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
     args = _program_args(
@@ -1282,8 +937,18 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gl
         (out.stride(0), out.stride(1), out.stride(2)),
         (lse.stride(0), lse.stride(1), lse.stride(2)),
         None, None, None, None, packed_mask, None, alibi_slopes, sinks,
-        (sq, skv), block_m, 1, params, skv, gluon)
+        (sq, skv), None, 1, params, dict(gluon=gluon))
     return out, lse, args
+
+
+def _ask(work, qo_indptr, page_idx=None, pod=False) -> dict:
+    """choose.choose's arguments of a batch launch: work rows, split plan (work [W, 4]: the
+    Triton kernel and its merge; the Gluon kernel takes neither these nor POD), requests and
+    page-table entries."""
+    split = work.shape[1] == 4
+    return dict(items=work.shape[0], split=split, gluon=not (split or pod), pod=pod,
+                requests=qo_indptr.shape[0] - 1,
+                pages=None if page_idx is None else page_idx.shape[0])
 
 
 def _lse_out(q, params) -> torch.Tensor:
@@ -1294,8 +959,9 @@ def _lse_out(q, params) -> torch.Tensor:
 
 
 def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_slopes,
-                 sinks, block_m, out_dtype, params, gluon=False):
-    """batch_ragged_prefill: q [Nq, Hq, Dqk], k/v [Nk, Hkv, D]."""
+                 sinks, block_m, out_dtype, params, work):
+    """batch_ragged_prefill: q [Nq, Hq, Dqk], k/v [Nk, Hkv, D]; work [W, 2] or a split plan's
+    [W, 4] (choose.choose's items and split)."""
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]), dtype=out_dtype)
     lse = _lse_out(q, params)
     args = _program_args(
@@ -1306,14 +972,15 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
-        (0, 0), block_m, 1, params, ragged_mean_kv(k, qo_indptr), gluon)
+        (0, 0), block_m, 1, params, _ask(work, qo_indptr))
     return out, lse, args
 
 
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
                 packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
-                gluon=False):
-    """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides)."""
+                work, pod=False):
+    """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides); work as
+    _ragged_args'; pod: a part of POD's launch."""
     out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
     lse = _lse_out(q, params)
     args = _program_args(
@@ -1324,7 +991,8 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params, gluon=gluon)
+        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params,
+        _ask(work, qo_indptr, kv_page_indices, pod))
     return out, lse, args
 
 
@@ -1343,46 +1011,13 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-# Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one
-# 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
-# programs per SM in case more fit: programs that start late find the counter spent and exit.
-RESIDENT_PER_SM = {64: 2, 128: 1}
-
-
-def _resident_tiles(device: torch.device, block_m: int) -> int:
-    """Tiles of this height that the device runs at once (RESIDENT_PER_SM on every SM)."""
-    return RESIDENT_PER_SM.get(block_m, 1) * sm_count(device.index)
-
-
-def _persistent_programs(device: torch.device, items, block_m: int):
-    """Programs of a persistent launch: twice the resident tiles (3 under the interpreter, so
-    that programs take several items), at most one per item."""
-    cap = 3 if INTERPRET else 2 * _resident_tiles(device, block_m)
-    return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
-
-
-def _dense_group(device: torch.device, tiles, pairs, block_m: int, causal: bool):
-    """(batch entry, KV head) pairs per group of the dense launch order (_work_item). Causal:
-    the largest divisor of ``pairs`` whose tiles fit one wave of resident programs. A group
-    then runs its tiles heaviest first side by side, so the launch ends on light tiles instead
-    of the last pair's heaviest ones, while the pairs running together are no more than one
-    pair at a time would have resident (their K/V stays in L2; groups twice as large measured
-    2-5% slower, benchmarks/NOTES.md). Tiles of equal weight (no causal mask) and symbolic
-    sizes keep one pair at a time. The interpreter takes 12 resident programs, so that small
-    test shapes form groups."""
-    if not causal or type(tiles) is not int or type(pairs) is not int or tiles <= 0:
-        return 1
-    resident = 12 if INTERPRET else _resident_tiles(device, block_m)
-    cap = max(1, min(pairs, resident // tiles))
-    return next(g for g in range(cap, 0, -1) if pairs % g == 0)  # the largest divisor <= cap
-
-
-def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0,
-                    group=1):
-    """The prefill launch; with a split plan (work [W, 4], merge [T, 4]) the chunks of a split
-    tile write float32 partials and _merge_fwd combines them (a second launch). Dense mode:
-    tiles per batch entry and (entry, KV head) pairs per group of the launch order."""
+def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
+    """The prefill launch as choose.choose decided it (cfg["launch"]); with a split plan (work
+    [W, 4], merge [T, 4]) the chunks of a split tile write float32 partials and _merge_fwd
+    combines them (a second launch). Dense mode: tiles per batch entry."""
     prog_args, consts, cfg = args
+    choice = cfg["launch"]
+    group = choice.group
     n_items, n_hkv = grid
     split = work is not None and work.shape[1] == 4
     if work is None:
@@ -1398,7 +1033,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                                 torch.float32, work.device)
     gl_args = cfg.get("gluon")
     if gl_args is not None:
-        # The Gluon kernel (_gluon_launch chose it); dense mode keeps this launch's item order.
+        # The Gluon kernel on the chosen tile; dense mode keeps this launch's item order.
         q = prog_args[0]
         dense = paged = None
         if consts["KV_MODE"] == KV_DENSE:
@@ -1409,10 +1044,11 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
         return _gluon.launch(q, gl_args["k2"], gl_args["v2"], out, lse, prog_args[5],
                              prog_args[6], work, dense=dense, paged=paged,
                              qk_scale=gl_args["qk_scale"],
-                             causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"])
+                             causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"],
+                             tile=choice.gluon_tile)
     counter = work
     if consts["TMA"] == 3:
-        grid = (_persistent_programs(out.device, n_items * n_hkv, consts["BLOCK_M"]),)
+        grid = (choice.programs,)
         counter = launch.counter(out.device)
     if consts["TMA"] in (1, 3):
         _ensure_allocator()
@@ -1442,17 +1078,14 @@ def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **par
         return out, lse
     consts = args[1]
     tiles = (sq * consts["GROUP"] + consts["BLOCK_M"] - 1) // consts["BLOCK_M"]  # cdiv
-    group = _dense_group(q.device, tiles, bsz * k.shape[2], consts["BLOCK_M"],
-                         consts["MASK_MODE"] == MASK_CAUSAL)
-    return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args, group=group)
+    return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args)
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr, alibi_slopes,
                   sinks, block_m, merge=None, *, out_dtype, **params):
     """batch_ragged_prefill: grid (work items, Hkv)."""
     out, lse, args = _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr,
-                                  alibi_slopes, sinks, block_m, out_dtype, params,
-                                  gluon=work.shape[1] == 2)  # not a split plan
+                                  alibi_slopes, sinks, block_m, out_dtype, params, work)
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
     return _launch_prefill((work.shape[0], k.shape[1]), work, 1, out, lse, args, merge, sinks,
@@ -1465,22 +1098,11 @@ def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices
     """batch_paged_prefill: grid (work items, Hkv)."""
     out, lse, args = _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                  kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-                                 alibi_slopes, sinks, block_m, out_dtype, params,
-                                 gluon=work.shape[1] == 2)  # not a split plan
+                                 alibi_slopes, sinks, block_m, out_dtype, params, work)
     if work.shape[0] == 0 or q.shape[0] == 0:
         return out, lse
     return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args, merge,
                            sinks, params["v_scale"])
-
-
-def pod_pipeline(d: int) -> dict:
-    """POD's per-part K/V pipeline at head dim d: both parts' loops live in one kernel and each
-    has its own shared memory, so each gets half a plain launch's footprint. At D 512 the
-    64 x 512 float32 accumulator's layout changes take shared memory too, and two 32-key stages
-    per part needed 320 KB (sm_90, triton 3.6): one stage of 32 keys fits."""
-    if d > 256:
-        return dict(BLOCK_N=32, NUM_STAGES=1)
-    return dict(BLOCK_N=32 if d > 128 else 64, NUM_STAGES=2)
 
 
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
@@ -1499,19 +1121,18 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     out_p, lse_p, args_p = _paged_args(
         q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
-        out_dtype, p_params)
+        out_dtype, p_params, work, pod=True)
     out_d, lse_d, args_d = _paged_args(
         q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
-        kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params)
+        kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params, work,
+        pod=True)
     if work.shape[0] == 0:
         return out_p, lse_p, out_d, lse_d
-    # Both parts' loops live in one kernel and Triton gives each its own shared memory: halve
-    # each part's pipeline footprint (BLOCK_N and stages) so the sum fits.
-    pod_cfg = pod_pipeline(max(q_p.shape[-1], v_cache_p.shape[-1]))
-    cfg = dict(num_warps=args_p[2]["num_warps"], num_stages=2)
-    consts = {**{f"{k}_P": pod_cfg.get(k, v) for k, v in args_p[1].items()},
-              **{f"{k}_D": pod_cfg.get(k, v) for k, v in args_d[1].items()}}
+    # (choose.choose halved each part's pipeline: both live in one kernel)
+    choice = args_p[2]["launch"]
+    consts = {**{f"{k}_P": v for k, v in args_p[1].items()},
+              **{f"{k}_D": v for k, v in args_d[1].items()}}
     launch.run(
         _pod_fwd, (work.shape[0], k_cache_p.shape[2]), work, *args_p[0], *args_d[0], **consts,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=choice.warps, num_stages=choice.stages)
     return out_p, lse_p, out_d, lse_d

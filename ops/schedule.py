@@ -13,20 +13,14 @@ from collections.abc import Sequence
 
 import torch
 
-from . import prefill_kernel
+from . import choose
 from .device import sm_count
 
 
-def block_m_for(head_dim_qk: int, head_dim_vo: int, group_size: int,
-                max_kv_len: int | None = None, causal: bool = True, paged: bool = False, *,
-                page_size: int = 0, qo_lens: Sequence[int] | None = None,
-                kv_dtype: torch.dtype | None = None) -> int:
-    """The tile height (packed rows) the kernel uses for these head dims and group size, given
-    the longest KV length of the batch when known, its mask, its KV addressing and, paged, its
-    page size, the requests' query rows and the K/V dtype (prefill_kernel.block_m_for)."""
-    return prefill_kernel.block_m_for(head_dim_qk, head_dim_vo, group_size, max_kv_len, causal,
-                                      paged, page_size=page_size, qo_lens=qo_lens,
-                                      kv_dtype=kv_dtype)
+def block_m_for(*args, **kwargs) -> int:
+    """The tile height of a plan: the launch decision's (choose.tile, looked up per call so
+    that a tool replacing it reaches every plan)."""
+    return choose.tile(*args, **kwargs)
 
 
 def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,

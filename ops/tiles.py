@@ -1,4 +1,4 @@
-"""The tile-height bounds of both launchers: prefill_kernel.block_m_for sizes a plan's tiles by
+"""The tile-height bounds of both launchers: choose.tile sizes a plan's tiles by
 them, and the Gluon launcher (prefill_gluon.gather_short) picks its short-request tile by the same
 GLUON_SHORT_KV. A leaf module, so neither launcher imports the other for them.
 """

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import reference
 from compiled_attn.ops.schedule import block_m_for, build_work
@@ -328,13 +329,13 @@ def record_tma(monkeypatch) -> list:
 
 
 def force_kv_path(monkeypatch, path: str) -> int:
-    """Force the K/V load path of dense and ragged launches (prefill_kernel.KV_PATHS: "host",
+    """Force the K/V load path of dense and ragged launches (choose.KV_PATHS: "host",
     "persistent", "device" or "pointers") and return its TMA constexpr."""
     from compiled_attn.ops import prefill_kernel
 
     from compiled_attn.ops.policy import POLICY
 
-    tma, settings = prefill_kernel.KV_PATHS[path]
+    tma, settings = choose.KV_PATHS[path]
     for name, value in settings.items():
         monkeypatch.setattr(POLICY, name, value)
     return tma

@@ -375,12 +375,12 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
     """The dev tools' path switch: inside, the path's settings; after, even on an error, every
     path setting as it was (the production policy)."""
     from dev.kv_paths import forced_kv_path
-    from compiled_attn.ops import prefill_kernel as K
+    from compiled_attn.ops import choose
 
     from compiled_attn.ops.policy import POLICY
 
     before = POLICY.settings()
-    for path, (tma, settings) in K.KV_PATHS.items():
+    for path, (tma, settings) in choose.KV_PATHS.items():
         with pytest.raises(RuntimeError):
             with forced_kv_path(path) as got:
                 assert got == tma
@@ -391,16 +391,16 @@ def test_forced_kv_path_sets_and_restores_every_path_setting():
 
 def test_forced_tile_sets_and_restores_the_tile_policy():
     from dev.kv_paths import forced_tile
-    from compiled_attn.ops import prefill_kernel as K
+    from compiled_attn.ops import choose
 
-    before = K.block_m_for, K._config
+    before = choose.tile, choose.config
     with pytest.raises(RuntimeError):
         with forced_tile(256, 64, 16, 3):
-            assert K.block_m_for(128, 128, 1, 4096, True, True, page_size=1) == 256
-            assert K._config(256, 128, 128) == dict(BLOCK_N=64, num_warps=16, num_stages=3,
+            assert choose.tile(128, 128, 1, 4096, True, True, page_size=1) == 256
+            assert choose.config(256, 128, 128) == dict(BLOCK_N=64, num_warps=16, num_stages=3,
                                                     TMA=True)
             raise RuntimeError("a failed timing")
-    assert (K.block_m_for, K._config) == before
+    assert (choose.tile, choose.config) == before
 
 
 def test_scatter_pages_round_trips_through_the_page_table():

@@ -1,8 +1,8 @@
 """compiled_attn.ops.dispatch on CPU: which traced calls stay opaque (for the Gluon kernel)
 and which decompose into the Triton launch.
 
-The Hopper check (prefill_kernel._gluon_device, and _tma_hardware for the launcher) is replaced
-so that CPU tensors stand in for a Hopper GPU's; the ops then still run their CPU
+The device description of the launch decision (ops.choose.device_of) is an H100's, so that CPU
+tensors stand in for a Hopper GPU's; the ops then still run their CPU
 implementation (the reference), so what is checked is the graph: an opaque call in
 torch.compile's generated code, none in the decomposed one, none in an AOTInductor package.
 The GPU tier (tests/test_fx_gpu.py) runs the same choice on the H100 with the Gluon kernel.
@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch._library.triton import set_wrap_triton_enabled
 
+from compiled_attn.ops import choose
 import compiled_attn
 from compiled_attn.ops import dispatch as gd
 from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
@@ -46,8 +47,7 @@ OPS = gd.GLUON_OPS
 @pytest.fixture
 def hopper(monkeypatch):
     """CPU tensors pass for a Hopper GPU's (the device checks of the rule and the launcher)."""
-    monkeypatch.setattr(pk, "_gluon_device", lambda device: True)
-    monkeypatch.setattr(pk, "_tma_hardware", lambda device: True)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
@@ -86,7 +86,7 @@ def call(name, dtype=torch.bfloat16, d=128, dvo=None, mask=MASK_CAUSAL, page=16,
                 *tail)
     group = 2
     paged = name == "batch_paged_prefill"
-    block_m = opts.get("block_m") or pk.block_m_for(
+    block_m = opts.get("block_m") or choose.tile(
         d, dvo, group, max(lens), mask != MASK_NONE, paged=paged,
         page_size=page if paged else 0, qo_lens=lens)
     work = torch.zeros(3, 4 if split else 2, dtype=torch.int32)
@@ -116,13 +116,12 @@ def launcher_takes_gluon(name, args) -> bool:
         elif name == "batch_ragged_prefill":
             built = pk._ragged_args(a["q"], a["k"], a["v"], a["qo_indptr"], a["kv_indptr"],
                                     a["packed_mask"], a["mask_indptr"], *common, a["block_m"],
-                                    out_dtype, params, gluon=a["work"].shape[1] == 2)
+                                    out_dtype, params, a["work"])
         else:
             built = pk._paged_args(a["q"], a["k_cache"], a["v_cache"], a["qo_indptr"],
                                    a["kv_page_indptr"], a["kv_page_indices"],
                                    a["kv_last_page_len"], a["packed_mask"], a["mask_indptr"],
-                                   *common, a["block_m"], out_dtype, params,
-                                   gluon=a["work"].shape[1] == 2)
+                                   *common, a["block_m"], out_dtype, params, a["work"])
     return built[2][2].get("gluon") is not None
 
 

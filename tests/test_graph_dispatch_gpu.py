@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import compiled_attn
+from compiled_attn.ops import choose
 from compiled_attn import fx_passes
 from compiled_attn.ops import MASK_CAUSAL, POS_NONE, dispatch
 from compiled_attn.ops import prefill_kernel as pk
@@ -24,7 +25,7 @@ from tests.helpers import run_compiled
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not (torch.cuda.is_available() and pk._gluon_device(torch.device("cuda"))),
+    pytest.mark.skipif(not (torch.cuda.is_available() and choose.device_of(torch.device("cuda")).gluon),
                        reason="the Gluon kernel needs a Hopper GPU"),
 ]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 import compiled_attn as fi
 from compiled_attn import _validate as V
 from compiled_attn.ops import contracts
@@ -42,10 +43,10 @@ def test_padded_dims_take_their_power_of_twos_tiles(d):
     # A dim between powers of two runs the tiles of the next one (the same work per tile).
     for kv in (None, 512, 1024, 4096, 8192):
         for causal in (True, False):
-            assert K.block_m_for(d, d, 2, kv, causal) == K.block_m_for(128, 128, 2, kv, causal)
+            assert choose.tile(d, d, 2, kv, causal) == choose.tile(128, 128, 2, kv, causal)
     for bm in (64, 128, 256):
         for mask in (contracts.MASK_CAUSAL, contracts.MASK_CUSTOM):
-            assert K._config(bm, d, d, 1, mask) == K._config(bm, 128, 128, 1, mask)
+            assert choose.config(bm, d, d, 1, mask) == choose.config(bm, 128, 128, 1, mask)
     assert K._dims(d, d, False) == dict(BLOCK_DQK=128, BLOCK_DVO=128, DQK=d, DVO=d)
 
 
@@ -54,9 +55,9 @@ def test_head_dim_512_tiles_fit_shared_memory():
     # most 256 elements wide): Q 64 KB + 2 x (K + V) 128 KB at most of an H100's 227 KB.
     for kv in (None, 64, 8192):
         for paged in (False, True):
-            assert K.block_m_for(512, 512, 4, kv, True, paged, page_size=16 if paged else 0) == 64
+            assert choose.tile(512, 512, 4, kv, True, paged, page_size=16 if paged else 0) == 64
     for mask in (contracts.MASK_NONE, contracts.MASK_CAUSAL, contracts.MASK_CUSTOM):
-        cfg = K._config(64, 512, 512, 1, mask)
+        cfg = choose.config(64, 512, 512, 1, mask)
         assert cfg == dict(BLOCK_N=32, num_warps=8, num_stages=2, TMA=False)
         smem = 64 * 512 * 2 + cfg["num_stages"] * 2 * cfg["BLOCK_N"] * 512 * 2
         assert smem <= 227 * 1024

@@ -6,9 +6,9 @@ capture after replays stays exact."""
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 import compiled_attn as fi
 from compiled_attn.ops import policy
-from compiled_attn.ops import prefill_kernel as K
 from tests.helpers import indptr, make_paged
 
 pytestmark = [pytest.mark.gpu,
@@ -90,10 +90,10 @@ def test_replay_gathered_pages(page):
     _replay_vs_full(_entry("paged", 128, seed=7, page=page))
 
 
-@pytest.mark.parametrize("path", list(K.KV_PATHS))
+@pytest.mark.parametrize("path", list(choose.KV_PATHS))
 def test_replay_every_kv_path(path):
     # host descriptors, the persistent grid's counter, device descriptors, pointer loads
-    with policy.override(**K.KV_PATHS[path][1]):
+    with policy.override(**choose.KV_PATHS[path][1]):
         _replay_vs_full(_entry("ragged", 128, seed=11))
         _replay_vs_full(_entry("single", 128, seed=12))
 

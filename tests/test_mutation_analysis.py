@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn.ops import contracts as C
 from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
@@ -65,7 +66,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(driver, "_active", _FakeDriver())
     monkeypatch.setattr(L, "_kernel", lambda fn: _Recorder(fn, calls))
     monkeypatch.setattr(K, "_ensure_allocator", lambda: None)
-    monkeypatch.setattr(K, "sm_count", lambda index=None: 132)
+    # a device of 132 SMs without tensor descriptors (the launch decision's description)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.Device("cpu", 0, 132))
     return calls
 
 
@@ -114,7 +116,7 @@ def _pod_launch():
 CASES = {
     "single pointers": (_single, {}),
     # TMA 3: K/V descriptors built per persistent program, as in a traced graph
-    "single persistent": (_single, {"_tma_hardware": lambda device: True}),
+    "single persistent": (_single, {"device_of": lambda device: choose.H100}),
     "ragged": (lambda: _ragged_launch(False), {}),
     "ragged split + merge": (lambda: _ragged_launch(True), {}),
     # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
@@ -140,7 +142,7 @@ def _written(fn, kwargs) -> set[str]:
 def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
     launch, patches = CASES[case]
     for name, value in patches.items():
-        monkeypatch.setattr(K, name, value)
+        monkeypatch.setattr(choose, name, value)
     launch()
     assert launches, "the launcher launched nothing"
     for fn, args, kw in launches:
@@ -216,7 +218,7 @@ SM90_SHARED = 232448
 def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
     """POD holds both parts' K/V pipelines in one kernel: at D 512, as the GPU specializes the
     launch, two 32-key stages per part needed 320 KB (prefill_kernel.pod_pipeline)."""
-    monkeypatch.setattr(K, "_tma_hardware", lambda device: True)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
 
     def paged(qo):
         (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, 16, fmt="4d",
@@ -224,7 +226,7 @@ def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
         return rand(sum(qo), 8, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
 
     K.launch_pod(*paged([300, 0, 129]), *paged([1] * 6), torch.zeros(6, 3, dtype=torch.int32),
-                 None, None, None, K.block_m_for(d, d, 4), _params(d=d),
+                 None, None, None, choose.tile(d, d, 4), _params(d=d),
                  _params(C.MASK_NONE, d=d))
     (fn, args, kw), = launches
     assert _compile_sm90(fn, args, kw, specialize=True).metadata.shared <= SM90_SHARED

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.policy import POLICY
@@ -124,7 +125,11 @@ def test_kv_2d_views():
 
 def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=None,
            block_m=64, page=0, hnd=False, **flags):
-    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
+    """The Gluon kernel's views of a launch on an H100 description when choose.choose gives
+    it that kernel, else None."""
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    monkeypatch.setattr(choose, "eager_launch", lambda: True)
+    monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)  # (the scope, not the size rule)
     q = torch.randn(6, 8, d, dtype=dtype)
     if page:  # a combined cache [P, 2, page, Hkv, D] (or its HND form)
         kv_mode = K.KV_PAGED
@@ -141,7 +146,11 @@ def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=Non
     sinks = torch.zeros(8) if flags.pop("sinks", False) else None
     params.update(flags)
     scalars, consts = K._flags(q, None, sinks, **params)
-    return K._gluon_views(kv_mode, q, k, v, out, block_m, consts, scalars, page)
+    choice = choose.choose(kv_mode, q, k, v, consts, scalars, out.dtype, block_m=block_m,
+                           requests=1, items=1, pages=k.shape[0])
+    if choice.kernel != "gluon":
+        return None
+    return K._gluon_views(kv_mode, k, v, scalars, page)
 
 
 def test_scope_in(monkeypatch):
@@ -179,7 +188,7 @@ def test_scope_off_switch_and_device(monkeypatch):
     monkeypatch.setattr(POLICY, "use_gluon", False)
     assert _scope(monkeypatch) is None
     monkeypatch.undo()
-    assert not K._gluon_device(torch.device("cpu"))
+    assert not choose.device_of(torch.device("cpu")).gluon and choose.H100.gluon
 
 
 @pytest.mark.parametrize("gluon", [True, False])
@@ -190,9 +199,9 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     # keeps Triton's host descriptors; one that may gets the views and no descriptors. D 64 and
     # D 256 on 128-row tiles have descriptors in the Gluon kernel alone (_gluon_launch, asked
     # first): without it, or out of its scope (a soft cap), the Triton kernel's pointer loads.
-    for name in ("_gluon_device", "_tma_hardware", "_eager_launch"):
-        monkeypatch.setattr(K, name, lambda *a: True)
-    monkeypatch.setattr(K, "_tma_ok", lambda *a: True)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    monkeypatch.setattr(choose, "eager_launch", lambda: True)
+    monkeypatch.setattr(choose, "_tma_ok", lambda *a: True)
     monkeypatch.setattr(POLICY, "host_tma_min_flop", 0)
     q = torch.randn(256, 8, d, dtype=torch.bfloat16)
     k, v = (torch.randn(512, 2, d, dtype=torch.bfloat16) for _ in range(2))
@@ -200,9 +209,9 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.1,
                   logits_soft_cap=cap, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
                   rope_theta=1e4, v_scale=1.0)
+    work = torch.zeros(4, 2 if gluon else 4, dtype=torch.int32)  # (a split plan: no Gluon)
     _, _, (args, consts, cfg) = K._ragged_args(q, k, v, indptr, indptr * 2, None, None, None,
-                                               None, block_m, torch.bfloat16, params,
-                                               gluon=gluon)
+                                               None, block_m, torch.bfloat16, params, work)
     takes = gluon and not cap
     assert (cfg.get("gluon") is not None) == takes
     if d == 128:
@@ -217,25 +226,24 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     # both tiles, gathers below 8 keys), block_m_for tiles paged K/V as it tiles contiguous K/V
     # (64-row tiles up to GLUON_SHORT_KV causal keys, then its ping-pong 128-row tiles); the
     # Triton kernel's pages keep 128-row tiles.
-    monkeypatch.setattr(K, "INTERPRET", False)
-    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    tile = lambda page, d=128, kv=1024: K.block_m_for(d, d, 4, kv, True, True,  # noqa: E731
-                                                      page_size=page)
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    tile = lambda page, d=128, kv=1024: choose.tile(d, d, 4, kv, True, True,  # noqa: E731
+                                                    page_size=page)
     assert tile(16) == tile(64) == tile(128) == tile(8) == 64 and tile(16, kv=2048) == 128
     assert tile(0, kv=2048) == tile(48, kv=2048) == tile(16, d=64, kv=2048) == 128
     # pages 8 and 1-4 (boxes, gathers) keep these tiles where requests would fill the Triton
     # kernel's 256-row small-page tiles; without the Gluon kernel they take those
-    full = lambda page, kv_dtype=None: K.block_m_for(  # noqa: E731
+    full = lambda page, kv_dtype=None: choose.tile(  # noqa: E731
         128, 128, 4, 2048, True, True, page_size=page, qo_lens=[2048] * 4, kv_dtype=kv_dtype)
     assert full(8) == full(4) == full(1) == 128
     # gathered pages (1-7 keys) take 128-row tiles from GATHER_MIN_KV causal keys on (half
     # that without a mask), where the others keep 64-row ones up to GLUON_SHORT_KV
-    gathered = lambda page, kv, causal=True: K.block_m_for(  # noqa: E731
+    gathered = lambda page, kv, causal=True: choose.tile(  # noqa: E731
         128, 128, 4, kv, causal, True, page_size=page)
-    assert gathered(1, K.GATHER_MIN_KV) == gathered(3, K.GATHER_MIN_KV) == 64
-    assert gathered(1, K.GATHER_MIN_KV + 1) == tile(1) == tile(3) == tile(7) == 128
-    assert (gathered(1, K.GATHER_MIN_KV // 2, False), gathered(1, K.GATHER_MIN_KV, False)) \
+    assert gathered(1, choose.GATHER_MIN_KV) == gathered(3, choose.GATHER_MIN_KV) == 64
+    assert gathered(1, choose.GATHER_MIN_KV + 1) == tile(1) == tile(3) == tile(7) == 128
+    assert (gathered(1, choose.GATHER_MIN_KV // 2, False), gathered(1, choose.GATHER_MIN_KV, False)) \
         == (64, 128)
     assert tile(8) == gathered(16, 1024) == gathered(16, 512, False) == 64
     assert full(8, torch.bfloat16) == full(8, torch.float16) == 128
@@ -248,13 +256,12 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
 def test_gluon_short_kv_bound(monkeypatch):
     # Eager D 128 launches on Hopper (the Gluon kernel) take 128-row ping-pong tiles beyond
     # GLUON_SHORT_KV causal keys (half that without a mask); elsewhere SHORT_KV holds.
-    monkeypatch.setattr(K, "INTERPRET", False)
-    tile = lambda kv, causal=True, d=128: K.block_m_for(d, d, 1, kv, causal)  # noqa: E731
-    monkeypatch.setattr(K, "_gluon_device", lambda device: False)
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    tile = lambda kv, causal=True, d=128: choose.tile(d, d, 1, kv, causal)  # noqa: E731
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.Device("cuda", 8, 108))
     assert (tile(2048), tile(4096), tile(8192), tile(2048, False)) == (64, 64, 128, 64)
-    monkeypatch.setattr(K, "_gluon_device", lambda device: True)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert (tile(K.GLUON_SHORT_KV), tile(K.GLUON_SHORT_KV + 1)) == (64, 128)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    assert (tile(choose.GLUON_SHORT_KV), tile(choose.GLUON_SHORT_KV + 1)) == (64, 128)
     assert (tile(2048), tile(2048, False), tile(4096, d=64)) == (128, 128, 128)
 
 
@@ -361,7 +368,7 @@ def test_launch_gather_short_tile(causal, monkeypatch):
     # tile (a program per item); an explicit tile or pages read by boxes are left alone.
     rec, q, out, lse, work = _one_item_launch(monkeypatch)
     indptr = torch.tensor([0, 20, 40], dtype=torch.int32)  # two requests
-    short = K.GLUON_SHORT_KV if causal else K.GLUON_SHORT_KV // 2
+    short = choose.GLUON_SHORT_KV if causal else choose.GLUON_SHORT_KV // 2
 
     def tile_of(pages, page=1, **kw):
         cache = torch.empty(pages // page + 1, page, 2, 128, dtype=torch.bfloat16,

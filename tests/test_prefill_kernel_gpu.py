@@ -202,7 +202,7 @@ def test_cuda_graph_replay_after_replan(path, monkeypatch):
     qo_indptr = torch.zeros(5, dtype=torch.int32, device="cuda")
     kv_indptr = torch.zeros(5, dtype=torch.int32, device="cuda")
     work = torch.full((max_work, 2), -1, dtype=torch.int32, device="cuda")
-    block_m = ops.prefill_kernel.block_m_for(d, d, hq // hkv)
+    block_m = ops.choose.tile(d, d, hq // hkv)
 
     def replan(qo, kv):
         qo_indptr.copy_(torch.tensor([0] + torch.tensor(qo).cumsum(0).tolist()))

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 import compiled_attn
 from compiled_attn.ops import schedule as plan
 from compiled_attn.ops import MASK_CAUSAL, MASK_NONE, POS_NONE, policy, reference
@@ -110,7 +111,7 @@ def _launch_tile(d, group, qo, kv, causal):
     """The key tile (BLOCK_N) of trtllm_fmha_v2_prefill's ragged launch for these lengths."""
     bm = plan.block_m_for(d, d, group, max(kv), causal, False, page_size=0, qo_lens=[max(qo)],
                           kv_dtype=BF16)
-    return pk._config(bm, d, d, pk.KV_RAGGED, MASK_CAUSAL if causal else MASK_NONE)["BLOCK_N"]
+    return choose.config(bm, d, d, pk.KV_RAGGED, MASK_CAUSAL if causal else MASK_NONE)["BLOCK_N"]
 
 
 @pytest.mark.parametrize("d", [64, 128])

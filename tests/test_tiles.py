@@ -4,6 +4,7 @@ the launch and plan() must agree on, and the combinations known to break the com
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn.ops import contracts
 from compiled_attn.ops import prefill_kernel as K
 
@@ -17,10 +18,10 @@ def test_configs_fit_and_never_pair_descriptors_with_two_stages(d, mask_mode):
     for kv in (None, 512, 1024, 1025, 4096, 8192, 32768):
         for causal in (True, False):
             for page in (0, 1, 4, 16):
-                bm = K.block_m_for(d, d, 4, kv, causal, page > 0, page_size=page,
+                bm = choose.tile(d, d, 4, kv, causal, page > 0, page_size=page,
                                    qo_lens=None if kv is None else [kv])
                 assert bm in (64, 128, 256)
-                cfg = K._config(bm, d, d, K.KV_PAGED if page else K.KV_RAGGED, mask_mode)
+                cfg = choose.config(bm, d, d, K.KV_PAGED if page else K.KV_RAGGED, mask_mode)
                 # triton 3.6's ptxas crashes on descriptor loads with a 2-stage pipeline.
                 assert not (cfg["TMA"] and cfg["num_stages"] < 3), (d, bm, cfg)
                 # 256-row tiles: four 64-row warpgroups (16 warps) of 64 keys
@@ -29,20 +30,20 @@ def test_configs_fit_and_never_pair_descriptors_with_two_stages(d, mask_mode):
 
 def test_tile_heights():
     # Unknown lengths (CUDA-graph plans, symbolic shapes): one tile for every re-plan.
-    assert K.block_m_for(128, 128, 1) == 128
+    assert choose.tile(128, 128, 1) == 128
     # Short batches: 64-row tiles whatever the addressing.
-    assert K.block_m_for(128, 128, 1, 1024, True, True) == 64
-    assert K.block_m_for(64, 64, 1, 1000) == 64
+    assert choose.tile(128, 128, 1, 1024, True, True) == 64
+    assert choose.tile(64, 64, 1, 1000) == 64
     # D 128 causal up to SHORT_KV keys through descriptors: 64 rows; paged (pointer loads): 128.
-    assert K.block_m_for(128, 128, 1, 4096) == 64
-    assert K.block_m_for(128, 128, 1, 4096, True, True) == 128
-    assert K.block_m_for(128, 128, 1, 4096, False) == 128
-    assert K.block_m_for(128, 128, 1, 8192) == 128
-    assert K.block_m_for(256, 256, 1, 1024) == 128
+    assert choose.tile(128, 128, 1, 4096) == 64
+    assert choose.tile(128, 128, 1, 4096, True, True) == 128
+    assert choose.tile(128, 128, 1, 4096, False) == 128
+    assert choose.tile(128, 128, 1, 8192) == 128
+    assert choose.tile(256, 256, 1, 1024) == 128
 
 
 def test_small_pages_take_256_row_tiles_when_requests_fill_them():
-    bm = K.block_m_for
+    bm = choose.tile
     # pages of 1-8 keys, 64 < D <= 128, known lengths, requests that fill 256-row tiles (no
     # GPU here: page 8 is not the Gluon kernel's, which tiles it as contiguous K/V)
     for page in (1, 2, 5, 8):
@@ -119,9 +120,12 @@ def test_eager_allocator_installed_only_when_none_is_set():
 
 
 def test_device_properties_queried_once_for_capability_and_sm_counts(monkeypatch):
-    # The launcher's compute-capability check, its SM count and the Gluon launcher's
-    # persistent grid read one cached properties query per device.
+    # The launch decision's device description (capability, SM count), the work-list
+    # builder's SM count and the Gluon launcher's persistent grid read one cached properties
+    # query per device.
     from types import SimpleNamespace
+
+    from compiled_attn.ops import device as dev
 
     calls = []
 
@@ -129,28 +133,32 @@ def test_device_properties_queried_once_for_capability_and_sm_counts(monkeypatch
         calls.append(index)
         return SimpleNamespace(major=9, minor=0, multi_processor_count=7 + index)
 
-    K._device_properties.cache_clear()
+    def clear():
+        dev._device_properties.cache_clear()
+        choose._cuda_device.cache_clear()
+
+    clear()
     monkeypatch.setattr(torch.cuda, "get_device_properties", props)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     try:
-        assert K._sm_major(torch.device("cuda", 1)) == 9
-        assert K.sm_count() == 8 and K.sm_count(1) == 8
-        assert K._sm_major(torch.device("cuda")) == 9
+        assert choose.device_of(torch.device("cuda", 1)) == choose.Device("cuda", 9, 8)
+        assert dev.sm_count() == 8 and dev.sm_count(1) == 8
+        assert choose.device_of(torch.device("cuda")).gluon
         if K._gluon is not None:
             assert K._gluon._sm_count(torch.device("cuda", 1)) == 8
             assert K._gluon._sm_count(torch.device("cuda")) == 8
-        assert K.sm_count(0) == 7
+        assert dev.sm_count(0) == 7 and choose.device_of(torch.device("cuda", 0)).sm_count == 7
         assert calls == [1, 0]
     finally:
-        K._device_properties.cache_clear()
+        clear()
 
 
 def test_dense_block_m_is_the_launch_tile():
-    # dense_block_m (shared by the launch and ops.dispatch) is block_m_for over the call's
-    # head dims, head ratio and KV length.
+    # choose.dense_tile (the launch's and ops.dispatch's) is choose.tile over the call's head
+    # dims, head ratio and KV length.
     q = torch.empty(2, 4096, 32, 128)
     for hkv, skv, mask in ((8, 4096, contracts.MASK_CAUSAL), (32, 512, contracts.MASK_NONE),
                            (32, 1025, contracts.MASK_CUSTOM)):
         k = v = torch.empty(2, skv, hkv, 128)
-        assert K.dense_block_m(q, k, v, mask) == K.block_m_for(
+        assert choose.dense_tile(q, k, v, mask) == choose.tile(
             128, 128, 32 // hkv, skv, mask != contracts.MASK_NONE)

@@ -7,11 +7,11 @@ pinned here too."""
 import pytest
 import torch
 
+from compiled_attn.ops import choose
 import compiled_attn as fi
 from compiled_attn import op_call
 from compiled_attn.ops import launch, policy
 from compiled_attn.ops import contracts as C
-from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work
 from tests import kernel_cases as kc
 from tests.helpers import WS, indptr, make_paged, rand
@@ -204,7 +204,7 @@ def test_unexplained_launch_argument_is_never_bound(monkeypatch):
     monkeypatch.setattr(launch, "counter", lambda device: real(device).clone())
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
-    with policy.override(**K.KV_PATHS["persistent"][1]):
+    with policy.override(**choose.KV_PATHS["persistent"][1]):
         for seed in (1, 2):
             name, args, kw = _args(kc.make_case("ragged", QO, KV, HQ, HKV, D, seed=seed), p)
             out, lse = op_call.call_op(name, *args, launches=cache, **kw)

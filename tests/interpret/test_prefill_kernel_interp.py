@@ -10,7 +10,7 @@ import torch
 
 from compiled_attn import ops
 from compiled_attn.ops import contracts
-from compiled_attn.ops.prefill_kernel import KV_PATHS
+from compiled_attn.ops.choose import KV_PATHS
 from tests.kernel_cases import _pack, check, force_kv_path, make_case, params, record_tma, run
 
 
@@ -85,16 +85,16 @@ def test_dense_launch_order_groups(group, path, monkeypatch):
     # default here (12 resident programs under the interpreter, 3 tiles per entry: at most 4
     # pairs, a divisor of the 6) is 3; 4 leaves a last group of 2, 1 is one pair at a time, 6
     # all at once. Persistent programs draw items in the same order.
-    from compiled_attn.ops import prefill_kernel
+    from compiled_attn.ops import choose
 
     force_kv_path(monkeypatch, path)
-    used, orig = [], prefill_kernel._dense_group
+    used, orig = [], choose._dense_group
 
     def spy(*a):
         used.append(orig(*a) if group is None else group)
         return used[-1]
 
-    monkeypatch.setattr(prefill_kernel, "_dense_group", spy)
+    monkeypatch.setattr(choose, "_dense_group", spy)
     c = make_case("single", [70], [70], hq=4, hkv=2, dqk=32, seed=13)
     g = torch.Generator().manual_seed(14)
     c.q = torch.randn(3, 70, 4, 32, generator=g).half()
@@ -274,7 +274,7 @@ def test_empty_kv_takes_no_host_descriptor(monkeypatch):
 def test_tma_choice_follows_alignment():
     # Descriptors need a unit dim stride and 16-byte aligned strides and start; anything else
     # takes the pointer loads (never a misaligned descriptor).
-    from compiled_attn.ops.prefill_kernel import _tma_ok
+    from compiled_attn.ops.choose import _tma_ok
 
     k = torch.randn(10, 2, 64, dtype=torch.float16)
     st = lambda t: (0, t.stride(0), 0, t.stride(1), t.stride(2))  # noqa: E731

@@ -9,7 +9,7 @@ import torch
 import compiled_attn
 from compiled_attn.ops import schedule as plan
 from compiled_attn.ops import MASK_CAUSAL, POS_NONE, reference
-from compiled_attn.ops.prefill_kernel import _config
+from compiled_attn.ops.choose import config as _config
 from tests.helpers import (_build, _call, _seqs, check_skip, check_stats, peaked_seqs)
 
 OPS = torch.ops.compiled_attn

@@ -1,0 +1,537 @@
+"""The launch decision: ``choose`` says how a prefill launch runs, from metadata alone.
+
+One function answers, for a call's shapes, strides, dtypes, options and device (real, fake,
+meta or traced tensors; the device as a ``Device`` description, so CPU tests pass an sm_90
+one): which kernel (the Gluon Hopper kernel or the Triton kernel), the tile (BLOCK_M, BLOCK_N),
+the K/V path, stages and warps, the grid (a program per work item and KV head, or a persistent
+grid of so many programs) and split-KV (``Launch``). Its askers:
+- plan() (compiled_attn/prefill.py, pod.py, cudnn.py, trtllm.py, cp.py through
+  schedule.block_m_for): ``tile``, the tile height the work list is cut by;
+- the launchers (prefill_kernel.launch_single / launch_ragged / launch_paged / launch_pod):
+  ``choose``, whose answer they carry out (the Gluon kernel's tile included);
+- the torch.compile dispatch (ops.dispatch.eager_gluon): ``choose(static=True)``, the same
+  decision from what a trace can know (no pointer alignment, no CUDA-graph capture).
+
+The thresholds and switches it reads live on ops.policy.POLICY; the tile bounds in tiles.py;
+the Gluon kernel's tiles and page rules in prefill_gluon (TILES, page_read / page_gathered,
+gather_short, persistent_default). A leaf below both launchers: prefill_kernel imports it, it
+imports prefill_gluon (never the reverse at import time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
+
+from . import device as _device
+from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
+from .policy import POLICY
+from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
+                    SMALL_PAGE_PAD)
+
+try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
+    from . import prefill_gluon as _gluon
+except (ImportError, AttributeError):
+    _gluon = None
+try:  # whether wrap_triton traces (private): None where this torch lacks it
+    from torch._library.triton import is_wrap_triton_enabled
+except ImportError:
+    is_wrap_triton_enabled = None
+
+__all__ = ["Device", "H100", "H200", "KV_PATHS", "Launch", "choose", "config", "device_of",
+           "tile"]
+
+KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
+_KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
+
+# ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
+# as whole-page 3D blocks (seen on the H100): config turns descriptors off for this stage
+# count, and the kernel (prefill_kernel.CRASH_STAGES) whole-page loads.
+CRASH_STAGES = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the device, as metadata
+# ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """What the decision reads of a device: its type, compute capability major and
+    multiprocessor count (0 where not CUDA)."""
+
+    type: str
+    major: int = 0
+    sm_count: int = 0
+
+    @property
+    def gluon(self) -> bool:
+        """A Hopper GPU (the Gluon kernel's wgmma and TMA are sm_90's; not under the
+        interpreter)."""
+        return not INTERPRET and self.type == "cuda" and self.major == 9
+
+    @property
+    def tma(self) -> bool:
+        """Device tensor descriptors exist: Hopper or newer (or the interpreter)."""
+        return INTERPRET or (self.type == "cuda" and self.major >= 9)
+
+
+H100 = Device("cuda", 9, 132)  # SXM5
+H200 = Device("cuda", 9, 132)
+_CPU = Device("cpu")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device(index: int) -> Device:
+    p = _device._device_properties(index)
+    return Device("cuda", p.major, p.multi_processor_count)
+
+
+def device_of(device: torch.device) -> Device:
+    """The description of ``device`` (a CUDA device's from its cached properties)."""
+    if device.type != "cuda":
+        return _CPU if device.type == "cpu" else Device(device.type)
+    return _cuda_device(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _plan_device() -> Device:
+    """The device plans are made for when none is named: the current CUDA device, if any."""
+    return device_of(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def eager_launch() -> bool:
+    """Whether this launch runs the kernel directly (the interpreter, or triton_op's eager call
+    on real tensors), not a wrap_triton trace: wrap_triton does not capture host descriptors
+    while tracing ("TMA descriptor capturing not yet supported in non-dynamo tracing", torch
+    2.11-2.13), so graphs traced by torch.compile / export build theirs per program."""
+    if INTERPRET:
+        return True
+    return is_wrap_triton_enabled is not None and not is_wrap_triton_enabled()
+
+
+def known(cond) -> bool:
+    """A launch-time condition: plain ints compare to a bool directly (eager calls, no
+    statically_known_true per check); symbolic ones must be known true."""
+    return cond if type(cond) is bool else statically_known_true(cond)
+
+
+# ---------------------------------------------------------------------------------------------
+# the tile height (plan time)
+# ---------------------------------------------------------------------------------------------
+def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | None = None,
+         causal: bool = True, paged: bool = False, *, page_size: int = 0,
+         qo_lens: Sequence[int] | None = None, kv_dtype: torch.dtype | None = None,
+         device: Device | None = None) -> int:
+    """Tile height in packed rows for these head dims (plan() and the launch agree on it; the
+    bounds and their reasons: tiles.py).
+    max_kv_len: the longest request's KV length when the caller knows it (None: the tile for
+    any length; CUDA-graph plans pass None so that one capture serves every re-plan).
+    page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
+    query rows as the work list tiles them (None: unknown); kv_dtype: the K/V dtype (None:
+    fp16 / bf16; fp8 K/V never take the Gluon kernel, so their small pages keep 256-row
+    tiles); device: the device planned for (None: the current CUDA device, if any)."""
+    if INTERPRET:
+        return 64
+    dev = _plan_device() if device is None else device
+    d = max(head_dim_qk, head_dim_vo)
+    gluon_pages = paged and _gluon_pages(page_size, head_dim_qk, head_dim_vo, kv_dtype, dev)
+    if (paged and 0 < page_size <= SMALL_PAGE_MAX and 64 < d <= 128 and max_kv_len is not None
+            and qo_lens is not None and _fills(qo_lens, group_size, SMALL_PAGE_BLOCK_M, 128)
+            and not gluon_pages):
+        return SMALL_PAGE_BLOCK_M
+    if d > 256:
+        return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
+    if d > 128 or max_kv_len is None:
+        return 128
+    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
+            and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
+        return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
+    if max_kv_len <= POLICY.tma_min_kv:
+        return 64
+    if d <= 64 or (paged and not gluon_pages):
+        return 128
+    short = GLUON_SHORT_KV if _gluon_tiles(head_dim_qk, head_dim_vo, dev) else SHORT_KV
+    return 64 if max_kv_len <= (short if causal else short // 2) else 128
+
+
+def _gluon_tiles(dqk: int, dvo: int, dev: Device) -> bool:
+    """Whether eager launches at these head dims go to the Gluon kernel on this device
+    (use_gluon, a Hopper GPU, D 128), whose tiles ``tile`` then sizes (GLUON_SHORT_KV). Graphs
+    that inline the op (AOTInductor; torch.compile keeps such calls opaque: ops.dispatch) run
+    the Triton kernel on the same tiles (a plan serves both)."""
+    return POLICY.use_gluon and _gluon is not None and dqk == dvo == 128 and dev.gluon
+
+
+def _gluon_pages(page_size: int, dqk: int, dvo: int, kv_dtype: torch.dtype | None,
+                 dev: Device) -> bool:
+    """Whether eager paged launches of this page size, head dims and K/V dtype (None: fp16 /
+    bf16) go to the Gluon kernel on this device (pages it reads on either tile height, by TMA
+    boxes or gathers): they are then tiled as contiguous K/V are (pages 1-8 too, rather than
+    the small pages' 256-row tiles), since on the Gluon kernel paged K/V prefer contiguous
+    K/V's tile heights (benchmarks/NOTES.md, 2026-11-23). (Graphs that inline the op run the
+    Triton kernel, which prefers 128-row tiles for paged K/V: they take these tiles too.)"""
+    return (page_size > 0 and kv_dtype in (None, torch.float16, torch.bfloat16)
+            and _gluon_tiles(dqk, dvo, dev)
+            and all(_gluon.page_read(page_size, t[0], dqk)
+                    for (_, d), t in _gluon.TILES.items() if d == dqk))
+
+
+def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
+    """Whether tiles of block_m packed rows cover these requests with at most SMALL_PAGE_PAD
+    times the rows (padding included) that tiles of ``smaller`` rows would."""
+    def padded(m):
+        return sum(-(-int(n) * group_size // m) * m for n in qo_lens)
+    rows = padded(smaller)
+    return rows > 0 and padded(block_m) <= SMALL_PAGE_PAD * rows
+
+
+# ---------------------------------------------------------------------------------------------
+# the Triton kernel's configuration
+# ---------------------------------------------------------------------------------------------
+def config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int = 0) -> dict:
+    """The Triton kernel's launch configuration (BLOCK_N, warps, stages, whether K/V may use
+    tensor descriptors) for a tile height, head dims, KV addressing and mask mode."""
+    if INTERPRET:
+        return dict(BLOCK_N=32, num_warps=4, num_stages=1, TMA=True)
+    # 64x64 tiles with 4 warps, 128x64 (D <= 64) and 128x128 with 8 (3 stages); D 256 needs
+    # fewer stages to fit shared memory, and so does a custom mask (its bytes are pipelined
+    # through shared memory with K and V). The Triton kernel's descriptors never with
+    # CRASH_STAGES nor for 128-row D <= 64 tiles (slower there) nor D 256 (ptxas of triton
+    # 3.6); the Gluon kernel, asked first, has its own tiles for those. D 512 (64-row tiles:
+    # tile()) streams 32-key K / V tiles two deep: compiled for sm_90 by triton 3.6 on
+    # 2026-11-27 it took 96-128 KB of shared memory (split-KV and custom masks the most),
+    # 192 KB at most if Q and both stages of K and V were all held there.
+    # Head dims between powers of two run their power of two's tiles.
+    d = max(dqk, dvo)
+    stages = 2 if mask_mode == MASK_CUSTOM else 3
+    tma = stages != CRASH_STAGES
+    if block_m == SMALL_PAGE_BLOCK_M and d <= 128:  # four warpgroups of 64 rows (small pages)
+        return dict(BLOCK_N=64, num_warps=16, num_stages=stages, TMA=tma)
+    if d <= 128 and block_m == 64:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=stages, TMA=tma)
+    if d <= 64:
+        return dict(BLOCK_N=64, num_warps=8, num_stages=stages, TMA=False)
+    if d <= 128:
+        return dict(BLOCK_N=128, num_warps=8, num_stages=stages, TMA=tma)
+    if d <= 256:
+        return dict(BLOCK_N=64, num_warps=8, num_stages=2, TMA=False)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2, TMA=False)
+
+
+# The settings that force each K/V load path of dense and ragged launches (tests and
+# benchmarks compare them; the results are the same): name -> (TMA constexpr, settings).
+# "host" even for small eager launches, "persistent" for both tile heights, "device" even for
+# short keys; use_gluon is off in every entry but "gluon", so that forcing a path forces the
+# Triton kernel on it. HOST_TMA descriptors are built once per launch on the host (3-10%
+# faster at S <= 4k on the H100 than two per program built on the device, benchmarks/NOTES.md)
+# in eager calls; PERSIST_TMA tile heights, where host descriptors cannot go (traced graphs,
+# or host_tma off), run a persistent grid whose programs build theirs once (H100, kernel time:
+# +3-16% over per-item descriptors or pointer loads at S <= 2k, even at 4k-8k; with 128-row
+# tiles, which long keys get, 5% slower at S 16k).
+KV_PATHS = {
+    "gluon": (2, dict(use_gluon=True, use_tma=True, host_tma=True, host_tma_min_flop=0,
+                      persist_tma=frozenset())),
+    "host": (2, dict(use_gluon=False, use_tma=True, host_tma=True, host_tma_min_flop=0,
+                     persist_tma=frozenset())),
+    "persistent": (3, dict(use_gluon=False, use_tma=True, host_tma=False,
+                           persist_tma=frozenset({64, 128}))),
+    "device": (1, dict(use_gluon=False, use_tma=True, host_tma=False, persist_tma=frozenset(),
+                       tma_min_kv=0)),
+    "pointers": (0, dict(use_gluon=False, use_tma=False, host_tma=False,
+                         persist_tma=frozenset())),
+}
+_TMA_PATH = {0: "pointers", 1: "device", 2: "host", 3: "persistent"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch
+# ---------------------------------------------------------------------------------------------
+class Launch(NamedTuple):
+    """How a launch runs (choose).
+
+    kernel: "gluon" or "triton". block_m, block_n: the tile. kv_path: how K/V are read:
+    "host" (descriptors over the whole K/V built on the host; the Gluon kernel's contiguous
+    K/V), "persistent" (descriptors built once per persistent program), "device" (per program
+    and work item), "pointers" (pointer loads; the Triton kernel's paged K/V go through the
+    page table), "boxes" / "gather" (the Gluon kernel's pages: a TMA box per page or tile, or
+    a producer warp group's gathers). tma: the Triton kernel's TMA constexpr (0-3; 2 for the
+    Gluon kernel, which takes host descriptors). stages, warps: the pipeline depth and warps
+    (the Gluon kernel's compute warps). persistent, programs: a persistent grid of so many
+    programs taking items from a counter (programs None: a program per work item and KV
+    head). split: a split-KV plan (chunk partials and a merge launch). group: the dense
+    launch order's (batch entry, KV head) pairs per group. gluon_tile: the Gluon kernel's tile
+    (prefill_gluon.launch's ``tile``), None for the Triton kernel.
+    """
+
+    kernel: str
+    block_m: int
+    block_n: int
+    kv_path: str
+    tma: int
+    stages: int
+    warps: int
+    persistent: bool = False
+    programs: object = None
+    split: bool = False
+    group: int = 1
+    gluon_tile: tuple | None = None
+
+
+def kv_strides(kv_mode: int, t) -> tuple:
+    """K or V's strides as the kernels take them: (batch, token, page, head, dim)."""
+    s = t.stride()
+    if kv_mode == KV_DENSE:
+        return (s[0], s[1], 0, s[2], s[3])
+    if kv_mode == KV_RAGGED:
+        return (0, s[0], 0, s[1], s[2])
+    return (0, s[1], s[0], s[2], s[3])
+
+
+def _mean(total, count):
+    """total / count for plain ints (None when symbolic or count is 0)."""
+    if isinstance(total, int) and isinstance(count, int) and count > 0:
+        return total / count
+    return None
+
+
+def dense_tile(q, k, v, mask_mode: int, device: Device | None = None) -> int:
+    """single_prefill's tile height (``tile``): q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D],
+    real, fake or traced. Head dims and the head ratio are constexprs of either kernel, so a
+    symbolic one is specialised (guard_int); a symbolic Skv counts as unknown."""
+    skv = k.shape[1]
+    return tile(guard_int(q.shape[-1]), guard_int(v.shape[-1]),
+                guard_int(q.shape[-2]) // guard_int(k.shape[-2]),
+                skv if isinstance(skv, int) else None, mask_mode != MASK_NONE, device=device)
+
+
+def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.dtype, *,
+           block_m: int | None = None, requests=None, items=None, pages=None,
+           split: bool = False, gluon: bool = True, pod: bool = False,
+           device: Device | None = None, static: bool = False) -> Launch:
+    """How a launch of these tensors and options runs (module docstring).
+
+    kv_mode: KV_DENSE (q [B, Sq, Hq, Dqk], k / v [B, Skv, Hkv, D]), KV_RAGGED (q [Nq, Hq, Dqk],
+    k / v [Nk, Hkv, D]) or KV_PAGED (k / v caches [P, page, Hkv, D]); real, fake, meta or
+    traced tensors, read for their metadata (and a real tensor's pointer alignment).
+    consts, scalars: prefill_kernel._flags of the call. block_m: the plan's tile height (None:
+    the dense launch's own, dense_tile). requests: R of qo_indptr [R + 1]; items: work rows
+    (dense: from the tiles); pages: page-table entries. split: a split-KV plan; gluon: whether
+    the launch may take the Gluon kernel (not split plans nor POD); pod: POD's halved pipeline.
+    device: the device's description (None: q's, device_of). static: what a trace can know
+    (ops.dispatch): no pointer alignment, no CUDA-graph capture, an eager launch assumed.
+    """
+    dev = device_of(q.device) if device is None else device
+    mask_mode = consts["MASK_MODE"]
+    dense = kv_mode == KV_DENSE
+    if block_m is None:
+        block_m = dense_tile(q, k, v, mask_mode, dev)
+    dqk, dvo = guard_int(q.shape[-1]), guard_int(v.shape[-1])
+    hkv = k.shape[-2]
+    if dense:
+        tiles = (q.shape[1] * (q.shape[-2] // hkv) + block_m - 1) // block_m  # cdiv
+        items = q.shape[0] * tiles
+        mean_kv = k.shape[1]
+    else:
+        mean_kv = _mean(k.shape[0], requests) if kv_mode == KV_RAGGED else None
+    group = (_dense_group(dev, tiles, q.shape[0] * hkv, block_m, mask_mode == MASK_CAUSAL)
+             if dense else 1)
+    cfg = config(block_m, dqk, dvo, kv_mode, mask_mode)
+    block_n, warps, stages = cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+    if pod:
+        # both parts' loops live in one kernel, each with its own shared memory: halve each
+        # part's pipeline footprint (BLOCK_N and stages) so the sum fits. At D 512 the 64 x 512
+        # float32 accumulator's layout changes take shared memory too: two 32-key stages per
+        # part needed 320 KB as the GPU specializes the launch (sm_90, triton 3.6), one fits.
+        d = max(dqk, dvo)
+        return Launch("triton", block_m, 32 if d > 128 else 64, "pointers", 0,
+                      1 if d > 256 else 2, warps, split=split)
+    eager = True if static else eager_launch()
+    # (a launch being captured into a CUDA graph is never small: asked last, on CUDA only)
+    small = (eager and _small_launch(q, kv_mode, mean_kv, dvo, mask_mode)
+             and (static or not torch.cuda.is_current_stream_capturing()))
+    k_strides, v_strides = kv_strides(kv_mode, k), kv_strides(kv_mode, v)
+    # The Gluon kernel first (its scope, layout and size rules); what it does not take runs the
+    # Triton kernel, whose K/V go through tensor descriptors where its tile and the layout
+    # allow: over the whole K/V, built once on the host (TMA 2: eager launches) or once per
+    # program of a persistent grid (TMA 3: traced graphs, 64-row tiles); else per program and
+    # work item on the device (TMA 1), which short key ranges do not amortise (pointer loads
+    # then, TMA 0).
+    if gluon and not split and POLICY.host_tma and eager and (
+            kv_mode == KV_PAGED or (_kv_descriptors(consts, kv_mode) and not small)):
+        layout = static or kv_mode == KV_PAGED or (
+            dev.tma and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)
+            and _whole_tensor_ok(k) and _whole_tensor_ok(v))
+        page = guard_int(k.shape[1]) if kv_mode == KV_PAGED else 0
+        if layout and _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page, consts, scalars,
+                                   dev, aligned=not static):
+            return _gluon_launch(kv_mode, dqk, block_m, page, items, hkv, requests, pages,
+                                 mask_mode == MASK_CAUSAL, group, dev)
+    tma = 0
+    if (cfg["TMA"] and _kv_descriptors(consts, kv_mode) and dev.tma
+            and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
+        whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
+        # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
+        # path (both cost more CPU per call than the pointer loads or per-item descriptors),
+        # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
+        small_tma = POLICY.host_tma and small
+        if whole and POLICY.host_tma and eager and not small_tma:
+            tma = 2
+        elif whole and any(block_m == b for b in POLICY.persist_tma) and not small_tma:
+            tma = 3
+        elif not (isinstance(mean_kv, (int, float)) and mean_kv <= POLICY.tma_min_kv):
+            tma = 1
+    programs = _persistent_programs(dev, items * hkv, block_m) if tma == 3 else None
+    return Launch("triton", block_m, block_n, _TMA_PATH[tma], tma, stages, warps,
+                  persistent=tma == 3, programs=programs, split=split, group=group)
+
+
+def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal, group,
+                  dev: Device) -> Launch:
+    """The Gluon kernel's launch (prefill_gluon.launch carries it out with this tile): TILES
+    for the tile height and head dim; gathered pages of short requests (gather_short) on
+    GATHER_SHORT_TILE; a persistent grid where warp specialization runs one (persistent_default
+    or the tile's own)."""
+    g = _gluon
+    t = g.TILES[block_m, d]
+    paged = kv_mode == KV_PAGED
+    if (paged and block_m == 128 and d == 128 and g.page_gathered(page, g.GATHER_SHORT_TILE[0], d)
+            and g.gather_short(pages, page, requests, causal)):
+        t = g.GATHER_SHORT_TILE
+    block_n, warps, stages, p_smem, ws, pingpong, *rest = t
+    gather = paged and g.page_gathered(page, block_n, d)
+    boxes = block_n // page if 0 < page < block_n and not gather else 1
+    ws_run = ws or boxes > 1 or pingpong or gather
+    persistent = bool(ws_run and (rest[0] if rest else g.persistent_default(pingpong, boxes)))
+    programs = None
+    if persistent:  # as many programs as fit on the GPU at once (_WS_CTAS per SM)
+        programs = max(1, min(items * hkv, dev.sm_count * g._WS_CTAS[warps]))
+    kv_path = ("gather" if gather else "boxes") if paged else "host"
+    return Launch("gluon", block_m, block_n, kv_path, 2, stages, warps, persistent=persistent,
+                  programs=programs, group=group,
+                  gluon_tile=(block_n, warps, stages, p_smem, ws, pingpong, persistent))
+
+
+def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
+    """Whether these options let contiguous K/V (dense or ragged) be read through tensor
+    descriptors, the tile (config's TMA: the Triton kernel's; the Gluon kernel's always) and
+    the layout (_tma_ok) aside."""
+    return POLICY.use_tma and kv_mode != KV_PAGED and not consts["ROPE"]
+
+
+# Eager launches below POLICY.host_tma_min_flop skip the whole-tensor descriptors (and the
+# Gluon kernel's contiguous K/V). On the H100's host an eager call with host descriptors costs
+# ~170-300 us of CPU against ~130 us with pointer loads, while the kernel of D128 causal
+# B16 x 1k (69 GFLOP) takes ~200 us: such loops run at the host's pace (eager TFLOP/s, S 512 /
+# 1k: 103 / 194 with host descriptors, 201 / 282 with pointer loads; at S 2k, 137 GFLOP, host
+# descriptors win, 396 vs 372; benchmarks/NOTES.md). A launch being captured into a CUDA graph
+# is never small (replays skip the host, so the faster kernel wins at any size).
+def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
+    """Whether an eager launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
+    for causal) is below host_tma_min_flop; False when a length is not a plain number."""
+    rows = q.shape[0] * q.shape[1] if kv_mode == KV_DENSE else q.shape[0]
+    if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
+        return False
+    flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
+    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
+
+
+def _whole_tensor_ok(t) -> bool:
+    """Whether K or V can be seen through one descriptor over the whole tensor (TMA 2 / 3):
+    no empty dim and no zero stride (an expanded batch or head is not left to the tensor-map
+    checks of the driver or the device); otherwise descriptors per work item (TMA 1)."""
+    return all(known(x > 0) for x in t.shape) and all(known(x > 0) for x in t.stride())
+
+
+def _real(t) -> bool:
+    """A tensor with a real pointer (not fake, not meta)."""
+    return not INTERPRET and t.device.type != "meta" and not (
+        type(t) is not torch.Tensor and is_fake(t))
+
+
+def _tma_ok(t, strides) -> bool:
+    """Whether K or V (strides: batch, token, page, head, dim) is laid out for a device tensor
+    descriptor: unit dim stride, and every other stride and the start 16-byte aligned (the
+    storage itself is allocator-aligned; a real tensor's pointer is checked too)."""
+    es = t.element_size()
+    if not known(strides[4] == 1):
+        return False
+    for x in (strides[0], strides[1], strides[3], t.storage_offset()):
+        if not known((x * es) % 16 == 0):
+            return False
+    return not _real(t) or t.data_ptr() % 16 == 0
+
+
+def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalars,
+                 dev: Device, aligned: bool = True) -> bool:
+    """Whether a launch is in the Gluon kernel's scope: use_gluon, a Hopper GPU, a tile for
+    this height and head dim (TILES: D 64 and 128 on 64- and 128-row tiles, D 256 on 128-row
+    ones), pages it reads (prefill_gluon.page_read: TMA boxes or a producer warp group's
+    gathers), fp16 / bf16 throughout, V's head dim equal to Q's, unit stride, causal or no mask
+    with a positive scale, none of window, chunks, soft cap, ALiBi, RoPE, sinks, a V scale, the
+    row-max output or skip-softmax (the Gluon kernel writes neither), and K/V with packed
+    heads and dims (prefill_gluon.kv_2d_layout; aligned: a real tensor's pointer 16-byte
+    aligned too, as prefill_gluon.kv_2d views it)."""
+    if not (POLICY.use_gluon and _gluon is not None):
+        return False
+    # (the head dim compared, not hashed: a traced q's is a SymInt)
+    d = q.shape[-1]
+    t = next((t for (bm, dd), t in _gluon.TILES.items() if bm == block_m and d == dd), None)
+    if t is None or not dev.gluon:
+        return False
+    dt = q.dtype
+    if dt not in (torch.float16, torch.bfloat16) or not (k.dtype == v.dtype == out_dtype == dt):
+        return False
+    if kv_mode == KV_PAGED and not _gluon.page_read(page_size, t[0], d):
+        return False
+    if v.shape[-1] != d or not known(q.stride(-1) == 1):
+        return False
+    if consts["MASK_MODE"] not in (MASK_NONE, MASK_CAUSAL) or not consts["FOLD"]:
+        return False
+    if any(consts.get(f) for f in ("HAS_WINDOW", "HAS_CHUNK", "SOFT_CAP", "ALIBI", "ROPE",
+                                   "SINKS", "STATS", "SKIP")) or scalars["v_scale"] != 1.0:
+        return False
+    kind = _KV_KIND[kv_mode]
+    for t in (k, v):
+        if not _gluon.kv_2d_layout(t, kind, known):
+            return False
+        if aligned and _real(t) and t.data_ptr() % 16:
+            return False
+    return True
+
+
+# Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one
+# 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
+# programs per SM in case more fit: programs that start late find the counter spent and exit.
+RESIDENT_PER_SM = {64: 2, 128: 1}
+
+
+def _resident_tiles(dev: Device, block_m: int) -> int:
+    """Tiles of this height that the device runs at once (RESIDENT_PER_SM on every SM)."""
+    return RESIDENT_PER_SM.get(block_m, 1) * dev.sm_count
+
+
+def _persistent_programs(dev: Device, items, block_m: int):
+    """Programs of a persistent launch: twice the resident tiles (3 under the interpreter, so
+    that programs take several items), at most one per item."""
+    cap = 3 if INTERPRET else 2 * _resident_tiles(dev, block_m)
+    return min(items, cap) if type(items) is int else torch.sym_min(items, cap)
+
+
+def _dense_group(dev: Device, tiles, pairs, block_m: int, causal: bool):
+    """(batch entry, KV head) pairs per group of the dense launch order (the kernels'
+    _work_item / _dense_item). Causal: the largest divisor of ``pairs`` whose tiles fit one
+    wave of resident programs. A group then runs its tiles heaviest first side by side, so the
+    launch ends on light tiles instead of the last pair's heaviest ones, while the pairs running
+    together are no more than one pair at a time would have resident (their K/V stays in L2;
+    groups twice as large measured 2-5% slower, benchmarks/NOTES.md). Tiles of equal weight (no
+    causal mask) and symbolic sizes keep one pair at a time. The interpreter takes 12 resident
+    programs, so that small test shapes form groups."""
+    if not causal or type(tiles) is not int or type(pairs) is not int or tiles <= 0:
+        return 1
+    resident = 12 if INTERPRET else _resident_tiles(dev, block_m)
+    cap = max(1, min(pairs, resident // tiles))
+    return next(g for g in range(cap, 0, -1) if pairs % g == 0)  # the largest divisor <= cap

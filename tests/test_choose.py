@@ -1,0 +1,92 @@
+"""ops.choose: the one launch decision.
+
+The launchers' decisions over a curated grid of launches (tests/launch_cases.py: dense,
+ragged and paged with pages of 1 / 4 / 16 keys; head dims 64 / 128 / 256 / 96 / 512; no,
+causal and custom masks; GQA 1 / 4 / 7; fp16 / bf16 / fp32; short and long keys; split-KV;
+each launch-policy override) on an H100 description must equal what they decided before the
+decision moved into choose (tests/data/launch_decisions.json), and choose's own answer must be
+what the launcher carries out.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compiled_attn.ops import choose, contracts
+from compiled_attn.ops import prefill_kernel as pk
+
+from . import launch_cases as lc
+
+pytestmark = pytest.mark.skipif(contracts.INTERPRET, reason="the interpreter decides its own "
+                                "tiles (64 rows, 32 keys) and paths at any size")
+
+RECORDED = json.loads(lc.DATA.read_text())
+CASES = lc.cases()
+
+
+def test_grid_is_the_recorded_one():
+    assert sorted(lc.case_id(c) for c in CASES) == sorted(RECORDED)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lc.case_id)
+def test_decision_unchanged(case):
+    assert lc.observe(case) == RECORDED[lc.case_id(case)]
+
+
+def _choice(case, device):
+    """choose.choose's answer for a case, asked directly with meta tensors of its shapes."""
+    with lc.hopper(device):  # (the plan's tile on this device)
+        name, args, block_m = lc._args(case)
+    a, params = lc.dispatch.bind(name, args)
+    meta = {k: (t.to("meta") if isinstance(t, torch.Tensor) else t) for k, t in a.items()}
+    q = meta["q"]
+    paged = name == "batch_paged_prefill"
+    k, v = (meta["k_cache"], meta["v_cache"]) if paged else (meta["k"], meta["v"])
+    scalars, consts = pk._flags(q, None, None, **params)
+    if name == "single_prefill":
+        ask = dict(kv_mode=choose.KV_DENSE)
+    else:
+        ask = pk._ask(meta["work"], meta["qo_indptr"],
+                      meta["kv_page_indices"] if paged else None)
+        ask.update(kv_mode=choose.KV_PAGED if paged else choose.KV_RAGGED, block_m=block_m)
+    kv_mode = ask.pop("kv_mode")
+    with lc.hopper(device):
+        return choose.choose(kv_mode, q, k, v, consts, scalars, q.dtype, device=device, **ask)
+
+
+@pytest.mark.parametrize("case", CASES[::3], ids=lc.case_id)
+def test_choose_on_meta_tensors_is_the_launch(case):
+    # every third case: meta tensors and the device as a description give the launch's answer
+    with lc.override(**(lc.POLICIES[case["policy"]] if case["policy"] else {})):
+        got = _choice(case, choose.H200)
+    seen = RECORDED[lc.case_id(case)]
+    assert (got.kernel == "gluon") == (seen["kernels"] == ["_gluon_fwd"])
+    # (a ping-pong Gluon tile launches half its compute warps: two groups)
+    warps = got.warps // 2 if got.gluon_tile and got.gluon_tile[5] else got.warps
+    assert (got.block_m, got.block_n, got.stages, warps) == (
+        seen["BLOCK_M"], seen["BLOCK_N"], seen["stages"], seen["warps"])
+    assert got.group == seen["group"]
+    if got.kernel == "gluon":
+        assert got.persistent == seen["persistent"]
+        assert got.kv_path == {0: "host", 1: "boxes", 2: "gather"}[seen["paged"]]
+    else:
+        assert got.tma == seen["tma"] and got.split == seen["split"]
+        assert got.kv_path == ("host", "persistent", "device", "pointers")[
+            (2, 3, 1, 0).index(seen["tma"])]
+    if got.persistent:
+        assert seen["grid"] == [got.programs]
+    else:
+        assert got.programs is None and len(seen["grid"]) == 2
+
+
+def test_device_is_an_input():
+    # The same call on a non-Hopper description never takes the Gluon kernel nor descriptors.
+    case = dict(lc.BASE)
+    assert _choice(case, choose.H100).kernel == "gluon"
+    a100 = choose.Device("cuda", 8, 108)
+    got = _choice(case, a100)
+    assert got.kernel == "triton" and got.tma == 0 and got.kv_path == "pointers"
+    assert not choose.Device("cpu").gluon and choose.H100.tma
