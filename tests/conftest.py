@@ -5,6 +5,9 @@
   finishing alone.
 - A one-line legend under the summary says what the skipped and deselected counts are (the
   tiers that run elsewhere), so that neither reads as a problem.
+- On a machine with several GPUs, each pytest-xdist worker makes a different GPU its current
+  device (worker i takes GPU i mod count), so the GPU tier spreads over all of them; tests that
+  start their own ranks (tests/test_cp_gpu.py) name their devices themselves.
 - A last garbage collection before the interpreter exits, so that no reference cycle holding
   Triton IR objects (its code generator and builder reference each other) is left for the
   interpreter's teardown, after which Triton's nanobind module prints a page of "leaked
@@ -13,7 +16,17 @@
 from __future__ import annotations
 
 import gc
+import os
 from collections import Counter
+
+
+def pytest_configure(config):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
 
 def pytest_collection_modifyitems(config, items):
