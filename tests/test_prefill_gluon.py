@@ -45,7 +45,8 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
     # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
     # head per KV head)
-    persistent = ws and (tile[6] if tile[6:] else gluon_mod.persistent_default(pp, block_n // box))
+    persistent = ws and (tile.persistent if tile.persistent is not None
+                         else gluon_mod.persistent_default(pp, block_n // box))
     paged = (gluon_mod.PAGED_GATHER.value if gather else gluon_mod.PAGED_BOXES.value) if page \
         else 0
     regs = gluon_mod.GATHER_REGS if gather else (gluon_mod.PINGPONG_REGS, 24)
@@ -207,9 +208,9 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     assert (cfg.get("gluon") is not None) == takes
     if d == 128:
         assert consts["TMA"] == 2
-        assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
+        assert isinstance(args["k_ptr"], torch.Tensor) == gluon  # descriptors only for Triton
     else:
-        assert consts["TMA"] == (2 if takes else 0) and isinstance(args[1], torch.Tensor)
+        assert consts["TMA"] == (2 if takes else 0) and isinstance(args["k_ptr"], torch.Tensor)
 
 
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
@@ -318,9 +319,9 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
     pp = block_m == 128
     assert (rec.kw["PINGPONG"], rec.kw["num_warps"]) == (pp, warps // 2 if pp else warps)
-    assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
+    assert rec.arg("k_desc").block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
-        assert rec.args[8] is table and rec.args[9] is last
+        assert rec.arg("page_idx_ptr") is table and rec.arg("last_page_len_ptr") is last
         with pytest.raises(ValueError, match="page size 12"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
@@ -431,7 +432,7 @@ def test_launch_tile_by_head_dim(block_m, d, block_n, stages, monkeypatch):
                      causal=True, block_m=block_m)
     assert (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["D"]) == (block_n, stages, d)
     assert rec.kw["PINGPONG"] and not rec.kw["PERSISTENT"] and rec.grid == (3, 2)
-    assert rec.args[2].block_shape == [block_n, d]
+    assert rec.arg("k_desc").block_shape == [block_n, d]
     if d == 256:
         with pytest.raises(ValueError, match="no Gluon tile for block_m 64 at head dim 256"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
