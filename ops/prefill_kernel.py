@@ -282,7 +282,7 @@ def _config(block_m: int, dqk: int, dvo: int, kv_mode: int = 0, mask_mode: int =
 @triton.jit
 def _tanh(x):
     # tanh through exp2 of a non-positive argument: no overflow for large |x|.
-    e = tl.exp2(-2.0 * _LOG2E * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
