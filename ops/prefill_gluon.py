@@ -33,6 +33,7 @@ element offsets are int64.
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
 from typing import NamedTuple
 
 import torch
@@ -76,117 +77,61 @@ GATHER_TPW = gl.constexpr(4)
 # partitions take (Gluon passes a tuple's fields like separate arguments; a tuple assigned to a
 # name holds runtime values, so constexprs stay separate arguments). Ctx's fields flatten in the
 # order the warp-specialized partitions receive them.
-class Io(NamedTuple):
-    """Q, O and LSE."""
-    q_ptr: object
-    o_ptr: object
-    lse_ptr: object
+Io = namedtuple("Io", "q_ptr o_ptr lse_ptr")
+Io.__doc__ = """\
+    Q, O and LSE."""
 
 
-class Ring(NamedTuple):
-    """The shared-memory rings and their barriers: Q slots, K / V slots filled on k_bar /
+Ring = namedtuple("Ring", "q_ring k_ring v_ring k_bar v_bar k_empty v_empty p_ring turn")
+Ring.__doc__ = """\
+    The shared-memory rings and their barriers: Q slots, K / V slots filled on k_bar /
     v_bar and released on k_empty / v_empty (WS), P's slots (P_SMEM), the groups' turns
     (PINGPONG)."""
-    q_ring: object
-    k_ring: object
-    v_ring: object
-    k_bar: object
-    v_bar: object
-    k_empty: object
-    v_empty: object
-    p_ring: object
-    turn: object
 
 
-class Keys(NamedTuple):
-    """K / V through TMA: the descriptors over their 2D views, the base-2 logit scale, the page
+Keys = namedtuple("Keys", "k_desc v_desc qk_scale page_idx_ptr k_page_rows v_page_rows")
+Keys.__doc__ = """\
+    K / V through TMA: the descriptors over their 2D views, the base-2 logit scale, the page
     table and each cache's rows from one page to the next."""
-    k_desc: object
-    v_desc: object
-    qk_scale: object
-    page_idx_ptr: object
-    k_page_rows: object
-    v_page_rows: object
 
 
-class RowStrides(NamedTuple):
-    """Element strides of q, o (batch, token, head) and lse (batch, token, head)."""
-    qb: object
-    qt: object
-    qh: object
-    ob: object
-    ot: object
-    oh: object
-    lb: object
-    lt: object
-    lh: object
+RowStrides = namedtuple("RowStrides", "qb qt qh ob ot oh lb lt lh")
+RowStrides.__doc__ = """\
+    Element strides of q, o (batch, token, head) and lse (batch, token, head)."""
 
 
-class Work(NamedTuple):
-    """The work items (_item_of): the work list and indptrs (ragged / paged), items per KV
+Work = namedtuple("Work", "work_ptr qo_indptr_ptr kv_indptr_ptr last_page_len_ptr "
+                  "n_items n_req n_hkv dense_tiles dense_group dense_qo_len "
+                  "dense_kv_len")
+Work.__doc__ = """\
+    The work items (_item_of): the work list and indptrs (ragged / paged), items per KV
     head, requests, KV heads, and dense mode's tiles per entry, pairs per group and lengths."""
-    work_ptr: object
-    qo_indptr_ptr: object
-    kv_indptr_ptr: object
-    last_page_len_ptr: object
-    n_items: object
-    n_req: object
-    n_hkv: object
-    dense_tiles: object
-    dense_group: object
-    dense_qo_len: object
-    dense_kv_len: object
 
 
-class Handoff(NamedTuple):
-    """Persistent programs: the item records' slots and barriers (_publish_item), the item
+Handoff = namedtuple("Handoff", "items item_full item_empty sched_ptr q_full q_empty q_desc "
+                     "q_req_rows")
+Handoff.__doc__ = """\
+    Persistent programs: the item records' slots and barriers (_publish_item), the item
     counter, and Q's TMA slots (Q_TMA: barriers, descriptor, rows per dense request)."""
-    items: object
-    item_full: object
-    item_empty: object
-    sched_ptr: object
-    q_full: object
-    q_empty: object
-    q_desc: object
-    q_req_rows: object
 
 
-class Gather(NamedTuple):
-    """K / V caches as pointers for PAGED_GATHER (their 2D views, rows stride_kr / stride_vr
+Gather = namedtuple("Gather", "k_ptr v_ptr stride_kr stride_vr")
+Gather.__doc__ = """\
+    K / V caches as pointers for PAGED_GATHER (their 2D views, rows stride_kr / stride_vr
     elements apart)."""
-    k_ptr: object
-    v_ptr: object
-    stride_kr: object
-    stride_vr: object
 
 
-class Ctx(NamedTuple):
-    """The launch's runtime values, built once by _gluon_fwd."""
-    io: Io
-    ring: Ring
-    keys: Keys
-    st: RowStrides
-    work: Work
-    handoff: Handoff
-    gather: Gather
+Ctx = namedtuple("Ctx", "io ring keys st work handoff gather")
+Ctx.__doc__ = """\
+    The launch's runtime values, built once by _gluon_fwd."""
 
 
-class Item(NamedTuple):
-    """A work item (_item_of): request, first packed row, KV head, the request's rows
+Item = namedtuple("Item", "req row0 hkv qo_start qo_len kv_start kv_len page_base "
+                  "npages n_tiles n_free valid")
+Item.__doc__ = """\
+    A work item (_item_of): request, first packed row, KV head, the request's rows
     (qo_start, qo_len) and keys (kv_start, kv_len; paged: first page-table entry, pages), its
     key tiles (n_tiles, the first n_free unmasked) and whether its rows exist (valid)."""
-    req: object
-    row0: object
-    hkv: object
-    qo_start: object
-    qo_len: object
-    kv_start: object
-    kv_len: object
-    page_base: object
-    npages: object
-    n_tiles: object
-    n_free: object
-    valid: object
 
 
 @constexpr_function

@@ -21,6 +21,7 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -66,114 +67,46 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 # Their first lines gather those arguments into these named tuples, which the inner functions
 # (_program, _attend_range) take instead of long positional lists (Triton passes a named tuple's
 # fields like separate arguments, constexpr fields as constexprs).
-class Tensors(NamedTuple):
-    """A launch's tensors but K and V (pointers; unused ones stand in for an option that is
+Tensors = namedtuple("Tensors", "q o lse qo_indptr kv_indptr page_idx last_page_len mask "
+                     "mask_indptr alibi sinks")
+Tensors.__doc__ = """\
+    A launch's tensors but K and V (pointers; unused ones stand in for an option that is
     off): q, o, lse and the ragged / paged indptrs, page table, mask and per-head vectors."""
-    q: object
-    o: object
-    lse: object
-    qo_indptr: object
-    kv_indptr: object
-    page_idx: object
-    last_page_len: object
-    mask: object
-    mask_indptr: object
-    alibi: object
-    sinks: object
 
 
-class Strides(NamedTuple):
-    """Element strides: q (batch, token, head, dim), k / v (batch, token, page, head, dim),
+Strides = namedtuple("Strides", "qb qt qh qd kb kt kp kh kd vb vt vp vh vd ob ot oh lb lt lh")
+Strides.__doc__ = """\
+    Element strides: q (batch, token, head, dim), k / v (batch, token, page, head, dim),
     o and lse (batch, token, head)."""
-    qb: object
-    qt: object
-    qh: object
-    qd: object
-    kb: object
-    kt: object
-    kp: object
-    kh: object
-    kd: object
-    vb: object
-    vt: object
-    vp: object
-    vh: object
-    vd: object
-    ob: object
-    ot: object
-    oh: object
-    lb: object
-    lt: object
-    lh: object
 
 
-class Scalars(NamedTuple):
-    """Runtime scalars (floats in fp32): dense mode's lengths, the base-2 logit scale and the
+Scalars = namedtuple("Scalars", "dense_qo_len dense_kv_len qk_scale soft_cap window_left "
+                     "chunk_size rope_rcp_scale log2_theta v_scale")
+Scalars.__doc__ = """\
+    Runtime scalars (floats in fp32): dense mode's lengths, the base-2 logit scale and the
     options' values (_flags)."""
-    dense_qo_len: object
-    dense_kv_len: object
-    qk_scale: object
-    soft_cap: object
-    window_left: object
-    chunk_size: object
-    rope_rcp_scale: object
-    log2_theta: object
-    v_scale: object
 
 
-class Options(NamedTuple):
-    """The constexpr switches and tile sizes (_program_args' consts; SPLIT, ROW: the work
+Options = namedtuple("Options", "KV_MODE PAGE_SIZE GROUP MASK_MODE HAS_WINDOW HAS_CHUNK "
+                     "SOFT_CAP ALIBI ROPE SINKS FOLD BLOCK_M BLOCK_N BLOCK_DQK "
+                     "BLOCK_DVO DQK DVO NUM_STAGES TMA SPLIT ROW STATS SKIP "
+                     "SKIP_LOG2")
+Options.__doc__ = """\
+    The constexpr switches and tile sizes (_program_args' consts; SPLIT, ROW: the work
     list's split fields and row length; STATS, SKIP, SKIP_LOG2: _program)."""
-    KV_MODE: object
-    PAGE_SIZE: object
-    GROUP: object
-    MASK_MODE: object
-    HAS_WINDOW: object
-    HAS_CHUNK: object
-    SOFT_CAP: object
-    ALIBI: object
-    ROPE: object
-    SINKS: object
-    FOLD: object
-    BLOCK_M: object
-    BLOCK_N: object
-    BLOCK_DQK: object
-    BLOCK_DVO: object
-    DQK: object
-    DVO: object
-    NUM_STAGES: object
-    TMA: object
-    SPLIT: object
-    ROW: object
-    STATS: object
-    SKIP: object
-    SKIP_LOG2: object
 
 
-class Rows(NamedTuple):
-    """A tile's query rows for _attend_range: q (RoPE: first half; q2 the second), each row's
+Rows = namedtuple("Rows", "q q2 p_row tok row_ok slope mask_base")
+Rows.__doc__ = """\
+    A tile's query rows for _attend_range: q (RoPE: first half; q2 the second), each row's
     position, token and validity, ALiBi slope, and the custom mask's first bit."""
-    q: object
-    q2: object
-    p_row: object
-    tok: object
-    row_ok: object
-    slope: object
-    mask_base: object
 
 
-class Keys(NamedTuple):
-    """A work item's keys for _attend_range: kv_len, the TMA coordinate of its first key, the KV
+Keys = namedtuple("Keys", "kv_len kv_coord hkv k v k_desc v_desc page_base")
+Keys.__doc__ = """\
+    A work item's keys for _attend_range: kv_len, the TMA coordinate of its first key, the KV
     head, K / V at this head (pointers, or descriptors over the whole K / V), the per-item
     descriptors (TMA 1; else the same as k / v) and the first page-table entry."""
-    kv_len: object
-    kv_coord: object
-    hkv: object
-    k: object
-    v: object
-    k_desc: object
-    v_desc: object
-    page_base: object
 
 # ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
 # as whole-page 3D blocks (seen on the H100): the launch (_config) and the kernel (PAGE3D) turn
