@@ -70,7 +70,6 @@ GATHER_WARPS = gl.constexpr(4)
 GATHER_TPW = gl.constexpr(4)
 
 
-
 # ---- the kernel's named bundles -----------------------------------------------------------------
 # _gluon_fwd keeps a flat signature (launched eagerly through launch.run_direct, replayed by the
 # bound launches) and gathers its runtime values into one Ctx of these named tuples, which the

@@ -64,9 +64,11 @@ KV_DENSE, KV_RAGGED, KV_PAGED = 0, 1, 2
 # ---- the kernel's argument bundles ------------------------------------------------------------
 # The launched kernels (_prefill_fwd, _pod_fwd) keep flat signatures: torch's wrap_triton, its
 # mutation analysis and the bound-launch replay (launch.py) bind kernel arguments one by one.
-# Their first lines gather those arguments into these named tuples, which the inner functions
-# (_program, _attend_range) take instead of long positional lists (Triton passes a named tuple's
-# fields like separate arguments, constexpr fields as constexprs).
+# They gather those arguments into these named tuples, which the inner functions (_prefill_items,
+# _program, _attend_range) take instead of long positional lists: Triton passes a named tuple's
+# fields like separate arguments, constexpr fields as constexprs, as long as the tuple is built
+# in the call (assigned to a name, its constexprs, such as strides specialised to 1, turn into
+# tensors).
 Tensors = namedtuple("Tensors", "q o lse qo_indptr kv_indptr page_idx last_page_len mask "
                      "mask_indptr alibi sinks")
 Tensors.__doc__ = """\
