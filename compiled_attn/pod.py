@@ -157,6 +157,13 @@ def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
 
 
+# PODWithPagedKVCacheWrapper.run()'s per-part options (the keys of the bundles _run takes)
+_OPTS_P = ("causal_p", "kv_layout_p", "pos_encoding_mode_p", "sm_scale_p", "window_left_p",
+           "rope_scale_p", "rope_theta_p")
+_OPTS_D = ("causal_d", "kv_layout_d", "pos_encoding_mode_d", "sm_scale_d", "window_left_d",
+           "rope_scale_d", "rope_theta_d", "use_fp16_qk_reduction")
+
+
 class PODWithPagedKVCacheWrapper(_PODBase):
     """One prefill request (contiguous k/v given at run) plus a planned batch of decode
     requests (one query row each) on a paged cache, in one launch."""
@@ -273,24 +280,27 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             return self._bound(
                 (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p),
                 (*opts_p.values(), *opts_d.values()), return_lse_p, return_lse_d,
-                lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d,
+                lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p, opts_d,
                                   packed_custom_mask_p=packed_custom_mask_p, return_lse_p=True,
-                                  return_lse_d=True, **opts_p, **opts_d))
-        return self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p,
-                         packed_custom_mask_p, return_lse_p=return_lse_p,
-                         custom_mask_d=custom_mask_d, packed_custom_mask_d=packed_custom_mask_d,
-                         q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                         return_lse_d=return_lse_d, enable_pdl=enable_pdl, *args, **opts_p,
-                         **opts_d)
+                                  return_lse_d=True))
+        return self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p, opts_d,
+                         custom_mask_p=custom_mask_p, packed_custom_mask_p=packed_custom_mask_p,
+                         return_lse_p=return_lse_p, custom_mask_d=custom_mask_d,
+                         packed_custom_mask_d=packed_custom_mask_d, q_scale=q_scale,
+                         k_scale=k_scale, v_scale=v_scale, return_lse_d=return_lse_d,
+                         enable_pdl=enable_pdl, args=args)
 
-    def _run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, custom_mask_p=None,
-             packed_custom_mask_p=None, causal_p=False, kv_layout_p="NHD",
-             pos_encoding_mode_p="NONE", sm_scale_p=None, window_left_p=-1, rope_scale_p=None,
-             rope_theta_p=None, return_lse_p=False, custom_mask_d=None,
-             packed_custom_mask_d=None, causal_d=False, kv_layout_d=None,
-             pos_encoding_mode_d=None, sm_scale_d=None, window_left_d=None, rope_scale_d=None,
-             rope_theta_d=None, q_scale=None, k_scale=None, v_scale=None, return_lse_d=False,
-             use_fp16_qk_reduction=False, enable_pdl=None, *args):
+    def _run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p: dict, opts_d: dict, *,
+             custom_mask_p=None, packed_custom_mask_p=None, return_lse_p=False,
+             custom_mask_d=None, packed_custom_mask_d=None, q_scale=None, k_scale=None,
+             v_scale=None, return_lse_d=False, enable_pdl=None, args=()):
+        """run() with its per-part options bundled: opts_p / opts_d map run()'s parameter names
+        (causal_p ... rope_theta_p; causal_d ... rope_theta_d and use_fp16_qk_reduction) to
+        their values; args: run()'s extra positional arguments."""
+        (causal_p, kv_layout_p, pos_encoding_mode_p, sm_scale_p, window_left_p, rope_scale_p,
+         rope_theta_p) = (opts_p[k] for k in _OPTS_P)
+        (causal_d, kv_layout_d, pos_encoding_mode_d, sm_scale_d, window_left_d, rope_scale_d,
+         rope_theta_d, use_fp16_qk_reduction) = (opts_d[k] for k in _OPTS_D)
         p = self._check_plan()
         if args:
             V.unsupported("*args", "extra positional arguments are not supported")

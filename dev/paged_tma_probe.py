@@ -19,6 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.providers import time_ms
+from compiled_attn.ops.modes import LOG2E
 
 PAGE = 16
 
@@ -135,7 +136,7 @@ def main():
         vc[perm] = v.view(npg, PAGE, h * d)
         pt = perm.to(torch.int32).view(b, s // PAGE).contiguous()
         kc2, vc2 = kc.view(npg * PAGE, h * d), vc.view(npg * PAGE, h * d)
-        scale = d ** -0.5 * 1.4426950408889634
+        scale = d ** -0.5 * LOG2E
         for bm, nw in ((128, 8), (64, 4)):
             for stages in (2, 3, 4):
                 o = torch.full_like(q, float("nan"))

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks.providers import time_ms
+from compiled_attn.ops.modes import LOG2E
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def run(bm, bn, nw, ns, ws, B, H, S, D=128):
     mk = lambda t, r: TensorDescriptor(t, list(t.shape), list(t.stride()), [r, D])
     qd, kd, vd, od = mk(q, bm), mk(k, bn), mk(v, bn), mk(o, bm)
     grid = (S // bm, B * H)
-    f = lambda: _probe[grid](qd, kd, vd, od, S, D ** -0.5 * 1.4426950408889634, bm, bn, D,
+    f = lambda: _probe[grid](qd, kd, vd, od, S, D ** -0.5 * LOG2E, bm, bn, D,
                              ws, ns, num_warps=nw, num_stages=ns)
     f()
     torch.cuda.synchronize()

@@ -147,7 +147,7 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
         return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
     if d > 128 or max_kv_len is None:
         return 128
-    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d][0], d)
+    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d].block_n, d)
             and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
         return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
     if max_kv_len <= POLICY.tma_min_kv:
@@ -401,11 +401,13 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     if (paged and block_m == 128 and d == 128 and g.page_gathered(page, g.GATHER_SHORT_TILE[0], d)
             and g.gather_short(pages, page, requests, causal)):
         t = g.GATHER_SHORT_TILE
-    block_n, warps, stages, p_smem, ws, pingpong, *rest = t
+    t = g.Tile(*t)
+    block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
     gather = paged and g.page_gathered(page, block_n, d)
     boxes = block_n // page if 0 < page < block_n and not gather else 1
     ws_run = ws or boxes > 1 or pingpong or gather
-    persistent = bool(ws_run and (rest[0] if rest else g.persistent_default(pingpong, boxes)))
+    persistent = bool(ws_run and (t.persistent if t.persistent is not None
+                                  else g.persistent_default(pingpong, boxes)))
     programs = None
     if persistent:  # as many programs as fit on the GPU at once (_WS_CTAS per SM)
         programs = max(1, min(items * hkv, dev.sm_count * g._WS_CTAS[warps]))

@@ -33,6 +33,8 @@ element offsets are int64.
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -44,6 +46,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
+from .modes import LOG2E
 from .tiles import GLUON_SHORT_KV
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
@@ -64,6 +67,69 @@ PAGED_GATHER = gl.constexpr(2)
 # rate; benchmarks/NOTES.md, 2026-11-24, pages of 1-7 keys).
 GATHER_WARPS = gl.constexpr(4)
 GATHER_TPW = gl.constexpr(4)
+
+
+# ---- the kernel's named bundles -----------------------------------------------------------------
+# _gluon_fwd keeps a flat signature (launched eagerly through launch.run_direct, replayed by the
+# bound launches) and gathers its runtime values into one Ctx of these named tuples, which the
+# partitions take (Gluon passes a tuple's fields like separate arguments; a tuple assigned to a
+# name holds runtime values, so constexprs stay separate arguments). Ctx's fields flatten in the
+# order the warp-specialized partitions receive them.
+Io = namedtuple("Io", "q_ptr o_ptr lse_ptr")
+Io.__doc__ = """\
+    Q, O and LSE."""
+
+
+Ring = namedtuple("Ring", "q_ring k_ring v_ring k_bar v_bar k_empty v_empty p_ring turn")
+Ring.__doc__ = """\
+    The shared-memory rings and their barriers: Q slots, K / V slots filled on k_bar /
+    v_bar and released on k_empty / v_empty (WS), P's slots (P_SMEM), the groups' turns
+    (PINGPONG)."""
+
+
+Keys = namedtuple("Keys", "k_desc v_desc qk_scale page_idx_ptr k_page_rows v_page_rows")
+Keys.__doc__ = """\
+    K / V through TMA: the descriptors over their 2D views, the base-2 logit scale, the page
+    table and each cache's rows from one page to the next."""
+
+
+RowStrides = namedtuple("RowStrides", "qb qt qh ob ot oh lb lt lh")
+RowStrides.__doc__ = """\
+    Element strides of q, o (batch, token, head) and lse (batch, token, head)."""
+
+
+Work = namedtuple("Work", "work_ptr qo_indptr_ptr kv_indptr_ptr last_page_len_ptr "
+                  "n_items n_req n_hkv dense_tiles dense_group dense_qo_len "
+                  "dense_kv_len")
+Work.__doc__ = """\
+    The work items (_item_of): the work list and indptrs (ragged / paged), items per KV
+    head, requests, KV heads, and dense mode's tiles per entry, pairs per group and lengths."""
+
+
+Handoff = namedtuple("Handoff", "items item_full item_empty sched_ptr q_full q_empty q_desc "
+                     "q_req_rows")
+Handoff.__doc__ = """\
+    Persistent programs: the item records' slots and barriers (_publish_item), the item
+    counter, and Q's TMA slots (Q_TMA: barriers, descriptor, rows per dense request)."""
+
+
+Gather = namedtuple("Gather", "k_ptr v_ptr stride_kr stride_vr")
+Gather.__doc__ = """\
+    K / V caches as pointers for PAGED_GATHER (their 2D views, rows stride_kr / stride_vr
+    elements apart)."""
+
+
+Ctx = namedtuple("Ctx", "io ring keys st work handoff gather")
+Ctx.__doc__ = """\
+    The launch's runtime values, built once by _gluon_fwd."""
+
+
+Item = namedtuple("Item", "req row0 hkv qo_start qo_len kv_start kv_len page_base "
+                  "npages n_tiles n_free valid")
+Item.__doc__ = """\
+    A work item (_item_of): request, first packed row, KV head, the request's rows
+    (qo_start, qo_len) and keys (kv_start, kv_len; paged: first page-table entry, pages), its
+    key tiles (n_tiles, the first n_free unmasked) and whether its rows exist (valid)."""
 
 
 @constexpr_function
@@ -336,13 +402,11 @@ def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
 
 
 @gluon.jit
-def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-          kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-          page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM: gl.constexpr,
-          PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
+def _step(t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item,
+          P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
           MASKED: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
           STAGES: gl.constexpr, dtype: gl.constexpr, col_layout: gl.constexpr,
-          row_o: gl.constexpr, p_layout: gl.constexpr, turn, it, WG: gl.constexpr,
+          row_o: gl.constexpr, p_layout: gl.constexpr, WG: gl.constexpr,
           PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """Key tile t (>= 1): S_t and P_{t-1} V_{t-1} issued together (PINGPONG: in group WG's
     turn), the softmax of S_t under the second, then the rescale; refills the K slot of tile t
@@ -352,29 +416,32 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
     slot = g % STAGES
     if not WS:
         # the refills' pages, read now: their latency hides under this tile's work
-        k_page = _page_of(page_idx_ptr, page_base, npages, t + STAGES, PAGED, PAGE, BLOCK_N)
-        v_page = _page_of(page_idx_ptr, page_base, npages, t - 1 + STAGES, PAGED, PAGE, BLOCK_N)
-    _take_turn(turn, g, WG, PINGPONG)
-    _wait_full(k_bar, g, STAGES, PAGED)
-    s_tok = warpgroup_mma(q_smem, k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
+        k_page = _page_of(keys.page_idx_ptr, item.page_base, item.npages, t + STAGES, PAGED,
+                          PAGE, BLOCK_N)
+        v_page = _page_of(keys.page_idx_ptr, item.page_base, item.npages, t - 1 + STAGES, PAGED,
+                          PAGE, BLOCK_N)
+    _take_turn(ring.turn, g, WG, PINGPONG)
+    _wait_full(ring.k_bar, g, STAGES, PAGED)
+    s_tok = warpgroup_mma(q_smem, ring.k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
     prev = (g - 1) % STAGES
-    _wait_full(v_bar, g - 1, STAGES, PAGED)
+    _wait_full(ring.v_bar, g - 1, STAGES, PAGED)
     if MASKED and PAGED != PAGED_GATHER:  # (gathered tails repeat the last key: finite)
-        if t * BLOCK_N > kv_len:  # tile t - 1 is the request's partial last tile
-            _zero_tail(v_ring, prev, kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
+        if t * BLOCK_N > item.kv_len:  # tile t - 1 is the request's partial last tile
+            _zero_tail(ring.v_ring, prev, item.kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
     if P_SMEM:
-        o_tok = warpgroup_mma(p_ring.index((t - 1) % 2), v_ring.index(prev), acc, is_async=True)
+        o_tok = warpgroup_mma(ring.p_ring.index((t - 1) % 2), ring.v_ring.index(prev), acc,
+                              is_async=True)
     else:
-        o_tok = warpgroup_mma(p_op, v_ring.index(prev), acc, is_async=True)
-    _pass_turn(turn, WG, PINGPONG)
+        o_tok = warpgroup_mma(p_op, ring.v_ring.index(prev), acc, is_async=True)
+    _pass_turn(ring.turn, WG, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     if WS:
-        mbarrier.arrive(k_empty.index(slot), count=1)
-    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, kv_len, p_row, qk_scale, MASKED, CAUSAL,
-                                       BLOCK_N, col_layout)
+        mbarrier.arrive(ring.k_empty.index(slot), count=1)
+    p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, item.kv_len, p_row, keys.qk_scale, MASKED,
+                                       CAUSAL, BLOCK_N, col_layout)
     if P_SMEM:
-        p_ring.index(t % 2).store(p.to(dtype))
+        ring.p_ring.index(t % 2).store(p.to(dtype))
         fence_async_shared()
         p_next = p_op
     else:
@@ -386,28 +453,28 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, 
         0, deps=(o_tok, p_op, p_next, alpha, m_i, l_i))
     acc = acc * alpha[:, None]
     if WS:
-        mbarrier.arrive(v_empty.index(prev), count=1)
+        mbarrier.arrive(ring.v_empty.index(prev), count=1)
     else:
         # Both wgmmas reading the two slots have completed (in every warp group: Gluon puts a
         # CTA barrier before each TMA into a buffer read earlier): refill them.
-        _load_kv(k_desc, k_ring, k_bar, t + STAGES, kv_start, hkv, t + STAGES < n_tiles,
-                 k_page, k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-        _load_kv(v_desc, v_ring, v_bar, t - 1 + STAGES, kv_start, hkv,
-                 t - 1 + STAGES < n_tiles, v_page, v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+        _load_kv(keys.k_desc, ring.k_ring, ring.k_bar, t + STAGES, item.kv_start, item.hkv,
+                 t + STAGES < item.n_tiles, k_page, keys.k_page_rows, PAGED, PAGE, BLOCK_N, D,
+                 STAGES)
+        _load_kv(keys.v_desc, ring.v_ring, ring.v_bar, t - 1 + STAGES, item.kv_start, item.hkv,
+                 t - 1 + STAGES < item.n_tiles, v_page, keys.v_page_rows, PAGED, PAGE, BLOCK_N,
+                 D, STAGES)
     return acc, p_next, m_i, l_i
 
 
 @gluon.jit
-def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty,
-             p_ring, k_desc, v_desc, kv_start, kv_len, hkv, n_tiles, n_free, qk_scale,
-             page_idx_ptr, page_base, npages, k_page_rows, v_page_rows, turn, it,
-             WG: gl.constexpr, P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-             WS: gl.constexpr, PINGPONG: gl.constexpr, CAUSAL: gl.constexpr,
-             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr, NW: gl.constexpr, Q_READY: gl.constexpr):
-    """A compute group's walk over the key tiles [0, n_tiles) (the first n_free unmasked)
-    from slots k_ring / v_ring filled on k_bar / v_bar, after storing q [BLOCK_M, D] into
-    q_smem: returns (acc [BLOCK_M, D], m_i, l_i).
+def _consume(acc, m_i, l_i, p_row, q, q_smem, ring, keys, item, it, WG: gl.constexpr,
+             P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
+             PINGPONG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
+             Q_READY: gl.constexpr):
+    """A compute group's walk over the work item's (Item) key tiles [0, n_tiles) (the first
+    n_free unmasked) from the Ring's slots k_ring / v_ring filled on k_bar / v_bar (K / V from
+    the Keys), after storing q [BLOCK_M, D] into q_smem: returns (acc [BLOCK_M, D], m_i, l_i).
     Without WS it also refills the slots (the first STAGES tiles are in flight already); WS:
     releases each slot on k_empty / v_empty to the load partition. PINGPONG: group WG of two,
     issuing its wgmmas in turns with the other (_take_turn). Tile t sits in ring position
@@ -426,59 +493,56 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, k_ring, v_ring, k_bar, v_bar, k_em
         _cta_barrier()
     if not WS:
         # tile STAGES's page, for the K refill once tile 0's scores are in
-        k_next = _page_of(page_idx_ptr, page_base, npages, STAGES, PAGED, PAGE, BLOCK_N)
+        k_next = _page_of(keys.page_idx_ptr, item.page_base, item.npages, STAGES, PAGED, PAGE,
+                          BLOCK_N)
 
     # tile 0: its scores alone (nothing to overlap yet)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     slot0 = it % STAGES
-    _take_turn(turn, it, WG, PINGPONG)
-    _wait_full(k_bar, it, STAGES, PAGED)
-    s = warpgroup_mma(q_smem, k_ring.index(slot0).permute((1, 0)), s_zero, use_acc=False)
-    _pass_turn(turn, WG, PINGPONG)
-    if n_free > 0:
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, False,
-                                           CAUSAL, BLOCK_N, col_s)
+    _take_turn(ring.turn, it, WG, PINGPONG)
+    _wait_full(ring.k_bar, it, STAGES, PAGED)
+    s = warpgroup_mma(q_smem, ring.k_ring.index(slot0).permute((1, 0)), s_zero, use_acc=False)
+    _pass_turn(ring.turn, WG, PINGPONG)
+    if item.n_free > 0:
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, item.kv_len, p_row, keys.qk_scale,
+                                           False, CAUSAL, BLOCK_N, col_s)
     else:
-        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, kv_len, p_row, qk_scale, True,
-                                           CAUSAL, BLOCK_N, col_s)
+        p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, item.kv_len, p_row, keys.qk_scale,
+                                           True, CAUSAL, BLOCK_N, col_s)
     if WS:
-        mbarrier.arrive(k_empty.index(slot0), count=1)
+        mbarrier.arrive(ring.k_empty.index(slot0), count=1)
     else:
         _cta_barrier()
-        _load_kv(k_desc, k_ring, k_bar, STAGES, kv_start, hkv, STAGES < n_tiles, k_next,
-                 k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+        _load_kv(keys.k_desc, ring.k_ring, ring.k_bar, STAGES, item.kv_start, item.hkv,
+                 STAGES < item.n_tiles, k_next, keys.k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
     if P_SMEM:
-        p_ring.index(0).store(p.to(dtype))
+        ring.p_ring.index(0).store(p.to(dtype))
         fence_async_shared()
 
-    for t in range(1, gl.maximum(n_free, 1)):
+    for t in range(1, gl.maximum(item.n_free, 1)):
         acc, p_op, m_i, l_i = _step(
-            t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-            kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-            page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, it, WG,
+            t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item, P_SMEM, PAGED,
+            PAGE, WS, False, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, WG,
             PINGPONG, NW)
-    for t in range(gl.maximum(n_free, 1), n_tiles):
+    for t in range(gl.maximum(item.n_free, 1), item.n_tiles):
         acc, p_op, m_i, l_i = _step(
-            t, acc, p_op, m_i, l_i, q_smem, k_ring, v_ring, k_bar, v_bar, k_desc, v_desc,
-            kv_start, kv_len, hkv, n_tiles, p_row, qk_scale, s_zero, p_ring, page_idx_ptr,
-            page_base, npages, k_page_rows, v_page_rows, k_empty, v_empty, P_SMEM, PAGED, PAGE,
-            WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, turn, it, WG,
+            t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item, P_SMEM, PAGED,
+            PAGE, WS, True, CAUSAL, BLOCK_N, D, STAGES, dtype, col_s, row_o, p_layout, WG,
             PINGPONG, NW)
 
     # the last tile's P V
-    last = n_tiles - 1
+    last = item.n_tiles - 1
     g_last = it + last
-    _wait_full(v_bar, g_last, STAGES, PAGED)
-    if PAGED != PAGED_GATHER and n_tiles * BLOCK_N > kv_len:
-        _zero_tail(v_ring, g_last % STAGES, kv_len - last * BLOCK_N, D, BLOCK_N, NW)
+    _wait_full(ring.v_bar, g_last, STAGES, PAGED)
+    if PAGED != PAGED_GATHER and item.n_tiles * BLOCK_N > item.kv_len:
+        _zero_tail(ring.v_ring, g_last % STAGES, item.kv_len - last * BLOCK_N, D, BLOCK_N, NW)
     if P_SMEM:
-        acc = warpgroup_mma(p_ring.index(last % 2), v_ring.index(g_last % STAGES), acc)
+        acc = warpgroup_mma(ring.p_ring.index(last % 2), ring.v_ring.index(g_last % STAGES), acc)
     else:
-        acc = warpgroup_mma(p_op, v_ring.index(g_last % STAGES), acc)
+        acc = warpgroup_mma(p_op, ring.v_ring.index(g_last % STAGES), acc)
     if WS:  # the last V slot back to the load partition
-        mbarrier.arrive(v_empty.index(g_last % STAGES), count=1)
+        mbarrier.arrive(ring.v_empty.index(g_last % STAGES), count=1)
     return acc, m_i, l_i
 
 
@@ -564,36 +628,30 @@ def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: 
            D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr):
     """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
     [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
-    returns nothing, so each group writes its own rows). ctx: the launch's runtime values
-    (_gluon_fwd builds it; constexprs stay separate arguments, a tuple would not carry them as
-    such); item: the work item's fields (_item_of); it: the ring position of its first key
-    tile. q_buf [BLOCK_M, D]: the Q buffer whose ROWS-row slice is the group's (Q_TMA: filled
+    returns nothing, so each group writes its own rows). ctx: the launch's Ctx (_gluon_fwd
+    builds it); item: the work Item (_item_of); it: the ring position of its first key tile.
+    q_buf [BLOCK_M, D]: the Q buffer whose ROWS-row slice is the group's (Q_TMA: filled
     already; else the group stores its Q there), then its O's staging."""
-    (q_ptr, o_ptr, lse_ptr, _q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn,
-     k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows, stride_qb, stride_qt,
-     stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh) = ctx[:27]
-    (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
-     valid) = item
+    io = ctx.io
+    st = ctx.st
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    r0 = row0 + WG * ROWS
-    p_row = kv_len - qo_len + (r0 + gl.arange(0, ROWS, layout=row_s)) // GROUP
+    r0 = item.row0 + WG * ROWS
+    p_row = item.kv_len - item.qo_len + (r0 + gl.arange(0, ROWS, layout=row_s)) // GROUP
     if Q_TMA:  # q_buf holds Q already (the load warp's TMA)
         q = p_row  # (a stand-in)
     else:
-        q = _load_q(q_ptr, req.to(gl.int64) * stride_qb, qo_start, qo_len, hkv, r0, stride_qt,
-                    stride_qh, GROUP, ROWS, D, NW)
+        q = _load_q(io.q_ptr, item.req.to(gl.int64) * st.qb, item.qo_start, item.qo_len,
+                    item.hkv, r0, st.qt, st.qh, GROUP, ROWS, D, NW)
     acc, m_i, l_i = _consume(
         gl.zeros([ROWS, D], gl.float32, layout=_mma_layout(D, NW)),
         gl.full([ROWS], float("-inf"), gl.float32, layout=row_s),
         gl.zeros([ROWS], gl.float32, layout=row_s), p_row, q, q_buf.slice(WG * ROWS, ROWS),
-        k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, k_desc, v_desc, kv_start, kv_len,
-        hkv, n_tiles, n_free, qk_scale, page_idx_ptr, page_base, npages, k_page_rows,
-        v_page_rows, turn, it, WG, P_SMEM, PAGED, PAGE, WS, PINGPONG, CAUSAL, ROWS, BLOCK_N, D,
-        STAGES, NW, Q_TMA)
-    _store_rows(acc, m_i, l_i, r0, q_buf.slice(WG * ROWS, ROWS), o_ptr, lse_ptr,
-                req.to(gl.int64) * stride_ob, req.to(gl.int64) * stride_lb, qo_start, qo_len, hkv,
-                stride_ot, stride_oh, stride_lt, stride_lh, GROUP, ROWS, BLOCK_N, D, NW)
+        ctx.ring, ctx.keys, item, it, WG, P_SMEM, PAGED, PAGE, WS, PINGPONG, CAUSAL, ROWS,
+        BLOCK_N, D, STAGES, NW, Q_TMA)
+    _store_rows(acc, m_i, l_i, r0, q_buf.slice(WG * ROWS, ROWS), io.o_ptr, io.lse_ptr,
+                item.req.to(gl.int64) * st.ob, item.req.to(gl.int64) * st.lb, item.qo_start,
+                item.qo_len, item.hkv, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, BLOCK_N, D, NW)
 
 
 @gluon.jit
@@ -601,15 +659,19 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
              GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr):
     """Work item ``lin`` (of n_items * n_hkv: the work list's items for KV head 0, then head
-    1, ...) of the launch ctx: (request, first packed row, KV head, qo_start, qo_len, kv_start,
-    kv_len, page_base, npages, n_tiles, n_free, valid). Its key tiles [0, n_free) are visible
-    to every row, [n_free, n_tiles) masked; n_tiles is 0 when the item is not valid (padding,
-    or rows past the request's)."""
-    (work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, n_req, n_hkv,
-     dense_tiles, dense_group, dense_qo_len, dense_kv_len) = ctx[27:38]
+    1, ...) of the launch ctx, as an Item. Its key tiles [0, n_free) are visible to every row,
+    [n_free, n_tiles) masked; n_tiles is 0 when the item is not valid (padding, or rows past
+    the request's)."""
+    w = ctx.work
+    work_ptr = w.work_ptr
+    qo_indptr_ptr = w.qo_indptr_ptr
+    kv_indptr_ptr = w.kv_indptr_ptr
+    n_items = w.n_items
+    dense_qo_len = w.dense_qo_len
+    dense_kv_len = w.dense_kv_len
     if DENSE:
-        req, row0, hkv = _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
-                                     BLOCK_M)
+        req, row0, hkv = _dense_item(lin, n_items, w.dense_tiles, w.dense_group, w.n_req,
+                                     w.n_hkv, BLOCK_M)
         qo_start = 0
         qo_len = dense_qo_len
         kv_start = req * dense_kv_len
@@ -625,7 +687,7 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
         if PAGED:
             page_base = gl.load(kv_indptr_ptr + req_c)
             npages = gl.load(kv_indptr_ptr + req_c + 1) - page_base
-            last = gl.load(last_page_len_ptr + req_c)
+            last = gl.load(w.last_page_len_ptr + req_c)
             kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
             kv_start = 0
         else:
@@ -647,8 +709,8 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
         free = kv_len
     n_tiles = gl.where(valid, (gl.maximum(n_end, 0) + BLOCK_N - 1) // BLOCK_N, 0)
     n_free = gl.maximum(free, 0) // BLOCK_N
-    return (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles,
-            n_free, valid)
+    return Item(req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles,
+                n_free, valid)
 
 
 @constexpr_function
@@ -680,11 +742,12 @@ def _next_item(sched_ptr, NW: gl.constexpr):
 @gluon.jit
 def _pack_item(lin, item, NW: gl.constexpr):
     """The load partition's (NW warps') record of work item lin for the compute groups: [32]
-    int32 in _lane_layout(NW), lane 0 lin, lanes 1-12 _item_of's fields in order."""
+    int32 in _lane_layout(NW), lane 0 lin, lane f + 1 the Item's field f (_ws_group reads
+    them back by the same rule)."""
     lane = gl.arange(0, 32, layout=_lane_layout(NW))
     v = gl.full([32], 0, gl.int32, layout=_lane_layout(NW))
     v = gl.where(lane == 0, lin, v)
-    for f in gl.static_range(12):
+    for f in gl.static_range(12):  # (Item's fields)
         v = gl.where(lane == f + 1, item[f].to(gl.int32), v)
     return v
 
@@ -728,43 +791,37 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
     goes back to the load warp once the item's O, staged through it, is written."""
-    (q_ptr, o_ptr, lse_ptr, q_ring, _k_ring, _v_ring, _k_bar, _v_bar, _k_empty, _v_empty,
-     _p_ring, _turn, _k_desc, _v_desc, _qk_scale, _page_idx_ptr, _k_page_rows, _v_page_rows,
-     stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-     stride_lh) = ctx[:27]
-    total = ctx[31] * ctx[33]
-    items, item_full, item_empty = ctx[38:41]
-    q_full, q_empty = ctx[42:44]
+    io, st, h = ctx.io, ctx.st, ctx.handoff
+    total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
     k = 0
     qk = 0  # items with keys so far: Q_TMA's slot qk % 2
-    rec = _take_item(items, item_full, item_empty, k, NW)
+    rec = _take_item(h.items, h.item_full, h.item_empty, k, NW)
     while _field(rec, 0) < total:
-        item = (_field(rec, 1), _field(rec, 2), _field(rec, 3), _field(rec, 4), _field(rec, 5),
-                _field(rec, 6), _field(rec, 7), _field(rec, 8), _field(rec, 9), _field(rec, 10),
-                _field(rec, 11), _field(rec, 12) != 0)
-        (req, row0, hkv, qo_start, qo_len, _kv_start, _kv_len, _page_base, _npages, n_tiles,
-         _n_free, valid) = item
-        if n_tiles > 0:
+        # (lane f + 1 of the record holds the Item's field f: _pack_item)
+        item = Item(_field(rec, 1), _field(rec, 2), _field(rec, 3), _field(rec, 4),
+                    _field(rec, 5), _field(rec, 6), _field(rec, 7), _field(rec, 8),
+                    _field(rec, 9), _field(rec, 10), _field(rec, 11), _field(rec, 12) != 0)
+        if item.n_tiles > 0:
             qs = qk % 2
             if Q_TMA:
-                mbarrier.wait(q_full.index(qs), (qk // 2) & 1)
-                q_buf = q_ring.index(qs)
+                mbarrier.wait(h.q_full.index(qs), (qk // 2) & 1)
+                q_buf = ctx.ring.q_ring.index(qs)
             else:
-                q_buf = q_ring.index(0)
+                q_buf = ctx.ring.q_ring.index(0)
             _group(WG, ctx, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
                    CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
             if Q_TMA:  # the slot (its O written through it) back to the load warp
                 fence_async_shared()
-                mbarrier.arrive(q_empty.index(qs), count=1)
+                mbarrier.arrive(h.q_empty.index(qs), count=1)
             qk += 1
-        elif valid:
-            _zero_rows(o_ptr, lse_ptr, req.to(gl.int64) * stride_ob,
-                       req.to(gl.int64) * stride_lb, qo_start, qo_len, hkv, row0 + WG * ROWS,
-                       stride_ot, stride_oh, stride_lt, stride_lh, GROUP, ROWS, D, NW)
-        it += n_tiles
+        elif item.valid:
+            _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
+                       item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv,
+                       item.row0 + WG * ROWS, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, D, NW)
+        it += item.n_tiles
         k += 1
-        rec = _take_item(items, item_full, item_empty, k, NW)
+        rec = _take_item(h.items, h.item_full, h.item_empty, k, NW)
 
 
 @gluon.jit
@@ -778,11 +835,8 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     tiles (_ws_producer; PAGED_GATHER: _gather_producer, the partition a warp group), running
     on into the next item while the groups finish this one; a last index past the items stops
     them."""
-    (_q_ptr, _o_ptr, _lse_ptr, q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, _p_ring,
-     _turn, k_desc, v_desc, _qk_scale, page_idx_ptr, k_page_rows, v_page_rows) = ctx[:18]
-    total = ctx[31] * ctx[33]
-    items, item_full, item_empty, sched_ptr = ctx[38:42]
-    q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr = ctx[42:50]
+    ring, keys, h, gather = ctx.ring, ctx.keys, ctx.handoff, ctx.gather
+    total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     it = 0
     k = 0
@@ -790,25 +844,28 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     lin = gl.program_id(0)
     while lin < total:
         item = _item_of(lin, ctx, DENSE, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
-        _publish_item(items, item_full, item_empty, k, _pack_item(lin, item, LOAD_WARPS))
-        n_tiles = item[9]
+        _publish_item(h.items, h.item_full, h.item_empty, k, _pack_item(lin, item, LOAD_WARPS))
+        n_tiles = item.n_tiles
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
                 qs = qk % 2
-                mbarrier.wait(q_empty.index(qs), ((qk // 2) & 1) ^ 1)
-                mbarrier.expect(q_full.index(qs),
-                                BLOCK_M * D * q_desc.dtype.primitive_bitwidth // 8)
-                _tma_load(q_desc, [item[0] * q_req_rows + item[3] + item[1], item[2] * D],
-                          q_full.index(qs), q_ring.index(qs))
+                mbarrier.wait(h.q_empty.index(qs), ((qk // 2) & 1) ^ 1)
+                mbarrier.expect(h.q_full.index(qs),
+                                BLOCK_M * D * h.q_desc.dtype.primitive_bitwidth // 8)
+                _tma_load(h.q_desc,
+                          [item.req * h.q_req_rows + item.qo_start + item.row0, item.hkv * D],
+                          h.q_full.index(qs), ring.q_ring.index(qs))
                 qk += 1
-        _item_producer(k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar, k_empty,
-                       v_empty, n_tiles, it, item[5], item[6], item[2], page_idx_ptr, item[7],
-                       item[8], k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
-                       BLOCK_N, D, STAGES, BOXES, WIDE)
+        _item_producer(keys.k_desc, keys.v_desc, gather.k_ptr, gather.v_ptr, ring.k_ring,
+                       ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty, n_tiles,
+                       it, item.kv_start, item.kv_len, item.hkv, keys.page_idx_ptr,
+                       item.page_base, item.npages, keys.k_page_rows, keys.v_page_rows,
+                       gather.stride_kr, gather.stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES,
+                       WIDE)
         it += n_tiles
         k += 1
-        lin = _next_item(sched_ptr, LOAD_WARPS)
-    _publish_item(items, item_full, item_empty, k,
+        lin = _next_item(h.sched_ptr, LOAD_WARPS)
+    _publish_item(h.items, h.item_full, h.item_empty, k,
                   gl.full([32], lin, gl.int32, layout=_lane_layout(LOAD_WARPS)))
 
 
@@ -907,15 +964,17 @@ def _gluon_fwd(
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=RELEASES)
     fence_async_shared()
-    # the launch's runtime values: [:27] the compute groups', [27:38] the work items'
-    # (_item_of), [38:] the persistent programs' item hand-off (_ws_loader)
-    ctx = (q_ptr, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring,
-           turn, k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows, stride_qb,
-           stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-           stride_lh, work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items,
-           n_req, n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len, items, item_full,
-           item_empty, sched_ptr, q_full, q_empty, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr,
-           stride_vr)
+    # the launch's runtime values (Ctx)
+    ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr),
+              Ring(q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn),
+              Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
+              RowStrides(stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
+                         stride_lb, stride_lt, stride_lh),
+              Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, n_req,
+                   n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len),
+              Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, q_desc,
+                      q_req_rows),
+              Gather(k_ptr, v_ptr, stride_kr, stride_vr))
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     if PERSISTENT:
         # The load warp takes the work items (program_id, then a global counter's) and starts
@@ -939,8 +998,7 @@ def _gluon_fwd(
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
                         GROUP, CAUSAL, BLOCK_M, BLOCK_N)
-        (req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles, n_free,
-         valid) = item
+        n_tiles = item.n_tiles
         q_smem = q_ring.index(0)
         if n_tiles > 0:
             # The first K / V copies go out before Q's loads (WS: the load partition from the
@@ -953,34 +1011,36 @@ def _gluon_fwd(
                     (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
-                                      k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
-                                      page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
-                                      stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                      BOXES, WIDE)),
+                                      k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
+                                      item.hkv, page_idx_ptr, item.page_base, item.npages,
+                                      k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
+                                      BLOCK_N, D, STAGES, BOXES, WIDE)),
                 ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
             elif WS:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
                               GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
-                                      k_empty, v_empty, n_tiles, 0, kv_start, kv_len, hkv,
-                                      page_idx_ptr, page_base, npages, k_page_rows, v_page_rows,
-                                      stride_kr, stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES,
-                                      BOXES, WIDE)),
+                                      k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
+                                      item.hkv, page_idx_ptr, item.page_base, item.npages,
+                                      k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
+                                      BLOCK_N, D, STAGES, BOXES, WIDE)),
                 ], [LOAD_WARPS], [PRODUCER_REGS])
             else:
                 for i in gl.static_range(STAGES):
-                    page = _page_of(page_idx_ptr, page_base, npages, i, PAGED, PAGE, BLOCK_N)
-                    _load_kv(k_desc, k_ring, k_bar, i, kv_start, hkv, i < n_tiles, page,
+                    page = _page_of(page_idx_ptr, item.page_base, item.npages, i, PAGED, PAGE,
+                                    BLOCK_N)
+                    _load_kv(k_desc, k_ring, k_bar, i, item.kv_start, item.hkv, i < n_tiles, page,
                              k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
-                    _load_kv(v_desc, v_ring, v_bar, i, kv_start, hkv, i < n_tiles, page,
+                    _load_kv(v_desc, v_ring, v_bar, i, item.kv_start, item.hkv, i < n_tiles, page,
                              v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _group(0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
                        CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
-        elif valid:  # no key for any row of the tile: 0 and LSE -inf
-            _zero_rows(o_ptr, lse_ptr, req.to(gl.int64) * stride_ob, req.to(gl.int64) * stride_lb,
-                       qo_start, qo_len, hkv, row0, stride_ot, stride_oh, stride_lt, stride_lh,
-                       GROUP, BLOCK_M, D, num_warps)
+        elif item.valid:  # no key for any row of the tile: 0 and LSE -inf
+            _zero_rows(o_ptr, lse_ptr, item.req.to(gl.int64) * stride_ob,
+                       item.req.to(gl.int64) * stride_lb, item.qo_start, item.qo_len, item.hkv,
+                       item.row0, stride_ot, stride_oh, stride_lt, stride_lh, GROUP, BLOCK_M, D,
+                       num_warps)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
@@ -997,21 +1057,37 @@ def _gluon_fwd(
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
+class Tile(NamedTuple):
+    """A launch's tile: block_n keys a slot, warps compute warps, stages K / V slots, p_smem
+    (P through shared memory), ws (warp-specialized), pingpong (two compute groups of half the
+    warps), persistent (WS: resident programs taking items from a counter; None:
+    persistent_default)."""
+    block_n: int
+    warps: int
+    stages: int
+    p_smem: bool
+    ws: bool
+    pingpong: bool
+    persistent: bool | None = None
+
+
 # Tiles by (tile height, head dim), the height plan() chose (choose.tile):
-# (BLOCK_N, compute warps, stages, P through shared memory, warp-specialized, ping-pong).
 # 64-row tiles are warp-specialized with P in registers (two programs per SM), 128-row tiles
 # ping-pong two 64-row warp groups; D 256 reads 64-key tiles (two 128-key slots would not fit
 # beside Q) and has no 64-row tile (ptxas needs more registers than two programs per SM leave).
 # Measured in benchmarks/NOTES.md (2026-11-23: warp specialization, ping-pong; 2026-11-24: D 64
 # and D 256).
-_T64 = (64, 4, 2, False, True, False)
-TILES = {(64, 64): _T64, (64, 128): _T64, (128, 64): (128, 8, 3, False, True, True),
-         (128, 128): (128, 8, 2, False, True, True), (128, 256): (64, 8, 2, False, True, True)}
+_T64 = Tile(block_n=64, warps=4, stages=2, p_smem=False, ws=True, pingpong=False)
+TILES = {(64, 64): _T64, (64, 128): _T64,
+         (128, 64): Tile(block_n=128, warps=8, stages=3, p_smem=False, ws=True, pingpong=True),
+         (128, 128): Tile(block_n=128, warps=8, stages=2, p_smem=False, ws=True, pingpong=True),
+         (128, 256): Tile(block_n=64, warps=8, stages=2, p_smem=False, ws=True, pingpong=True)}
 # Gathered pages (page_gathered) on the 128-row tile where requests are short (gather_short):
 # 64-key slots three deep and persistent programs, where longer requests keep TILES' 128-key
 # slots, two deep, a program per item; the 64-row tile would re-read each key tile for every 64
 # rows (benchmarks/NOTES.md, 2026-11-24, gathered pages on short requests).
-GATHER_SHORT_TILE = (64, 8, 3, False, True, True, True)
+GATHER_SHORT_TILE = Tile(block_n=64, warps=8, stages=3, p_smem=False, ws=True, pingpong=True,
+                         persistent=True)
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
 _WS_CTAS = {4: 2, 8: 1}
@@ -1108,14 +1184,13 @@ def kv_descriptor(t2: torch.Tensor, d: int, block_n: int) -> TensorDescriptor:
 
 
 def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | None,
-           qk_scale: float, causal: bool, block_m: int, tile: tuple | None = None,
+           qk_scale: float, causal: bool, block_m: int, tile: Tile | tuple | None = None,
            paged: tuple | None = None):
     """One launch of the Gluon kernel. Ragged (dense None): q [N, Hq, D], work int32 [W, 2],
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
-    views. qk_scale: sm_scale * log2(e). tile: (BLOCK_N, compute warps, stages, P through
-    shared memory, warp-specialized, ping-pong: two groups of half the warps[, persistent
-    (WS): default persistent_default]), TILES[block_m, D] if None. paged: (page size, page
+    views. qk_scale: sm_scale * log2(e). tile: a Tile (or a tuple of its fields),
+    TILES[block_m, D] if None. paged: (page size, page
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
     box per page by the warp-specialized kernel, pages of 1-7 keys (page_gathered) gathered by
@@ -1128,10 +1203,12 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                          f"{sorted(TILES)}); pass tile=")
     page, page_idx, last, k_rows, v_rows = paged or (0, None, None, 0, 0)
     if (tile is None and paged is not None and block_m == 128 and d == 128
-            and page_gathered(page, GATHER_SHORT_TILE[0], d)
+            and page_gathered(page, GATHER_SHORT_TILE.block_n, d)
             and gather_short(page_idx.shape[0], page, qo_indptr.shape[0] - 1, causal)):
         tile = GATHER_SHORT_TILE
-    block_n, warps, stages, p_smem, ws, pingpong, *rest = tile or TILES[block_m, d]
+    tile = Tile(*(tile or TILES[block_m, d]))
+    block_n, warps, stages, p_smem = tile.block_n, tile.warps, tile.stages, tile.p_smem
+    ws, pingpong = tile.ws, tile.pingpong
     gather = paged is not None and page_gathered(page, block_n, d)
     if paged is not None and not page_read(page, block_n, d):
         raise ValueError(f"page size {page} at D {d}: neither TMA boxes (page_fits: pages holding "
@@ -1163,7 +1240,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     wide = max(k2.shape[0] * k2.stride(0), v2.shape[0] * v2.stride(0)) >= 2 ** 31
     # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
     # per SM); else a program per item
-    persistent = ws and (rest[0] if rest else persistent_default(pingpong, boxes))
+    persistent = ws and (tile.persistent if tile.persistent is not None
+                         else persistent_default(pingpong, boxes))
     if persistent:
         grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps])), )
     else:
@@ -1246,6 +1324,5 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
         raise ValueError("k / v need packed heads and dims (stride(-2) == D, stride(-1) == 1) "
                          "and 16-byte aligned rows for the Gluon kernel")
     return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
-                  qk_scale=sm_scale * 1.4426950408889634, causal=causal, block_m=block_m,
-                  tile=(block_n, num_warps, stages, p_smem, ws, pingpong,
-                        *(() if persistent is None else (persistent, ))))
+                  qk_scale=sm_scale * LOG2E, causal=causal, block_m=block_m,
+                  tile=Tile(block_n, num_warps, stages, p_smem, ws, pingpong, persistent))

@@ -21,7 +21,9 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 from __future__ import annotations
 
 import math
+from collections import namedtuple
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,13 +38,63 @@ except ImportError:
     NullAllocator = _allocator = None
 from . import choose, launch
 from .choose import KV_DENSE, KV_PAGED, KV_RAGGED, known as _known
-from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
+from .modes import (INTERPRET, LOG2E, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
+                    POS_ROPE_LLAMA)
 from .tiles import SMALL_PAGE_BLOCK_M  # noqa: F401 (tests read it here)
 from .contracts import check_kernel_head_dims
 
 _gluon = choose._gluon  # the Gluon Hopper kernel's module (None where this Triton lacks Gluon)
 
-LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # (the kernels' view of it)
+
+# ---- the kernel's argument bundles ------------------------------------------------------------
+# The launched kernels (_prefill_fwd, _pod_fwd) keep flat signatures: torch's wrap_triton, its
+# mutation analysis and the bound-launch replay (launch.py) bind kernel arguments one by one.
+# They gather those arguments into these named tuples, which the inner functions (_prefill_items,
+# _program, _attend_range) take instead of long positional lists: Triton passes a named tuple's
+# fields like separate arguments, constexpr fields as constexprs, as long as the tuple is built
+# in the call (assigned to a name, its constexprs, such as strides specialised to 1, turn into
+# tensors).
+Tensors = namedtuple("Tensors", "q o lse qo_indptr kv_indptr page_idx last_page_len mask "
+                     "mask_indptr alibi sinks")
+Tensors.__doc__ = """\
+    A launch's tensors but K and V (pointers; unused ones stand in for an option that is
+    off): q, o, lse and the ragged / paged indptrs, page table, mask and per-head vectors."""
+
+
+Strides = namedtuple("Strides", "qb qt qh qd kb kt kp kh kd vb vt vp vh vd ob ot oh lb lt lh")
+Strides.__doc__ = """\
+    Element strides: q (batch, token, head, dim), k / v (batch, token, page, head, dim),
+    o and lse (batch, token, head)."""
+
+
+Scalars = namedtuple("Scalars", "dense_qo_len dense_kv_len qk_scale soft_cap window_left "
+                     "chunk_size rope_rcp_scale log2_theta v_scale")
+Scalars.__doc__ = """\
+    Runtime scalars (floats in fp32): dense mode's lengths, the base-2 logit scale and the
+    options' values (_flags)."""
+
+
+Options = namedtuple("Options", "KV_MODE PAGE_SIZE GROUP MASK_MODE HAS_WINDOW HAS_CHUNK "
+                     "SOFT_CAP ALIBI ROPE SINKS FOLD BLOCK_M BLOCK_N BLOCK_DQK "
+                     "BLOCK_DVO DQK DVO NUM_STAGES TMA SPLIT ROW STATS SKIP "
+                     "SKIP_LOG2")
+Options.__doc__ = """\
+    The constexpr switches and tile sizes (_program_args' consts; SPLIT, ROW: the work
+    list's split fields and row length; STATS, SKIP, SKIP_LOG2: _program)."""
+
+
+Rows = namedtuple("Rows", "q q2 p_row tok row_ok slope mask_base")
+Rows.__doc__ = """\
+    A tile's query rows for _attend_range: q (RoPE: first half; q2 the second), each row's
+    position, token and validity, ALiBi slope, and the custom mask's first bit."""
+
+
+Keys = namedtuple("Keys", "kv_len kv_coord hkv k v k_desc v_desc page_base")
+Keys.__doc__ = """\
+    A work item's keys for _attend_range: kv_len, the TMA coordinate of its first key, the KV
+    head, K / V at this head (pointers, or descriptors over the whole K / V), the per-item
+    descriptors (TMA 1; else the same as k / v) and the first page-table entry."""
 
 # ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
 # as whole-page 3D blocks (seen on the H100): the launch (choose.config) and the kernel (PAGE3D)
@@ -53,7 +105,7 @@ CRASH_STAGES = tl.constexpr(choose.CRASH_STAGES)
 @triton.jit
 def _tanh(x):
     # tanh through exp2 of a non-positive argument: no overflow for large |x|.
-    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    e = tl.exp2(tl.abs(x) * (-2.0 * _LOG2E))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(x < 0, -t, t)
 
@@ -130,198 +182,175 @@ def _load_tile(desc, kv_coord, hkv, n, TMA: tl.constexpr, KV_MODE: tl.constexpr,
 
 
 @triton.jit
-def _attend_range(
-    acc, l_i, m_i, q, q2, p_row, tok, row_ok, n_lo, n_hi, kv_len, kv_coord, hkv,
-    k_ptr, v_ptr, k_desc, v_desc, page_base, page_idx_ptr,
-    stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
-    mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
-    rope_rcp_scale, log2_theta,
-    MASKED: tl.constexpr, TMA: tl.constexpr, KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DVO: tl.constexpr,
-    DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
-    SKIP: tl.constexpr = False, SKIP_LOG2: tl.constexpr = 0.0,
-):
-    """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi). MASKED tiles
-    apply the visibility rule; unmasked ones are known to be fully visible to every row. With
-    TMA 1, K and V tiles come through the per-program descriptors k_desc / v_desc (shape
-    [kv_len, D] of this request and head: keys past kv_len and dims past D read as 0), with
-    TMA 2 / 3 through descriptors over the whole K / V: both by _load_tile. SKIP: a row drops
-    a tile whose max is below its running max by more than log2(kv_len) - SKIP_LOG2 (base 2;
-    SKIP_LOG2 = log2 of the factor, contracts._stats_skip); a tile no row keeps skips its P.V."""
-    offs_n = tl.arange(0, BLOCK_N)
-    HALF: tl.constexpr = BLOCK_DQK // 2
-    RH: tl.constexpr = DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
-    if ROPE:
+def _attend_range(acc, l_i, m_i, n_lo, n_hi, MASKED: tl.constexpr, rows, keys, ptrs, st, sc, C):
+    """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi) of the tile's
+    rows (Rows) against the item's keys (Keys); ptrs, st, sc, C: the launch's Tensors, Strides,
+    Scalars and Options. MASKED tiles apply the visibility rule; unmasked ones are known to be
+    fully visible to every row. With TMA 1, K and V tiles come through the per-program
+    descriptors keys.k_desc / v_desc (shape [kv_len, D] of this request and head: keys past
+    kv_len and dims past D read as 0), with TMA 2 / 3 through descriptors over the whole K / V:
+    both by _load_tile. SKIP: a row drops a tile whose max is below its running max by more
+    than log2(kv_len) - SKIP_LOG2 (base 2; SKIP_LOG2 = log2 of the factor,
+    contracts._stats_skip); a tile no row keeps skips its P.V."""
+    offs_n = tl.arange(0, C.BLOCK_N)
+    HALF: tl.constexpr = C.BLOCK_DQK // 2
+    RH: tl.constexpr = C.DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
+    if C.ROPE:
         offs_d1 = tl.arange(0, HALF)
     else:
-        offs_d1 = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DVO)
+        offs_d1 = tl.arange(0, C.BLOCK_DQK)
+    offs_dv = tl.arange(0, C.BLOCK_DVO)
     # Paged: the page indices of a tile are read one tile ahead (loop-carried), so that its K/V
     # addresses do not wait on a load of the same iteration (the pipeliner then streams K/V as
     # deep as for contiguous keys). Per-key reads (page 1, pages that do not tile BLOCK_N)
     # carry the [BLOCK_N] pages; whole-page tiles carry their [NP] page indices.
-    AHEAD: tl.constexpr = KV_MODE == 2 and PAGE_SIZE % BLOCK_N != 0 and (
-        PAGE_SIZE == 1 or BLOCK_N % PAGE_SIZE != 0)
-    AHEAD_NP: tl.constexpr = KV_MODE == 2 and PAGE_SIZE > 1 and PAGE_SIZE % BLOCK_N != 0 and \
-        BLOCK_N % PAGE_SIZE == 0
-    NP: tl.constexpr = BLOCK_N // PAGE_SIZE if AHEAD_NP else 1
+    AHEAD: tl.constexpr = C.KV_MODE == 2 and C.PAGE_SIZE % C.BLOCK_N != 0 and (
+        C.PAGE_SIZE == 1 or C.BLOCK_N % C.PAGE_SIZE != 0)
+    AHEAD_NP: tl.constexpr = C.KV_MODE == 2 and C.PAGE_SIZE > 1 and \
+        C.PAGE_SIZE % C.BLOCK_N != 0 and C.BLOCK_N % C.PAGE_SIZE == 0
+    NP: tl.constexpr = C.BLOCK_N // C.PAGE_SIZE if AHEAD_NP else 1
     # Whole-page tiles load K/V as [NP, PAGE_SIZE, D] blocks (one page per slice, reshaped to
     # [BLOCK_N, D]): a thread's vectors then lie in one page, so it needs one page index and one
     # 64-bit page offset per load instead of one per key it touches. Not with CRASH_STAGES
     # (custom masks, D 256).
-    PAGE3D: tl.constexpr = AHEAD_NP and not ROPE and NUM_STAGES != CRASH_STAGES
+    PAGE3D: tl.constexpr = AHEAD_NP and not C.ROPE and C.NUM_STAGES != CRASH_STAGES
     if PAGE3D:
-        offs_p3 = (tl.arange(0, NP) * PAGE_SIZE)[:, None, None] + \
-            tl.arange(0, PAGE_SIZE)[None, :, None]
-        slot3 = tl.arange(0, PAGE_SIZE).to(tl.int64)[None, :, None]
+        offs_p3 = (tl.arange(0, NP) * C.PAGE_SIZE)[:, None, None] + \
+            tl.arange(0, C.PAGE_SIZE)[None, :, None]
+        slot3 = tl.arange(0, C.PAGE_SIZE).to(tl.int64)[None, :, None]
     if AHEAD:
-        pages = _page_of_keys(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, BLOCK_N)
+        pages = _page_of_keys(n_lo, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE,
+                              C.BLOCK_N)
     if AHEAD_NP:
-        pnp = _whole_pages(n_lo, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
-    for n in tl.range(n_lo, n_hi, BLOCK_N, num_stages=NUM_STAGES):
+        pnp = _whole_pages(n_lo, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE, NP)
+    for n in tl.range(n_lo, n_hi, C.BLOCK_N, num_stages=C.NUM_STAGES):
         j = n + offs_n
-        j_ok = j < kv_len
+        j_ok = j < keys.kv_len
         if PAGE3D:
             pg3 = pnp.to(tl.int64)[:, None, None]
-            pnp = _whole_pages(n + BLOCK_N, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
-            ok3 = (n + offs_p3) < kv_len
-        elif not TMA:
-            if KV_MODE == 2:
+            pnp = _whole_pages(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
+                               C.PAGE_SIZE, NP)
+            ok3 = (n + offs_p3) < keys.kv_len
+        elif not C.TMA:
+            if C.KV_MODE == 2:
                 if AHEAD:
                     pg = pages.to(tl.int64)
-                    pages = _page_of_keys(n + BLOCK_N, kv_len, page_base, page_idx_ptr,
-                                          PAGE_SIZE, BLOCK_N)
+                    pages = _page_of_keys(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
+                                          C.PAGE_SIZE, C.BLOCK_N)
                 elif AHEAD_NP:
-                    pg = tl.reshape(tl.broadcast_to(pnp[:, None], [NP, PAGE_SIZE]), [BLOCK_N])
+                    pg = tl.reshape(tl.broadcast_to(pnp[:, None], [NP, C.PAGE_SIZE]), [C.BLOCK_N])
                     pg = pg.to(tl.int64)
-                    pnp = _whole_pages(n + BLOCK_N, kv_len, page_base, page_idx_ptr, PAGE_SIZE, NP)
+                    pnp = _whole_pages(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
+                                       C.PAGE_SIZE, NP)
                 else:
-                    pg = _page_of_keys(n, kv_len, page_base, page_idx_ptr, PAGE_SIZE,
-                                       BLOCK_N).to(tl.int64)
-                slot = (j % PAGE_SIZE).to(tl.int64)
-                k_off = pg * stride_kp + slot * stride_kt
-                v_off = pg * stride_vp + slot * stride_vt
+                    pg = _page_of_keys(n, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE,
+                                       C.BLOCK_N).to(tl.int64)
+                slot = (j % C.PAGE_SIZE).to(tl.int64)
+                k_off = pg * st.kp + slot * st.kt
+                v_off = pg * st.vp + slot * st.vt
             else:
-                k_off = j.to(tl.int64) * stride_kt
-                v_off = j.to(tl.int64) * stride_vt
-            kt_ptrs = k_ptr + k_off[None, :] + offs_d1[:, None].to(tl.int64) * stride_kd
-        if TMA:
-            k = _load_tile(k_desc, kv_coord, hkv, n, TMA, KV_MODE, BLOCK_N, BLOCK_DQK)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+                k_off = j.to(tl.int64) * st.kt
+                v_off = j.to(tl.int64) * st.vt
+            kt_ptrs = keys.k + k_off[None, :] + offs_d1[:, None].to(tl.int64) * st.kd
+        if C.TMA:
+            k = _load_tile(keys.k_desc, keys.kv_coord, keys.hkv, n, C.TMA, C.KV_MODE, C.BLOCK_N,
+                           C.BLOCK_DQK)
+            s = tl.dot(rows.q, tl.trans(k.to(rows.q.dtype)))
         elif PAGE3D:
-            k = _load_pages(k_ptr, pg3, slot3, ok3, offs_d1, stride_kp, stride_kt, stride_kd,
-                            MASKED, DQK, BLOCK_N, BLOCK_DQK)
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        elif ROPE:
+            k = _load_pages(keys.k, pg3, slot3, ok3, offs_d1, st.kp, st.kt, st.kd,
+                            MASKED, C.DQK, C.BLOCK_N, C.BLOCK_DQK)
+            s = tl.dot(rows.q, tl.trans(k.to(rows.q.dtype)))
+        elif C.ROPE:
             k_ok = j_ok[None, :]
             if RH != HALF:
                 k_ok = k_ok & (offs_d1[:, None] < RH)
             k1 = tl.load(kt_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            k2 = tl.load(kt_ptrs + RH * stride_kd, mask=k_ok, other=0.0).to(tl.float32)
-            k1, k2 = _rope(k1, k2, j, rope_rcp_scale, log2_theta, HALF, False, DQK)
-            s = tl.dot(q, k1.to(q.dtype)) + tl.dot(q2, k2.to(q.dtype))
-        elif MASKED or DQK != BLOCK_DQK:
-            k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < DQK), other=0.0)
-            s = tl.dot(q, k.to(q.dtype))
+            k2 = tl.load(kt_ptrs + RH * st.kd, mask=k_ok, other=0.0).to(tl.float32)
+            k1, k2 = _rope(k1, k2, j, sc.rope_rcp_scale, sc.log2_theta, HALF, False, C.DQK)
+            s = tl.dot(rows.q, k1.to(rows.q.dtype)) + tl.dot(rows.q2, k2.to(rows.q.dtype))
+        elif MASKED or C.DQK != C.BLOCK_DQK:
+            k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < C.DQK), other=0.0)
+            s = tl.dot(rows.q, k.to(rows.q.dtype))
         else:
             k = tl.load(kt_ptrs)  # unmasked range: every key is < kv_len
-            s = tl.dot(q, k.to(q.dtype))
+            s = tl.dot(rows.q, k.to(rows.q.dtype))
         # FOLD (no cap, no ALiBi, positive scale): an unmasked tile keeps the raw products and
         # folds the scale into the exp2 argument (one FMA per logit).
-        UNSCALED: tl.constexpr = FOLD and not MASKED
-        if SOFT_CAP:
-            s = _tanh(s * (qk_scale / soft_cap)) * (soft_cap * 1.4426950408889634)
+        UNSCALED: tl.constexpr = C.FOLD and not MASKED
+        if C.SOFT_CAP:
+            s = _tanh(s * (sc.qk_scale / sc.soft_cap)) * (sc.soft_cap * _LOG2E)
         elif not UNSCALED:
-            s = s * qk_scale
-        if ALIBI:
-            dist = (j[None, :] - p_row[:, None]).to(tl.float32)
-            s += (slope * 1.4426950408889634)[:, None] * dist
+            s = s * sc.qk_scale
+        if C.ALIBI:
+            dist = (j[None, :] - rows.p_row[:, None]).to(tl.float32)
+            s += (rows.slope * _LOG2E)[:, None] * dist
         if MASKED:
-            see = j_ok[None, :] & row_ok[:, None]
-            if MASK_MODE == 1:
-                see = see & (j[None, :] <= p_row[:, None])
-            if MASK_MODE == 2:
-                bit = mask_base + tok.to(tl.int64)[:, None] * kv_len + j[None, :]
-                byte = tl.load(mask_ptr + (bit >> 3), mask=see, other=0)
+            see = j_ok[None, :] & rows.row_ok[:, None]
+            if C.MASK_MODE == 1:
+                see = see & (j[None, :] <= rows.p_row[:, None])
+            if C.MASK_MODE == 2:
+                bit = rows.mask_base + rows.tok.to(tl.int64)[:, None] * keys.kv_len + j[None, :]
+                byte = tl.load(ptrs.mask + (bit >> 3), mask=see, other=0)
                 see = see & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
-            if HAS_WINDOW:
-                see = see & (j[None, :] >= p_row[:, None] - window_left)
-            if HAS_CHUNK:
-                see = see & (j[None, :] >= (p_row[:, None] // chunk_size) * chunk_size)
-                see = see & (j[None, :] <= p_row[:, None])
+            if C.HAS_WINDOW:
+                see = see & (j[None, :] >= rows.p_row[:, None] - sc.window_left)
+            if C.HAS_CHUNK:
+                see = see & (j[None, :] >= (rows.p_row[:, None] // sc.chunk_size) * sc.chunk_size)
+                see = see & (j[None, :] <= rows.p_row[:, None])
             s = tl.where(see, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen nothing yet keeps m = -inf; subtract 0 instead (no NaN).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             if UNSCALED:
-                m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+                m_new = tl.maximum(m_i, tl.max(s, 1) * sc.qk_scale)
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_new
         use_tile = True
-        if SKIP:
+        if C.SKIP:
             if UNSCALED:
-                t_max = tl.max(s, 1) * qk_scale
+                t_max = tl.max(s, 1) * sc.qk_scale
             else:
                 t_max = tl.max(s, 1)
-            thr = SKIP_LOG2 - tl.log2(kv_len.to(tl.float32))
+            thr = C.SKIP_LOG2 - tl.log2(keys.kv_len.to(tl.float32))
             keep = (t_max > float("-inf")) & (t_max >= m_i + thr)
             m_new = tl.where(keep, m_new, m_i)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             use_tile = tl.max(keep.to(tl.int32), 0) > 0
         if UNSCALED:
-            p = tl.exp2(s * qk_scale - m_sub[:, None])
+            p = tl.exp2(s * sc.qk_scale - m_sub[:, None])
         else:
             p = tl.exp2(s - m_sub[:, None])
-        if SKIP:
+        if C.SKIP:
             p = tl.where(keep[:, None], p, 0.0)
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if TMA:
-            v = _load_tile(v_desc, kv_coord, hkv, n, TMA, KV_MODE, BLOCK_N, BLOCK_DVO)
-            if TMA >= 2 and MASKED and KV_MODE == 1:
+        if C.TMA:
+            v = _load_tile(keys.v_desc, keys.kv_coord, keys.hkv, n, C.TMA, C.KV_MODE, C.BLOCK_N,
+                           C.BLOCK_DVO)
+            if C.TMA >= 2 and MASKED and C.KV_MODE == 1:
                 # Ragged rows past kv_len belong to the next request (finite or not): p is 0
                 # there, but 0 * inf is NaN, so they are zeroed (TMA 1 reads them as 0).
                 v = tl.where(j_ok[:, None], v, 0.0)
         elif PAGE3D:
-            v = _load_pages(v_ptr, pg3, slot3, ok3, offs_dv, stride_vp, stride_vt, stride_vd,
-                            MASKED, DVO, BLOCK_N, BLOCK_DVO)
+            v = _load_pages(keys.v, pg3, slot3, ok3, offs_dv, st.vp, st.vt, st.vd,
+                            MASKED, C.DVO, C.BLOCK_N, C.BLOCK_DVO)
         else:
-            v_ptrs = v_ptr + v_off[:, None] + offs_dv[None, :].to(tl.int64) * stride_vd
-            if MASKED or DVO != BLOCK_DVO:
-                v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < DVO), other=0.0)
+            v_ptrs = keys.v + v_off[:, None] + offs_dv[None, :].to(tl.int64) * st.vd
+            if MASKED or C.DVO != C.BLOCK_DVO:
+                v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < C.DVO), other=0.0)
             else:
                 v = tl.load(v_ptrs)
         if use_tile:  # (SKIP: no row kept the tile, whose P.V then adds nothing)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(rows.q.dtype), v.to(rows.q.dtype))
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _program(
-    req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-    qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
-    mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
-    stride_qb, stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
-    stride_ob, stride_ot, stride_oh,
-    stride_lb, stride_lt, stride_lh,
-    dense_qo_len, dense_kv_len,
-    qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
-    KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
-    MASK_MODE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr,
-    SOFT_CAP: tl.constexpr, ALIBI: tl.constexpr, ROPE: tl.constexpr, SINKS: tl.constexpr,
-    FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr,
-    BLOCK_DVO: tl.constexpr, DQK: tl.constexpr, DVO: tl.constexpr, NUM_STAGES: tl.constexpr,
-    TMA: tl.constexpr, SPLIT: tl.constexpr, ROW: tl.constexpr,
-    STATS: tl.constexpr = False, SKIP: tl.constexpr = False, SKIP_LOG2: tl.constexpr = 0.0,
-):
+def _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_ptr, v_ptr, ptrs, st,
+             sc, C):
     """One work item: BLOCK_M packed rows from row0 of request req, KV head hkv. Dense mode
     (KV_MODE 0) takes req and row0 as given; ragged / paged read them from row x of the work
     list work_ptr (int32, ROW fields a row, the item's fields from the first: request, first
@@ -330,14 +359,9 @@ def _program(
     partial output and LSE to slot x of the partial buffers (part_o [W, Hkv, BLOCK_M,
     BLOCK_DVO], part_l [W, Hkv, BLOCK_M], float32) for _merge_fwd. STATS: lse_ptr's rows
     also take the row max (base 2) one element after the LSE, and part_l is [W, Hkv, 2,
-    BLOCK_M] (chunk LSEs, then chunk maxima). SKIP, SKIP_LOG2: _attend_range."""
-    # Inductor passes Python floats as fp64: keep the arithmetic in fp32.
-    qk_scale = tl.cast(qk_scale, tl.float32)
-    soft_cap = tl.cast(soft_cap, tl.float32)
-    rope_rcp_scale = tl.cast(rope_rcp_scale, tl.float32)
-    log2_theta = tl.cast(log2_theta, tl.float32)
-    v_scale = tl.cast(v_scale, tl.float32)
-
+    BLOCK_M] (chunk LSEs, then chunk maxima). SKIP, SKIP_LOG2: _attend_range. k_ptr / v_ptr:
+    K and V (pointers, or with TMA 2 / 3 descriptors over the whole tensors); ptrs, st, sc, C:
+    the launch's Tensors, Strides, Scalars and Options (the names below are theirs)."""
     # ---- the work item -------------------------------------------------------------------------
     # Its row is read here, in the function that uses it, not by a helper: torch's mutation
     # analysis (torch.compile / export tracing this launch) follows a helper's results back to
@@ -346,196 +370,181 @@ def _program(
     # (tests/test_mutation_analysis.py). A load's result is not followed back to its pointer.
     split = 0
     nsplit = 1
-    if KV_MODE != 0:
-        req = tl.load(work_ptr + x * ROW)
-        row0 = tl.load(work_ptr + x * ROW + 1)
-        if SPLIT:
-            split = tl.load(work_ptr + x * ROW + 2)
-            nsplit = tl.load(work_ptr + x * ROW + 3)
+    if C.KV_MODE != 0:
+        req = tl.load(work_ptr + x * C.ROW)
+        row0 = tl.load(work_ptr + x * C.ROW + 1)
+        if C.SPLIT:
+            split = tl.load(work_ptr + x * C.ROW + 2)
+            nsplit = tl.load(work_ptr + x * C.ROW + 3)
 
     # ---- the request's rows and keys ---------------------------------------------------------
-    if KV_MODE == 0:
-        qo_len = dense_qo_len
-        kv_len = dense_kv_len
-        q_base = req.to(tl.int64) * stride_qb
-        o_base = req.to(tl.int64) * stride_ob
-        l_base = req.to(tl.int64) * stride_lb
-        kv_base = req.to(tl.int64) * stride_kb
-        vv_base = req.to(tl.int64) * stride_vb
+    if C.KV_MODE == 0:
+        qo_len = sc.dense_qo_len
+        kv_len = sc.dense_kv_len
+        q_base = req.to(tl.int64) * st.qb
+        o_base = req.to(tl.int64) * st.ob
+        l_base = req.to(tl.int64) * st.lb
+        kv_base = req.to(tl.int64) * st.kb
+        vv_base = req.to(tl.int64) * st.vb
         kv_coord = req
         page_base = 0
-        mask_base = req.to(tl.int64) * dense_qo_len * dense_kv_len
+        mask_base = req.to(tl.int64) * sc.dense_qo_len * sc.dense_kv_len
     else:
         req_c = tl.maximum(req, 0)
-        qo_start = tl.load(qo_indptr_ptr + req_c)
-        qo_len = tl.load(qo_indptr_ptr + req_c + 1) - qo_start
-        q_base = qo_start.to(tl.int64) * stride_qt
-        o_base = qo_start.to(tl.int64) * stride_ot
-        l_base = qo_start.to(tl.int64) * stride_lt
-        if KV_MODE == 1:
-            kv_start = tl.load(kv_indptr_ptr + req_c)
-            kv_len = tl.load(kv_indptr_ptr + req_c + 1) - kv_start
-            kv_base = kv_start.to(tl.int64) * stride_kt
-            vv_base = kv_start.to(tl.int64) * stride_vt
+        qo_start = tl.load(ptrs.qo_indptr + req_c)
+        qo_len = tl.load(ptrs.qo_indptr + req_c + 1) - qo_start
+        q_base = qo_start.to(tl.int64) * st.qt
+        o_base = qo_start.to(tl.int64) * st.ot
+        l_base = qo_start.to(tl.int64) * st.lt
+        if C.KV_MODE == 1:
+            kv_start = tl.load(ptrs.kv_indptr + req_c)
+            kv_len = tl.load(ptrs.kv_indptr + req_c + 1) - kv_start
+            kv_base = kv_start.to(tl.int64) * st.kt
+            vv_base = kv_start.to(tl.int64) * st.vt
             kv_coord = kv_start
             page_base = 0
         else:
-            page_base = tl.load(kv_indptr_ptr + req_c)
-            npages = tl.load(kv_indptr_ptr + req_c + 1) - page_base
-            last = tl.load(last_page_len_ptr + req_c)
-            kv_len = tl.where(npages > 0, (npages - 1) * PAGE_SIZE + last, 0)
+            page_base = tl.load(ptrs.kv_indptr + req_c)
+            npages = tl.load(ptrs.kv_indptr + req_c + 1) - page_base
+            last = tl.load(ptrs.last_page_len + req_c)
+            kv_len = tl.where(npages > 0, (npages - 1) * C.PAGE_SIZE + last, 0)
             kv_base = 0
             vv_base = 0
             kv_coord = 0
-        if MASK_MODE == 2:
-            mask_base = tl.load(mask_indptr_ptr + req_c).to(tl.int64) * 8
+        if C.MASK_MODE == 2:
+            mask_base = tl.load(ptrs.mask_indptr + req_c).to(tl.int64) * 8
         else:
             mask_base = 0
         qo_len = tl.where(req < 0, 0, qo_len)  # padding item: no rows
-    if TMA == 3:
+    if C.TMA == 3:
         # Called in the persistent loop, where Triton allows no early return: an item past the
         # request's rows (a padding item) sees no keys and stores nothing (row_ok is all off).
-        kv_len = tl.where(row0 < qo_len * GROUP, kv_len, 0)
-    elif row0 >= qo_len * GROUP:
+        kv_len = tl.where(row0 < qo_len * C.GROUP, kv_len, 0)
+    elif row0 >= qo_len * C.GROUP:
         return
 
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    tok = offs_m // GROUP
-    head = hkv * GROUP + offs_m % GROUP
+    offs_m = row0 + tl.arange(0, C.BLOCK_M)
+    tok = offs_m // C.GROUP
+    head = hkv * C.GROUP + offs_m % C.GROUP
     row_ok = tok < qo_len
     p_row = kv_len - qo_len + tok
     # positions of the tile's first and last valid rows
-    tok_lo = row0 // GROUP
-    tok_hi = tl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
+    tok_lo = row0 // C.GROUP
+    tok_hi = tl.minimum((row0 + C.BLOCK_M - 1) // C.GROUP, qo_len - 1)
     p_lo = kv_len - qo_len + tok_lo
     p_hi = kv_len - qo_len + tok_hi
 
     # ---- load q (int64 offsets), RoPE'd in place when asked ---------------------------------
-    q_rows = q_ptr + q_base + tok.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-    HALF: tl.constexpr = BLOCK_DQK // 2
-    RH: tl.constexpr = DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
-    if ROPE:
+    q_rows = ptrs.q + q_base + tok.to(tl.int64) * st.qt + head.to(tl.int64) * st.qh
+    HALF: tl.constexpr = C.BLOCK_DQK // 2
+    RH: tl.constexpr = C.DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
+    if C.ROPE:
         lanes = tl.arange(0, HALF)
-        offs_h = lanes.to(tl.int64) * stride_qd
+        offs_h = lanes.to(tl.int64) * st.qd
         q_ok = row_ok[:, None] & (lanes[None, :] < RH)
         q1 = tl.load(q_rows[:, None] + offs_h[None, :], mask=q_ok, other=0.0)
-        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + RH * stride_qd, mask=q_ok, other=0.0)
-        r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, rope_rcp_scale,
-                       log2_theta, HALF, True, DQK)
+        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + RH * st.qd, mask=q_ok, other=0.0)
+        r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, sc.rope_rcp_scale,
+                       sc.log2_theta, HALF, True, C.DQK)
         q = r1.to(q1.dtype)
         q2 = r2.to(q1.dtype)
     else:
-        offs_d = tl.arange(0, BLOCK_DQK)
-        q = tl.load(q_rows[:, None] + offs_d[None, :].to(tl.int64) * stride_qd,
-                    mask=row_ok[:, None] & (offs_d[None, :] < DQK), other=0.0)
+        offs_d = tl.arange(0, C.BLOCK_DQK)
+        q = tl.load(q_rows[:, None] + offs_d[None, :].to(tl.int64) * st.qd,
+                    mask=row_ok[:, None] & (offs_d[None, :] < C.DQK), other=0.0)
         q2 = q
 
-    if ALIBI:
-        slope = tl.load(alibi_ptr + head).to(tl.float32)
+    if C.ALIBI:
+        slope = tl.load(ptrs.alibi + head).to(tl.float32)
     else:
-        slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+        slope = tl.zeros([C.BLOCK_M], dtype=tl.float32)
 
     # ---- the key ranges: [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked ----------------
     n0 = 0
     n1 = kv_len
     u0 = 0
     u1 = kv_len
-    if MASK_MODE == 1 or HAS_CHUNK:
+    if C.MASK_MODE == 1 or C.HAS_CHUNK:
         n1 = tl.minimum(n1, p_hi + 1)
         u1 = tl.minimum(u1, p_lo + 1)
-    if HAS_WINDOW:
-        n0 = tl.maximum(n0, p_lo - window_left)
-        u0 = tl.maximum(u0, p_hi - window_left)
-    if HAS_CHUNK:
-        n0 = tl.maximum(n0, (p_lo // chunk_size) * chunk_size)
-        u0 = tl.maximum(u0, (p_hi // chunk_size) * chunk_size)
-    n0 = (n0 // BLOCK_N) * BLOCK_N
-    u0 = ((u0 + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
-    u1 = (u1 // BLOCK_N) * BLOCK_N
-    if MASK_MODE == 2:
+    if C.HAS_WINDOW:
+        n0 = tl.maximum(n0, p_lo - sc.window_left)
+        u0 = tl.maximum(u0, p_hi - sc.window_left)
+    if C.HAS_CHUNK:
+        n0 = tl.maximum(n0, (p_lo // sc.chunk_size) * sc.chunk_size)
+        u0 = tl.maximum(u0, (p_hi // sc.chunk_size) * sc.chunk_size)
+    n0 = (n0 // C.BLOCK_N) * C.BLOCK_N
+    u0 = ((u0 + C.BLOCK_N - 1) // C.BLOCK_N) * C.BLOCK_N
+    u1 = (u1 // C.BLOCK_N) * C.BLOCK_N
+    if C.MASK_MODE == 2:
         u0 = n1
     n1 = tl.maximum(n1, n0)
-    if SPLIT:
+    if C.SPLIT:
         # Chunk `split` of `nsplit` of [n0, n1), in whole BLOCK_N blocks.
-        per = ((n1 - n0 + BLOCK_N - 1) // BLOCK_N + nsplit - 1) // nsplit
-        lo = tl.minimum(n0 + split * per * BLOCK_N, n1)
-        n1 = tl.minimum(lo + per * BLOCK_N, n1)
+        per = ((n1 - n0 + C.BLOCK_N - 1) // C.BLOCK_N + nsplit - 1) // nsplit
+        lo = tl.minimum(n0 + split * per * C.BLOCK_N, n1)
+        n1 = tl.minimum(lo + per * C.BLOCK_N, n1)
         n0 = lo
     u0 = tl.minimum(tl.maximum(u0, n0), n1)
     u1 = tl.minimum(tl.maximum(u1, u0), n1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DVO], dtype=tl.float32)
+    m_i = tl.full([C.BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([C.BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([C.BLOCK_M, C.BLOCK_DVO], dtype=tl.float32)
     # k_head / v_head: the request's first key (dense, ragged) or the cache (paged), this head.
-    if TMA >= 2:
+    if C.TMA >= 2:
         # Descriptors over the whole K/V (built on the host, or by _prefill_fwd once per
         # persistent program): dense [B, Hkv, S, D] or ragged [Hkv, N, D], where this request's
         # keys start at kv_coord.
         k_head = k_ptr
         v_head = v_ptr
     else:
-        k_head = k_ptr + kv_base + hkv.to(tl.int64) * stride_kh
-        v_head = v_ptr + vv_base + hkv.to(tl.int64) * stride_vh
-    if TMA == 1:
+        k_head = k_ptr + kv_base + hkv.to(tl.int64) * st.kh
+        v_head = v_ptr + vv_base + hkv.to(tl.int64) * st.vh
+    if C.TMA == 1:
         # Dense / ragged only (the launch checks 16-byte alignment and unit dim strides).
-        k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, DQK], strides=[stride_kt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DQK])
-        v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, DVO], strides=[stride_vt, 1],
-                                           block_shape=[BLOCK_N, BLOCK_DVO])
+        k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, C.DQK], strides=[st.kt, 1],
+                                           block_shape=[C.BLOCK_N, C.BLOCK_DQK])
+        v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, C.DVO], strides=[st.vt, 1],
+                                           block_shape=[C.BLOCK_N, C.BLOCK_DVO])
     else:
         k_desc = k_head
         v_desc = v_head
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, q2, p_row, tok, row_ok, n0, u0, kv_len, kv_coord, hkv,
-        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
-        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
-        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
-        rope_rcp_scale, log2_theta,
-        True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, q2, p_row, tok, row_ok, u0, u1, kv_len, kv_coord, hkv,
-        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
-        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
-        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
-        rope_rcp_scale, log2_theta,
-        False, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
-    acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q, q2, p_row, tok, row_ok, u1, n1, kv_len, kv_coord, hkv,
-        k_head, v_head, k_desc, v_desc, page_base, page_idx_ptr,
-        stride_kt, stride_kp, stride_kd, stride_vt, stride_vp, stride_vd,
-        mask_ptr, mask_base, slope, qk_scale, soft_cap, window_left, chunk_size,
-        rope_rcp_scale, log2_theta,
-        True, TMA, KV_MODE, PAGE_SIZE, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-        FOLD, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, SKIP, SKIP_LOG2)
+    # [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked. (Bundles holding values that may be
+    # constexprs are built in the call: assigned to a name, a tuple's constexprs turn into
+    # tensors.)
+    for r in tl.static_range(3):
+        acc, l_i, m_i = _attend_range(
+            acc, l_i, m_i, (n0, u0, u1, n1)[r], (n0, u0, u1, n1)[r + 1], r != 1,
+            Rows(q, q2, p_row, tok, row_ok, slope, mask_base),
+            Keys(kv_len, kv_coord, hkv, k_head, v_head, k_desc, v_desc, page_base), ptrs, st, sc,
+            C)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
-    if SPLIT:
+    if C.SPLIT:
         if nsplit > 1:
             # A partial: normalised over this chunk's keys; _merge_fwd applies sinks, v_scale.
             seen = l_i > 0
             l_safe = tl.where(seen, l_i, 1.0)
-            offs_r = tl.arange(0, BLOCK_M)
-            offs_dv = tl.arange(0, BLOCK_DVO)
-            slot = (x.to(tl.int64) * n_hkv + hkv) * BLOCK_M
-            tl.store(part_o_ptr + (slot + offs_r)[:, None] * BLOCK_DVO + offs_dv[None, :],
+            offs_r = tl.arange(0, C.BLOCK_M)
+            offs_dv = tl.arange(0, C.BLOCK_DVO)
+            slot = (x.to(tl.int64) * n_hkv + hkv) * C.BLOCK_M
+            tl.store(part_o_ptr + (slot + offs_r)[:, None] * C.BLOCK_DVO + offs_dv[None, :],
                      acc / l_safe[:, None])
-            lslot = slot * 2 if STATS else slot
+            lslot = slot * 2 if C.STATS else slot
             tl.store(part_l_ptr + lslot + offs_r,
                      tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
-            if STATS:
-                tl.store(part_l_ptr + lslot + BLOCK_M + offs_r,
+            if C.STATS:
+                tl.store(part_l_ptr + lslot + C.BLOCK_M + offs_r,
                          tl.where(seen, m_i, float("-inf")))
         else:
-            _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
-                         row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
-                         BLOCK_DVO, DVO, m_i, STATS)
+            _store_final(acc, l_i, m_i, ptrs.o, ptrs.lse, ptrs.sinks, o_base, l_base, tok, head,
+                         row_ok, st.ot, st.oh, st.lt, st.lh, sc.v_scale, C.SINKS,
+                         C.BLOCK_DVO, C.DVO, m_i, C.STATS)
     else:
-        _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, head,
-                     row_ok, stride_ot, stride_oh, stride_lt, stride_lh, v_scale, SINKS,
-                     BLOCK_DVO, DVO, m_i, STATS)
+        _store_final(acc, l_i, m_i, ptrs.o, ptrs.lse, ptrs.sinks, o_base, l_base, tok, head,
+                     row_ok, st.ot, st.oh, st.lt, st.lh, sc.v_scale, C.SINKS,
+                     C.BLOCK_DVO, C.DVO, m_i, C.STATS)
 
 
 @triton.jit
@@ -550,7 +559,7 @@ def _store_final(acc, l_i, m_i, o_ptr, lse_ptr, sinks_ptr, o_base, l_base, tok, 
     l_safe = tl.where(seen, l_i, 1.0)
     scale = v_scale / l_safe
     if SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * _LOG2E
         m_safe = tl.where(seen, m_i, 0.0)
         scale = v_scale / (l_safe + tl.exp2(sink - m_safe))
     out = acc * tl.where(seen, scale, 0.0)[:, None]
@@ -593,6 +602,52 @@ def _work_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
 
 
 @triton.jit
+def _prefill_items(work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv,
+                   kv_rows, counter_ptr, k_ptr, v_ptr, ptrs, st, sc, C):
+    """_prefill_fwd's work items, each by _program: a program's own item, or with TMA 3 the
+    items a persistent program draws (arguments: _prefill_fwd's, the rest bundled as Tensors,
+    Strides, Scalars and Options)."""
+    if C.TMA == 3:
+        # Persistent: each program builds descriptors over the whole K/V once (TMA 1 builds
+        # two per work item, and graphs traced by torch.compile / export cannot carry the
+        # host-built ones of TMA 2), then draws items from a global counter in the order the
+        # hardware would launch them (_work_item's launch order; heaviest first): a
+        # program that drew light items draws more, as with hardware scheduling. The next
+        # item is drawn before this one runs, so the atomic's latency hides behind it.
+        if C.KV_MODE == 0:
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, shape=[kv_rows, n_hkv, sc.dense_kv_len, C.DQK],
+                strides=[st.kb, st.kh, st.kt, 1],
+                block_shape=[1, 1, C.BLOCK_N, C.BLOCK_DQK])
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, shape=[kv_rows, n_hkv, sc.dense_kv_len, C.DVO],
+                strides=[st.vb, st.vh, st.vt, 1],
+                block_shape=[1, 1, C.BLOCK_N, C.BLOCK_DVO])
+        else:
+            k_desc = tl.make_tensor_descriptor(
+                k_ptr, shape=[n_hkv, kv_rows, C.DQK], strides=[st.kh, st.kt, 1],
+                block_shape=[1, C.BLOCK_N, C.BLOCK_DQK])
+            v_desc = tl.make_tensor_descriptor(
+                v_ptr, shape=[n_hkv, kv_rows, C.DVO], strides=[st.vh, st.vt, 1],
+                block_shape=[1, C.BLOCK_N, C.BLOCK_DVO])
+        total = n_items * n_hkv
+        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while item < total:
+            nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+            req, row0, hkv, x = _work_item(
+                item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, C.KV_MODE, C.BLOCK_M)
+            _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_desc, v_desc,
+                     ptrs, st, sc, C)
+            item = nxt
+    else:
+        req, row0, hkv, x = _work_item(
+            tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles, dense_group,
+            kv_rows, n_hkv, C.KV_MODE, C.BLOCK_M)
+        _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_ptr, v_ptr, ptrs,
+                 st, sc, C)
+
+
+@triton.jit
 def _prefill_fwd(
     work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows,
     counter_ptr,
@@ -621,70 +676,24 @@ def _prefill_fwd(
     dense_tiles, dense_group: dense mode's tiles per batch entry and (entry, KV head) pairs
     per group of its launch order (_work_item); counter_ptr: int32 [1], zero at launch (TMA
     3's item counter)."""
-    if TMA == 3:
-        # Persistent: each program builds descriptors over the whole K/V once (TMA 1 builds
-        # two per work item, and graphs traced by torch.compile / export cannot carry the
-        # host-built ones of TMA 2), then draws items from a global counter in the order the
-        # hardware would launch them (_work_item's launch order; heaviest first): a
-        # program that drew light items draws more, as with hardware scheduling. The next
-        # item is drawn before this one runs, so the atomic's latency hides behind it.
-        if KV_MODE == 0:
-            k_desc = tl.make_tensor_descriptor(
-                k_ptr, shape=[kv_rows, n_hkv, dense_kv_len, DQK],
-                strides=[stride_kb, stride_kh, stride_kt, 1],
-                block_shape=[1, 1, BLOCK_N, BLOCK_DQK])
-            v_desc = tl.make_tensor_descriptor(
-                v_ptr, shape=[kv_rows, n_hkv, dense_kv_len, DVO],
-                strides=[stride_vb, stride_vh, stride_vt, 1],
-                block_shape=[1, 1, BLOCK_N, BLOCK_DVO])
-        else:
-            k_desc = tl.make_tensor_descriptor(
-                k_ptr, shape=[n_hkv, kv_rows, DQK], strides=[stride_kh, stride_kt, 1],
-                block_shape=[1, BLOCK_N, BLOCK_DQK])
-            v_desc = tl.make_tensor_descriptor(
-                v_ptr, shape=[n_hkv, kv_rows, DVO], strides=[stride_vh, stride_vt, 1],
-                block_shape=[1, BLOCK_N, BLOCK_DVO])
-        total = n_items * n_hkv
-        item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-        while item < total:
-            nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-            req, row0, hkv, x = _work_item(
-                item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, KV_MODE, BLOCK_M)
-            _program(
-                req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
-                q_ptr, k_desc, v_desc, o_ptr, lse_ptr,
-                qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
-                mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
-                stride_qb, stride_qt, stride_qh, stride_qd,
-                stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
-                stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
-                stride_ob, stride_ot, stride_oh,
-                stride_lb, stride_lt, stride_lh,
-                dense_qo_len, dense_kv_len,
-                qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta,
-                v_scale, KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK,
-                SOFT_CAP, ALIBI, ROPE, SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK,
-                DVO, NUM_STAGES, TMA, SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2)
-            item = nxt
-    else:
-        req, row0, hkv, x = _work_item(
-            tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles, dense_group,
-            kv_rows, n_hkv, KV_MODE, BLOCK_M)
-        _program(
-            req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr,
-            q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
-            qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr, last_page_len_ptr,
-            mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr,
-            stride_qb, stride_qt, stride_qh, stride_qd,
-            stride_kb, stride_kt, stride_kp, stride_kh, stride_kd,
-            stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
-            stride_ob, stride_ot, stride_oh,
-            stride_lb, stride_lt, stride_lh,
-            dense_qo_len, dense_kv_len,
-            qk_scale, soft_cap, window_left, chunk_size, rope_rcp_scale, log2_theta, v_scale,
-            KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-            SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
-            SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2)
+    # Inductor passes Python floats as fp64: the arithmetic stays in fp32. (The bundles are
+    # built in the call: assigned to a name, a tuple's constexprs, such as strides the launch
+    # specialised to 1, would turn into tensors.)
+    _prefill_items(
+        work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows,
+        counter_ptr, k_ptr, v_ptr,
+        Tensors(q_ptr, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
+                last_page_len_ptr, mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr),
+        Strides(stride_qb, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kp,
+                stride_kh, stride_kd, stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+                stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh),
+        Scalars(dense_qo_len, dense_kv_len, tl.cast(qk_scale, tl.float32),
+                tl.cast(soft_cap, tl.float32), window_left, chunk_size,
+                tl.cast(rope_rcp_scale, tl.float32), tl.cast(log2_theta, tl.float32),
+                tl.cast(v_scale, tl.float32)),
+        Options(KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+                SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
+                SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2))
 
 
 @triton.jit
@@ -725,43 +734,46 @@ def _pod_fwd(
 ):
     """POD: grid (work items, KV heads); work item (part, request, first row), part 0 the
     prefill batch (suffix _p) and part 1 the decode batch (suffix _d), in one launch."""
+    # Each part's bundles are built in its call, as in _prefill_fwd (fp32 scalars; work rows of
+    # three fields, no split, no row max, no skipping).
     pid = tl.program_id(0)
     hkv = tl.program_id(1)
     part = tl.load(work_ptr + pid * 3)
     item = work_ptr + 1  # rows (part, request, first row): _program reads the last two
     if part == 0:
-        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr,
-        q_ptr_p, k_ptr_p, v_ptr_p, o_ptr_p, lse_ptr_p,
-    qo_indptr_ptr_p, kv_indptr_ptr_p, page_idx_ptr_p, last_page_len_ptr_p,
-    mask_ptr_p, mask_indptr_ptr_p, alibi_ptr_p, sinks_ptr_p,
-    stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p,
-    stride_kb_p, stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p,
-    stride_vb_p, stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p,
-    stride_ob_p, stride_ot_p, stride_oh_p,
-    stride_lb_p, stride_lt_p, stride_lh_p,
-    dense_qo_len_p, dense_kv_len_p,
-    qk_scale_p, soft_cap_p, window_left_p, chunk_size_p, rope_rcp_scale_p, log2_theta_p, v_scale_p,
-        KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P, HAS_CHUNK_P, SOFT_CAP_P,
-        ALIBI_P, ROPE_P,
-        SINKS_P, FOLD_P, BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
-        NUM_STAGES_P, TMA_P, False, 3)
+        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr, k_ptr_p, v_ptr_p,
+                 Tensors(q_ptr_p, o_ptr_p, lse_ptr_p, qo_indptr_ptr_p, kv_indptr_ptr_p,
+                         page_idx_ptr_p, last_page_len_ptr_p, mask_ptr_p, mask_indptr_ptr_p,
+                         alibi_ptr_p, sinks_ptr_p),
+                 Strides(stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p, stride_kb_p,
+                         stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p, stride_vb_p,
+                         stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p, stride_ob_p,
+                         stride_ot_p, stride_oh_p, stride_lb_p, stride_lt_p, stride_lh_p),
+                 Scalars(dense_qo_len_p, dense_kv_len_p, tl.cast(qk_scale_p, tl.float32),
+                         tl.cast(soft_cap_p, tl.float32), window_left_p, chunk_size_p,
+                         tl.cast(rope_rcp_scale_p, tl.float32),
+                         tl.cast(log2_theta_p, tl.float32), tl.cast(v_scale_p, tl.float32)),
+                 Options(KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P,
+                         HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P, SINKS_P, FOLD_P,
+                         BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
+                         NUM_STAGES_P, TMA_P, False, 3, False, False, 0.0))
     else:
-        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr,
-        q_ptr_d, k_ptr_d, v_ptr_d, o_ptr_d, lse_ptr_d,
-    qo_indptr_ptr_d, kv_indptr_ptr_d, page_idx_ptr_d, last_page_len_ptr_d,
-    mask_ptr_d, mask_indptr_ptr_d, alibi_ptr_d, sinks_ptr_d,
-    stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d,
-    stride_kb_d, stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d,
-    stride_vb_d, stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d,
-    stride_ob_d, stride_ot_d, stride_oh_d,
-    stride_lb_d, stride_lt_d, stride_lh_d,
-    dense_qo_len_d, dense_kv_len_d,
-    qk_scale_d, soft_cap_d, window_left_d, chunk_size_d, rope_rcp_scale_d, log2_theta_d, v_scale_d,
-        KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D, HAS_CHUNK_D, SOFT_CAP_D,
-        ALIBI_D, ROPE_D,
-        SINKS_D, FOLD_D, BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
-        NUM_STAGES_D, TMA_D, False, 3)
-
+        _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr, k_ptr_d, v_ptr_d,
+                 Tensors(q_ptr_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
+                         page_idx_ptr_d, last_page_len_ptr_d, mask_ptr_d, mask_indptr_ptr_d,
+                         alibi_ptr_d, sinks_ptr_d),
+                 Strides(stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d, stride_kb_d,
+                         stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d, stride_vb_d,
+                         stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d, stride_ob_d,
+                         stride_ot_d, stride_oh_d, stride_lb_d, stride_lt_d, stride_lh_d),
+                 Scalars(dense_qo_len_d, dense_kv_len_d, tl.cast(qk_scale_d, tl.float32),
+                         tl.cast(soft_cap_d, tl.float32), window_left_d, chunk_size_d,
+                         tl.cast(rope_rcp_scale_d, tl.float32),
+                         tl.cast(log2_theta_d, tl.float32), tl.cast(v_scale_d, tl.float32)),
+                 Options(KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D,
+                         HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D, SINKS_D, FOLD_D,
+                         BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
+                         NUM_STAGES_D, TMA_D, False, 3, False, False, 0.0))
 
 @triton.jit
 def _merge_fwd(
@@ -862,11 +874,26 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
     return dict(BLOCK_DQK=bdqk, BLOCK_DVO=_pow2(dvo), DQK=dqk, DVO=dvo)
 
 
+# The fields of each tensor's strides in Strides (stride_qb ... stride_lh on the kernels).
+STRIDE_FIELDS = dict(q="bthd", k="btphd", v="btphd", o="bth", l="bth")
+
+
+class ProgramArgs(NamedTuple):
+    """What _program_args assembles for one launch: args, the runtime arguments of
+    _prefill_fwd from q_ptr to v_scale by parameter name, in parameter order (a POD launch
+    suffixes each part's names); consts, the constexprs by name (Options' fields); cfg, the
+    launch configuration (_config, plus kv_rows and gluon)."""
+    args: dict
+    consts: dict
+    cfg: dict
+
+
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
                   l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
                   mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params, ask):
-    """The positional arguments of _program (after req, row0, hkv), its constexprs by name,
-    and the launch configuration. block_m: the plan's tile height (None: the dense launch's,
+    """A launch's ProgramArgs: the kernel's runtime arguments by name, its constexprs and the
+    launch configuration. q_strides (batch, token, head, dim), k_strides / v_strides (batch,
+    token, page, head, dim), o_strides / l_strides (batch, token, head): STRIDE_FIELDS. block_m: the plan's tile height (None: the dense launch's,
     choose.dense_tile). ask: the launch's own arguments to choose.choose (work rows, requests,
     pages, split, whether it may take the Gluon kernel, POD); cfg["launch"] holds its answer,
     and cfg["gluon"] the Gluon kernel's arguments where it takes that kernel (no Triton
@@ -879,23 +906,24 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     cfg = dict(num_warps=choice.warps, num_stages=choice.stages, launch=choice)
     dummy = qo_indptr if qo_indptr is not None else q  # never read: its constexpr is off
     opt = lambda t: dummy if t is None else t  # noqa: E731
-    args = [
-        q, k, v, out, lse,
-        opt(qo_indptr), opt(kv_indptr), opt(page_idx), opt(last_page_len),
-        opt(packed_mask), opt(mask_indptr), opt(alibi_slopes), opt(sinks),
-        *q_strides, *k_strides, *v_strides, *o_strides, *l_strides,
-        *dense, *scalars.values(),
-    ]
+    args = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, qo_indptr_ptr=opt(qo_indptr),
+                kv_indptr_ptr=opt(kv_indptr), page_idx_ptr=opt(page_idx),
+                last_page_len_ptr=opt(last_page_len), mask_ptr=opt(packed_mask),
+                mask_indptr_ptr=opt(mask_indptr), alibi_ptr=opt(alibi_slopes),
+                sinks_ptr=opt(sinks))
+    for x, strides in zip("qkvol", (q_strides, k_strides, v_strides, o_strides, l_strides)):
+        args.update(zip((f"stride_{x}{f}" for f in STRIDE_FIELDS[x]), strides, strict=True))
+    args.update(dense_qo_len=dense[0], dense_kv_len=dense[1], **scalars)
     if choice.kernel == "gluon":
         cfg["gluon"] = _gluon_views(kv_mode, k, v, scalars, page_size)
     elif choice.tma == 2:
-        args[1] = _host_descriptor(k, kv_mode, choice.block_n, dims["BLOCK_DQK"])
-        args[2] = _host_descriptor(v, kv_mode, choice.block_n, dims["BLOCK_DVO"])
+        args["k_ptr"] = _host_descriptor(k, kv_mode, choice.block_n, dims["BLOCK_DQK"])
+        args["v_ptr"] = _host_descriptor(v, kv_mode, choice.block_n, dims["BLOCK_DVO"])
     cfg["kv_rows"] = k.shape[0]  # dense B, ragged N: the whole K/V's leading dim (TMA 3)
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=page_size, GROUP=hq // hkv, **consts,
                   BLOCK_M=block_m, BLOCK_N=choice.block_n, **dims,
                   NUM_STAGES=choice.stages, TMA=choice.tma)
-    return args, consts, cfg
+    return ProgramArgs(args, consts, cfg)
 
 
 _KV_KIND = {KV_DENSE: "dense", KV_RAGGED: "ragged", KV_PAGED: "paged"}
@@ -1021,7 +1049,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     n_items, n_hkv = grid
     split = work is not None and work.shape[1] == 4
     if work is None:
-        work = prog_args[0]  # dense mode reads no work list; any tensor stands in
+        work = prog_args["q_ptr"]  # dense mode reads no work list; any tensor stands in
     part_o = part_l = work
     if split:
         # Allocated for every split plan (a chunk never writes outside these buffers, even if
@@ -1034,15 +1062,17 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     gl_args = cfg.get("gluon")
     if gl_args is not None:
         # The Gluon kernel on the chosen tile; dense mode keeps this launch's item order.
-        q = prog_args[0]
+        q = prog_args["q_ptr"]
         dense = paged = None
         if consts["KV_MODE"] == KV_DENSE:
-            dense = (q.shape[0], q.shape[1], prog_args[1].shape[1], tiles, group)
+            dense = (q.shape[0], q.shape[1], prog_args["k_ptr"].shape[1], tiles, group)
         if consts["KV_MODE"] == KV_PAGED:
             page, k_rows, v_rows = gl_args["paged"]
-            paged = (page, prog_args[7], prog_args[8], k_rows, v_rows)
-        return _gluon.launch(q, gl_args["k2"], gl_args["v2"], out, lse, prog_args[5],
-                             prog_args[6], work, dense=dense, paged=paged,
+            paged = (page, prog_args["page_idx_ptr"], prog_args["last_page_len_ptr"], k_rows,
+                     v_rows)
+        return _gluon.launch(q, gl_args["k2"], gl_args["v2"], out, lse,
+                             prog_args["qo_indptr_ptr"], prog_args["kv_indptr_ptr"], work,
+                             dense=dense, paged=paged,
                              qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"],
                              tile=choice.gluon_tile)
@@ -1055,11 +1085,12 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     opts = dict(STATS=False, SKIP=False, SKIP_LOG2=0.0)  # (the kernel's defaults)
     opts.update((k, consts[k]) for k in opts if k in consts)
     launch.run(
-        _prefill_fwd, grid, work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"], counter, *prog_args,
-        **{k: v for k, v in consts.items() if k not in opts}, **opts,
+        _prefill_fwd, grid, work, tiles, group, part_o, part_l, n_items, n_hkv, cfg["kv_rows"],
+        counter, *prog_args.values(), **{k: v for k, v in consts.items() if k not in opts},
+        **opts,
         SPLIT=split, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split and merge is not None and merge.shape[0] > 0:
-        qo_indptr = prog_args[5]
+        qo_indptr = prog_args["qo_indptr_ptr"]
         launch.run(
             _merge_fwd, (merge.shape[0], n_hkv), merge, part_o, part_l, out, lse, qo_indptr,
             sinks if sinks is not None else qo_indptr,
@@ -1076,7 +1107,7 @@ def launch_single(q, k, v, packed_mask, alibi_slopes, sinks, *, out_dtype, **par
     bsz, sq = q.shape[0], q.shape[1]
     if bsz == 0 or sq == 0:
         return out, lse
-    consts = args[1]
+    consts = args.consts
     tiles = (sq * consts["GROUP"] + consts["BLOCK_M"] - 1) // consts["BLOCK_M"]  # cdiv
     return _launch_prefill((bsz * tiles, k.shape[2]), None, tiles, out, lse, args)
 
@@ -1129,10 +1160,10 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     if work.shape[0] == 0:
         return out_p, lse_p, out_d, lse_d
     # (choose.choose halved each part's pipeline: both live in one kernel)
-    choice = args_p[2]["launch"]
-    consts = {**{f"{k}_P": v for k, v in args_p[1].items()},
-              **{f"{k}_D": v for k, v in args_d[1].items()}}
+    choice = args_p.cfg["launch"]
+    consts = {**{f"{k}_P": v for k, v in args_p.consts.items()},
+              **{f"{k}_D": v for k, v in args_d.consts.items()}}
     launch.run(
-        _pod_fwd, (work.shape[0], k_cache_p.shape[2]), work, *args_p[0], *args_d[0], **consts,
-        num_warps=choice.warps, num_stages=choice.stages)
+        _pod_fwd, (work.shape[0], k_cache_p.shape[2]), work, *args_p.args.values(),
+        *args_d.args.values(), **consts, num_warps=choice.warps, num_stages=choice.stages)
     return out_p, lse_p, out_d, lse_d

@@ -321,7 +321,7 @@ def record_tma(monkeypatch) -> list:
     orig = prefill_kernel._launch_prefill
 
     def spy(grid, work, tiles, out, lse, args, *a, **kw):
-        seen.append(args[1]["TMA"])
+        seen.append(args.consts["TMA"])
         return orig(grid, work, tiles, out, lse, args, *a, **kw)
 
     monkeypatch.setattr(prefill_kernel, "_launch_prefill", spy)

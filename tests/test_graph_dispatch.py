@@ -122,7 +122,7 @@ def launcher_takes_gluon(name, args) -> bool:
                                    a["kv_page_indptr"], a["kv_page_indices"],
                                    a["kv_last_page_len"], a["packed_mask"], a["mask_indptr"],
                                    *common, a["block_m"], out_dtype, params, a["work"])
-    return built[2][2].get("gluon") is not None
+    return built[2].cfg.get("gluon") is not None
 
 
 # One property away from the base call (bf16, D 128, causal, page 16, NHD K/V) each.

@@ -27,25 +27,16 @@ from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
 
 from .helpers import indptr, make_paged, rand
+from .sm90 import (F16, FakeDriver, compile_triton, paged, paged_launch, params, pod_launch, ragged,
+                   ragged_launch, single_launch)
 
 twk = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
 pytestmark = pytest.mark.skipif(K.INTERPRET, reason="the interpreter's kernels are not traced")
 
-F16 = torch.float16
-QO = [17, 31]  # two requests' query rows (kernel arguments only: nothing runs)
 # Outputs a launch may write (the persistent counter is taken by atomic adds); anything else
 # written, q_ptr above all, means torch fell back to "every input is mutated".
 WRITABLE = {"o_ptr", "lse_ptr", "part_o_ptr", "part_l_ptr", "counter_ptr",
             "o_ptr_p", "lse_ptr_p", "o_ptr_d", "lse_ptr_d"}
-
-
-class _FakeDriver:
-    """Triton's active driver as torch's analysis uses it: an sm_90 target."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
 
 
 class _Recorder:
@@ -63,7 +54,7 @@ def launches(monkeypatch):
     from triton.runtime.driver import driver
 
     calls: list = []
-    monkeypatch.setattr(driver, "_active", _FakeDriver())
+    monkeypatch.setattr(driver, "_active", FakeDriver())
     monkeypatch.setattr(L, "_kernel", lambda fn: _Recorder(fn, calls))
     monkeypatch.setattr(K, "_ensure_allocator", lambda: None)
     # a device of 132 SMs without tensor descriptors (the launch decision's description)
@@ -71,61 +62,19 @@ def launches(monkeypatch):
     return calls
 
 
-def _params(mask_mode=C.MASK_CAUSAL, d=64):
-    return dict(C._params(mask_mode, -1, 0, d ** -0.5, 0.0, C.POS_NONE, 1.0, 1e4, 1.0),
-                out_dtype=F16)
-
-
-def _ragged(d=64):
-    q, k, v = (rand(sum(QO), 2, d, seed=s, dtype=F16) for s in range(3))
-    return q, k, v, indptr(QO)
-
-
-def _paged(qo=QO, d=64, page=4):
-    """q, the K / V caches of a shuffled page table, and the plan's indptrs and page table."""
-    (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, page, fmt="4d",
-                                                            dtype=F16)
-    return rand(sum(qo), 2, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
-
-
-def _single():
-    q, k, v = (rand(1, 40, 2, 64, seed=s, dtype=F16) for s in range(3))
-    K.launch_single(q, k, v, None, None, None, **_params())
-
-
-def _ragged_launch(split, **options):
-    q, k, v, qo = _ragged()
-    work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
-    merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
-    K.launch_ragged(q, k, v, qo, qo, work, None, None, None, None, 64, merge, **_params(),
-                    **options)
-
-
-def _paged_launch(page=4, d=64, block_m=64):
-    work = torch.zeros(6, 2, dtype=torch.int32)
-    K.launch_paged(*_paged(d=d, page=page), work, None, None, None, None, block_m,
-                   **_params(d=d))
-
-
-def _pod_launch():
-    work = torch.zeros(6, 3, dtype=torch.int32)
-    K.launch_pod(*_paged(), *_paged(qo=[1, 1]), work, None, None, None, 64, _params(),
-                 _params(C.MASK_NONE))
-
-
 CASES = {
-    "single pointers": (_single, {}),
+    "single pointers": (single_launch, {}),
     # TMA 3: K/V descriptors built per persistent program, as in a traced graph
-    "single persistent": (_single, {"device_of": lambda device: choose.H100}),
-    "ragged": (lambda: _ragged_launch(False), {}),
-    "ragged split + merge": (lambda: _ragged_launch(True), {}),
+    "single persistent": (single_launch, {"device_of": lambda device: choose.H100}),
+    "ragged": (lambda: ragged_launch(False), {}),
+    "ragged split + merge": (lambda: ragged_launch(True), {}),
     # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
     "ragged split + merge, row max, skip": (
-        lambda: _ragged_launch(True, row_max=True, skip_softmax=2.0), {}),
-    "paged page 4": (_paged_launch, {}),
+        lambda: ragged_launch(True, row_max=True, skip_softmax=2.0), {}),
+    "paged page 4": (paged_launch, {}),
     # the H100's page-1 tile: 128 rows, D 128, pointer gathers
-    "paged page 1 D128": (lambda: _paged_launch(1, 128, 128), {}),
-    "pod": (_pod_launch, {}),
+    "paged page 1 D128": (lambda: paged_launch(1, 128, 128), {}),
+    "pod": (pod_launch, {}),
 }
 
 
@@ -159,37 +108,6 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
 
 
-def _compile_sm90(fn, args, kw, specialize=False):
-    """Compile a recorded launch for sm_90 through ptxas (no GPU needed): the signature from
-    the recorded arguments' types, constexprs and launch options as given. specialize: as a
-    launch on the GPU specializes (pointers 16-byte aligned, integers of 1 constant, integers
-    divisible by 16 marked so), which widens vectors and changes shared-memory use."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kwargs = dict(zip(fn.arg_names, args), **kw)
-    types = {F16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32"}
-    sig, consts, attrs = {}, {}, {}
-    aligned = [["tt.divisibility", 16]]
-    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
-        a = kwargs[name]
-        if p.is_constexpr or (specialize and type(a) is int and a == 1):
-            sig[name] = "constexpr"
-            consts[(i,)] = a
-        elif isinstance(a, torch.Tensor):
-            sig[name] = types[a.dtype]
-            if specialize:
-                attrs[(i,)] = aligned
-        else:
-            sig[name] = "fp32" if isinstance(a, float) else "i32"
-            if specialize and type(a) is int and a % 16 == 0:
-                attrs[(i,)] = aligned
-    opts = {k: v for k, v in kw.items() if k not in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options=opts)
-
-
 @pytest.mark.parametrize("case", ["ragged split", "ragged D128 128-row", "paged page 16"])
 def test_row_max_and_skip_compile_for_sm90(case, launches):
     """The STATS / SKIP branches (a runtime branch around P.V inside the pipelined key loop)
@@ -197,17 +115,17 @@ def test_row_max_and_skip_compile_for_sm90(case, launches):
     merge with STATS too."""
     opts = dict(row_max=True, skip_softmax=2.0)
     if case == "ragged split":
-        _ragged_launch(True, **opts)
+        ragged_launch(True, **opts)
     elif case == "ragged D128 128-row":
-        q, k, v, qo = _ragged(d=128)
+        q, k, v, qo = ragged(d=128)
         K.launch_ragged(q, k, v, qo, qo, torch.zeros(6, 2, dtype=torch.int32), None, None, None,
-                        None, 128, None, **_params(d=128), **opts)
+                        None, 128, None, **params(d=128), **opts)
     else:
-        K.launch_paged(*_paged(d=128, page=16), torch.zeros(6, 2, dtype=torch.int32), None,
-                       None, None, None, 64, **_params(d=128), **opts)
+        K.launch_paged(*paged(d=128, page=16), torch.zeros(6, 2, dtype=torch.int32), None,
+                       None, None, None, 64, **params(d=128), **opts)
     assert launches and launches[0][2]["SKIP"] and launches[0][2]["STATS"]
     for fn, args, kw in launches:
-        assert "ld.global" in _compile_sm90(fn, args, kw).asm["ptx"]
+        assert "ld.global" in compile_triton(fn, args, kw).asm["ptx"]
 
 
 # sm_90's shared memory per block (227 KB, the H100's and H200's opt-in limit)
@@ -217,7 +135,7 @@ SM90_SHARED = 232448
 @pytest.mark.parametrize("d", [256, 512])
 def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
     """POD holds both parts' K/V pipelines in one kernel: at D 512, as the GPU specializes the
-    launch, two 32-key stages per part needed 320 KB (prefill_kernel.pod_pipeline)."""
+    launch, two 32-key stages per part needed 320 KB (choose.choose's POD rule)."""
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
 
     def paged(qo):
@@ -226,7 +144,7 @@ def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
         return rand(sum(qo), 8, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
 
     K.launch_pod(*paged([300, 0, 129]), *paged([1] * 6), torch.zeros(6, 3, dtype=torch.int32),
-                 None, None, None, choose.tile(d, d, 4), _params(d=d),
-                 _params(C.MASK_NONE, d=d))
+                 None, None, None, choose.tile(d, d, 4), params(d=d),
+                 params(C.MASK_NONE, d=d))
     (fn, args, kw), = launches
-    assert _compile_sm90(fn, args, kw, specialize=True).metadata.shared <= SM90_SHARED
+    assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED

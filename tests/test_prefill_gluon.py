@@ -29,52 +29,13 @@ gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
     (False, 1, 128, 64, True, True, True)]] + [(False, 2, 128, 128, True, True, True, True)])
 def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
-    tile = gluon_mod.GATHER_SHORT_TILE if short else gluon_mod.TILES[block_m, d]
-    block_n, warps, stages, p_smem = tile[:4]
-    p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
-    fn = gluon_mod._gluon_fwd
-    # pages smaller than a tile: a box each, or gathered (page_gathered: no box, a producer warp
-    # group)
-    gather = gluon_mod.page_gathered(page, block_n, d)
-    box = block_n if gather or not page else min(page, block_n)
-    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
-    desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
-    # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
-    # head per KV head)
-    persistent = ws and (tile[6] if tile[6:] else gluon_mod.persistent_default(pp, block_n // box))
-    paged = (gluon_mod.PAGED_GATHER.value if gather else gluon_mod.PAGED_BOXES.value) if page \
-        else 0
-    regs = gluon_mod.GATHER_REGS if gather else (gluon_mod.PINGPONG_REGS, 24)
-    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=paged, PAGE=page,
-                  GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
-                  BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
-                  WS=ws, BOXES=block_n // box, WIDE=page == 3, PRODUCER_REGS=regs[1],
-                  PINGPONG=pp, GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
-    # (WIDE: the gather's int64 row offsets, a cache of 2^31 elements or more: page 3 compiles
-    # them, page 1 the int32 ones)
-    if page == 1:  # a page of one row: the launch specializes page_rows == 1 as a constexpr
-        consts.update(k_page_rows=1, v_page_rows=1)
-    types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
-                 lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
-                 page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
-                 sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>",
-                 k_ptr="*bf16", v_ptr="*bf16")
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # 16-byte aligned pointers and row strides, as the launch's specialization finds them
-    aligned = [n for n in ("k_ptr", "v_ptr", "stride_kr", "stride_vr")]
-    src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
-                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                                for n in aligned})
-    opts = dict(num_warps=consts["num_warps"])
-    if ws:  # as launch() sets it
-        opts["maxnreg"] = gluon_mod.ws_maxnreg(warps)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    from .sm90 import gluon_source, target
+
+    src, opts, facts = gluon_source(dense, page, block_m, d, causal, ws, pp, short)
+    block_n, gather, persistent, regs = (facts[k] for k in ("block_n", "gather", "persistent",
+                                                            "regs"))
+    k = triton.compile(src, target=target(), options=opts)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx
     # warp specialized: the load warp's registers given back, the compute warps' raised; the
@@ -216,9 +177,9 @@ def test_only_asking_launches_get_it(gluon, d, block_m, cap, monkeypatch):
     assert (cfg.get("gluon") is not None) == takes
     if d == 128:
         assert consts["TMA"] == 2
-        assert isinstance(args[1], torch.Tensor) == gluon  # descriptors only for Triton
+        assert isinstance(args["k_ptr"], torch.Tensor) == gluon  # descriptors only for Triton
     else:
-        assert consts["TMA"] == (2 if takes else 0) and isinstance(args[1], torch.Tensor)
+        assert consts["TMA"] == (2 if takes else 0) and isinstance(args["k_ptr"], torch.Tensor)
 
 
 def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
@@ -325,9 +286,9 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
     pp = block_m == 128
     assert (rec.kw["PINGPONG"], rec.kw["num_warps"]) == (pp, warps // 2 if pp else warps)
-    assert rec.args[2].block_shape == [block_n // boxes, 128]  # the K descriptor's box
+    assert rec.arg("k_desc").block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
-        assert rec.args[8] is table and rec.args[9] is last
+        assert rec.arg("page_idx_ptr") is table and rec.arg("last_page_len_ptr") is last
         with pytest.raises(ValueError, match="page size 12"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=block_m,
@@ -438,7 +399,7 @@ def test_launch_tile_by_head_dim(block_m, d, block_n, stages, monkeypatch):
                      causal=True, block_m=block_m)
     assert (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["D"]) == (block_n, stages, d)
     assert rec.kw["PINGPONG"] and not rec.kw["PERSISTENT"] and rec.grid == (3, 2)
-    assert rec.args[2].block_shape == [block_n, d]
+    assert rec.arg("k_desc").block_shape == [block_n, d]
     if d == 256:
         with pytest.raises(ValueError, match="no Gluon tile for block_m 64 at head dim 256"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from compiled_attn import ops
+from compiled_attn.ops.modes import LOG2E
 from compiled_attn.ops.schedule import build_work
 from tests.kernel_cases import check, make_case, move_past_2_31, params
 from compiled_attn.ops.policy import POLICY
@@ -59,7 +60,7 @@ def _runner(tile):
                      G.page_rows(c.v))
             return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
                             c.qo_indptr, c.kv_indptr, work, dense=None,
-                            qk_scale=p["sm_scale"] * 1.4426950408889634, causal=causal,
+                            qk_scale=p["sm_scale"] * LOG2E, causal=causal,
                             block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp, *persistent),
                             paged=paged)
         work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())

@@ -1,0 +1,131 @@
+"""PTX fingerprints of the kernels (dev tool): compiles the Triton kernel family in its main
+launch configurations and the Gluon kernel in a few tiles for sm_90, offline (no GPU: ptxas of
+the installed Triton), and prints one hash per configuration with debug info, comments and
+labels canonicalised. A refactor of the kernels' sources that must not change the compiled
+code keeps every hash.
+
+    .venv/bin/python -m dev.ptx_fingerprint [--only NAME,...] [--dump DIR]
+
+The launches and compiles are tests/sm90.py's: the Triton launches the op launchers' own
+(prefill_kernel.launch_*) on CPU tensors, recorded instead of run and compiled with the JIT's
+specialization of their arguments; the Gluon kernel as prefill_gluon.launch would set it up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+
+import torch
+
+from compiled_attn.ops import contracts as C
+from tests import sm90
+
+
+TRITON = {
+    "single dense": (sm90.single_launch, {}),
+    "single persistent": (sm90.single_launch, {"_tma_hardware": lambda device: True}),
+    "ragged": (sm90.ragged_launch, {}),
+    "ragged split+merge": (lambda: sm90.ragged_launch(True), {}),
+    "ragged split row-max skip": (
+        lambda: sm90.ragged_launch(True, row_max=True, skip_softmax=2.0), {}),
+    # every logit transform and mask option the kernel has, on one launch
+    "ragged custom mask alibi cap window sinks": (
+        lambda: sm90.ragged_launch(packed_mask=True, mask_mode=C.MASK_CUSTOM,
+                                   pos_encoding_mode=C.POS_ALIBI, logits_soft_cap=30.0,
+                                   window_left=16, sinks=torch.zeros(2)), {}),
+    "ragged rope chunk": (lambda: sm90.ragged_launch(pos_encoding_mode=C.POS_ROPE_LLAMA,
+                                                     chunk_size=16), {}),
+    "ragged D128 128-row": (lambda: sm90.ragged_launch(d=128, block_m=128), {}),
+    "paged page 16": (lambda: sm90.paged_launch(16, 128), {}),
+    "paged page 1 D128": (lambda: sm90.paged_launch(1, 128, 128), {}),
+    "pod": (sm90.pod_launch, {}),
+}
+
+# (dense, page, block_m, d, causal, ws, pingpong, short): sm90.gluon_source
+GLUON = {
+    "gluon ragged 64-row ws": (False, 0, 64, 128, True, True, False, False),
+    "gluon dense 128-row pingpong": (True, 0, 128, 128, True, True, True, False),
+    "gluon ragged 128-row single group": (False, 0, 128, 128, True, False, False, False),
+    "gluon paged boxes page 16 pingpong": (False, 16, 128, 128, True, True, True, False),
+    "gluon paged boxes page 8 ws": (False, 8, 64, 128, True, True, False, False),
+    "gluon paged gather page 1 pingpong": (False, 1, 128, 128, True, True, True, False),
+    "gluon paged gather page 2 short": (False, 2, 128, 128, True, True, True, True),
+    "gluon paged page 64 no ws": (False, 64, 64, 128, True, False, False, False),
+    "gluon dense D64 ws": (True, 0, 64, 64, False, True, False, False),
+}
+
+
+def _compile_gluon(case):
+    import triton
+
+    src, opts, _ = sm90.gluon_source(*case)
+    return triton.compile(src, target=sm90.target(), options=opts).asm["ptx"]
+
+
+def canonical(ptx: str) -> str:
+    """PTX without debug info, comments, blank lines and labels nothing branches to, the other
+    labels renumbered in order of first appearance (the function names of inlined helpers and
+    source lines vanish with .loc). Idempotent: a --dump file hashes as its source did."""
+    ptx = re.sub(r"\.section\s+\.debug\w*\s*\{.*?\n\s*\}", "", ptx, flags=re.S)
+    lines = []
+    for line in ptx.splitlines():
+        line = line.split("//")[0].rstrip()
+        s = line.strip()
+        if not s or s.startswith((".loc", ".file")):
+            continue
+        lines.append(line)
+    text = "\n".join(lines)
+    # labels nothing branches to (debug-info anchors, whose section is gone) say nothing
+    used = re.findall(r"\$L\w+", "\n".join(x for x in lines if not re.match(r"\s*\$L\w+:$", x)))
+    text = "\n".join(x for x in lines
+                     if not (re.match(r"\s*\$L\w+:$", x) and x.strip()[:-1] not in used))
+    names: dict = {}
+    return re.sub(r"\$L\w+", lambda m: names.setdefault(m.group(0), f"$L{len(names)}"), text)
+
+
+def fingerprint(ptx: str) -> str:
+    return hashlib.sha256(canonical(ptx).encode()).hexdigest()[:16]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated configuration names")
+    ap.add_argument("--dump", default="", help="a folder to write each canonical PTX to")
+    ap.add_argument("--rehash", default="", help="only print the hashes of a --dump folder's files")
+    a = ap.parse_args(argv)
+    only = {s.strip() for s in a.only.split(",") if s.strip()}
+    if a.rehash:
+        for fname in sorted(os.listdir(a.rehash)):
+            with open(os.path.join(a.rehash, fname)) as f:
+                print(f"{fingerprint(f.read())}  {fname}")
+        return
+    import triton
+
+    print(f"# triton {triton.__version__}, torch {torch.__version__}, target {sm90.TARGET}")
+    results = []
+    for name, (launch, patches) in TRITON.items():
+        if only and name not in only:
+            continue
+        for fn, args, kw in sm90.record(launch, patches):
+            ptx = sm90.compile_triton(fn, args, kw).asm["ptx"]
+            results.append((f"{name} [{fn.fn.__name__}]", ptx))
+            print(f"{fingerprint(results[-1][1])}  {results[-1][0]}", flush=True)
+    for name, case in GLUON.items():
+        if only and name not in only:
+            continue
+        results.append((name, _compile_gluon(case)))
+        print(f"{fingerprint(results[-1][1])}  {name}", flush=True)
+    if a.dump:
+        os.makedirs(a.dump, exist_ok=True)
+        for name, ptx in results:
+            fname = re.sub(r"[^\w]+", "_", name).strip("_") + ".ptx"
+            with open(os.path.join(a.dump, fname), "w") as f:
+                f.write(canonical(ptx))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Offline sm_90 compiles of the kernels' launches (no GPU: ptxas of the installed Triton),
+shared by tests/test_mutation_analysis.py, tests/test_prefill_gluon.py and
+dev/ptx_fingerprint.py.
+
+- Triton: the op launchers' own launches (prefill_kernel.launch_*), called on CPU tensors with
+  the launch recorded instead of run (``record``; the tests record through their monkeypatch
+  fixture), then compiled with the JIT's own specialization of the recorded arguments
+  (``compile_triton``).
+- Gluon: ``gluon_source`` builds the Gluon kernel's compile for a tile, page size and layout as
+  prefill_gluon.launch would launch it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compiled_attn.ops import contracts as C
+from compiled_attn.ops import launch as L
+from compiled_attn.ops import prefill_kernel as K
+
+from .helpers import indptr, make_paged, rand
+
+F16 = torch.float16
+TARGET = ("cuda", 90, 32)
+QO = [17, 31]  # two requests' query rows (kernel arguments only: nothing runs)
+
+
+def target():
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(*TARGET)
+
+
+class FakeDriver:
+    """Triton's active driver as torch's analysis and the launchers ask it: an sm_90 target."""
+
+    def get_current_target(self):
+        return target()
+
+
+# ---- the launchers' launches ----------------------------------------------------------------
+def params(mask_mode=C.MASK_CAUSAL, d=64, **options):
+    """An op's parameters (contracts._params) for head dim d, options overriding them."""
+    p = dict(C._params(mask_mode, -1, 0, d ** -0.5, 0.0, C.POS_NONE, 1.0, 1e4, 1.0))
+    p.update(options)
+    return dict(p, out_dtype=F16)
+
+
+def ragged(d=64):
+    q, k, v = (rand(sum(QO), 2, d, seed=s, dtype=F16) for s in range(3))
+    return q, k, v, indptr(QO)
+
+
+def paged(qo=QO, d=64, page=4):
+    """q, the K / V caches of a shuffled page table, and the plan's indptrs and page table."""
+    (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, page, fmt="4d",
+                                                            dtype=F16)
+    return rand(sum(qo), 2, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
+
+
+def single_launch():
+    q, k, v = (rand(1, 40, 2, 64, seed=s, dtype=F16) for s in range(3))
+    K.launch_single(q, k, v, None, None, None, **params())
+
+
+def ragged_launch(split=False, d=64, block_m=64, packed_mask=False, sinks=None, **options):
+    """A ragged launch (split: a split-KV plan and its merge; packed_mask: a custom mask of
+    zeros; ALiBi slopes when options ask for ALiBi)."""
+    q, k, v, qo = ragged(d)
+    work = torch.zeros(6, 4 if split else 2, dtype=torch.int32)
+    merge = torch.zeros(2, 4, dtype=torch.int32) if split else None
+    mask = mask_indptr = None
+    if packed_mask:
+        mask = torch.zeros(64, dtype=torch.uint8)
+        mask_indptr = torch.zeros(len(QO) + 1, dtype=torch.int32)
+    alibi = (torch.ones(2, dtype=torch.float32)
+             if options.get("pos_encoding_mode") == C.POS_ALIBI else None)
+    K.launch_ragged(q, k, v, qo, qo, work, mask, mask_indptr, alibi, sinks, block_m, merge,
+                    **params(d=d, **options))
+
+
+def paged_launch(page=4, d=64, block_m=64, **options):
+    work = torch.zeros(6, 2, dtype=torch.int32)
+    K.launch_paged(*paged(d=d, page=page), work, None, None, None, None, block_m,
+                   **params(d=d, **options))
+
+
+def pod_launch():
+    work = torch.zeros(6, 3, dtype=torch.int32)
+    K.launch_pod(*paged(), *paged(qo=[1, 1]), work, None, None, None, 64, params(),
+                 params(C.MASK_NONE))
+
+
+def record(launch, patches=None):
+    """The (kernel, args, kwargs) of each launch ``launch()`` makes, nothing run: Triton's
+    driver an sm_90 target, prefill_kernel's attributes ``patches`` (name -> value) set
+    meanwhile (the tests patch through their monkeypatch fixture instead)."""
+    from triton.runtime.driver import driver
+
+    calls = []
+
+    class _Rec:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: calls.append((self.fn, a, kw))
+
+    pat = {"_ensure_allocator": lambda: None, "sm_count": lambda index=None: 132,
+           **(patches or {})}
+    saved = [(K, n, getattr(K, n)) for n in pat] + [(L, "_kernel", L._kernel)]
+    old_active = driver._active
+    try:
+        driver._active = FakeDriver()
+        for n, v in pat.items():
+            setattr(K, n, v)
+        L._kernel = _Rec
+        launch()
+    finally:
+        for mod, n, v in saved:
+            setattr(mod, n, v)
+        driver._active = old_active
+    return calls
+
+
+def compile_triton(fn, args, kw):
+    """A recorded launch compiled for sm_90 through ptxas: the signature by the JIT's own
+    specialization of the arguments (integers equal to 1 become constexprs, 16-divisible
+    integers and 16-byte aligned pointers carry tt.divisibility, as on a real launch),
+    constexprs and launch options as given."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.compiler import ASTSource
+
+    kwargs = dict(zip(fn.arg_names, args), **kw)
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, p) in enumerate(zip(fn.arg_names, fn.params)):
+        a = kwargs[name] if name in kwargs else p.default
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            consts[(i,)] = a
+            continue
+        ty, key = native_specialize_impl(BaseBackend, a, False, True, True)
+        sig[name] = ty
+        if ty == "constexpr":
+            consts[(i,)] = key
+        elif key == "D":
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    opts = {k: v for k, v in kw.items() if k not in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=target(), options=opts)
+
+
+# ---- the Gluon kernel ---------------------------------------------------------------------
+def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
+    """The Gluon kernel's compile for sm_90 as launch() would set it up: tile TILES[block_m, d]
+    (short: GATHER_SHORT_TILE) with ws / pp (warp-specialized, ping-pong) as given, page size
+    page (0: contiguous K / V; dense: a dense batch), bf16. Returns (source, options, facts):
+    facts holds what the launch derives (block_n, box, gather, persistent, regs, paged)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compiled_attn.ops import prefill_gluon as G
+
+    tile = G.GATHER_SHORT_TILE if short else G.TILES[block_m, d]
+    block_n, warps, stages, p_smem = tile.block_n, tile.warps, tile.stages, tile.p_smem
+    p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
+    fn = G._gluon_fwd
+    # pages smaller than a tile: a box each, or gathered (page_gathered: no box, a producer warp
+    # group)
+    gather = G.page_gathered(page, block_n, d)
+    box = block_n if gather or not page else min(page, block_n)
+    layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
+    desc = f"tensordesc<bf16[{box}, {d}],{layout}>"
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, d], gl.bfloat16)
+    # persistent launches (as launch() picks them) take Q by the load warp's TMA here (one query
+    # head per KV head)
+    persistent = ws and (tile.persistent if tile.persistent is not None
+                         else G.persistent_default(pp, block_n // box))
+    paged_mode = (G.PAGED_GATHER.value if gather else G.PAGED_BOXES.value) if page else 0
+    regs = G.GATHER_REGS if gather else (G.PINGPONG_REGS, 24)
+    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=paged_mode, PAGE=page,
+                  GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
+                  BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
+                  WS=ws, BOXES=block_n // box, WIDE=page == 3, PRODUCER_REGS=regs[1],
+                  PINGPONG=pp, GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
+    # (WIDE: the gather's int64 row offsets, a cache of 2^31 elements or more: page 3 compiles
+    # them, page 1 the int32 ones)
+    if page == 1:  # a page of one row: the launch specializes page_rows == 1 as a constexpr
+        consts.update(k_page_rows=1, v_page_rows=1)
+    types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
+                 lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
+                 page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
+                 sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>",
+                 k_ptr="*bf16", v_ptr="*bf16")
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    # 16-byte aligned pointers and row strides, as the launch's specialization finds them
+    aligned = ("k_ptr", "v_ptr", "stride_kr", "stride_vr")
+    src = GluonASTSource(fn=fn, signature=sig,
+                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
+                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
+                                for n in aligned})
+    opts = dict(num_warps=consts["num_warps"])
+    if ws:  # as launch() sets it
+        opts["maxnreg"] = G.ws_maxnreg(warps)
+    facts = dict(block_n=block_n, box=box, gather=gather, persistent=persistent, regs=regs,
+                 paged=paged_mode)
+    return src, opts, facts

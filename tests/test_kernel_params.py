@@ -1,0 +1,117 @@
+"""The parameter-count rule and the kernels' named argument bundles.
+
+No function of the package takes more than 30 parameters, but for the public FlashInfer
+signatures (public names), the op implementations (their torch.library schemas are flat) and
+the launched kernels, whose flat signatures torch's wrap_triton,
+its mutation analysis and the bound-launch replay bind argument by argument: those gather their
+arguments into named tuples at once, and the functions below them take the bundles. The launch
+arguments are assembled by name, in the kernels' parameter order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+
+import compiled_attn
+import compiled_attn.fx_passes
+import compiled_attn.ops
+from compiled_attn.ops import prefill_kernel as K
+
+MAX_PARAMS = 30
+# The kernels launched from the host (flat signatures, see the module docstring).
+LAUNCHED = {"_prefill_fwd", "_pod_fwd", "_gluon_fwd"}
+# Implementations of an op schema (contracts.py), real and fake.
+OP_SCHEMAS = {"_pod_prefill_decode", "_pod_prefill_decode_fake"}
+
+
+def _modules():
+    names = set()
+    for pkg in (compiled_attn, compiled_attn.ops, compiled_attn.fx_passes):
+        names.add(pkg.__name__)
+        names.update(m.name for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."))
+    for name in sorted(names):
+        try:
+            yield importlib.import_module(name)
+        except ImportError:  # (a module this Triton lacks, e.g. the Gluon kernel)
+            continue
+
+
+def _functions(mod):
+    """(qualified name, Python function) of every function and method mod defines, jit
+    functions by their Python source function."""
+    for name, obj in vars(mod).items():
+        fn = getattr(obj, "fn", None)
+        if inspect.isfunction(fn) and hasattr(obj, "arg_names"):  # a (Gluon) jit function
+            obj = fn
+        if inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+            yield name, obj
+        elif inspect.isclass(obj) and obj.__module__ == mod.__name__:
+            for attr, member in vars(obj).items():
+                if inspect.isfunction(member):
+                    yield f"{name}.{attr}", member
+
+
+def test_no_private_function_takes_more_than_30_parameters():
+    over = []
+    for mod in _modules():
+        for name, fn in _functions(mod):
+            count = len(inspect.signature(fn).parameters)
+            public = not name.split(".")[-1].startswith("_")
+            if count > MAX_PARAMS and not public and name not in LAUNCHED | OP_SCHEMAS:
+                over.append(f"{mod.__name__}.{name}: {count}")
+    assert not over, over
+
+
+def test_the_launched_kernels_are_the_flat_ones():
+    # every name in LAUNCHED exists and is flat indeed (a stale entry would exempt nothing)
+    kernels = [K._prefill_fwd, K._pod_fwd]
+    gluon = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
+    kernels.append(gluon._gluon_fwd)
+    assert {k.fn.__name__ for k in kernels} == LAUNCHED
+    assert all(len(k.arg_names) > MAX_PARAMS for k in kernels)
+
+
+def test_bundle_fields_match_the_kernel_parameters():
+    names = K._prefill_fwd.arg_names
+    first = names.index("q_ptr")
+    tensors = [f"{f}_ptr" for f in K.Tensors._fields]
+    strides = [f"stride_{f}" for f in K.Strides._fields]
+    # Tensors' fields are the pointer parameters but K and V, Strides' the stride parameters,
+    # in order, and STRIDE_FIELDS spells the same strides
+    ptrs = [n for n in names[first:] if n.endswith("_ptr") and n not in ("k_ptr", "v_ptr")]
+    assert ptrs == tensors
+    assert [n for n in names if n.startswith("stride_")] == strides
+    assert strides == [f"stride_{x}{f}" for x, fs in K.STRIDE_FIELDS.items() for f in fs]
+    assert set(K.Scalars._fields) <= set(names)
+    consts = [p.name for p in K._prefill_fwd.params if p.is_constexpr]
+    assert set(consts) <= set(K.Options._fields)
+    assert set(K.Options._fields) - set(consts) == {"ROW"}  # (derived from SPLIT)
+
+
+def test_program_args_are_named_in_parameter_order():
+    """_program_args' runtime arguments are _prefill_fwd's parameters from q_ptr on, by name
+    and in order (the launch passes them by position)."""
+    q = torch.randn(9, 4, 64, dtype=torch.float16)
+    k = v = torch.randn(12, 2, 64, dtype=torch.float16)
+    indptr = torch.tensor([0, 9], dtype=torch.int32)
+    params = dict(mask_mode=1, window_left=-1, chunk_size=0, sm_scale=0.125,
+                  logits_soft_cap=0.0, pos_encoding_mode=0, rope_scale=1.0, rope_theta=1e4,
+                  v_scale=1.0)
+    _, _, built = K._ragged_args(q, k, v, indptr, indptr, None, None, None, None, 64,
+                                 torch.float16, params, torch.zeros(2, 2, dtype=torch.int32))
+    assert isinstance(built, K.ProgramArgs)
+    names = K._prefill_fwd.arg_names
+    first = names.index("q_ptr")
+    assert list(built.args) == list(names[first:first + len(built.args)])
+    assert names[first + len(built.args)] == "KV_MODE"  # every runtime argument is there
+    assert built.args["qo_indptr_ptr"] is indptr and built.args["q_ptr"] is q
+    # POD: each part's names suffixed, in the same order
+    pod = K._pod_fwd.arg_names
+    for sfx in ("_p", "_d"):
+        i = pod.index("q_ptr" + sfx)
+        assert pod[i:i + len(built.args)] == [n + sfx for n in built.args]
