@@ -153,8 +153,8 @@ def run(rank, world, reps):
                 single[s, hq, hkv] = sec
             if n > 1 and sec and (s, hq, hkv) in single:
                 extra["speedup_vs_1gpu"] = single[s, hq, hkv] / sec
-            rows.append(_row(s, hq, hkv, method, n, sec, extra))
-            if rank == 0:
+            if rank == 0:  # (a 1-GPU case ran on rank 0 alone)
+                rows.append(_row(s, hq, hkv, method, n, sec, extra))
                 print({k: rows[-1][k] for k in ("case", "gpus", "median_ms", "tflops")},
                       flush=True)
     fp = results.kernel_fingerprint()

@@ -413,6 +413,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     logits_soft_cap: as single_prefill_with_kv_cache, over global positions. head_slices
     (all_gather): gathers issued per slice of the KV heads so that the attention of one slice
     runs under the next one's gather; default 2 when Hkv is even, else 1.
+    Under torch.compile the shapes must be static (``dynamic=False``): the plan of each step is
+    built from the lengths and head counts while tracing, and a symbolic one cannot be.
 
     Returns out ``[local_len, Hq, D_vo]`` (q's dtype) and lse float32 ``[local_len, Hq]``,
     base 2 (natural logsumexp / ln 2) over the final logits, for the local rows in the same

@@ -108,7 +108,9 @@ def _ring(rank, world, hq, hkv, d, compiled=False, method="ring"):
     def run(a, b, c):
         return cp.prefill(a, b, c, group=dist.group.WORLD, causal=True, method=method)
 
-    fn = torch.compile(run, fullgraph=True) if compiled else run
+    # dynamic=False: the all-gather and ring cases share run's code object, and automatic dynamic
+    # shapes would make the second compile's head counts symbolic (cp.prefill: static shapes)
+    fn = torch.compile(run, fullgraph=True, dynamic=False) if compiled else run
     out, lse = fn(ql, kl, vl)
     o, s = _gather_unshard(out, world), _gather_unshard(lse, world)
     if rank != 0:
