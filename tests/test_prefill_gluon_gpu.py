@@ -280,7 +280,7 @@ def _op_runs_gluon(kind, qo, kv, block_m, causal, hq, hkv, d, monkeypatch):
         c.k = c.k.expand(3, -1, -1, -1).contiguous() * torch.randn(3, 1, 1, 1, device="cuda",
                                                                    dtype=c.k.dtype)
         c.v = c.v.expand(3, -1, -1, -1).contiguous()
-        monkeypatch.setattr(ops.prefill_kernel, "block_m_for", lambda *a, **k: block_m)
+        monkeypatch.setattr(ops.choose, "dense_tile", lambda *a, **k: block_m)
     else:
         c.block_m = block_m
         c.work = build_work(qo, hq // hkv, block_m, "cuda", kv_lens=kv)
