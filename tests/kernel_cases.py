@@ -259,7 +259,7 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     if lse is not None:
         assert lse.shape == r_lse.shape, (lse.shape, r_lse.shape)
         assert not torch.isnan(lse).any(), "NaN in the LSE"
-        assert torch.equal(torch.isfinite(lse), fin), "rows that see no key differ from the reference"
+        assert torch.equal(torch.isfinite(lse), fin), "rows that see no key differ from the ref"
         assert torch.all(lse[~fin] == float("-inf"))
     assert torch.all(out[~fin] == 0), "a row that sees no key must be exactly 0"
     o64, t64 = out.to(torch.float64), t_out.to(torch.float64)
