@@ -183,6 +183,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._init_common(float_workspace_buffer, kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
         self._bufs = None
+        # device tensors of our own that a captured CUDA graph reads at every replay (see
+        # _prefill_part): kept for the wrapper's life, past re-plans
+        self._captured = []
         if self._use_cuda_graph:
             bufs = dict(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                         paged_kv_indices_buffer=paged_kv_indices_buffer,
@@ -395,6 +398,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         (qo_len, kv_len, mask bytes) and kept: plain numbers decide them, and run() then
         launches no copy for them (the memo keys them by identity)."""
         traced = V.traced()  # (a traced graph holds its own; the dict would be a guard)
+        capturing = (not traced and self.device.type == "cuda"
+                     and torch.cuda.is_current_stream_capturing())
         key = (qo_len, kv_len, mask_bytes)
         part = None if traced else self._parts.get(key)
         if part is None:
@@ -410,10 +415,14 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                     None if mask_bytes is None else i2 * mask_bytes, work)
             # (tensors made while a CUDA graph captures hold their values only in the graph's
             # replays: never kept for eager calls)
-            if not traced and not (dev.type == "cuda"
-                                   and torch.cuda.is_current_stream_capturing()):
+            if not traced and not capturing:
                 self._parts[key] = part
                 self._memo.add_static(part)
+        if capturing:
+            # The graph reads this part and the plan's decode qo_indptr and ALiBi slopes at
+            # every replay; a re-plan (CUDA-graph mode's new decode lengths) or the eviction
+            # above would free them for the allocator to hand out again.
+            self._captured.append((part, self._plan["qo_indptr"], self._plan["alibi"]))
         return part
 
 

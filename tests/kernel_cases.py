@@ -244,7 +244,8 @@ def poison(c: Case, out_dtype=None):
 
 def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     """Run the op (or ``runner(c, p, out_dtype)``, another launcher of the same contract) and
-    assert its error is within the bound. Returns the measured errors."""
+    assert its error is within the bound. Returns the measured errors. A runner may return
+    lse None (an API call without return_lse): then only the output is checked."""
     poison(c, out_dtype)
     out, lse = (runner or run)(c, p, out_dtype)
     r_out, r_lse = ref(c, p)
@@ -252,12 +253,14 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     lowp = dt if dt in (torch.float16, torch.bfloat16) else None
     t_out, t_lse = ref(c, p, compute=torch.float32, matmul_dtype=lowp)
     t_out = t_out.to(out.dtype)
-    assert out.shape == r_out.shape and lse.shape == r_lse.shape, (out.shape, r_out.shape)
+    assert out.shape == r_out.shape, (out.shape, r_out.shape)
     assert not torch.isnan(out).any(), "NaN in the output"
-    assert not torch.isnan(lse).any(), "NaN in the LSE"
     fin = torch.isfinite(r_lse)
-    assert torch.equal(torch.isfinite(lse), fin), "rows that see no key differ from the reference"
-    assert torch.all(lse[~fin] == float("-inf"))
+    if lse is not None:
+        assert lse.shape == r_lse.shape, (lse.shape, r_lse.shape)
+        assert not torch.isnan(lse).any(), "NaN in the LSE"
+        assert torch.equal(torch.isfinite(lse), fin), "rows that see no key differ from the ref"
+        assert torch.all(lse[~fin] == float("-inf"))
     assert torch.all(out[~fin] == 0), "a row that sees no key must be exactly 0"
     o64, t64 = out.to(torch.float64), t_out.to(torch.float64)
     err = (o64 - r_out).abs().max().item() if out.numel() else 0.0
@@ -265,7 +268,8 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     eps = torch.finfo(out.dtype).eps
     scale = r_out.abs().max().item() if out.numel() else 0.0
     bound = 2 * terr + eps * scale + 1e-6
-    lerr = (lse[fin].double() - r_lse[fin]).abs().max().item() if fin.any() else 0.0
+    has_lse = lse is not None and bool(fin.any())
+    lerr = (lse[fin].double() - r_lse[fin]).abs().max().item() if has_lse else 0.0
     lterr = (t_lse[fin].double() - r_lse[fin]).abs().max().item() if fin.any() else 0.0
     lbound = 2 * lterr + 1e-4 * max(1.0, r_lse[fin].abs().max().item() if fin.any() else 1.0)
     assert err <= bound, f"output error {err:.3g} > bound {bound:.3g} (torch's own {terr:.3g})"
@@ -273,28 +277,38 @@ def check(c: Case, p: dict, out_dtype=None, runner=None) -> dict:
     return dict(err=err, torch_err=terr, ratio=err / max(terr, 1e-12), lse_err=lerr)
 
 
+def check_parts(pre: Case, dec: Case, p_pre: dict, p_dec: dict, launch) -> None:
+    """Check one launch that computes two cases, pre (the prefill part) and dec (the decode
+    part): launch() returns (out_pre, lse_pre, out_dec, lse_dec) (an lse None where not asked
+    for), each part checked against its reference as ``check`` does with params p_pre / p_dec
+    (the launch runs inside the prefill part's check, after its poisoning)."""
+    outs = []
+
+    def both(c, p, out_dtype):
+        outs.extend(launch())
+        return outs[0], outs[1]
+
+    check(pre, p_pre, runner=both)
+    check(dec, p_dec, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+
+
 def check_pod(pre: Case, dec: Case, p_pre: dict, p_dec: dict) -> None:
-    """Run paged cases pre (the prefill part) and dec (the decode part; same heads, head dim and
-    tile height) through pod_prefill_decode in one launch, with params p_pre / p_dec (mask
-    mode and scale each; no window, soft cap or position encoding), and check each part as
-    ``check`` does (the launch runs inside the prefill part's check, after its poisoning)."""
+    """Run paged cases pre (the prefill part; its custom mask if it has one) and dec (the
+    decode part; same heads, head dim and tile height) through pod_prefill_decode in one
+    launch, with params p_pre / p_dec (mask mode, window, scale and soft cap each; no position
+    encoding), and check each part (check_parts)."""
     dev = pre.q.device
     work = torch.cat([torch.cat([torch.full((c.work.shape[0], 1), part, dtype=torch.int32,
                                             device=dev), c.work], 1)
                       for part, c in ((0, pre), (1, dec))])
-    outs = []
-
-    def pod(c, p, out_dtype):
-        outs.extend(ops.pod_prefill_decode(
-            pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
-            pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
-            dec.page_indices, dec.last_page_len, work, None, None, None, pre.block_m,
-            p_pre["mask_mode"], -1, p_pre["sm_scale"], 0.0, p_dec["mask_mode"], -1,
-            p_dec["sm_scale"], 0.0, ops.POS_NONE, 1.0, 1e4, 1.0, None))
-        return outs[0], outs[1]
-
-    check(pre, p_pre, runner=pod)
-    check(dec, p_dec, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
+    assert p_pre["pos_encoding_mode"] == p_dec["pos_encoding_mode"] == ops.POS_NONE
+    part_opts = [(p["mask_mode"], p["window_left"], p["sm_scale"], p["logits_soft_cap"])
+                 for p in (p_pre, p_dec)]
+    check_parts(pre, dec, p_pre, p_dec, lambda: ops.pod_prefill_decode(
+        pre.q, pre.k, pre.v, pre.qo_indptr, pre.kv_indptr, pre.page_indices,
+        pre.last_page_len, dec.q, dec.k, dec.v, dec.qo_indptr, dec.kv_indptr,
+        dec.page_indices, dec.last_page_len, work, pre.packed_mask, pre.mask_indptr, None,
+        pre.block_m, *part_opts[0], *part_opts[1], ops.POS_NONE, 1.0, 1e4, 1.0, None))
 
 
 def capture_graph(fn):

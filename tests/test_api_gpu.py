@@ -252,3 +252,112 @@ def test_trtllm_separate_k_v_pools(layout, page, hkv):
     ref = run((q.double().cpu(), paged.double().cpu()), table, "cpu")
     _close(stacked, ref)
     _close(separate, ref)
+
+
+def _fill(gen, *bufs):
+    """Fresh random values written into each buffer in place (the same memory)."""
+    for t in bufs:
+        t.copy_(torch.randn(t.shape, generator=gen))
+
+
+def _replay_equals_eager(graph, outs, call):
+    """Poison the graph's outputs, replay it, and compare with an eager call() on the same
+    buffers bit for bit; returns the replayed outputs (copies)."""
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    got = [o.clone() for o in outs]
+    want = call()
+    torch.cuda.synchronize()
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert not a.float().isnan().any()
+        assert torch.equal(a, b)
+    return got
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_pod_cuda_graph_replay_is_exact(page):
+    """PODWithPagedKVCacheWrapper(use_cuda_graph=True), as a serving engine drives it: an eager
+    run(), run() captured once, then before each replay new values written into the same q /
+    k / v / cache buffers, and in the second round a re-plan with new decode lengths (into the
+    plan buffers) followed by allocations that take the blocks the re-plan freed. Each replay
+    equals an eager run() on the same buffers bit for bit, and the CPU float64 reference. (A
+    graph whose own tensors a re-plan freed, the prefill part made by the eager run and the
+    first plan's decode qo_indptr, would read the zeros allocated over them.)"""
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d, qo, kv = 32, 8, 128, 77, 300  # an odd prefill chunk, qo_len != kv_len
+    rounds = [[600, 1, 33, 257, 0], [17, 512, 1, 90, 301]]
+    b = len(rounds[0])
+    pages = max(sum(-(-n // page) for n in r) for r in rounds) + 8
+    dev, bf16 = "cuda", torch.bfloat16
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=torch.zeros(pages, dtype=torch.int32, device=dev),
+                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=dev))
+    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD",
+                                                 use_cuda_graph=True, **bufs)
+    inputs = tuple(torch.empty(*shape, dtype=bf16, device=dev)
+                   for shape in ((qo, hq, d), (kv, hkv, d), (kv, hkv, d), (b, hq, d),
+                                 (pages, 2, page, hkv, d)))
+
+    def call():
+        (o_p, o_d), (l_p, l_d) = w.run(*inputs, causal_p=True, return_lse_p=True,
+                                       return_lse_d=True)
+        return o_p, o_d, l_p, l_d
+
+    graph, junk = None, []
+    for kv_d in rounds:
+        table = _page_table(kv_d, page, pages, g)
+        w.plan(*table, hq, hkv, d, page, q_data_type=bf16)
+        _fill(g, *inputs)
+        if graph is None:
+            call()  # eager, on this stream: the capture reuses the prefill part it keeps
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = call()
+        else:
+            junk = [torch.zeros(128, dtype=torch.int32, device=dev) for _ in range(8192)]
+        got = _replay_equals_eager(graph, outs, call)
+        ref_w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        ref_w.plan(*table, hq, hkv, d, page, q_data_type=torch.float64)
+        ref = ref_w.run(*(t.double().cpu() for t in inputs), causal_p=True)
+        _close(got[0], ref[0])
+        _close(got[1], ref[1])
+    del junk
+
+
+def test_batch_pod_cuda_graph_replay_is_exact():
+    """BatchPOD's run() captured once; new values written into the same q / cache buffers
+    before each replay: each replay equals an eager run() bit for bit, and the CPU float64
+    reference. GQA 7:1, a prefill request with qo_len > kv_len, a decode request without keys."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, page, pages = 28, 4, 128, 16, 96
+    qo_p, kv_p = [100, 1, 37], [300, 1, 20]
+    kv_d = [77, 1, 500, 0, 33]
+    dev, bf16 = "cuda", torch.bfloat16
+    table_p = _page_table(kv_p, page, pages, g)
+    table_d = _page_table(kv_d, page, pages, g)
+    w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
+    w.plan(_indptr(qo_p), *table_p, _indptr([1] * len(kv_d)), *table_d, hq, hkv, d, page,
+           q_data_type=bf16)
+    inputs = tuple(torch.empty(*shape, dtype=bf16, device=dev)
+                   for shape in ((sum(qo_p), hq, d), (pages, 2, page, hkv, d),
+                                 (len(kv_d), hq, d), (pages, 2, page, hkv, d)))
+
+    def call():
+        (o_p, o_d), (l_p, l_d) = w.run(*inputs, causal_p=True, return_lse=True)
+        return o_p, o_d, l_p, l_d
+
+    ref_w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    ref_w.plan(_indptr(qo_p), *table_p, _indptr([1] * len(kv_d)), *table_d, hq, hkv, d, page,
+               q_data_type=torch.float64)
+    graph = None
+    for _ in range(3):
+        _fill(g, *inputs)
+        if graph is None:
+            graph, outs = capture_graph(call)
+        got = _replay_equals_eager(graph, outs, call)
+        ref = ref_w.run(*(t.double().cpu() for t in inputs), causal_p=True)
+        _close(got[0], ref[0])
+        _close(got[1], ref[1])

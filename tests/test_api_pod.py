@@ -268,3 +268,49 @@ def test_pod_page_indices_longer_than_indptr():
     (o_p, o_d), (l_p, l_d) = w.run(q_pb, cache_p, q_d, cache, causal_p=True, return_lse=True)
     check(o_p, l_p, *dense_batch(q_pb, qo_p, ks_p, vs_p, causal=True))
     check(o_d, l_d, *dense_batch(q_d, [1] * b, ks, vs))
+
+
+
+def _check_part(out, lse, q, qo_lens, ks, vs, **kw):
+    """A part's output and LSE against dense_batch; a part without rows: its empty shapes."""
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    if sum(qo_lens):
+        check(out, lse, *dense_batch(q, qo_lens, ks, vs, **kw))
+
+
+@pytest.mark.parametrize("qo,kv,kv_d", [(5, 8, []), (0, 6, KV_D), (0, 0, KV_D), (0, 0, [])])
+@pytest.mark.parametrize("graph_bufs", [False, True])
+def test_pod_empty_parts(qo, kv, kv_d, graph_bufs):
+    """No decodes, no prefill rows (with keys or without), or neither; page 1, GQA 7:1; the
+    CUDA-graph buffers sized for the plan's batch (0 included)."""
+    hq, hkv, d, page, b = 7, 1, 8, 1, len(kv_d)
+    cache, kvi, idx, last, ks, vs = make_paged(kv_d, hkv, d, d, page, seed=70)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(idx.numel() + 2, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32))
+    w = fi.PODWithPagedKVCacheWrapper(WS, "NHD", graph_bufs, **(bufs if graph_bufs else {}))
+    w.plan(kvi, idx, last, hq, hkv, d, page, window_left=4, q_data_type=D64)
+    q_p, k_p, v_p = rand(qo, hq, d, seed=71), rand(kv, hkv, d, seed=72), rand(kv, hkv, d, seed=73)
+    q_d = rand(b, hq, d, seed=74)
+    (o_p, o_d), (l_p, l_d) = w.run(q_p, k_p, v_p, q_d, cache, causal_p=True, return_lse_p=True,
+                                   return_lse_d=True)
+    _check_part(o_p, l_p, q_p, [qo], [k_p], [v_p], causal=True)
+    _check_part(o_d, l_d, q_d, [1] * b, ks, vs, window_left=4)
+
+
+@pytest.mark.parametrize("qo_p,kv_p,kv_d", [([5, 0, 7], [9, 3, 5], KV_D), ([4, 1], [9, 3], []),
+                                            ([], [], KV_D), ([0, 0], [5, 2], KV_D),
+                                            ([], [], [])])
+def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
+    """Page 1 and GQA 7:1 with both parts, no decodes, no prefill requests, prefill requests
+    without rows, and neither."""
+    hq, hkv, d, page = 7, 1, 8, 1
+    cache_p, kvi_p, idx_p, last_p, ks_p, vs_p = make_paged(kv_p, hkv, d, d, page, seed=80)
+    cache_d, kvi_d, idx_d, last_d, ks_d, vs_d = make_paged(kv_d, hkv, d, d, page, seed=81)
+    q_p, q_d = rand(sum(qo_p), hq, d, seed=82), rand(len(kv_d), hq, d, seed=83)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(qo_p), kvi_p, idx_p, last_p, indptr([1] * len(kv_d)), kvi_d, idx_d, last_d,
+           hq, hkv, d, page, window_left=3, data_type=D64)
+    (o_p, o_d), (l_p, l_d) = w.run(q_p, cache_p, q_d, cache_d, causal_p=True, return_lse=True)
+    _check_part(o_p, l_p, q_p, qo_p, ks_p, vs_p, causal=True, window_left=3)
+    _check_part(o_d, l_d, q_d, [1] * len(kv_d), ks_d, vs_d, window_left=3)

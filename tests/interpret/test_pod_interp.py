@@ -1,0 +1,204 @@
+"""POD under the Triton interpreter: seeded random mixes of a prefill part and a decode part
+through PODWithPagedKVCacheWrapper and BatchPODWithPagedKVCacheWrapper, and through the POD op
+itself for the options the wrappers do not take (logits soft cap, as in FlashInfer's POD).
+
+Each mix draws its lengths (odd ones, 1, qo_len != kv_len, requests without keys), the decode
+batch size (0 included), empty prefill parts, page size 1 / 3 / 16, GQA 1:1 / 4:1 / 7:1, the
+layouts, causal or not, window_left, sm_scale and which LSEs are asked for; every part is
+checked against the float64 reference with the project's error bound (kernel_cases.check:
+twice PyTorch's own error in the same dtype plus a rounding term; NaN never passes).
+``test_mixes_cover_the_grid`` pins that the seeds reach every value listed. fp16 and fp32 only:
+the interpreter computes bf16 dots wrongly (bf16 is tested on the GPU)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import compiled_attn as fi
+from compiled_attn import ops
+from tests.helpers import WS, indptr, make_paged
+from tests.kernel_cases import Case, check_parts, check_pod, make_case, params
+
+GQA = [(2, 2), (4, 1), (7, 1)]
+PAGES = [1, 3, 16]
+SEEDS = range(12)  # per wrapper: each (GQA, page size) pair at least once; empty parts
+NO_DECODES, NO_PREFILL = (1, 5), (2, 5)  # seeds whose part is empty (5: both)
+
+
+def _odd_or_one(r: random.Random, hi: int) -> int:
+    return r.choice([1, r.randrange(3, hi, 2)])
+
+
+def _mix(kind: str, seed: int) -> SimpleNamespace:
+    """The random mix of ``seed`` for wrapper ``kind`` ("pod" / "batch_pod"): shapes, lengths
+    and options (the CUDA-graph buffers and per-part overrides of POD only)."""
+    r = random.Random(f"{kind}-{seed}")
+    hq, hkv = GQA[seed % 3]
+    m = SimpleNamespace(
+        hq=hq, hkv=hkv, page=PAGES[(seed + seed // 3) % 3], d=r.choice([16, 32]),
+        dtype=(torch.float16, torch.float32)[seed % 2], layout=r.choice(["NHD", "HND"]),
+        causal=r.random() < 0.5, window=r.choice([-1, r.randint(0, 12)]),
+        sm_scale=r.choice([None, 0.3]))
+    n_dec = 0 if seed in NO_DECODES else r.randint(1, 5)
+    m.kv_d = [0 if r.random() < 0.15 else r.randint(1, 50) for _ in range(n_dec)]
+    if kind == "pod":
+        if seed in NO_PREFILL:
+            m.qo_p, m.kv_p = [0], [r.choice([0, r.randint(1, 12)])]
+        else:
+            qo = _odd_or_one(r, 40)
+            kv = qo + r.randint(0, 20) if m.causal else r.randint(1, 45)  # causal: kv >= qo
+            m.qo_p, m.kv_p = [qo], [kv]
+        m.layout_p = r.choice(["NHD", "HND"])
+        m.window_p = r.choice([-1, r.randint(0, 12)])
+        m.sm_scale_p = r.choice([None, 0.7])
+        m.lse = (r.random() < 0.5, r.random() < 0.5)
+        m.graph_bufs = r.random() < 0.3
+    else:
+        if seed in NO_PREFILL:  # no requests, or requests without rows
+            m.qo_p = [] if seed == NO_PREFILL[0] else [0, 0]
+        else:
+            m.qo_p = [0 if r.random() < 0.15 else _odd_or_one(r, 32)
+                      for _ in range(r.randint(1, 3))]
+        m.kv_p = [r.randint(0, 40) for _ in m.qo_p]  # causal: kv < qo allowed (bottom-right)
+        m.lse = (r.random() < 0.5,) * 2
+    return m
+
+
+def _paged_case(q, cache, layout, qo_lens, kvi, idx, last) -> Case:
+    """The reference's view of a paged part: q and the 5-D cache's K / V in NHD order."""
+    k, v = cache[:, 0], cache[:, 1]
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return Case("paged", q=q, k=k, v=v, qo_indptr=indptr(qo_lens), kv_indptr=kvi,
+                page_indices=idx, last_page_len=last)
+
+
+def _parts(res, want_lse: tuple) -> tuple:
+    """(out_p, lse_p, out_d, lse_d) of a POD run()'s result, its structure checked: the plain
+    pair when no LSE is asked for, else the pair of pairs with None for an LSE not asked for."""
+    if not any(want_lse):
+        out_p, out_d = res
+        assert torch.is_tensor(out_p) and torch.is_tensor(out_d)
+        return out_p, None, out_d, None
+    (out_p, out_d), (lse_p, lse_d) = res
+    assert [lse is not None for lse in (lse_p, lse_d)] == list(want_lse)
+    return out_p, lse_p, out_d, lse_d
+
+
+def _randn(g, *shape, dtype):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_pod_mix(seed):
+    m = _mix("pod", seed)
+    hq, hkv, d, dt, b = m.hq, m.hkv, m.d, m.dtype, len(m.kv_d)
+    cache, kvi, idx, last, _, _ = make_paged(m.kv_d, hkv, d, d, m.page, layout=m.layout,
+                                             dtype=dt, seed=seed)
+    g = torch.Generator().manual_seed(1000 + seed)
+    (qo,), (kv,) = m.qo_p, m.kv_p
+    q_p, k_p, v_p = (_randn(g, qo, hq, d, dtype=dt), _randn(g, kv, hkv, d, dtype=dt),
+                     _randn(g, kv, hkv, d, dtype=dt))
+    q_d = _randn(g, b, hq, d, dtype=dt)
+    bufs = {}
+    if m.graph_bufs:  # buffers sized for more pages than this plan has
+        bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32),
+                    paged_kv_indices_buffer=torch.zeros(idx.numel() + 7, dtype=torch.int32),
+                    paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32))
+    w = fi.PODWithPagedKVCacheWrapper(WS, m.layout, bool(bufs), **bufs)
+    w.plan(kvi, idx, last, hq, hkv, d, m.page, window_left=m.window, q_data_type=dt,
+           sm_scale=m.sm_scale)
+    kk, vv = ((k_p, v_p) if m.layout_p == "NHD"
+              else (k_p.transpose(0, 1).contiguous(), v_p.transpose(0, 1).contiguous()))
+    pre = Case("ragged", q=q_p, k=k_p, v=v_p, qo_indptr=indptr([qo]), kv_indptr=indptr([kv]))
+    dec = _paged_case(q_d, cache, m.layout, [1] * b, kvi, idx, last)
+    p_pre = params(ops.MASK_CAUSAL if m.causal else ops.MASK_NONE, m.window_p,
+                   sm_scale=m.sm_scale_p, head_dim=d)
+    p_dec = params(ops.MASK_NONE, m.window, sm_scale=m.sm_scale, head_dim=d)
+    check_parts(pre, dec, p_pre, p_dec, lambda: _parts(w.run(
+        q_p, kk, vv, q_d, cache, causal_p=m.causal, kv_layout_p=m.layout_p,
+        sm_scale_p=m.sm_scale_p, window_left_p=m.window_p, return_lse_p=m.lse[0],
+        return_lse_d=m.lse[1]), m.lse))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_batch_pod_mix(seed):
+    m = _mix("batch_pod", seed)
+    hq, hkv, d, dt, b = m.hq, m.hkv, m.d, m.dtype, len(m.kv_d)
+    cache_p, kvi_p, idx_p, last_p, _, _ = make_paged(m.kv_p, hkv, d, d, m.page,
+                                                     layout=m.layout, dtype=dt, seed=seed)
+    cache_d, kvi_d, idx_d, last_d, _, _ = make_paged(m.kv_d, hkv, d, d, m.page,
+                                                     layout=m.layout, dtype=dt, seed=seed + 50)
+    g = torch.Generator().manual_seed(2000 + seed)
+    q_p, q_d = _randn(g, sum(m.qo_p), hq, d, dtype=dt), _randn(g, b, hq, d, dtype=dt)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS, m.layout)
+    w.plan(indptr(m.qo_p), kvi_p, idx_p, last_p, indptr([1] * b), kvi_d, idx_d, last_d, hq,
+           hkv, d, m.page, window_left=m.window, q_data_type=dt, sm_scale=m.sm_scale)
+    pre = _paged_case(q_p, cache_p, m.layout, m.qo_p, kvi_p, idx_p, last_p)
+    dec = _paged_case(q_d, cache_d, m.layout, [1] * b, kvi_d, idx_d, last_d)
+    p_pre = params(ops.MASK_CAUSAL if m.causal else ops.MASK_NONE, m.window,
+                   sm_scale=m.sm_scale, head_dim=d)
+    p_dec = params(ops.MASK_NONE, m.window, sm_scale=m.sm_scale, head_dim=d)
+    check_parts(pre, dec, p_pre, p_dec, lambda: _parts(
+        w.run(q_p, cache_p, q_d, cache_d, causal_p=m.causal, return_lse=m.lse[0]), m.lse))
+
+
+# (prefill, decode) soft caps of the op-level mixes: each part capped alone, then both
+SOFT_CAPS = [(2.0, 0.0), (0.0, 3.0), (1.5, 4.0)]
+
+
+@pytest.mark.parametrize("seed", range(len(SOFT_CAPS)))
+def test_pod_op_soft_cap_mix(seed):
+    # The wrappers take no soft cap (FlashInfer's POD fixes it at 0); the op takes one per
+    # part, with a window and a custom mask for the prefill part.
+    r = random.Random(f"op-{seed}")
+    hq, hkv = GQA[seed % 3]
+    d, dt = r.choice([16, 32]), (torch.float16, torch.float32)[seed % 2]
+    qo_p = [_odd_or_one(r, 40) for _ in range(r.randint(1, 3))]
+    kv_p = [n + r.randint(0, 20) for n in qo_p]
+    kv_d = [0 if r.random() < 0.15 else r.randint(1, 50) for _ in range(r.randint(1, 5))]
+    custom = r.random() < 0.5
+    pre = make_case("paged", qo_p, kv_p, hq, hkv, d, dtype=dt, page_size=r.choice(PAGES),
+                    custom_mask=custom, seed=seed)
+    dec = make_case("paged", [1] * len(kv_d), kv_d, hq, hkv, d, dtype=dt,
+                    page_size=r.choice(PAGES), seed=seed + 10)
+    cap_p, cap_d = SOFT_CAPS[seed]
+    check_pod(pre, dec,
+              params(ops.MASK_CUSTOM if custom else ops.MASK_CAUSAL, r.choice([-1, 5]),
+                     logits_soft_cap=cap_p, head_dim=d),
+              params(ops.MASK_NONE, r.choice([-1, 9]), sm_scale=0.4, logits_soft_cap=cap_d,
+                     head_dim=d))
+
+
+def test_mixes_cover_the_grid():
+    mixes = [(kind, _mix(kind, s)) for kind in ("pod", "batch_pod") for s in SEEDS]
+    for kind in ("pod", "batch_pod"):
+        ms = [m for k, m in mixes if k == kind]
+        assert {(m.hq, m.hkv) for m in ms} == set(GQA)
+        assert {m.page for m in ms} == set(PAGES)
+        assert {m.dtype for m in ms} == {torch.float16, torch.float32}
+        assert {m.causal for m in ms} == {True, False}
+        assert {m.layout for m in ms} == {"NHD", "HND"}
+        assert {m.sm_scale for m in ms} == {None, 0.3}
+        assert any(m.window < 0 for m in ms)
+        # a window that cuts keys of a decode request, and of a prefill row
+        assert any(0 <= m.window < n - 1 for m in ms for n in m.kv_d)
+        win_p = [(m.window_p if kind == "pod" else m.window, m) for m in ms]
+        assert any(0 <= w < k - 1 for w, m in win_p for q, k in zip(m.qo_p, m.kv_p) if q)
+        assert {m.lse for m in ms} >= {(True, True), (False, False)}
+        assert any(not m.kv_d for m in ms) and any(sum(m.qo_p) == 0 for m in ms)
+        assert any(not m.kv_d and sum(m.qo_p) == 0 for m in ms)
+        assert any(0 in m.kv_d for m in ms)  # a decode request without keys
+        lens = [(q, k) for m in ms for q, k in zip(m.qo_p, m.kv_p) if q]
+        assert any(q == 1 for q, _ in lens) and any(q % 2 and q > 1 for q, _ in lens)
+        assert any(q != k for q, k in lens)
+    pods = [m for k, m in mixes if k == "pod"]
+    assert {m.layout_p for m in pods} == {"NHD", "HND"}
+    assert any(m.graph_bufs for m in pods) and {m.sm_scale_p for m in pods} == {None, 0.7}
+    assert {m.lse for m in pods} >= {(True, False), (False, True)}
+    batch = [m for k, m in mixes if k == "batch_pod"]
+    assert any(q > k for m in batch for q, k in zip(m.qo_p, m.kv_p))
