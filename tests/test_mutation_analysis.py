@@ -13,7 +13,9 @@ written. So each launch family is analysed here, for an sm_90 target (no GPU nee
 write only its outputs.
 
 The launchers are called on CPU tensors with Triton's launch replaced by a recorder (nothing
-runs); the recorded arguments are what wrap_triton would hand torch's analysis.
+runs); the recorded arguments are what wrap_triton would hand torch's analysis. The same
+launches also compile from the source Inductor regenerates when it inlines them
+(torch.compile, AOTInductor), which carries only some kinds of globals.
 """
 
 from __future__ import annotations
