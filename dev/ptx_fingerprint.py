@@ -21,13 +21,14 @@ import sys
 
 import torch
 
+from compiled_attn.ops import choose
 from compiled_attn.ops import contracts as C
 from tests import sm90
 
 
 TRITON = {
     "single dense": (sm90.single_launch, {}),
-    "single persistent": (sm90.single_launch, {"_tma_hardware": lambda device: True}),
+    "single persistent": (sm90.single_launch, {"device_of": lambda device: choose.H100}),
     "ragged": (sm90.ragged_launch, {}),
     "ragged split+merge": (lambda: sm90.ragged_launch(True), {}),
     "ragged split row-max skip": (

@@ -21,7 +21,6 @@ Invariants the kernel relies on (the op layer and plan() guarantee them):
 from __future__ import annotations
 
 import math
-from collections import namedtuple
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -50,51 +49,41 @@ _LOG2E = tl.constexpr(LOG2E)  # (the kernels' view of it)
 # ---- the kernel's argument bundles ------------------------------------------------------------
 # The launched kernels (_prefill_fwd, _pod_fwd) keep flat signatures: torch's wrap_triton, its
 # mutation analysis and the bound-launch replay (launch.py) bind kernel arguments one by one.
-# They gather those arguments into these named tuples, which the inner functions (_prefill_items,
-# _program, _attend_range) take instead of long positional lists: Triton passes a named tuple's
-# fields like separate arguments, constexpr fields as constexprs, as long as the tuple is built
-# in the call (assigned to a name, its constexprs, such as strides specialised to 1, turn into
-# tensors).
-Tensors = namedtuple("Tensors", "q o lse qo_indptr kv_indptr page_idx last_page_len mask "
-                     "mask_indptr alibi sinks")
-Tensors.__doc__ = """\
-    A launch's tensors but K and V (pointers; unused ones stand in for an option that is
-    off): q, o, lse and the ragged / paged indptrs, page table, mask and per-head vectors."""
-
-
-Strides = namedtuple("Strides", "qb qt qh qd kb kt kp kh kd vb vt vp vh vd ob ot oh lb lt lh")
-Strides.__doc__ = """\
-    Element strides: q (batch, token, head, dim), k / v (batch, token, page, head, dim),
-    o and lse (batch, token, head)."""
-
-
-Scalars = namedtuple("Scalars", "dense_qo_len dense_kv_len qk_scale soft_cap window_left "
-                     "chunk_size rope_rcp_scale log2_theta v_scale")
-Scalars.__doc__ = """\
-    Runtime scalars (floats in fp32): dense mode's lengths, the base-2 logit scale and the
-    options' values (_flags)."""
-
-
-Options = namedtuple("Options", "KV_MODE PAGE_SIZE GROUP MASK_MODE HAS_WINDOW HAS_CHUNK "
-                     "SOFT_CAP ALIBI ROPE SINKS FOLD BLOCK_M BLOCK_N BLOCK_DQK "
-                     "BLOCK_DVO DQK DVO NUM_STAGES TMA SPLIT ROW STATS SKIP "
-                     "SKIP_LOG2")
-Options.__doc__ = """\
-    The constexpr switches and tile sizes (_program_args' consts; SPLIT, ROW: the work
-    list's split fields and row length; STATS, SKIP, SKIP_LOG2: _program)."""
-
-
-Rows = namedtuple("Rows", "q q2 p_row tok row_ok slope mask_base")
-Rows.__doc__ = """\
-    A tile's query rows for _attend_range: q (RoPE: first half; q2 the second), each row's
-    position, token and validity, ALiBi slope, and the custom mask's first bit."""
-
-
-Keys = namedtuple("Keys", "kv_len kv_coord hkv k v k_desc v_desc page_base")
-Keys.__doc__ = """\
-    A work item's keys for _attend_range: kv_len, the TMA coordinate of its first key, the KV
-    head, K / V at this head (pointers, or descriptors over the whole K / V), the per-item
-    descriptors (TMA 1; else the same as k / v) and the first page-table entry."""
+# They gather those arguments into plain tuples, which the inner functions (_prefill_items,
+# _program, _attend_range) take instead of long positional lists; a field is read by the
+# tl.constexpr index below (``st[ST_KT]``, ``C[O_BLOCK_N]``). Triton passes a tuple's fields
+# like separate arguments, constexpr fields as constexprs, as long as the tuple is built in the
+# call (assigned to a name, its constexprs, such as strides specialised to 1, turn into
+# tensors). Plain tuples and tl.constexpr globals, not named tuples: torch.compile and
+# AOTInductor inline a launch by regenerating the kernel's source in a module of their own,
+# which carries jit functions and tl.constexpr / int / str / bool globals only
+# (tests/test_mutation_analysis.py). Each bundle's fields, in order (the prefix names it):
+#
+# ptrs (P_): a launch's tensors but K and V (pointers; unused ones stand in for an option that
+#   is off): q, o, lse and the ragged / paged indptrs, page table, mask and per-head vectors.
+(P_Q, P_O, P_LSE, P_QO_INDPTR, P_KV_INDPTR, P_PAGE_IDX, P_LAST_PAGE_LEN, P_MASK, P_MASK_INDPTR,
+ P_ALIBI, P_SINKS) = map(tl.constexpr, range(11))
+# st (ST_): element strides: q (batch, token, head, dim), k / v (batch, token, page, head, dim),
+#   o and lse (batch, token, head) (STRIDE_FIELDS spells them on the host).
+(ST_QB, ST_QT, ST_QH, ST_QD, ST_KB, ST_KT, ST_KP, ST_KH, ST_KD, ST_VB, ST_VT, ST_VP, ST_VH,
+ ST_VD, ST_OB, ST_OT, ST_OH, ST_LB, ST_LT, ST_LH) = map(tl.constexpr, range(20))
+# sc (SC_): runtime scalars (floats in fp32): dense mode's lengths, the base-2 logit scale and
+#   the options' values (_flags).
+(SC_DENSE_QO_LEN, SC_DENSE_KV_LEN, SC_QK_SCALE, SC_SOFT_CAP, SC_WINDOW_LEFT, SC_CHUNK_SIZE,
+ SC_ROPE_RCP_SCALE, SC_LOG2_THETA, SC_V_SCALE) = map(tl.constexpr, range(9))
+# C (O_): the constexpr switches and tile sizes (_program_args' consts; SPLIT, ROW: the work
+#   list's split fields and row length; STATS, SKIP, SKIP_LOG2: _program).
+(O_KV_MODE, O_PAGE_SIZE, O_GROUP, O_MASK_MODE, O_HAS_WINDOW, O_HAS_CHUNK, O_SOFT_CAP, O_ALIBI,
+ O_ROPE, O_SINKS, O_FOLD, O_BLOCK_M, O_BLOCK_N, O_BLOCK_DQK, O_BLOCK_DVO, O_DQK, O_DVO,
+ O_NUM_STAGES, O_TMA, O_SPLIT, O_ROW, O_STATS, O_SKIP, O_SKIP_LOG2) = map(tl.constexpr, range(24))
+# rows (R_): a tile's query rows for _attend_range: q (RoPE: first half; q2 the second), each
+#   row's position, token and validity, ALiBi slope, and the custom mask's first bit.
+R_Q, R_Q2, R_P_ROW, R_TOK, R_ROW_OK, R_SLOPE, R_MASK_BASE = map(tl.constexpr, range(7))
+# keys (KEY_): a work item's keys for _attend_range: kv_len, the TMA coordinate of its first
+#   key, the KV head, K / V at this head (pointers, or descriptors over the whole K / V), the
+#   per-item descriptors (TMA 1; else the same as k / v) and the first page-table entry.
+(KEY_KV_LEN, KEY_KV_COORD, KEY_HKV, KEY_K_HEAD, KEY_V_HEAD, KEY_K_DESC, KEY_V_DESC,
+ KEY_PAGE_BASE) = map(tl.constexpr, range(8))
 
 # ptxas of triton 3.6 crashes on 2-stage pipelines that load K/V through tensor descriptors or
 # as whole-page 3D blocks (seen on the H100): the launch (choose.config) and the kernel (PAGE3D)
@@ -184,166 +173,173 @@ def _load_tile(desc, kv_coord, hkv, n, TMA: tl.constexpr, KV_MODE: tl.constexpr,
 @triton.jit
 def _attend_range(acc, l_i, m_i, n_lo, n_hi, MASKED: tl.constexpr, rows, keys, ptrs, st, sc, C):
     """Online softmax over keys [n_lo, n_hi) (multiples of BLOCK_N except n_hi) of the tile's
-    rows (Rows) against the item's keys (Keys); ptrs, st, sc, C: the launch's Tensors, Strides,
-    Scalars and Options. MASKED tiles apply the visibility rule; unmasked ones are known to be
-    fully visible to every row. With TMA 1, K and V tiles come through the per-program
-    descriptors keys.k_desc / v_desc (shape [kv_len, D] of this request and head: keys past
-    kv_len and dims past D read as 0), with TMA 2 / 3 through descriptors over the whole K / V:
-    both by _load_tile. SKIP: a row drops a tile whose max is below its running max by more
-    than log2(kv_len) - SKIP_LOG2 (base 2; SKIP_LOG2 = log2 of the factor,
+    rows (R_ fields) against the item's keys (KEY_ fields); ptrs, st, sc, C: the launch's
+    bundles (P_, ST_, SC_, O_ fields). MASKED tiles apply the visibility rule; unmasked ones
+    are known to be fully visible to every row. With TMA 1, K and V tiles come through the
+    per-program descriptors KEY_K_DESC / KEY_V_DESC (shape [kv_len, D] of this request and
+    head: keys past kv_len and dims past D read as 0), with TMA 2 / 3 through descriptors over
+    the whole K / V: both by _load_tile. SKIP: a row drops a tile whose max is below its
+    running max by more than log2(kv_len) - SKIP_LOG2 (base 2; SKIP_LOG2 = log2 of the factor,
     contracts._stats_skip); a tile no row keeps skips its P.V."""
-    offs_n = tl.arange(0, C.BLOCK_N)
-    HALF: tl.constexpr = C.BLOCK_DQK // 2
-    RH: tl.constexpr = C.DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
-    if C.ROPE:
+    q = rows[R_Q]
+    kv_len = keys[KEY_KV_LEN]
+    page_base = keys[KEY_PAGE_BASE]
+    page_idx = ptrs[P_PAGE_IDX]
+    offs_n = tl.arange(0, C[O_BLOCK_N])
+    HALF: tl.constexpr = C[O_BLOCK_DQK] // 2
+    RH: tl.constexpr = C[O_DQK] // 2  # RoPE: where the second half starts (HALF lanes, RH real)
+    if C[O_ROPE]:
         offs_d1 = tl.arange(0, HALF)
     else:
-        offs_d1 = tl.arange(0, C.BLOCK_DQK)
-    offs_dv = tl.arange(0, C.BLOCK_DVO)
+        offs_d1 = tl.arange(0, C[O_BLOCK_DQK])
+    offs_dv = tl.arange(0, C[O_BLOCK_DVO])
     # Paged: the page indices of a tile are read one tile ahead (loop-carried), so that its K/V
     # addresses do not wait on a load of the same iteration (the pipeliner then streams K/V as
     # deep as for contiguous keys). Per-key reads (page 1, pages that do not tile BLOCK_N)
     # carry the [BLOCK_N] pages; whole-page tiles carry their [NP] page indices.
-    AHEAD: tl.constexpr = C.KV_MODE == 2 and C.PAGE_SIZE % C.BLOCK_N != 0 and (
-        C.PAGE_SIZE == 1 or C.BLOCK_N % C.PAGE_SIZE != 0)
-    AHEAD_NP: tl.constexpr = C.KV_MODE == 2 and C.PAGE_SIZE > 1 and \
-        C.PAGE_SIZE % C.BLOCK_N != 0 and C.BLOCK_N % C.PAGE_SIZE == 0
-    NP: tl.constexpr = C.BLOCK_N // C.PAGE_SIZE if AHEAD_NP else 1
+    AHEAD: tl.constexpr = C[O_KV_MODE] == 2 and C[O_PAGE_SIZE] % C[O_BLOCK_N] != 0 and (
+        C[O_PAGE_SIZE] == 1 or C[O_BLOCK_N] % C[O_PAGE_SIZE] != 0)
+    AHEAD_NP: tl.constexpr = C[O_KV_MODE] == 2 and C[O_PAGE_SIZE] > 1 and \
+        C[O_PAGE_SIZE] % C[O_BLOCK_N] != 0 and C[O_BLOCK_N] % C[O_PAGE_SIZE] == 0
+    NP: tl.constexpr = C[O_BLOCK_N] // C[O_PAGE_SIZE] if AHEAD_NP else 1
     # Whole-page tiles load K/V as [NP, PAGE_SIZE, D] blocks (one page per slice, reshaped to
     # [BLOCK_N, D]): a thread's vectors then lie in one page, so it needs one page index and one
     # 64-bit page offset per load instead of one per key it touches. Not with CRASH_STAGES
     # (custom masks, D 256).
-    PAGE3D: tl.constexpr = AHEAD_NP and not C.ROPE and C.NUM_STAGES != CRASH_STAGES
+    PAGE3D: tl.constexpr = AHEAD_NP and not C[O_ROPE] and C[O_NUM_STAGES] != CRASH_STAGES
     if PAGE3D:
-        offs_p3 = (tl.arange(0, NP) * C.PAGE_SIZE)[:, None, None] + \
-            tl.arange(0, C.PAGE_SIZE)[None, :, None]
-        slot3 = tl.arange(0, C.PAGE_SIZE).to(tl.int64)[None, :, None]
+        offs_p3 = (tl.arange(0, NP) * C[O_PAGE_SIZE])[:, None, None] + \
+            tl.arange(0, C[O_PAGE_SIZE])[None, :, None]
+        slot3 = tl.arange(0, C[O_PAGE_SIZE]).to(tl.int64)[None, :, None]
     if AHEAD:
-        pages = _page_of_keys(n_lo, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE,
-                              C.BLOCK_N)
+        pages = _page_of_keys(n_lo, kv_len, page_base, page_idx, C[O_PAGE_SIZE],
+                              C[O_BLOCK_N])
     if AHEAD_NP:
-        pnp = _whole_pages(n_lo, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE, NP)
-    for n in tl.range(n_lo, n_hi, C.BLOCK_N, num_stages=C.NUM_STAGES):
+        pnp = _whole_pages(n_lo, kv_len, page_base, page_idx, C[O_PAGE_SIZE], NP)
+    for n in tl.range(n_lo, n_hi, C[O_BLOCK_N], num_stages=C[O_NUM_STAGES]):
         j = n + offs_n
-        j_ok = j < keys.kv_len
+        j_ok = j < kv_len
         if PAGE3D:
             pg3 = pnp.to(tl.int64)[:, None, None]
-            pnp = _whole_pages(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
-                               C.PAGE_SIZE, NP)
-            ok3 = (n + offs_p3) < keys.kv_len
-        elif not C.TMA:
-            if C.KV_MODE == 2:
+            pnp = _whole_pages(n + C[O_BLOCK_N], kv_len, page_base, page_idx,
+                               C[O_PAGE_SIZE], NP)
+            ok3 = (n + offs_p3) < kv_len
+        elif not C[O_TMA]:
+            if C[O_KV_MODE] == 2:
                 if AHEAD:
                     pg = pages.to(tl.int64)
-                    pages = _page_of_keys(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
-                                          C.PAGE_SIZE, C.BLOCK_N)
+                    pages = _page_of_keys(n + C[O_BLOCK_N], kv_len, page_base, page_idx,
+                                          C[O_PAGE_SIZE], C[O_BLOCK_N])
                 elif AHEAD_NP:
-                    pg = tl.reshape(tl.broadcast_to(pnp[:, None], [NP, C.PAGE_SIZE]), [C.BLOCK_N])
+                    pg = tl.reshape(tl.broadcast_to(pnp[:, None], [NP, C[O_PAGE_SIZE]]),
+                                    [C[O_BLOCK_N]])
                     pg = pg.to(tl.int64)
-                    pnp = _whole_pages(n + C.BLOCK_N, keys.kv_len, keys.page_base, ptrs.page_idx,
-                                       C.PAGE_SIZE, NP)
+                    pnp = _whole_pages(n + C[O_BLOCK_N], kv_len, page_base, page_idx,
+                                       C[O_PAGE_SIZE], NP)
                 else:
-                    pg = _page_of_keys(n, keys.kv_len, keys.page_base, ptrs.page_idx, C.PAGE_SIZE,
-                                       C.BLOCK_N).to(tl.int64)
-                slot = (j % C.PAGE_SIZE).to(tl.int64)
-                k_off = pg * st.kp + slot * st.kt
-                v_off = pg * st.vp + slot * st.vt
+                    pg = _page_of_keys(n, kv_len, page_base, page_idx, C[O_PAGE_SIZE],
+                                       C[O_BLOCK_N]).to(tl.int64)
+                slot = (j % C[O_PAGE_SIZE]).to(tl.int64)
+                k_off = pg * st[ST_KP] + slot * st[ST_KT]
+                v_off = pg * st[ST_VP] + slot * st[ST_VT]
             else:
-                k_off = j.to(tl.int64) * st.kt
-                v_off = j.to(tl.int64) * st.vt
-            kt_ptrs = keys.k + k_off[None, :] + offs_d1[:, None].to(tl.int64) * st.kd
-        if C.TMA:
-            k = _load_tile(keys.k_desc, keys.kv_coord, keys.hkv, n, C.TMA, C.KV_MODE, C.BLOCK_N,
-                           C.BLOCK_DQK)
-            s = tl.dot(rows.q, tl.trans(k.to(rows.q.dtype)))
+                k_off = j.to(tl.int64) * st[ST_KT]
+                v_off = j.to(tl.int64) * st[ST_VT]
+            kt_ptrs = keys[KEY_K_HEAD] + k_off[None, :] + offs_d1[:, None].to(tl.int64) * st[ST_KD]
+        if C[O_TMA]:
+            k = _load_tile(keys[KEY_K_DESC], keys[KEY_KV_COORD], keys[KEY_HKV], n, C[O_TMA],
+                           C[O_KV_MODE], C[O_BLOCK_N], C[O_BLOCK_DQK])
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
         elif PAGE3D:
-            k = _load_pages(keys.k, pg3, slot3, ok3, offs_d1, st.kp, st.kt, st.kd,
-                            MASKED, C.DQK, C.BLOCK_N, C.BLOCK_DQK)
-            s = tl.dot(rows.q, tl.trans(k.to(rows.q.dtype)))
-        elif C.ROPE:
+            k = _load_pages(keys[KEY_K_HEAD], pg3, slot3, ok3, offs_d1, st[ST_KP], st[ST_KT],
+                            st[ST_KD], MASKED, C[O_DQK], C[O_BLOCK_N], C[O_BLOCK_DQK])
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        elif C[O_ROPE]:
             k_ok = j_ok[None, :]
             if RH != HALF:
                 k_ok = k_ok & (offs_d1[:, None] < RH)
             k1 = tl.load(kt_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            k2 = tl.load(kt_ptrs + RH * st.kd, mask=k_ok, other=0.0).to(tl.float32)
-            k1, k2 = _rope(k1, k2, j, sc.rope_rcp_scale, sc.log2_theta, HALF, False, C.DQK)
-            s = tl.dot(rows.q, k1.to(rows.q.dtype)) + tl.dot(rows.q2, k2.to(rows.q.dtype))
-        elif MASKED or C.DQK != C.BLOCK_DQK:
-            k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < C.DQK), other=0.0)
-            s = tl.dot(rows.q, k.to(rows.q.dtype))
+            k2 = tl.load(kt_ptrs + RH * st[ST_KD], mask=k_ok, other=0.0).to(tl.float32)
+            k1, k2 = _rope(k1, k2, j, sc[SC_ROPE_RCP_SCALE], sc[SC_LOG2_THETA], HALF, False,
+                           C[O_DQK])
+            s = tl.dot(q, k1.to(q.dtype)) + tl.dot(rows[R_Q2], k2.to(q.dtype))
+        elif MASKED or C[O_DQK] != C[O_BLOCK_DQK]:
+            k = tl.load(kt_ptrs, mask=j_ok[None, :] & (offs_d1[:, None] < C[O_DQK]), other=0.0)
+            s = tl.dot(q, k.to(q.dtype))
         else:
             k = tl.load(kt_ptrs)  # unmasked range: every key is < kv_len
-            s = tl.dot(rows.q, k.to(rows.q.dtype))
+            s = tl.dot(q, k.to(q.dtype))
         # FOLD (no cap, no ALiBi, positive scale): an unmasked tile keeps the raw products and
         # folds the scale into the exp2 argument (one FMA per logit).
-        UNSCALED: tl.constexpr = C.FOLD and not MASKED
-        if C.SOFT_CAP:
-            s = _tanh(s * (sc.qk_scale / sc.soft_cap)) * (sc.soft_cap * _LOG2E)
+        UNSCALED: tl.constexpr = C[O_FOLD] and not MASKED
+        if C[O_SOFT_CAP]:
+            s = _tanh(s * (sc[SC_QK_SCALE] / sc[SC_SOFT_CAP])) * (sc[SC_SOFT_CAP] * _LOG2E)
         elif not UNSCALED:
-            s = s * sc.qk_scale
-        if C.ALIBI:
-            dist = (j[None, :] - rows.p_row[:, None]).to(tl.float32)
-            s += (rows.slope * _LOG2E)[:, None] * dist
+            s = s * sc[SC_QK_SCALE]
+        if C[O_ALIBI]:
+            dist = (j[None, :] - rows[R_P_ROW][:, None]).to(tl.float32)
+            s += (rows[R_SLOPE] * _LOG2E)[:, None] * dist
         if MASKED:
-            see = j_ok[None, :] & rows.row_ok[:, None]
-            if C.MASK_MODE == 1:
-                see = see & (j[None, :] <= rows.p_row[:, None])
-            if C.MASK_MODE == 2:
-                bit = rows.mask_base + rows.tok.to(tl.int64)[:, None] * keys.kv_len + j[None, :]
-                byte = tl.load(ptrs.mask + (bit >> 3), mask=see, other=0)
+            see = j_ok[None, :] & rows[R_ROW_OK][:, None]
+            if C[O_MASK_MODE] == 1:
+                see = see & (j[None, :] <= rows[R_P_ROW][:, None])
+            if C[O_MASK_MODE] == 2:
+                bit = rows[R_MASK_BASE] + rows[R_TOK].to(tl.int64)[:, None] * kv_len + j[None, :]
+                byte = tl.load(ptrs[P_MASK] + (bit >> 3), mask=see, other=0)
                 see = see & (((byte.to(tl.int32) >> (bit & 7).to(tl.int32)) & 1) != 0)
-            if C.HAS_WINDOW:
-                see = see & (j[None, :] >= rows.p_row[:, None] - sc.window_left)
-            if C.HAS_CHUNK:
-                see = see & (j[None, :] >= (rows.p_row[:, None] // sc.chunk_size) * sc.chunk_size)
-                see = see & (j[None, :] <= rows.p_row[:, None])
+            if C[O_HAS_WINDOW]:
+                see = see & (j[None, :] >= rows[R_P_ROW][:, None] - sc[SC_WINDOW_LEFT])
+            if C[O_HAS_CHUNK]:
+                see = see & (j[None, :] >= (rows[R_P_ROW][:, None] // sc[SC_CHUNK_SIZE]) *
+                             sc[SC_CHUNK_SIZE])
+                see = see & (j[None, :] <= rows[R_P_ROW][:, None])
             s = tl.where(see, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row that has seen nothing yet keeps m = -inf; subtract 0 instead (no NaN).
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             if UNSCALED:
-                m_new = tl.maximum(m_i, tl.max(s, 1) * sc.qk_scale)
+                m_new = tl.maximum(m_i, tl.max(s, 1) * sc[SC_QK_SCALE])
             else:
                 m_new = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_new
         use_tile = True
-        if C.SKIP:
+        if C[O_SKIP]:
             if UNSCALED:
-                t_max = tl.max(s, 1) * sc.qk_scale
+                t_max = tl.max(s, 1) * sc[SC_QK_SCALE]
             else:
                 t_max = tl.max(s, 1)
-            thr = C.SKIP_LOG2 - tl.log2(keys.kv_len.to(tl.float32))
+            thr = C[O_SKIP_LOG2] - tl.log2(kv_len.to(tl.float32))
             keep = (t_max > float("-inf")) & (t_max >= m_i + thr)
             m_new = tl.where(keep, m_new, m_i)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
             use_tile = tl.max(keep.to(tl.int32), 0) > 0
         if UNSCALED:
-            p = tl.exp2(s * sc.qk_scale - m_sub[:, None])
+            p = tl.exp2(s * sc[SC_QK_SCALE] - m_sub[:, None])
         else:
             p = tl.exp2(s - m_sub[:, None])
-        if C.SKIP:
+        if C[O_SKIP]:
             p = tl.where(keep[:, None], p, 0.0)
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if C.TMA:
-            v = _load_tile(keys.v_desc, keys.kv_coord, keys.hkv, n, C.TMA, C.KV_MODE, C.BLOCK_N,
-                           C.BLOCK_DVO)
-            if C.TMA >= 2 and MASKED and C.KV_MODE == 1:
+        if C[O_TMA]:
+            v = _load_tile(keys[KEY_V_DESC], keys[KEY_KV_COORD], keys[KEY_HKV], n, C[O_TMA],
+                           C[O_KV_MODE], C[O_BLOCK_N], C[O_BLOCK_DVO])
+            if C[O_TMA] >= 2 and MASKED and C[O_KV_MODE] == 1:
                 # Ragged rows past kv_len belong to the next request (finite or not): p is 0
                 # there, but 0 * inf is NaN, so they are zeroed (TMA 1 reads them as 0).
                 v = tl.where(j_ok[:, None], v, 0.0)
         elif PAGE3D:
-            v = _load_pages(keys.v, pg3, slot3, ok3, offs_dv, st.vp, st.vt, st.vd,
-                            MASKED, C.DVO, C.BLOCK_N, C.BLOCK_DVO)
+            v = _load_pages(keys[KEY_V_HEAD], pg3, slot3, ok3, offs_dv, st[ST_VP], st[ST_VT],
+                            st[ST_VD], MASKED, C[O_DVO], C[O_BLOCK_N], C[O_BLOCK_DVO])
         else:
-            v_ptrs = keys.v + v_off[:, None] + offs_dv[None, :].to(tl.int64) * st.vd
-            if MASKED or C.DVO != C.BLOCK_DVO:
-                v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < C.DVO), other=0.0)
+            v_ptrs = keys[KEY_V_HEAD] + v_off[:, None] + offs_dv[None, :].to(tl.int64) * st[ST_VD]
+            if MASKED or C[O_DVO] != C[O_BLOCK_DVO]:
+                v = tl.load(v_ptrs, mask=j_ok[:, None] & (offs_dv[None, :] < C[O_DVO]), other=0.0)
             else:
                 v = tl.load(v_ptrs)
         if use_tile:  # (SKIP: no row kept the tile, whose P.V then adds nothing)
-            acc = acc * alpha[:, None] + tl.dot(p.to(rows.q.dtype), v.to(rows.q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
     return acc, l_i, m_i
 
@@ -361,7 +357,7 @@ def _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_ptr, 
     also take the row max (base 2) one element after the LSE, and part_l is [W, Hkv, 2,
     BLOCK_M] (chunk LSEs, then chunk maxima). SKIP, SKIP_LOG2: _attend_range. k_ptr / v_ptr:
     K and V (pointers, or with TMA 2 / 3 descriptors over the whole tensors); ptrs, st, sc, C:
-    the launch's Tensors, Strides, Scalars and Options (the names below are theirs)."""
+    the launch's bundles (P_, ST_, SC_, O_ fields; the names below are theirs)."""
     # ---- the work item -------------------------------------------------------------------------
     # Its row is read here, in the function that uses it, not by a helper: torch's mutation
     # analysis (torch.compile / export tracing this launch) follows a helper's results back to
@@ -370,181 +366,180 @@ def _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_ptr, 
     # (tests/test_mutation_analysis.py). A load's result is not followed back to its pointer.
     split = 0
     nsplit = 1
-    if C.KV_MODE != 0:
-        req = tl.load(work_ptr + x * C.ROW)
-        row0 = tl.load(work_ptr + x * C.ROW + 1)
-        if C.SPLIT:
-            split = tl.load(work_ptr + x * C.ROW + 2)
-            nsplit = tl.load(work_ptr + x * C.ROW + 3)
+    if C[O_KV_MODE] != 0:
+        req = tl.load(work_ptr + x * C[O_ROW])
+        row0 = tl.load(work_ptr + x * C[O_ROW] + 1)
+        if C[O_SPLIT]:
+            split = tl.load(work_ptr + x * C[O_ROW] + 2)
+            nsplit = tl.load(work_ptr + x * C[O_ROW] + 3)
 
     # ---- the request's rows and keys ---------------------------------------------------------
-    if C.KV_MODE == 0:
-        qo_len = sc.dense_qo_len
-        kv_len = sc.dense_kv_len
-        q_base = req.to(tl.int64) * st.qb
-        o_base = req.to(tl.int64) * st.ob
-        l_base = req.to(tl.int64) * st.lb
-        kv_base = req.to(tl.int64) * st.kb
-        vv_base = req.to(tl.int64) * st.vb
+    if C[O_KV_MODE] == 0:
+        qo_len = sc[SC_DENSE_QO_LEN]
+        kv_len = sc[SC_DENSE_KV_LEN]
+        q_base = req.to(tl.int64) * st[ST_QB]
+        o_base = req.to(tl.int64) * st[ST_OB]
+        l_base = req.to(tl.int64) * st[ST_LB]
+        kv_base = req.to(tl.int64) * st[ST_KB]
+        vv_base = req.to(tl.int64) * st[ST_VB]
         kv_coord = req
         page_base = 0
-        mask_base = req.to(tl.int64) * sc.dense_qo_len * sc.dense_kv_len
+        mask_base = req.to(tl.int64) * sc[SC_DENSE_QO_LEN] * sc[SC_DENSE_KV_LEN]
     else:
         req_c = tl.maximum(req, 0)
-        qo_start = tl.load(ptrs.qo_indptr + req_c)
-        qo_len = tl.load(ptrs.qo_indptr + req_c + 1) - qo_start
-        q_base = qo_start.to(tl.int64) * st.qt
-        o_base = qo_start.to(tl.int64) * st.ot
-        l_base = qo_start.to(tl.int64) * st.lt
-        if C.KV_MODE == 1:
-            kv_start = tl.load(ptrs.kv_indptr + req_c)
-            kv_len = tl.load(ptrs.kv_indptr + req_c + 1) - kv_start
-            kv_base = kv_start.to(tl.int64) * st.kt
-            vv_base = kv_start.to(tl.int64) * st.vt
+        qo_start = tl.load(ptrs[P_QO_INDPTR] + req_c)
+        qo_len = tl.load(ptrs[P_QO_INDPTR] + req_c + 1) - qo_start
+        q_base = qo_start.to(tl.int64) * st[ST_QT]
+        o_base = qo_start.to(tl.int64) * st[ST_OT]
+        l_base = qo_start.to(tl.int64) * st[ST_LT]
+        if C[O_KV_MODE] == 1:
+            kv_start = tl.load(ptrs[P_KV_INDPTR] + req_c)
+            kv_len = tl.load(ptrs[P_KV_INDPTR] + req_c + 1) - kv_start
+            kv_base = kv_start.to(tl.int64) * st[ST_KT]
+            vv_base = kv_start.to(tl.int64) * st[ST_VT]
             kv_coord = kv_start
             page_base = 0
         else:
-            page_base = tl.load(ptrs.kv_indptr + req_c)
-            npages = tl.load(ptrs.kv_indptr + req_c + 1) - page_base
-            last = tl.load(ptrs.last_page_len + req_c)
-            kv_len = tl.where(npages > 0, (npages - 1) * C.PAGE_SIZE + last, 0)
+            page_base = tl.load(ptrs[P_KV_INDPTR] + req_c)
+            npages = tl.load(ptrs[P_KV_INDPTR] + req_c + 1) - page_base
+            last = tl.load(ptrs[P_LAST_PAGE_LEN] + req_c)
+            kv_len = tl.where(npages > 0, (npages - 1) * C[O_PAGE_SIZE] + last, 0)
             kv_base = 0
             vv_base = 0
             kv_coord = 0
-        if C.MASK_MODE == 2:
-            mask_base = tl.load(ptrs.mask_indptr + req_c).to(tl.int64) * 8
+        if C[O_MASK_MODE] == 2:
+            mask_base = tl.load(ptrs[P_MASK_INDPTR] + req_c).to(tl.int64) * 8
         else:
             mask_base = 0
         qo_len = tl.where(req < 0, 0, qo_len)  # padding item: no rows
-    if C.TMA == 3:
+    if C[O_TMA] == 3:
         # Called in the persistent loop, where Triton allows no early return: an item past the
         # request's rows (a padding item) sees no keys and stores nothing (row_ok is all off).
-        kv_len = tl.where(row0 < qo_len * C.GROUP, kv_len, 0)
-    elif row0 >= qo_len * C.GROUP:
+        kv_len = tl.where(row0 < qo_len * C[O_GROUP], kv_len, 0)
+    elif row0 >= qo_len * C[O_GROUP]:
         return
 
-    offs_m = row0 + tl.arange(0, C.BLOCK_M)
-    tok = offs_m // C.GROUP
-    head = hkv * C.GROUP + offs_m % C.GROUP
+    offs_m = row0 + tl.arange(0, C[O_BLOCK_M])
+    tok = offs_m // C[O_GROUP]
+    head = hkv * C[O_GROUP] + offs_m % C[O_GROUP]
     row_ok = tok < qo_len
     p_row = kv_len - qo_len + tok
     # positions of the tile's first and last valid rows
-    tok_lo = row0 // C.GROUP
-    tok_hi = tl.minimum((row0 + C.BLOCK_M - 1) // C.GROUP, qo_len - 1)
+    tok_lo = row0 // C[O_GROUP]
+    tok_hi = tl.minimum((row0 + C[O_BLOCK_M] - 1) // C[O_GROUP], qo_len - 1)
     p_lo = kv_len - qo_len + tok_lo
     p_hi = kv_len - qo_len + tok_hi
 
     # ---- load q (int64 offsets), RoPE'd in place when asked ---------------------------------
-    q_rows = ptrs.q + q_base + tok.to(tl.int64) * st.qt + head.to(tl.int64) * st.qh
-    HALF: tl.constexpr = C.BLOCK_DQK // 2
-    RH: tl.constexpr = C.DQK // 2  # RoPE: where the second half starts (HALF lanes, RH real)
-    if C.ROPE:
+    q_rows = ptrs[P_Q] + q_base + tok.to(tl.int64) * st[ST_QT] + head.to(tl.int64) * st[ST_QH]
+    HALF: tl.constexpr = C[O_BLOCK_DQK] // 2
+    RH: tl.constexpr = C[O_DQK] // 2  # RoPE: where the second half starts (HALF lanes, RH real)
+    if C[O_ROPE]:
         lanes = tl.arange(0, HALF)
-        offs_h = lanes.to(tl.int64) * st.qd
+        offs_h = lanes.to(tl.int64) * st[ST_QD]
         q_ok = row_ok[:, None] & (lanes[None, :] < RH)
         q1 = tl.load(q_rows[:, None] + offs_h[None, :], mask=q_ok, other=0.0)
-        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + RH * st.qd, mask=q_ok, other=0.0)
-        r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, sc.rope_rcp_scale,
-                       sc.log2_theta, HALF, True, C.DQK)
+        q2 = tl.load(q_rows[:, None] + offs_h[None, :] + RH * st[ST_QD], mask=q_ok, other=0.0)
+        r1, r2 = _rope(q1.to(tl.float32), q2.to(tl.float32), p_row, sc[SC_ROPE_RCP_SCALE],
+                       sc[SC_LOG2_THETA], HALF, True, C[O_DQK])
         q = r1.to(q1.dtype)
         q2 = r2.to(q1.dtype)
     else:
-        offs_d = tl.arange(0, C.BLOCK_DQK)
-        q = tl.load(q_rows[:, None] + offs_d[None, :].to(tl.int64) * st.qd,
-                    mask=row_ok[:, None] & (offs_d[None, :] < C.DQK), other=0.0)
+        offs_d = tl.arange(0, C[O_BLOCK_DQK])
+        q = tl.load(q_rows[:, None] + offs_d[None, :].to(tl.int64) * st[ST_QD],
+                    mask=row_ok[:, None] & (offs_d[None, :] < C[O_DQK]), other=0.0)
         q2 = q
 
-    if C.ALIBI:
-        slope = tl.load(ptrs.alibi + head).to(tl.float32)
+    if C[O_ALIBI]:
+        slope = tl.load(ptrs[P_ALIBI] + head).to(tl.float32)
     else:
-        slope = tl.zeros([C.BLOCK_M], dtype=tl.float32)
+        slope = tl.zeros([C[O_BLOCK_M]], dtype=tl.float32)
 
     # ---- the key ranges: [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked ----------------
     n0 = 0
     n1 = kv_len
     u0 = 0
     u1 = kv_len
-    if C.MASK_MODE == 1 or C.HAS_CHUNK:
+    if C[O_MASK_MODE] == 1 or C[O_HAS_CHUNK]:
         n1 = tl.minimum(n1, p_hi + 1)
         u1 = tl.minimum(u1, p_lo + 1)
-    if C.HAS_WINDOW:
-        n0 = tl.maximum(n0, p_lo - sc.window_left)
-        u0 = tl.maximum(u0, p_hi - sc.window_left)
-    if C.HAS_CHUNK:
-        n0 = tl.maximum(n0, (p_lo // sc.chunk_size) * sc.chunk_size)
-        u0 = tl.maximum(u0, (p_hi // sc.chunk_size) * sc.chunk_size)
-    n0 = (n0 // C.BLOCK_N) * C.BLOCK_N
-    u0 = ((u0 + C.BLOCK_N - 1) // C.BLOCK_N) * C.BLOCK_N
-    u1 = (u1 // C.BLOCK_N) * C.BLOCK_N
-    if C.MASK_MODE == 2:
+    if C[O_HAS_WINDOW]:
+        n0 = tl.maximum(n0, p_lo - sc[SC_WINDOW_LEFT])
+        u0 = tl.maximum(u0, p_hi - sc[SC_WINDOW_LEFT])
+    if C[O_HAS_CHUNK]:
+        n0 = tl.maximum(n0, (p_lo // sc[SC_CHUNK_SIZE]) * sc[SC_CHUNK_SIZE])
+        u0 = tl.maximum(u0, (p_hi // sc[SC_CHUNK_SIZE]) * sc[SC_CHUNK_SIZE])
+    n0 = (n0 // C[O_BLOCK_N]) * C[O_BLOCK_N]
+    u0 = ((u0 + C[O_BLOCK_N] - 1) // C[O_BLOCK_N]) * C[O_BLOCK_N]
+    u1 = (u1 // C[O_BLOCK_N]) * C[O_BLOCK_N]
+    if C[O_MASK_MODE] == 2:
         u0 = n1
     n1 = tl.maximum(n1, n0)
-    if C.SPLIT:
+    if C[O_SPLIT]:
         # Chunk `split` of `nsplit` of [n0, n1), in whole BLOCK_N blocks.
-        per = ((n1 - n0 + C.BLOCK_N - 1) // C.BLOCK_N + nsplit - 1) // nsplit
-        lo = tl.minimum(n0 + split * per * C.BLOCK_N, n1)
-        n1 = tl.minimum(lo + per * C.BLOCK_N, n1)
+        per = ((n1 - n0 + C[O_BLOCK_N] - 1) // C[O_BLOCK_N] + nsplit - 1) // nsplit
+        lo = tl.minimum(n0 + split * per * C[O_BLOCK_N], n1)
+        n1 = tl.minimum(lo + per * C[O_BLOCK_N], n1)
         n0 = lo
     u0 = tl.minimum(tl.maximum(u0, n0), n1)
     u1 = tl.minimum(tl.maximum(u1, u0), n1)
 
-    m_i = tl.full([C.BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([C.BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([C.BLOCK_M, C.BLOCK_DVO], dtype=tl.float32)
+    m_i = tl.full([C[O_BLOCK_M]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([C[O_BLOCK_M]], dtype=tl.float32)
+    acc = tl.zeros([C[O_BLOCK_M], C[O_BLOCK_DVO]], dtype=tl.float32)
     # k_head / v_head: the request's first key (dense, ragged) or the cache (paged), this head.
-    if C.TMA >= 2:
+    if C[O_TMA] >= 2:
         # Descriptors over the whole K/V (built on the host, or by _prefill_fwd once per
         # persistent program): dense [B, Hkv, S, D] or ragged [Hkv, N, D], where this request's
         # keys start at kv_coord.
         k_head = k_ptr
         v_head = v_ptr
     else:
-        k_head = k_ptr + kv_base + hkv.to(tl.int64) * st.kh
-        v_head = v_ptr + vv_base + hkv.to(tl.int64) * st.vh
-    if C.TMA == 1:
+        k_head = k_ptr + kv_base + hkv.to(tl.int64) * st[ST_KH]
+        v_head = v_ptr + vv_base + hkv.to(tl.int64) * st[ST_VH]
+    if C[O_TMA] == 1:
         # Dense / ragged only (the launch checks 16-byte alignment and unit dim strides).
-        k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, C.DQK], strides=[st.kt, 1],
-                                           block_shape=[C.BLOCK_N, C.BLOCK_DQK])
-        v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, C.DVO], strides=[st.vt, 1],
-                                           block_shape=[C.BLOCK_N, C.BLOCK_DVO])
+        k_desc = tl.make_tensor_descriptor(k_head, shape=[kv_len, C[O_DQK]], strides=[st[ST_KT], 1],
+                                           block_shape=[C[O_BLOCK_N], C[O_BLOCK_DQK]])
+        v_desc = tl.make_tensor_descriptor(v_head, shape=[kv_len, C[O_DVO]], strides=[st[ST_VT], 1],
+                                           block_shape=[C[O_BLOCK_N], C[O_BLOCK_DVO]])
     else:
         k_desc = k_head
         v_desc = v_head
-    # [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked. (Bundles holding values that may be
-    # constexprs are built in the call: assigned to a name, a tuple's constexprs turn into
-    # tensors.)
+    # [n0, u0) masked, [u0, u1) unmasked, [u1, n1) masked. The bundles rows (R_ fields) and
+    # keys (KEY_ fields) are built in the call, as in _prefill_fwd.
     for r in tl.static_range(3):
         acc, l_i, m_i = _attend_range(
             acc, l_i, m_i, (n0, u0, u1, n1)[r], (n0, u0, u1, n1)[r + 1], r != 1,
-            Rows(q, q2, p_row, tok, row_ok, slope, mask_base),
-            Keys(kv_len, kv_coord, hkv, k_head, v_head, k_desc, v_desc, page_base), ptrs, st, sc,
+            (q, q2, p_row, tok, row_ok, slope, mask_base),
+            (kv_len, kv_coord, hkv, k_head, v_head, k_desc, v_desc, page_base), ptrs, st, sc,
             C)
 
     # ---- epilogue: rows that saw nothing write 0 and -inf -----------------------------------
-    if C.SPLIT:
+    if C[O_SPLIT]:
         if nsplit > 1:
             # A partial: normalised over this chunk's keys; _merge_fwd applies sinks, v_scale.
             seen = l_i > 0
             l_safe = tl.where(seen, l_i, 1.0)
-            offs_r = tl.arange(0, C.BLOCK_M)
-            offs_dv = tl.arange(0, C.BLOCK_DVO)
-            slot = (x.to(tl.int64) * n_hkv + hkv) * C.BLOCK_M
-            tl.store(part_o_ptr + (slot + offs_r)[:, None] * C.BLOCK_DVO + offs_dv[None, :],
+            offs_r = tl.arange(0, C[O_BLOCK_M])
+            offs_dv = tl.arange(0, C[O_BLOCK_DVO])
+            slot = (x.to(tl.int64) * n_hkv + hkv) * C[O_BLOCK_M]
+            tl.store(part_o_ptr + (slot + offs_r)[:, None] * C[O_BLOCK_DVO] + offs_dv[None, :],
                      acc / l_safe[:, None])
-            lslot = slot * 2 if C.STATS else slot
+            lslot = slot * 2 if C[O_STATS] else slot
             tl.store(part_l_ptr + lslot + offs_r,
                      tl.where(seen, m_i + tl.log2(l_safe), float("-inf")))
-            if C.STATS:
-                tl.store(part_l_ptr + lslot + C.BLOCK_M + offs_r,
+            if C[O_STATS]:
+                tl.store(part_l_ptr + lslot + C[O_BLOCK_M] + offs_r,
                          tl.where(seen, m_i, float("-inf")))
         else:
-            _store_final(acc, l_i, m_i, ptrs.o, ptrs.lse, ptrs.sinks, o_base, l_base, tok, head,
-                         row_ok, st.ot, st.oh, st.lt, st.lh, sc.v_scale, C.SINKS,
-                         C.BLOCK_DVO, C.DVO, m_i, C.STATS)
+            _store_final(acc, l_i, m_i, ptrs[P_O], ptrs[P_LSE], ptrs[P_SINKS], o_base, l_base, tok,
+                         head, row_ok, st[ST_OT], st[ST_OH], st[ST_LT], st[ST_LH], sc[SC_V_SCALE],
+                         C[O_SINKS], C[O_BLOCK_DVO], C[O_DVO], m_i, C[O_STATS])
     else:
-        _store_final(acc, l_i, m_i, ptrs.o, ptrs.lse, ptrs.sinks, o_base, l_base, tok, head,
-                     row_ok, st.ot, st.oh, st.lt, st.lh, sc.v_scale, C.SINKS,
-                     C.BLOCK_DVO, C.DVO, m_i, C.STATS)
+        _store_final(acc, l_i, m_i, ptrs[P_O], ptrs[P_LSE], ptrs[P_SINKS], o_base, l_base, tok,
+                     head, row_ok, st[ST_OT], st[ST_OH], st[ST_LT], st[ST_LH], sc[SC_V_SCALE],
+                     C[O_SINKS], C[O_BLOCK_DVO], C[O_DVO], m_i, C[O_STATS])
 
 
 @triton.jit
@@ -605,44 +600,44 @@ def _work_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv,
 def _prefill_items(work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv,
                    kv_rows, counter_ptr, k_ptr, v_ptr, ptrs, st, sc, C):
     """_prefill_fwd's work items, each by _program: a program's own item, or with TMA 3 the
-    items a persistent program draws (arguments: _prefill_fwd's, the rest bundled as Tensors,
-    Strides, Scalars and Options)."""
-    if C.TMA == 3:
+    items a persistent program draws (arguments: _prefill_fwd's, the rest bundled as ptrs, st,
+    sc and C: P_, ST_, SC_, O_ fields)."""
+    if C[O_TMA] == 3:
         # Persistent: each program builds descriptors over the whole K/V once (TMA 1 builds
         # two per work item, and graphs traced by torch.compile / export cannot carry the
         # host-built ones of TMA 2), then draws items from a global counter in the order the
         # hardware would launch them (_work_item's launch order; heaviest first): a
         # program that drew light items draws more, as with hardware scheduling. The next
         # item is drawn before this one runs, so the atomic's latency hides behind it.
-        if C.KV_MODE == 0:
+        if C[O_KV_MODE] == 0:
             k_desc = tl.make_tensor_descriptor(
-                k_ptr, shape=[kv_rows, n_hkv, sc.dense_kv_len, C.DQK],
-                strides=[st.kb, st.kh, st.kt, 1],
-                block_shape=[1, 1, C.BLOCK_N, C.BLOCK_DQK])
+                k_ptr, shape=[kv_rows, n_hkv, sc[SC_DENSE_KV_LEN], C[O_DQK]],
+                strides=[st[ST_KB], st[ST_KH], st[ST_KT], 1],
+                block_shape=[1, 1, C[O_BLOCK_N], C[O_BLOCK_DQK]])
             v_desc = tl.make_tensor_descriptor(
-                v_ptr, shape=[kv_rows, n_hkv, sc.dense_kv_len, C.DVO],
-                strides=[st.vb, st.vh, st.vt, 1],
-                block_shape=[1, 1, C.BLOCK_N, C.BLOCK_DVO])
+                v_ptr, shape=[kv_rows, n_hkv, sc[SC_DENSE_KV_LEN], C[O_DVO]],
+                strides=[st[ST_VB], st[ST_VH], st[ST_VT], 1],
+                block_shape=[1, 1, C[O_BLOCK_N], C[O_BLOCK_DVO]])
         else:
             k_desc = tl.make_tensor_descriptor(
-                k_ptr, shape=[n_hkv, kv_rows, C.DQK], strides=[st.kh, st.kt, 1],
-                block_shape=[1, C.BLOCK_N, C.BLOCK_DQK])
+                k_ptr, shape=[n_hkv, kv_rows, C[O_DQK]], strides=[st[ST_KH], st[ST_KT], 1],
+                block_shape=[1, C[O_BLOCK_N], C[O_BLOCK_DQK]])
             v_desc = tl.make_tensor_descriptor(
-                v_ptr, shape=[n_hkv, kv_rows, C.DVO], strides=[st.vh, st.vt, 1],
-                block_shape=[1, C.BLOCK_N, C.BLOCK_DVO])
+                v_ptr, shape=[n_hkv, kv_rows, C[O_DVO]], strides=[st[ST_VH], st[ST_VT], 1],
+                block_shape=[1, C[O_BLOCK_N], C[O_BLOCK_DVO]])
         total = n_items * n_hkv
         item = tl.atomic_add(counter_ptr, 1, sem="relaxed")
         while item < total:
             nxt = tl.atomic_add(counter_ptr, 1, sem="relaxed")
             req, row0, hkv, x = _work_item(
-                item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, C.KV_MODE, C.BLOCK_M)
+                item, n_items, dense_tiles, dense_group, kv_rows, n_hkv, C[O_KV_MODE], C[O_BLOCK_M])
             _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_desc, v_desc,
                      ptrs, st, sc, C)
             item = nxt
     else:
         req, row0, hkv, x = _work_item(
             tl.program_id(0) + tl.program_id(1) * n_items, n_items, dense_tiles, dense_group,
-            kv_rows, n_hkv, C.KV_MODE, C.BLOCK_M)
+            kv_rows, n_hkv, C[O_KV_MODE], C[O_BLOCK_M])
         _program(req, row0, hkv, n_hkv, x, work_ptr, part_o_ptr, part_l_ptr, k_ptr, v_ptr, ptrs,
                  st, sc, C)
 
@@ -676,24 +671,25 @@ def _prefill_fwd(
     dense_tiles, dense_group: dense mode's tiles per batch entry and (entry, KV head) pairs
     per group of its launch order (_work_item); counter_ptr: int32 [1], zero at launch (TMA
     3's item counter)."""
-    # Inductor passes Python floats as fp64: the arithmetic stays in fp32. (The bundles are
-    # built in the call: assigned to a name, a tuple's constexprs, such as strides the launch
-    # specialised to 1, would turn into tensors.)
+    # Inductor passes Python floats as fp64: the arithmetic stays in fp32. The bundles ptrs,
+    # st, sc and C (P_, ST_, SC_, O_ fields, in order) are built in the call: assigned to a
+    # name, a tuple's constexprs, such as strides the launch specialised to 1, would turn into
+    # tensors.
     _prefill_items(
         work_ptr, dense_tiles, dense_group, part_o_ptr, part_l_ptr, n_items, n_hkv, kv_rows,
         counter_ptr, k_ptr, v_ptr,
-        Tensors(q_ptr, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
-                last_page_len_ptr, mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr),
-        Strides(stride_qb, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kp,
-                stride_kh, stride_kd, stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
-                stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh),
-        Scalars(dense_qo_len, dense_kv_len, tl.cast(qk_scale, tl.float32),
-                tl.cast(soft_cap, tl.float32), window_left, chunk_size,
-                tl.cast(rope_rcp_scale, tl.float32), tl.cast(log2_theta, tl.float32),
-                tl.cast(v_scale, tl.float32)),
-        Options(KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
-                SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
-                SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2))
+        (q_ptr, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
+         last_page_len_ptr, mask_ptr, mask_indptr_ptr, alibi_ptr, sinks_ptr),
+        (stride_qb, stride_qt, stride_qh, stride_qd, stride_kb, stride_kt, stride_kp,
+         stride_kh, stride_kd, stride_vb, stride_vt, stride_vp, stride_vh, stride_vd,
+         stride_ob, stride_ot, stride_oh, stride_lb, stride_lt, stride_lh),
+        (dense_qo_len, dense_kv_len, tl.cast(qk_scale, tl.float32),
+         tl.cast(soft_cap, tl.float32), window_left, chunk_size,
+         tl.cast(rope_rcp_scale, tl.float32), tl.cast(log2_theta, tl.float32),
+         tl.cast(v_scale, tl.float32)),
+        (KV_MODE, PAGE_SIZE, GROUP, MASK_MODE, HAS_WINDOW, HAS_CHUNK, SOFT_CAP, ALIBI, ROPE,
+         SINKS, FOLD, BLOCK_M, BLOCK_N, BLOCK_DQK, BLOCK_DVO, DQK, DVO, NUM_STAGES, TMA,
+         SPLIT, 4 if SPLIT else 2, STATS, SKIP, SKIP_LOG2))
 
 
 @triton.jit
@@ -742,38 +738,38 @@ def _pod_fwd(
     item = work_ptr + 1  # rows (part, request, first row): _program reads the last two
     if part == 0:
         _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr, k_ptr_p, v_ptr_p,
-                 Tensors(q_ptr_p, o_ptr_p, lse_ptr_p, qo_indptr_ptr_p, kv_indptr_ptr_p,
-                         page_idx_ptr_p, last_page_len_ptr_p, mask_ptr_p, mask_indptr_ptr_p,
-                         alibi_ptr_p, sinks_ptr_p),
-                 Strides(stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p, stride_kb_p,
-                         stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p, stride_vb_p,
-                         stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p, stride_ob_p,
-                         stride_ot_p, stride_oh_p, stride_lb_p, stride_lt_p, stride_lh_p),
-                 Scalars(dense_qo_len_p, dense_kv_len_p, tl.cast(qk_scale_p, tl.float32),
-                         tl.cast(soft_cap_p, tl.float32), window_left_p, chunk_size_p,
-                         tl.cast(rope_rcp_scale_p, tl.float32),
-                         tl.cast(log2_theta_p, tl.float32), tl.cast(v_scale_p, tl.float32)),
-                 Options(KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P,
-                         HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P, SINKS_P, FOLD_P,
-                         BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
-                         NUM_STAGES_P, TMA_P, False, 3, False, False, 0.0))
+                 (q_ptr_p, o_ptr_p, lse_ptr_p, qo_indptr_ptr_p, kv_indptr_ptr_p,
+                  page_idx_ptr_p, last_page_len_ptr_p, mask_ptr_p, mask_indptr_ptr_p,
+                  alibi_ptr_p, sinks_ptr_p),
+                 (stride_qb_p, stride_qt_p, stride_qh_p, stride_qd_p, stride_kb_p,
+                  stride_kt_p, stride_kp_p, stride_kh_p, stride_kd_p, stride_vb_p,
+                  stride_vt_p, stride_vp_p, stride_vh_p, stride_vd_p, stride_ob_p,
+                  stride_ot_p, stride_oh_p, stride_lb_p, stride_lt_p, stride_lh_p),
+                 (dense_qo_len_p, dense_kv_len_p, tl.cast(qk_scale_p, tl.float32),
+                  tl.cast(soft_cap_p, tl.float32), window_left_p, chunk_size_p,
+                  tl.cast(rope_rcp_scale_p, tl.float32),
+                  tl.cast(log2_theta_p, tl.float32), tl.cast(v_scale_p, tl.float32)),
+                 (KV_MODE_P, PAGE_SIZE_P, GROUP_P, MASK_MODE_P, HAS_WINDOW_P,
+                  HAS_CHUNK_P, SOFT_CAP_P, ALIBI_P, ROPE_P, SINKS_P, FOLD_P,
+                  BLOCK_M_P, BLOCK_N_P, BLOCK_DQK_P, BLOCK_DVO_P, DQK_P, DVO_P,
+                  NUM_STAGES_P, TMA_P, False, 3, False, False, 0.0))
     else:
         _program(0, 0, hkv, tl.num_programs(1), pid, item, work_ptr, work_ptr, k_ptr_d, v_ptr_d,
-                 Tensors(q_ptr_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
-                         page_idx_ptr_d, last_page_len_ptr_d, mask_ptr_d, mask_indptr_ptr_d,
-                         alibi_ptr_d, sinks_ptr_d),
-                 Strides(stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d, stride_kb_d,
-                         stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d, stride_vb_d,
-                         stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d, stride_ob_d,
-                         stride_ot_d, stride_oh_d, stride_lb_d, stride_lt_d, stride_lh_d),
-                 Scalars(dense_qo_len_d, dense_kv_len_d, tl.cast(qk_scale_d, tl.float32),
-                         tl.cast(soft_cap_d, tl.float32), window_left_d, chunk_size_d,
-                         tl.cast(rope_rcp_scale_d, tl.float32),
-                         tl.cast(log2_theta_d, tl.float32), tl.cast(v_scale_d, tl.float32)),
-                 Options(KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D,
-                         HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D, SINKS_D, FOLD_D,
-                         BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
-                         NUM_STAGES_D, TMA_D, False, 3, False, False, 0.0))
+                 (q_ptr_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
+                  page_idx_ptr_d, last_page_len_ptr_d, mask_ptr_d, mask_indptr_ptr_d,
+                  alibi_ptr_d, sinks_ptr_d),
+                 (stride_qb_d, stride_qt_d, stride_qh_d, stride_qd_d, stride_kb_d,
+                  stride_kt_d, stride_kp_d, stride_kh_d, stride_kd_d, stride_vb_d,
+                  stride_vt_d, stride_vp_d, stride_vh_d, stride_vd_d, stride_ob_d,
+                  stride_ot_d, stride_oh_d, stride_lb_d, stride_lt_d, stride_lh_d),
+                 (dense_qo_len_d, dense_kv_len_d, tl.cast(qk_scale_d, tl.float32),
+                  tl.cast(soft_cap_d, tl.float32), window_left_d, chunk_size_d,
+                  tl.cast(rope_rcp_scale_d, tl.float32),
+                  tl.cast(log2_theta_d, tl.float32), tl.cast(v_scale_d, tl.float32)),
+                 (KV_MODE_D, PAGE_SIZE_D, GROUP_D, MASK_MODE_D, HAS_WINDOW_D,
+                  HAS_CHUNK_D, SOFT_CAP_D, ALIBI_D, ROPE_D, SINKS_D, FOLD_D,
+                  BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
+                  NUM_STAGES_D, TMA_D, False, 3, False, False, 0.0))
 
 @triton.jit
 def _merge_fwd(
@@ -874,14 +870,14 @@ def _dims(dqk: int, dvo: int, rope: bool) -> dict:
     return dict(BLOCK_DQK=bdqk, BLOCK_DVO=_pow2(dvo), DQK=dqk, DVO=dvo)
 
 
-# The fields of each tensor's strides in Strides (stride_qb ... stride_lh on the kernels).
+# The fields of each tensor's strides in st (ST_ fields; stride_qb ... stride_lh on the kernels).
 STRIDE_FIELDS = dict(q="bthd", k="btphd", v="btphd", o="bth", l="bth")
 
 
 class ProgramArgs(NamedTuple):
     """What _program_args assembles for one launch: args, the runtime arguments of
     _prefill_fwd from q_ptr to v_scale by parameter name, in parameter order (a POD launch
-    suffixes each part's names); consts, the constexprs by name (Options' fields); cfg, the
+    suffixes each part's names); consts, the constexprs by name (C's O_ fields); cfg, the
     launch configuration (_config, plus kv_rows and gluon)."""
     args: dict
     consts: dict
@@ -893,9 +889,10 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
                   mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params, ask):
     """A launch's ProgramArgs: the kernel's runtime arguments by name, its constexprs and the
     launch configuration. q_strides (batch, token, head, dim), k_strides / v_strides (batch,
-    token, page, head, dim), o_strides / l_strides (batch, token, head): STRIDE_FIELDS. block_m: the plan's tile height (None: the dense launch's,
-    choose.dense_tile). ask: the launch's own arguments to choose.choose (work rows, requests,
-    pages, split, whether it may take the Gluon kernel, POD); cfg["launch"] holds its answer,
+    token, page, head, dim), o_strides / l_strides (batch, token, head): STRIDE_FIELDS.
+    block_m: the plan's tile height (None: the dense launch's, choose.dense_tile). ask: the
+    launch's own arguments to choose.choose (work rows, requests, pages, split, whether it may
+    take the Gluon kernel, POD); cfg["launch"] holds its answer,
     and cfg["gluon"] the Gluon kernel's arguments where it takes that kernel (no Triton
     descriptors are built then)."""
     hq, hkv = q.shape[-2], k.shape[-2]

@@ -93,9 +93,13 @@ def pod_launch():
 
 def record(launch, patches=None):
     """The (kernel, args, kwargs) of each launch ``launch()`` makes, nothing run: Triton's
-    driver an sm_90 target, prefill_kernel's attributes ``patches`` (name -> value) set
-    meanwhile (the tests patch through their monkeypatch fixture instead)."""
+    driver an sm_90 target, the launch decision's device one of 132 SMs without tensor
+    descriptors (as tests/test_mutation_analysis.py's fixture), choose's attributes ``patches``
+    (name -> value, e.g. device_of) set meanwhile (the tests patch through their monkeypatch
+    fixture instead)."""
     from triton.runtime.driver import driver
+
+    from compiled_attn.ops import choose
 
     calls = []
 
@@ -106,18 +110,18 @@ def record(launch, patches=None):
         def __getitem__(self, grid):
             return lambda *a, **kw: calls.append((self.fn, a, kw))
 
-    pat = {"_ensure_allocator": lambda: None, "sm_count": lambda index=None: 132,
-           **(patches or {})}
-    saved = [(K, n, getattr(K, n)) for n in pat] + [(L, "_kernel", L._kernel)]
+    pat = [(K, "_ensure_allocator", lambda: None), (L, "_kernel", _Rec),
+           (choose, "device_of", lambda device: choose.Device("cpu", 0, 132))]
+    pat += [(choose, n, v) for n, v in (patches or {}).items()]
+    saved = [(mod, n, getattr(mod, n)) for mod, n, _ in pat]
     old_active = driver._active
     try:
         driver._active = FakeDriver()
-        for n, v in pat.items():
-            setattr(K, n, v)
-        L._kernel = _Rec
+        for mod, n, v in pat:
+            setattr(mod, n, v)
         launch()
     finally:
-        for mod, n, v in saved:
+        for mod, n, v in reversed(saved):
             setattr(mod, n, v)
         driver._active = old_active
     return calls

@@ -2,10 +2,11 @@
 
 No function of the package takes more than 30 parameters, but for the public FlashInfer
 signatures (public names), the op implementations (their torch.library schemas are flat) and
-the launched kernels, whose flat signatures torch's wrap_triton,
-its mutation analysis and the bound-launch replay bind argument by argument: those gather their
-arguments into named tuples at once, and the functions below them take the bundles. The launch
-arguments are assembled by name, in the kernels' parameter order.
+the launched kernels, whose flat signatures torch's wrap_triton, its mutation analysis and the
+bound-launch replay bind argument by argument: those gather their arguments into tuples at once,
+and the functions below them take the bundles and read their fields by prefill_kernel's
+tl.constexpr indices (P_, ST_, SC_, O_, R_, KEY_ + the field's name). The launch arguments are
+assembled by name, in the kernels' parameter order.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pkgutil
 
 import pytest
 import torch
+import triton.language as tl
 
 import compiled_attn
 import compiled_attn.fx_passes
@@ -76,21 +78,39 @@ def test_the_launched_kernels_are_the_flat_ones():
     assert all(len(k.arg_names) > MAX_PARAMS for k in kernels)
 
 
+def _bundle(prefix: str) -> list[str]:
+    """A kernel bundle's field names in order: prefill_kernel's tl.constexpr indices named
+    prefix + FIELD, which must number the fields 0, 1, ... without a gap or a repeat."""
+    found = sorted((v.value, n[len(prefix):]) for n, v in vars(K).items()
+                   if n.startswith(prefix) and isinstance(v, tl.constexpr))
+    assert [i for i, _ in found] == list(range(len(found))), (prefix, found)
+    return [f for _, f in found]
+
+
 def test_bundle_fields_match_the_kernel_parameters():
     names = K._prefill_fwd.arg_names
     first = names.index("q_ptr")
-    tensors = [f"{f}_ptr" for f in K.Tensors._fields]
-    strides = [f"stride_{f}" for f in K.Strides._fields]
-    # Tensors' fields are the pointer parameters but K and V, Strides' the stride parameters,
-    # in order, and STRIDE_FIELDS spells the same strides
+    tensors = [f"{f.lower()}_ptr" for f in _bundle("P_")]
+    strides = [f"stride_{f.lower()}" for f in _bundle("ST_")]
+    # the pointer fields are the pointer parameters but K and V, the stride fields the stride
+    # parameters, the scalar fields the runtime scalars, in order; STRIDE_FIELDS spells the
+    # same strides
     ptrs = [n for n in names[first:] if n.endswith("_ptr") and n not in ("k_ptr", "v_ptr")]
     assert ptrs == tensors
     assert [n for n in names if n.startswith("stride_")] == strides
     assert strides == [f"stride_{x}{f}" for x, fs in K.STRIDE_FIELDS.items() for f in fs]
-    assert set(K.Scalars._fields) <= set(names)
+    scalars = [f.lower() for f in _bundle("SC_")]
+    assert names[names.index("stride_lh") + 1:names.index("KV_MODE")] == scalars
+    # the option fields are the constexpr parameters in order, ROW (derived from SPLIT) after
+    # SPLIT
     consts = [p.name for p in K._prefill_fwd.params if p.is_constexpr]
-    assert set(consts) <= set(K.Options._fields)
-    assert set(K.Options._fields) - set(consts) == {"ROW"}  # (derived from SPLIT)
+    options = _bundle("O_")
+    assert options == consts[:consts.index("SPLIT") + 1] + ["ROW"] + \
+        consts[consts.index("SPLIT") + 1:]
+    # rows and keys: _program builds them of its locals of the fields' names
+    for prefix in ("R_", "KEY_"):
+        built = "(" + ", ".join(f.lower() for f in _bundle(prefix)) + ")"
+        assert built in " ".join(K._program.src.split()), (prefix, built)
 
 
 def test_program_args_are_named_in_parameter_order():

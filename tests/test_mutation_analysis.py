@@ -13,7 +13,9 @@ written. So each launch family is analysed here, for an sm_90 target (no GPU nee
 write only its outputs.
 
 The launchers are called on CPU tensors with Triton's launch replaced by a recorder (nothing
-runs); the recorded arguments are what wrap_triton would hand torch's analysis.
+runs); the recorded arguments are what wrap_triton would hand torch's analysis. The same
+launches also compile from the source Inductor regenerates when it inlines them
+(torch.compile, AOTInductor), which carries only some kinds of globals.
 """
 
 from __future__ import annotations
@@ -148,3 +150,39 @@ def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
                  params(C.MASK_NONE, d=d))
     (fn, args, kw), = launches
     assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED
+
+
+def _inductor_module(kernel, path):
+    """The kernel re-created as torch.compile / AOTInductor inline it: the source Inductor
+    generates for a user-defined Triton kernel (its own transitive-closure source, after its
+    generated module's common imports), written to ``path`` and imported from there."""
+    import importlib.util
+
+    from torch._inductor.codegen.triton import TritonKernel
+    from torch._inductor.codegen.wrapper import (
+        user_defined_triton_kernel_transitive_closure_source_code)
+
+    src = "\n".join([TritonKernel.gen_common_triton_imports(), "@triton.jit",
+                     user_defined_triton_kernel_transitive_closure_source_code(kernel)])
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # (a JITFunction reads its source back from the file)
+    return getattr(mod, kernel.fn.__name__)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_inductor_inlined_source_compiles_for_sm90(case, launches, monkeypatch, tmp_path):
+    """Inductor inlines a wrap_triton launch by regenerating the kernel's source in a module of
+    its own, carrying only the globals it knows (jit and constexpr functions, int / str / bool /
+    tl.constexpr values, names imported from triton): every global the kernel family reads must
+    be one of those, or the inlined compile fails on a NameError."""
+    launch, patches = CASES[case]
+    for name, value in patches.items():
+        monkeypatch.setattr(choose, name, value)
+    launch()
+    assert launches, "the launcher launched nothing"
+    for i, (fn, args, kw) in enumerate(launches):
+        inlined = _inductor_module(fn, tmp_path / f"inlined_{i}.py")
+        assert inlined is not fn and inlined.arg_names == fn.arg_names
+        assert "ld.global" in compile_triton(inlined, args, kw).asm["ptx"]
