@@ -327,8 +327,9 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
     dev = device_of(q.device) if device is None else device
     mask_mode = consts["MASK_MODE"]
     dense = kv_mode == KV_DENSE
-    if block_m is None:
-        block_m = dense_tile(q, k, v, mask_mode, dev)
+    # the tile height is a constexpr of either kernel: a symbolic one (a traced plan's int
+    # input under dynamic shapes) is specialised here, where it is first compared and hashed
+    block_m = dense_tile(q, k, v, mask_mode, dev) if block_m is None else guard_int(block_m)
     dqk, dvo = guard_int(q.shape[-1]), guard_int(v.shape[-1])
     hkv = k.shape[-2]
     if dense:
@@ -380,7 +381,7 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         small_tma = POLICY.host_tma and small
         if whole and POLICY.host_tma and eager and not small_tma:
             tma = 2
-        elif whole and any(block_m == b for b in POLICY.persist_tma) and not small_tma:
+        elif whole and block_m in POLICY.persist_tma and not small_tma:
             tma = 3
         elif not (isinstance(mean_kv, (int, float)) and mean_kv <= POLICY.tma_min_kv):
             tma = 1

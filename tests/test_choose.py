@@ -90,3 +90,30 @@ def test_device_is_an_input():
     got = _choice(case, a100)
     assert got.kernel == "triton" and got.tma == 0 and got.kv_path == "pointers"
     assert not choose.Device("cpu").gluon and choose.H100.tma
+
+
+def _symbolic(n: int):
+    """n as a SymInt of a fresh shape environment (a traced plan's int input under dynamic
+    shapes)."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    env = ShapeEnv()
+    return env.create_symintnode(env.create_symbol(n, ConstantSource("block_m"),
+                                                   dynamic_dim=DimDynamic.DYNAMIC), hint=n)
+
+
+def test_symbolic_tile_height_is_specialised(monkeypatch):
+    # torch.compile(dynamic=True) hands the ragged op its block_m as a SymInt; the launch must
+    # specialise it (a constexpr) rather than hash it (the persistent-TMA tiles are a set).
+    case = next(c for c in CASES if RECORDED[lc.case_id(c)].get("tma") == 3
+                and c["kind"] == "ragged")
+    policy = lc.POLICIES[case["policy"]] if case["policy"] else {}
+    with lc.override(**policy):
+        want = _choice(case, choose.H100)
+    real = choose.choose
+    monkeypatch.setattr(choose, "choose", lambda *a, block_m=None, **kw: real(
+        *a, block_m=None if block_m is None else _symbolic(block_m), **kw))
+    with lc.override(**policy):
+        got = _choice(case, choose.H100)
+    assert got == want and type(got.block_m) is int and got.tma == 3
