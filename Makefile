@@ -61,11 +61,15 @@ test:
 # gpu_solo tests, which need most of the GPU's memory, alone. Each test's outcome is printed as
 # it finishes (-v: a run cut short by a time limit still names its failures); GPU_TESTS narrows
 # the selection (e.g. GPU_TESTS=tests/test_head_dims_gpu.py) to split the tier over calls.
+# GPU_SHARD=I/N runs the I-th of N parts (tests/conftest.py --shard): the whole tier takes longer
+# than one 10-minute call on an H200 (about 20 minutes in 2026-11), so it runs as 1/3, 2/3, 3/3.
 GPU_TESTS ?= tests
+GPU_SHARD ?=
+SHARD := $(if $(GPU_SHARD),--shard $(GPU_SHARD))
 test-gpu:
 	@python3 -c "import xdist" 2>/dev/null || { echo "test-gpu: needs pytest-xdist (pip install pytest-xdist, or its wheels in .whl/ and source dev/gpu_setup.sh)"; exit 2; }
-	python3 -m pytest -v -rfE -n 8 -m "gpu and not gpu_solo" $(GPU_TESTS)
-	python3 -m pytest -v -rfE -m "gpu and gpu_solo" $(GPU_TESTS)
+	python3 -m pytest -v -rfE -n 8 -m "gpu and not gpu_solo" $(SHARD) $(GPU_TESTS)
+	python3 -m pytest -v -rfE -m "gpu and gpu_solo" $(SHARD) $(GPU_TESTS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -8,6 +8,8 @@
 - On a machine with several GPUs, each pytest-xdist worker makes a different GPU its current
   device (worker i takes GPU i mod count), so the GPU tier spreads over all of them; tests that
   start their own ranks (tests/test_cp_gpu.py) name their devices themselves.
+- ``--shard I/N`` keeps the I-th of N parts of the selection (by a hash of each test's id), for
+  a GPU tier that must be split over several machine calls.
 - A last garbage collection before the interpreter exits, so that no reference cycle holding
   Triton IR objects (its code generator and builder reference each other) is left for the
   interpreter's teardown, after which Triton's nanobind module prints a page of "leaked
@@ -17,10 +19,13 @@ from __future__ import annotations
 
 import gc
 import os
+import zlib
 from collections import Counter
 
 
 def pytest_configure(config):
+    if config.getoption("--shard", None):
+        _parse_shard(config.getoption("--shard"))  # a bad value stops the run before collection
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         import torch
@@ -29,7 +34,37 @@ def pytest_configure(config):
             torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run the I-th of N parts of the selected tests (1-based; a test's part "
+                          "is fixed by a hash of its id), so that a tier longer than one "
+                          "machine call splits over N calls: make test-gpu GPU_SHARD=1/3")
+
+
+def _parse_shard(shard: str) -> tuple[int, int]:
+    import pytest
+
+    try:
+        i, n = (int(x) for x in shard.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise pytest.UsageError(f"--shard {shard!r}: pass I/N with 1 <= I <= N, e.g. 2/3")
+    return i, n
+
+
+def _shard_of(nodeid: str, n: int) -> int:
+    return zlib.crc32(nodeid.encode()) % n
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard:
+        i, n = _parse_shard(shard)
+        keep = [it for it in items if _shard_of(it.nodeid, n) == i - 1]
+        config.hook.pytest_deselected(items=[it for it in items if it not in keep])
+        items[:] = keep
+
     # Whole modules move, so a module's tests stay together and its module-scoped fixtures are
     # built once; a stable sort gives every xdist worker the same order, as xdist requires.
     slow_modules = {item.module.__name__ for item in items
