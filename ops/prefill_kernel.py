@@ -771,6 +771,7 @@ def _pod_fwd(
                   BLOCK_M_D, BLOCK_N_D, BLOCK_DQK_D, BLOCK_DVO_D, DQK_D, DVO_D,
                   NUM_STAGES_D, TMA_D, False, 3, False, False, 0.0))
 
+
 @triton.jit
 def _merge_fwd(
     merge_ptr, part_o_ptr, part_l_ptr, o_ptr, lse_ptr, qo_indptr_ptr, sinks_ptr,
