@@ -174,6 +174,48 @@ def _softmax_tile(s, m_i, l_i, t, kv_len, p_row, qk_scale,
     return p, m_new, l_i, alpha
 
 
+# ---- ring slots and their barriers ----------------------------------------------------------
+# Every ring here (K / V: STAGES slots; the item records and Q's TMA slots: 2) is used by
+# position: its counter-th use takes slot counter % N (_slot), on the slot's barriers' phase
+# (counter // N) & 1 (_phase). The producer waits on the slot's "empty" barrier, fills it and
+# arrives on (or lets the copy complete) "full"; the consumer waits on "full", reads and arrives
+# on "empty". A fresh barrier's phase 1 reads as complete: the producer's first pass goes through.
+@gluon.jit
+def _slot(counter, N: gl.constexpr):
+    """The slot of a ring of N slots' counter-th use."""
+    return counter % N
+
+
+@gluon.jit
+def _phase(counter, N: gl.constexpr):
+    """The phase parity of a ring of N slots' counter-th use."""
+    return (counter // N) & 1
+
+
+@gluon.jit
+def _wait_full(full, counter, N: gl.constexpr):
+    """Consumer: wait until the counter-th use's slot is filled; returns the slot."""
+    slot = _slot(counter, N)
+    mbarrier.wait(full.index(slot), _phase(counter, N))
+    return slot
+
+
+@gluon.jit
+def _wait_empty(empty, counter, N: gl.constexpr):
+    """Producer: wait until the counter-th use's slot is released (its use N before read);
+    returns the slot."""
+    slot = _slot(counter, N)
+    mbarrier.wait(empty.index(slot), _phase(counter, N) ^ 1)
+    return slot
+
+
+@gluon.jit
+def _arrive_slot(bars, counter, N: gl.constexpr):
+    """Arrive once on the counter-th use's slot's barrier: the producer on "full" (a filled
+    slot), the consumer on "empty" (a released one)."""
+    mbarrier.arrive(bars.index(_slot(counter, N)), count=1)
+
+
 @gluon.jit
 def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, page, page_rows, PAGED: gl.constexpr,
              PAGE: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
@@ -181,7 +223,7 @@ def _load_kv(desc, ring, bar, t, kv_start, hkv, pred, page, page_rows, PAGED: gl
     Contiguous keys: one box from row kv_start + t * BLOCK_N. Paged (the cache seen as rows of
     Hkv * D, page p from row p * page_rows; PAGE a multiple of BLOCK_N): one box inside page
     ``page``, the one holding tile t (_page_of)."""
-    slot = t % STAGES
+    slot = _slot(t, STAGES)
     _fill_slot(desc, ring.index(slot), bar.index(slot), t, kv_start, hkv, page, page, page_rows,
                pred, PAGED, PAGE, BLOCK_N, D, 1)
 
@@ -252,8 +294,9 @@ def _ws_producer(k_src, v_src, k_ring, v_ring, k_full, v_full, k_empty, v_empty,
     this one warp only)."""
     for t in range(n_tiles):
         g = it + t
-        slot = g % STAGES
-        phase = ((g // STAGES) & 1) ^ 1
+        # the K and V waits' slot and phase (_wait_empty's), computed once ahead of the page reads
+        slot = _slot(g, STAGES)
+        phase = _phase(g, STAGES) ^ 1
         page, pages = _tile_pages(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N,
                                   BOXES)
         mbarrier.wait(k_empty.index(slot), phase)
@@ -314,8 +357,9 @@ def _gather_producer(k_ptr, v_ptr, k_ring, v_ring, k_full, v_full, k_empty, v_em
     page, pos = _gather_keys(page_idx_ptr, page_base, 0, kv_len, PAGE, BLOCK_N, rows_l)
     for t in range(n_tiles):
         g = it + t
-        slot = g % STAGES
-        phase = ((g // STAGES) & 1) ^ 1
+        # the K and V waits' slot and phase (_wait_empty's), computed once ahead of the page reads
+        slot = _slot(g, STAGES)
+        phase = _phase(g, STAGES) ^ 1
         page_next, pos_next = _gather_keys(page_idx_ptr, page_base, t + 1, kv_len, PAGE, BLOCK_N,
                                            rows_l)
         k_rows = _row_offsets(page, pos, k_page_rows, stride_kr, WIDE)
@@ -355,13 +399,14 @@ def _load_warps(paged):
 
 
 @gluon.jit
-def _wait_full(bar, g, STAGES: gl.constexpr, PAGED: gl.constexpr):
-    """Wait until ring position g's slot is filled (its barrier's phase (g // STAGES) & 1).
+def _wait_kv(full, g, STAGES: gl.constexpr, PAGED: gl.constexpr):
+    """A compute group's wait for K / V ring position g's slot (_wait_full); returns the slot.
     PAGED_GATHER: the cp.async copies wrote it through the generic proxy; fence before the
     wgmma reads it through the async proxy."""
-    mbarrier.wait(bar.index(g % STAGES), (g // STAGES) & 1)
+    slot = _wait_full(full, g, STAGES)
     if PAGED == PAGED_GATHER:
         fence_async_shared()
+    return slot
 
 
 @gluon.jit
@@ -413,7 +458,7 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item,
     and the V slot of tile t - 1 (WS: releases them to the load partition instead). Tile t
     sits in ring position it + t (it: the program's earlier items' tiles; 0 without WS)."""
     g = it + t
-    slot = g % STAGES
+    slot = _slot(g, STAGES)
     if not WS:
         # the refills' pages, read now: their latency hides under this tile's work
         k_page = _page_of(keys.page_idx_ptr, item.page_base, item.npages, t + STAGES, PAGED,
@@ -421,11 +466,10 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item,
         v_page = _page_of(keys.page_idx_ptr, item.page_base, item.npages, t - 1 + STAGES, PAGED,
                           PAGE, BLOCK_N)
     _take_turn(ring.turn, g, WG, PINGPONG)
-    _wait_full(ring.k_bar, g, STAGES, PAGED)
+    _wait_kv(ring.k_bar, g, STAGES, PAGED)
     s_tok = warpgroup_mma(q_smem, ring.k_ring.index(slot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    prev = (g - 1) % STAGES
-    _wait_full(ring.v_bar, g - 1, STAGES, PAGED)
+    prev = _wait_kv(ring.v_bar, g - 1, STAGES, PAGED)
     if MASKED and PAGED != PAGED_GATHER:  # (gathered tails repeat the last key: finite)
         if t * BLOCK_N > item.kv_len:  # tile t - 1 is the request's partial last tile
             _zero_tail(ring.v_ring, prev, item.kv_len - (t - 1) * BLOCK_N, D, BLOCK_N, num_warps)
@@ -437,7 +481,7 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item,
     _pass_turn(ring.turn, WG, PINGPONG)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     if WS:
-        mbarrier.arrive(ring.k_empty.index(slot), count=1)
+        _arrive_slot(ring.k_empty, g, STAGES)
     p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, t, item.kv_len, p_row, keys.qk_scale, MASKED,
                                        CAUSAL, BLOCK_N, col_layout)
     if P_SMEM:
@@ -453,7 +497,7 @@ def _step(t, acc, p_op, m_i, l_i, q_smem, p_row, s_zero, it, ring, keys, item,
         0, deps=(o_tok, p_op, p_next, alpha, m_i, l_i))
     acc = acc * alpha[:, None]
     if WS:
-        mbarrier.arrive(ring.v_empty.index(prev), count=1)
+        _arrive_slot(ring.v_empty, g - 1, STAGES)
     else:
         # Both wgmmas reading the two slots have completed (in every warp group: Gluon puts a
         # CTA barrier before each TMA into a buffer read earlier): refill them.
@@ -498,9 +542,9 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, ring, keys, item, it, WG: gl.const
 
     # tile 0: its scores alone (nothing to overlap yet)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
-    slot0 = it % STAGES
+    slot0 = _slot(it, STAGES)
     _take_turn(ring.turn, it, WG, PINGPONG)
-    _wait_full(ring.k_bar, it, STAGES, PAGED)
+    _wait_kv(ring.k_bar, it, STAGES, PAGED)
     s = warpgroup_mma(q_smem, ring.k_ring.index(slot0).permute((1, 0)), s_zero, use_acc=False)
     _pass_turn(ring.turn, WG, PINGPONG)
     if item.n_free > 0:
@@ -510,7 +554,7 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, ring, keys, item, it, WG: gl.const
         p, m_i, l_i, alpha = _softmax_tile(s, m_i, l_i, 0, item.kv_len, p_row, keys.qk_scale,
                                            True, CAUSAL, BLOCK_N, col_s)
     if WS:
-        mbarrier.arrive(ring.k_empty.index(slot0), count=1)
+        _arrive_slot(ring.k_empty, it, STAGES)
     else:
         _cta_barrier()
         _load_kv(keys.k_desc, ring.k_ring, ring.k_bar, STAGES, item.kv_start, item.hkv,
@@ -534,15 +578,15 @@ def _consume(acc, m_i, l_i, p_row, q, q_smem, ring, keys, item, it, WG: gl.const
     # the last tile's P V
     last = item.n_tiles - 1
     g_last = it + last
-    _wait_full(ring.v_bar, g_last, STAGES, PAGED)
+    v_last = _wait_kv(ring.v_bar, g_last, STAGES, PAGED)
     if PAGED != PAGED_GATHER and item.n_tiles * BLOCK_N > item.kv_len:
-        _zero_tail(ring.v_ring, g_last % STAGES, item.kv_len - last * BLOCK_N, D, BLOCK_N, NW)
+        _zero_tail(ring.v_ring, v_last, item.kv_len - last * BLOCK_N, D, BLOCK_N, NW)
     if P_SMEM:
-        acc = warpgroup_mma(ring.p_ring.index(last % 2), ring.v_ring.index(g_last % STAGES), acc)
+        acc = warpgroup_mma(ring.p_ring.index(last % 2), ring.v_ring.index(v_last), acc)
     else:
-        acc = warpgroup_mma(p_op, ring.v_ring.index(g_last % STAGES), acc)
+        acc = warpgroup_mma(p_op, ring.v_ring.index(v_last), acc)
     if WS:  # the last V slot back to the load partition
-        mbarrier.arrive(ring.v_empty.index(g_last % STAGES), count=1)
+        _arrive_slot(ring.v_empty, g_last, STAGES)
     return acc, m_i, l_i
 
 
@@ -764,20 +808,18 @@ def _publish_item(items, item_full, item_empty, k, rec):
     """The load warp hands the program's k-th work item's record ``rec`` [32] (_pack_item; a
     lin past the launch's items: stop) to the compute groups through slot k % 2 of ``items``
     [2, 32], once every group has read the item two before it."""
-    slot = k % 2
-    mbarrier.wait(item_empty.index(slot), ((k // 2) & 1) ^ 1)
+    slot = _wait_empty(item_empty, k, 2)
     items.index(slot).store(rec)
-    mbarrier.arrive(item_full.index(slot), count=1)
+    _arrive_slot(item_full, k, 2)
 
 
 @gluon.jit
 def _take_item(items, item_full, item_empty, k, NW: gl.constexpr):
     """A compute group's (NW warps') k-th work item's record from the load warp
     (_publish_item), every thread holding it whole (_rec_layout)."""
-    slot = k % 2
-    mbarrier.wait(item_full.index(slot), (k // 2) & 1)
+    slot = _wait_full(item_full, k, 2)
     rec = items.index(slot).load(_rec_layout(NW))
-    mbarrier.arrive(item_empty.index(slot), count=1)
+    _arrive_slot(item_empty, k, 2)
     return rec
 
 
@@ -803,17 +845,15 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
                     _field(rec, 5), _field(rec, 6), _field(rec, 7), _field(rec, 8),
                     _field(rec, 9), _field(rec, 10), _field(rec, 11), _field(rec, 12) != 0)
         if item.n_tiles > 0:
-            qs = qk % 2
             if Q_TMA:
-                mbarrier.wait(h.q_full.index(qs), (qk // 2) & 1)
-                q_buf = ctx.ring.q_ring.index(qs)
+                q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
             else:
                 q_buf = ctx.ring.q_ring.index(0)
             _group(WG, ctx, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
                    CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
             if Q_TMA:  # the slot (its O written through it) back to the load warp
                 fence_async_shared()
-                mbarrier.arrive(h.q_empty.index(qs), count=1)
+                _arrive_slot(h.q_empty, qk, 2)
             qk += 1
         elif item.valid:
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
@@ -848,8 +888,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         n_tiles = item.n_tiles
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
-                qs = qk % 2
-                mbarrier.wait(h.q_empty.index(qs), ((qk // 2) & 1) ^ 1)
+                qs = _wait_empty(h.q_empty, qk, 2)
                 mbarrier.expect(h.q_full.index(qs),
                                 BLOCK_M * D * h.q_desc.dtype.primitive_bitwidth // 8)
                 _tma_load(h.q_desc,
