@@ -1,7 +1,6 @@
-"""What the launchers ask of a CUDA device: its properties, queried once per device (a query
-costs ~5 us on the H100's host, and a launch asks twice). A leaf module: the Triton launcher
-(prefill_kernel), the Gluon launcher (prefill_gluon) and the work-list builders (schedule) all
-read it, so neither launcher imports the other for it.
+"""What the launch path asks of a CUDA device: its properties, queried once per device (a query
+costs ~5 us on the H100's host). A leaf module: the launch decision (choose.device_of, which
+the Triton and Gluon launchers ask) and the split-KV planner (schedule) read it.
 """
 
 from __future__ import annotations
@@ -20,14 +19,8 @@ def _device_properties(index: int):
 
 
 def _props(index: int | None):
-    """The properties of CUDA device ``index`` (None: the current device): the one source of
-    its compute capability (_sm_major) and multiprocessor count (sm_count, and through it the
-    Gluon launcher's persistent grid)."""
+    """The properties of CUDA device ``index`` (None: the current device)."""
     return _device_properties(torch.cuda.current_device() if index is None else index)
-
-
-def _sm_major(device: torch.device) -> int:
-    return _props(device.index).major
 
 
 def sm_count(index: int | None = None) -> int:

@@ -958,8 +958,7 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gl
     args = _program_args(
         KV_DENSE, q, k, v, out, lse,
         (q.stride(0), q.stride(1), q.stride(2), q.stride(3)),
-        (k.stride(0), k.stride(1), 0, k.stride(2), k.stride(3)),
-        (v.stride(0), v.stride(1), 0, v.stride(2), v.stride(3)),
+        choose.kv_strides(KV_DENSE, k), choose.kv_strides(KV_DENSE, v),
         (out.stride(0), out.stride(1), out.stride(2)),
         (lse.stride(0), lse.stride(1), lse.stride(2)),
         None, None, None, None, packed_mask, None, alibi_slopes, sinks,
@@ -993,8 +992,7 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
     args = _program_args(
         KV_RAGGED, q, k, v, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
-        (0, k.stride(0), 0, k.stride(1), k.stride(2)),
-        (0, v.stride(0), 0, v.stride(1), v.stride(2)),
+        choose.kv_strides(KV_RAGGED, k), choose.kv_strides(KV_RAGGED, v),
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_indptr, None, None, packed_mask, mask_indptr, alibi_slopes, sinks,
@@ -1012,8 +1010,7 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
     args = _program_args(
         KV_PAGED, q, kc, vc, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
-        (0, kc.stride(1), kc.stride(0), kc.stride(2), kc.stride(3)),
-        (0, vc.stride(1), vc.stride(0), vc.stride(2), vc.stride(3)),
+        choose.kv_strides(KV_PAGED, kc), choose.kv_strides(KV_PAGED, vc),
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,

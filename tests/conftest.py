@@ -24,8 +24,9 @@ from collections import Counter
 
 
 def pytest_configure(config):
-    if config.getoption("--shard", None):
-        _parse_shard(config.getoption("--shard"))  # a bad value stops the run before collection
+    shard = config.getoption("--shard", None)
+    # parsed here, so that a bad value stops the run before collection
+    config._shard = _parse_shard(shard) if shard else None
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if worker.startswith("gw"):
         import torch
@@ -58,9 +59,8 @@ def _shard_of(nodeid: str, n: int) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-    shard = config.getoption("--shard")
-    if shard:
-        i, n = _parse_shard(shard)
+    if config._shard:
+        i, n = config._shard
         keep = [it for it in items if _shard_of(it.nodeid, n) == i - 1]
         config.hook.pytest_deselected(items=[it for it in items if it not in keep])
         items[:] = keep
