@@ -5,7 +5,8 @@ K/V bytes (the ceiling a decode can reach), all on the same inputs in one proces
 Cases (bf16, D 128, causal prefill with kv = its own tokens, decodes of one row at kv each, pages
 shuffled): prefill 256 / 2048 / 8192 x decodes 16 / 128 / 256 x kv 1k / 4k / 32k, at GQA 32/8 and
 64/8 and pages of 16 and 1; BatchPOD cases hold several paged prefill requests. Providers:
-ours_pod (PODWithPagedKVCacheWrapper, or BatchPODWithPagedKVCacheWrapper), ours_prefill,
+ours_pod (PODWithPagedKVCacheWrapper, or BatchPODWithPagedKVCacheWrapper), ours_pod_triton
+(the same call on the Triton kernel's POD launch, CUDA graph replays only), ours_prefill,
 ours_decode (BatchPrefillWithPagedKVCacheWrapper, one row per request), ours_apart (the two back
 to back), ours_mixed (the whole batch as one paged prefill plan); fi_pod, fi_prefill, fi_decode
 (BatchDecodeWithPagedKVCacheWrapper), fi_apart when FlashInfer imports; copy (the decode's K/V
@@ -15,7 +16,8 @@ harness: CUDA events, medians over rounds).
 
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
 the results schema). On ours_pod: ratio_vs_apart = our apart's time over POD's (above 1: POD is
-faster), ratio_vs_fi_pod = FlashInfer POD's over ours, bound_us = max(prefill, decode) + 0.25
+faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod = the Triton POD
+launch's over ours, bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
 (target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
 decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the
@@ -47,8 +49,8 @@ PAGES = (16, 1)
 BATCH_PREFILLS = (2048, 1024, 512, 512)  # BatchPOD's prefill requests
 COPY_CAP = 8 << 30  # bytes: the copy ceiling's rate is flat well below this
 ELEM = 2  # bf16 bytes
-PROVIDERS = ("ours_pod", "ours_prefill", "ours_decode", "ours_apart", "ours_mixed",
-             "fi_pod", "fi_prefill", "fi_decode", "fi_apart", "copy")
+PROVIDERS = ("ours_pod", "ours_pod_triton", "ours_prefill", "ours_decode", "ours_apart",
+             "ours_mixed", "fi_pod", "fi_prefill", "fi_decode", "fi_apart", "copy")
 MODES = ("eager", "graph")
 
 
@@ -157,7 +159,8 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             continue
         if prov in ("ours_decode", "fi_decode"):
             row["decode_tbs"] = case.decode_bytes() / (t * 1e-6) / 1e12
-            c = us.get(("copy", mode))
+            # the ceiling: the faster of the copy's eager and graph timings
+            c = min((us[k] for k in (("copy", m) for m in MODES) if us.get(k)), default=None)
             if c:
                 row["copy_tbs"] = 2 * copy_bytes / (c * 1e-6) / 1e12  # read + write
                 row["decode_over_copy"] = row["decode_tbs"] / row["copy_tbs"]
@@ -169,6 +172,8 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["ratio_vs_apart"] = us["ours_apart", mode] / t
         if us.get(("fi_pod", mode)):
             row["ratio_vs_fi_pod"] = us["fi_pod", mode] / t
+        if us.get(("ours_pod_triton", mode)):
+            row["ratio_vs_triton_pod"] = us["ours_pod_triton", mode] / t
         pre, dec = us.get(("ours_prefill", mode)), us.get(("ours_decode", mode))
         if pre and dec:
             row["bound_us"] = max(pre, dec) + 0.25 * min(pre, dec)
@@ -296,7 +301,23 @@ def _calls(mod, case: PodCase, x: dict, dev, fi: bool) -> dict:
         out["mixed"] = lambda: wm.run(x["q_mixed"], x["cache"])
     pre_call, dec_call = out["prefill"], out["decode"]
     out["apart"] = lambda: (pre_call(), dec_call())
+    if not fi:
+        out["pod_triton"] = _triton_pod(out["pod"])
     return out
+
+
+def _triton_pod(pod_call):
+    """POD's call on the Triton kernel's POD launch (the launch policy's pod_gluon off), for
+    graph capture only: each override bumps the policy version, which sends every eager call
+    after it (ours_pod's too) through a new bound-launch recording."""
+    from compiled_attn.ops.policy import override
+
+    def call():
+        with override(pod_gluon=False):
+            return pod_call()
+
+    call.graph_only = True
+    return call
 
 
 def _err(e: BaseException) -> str:
@@ -377,6 +398,9 @@ def run_case(case: PodCase, args) -> list[dict]:
                 res[prov, m] = fn
             continue
         for mode in MODES:
+            if mode == "eager" and getattr(fn, "graph_only", False):
+                res[prov, mode] = "skipped: timed as CUDA graph replays only"
+                continue
             try:
                 f = fn if mode == "eager" else _graph(fn)
                 f()
@@ -388,6 +412,11 @@ def run_case(case: PodCase, args) -> list[dict]:
                 torch.cuda.synchronize()
     for key, t in zip(keys, bench(runners, args.warmup_ms, args.rep_ms, True, args.rounds)):
         res[key] = t.median_ms * 1e3 if t.error is None else _err(t.error)
+    for prov in providers_for(case):
+        e, g = res.get((prov, "eager")), res.get((prov, "graph"))
+        if isinstance(e, float) and isinstance(g, float) and e > 50 and g < 0.2 * e:
+            res[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {e:.1f} us eager: "
+                                  "the capture recorded no kernel (not capturable this way)")
     return assemble(case, res, diff)
 
 
@@ -427,7 +456,7 @@ def _free():
 def table(rows: list[dict]) -> str:
     """The short summary: one line per case and mode, POD's time and its ratios."""
     lines = [f"{'case':44} {'mode':5} {'pod us':>8} {'/apart':>7} {'/fi pod':>7} "
-             f"{'/bound':>7} {'dec/copy':>8}"]
+             f"{'/triton':>7} {'/bound':>7} {'dec/copy':>8}"]
 
     def f(v, w=7):
         return f"{v:{w}.2f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"
@@ -439,7 +468,8 @@ def table(rows: list[dict]) -> str:
                     and d["provider"] == "ours_decode"), {})
         us = f"{r['median_us']:8.1f}" if r["median_us"] else f"{'-':>8}"
         lines.append(f"{r['case']:44} {r['mode']:5} {us} {f(r.get('ratio_vs_apart'))} "
-                     f"{f(r.get('ratio_vs_fi_pod'))} {f(r.get('pod_over_bound'))} "
+                     f"{f(r.get('ratio_vs_fi_pod'))} {f(r.get('ratio_vs_triton_pod'))} "
+                     f"{f(r.get('pod_over_bound'))} "
                      f"{f(dec.get('decode_over_copy'), 8)}"
                      + ("" if r["status"] == "ok" else f"  {r.get('error', '')[:60]}"))
     return "\n".join(lines)

@@ -151,10 +151,27 @@ class _PODBase(_WrapperBase):
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
-    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists."""
+    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists, each
+    part's rows in their own order and the parts interleaved in proportion (row i of a part of
+    n at (i + 1/2) / n, prefill first on ties): the launch's programs take rows in list order,
+    so the decodes' memory traffic runs beside the prefill's matrix work from the start
+    instead of after it."""
     part_p = torch.zeros_like(prefill[:, :1])
     part_d = torch.ones_like(decode[:, :1])
-    return torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
+    rows = torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
+    at = torch.cat([(torch.arange(prefill.shape[0], device=rows.device) + 0.5) / prefill.shape[0],
+                    (torch.arange(decode.shape[0], device=rows.device) + 0.5) / decode.shape[0]])
+    return rows[torch.argsort(at, stable=True)]
+
+
+def _decode_mask(mask_p: int, mask_d: int, single_rows: bool) -> int:
+    """The decode part's mask mode for the launch: the prefill's where every decode request has
+    at most one query row (that row, its request's last position, sees every key with or
+    without a causal mask) and the prefill's is causal or none, so that one launch serves both
+    parts with one mask (ops.choose.pod_gluon); else its own."""
+    if single_rows and mask_p in (MASK_NONE, MASK_CAUSAL) and mask_d in (MASK_NONE, MASK_CAUSAL):
+        return mask_p
+    return mask_d
 
 
 # PODWithPagedKVCacheWrapper.run()'s per-part options (the keys of the bundles _run takes)
@@ -387,7 +404,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), qo_p, kvi_p, idx_p, last_p),
             (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),
             work=work, packed_p=packed_p, mask_indptr_p=mask_indptr_p, opt_p=opt_p,
-            opt_d=(MASK_CAUSAL if causal_d else MASK_NONE, window_d, sm_d),
+            opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
+                   sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d))
 
     run.__doc__ += _RETURN_DOC
@@ -465,6 +483,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
                       f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
                       f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
+            if x == "d":
+                p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
             if x == "p":
                 mask_bits = (qo_lens * kv_lens).tolist()
                 byte_ptr = [0]
@@ -545,7 +565,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             p, (q_p, k_p, v_p, *part["p"]), (q_d, k_d, v_d, *part["d"]), work=p["work"],
             packed_p=packed_p, mask_indptr_p=mask_indptr_p,
             opt_p=(mask_p, p["window_left"], p["sm_scale"]),
-            opt_d=(MASK_NONE, p["window_left"], sm_d),
+            opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse))
 

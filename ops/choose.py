@@ -506,6 +506,36 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     return True
 
 
+def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, consts_d: dict,
+              scalars_d: dict, out_dtype: torch.dtype, block_m: int,
+              device: Device | None = None) -> bool:
+    """Whether a POD launch runs on the Gluon kernel's persistent work list
+    (prefill_gluon.launch_pod) instead of the Triton kernel's POD launch: an eager launch
+    (POLICY.pod_gluon), both parts in the Gluon kernel's scope (_gluon_scope) on its 128-row
+    D 128 tile, the decodes' pages read by TMA boxes, the prefill's too or its cache one page
+    (PODWithPagedKVCacheWrapper's contiguous k_p / v_p: read as rows), one mask for both
+    parts, and Q / O / LSE row strides that the launch specialises alike in both (a stride
+    of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x caches [P, page, Hkv, D]."""
+    if not (POLICY.pod_gluon and eager_launch()) or INTERPRET or block_m != 128:
+        return False
+    dev = device_of(q_p.device) if device is None else device
+    d = q_p.shape[-1]
+    if d != 128 or q_p.dtype != q_d.dtype or consts_p["MASK_MODE"] != consts_d["MASK_MODE"]:
+        return False
+    block_n = _gluon.TILES[128, 128].block_n
+    one_page = k_p.shape[0] == 1 and v_p.shape[0] == 1
+    for q, k, v, consts, scalars, prefill in ((q_p, k_p, v_p, consts_p, scalars_p, True),
+                                              (q_d, k_d, v_d, consts_d, scalars_d, False)):
+        page = k.shape[1]
+        if prefill and one_page:
+            page = block_n  # (scope only: a one-page cache is read as rows)
+        if not (_gluon.page_fits(page, block_n, d)
+                and _gluon_scope(KV_PAGED, q, k, v, out_dtype, 128, page, consts, scalars, dev)):
+            return False
+    pairs = ((q_p.stride(0), q_d.stride(0)), (q_p.stride(1), q_d.stride(1)))
+    return all((a == 1) == (b == 1) for a, b in pairs)
+
+
 # Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.

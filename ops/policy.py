@@ -38,6 +38,9 @@ class Policy:
         self.tma_min_kv = 0 if INTERPRET else 1024
         # Tile heights whose whole-tensor descriptors may take the persistent grid (TMA 3).
         self.persist_tma = frozenset({64})
+        # POD launches whose parts are in its scope run on the Gluon kernel's persistent work
+        # list (choose.pod_gluon); off: the Triton kernel's POD launch.
+        self.pod_gluon = True
         # Traced calls that the Gluon kernel would take stay opaque (ops.dispatch).
         self.graph_gluon = True
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).

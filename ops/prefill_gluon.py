@@ -703,45 +703,61 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
              GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr):
     """Work item ``lin`` (of n_items * n_hkv: the work list's items for KV head 0, then head
-    1, ...) of the launch ctx, as an Item. Its key tiles [0, n_free) are visible to every row,
-    [n_free, n_tiles) masked; n_tiles is 0 when the item is not valid (padding, or rows past
-    the request's)."""
+    1, ...) of the launch ctx, as an Item (_span_item)."""
     w = ctx.work
-    work_ptr = w.work_ptr
-    qo_indptr_ptr = w.qo_indptr_ptr
-    kv_indptr_ptr = w.kv_indptr_ptr
-    n_items = w.n_items
-    dense_qo_len = w.dense_qo_len
-    dense_kv_len = w.dense_kv_len
     if DENSE:
-        req, row0, hkv = _dense_item(lin, n_items, w.dense_tiles, w.dense_group, w.n_req,
+        req, row0, hkv = _dense_item(lin, w.n_items, w.dense_tiles, w.dense_group, w.n_req,
                                      w.n_hkv, BLOCK_M)
-        qo_start = 0
-        qo_len = dense_qo_len
-        kv_start = req * dense_kv_len
-        kv_len = dense_kv_len
+        return _span_item(req, row0, hkv, 0, w.dense_qo_len, req * w.dense_kv_len,
+                          w.dense_kv_len, 0, 0, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
     else:
-        hkv = lin // n_items
-        x = lin - hkv * n_items
-        req = gl.load(work_ptr + x * 2)
-        row0 = gl.load(work_ptr + x * 2 + 1)
-        req_c = gl.maximum(req, 0)
-        qo_start = gl.load(qo_indptr_ptr + req_c)
-        qo_len = gl.load(qo_indptr_ptr + req_c + 1) - qo_start
-        if PAGED:
-            page_base = gl.load(kv_indptr_ptr + req_c)
-            npages = gl.load(kv_indptr_ptr + req_c + 1) - page_base
-            last = gl.load(w.last_page_len_ptr + req_c)
-            kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
-            kv_start = 0
-        else:
-            kv_start = gl.load(kv_indptr_ptr + req_c)
-            kv_len = gl.load(kv_indptr_ptr + req_c + 1) - kv_start
-        qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
-        req = req_c
-    if not PAGED:
+        hkv = lin // w.n_items
+        x = lin - hkv * w.n_items
+        return _request_item(gl.load(w.work_ptr + x * 2), gl.load(w.work_ptr + x * 2 + 1), hkv,
+                             w, PAGED, PAGE, False, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _request_item(req, row0, hkv, w, PAGED: gl.constexpr, PAGE: gl.constexpr,
+                  ONE_PAGE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The Item of work row (request, first packed row) for KV head hkv on the Work w's
+    indptrs (request -1: a padding item, no rows). PAGED: kv_indptr counts pages of PAGE keys
+    (last_page_len in the last); else it counts rows, or with ONE_PAGE pages of a one-page cache,
+    whose request reads the first last_page_len rows of that page (POD's prefill part:
+    _pod_item)."""
+    req_c = gl.maximum(req, 0)
+    qo_start = gl.load(w.qo_indptr_ptr + req_c)
+    qo_len = gl.load(w.qo_indptr_ptr + req_c + 1) - qo_start
+    if PAGED:
+        page_base = gl.load(w.kv_indptr_ptr + req_c)
+        npages = gl.load(w.kv_indptr_ptr + req_c + 1) - page_base
+        last = gl.load(w.last_page_len_ptr + req_c)
+        kv_len = gl.where(npages > 0, (npages - 1) * PAGE + last, 0)
+        kv_start = 0
+    elif ONE_PAGE:
+        npages = gl.load(w.kv_indptr_ptr + req_c + 1) - gl.load(w.kv_indptr_ptr + req_c)
+        kv_len = gl.where(npages > 0, gl.load(w.last_page_len_ptr + req_c), 0)
+        kv_start = 0
         page_base = 0
         npages = 0
+    else:
+        kv_start = gl.load(w.kv_indptr_ptr + req_c)
+        kv_len = gl.load(w.kv_indptr_ptr + req_c + 1) - kv_start
+        page_base = 0
+        npages = 0
+    qo_len = gl.where(req < 0, 0, qo_len)  # padding item: no rows
+    return _span_item(req_c, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages,
+                      GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+
+
+@gluon.jit
+def _span_item(req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages,
+               GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr):
+    """The Item of packed rows [row0, row0 + BLOCK_M) of a request's rows (qo_start, qo_len)
+    against its keys: key tiles [0, n_free) visible to every row, [n_free, n_tiles) masked;
+    n_tiles is 0 when the item is not valid (rows past the request's)."""
     valid = row0 < qo_len * GROUP
     tok_lo = row0 // GROUP
     tok_hi = gl.minimum((row0 + BLOCK_M - 1) // GROUP, qo_len - 1)
@@ -755,6 +771,33 @@ def _item_of(lin, ctx, DENSE: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.conste
     n_free = gl.maximum(free, 0) // BLOCK_N
     return Item(req, row0, hkv, qo_start, qo_len, kv_start, kv_len, page_base, npages, n_tiles,
                 n_free, valid)
+
+
+@gluon.jit
+def _pod_item(lin, ctx, pod, PAGED: gl.constexpr, PAGE: gl.constexpr, PAGED_D: gl.constexpr,
+              PAGE_D: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """POD's work item ``lin`` as (part, Item): work rows int32 [W, 3] of (part, request,
+    first packed row), item lin = x + head * W. Part 0, the prefill, on ctx's Work: paged
+    (PAGED) or a one-page cache (PAGED 0, ONE_PAGE); part 1, the decodes, on pod's Work
+    (PAGED_D, PAGE_D)."""
+    w = ctx.work
+    hkv = lin // w.n_items
+    x = lin - hkv * w.n_items
+    part = gl.load(w.work_ptr + x * 3)
+    req = gl.load(w.work_ptr + x * 3 + 1)
+    row0 = gl.load(w.work_ptr + x * 3 + 2)
+    if part == 0:
+        item = _request_item(req, row0, hkv, w, PAGED, PAGE, not PAGED, GROUP, CAUSAL, BLOCK_M,
+                             BLOCK_N)
+    else:
+        item = _request_item(req, row0, hkv, pod.work, PAGED_D, PAGE_D, False, GROUP, CAUSAL,
+                             BLOCK_M, BLOCK_N)
+    return part, item
+
+
+# POD's work item records carry the item's part in this lane (after lin and Item's 12 fields)
+POD_PART_LANE = gl.constexpr(13)
 
 
 @constexpr_function
@@ -828,12 +871,13 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
               PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, NW: gl.constexpr):
+              STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
-    goes back to the load warp once the item's O, staged through it, is written."""
-    io, st, h = ctx.io, ctx.st, ctx.handoff
+    goes back to the load warp once the item's O, staged through it, is written. POD: an item
+    of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx)."""
+    h = ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
     k = 0
@@ -844,18 +888,23 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
         item = Item(_field(rec, 1), _field(rec, 2), _field(rec, 3), _field(rec, 4),
                     _field(rec, 5), _field(rec, 6), _field(rec, 7), _field(rec, 8),
                     _field(rec, 9), _field(rec, 10), _field(rec, 11), _field(rec, 12) != 0)
+        if POD:
+            c = _part_ctx(ctx, pod, _field(rec, POD_PART_LANE))
+        else:
+            c = ctx
         if item.n_tiles > 0:
             if Q_TMA:
                 q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
             else:
                 q_buf = ctx.ring.q_ring.index(0)
-            _group(WG, ctx, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
+            _group(WG, c, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
                    CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
             if Q_TMA:  # the slot (its O written through it) back to the load warp
                 fence_async_shared()
                 _arrive_slot(h.q_empty, qk, 2)
             qk += 1
         elif item.valid:
+            io, st = c.io, c.st
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
                        item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv,
                        item.row0 + WG * ROWS, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, D, NW)
@@ -865,17 +914,50 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
 
 
 @gluon.jit
+def _part_ctx(ctx, pod, part):
+    """The Ctx a POD work item's compute groups run on: ctx for part 0, for part 1 pod's Io,
+    RowStrides and logit scale over ctx's rings (K / V sources are the load warp's alone)."""
+    if part == 0:
+        io, st, qk_scale = ctx.io, ctx.st, ctx.keys.qk_scale
+    else:
+        io, st, qk_scale = pod.io, pod.st, pod.keys.qk_scale
+    keys = ctx.keys
+    return Ctx(io, ctx.ring, Keys(keys.k_desc, keys.v_desc, qk_scale, keys.page_idx_ptr,
+                                  keys.k_page_rows, keys.v_page_rows),
+               st, ctx.work, ctx.handoff, ctx.gather)
+
+
+@gluon.jit
+def _produce(keys, ctx, item, it, PAGED: gl.constexpr, PAGE: gl.constexpr,
+             BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+             BOXES: gl.constexpr, WIDE: gl.constexpr):
+    """The load partition's K / V copies of one work item (_item_producer) from the Keys
+    ``keys`` into ctx's rings."""
+    ring, gather = ctx.ring, ctx.gather
+    _item_producer(keys.k_desc, keys.v_desc, gather.k_ptr, gather.v_ptr, ring.k_ring,
+                   ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty, item.n_tiles,
+                   it, item.kv_start, item.kv_len, item.hkv, keys.page_idx_ptr,
+                   item.page_base, item.npages, keys.k_page_rows, keys.v_page_rows,
+                   gather.stride_kr, gather.stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES,
+                   WIDE)
+
+
+@gluon.jit
 def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr,
                PAGE: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-               STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr):
+               STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr, pod=None,
+               POD: gl.constexpr = False, PAGED_D: gl.constexpr = 0, PAGE_D: gl.constexpr = 0,
+               BOXES_D: gl.constexpr = 1):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
     tiles (_ws_producer; PAGED_GATHER: _gather_producer, the partition a warp group), running
     on into the next item while the groups finish this one; a last index past the items stops
-    them."""
-    ring, keys, h, gather = ctx.ring, ctx.keys, ctx.handoff, ctx.gather
+    them. POD: the items of POD's work rows (_pod_item), part 0's K / V from ctx's Keys
+    (PAGED 0: the one-page prefill, read as contiguous rows), part 1's from pod's (PAGED_D,
+    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part."""
+    ring, keys, h = ctx.ring, ctx.keys, ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     it = 0
@@ -883,8 +965,15 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     qk = 0
     lin = gl.program_id(0)
     while lin < total:
-        item = _item_of(lin, ctx, DENSE, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
-        _publish_item(h.items, h.item_full, h.item_empty, k, _pack_item(lin, item, LOAD_WARPS))
+        if POD:
+            part, item = _pod_item(lin, ctx, pod, PAGED, PAGE, PAGED_D, PAGE_D, GROUP, CAUSAL,
+                                   BLOCK_M, BLOCK_N)
+            lane = gl.arange(0, 32, layout=_lane_layout(LOAD_WARPS))
+            rec = gl.where(lane == POD_PART_LANE, part, _pack_item(lin, item, LOAD_WARPS))
+        else:
+            item = _item_of(lin, ctx, DENSE, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+            rec = _pack_item(lin, item, LOAD_WARPS)
+        _publish_item(h.items, h.item_full, h.item_empty, k, rec)
         n_tiles = item.n_tiles
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
@@ -895,12 +984,14 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                           [item.req * h.q_req_rows + item.qo_start + item.row0, item.hkv * D],
                           h.q_full.index(qs), ring.q_ring.index(qs))
                 qk += 1
-        _item_producer(keys.k_desc, keys.v_desc, gather.k_ptr, gather.v_ptr, ring.k_ring,
-                       ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty, n_tiles,
-                       it, item.kv_start, item.kv_len, item.hkv, keys.page_idx_ptr,
-                       item.page_base, item.npages, keys.k_page_rows, keys.v_page_rows,
-                       gather.stride_kr, gather.stride_vr, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES,
-                       WIDE)
+        if POD:
+            if part == 0:
+                _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
+            else:
+                _produce(pod.keys, ctx, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
+                         WIDE)
+        else:
+            _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
         k += 1
         lin = _next_item(h.sched_ptr, LOAD_WARPS)
@@ -923,42 +1014,13 @@ def _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv, BLOCK_M: g
 
 
 @gluon.jit
-def _gluon_fwd(
-    work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
-    page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
-    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
-    dense_kv_len, sched_ptr, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr,
-    DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
-):
-    """Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
-    grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
-    from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
-    zeroed per launch) until none is left, a 1D grid of at most the programs the GPU holds at
-    once. Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA
-    through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
-    q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request, first
-    packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N, Hq, D],
-    lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items derived by
-    _dense_item, every request dense_qo_len rows against dense_kv_len keys, q / o [B, Sq, Hq,
-    D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as [rows, Hkv * D]
-    (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks [BLOCK_N, D]. PAGED
-    (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE, Hkv, D]
-    seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined [pages,
-    2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr the page
-    table, last_page_len_ptr each request's keys in its last page; PAGED_GATHER reads the caches
-    through k_ptr / v_ptr (the same 2D views, rows stride_kr / stride_vr elements apart) instead
-    of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
-    base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
-    the second a worker partition at GROUP_REGS registers."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
-    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+def _shared_state(dtype: gl.constexpr, k_desc, v_desc, q_desc, Q_TMA: gl.constexpr,
+                  P_SMEM: gl.constexpr,
+                  PAGED: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """A program's shared memory, barriers initialised: the Ring, and the persistent
+    programs' handoff (item records, their barriers, Q's TMA slot barriers). K / V slots in
+    the layouts of the descriptors k_desc / v_desc; Q_TMA: two Q slots in q_desc's."""
     RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
     P_ROWS: gl.constexpr = BLOCK_M if P_SMEM else 8  # (a stand-in unless P_SMEM)
     P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 64
@@ -1003,9 +1065,73 @@ def _gluon_fwd(
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=RELEASES)
     fence_async_shared()
+    return (Ring(q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn),
+            (items, item_full, item_empty, q_full, q_empty))
+
+
+@gluon.jit
+def _release_state(ring, item_bars, STAGES: gl.constexpr):
+    """Invalidate the barriers _shared_state initialised."""
+    items, item_full, item_empty, q_full, q_empty = item_bars
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ring.k_bar.index(i))
+        mbarrier.invalidate(ring.v_bar.index(i))
+        mbarrier.invalidate(ring.k_empty.index(i))
+        mbarrier.invalidate(ring.v_empty.index(i))
+    mbarrier.invalidate(ring.turn.index(0))
+    mbarrier.invalidate(ring.turn.index(1))
+    for i in gl.static_range(2):
+        mbarrier.invalidate(item_full.index(i))
+        mbarrier.invalidate(item_empty.index(i))
+        mbarrier.invalidate(q_full.index(i))
+        mbarrier.invalidate(q_empty.index(i))
+
+
+@gluon.jit
+def _gluon_fwd(
+    work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
+    page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
+    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
+    stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
+    dense_kv_len, sched_ptr, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr,
+    DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
+    GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
+    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr,
+    num_warps: gl.constexpr,
+):
+    """Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
+    grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
+    from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
+    zeroed per launch) until none is left, a 1D grid of at most the programs the GPU holds at
+    once. Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA
+    through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
+    q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request, first
+    packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N, Hq, D],
+    lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items derived by
+    _dense_item, every request dense_qo_len rows against dense_kv_len keys, q / o [B, Sq, Hq,
+    D], lse [B, Sq, Hq]. k_desc / v_desc: host descriptors over K / V seen as [rows, Hkv * D]
+    (ragged N_kv rows; dense B * Skv, request b's keys from b * Skv), blocks [BLOCK_N, D]. PAGED
+    (ragged work list and rows; PAGE a multiple of BLOCK_N): K / V caches [pages, PAGE, Hkv, D]
+    seen as rows of Hkv * D, page p from row p * k_page_rows / v_page_rows (a combined [pages,
+    2, PAGE, Hkv, D] cache interleaves them), kv_indptr the page indptr, page_idx_ptr the page
+    table, last_page_len_ptr each request's keys in its last page; PAGED_GATHER reads the caches
+    through k_ptr / v_ptr (the same 2D views, rows stride_kr / stride_vr elements apart) instead
+    of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
+    base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
+    the second a worker partition at GROUP_REGS registers."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
+    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+    ring, item_bars = _shared_state(dtype, k_desc, v_desc, q_desc, Q_TMA, P_SMEM, PAGED,
+                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)
+    items, item_full, item_empty, q_full, q_empty = item_bars
+    q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty = (
+        ring.q_ring, ring.k_ring, ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty)
     # the launch's runtime values (Ctx)
     ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr),
-              Ring(q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty, p_ring, turn),
+              ring,
               Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
               RowStrides(stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
                          stride_lb, stride_lt, stride_lh),
@@ -1080,18 +1206,72 @@ def _gluon_fwd(
                        item.req.to(gl.int64) * stride_lb, item.qo_start, item.qo_len, item.hkv,
                        item.row0, stride_ot, stride_oh, stride_lt, stride_lh, GROUP, BLOCK_M, D,
                        num_warps)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bar.index(i))
-        mbarrier.invalidate(v_bar.index(i))
-        mbarrier.invalidate(k_empty.index(i))
-        mbarrier.invalidate(v_empty.index(i))
-    mbarrier.invalidate(turn.index(0))
-    mbarrier.invalidate(turn.index(1))
-    for i in gl.static_range(2):
-        mbarrier.invalidate(item_full.index(i))
-        mbarrier.invalidate(item_empty.index(i))
-        mbarrier.invalidate(q_full.index(i))
-        mbarrier.invalidate(q_empty.index(i))
+    _release_state(ring, item_bars, STAGES)
+
+
+@gluon.jit
+def _gluon_pod_fwd(
+    work_ptr, n_items, n_hkv, sched_ptr,
+    q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
+    last_page_len_ptr, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_lt, stride_lh, qk_scale,
+    q_ptr_d, k_desc_d, v_desc_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
+    page_idx_ptr_d, last_page_len_ptr_d, k_page_rows_d, v_page_rows_d, stride_qt_d, stride_qh_d,
+    stride_ot_d, stride_oh_d, stride_lt_d, stride_lh_d, qk_scale_d,
+    PAGED: gl.constexpr, PAGE: gl.constexpr, BOXES: gl.constexpr, PAGED_D: gl.constexpr,
+    PAGE_D: gl.constexpr, BOXES_D: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+    PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
+):
+    """POD on the persistent warp-specialized kernel: one launch whose work items are a
+    prefill's tiles (part 0: the arguments without suffix) and a decode batch's items (part 1:
+    suffix _d) in one list, work_ptr int32 [W, 3] of (part, request, first packed row), item
+    lin = x + head * W (n_items = W), taken by resident programs from sched_ptr as in
+    _gluon_fwd. The parts share the tile, the K / V rings and the mask (CAUSAL: a decode row,
+    its request's last position, sees every key either way); each has its own Q, O and LSE
+    ([N, Hq, D], [N, Hq]; ragged row strides), indptrs, logit scale and K / V source: part 0 a
+    paged cache (PAGED_BOXES, PAGE, BOXES) or a one-page cache whose request reads that page's
+    first last_page_len rows (PAGED 0: PODWithPagedKVCacheWrapper's contiguous k_p / v_p),
+    part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Descriptors and page rows as in
+    _gluon_fwd; both parts' boxes fill slots of one shared layout (the launcher checks)."""
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+    ring, item_bars = _shared_state(dtype, k_desc, v_desc, k_desc, False, False, PAGED,
+                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)
+    items, item_full, item_empty, q_full, q_empty = item_bars
+    handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
+    gather = Gather(q_ptr, q_ptr, 0, 0)  # (no gathered pages)
+    ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr), ring,
+              Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
+              RowStrides(0, stride_qt, stride_qh, 0, stride_ot, stride_oh, 0, stride_lt,
+                         stride_lh),
+              Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, 0,
+                   n_hkv, 0, 0, 0, 0),
+              handoff, gather)
+    pod = Ctx(Io(q_ptr_d, o_ptr_d, lse_ptr_d), ring,
+              Keys(k_desc_d, v_desc_d, qk_scale_d, page_idx_ptr_d, k_page_rows_d, v_page_rows_d),
+              RowStrides(0, stride_qt_d, stride_qh_d, 0, stride_ot_d, stride_oh_d, 0, stride_lt_d,
+                         stride_lh_d),
+              Work(work_ptr, qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d, n_items, 0,
+                   n_hkv, 0, 0, 0, 0),
+              handoff, gather)
+    if PINGPONG:
+        gl.warp_specialize([
+            (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+            (_ws_group, (1, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+            (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
+                          STAGES, BOXES, False, pod, True, PAGED_D, PAGE_D, BOXES_D)),
+        ], [num_warps, 1], [GROUP_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+            (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
+                          STAGES, BOXES, False, pod, True, PAGED_D, PAGE_D, BOXES_D)),
+        ], [1], [24])
+    _release_state(ring, item_bars, STAGES)
 
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -1317,6 +1497,71 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
+
+
+class PodPart(NamedTuple):
+    """One part of a POD launch (launch_pod): q [N, Hq, D], the K / V caches' kv_2d "paged"
+    views k2 / v2, out [N, Hq, D], lse float32 [N, Hq], indptrs int32 [R + 1] (kv_indptr in
+    pages), the page table int32 [P] and last page lengths int32 [R], K and V page_rows, the
+    page size (0: a one-page cache read as contiguous rows, the prefill part only) and the
+    base-2 logit scale."""
+    q: torch.Tensor
+    k2: torch.Tensor
+    v2: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    page_idx: torch.Tensor
+    last_page_len: torch.Tensor
+    k_rows: int
+    v_rows: int
+    page: int
+    qk_scale: float
+
+
+def pod_boxes(page: int, block_n: int) -> int:
+    """TMA boxes per key tile of a POD part with pages of ``page`` keys (0: a one-page cache,
+    one box a tile)."""
+    return block_n // page if 0 < page < block_n else 1
+
+
+def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal: bool,
+               tile: Tile | tuple | None = None, block_m: int = 128):
+    """One launch of _gluon_pod_fwd: the parts' work items (work int32 [W, 3] of (part,
+    request, first packed row)) taken by persistent warp-specialized programs on one tile
+    (TILES[block_m, D] unless given; its K / V rings shared by both parts, so their boxes'
+    shared layouts must agree). Writes each part's out and lse."""
+    q = prefill.q
+    d = q.shape[-1]
+    hkv = prefill.k2.shape[1] // d
+    tile = Tile(*(tile or TILES[block_m, d]))
+    boxes = [pod_boxes(part.page, tile.block_n) for part in (prefill, decode)]
+    descs = []
+    for part, nb in zip((prefill, decode), boxes):
+        box = tile.block_n // nb
+        descs.append((kv_descriptor(part.k2, d, box), kv_descriptor(part.v2, d, box)))
+    layouts = [x.layout for pair in descs for x in pair]
+    if any(x != layouts[0] for x in layouts):
+        raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
+    pingpong = tile.pingpong
+    grid = (max(1, min(work.shape[0] * hkv, _sm_count(q.device) * _WS_CTAS[tile.warps])), )
+
+    def part_args(part, pair):
+        return (part.q, pair[0], pair[1], part.out, part.lse, part.qo_indptr, part.kv_indptr,
+                part.page_idx, part.last_page_len, part.k_rows, part.v_rows, part.q.stride(0),
+                part.q.stride(1), part.out.stride(0), part.out.stride(1), part.lse.stride(0),
+                part.lse.stride(1), part.qk_scale)
+
+    _launch.run_direct(
+        _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device),
+        *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
+        PAGED=PAGED_BOXES.value if prefill.page else 0, PAGE=prefill.page, BOXES=boxes[0],
+        PAGED_D=PAGED_BOXES.value, PAGE_D=decode.page, BOXES_D=boxes[1],
+        GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=tile.block_n, D=d,
+        STAGES=tile.stages, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
+        num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
+    return prefill.out, prefill.lse, decode.out, decode.lse
 
 
 # The smallest page read a box per page: a TMA box into the 128-byte-swizzled slots spans at

@@ -1144,6 +1144,19 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     p_params, d_params = dict(p_params), dict(d_params)
     out_dtype = p_params.pop("out_dtype")
     d_params.pop("out_dtype")
+    flags_p = _flags(q_p, alibi_slopes, None, **p_params)
+    flags_d = _flags(q_d, alibi_slopes, None, **d_params)
+    if choose.pod_gluon(q_p, k_cache_p, v_cache_p, q_d, k_cache_d, v_cache_d, flags_p[1],
+                        flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m):
+        parts = [_pod_part(*x, out_dtype, p_params, flags[0]["qk_scale"]) for x, flags in (
+            ((q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
+              kv_last_page_len_p, k_cache_p.shape[0] == 1), flags_p),
+            ((q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
+              kv_last_page_len_d, False), flags_d))]
+        if work.shape[0] == 0 or (q_p.shape[0] == 0 and q_d.shape[0] == 0):
+            return parts[0].out, parts[0].lse, parts[1].out, parts[1].lse
+        return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
+                                 block_m=block_m)
     out_p, lse_p, args_p = _paged_args(
         q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
@@ -1162,3 +1175,14 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         _pod_fwd, (work.shape[0], k_cache_p.shape[2]), work, *args_p.args.values(),
         *args_d.args.values(), **consts, num_warps=choice.warps, num_stages=choice.stages)
     return out_p, lse_p, out_d, lse_d
+
+
+def _pod_part(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
+              one_page, out_dtype, params, qk_scale):
+    """A POD part for prefill_gluon.launch_pod (its out and lse allocated): q [N, Hq, D],
+    caches [P, page, Hkv, D] (one_page: a one-page cache, read as rows)."""
+    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
+    return _gluon.PodPart(q, _gluon.kv_2d(kc, "paged"), _gluon.kv_2d(vc, "paged"), out,
+                          _lse_out(q, params), qo_indptr, kv_page_indptr, kv_page_indices,
+                          kv_last_page_len, _gluon.page_rows(kc), _gluon.page_rows(vc),
+                          0 if one_page else kc.shape[1], qk_scale)

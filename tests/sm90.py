@@ -211,3 +211,44 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
     facts = dict(block_n=block_n, box=box, gather=gather, persistent=persistent, regs=regs,
                  paged=paged_mode)
     return src, opts, facts
+
+
+def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128):
+    """_gluon_pod_fwd's compile for sm_90 as prefill_gluon.launch_pod would set it up on the
+    128-row tile TILES[128, d], bf16: the prefill part's pages of page_p keys (0: the one-page
+    cache read as contiguous rows), the decodes' of page_d. Returns (source, options)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from compiled_attn.ops import prefill_gluon as G
+
+    tile = G.TILES[128, d]
+    fn = G._gluon_pod_fwd
+
+    def desc(page):
+        box = tile.block_n // G.pod_boxes(page, tile.block_n)
+        layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
+        return f"tensordesc<bf16[{box}, {d}],{layout}>", box
+
+    (dp, _), (dd, _) = desc(page_p), desc(page_d)
+    consts = dict(PAGED=G.PAGED_BOXES.value if page_p else 0, PAGE=page_p,
+                  BOXES=G.pod_boxes(page_p, tile.block_n), PAGED_D=G.PAGED_BOXES.value,
+                  PAGE_D=page_d, BOXES_D=G.pod_boxes(page_d, tile.block_n), GROUP=group,
+                  CAUSAL=causal, BLOCK_M=128, BLOCK_N=tile.block_n, D=d, STAGES=tile.stages,
+                  PINGPONG=tile.pingpong, GROUP_REGS=G.PINGPONG_REGS,
+                  num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
+    types = {}
+    for sfx, dsc in (("", dp), ("_d", dd)):
+        types.update({f"q_ptr{sfx}": "*bf16", f"o_ptr{sfx}": "*bf16", f"lse_ptr{sfx}": "*fp32",
+                      f"k_desc{sfx}": dsc, f"v_desc{sfx}": dsc, f"qo_indptr_ptr{sfx}": "*i32",
+                      f"kv_indptr_ptr{sfx}": "*i32", f"page_idx_ptr{sfx}": "*i32",
+                      f"last_page_len_ptr{sfx}": "*i32", f"qk_scale{sfx}": "fp32"})
+    types.update(work_ptr="*i32", sched_ptr="*i32")
+    # lse [N, Hq]: its head stride 1 is specialised as a constexpr by the launch
+    ones = {"stride_lh": 1, "stride_lh_d": 1}
+    consts.update(ones)
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    src = GluonASTSource(fn=fn, signature=sig,
+                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
+                         attrs={})
+    return src, dict(num_warps=consts["num_warps"], maxnreg=G.ws_maxnreg(tile.warps))

@@ -1,0 +1,160 @@
+"""GPU tier of POD on the Gluon kernel's persistent work list (prefill_gluon.launch_pod, chosen
+by ops.choose.pod_gluon): one launch whose resident programs take the prefill's tiles and the
+decodes' items from one list. Every case runs pod_prefill_decode on bf16 inputs and checks
+each part against the float64 reference with the project's bound (kernel_cases.check: twice
+PyTorch's own error in the same dtype plus a rounding term; NaN never passes; outputs poisoned
+first), and asserts that the Gluon launch ran. Cases: the one-page prefill cache that
+PODWithPagedKVCacheWrapper passes (contiguous k_p / v_p) and a paged prefill (BatchPOD), pages
+of 8 / 16 / 128 keys, GQA 4:1 and 7:1, causal and no mask, odd lengths, requests without keys
+or rows, per-part scales; and the public wrappers end to end against their CPU reference."""
+
+import pytest
+import torch
+
+import compiled_attn
+from compiled_attn import ops
+from compiled_attn.ops import prefill_gluon
+from compiled_attn.ops.policy import override
+from tests.kernel_cases import check_pod, make_case, params
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+BF16 = torch.bfloat16
+D = 128
+
+
+@pytest.fixture
+def gluon_pods(monkeypatch):
+    """The number of POD launches that took the Gluon kernel (a list, one entry a launch)."""
+    calls = []
+    real = prefill_gluon.launch_pod
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prefill_gluon, "launch_pod", spy)
+    return calls
+
+
+def one_page_prefill(qo_len, kv_len, hq, hkv, seed):
+    """A paged case holding one request whose keys are one page of kv_len keys: the contiguous
+    k_p / v_p [kv_len, Hkv, D] that PODWithPagedKVCacheWrapper passes as a one-page cache."""
+    c = make_case("ragged", [qo_len], [kv_len], hq, hkv, D, dtype=BF16, device="cuda", seed=seed)
+    c.kind = "paged"
+    c.k, c.v = c.k.unsqueeze(0), c.v.unsqueeze(0)
+    dev = c.q.device
+    c.kv_indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    c.page_indices = torch.zeros(1, dtype=torch.int32, device=dev)
+    c.last_page_len = torch.tensor([kv_len], dtype=torch.int32, device=dev)
+    return c
+
+
+def decodes(kv_lens, hq, hkv, page, seed):
+    return make_case("paged", [1] * len(kv_lens), kv_lens, hq, hkv, D, dtype=BF16,
+                     device="cuda", page_size=page, seed=seed)
+
+
+# (prefill qo_len, kv_len) of the one-page prefill; the decodes' kv lengths (one without keys)
+DECODE_KV = [900, 1, 33, 0, 17, 2049, 128, 4096]
+
+
+@pytest.mark.parametrize("mask", [ops.MASK_CAUSAL, ops.MASK_NONE], ids=["causal", "nomask"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (14, 2)], ids=["gqa4", "gqa7"])
+@pytest.mark.parametrize("page", [8, 16, 128])
+def test_pod_one_page_prefill(mask, hq, hkv, page, gluon_pods):
+    pre = one_page_prefill(300, 701, hq, hkv, seed=page + hq)
+    dec = decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1)
+    p_pre = params(mask, head_dim=D)
+    check_pod(pre, dec, p_pre, dict(p_pre, sm_scale=0.07))
+    assert gluon_pods, "the launch did not take the Gluon kernel"
+
+
+@pytest.mark.parametrize("page_p,page_d", [(16, 16), (128, 16), (16, 8)])
+def test_pod_paged_prefill(page_p, page_d, gluon_pods):
+    # BatchPOD's parts: a paged prefill batch (a request without rows, odd lengths, qo < kv)
+    pre = make_case("paged", [300, 0, 129, 5], [700, 6, 129, 5], 8, 2, D, dtype=BF16,
+                    device="cuda", page_size=page_p, seed=3)
+    dec = decodes(DECODE_KV, 8, 2, page_d, seed=4)
+    p = params(ops.MASK_CAUSAL, head_dim=D)
+    check_pod(pre, dec, p, p)
+    assert gluon_pods
+
+
+@pytest.mark.parametrize("side", ["no_decode_keys", "no_prefill_rows"])
+def test_pod_empty_sides(side, gluon_pods):
+    if side == "no_decode_keys":
+        pre, dec = one_page_prefill(64, 64, 8, 2, 5), decodes([0, 0, 0], 8, 2, 16, 6)
+    else:
+        pre, dec = one_page_prefill(0, 64, 8, 2, 7), decodes([300, 17], 8, 2, 16, 8)
+    p = params(ops.MASK_CAUSAL, head_dim=D)
+    check_pod(pre, dec, p, p)
+    assert gluon_pods
+
+
+def test_pod_out_of_scope_takes_the_triton_launch(gluon_pods):
+    # a window on the decode part is outside the Gluon kernel's scope: the Triton POD launch
+    pre = one_page_prefill(100, 300, 8, 2, 9)
+    dec = decodes([500, 33], 8, 2, 16, 10)
+    p = params(ops.MASK_CAUSAL, head_dim=D)
+    check_pod(pre, dec, p, dict(p, window_left=64))
+    assert not gluon_pods
+
+
+def _pod_inputs(dev, dtype, seed=0, qo=513, kv_d=(700, 4096, 1, 333), page=16, hq=32, hkv=8):
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(dev, dtype)  # noqa: E731
+    pages = [(n + page - 1) // page for n in kv_d]
+    total = sum(pages) + 2
+    perm = torch.randperm(total, generator=g)[:sum(pages)].to(torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), dtype=torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 for n in kv_d], dtype=torch.int32)
+    return dict(q_p=rnd(qo, hq, D), k_p=rnd(qo, hkv, D), v_p=rnd(qo, hkv, D),
+                q_d=rnd(len(kv_d), hq, D), cache=rnd(total, 2, page, hkv, D),
+                indptr=indptr, indices=perm, last=last, hq=hq, hkv=hkv, page=page)
+
+
+def _run_pod(x, dev):
+    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
+    w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
+           q_data_type=x["q_p"].dtype)
+    return w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"], causal_p=True,
+                 return_lse_p=True, return_lse_d=True)
+
+
+def test_pod_wrapper_matches_reference(gluon_pods):
+    """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch) against the same wrapper on
+    the CPU in float64 (the reference), within the bf16 bound of kernel_cases.check: twice the
+    error of the same math in float32 with bf16 products, plus rounding."""
+    gpu = _pod_inputs("cuda", BF16)
+    (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
+    assert gluon_pods
+    ref64 = _pod_inputs("cpu", torch.float64)
+    (r_p, r_d), (rl_p, rl_d) = _run_pod(ref64, "cpu")
+    low = {k: (v.to(BF16).to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
+               else v) for k, v in ref64.items()}
+    (t_p, t_d), (tl_p, tl_d) = _run_pod(low, "cpu")
+    for out, ref, torch_out in ((out_p, r_p, t_p), (out_d, r_d, t_d)):
+        assert not torch.isnan(out).any()
+        err = (out.double().cpu() - ref).abs().max().item()
+        terr = (torch_out.to(BF16).double() - ref).abs().max().item()
+        assert err <= 2 * terr + torch.finfo(BF16).eps * ref.abs().max().item() + 1e-6
+    for lse, ref, torch_lse in ((lse_p, rl_p, tl_p), (lse_d, rl_d, tl_d)):
+        assert not torch.isnan(lse).any()
+        lerr = (lse.double().cpu() - ref).abs().max().item()
+        lterr = (torch_lse.double() - ref).abs().max().item()
+        assert lerr <= 2 * lterr + 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_pod_wrapper_gluon_equals_triton_launch_closely():
+    """The same POD call on the Gluon launch and on the Triton POD launch (policy pod_gluon
+    off): both within bf16 rounding of each other (different accumulation orders)."""
+    x = _pod_inputs("cuda", BF16, seed=1)
+    (g_p, g_d), _ = _run_pod(x, "cuda")
+    with override(pod_gluon=False):
+        (t_p, t_d), _ = _run_pod(x, "cuda")
+    for a, b in ((g_p, t_p), (g_d, t_d)):
+        assert (a.float() - b.float()).abs().max().item() < 2e-2
