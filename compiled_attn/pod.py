@@ -151,17 +151,12 @@ class _PODBase(_WrapperBase):
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
-    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists, each
-    part's rows in their own order and the parts interleaved in proportion (row i of a part of
-    n at (i + 1/2) / n, prefill first on ties): the launch's programs take rows in list order,
-    so the decodes' memory traffic runs beside the prefill's matrix work from the start
-    instead of after it."""
+    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists, the
+    prefill's rows first (interleaving the parts in proportion measured the same or up to 4%
+    slower on the H200: benchmarks/NOTES.md, 2026-11-27, POD's work order)."""
     part_p = torch.zeros_like(prefill[:, :1])
     part_d = torch.ones_like(decode[:, :1])
-    rows = torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
-    at = torch.cat([(torch.arange(prefill.shape[0], device=rows.device) + 0.5) / prefill.shape[0],
-                    (torch.arange(decode.shape[0], device=rows.device) + 0.5) / decode.shape[0]])
-    return rows[torch.argsort(at, stable=True)]
+    return torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
 
 
 def _decode_mask(mask_p: int, mask_d: int, single_rows: bool) -> int:

@@ -715,3 +715,20 @@ def run_ranks(body, world: int, backend: str = "gloo") -> dict:
         for key, err in found.items():
             merged[key] = "\n".join(e for e in (merged.get(key), err) if e) or None
     return merged
+
+
+class KernelRecorder:
+    """Stands in for a launched kernel (``kernel[grid](...)``): records the grid, positional
+    arguments and keywords of the last launch; ``arg(name)`` is the positional argument the
+    kernel names ``name``."""
+
+    def __init__(self, kernel):
+        self.arg_names = kernel.arg_names
+
+    def __getitem__(self, grid):
+        def call(*args, **kw):
+            self.grid, self.args, self.kw = grid, args, kw
+        return call
+
+    def arg(self, name):
+        return self.args[self.arg_names.index(name)]

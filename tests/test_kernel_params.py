@@ -26,7 +26,7 @@ from compiled_attn.ops import prefill_kernel as K
 
 MAX_PARAMS = 30
 # The kernels launched from the host (flat signatures, see the module docstring).
-LAUNCHED = {"_prefill_fwd", "_pod_fwd", "_gluon_fwd"}
+LAUNCHED = {"_prefill_fwd", "_pod_fwd", "_gluon_fwd", "_gluon_pod_fwd"}
 # Implementations of an op schema (contracts.py), real and fake.
 OP_SCHEMAS = {"_pod_prefill_decode", "_pod_prefill_decode_fake"}
 
@@ -73,7 +73,7 @@ def test_the_launched_kernels_are_the_flat_ones():
     # every name in LAUNCHED exists and is flat indeed (a stale entry would exempt nothing)
     kernels = [K._prefill_fwd, K._pod_fwd]
     gluon = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
-    kernels.append(gluon._gluon_fwd)
+    kernels += [gluon._gluon_fwd, gluon._gluon_pod_fwd]
     assert {k.fn.__name__ for k in kernels} == LAUNCHED
     assert all(len(k.arg_names) > MAX_PARAMS for k in kernels)
 

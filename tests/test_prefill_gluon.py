@@ -14,6 +14,8 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.policy import POLICY
 
+from .helpers import KernelRecorder
+
 gluon_mod = pytest.importorskip("compiled_attn.ops.prefill_gluon")
 
 
@@ -226,19 +228,9 @@ def test_gluon_short_kv_bound(monkeypatch):
     assert (tile(2048), tile(2048, False), tile(4096, d=64)) == (128, 128, 128)
 
 
-class _Recorder:
+def _Recorder():
     """Stands in for _gluon_fwd: records the grid and keywords of the launch."""
-
-    ARG_NAMES = gluon_mod._gluon_fwd.arg_names
-
-    def __getitem__(self, grid):
-        def call(*args, **kw):
-            self.grid, self.args, self.kw = grid, args, kw
-        return call
-
-    def arg(self, name):
-        """The positional argument the kernel names ``name``."""
-        return self.args[self.ARG_NAMES.index(name)]
+    return KernelRecorder(gluon_mod._gluon_fwd)
 
 
 @pytest.mark.parametrize("page,block_m,boxes,ws", [

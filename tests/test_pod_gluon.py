@@ -1,0 +1,145 @@
+"""POD on the Gluon kernel, CPU tier: the kernel compiled offline for sm_90 (tests/sm90.py), the
+launch decision (ops.choose.pod_gluon), the launcher's arguments (prefill_gluon.launch_pod with
+the kernel recorded instead of run) and the wrappers' work order and decode mask. The launch
+itself runs in the GPU tier (tests/test_pod_gluon_gpu.py)."""
+
+import re
+
+import pytest
+import torch
+
+from compiled_attn import ops
+from compiled_attn import pod as pod_api
+from compiled_attn.ops import choose
+from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.ops.policy import override
+
+from .helpers import KernelRecorder
+
+G = pytest.importorskip("compiled_attn.ops.prefill_gluon")
+
+
+@pytest.fixture(autouse=True)
+def _eager(monkeypatch):
+    """The decision as an eager launch makes it (outside the op's eager call, wrap_triton is
+    on: choose.eager_launch() reads False there)."""
+    monkeypatch.setattr(choose, "eager_launch", lambda: True)
+BF16 = torch.bfloat16
+SM90_SHARED = 232448  # sm_90's opt-in shared memory per block
+
+
+@pytest.mark.parametrize("page_p,page_d,causal", [(0, 16, True), (16, 16, True), (0, 8, False),
+                                                  (0, 128, True), (128, 16, False)])
+def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal):
+    import triton
+
+    from .sm90 import gluon_pod_source, target
+
+    src, opts = gluon_pod_source(page_p, page_d, causal)
+    k = triton.compile(src, target=target(), options=opts)
+    ptx = k.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
+    # persistent, warp-specialized: items from a global counter, the load warp's registers
+    # given back, the compute warps' raised (two ping-pong groups)
+    assert "atom.global" in ptx
+    assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    # both parts' K / V boxes: a box a page where pages are smaller than the 128-key tile
+    boxes = sum(128 // p if 0 < p < 128 else 1 for p in (page_p, page_d))
+    assert ptx.count("cp.async.bulk.tensor") >= 2 * boxes
+    # one set of rings for both parts: the shared memory of one part's launch
+    assert k.metadata.shared <= SM90_SHARED
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0
+
+
+def _part(n_rows, pages, page, hq=8, hkv=2, d=128, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n_rows, hq, d, generator=g).to(dtype)
+    cache = torch.randn(pages, 2, page, hkv, d, generator=g).to(dtype)
+    return q, cache[:, 0], cache[:, 1]
+
+
+def _decide(prefill=None, decode=None, p=None, d=None, block_m=128):
+    q_p, k_p, v_p = prefill or _part(300, 1, 700)  # the one-page prefill cache
+    q_d, k_d, v_d = decode or _part(6, 40, 16, seed=1)
+    params = dict(mask_mode=ops.MASK_CAUSAL, window_left=-1, chunk_size=0, sm_scale=0.09,
+                  logits_soft_cap=0.0, pos_encoding_mode=ops.POS_NONE, rope_scale=1.0,
+                  rope_theta=1e4, v_scale=1.0)
+    sp, cp = K._flags(q_p, None, None, **dict(params, **(p or {})))
+    sd, cd = K._flags(q_d, None, None, **dict(params, **(d or {})))
+    return choose.pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, cp, sp, cd, sd, q_p.dtype, block_m,
+                            device=choose.H100)
+
+
+def test_pod_gluon_decision_in_scope():
+    assert _decide()
+    assert _decide(d=dict(sm_scale=0.2))  # each part its own scale
+    assert _decide(prefill=_part(300, 50, 16), p=dict(mask_mode=ops.MASK_NONE),
+                   d=dict(mask_mode=ops.MASK_NONE))  # a paged prefill, no mask
+    assert _decide(decode=_part(6, 40, 8)) and _decide(decode=_part(6, 4, 128))
+
+
+@pytest.mark.parametrize("why", [
+    dict(d=dict(mask_mode=ops.MASK_NONE)),  # one mask for both parts
+    dict(d=dict(window_left=64)), dict(p=dict(logits_soft_cap=30.0)),
+    dict(p=dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), d=dict(pos_encoding_mode=ops.POS_ROPE_LLAMA)),
+    dict(decode=_part(6, 40, 1)),  # gathered pages: no boxes
+    dict(decode=_part(6, 40, 12)),  # a page neither dividing nor holding whole tiles
+    dict(prefill=_part(300, 1, 700, d=64), decode=_part(6, 40, 16, d=64)),  # D 64
+    dict(decode=_part(6, 40, 16, dtype=torch.float16)),  # q dtypes differ
+    dict(block_m=64)], ids=str)
+def test_pod_gluon_decision_out_of_scope(why):
+    assert not _decide(**why)
+
+
+def test_pod_gluon_decision_policy_switch():
+    with override(pod_gluon=False):
+        assert not _decide()
+    with override(use_gluon=False):
+        assert not _decide()
+
+
+@pytest.mark.parametrize("one_page", [True, False])
+def test_launch_pod_arguments(one_page, monkeypatch):
+    rec = KernelRecorder(G._gluon_pod_fwd)
+    monkeypatch.setattr(G, "_gluon_pod_fwd", rec)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 2)
+    i32 = dict(dtype=torch.int32)
+    q_p, k_p, v_p = _part(300, 1, 700) if one_page else _part(300, 50, 16)
+    q_d, k_d, v_d = _part(6, 40, 8, seed=1)
+    parts = [K._pod_part(q, k, v, torch.tensor([0, q.shape[0]], **i32),
+                         torch.tensor([0, k.shape[0]], **i32), torch.arange(k.shape[0], **i32),
+                         torch.tensor([k.shape[1]], **i32), one, BF16, {}, s)
+             for q, k, v, one, s in ((q_p, k_p, v_p, one_page, 0.5), (q_d, k_d, v_d, False, 0.25))]
+    work = torch.zeros(7, 3, **i32)
+    out_p, lse_p, out_d, lse_d = G.launch_pod(*parts, work, causal=True)
+    assert out_p.shape == (300, 8, 128) and lse_d.shape == (6, 8) and out_d.dtype == BF16
+    # persistent: a 1D grid of the programs a 2-SM GPU holds (one 128-row tile each), at most
+    # one per item (7 rows x 2 KV heads)
+    assert rec.grid == (2 * G._WS_CTAS[8], )
+    assert (rec.arg("n_items"), rec.arg("n_hkv")) == (7, 2)
+    kw = rec.kw
+    assert (kw["PAGED"], kw["PAGE"], kw["BOXES"]) == ((0, 0, 1) if one_page else (1, 16, 8))
+    assert (kw["PAGED_D"], kw["PAGE_D"], kw["BOXES_D"]) == (1, 8, 16)
+    assert kw["PINGPONG"] and kw["num_warps"] == 4 and kw["maxnreg"] == G.ws_maxnreg(8)
+    assert rec.arg("k_desc").block_shape == [128 if one_page else 16, 128]
+    assert rec.arg("k_desc_d").block_shape == [8, 128]
+    assert rec.arg("qk_scale") == 0.5 and rec.arg("qk_scale_d") == 0.25
+    # pages two pages' rows apart (K and V interleave in one [P, 2, page, Hkv, D] buffer); the
+    # one-page cache's K view is its 700 rows
+    assert rec.arg("k_page_rows") == (1400 if one_page else 32) and rec.arg("k_page_rows_d") == 16
+    assert rec.arg("k_desc").shape[0] == (700 if one_page else 49 * 32 + 16)
+    assert rec.arg("q_ptr") is q_p and rec.arg("o_ptr_d") is out_d
+
+
+def test_pod_work_order_and_decode_mask():
+    pre = torch.tensor([[0, 128], [0, 0]], dtype=torch.int32)
+    dec = torch.tensor([[0, 0], [1, 0], [2, 0]], dtype=torch.int32)
+    w = pod_api._pod_work(pre, dec)
+    assert w.tolist() == [[0, 0, 128], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 2, 0]]
+    assert pod_api._pod_work(pre[:0], dec).tolist() == [[1, 0, 0], [1, 1, 0], [1, 2, 0]]
+    # single-row decodes take the prefill's causal / no mask (the same keys either way)
+    M = ops
+    assert pod_api._decode_mask(M.MASK_CAUSAL, M.MASK_NONE, True) == M.MASK_CAUSAL
+    assert pod_api._decode_mask(M.MASK_NONE, M.MASK_CAUSAL, True) == M.MASK_NONE
+    assert pod_api._decode_mask(M.MASK_CAUSAL, M.MASK_NONE, False) == M.MASK_NONE
+    assert pod_api._decode_mask(M.MASK_CUSTOM, M.MASK_NONE, True) == M.MASK_NONE
