@@ -1210,6 +1210,20 @@ def _gluon_fwd(
 
 
 @gluon.jit
+def _pod_part_ctx(io, keys, strides, indptrs, shared):
+    """A POD part's Ctx (_gluon_pod_fwd): its Io and Keys, its row strides (qt, qh, ot, oh,
+    lt, lh; ragged: no batch strides), its indptrs (qo, kv, last page lengths) and what the
+    parts share (the work list, items, KV heads, rings, handoff, gather stand-in)."""
+    qt, qh, ot, oh, lt, lh = strides
+    qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr = indptrs
+    work_ptr, n_items, n_hkv, ring, handoff, gather = shared
+    return Ctx(io, ring, keys, RowStrides(0, qt, qh, 0, ot, oh, 0, lt, lh),
+               Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, 0, n_hkv,
+                    0, 0, 0, 0),
+               handoff, gather)
+
+
+@gluon.jit
 def _gluon_pod_fwd(
     work_ptr, n_items, n_hkv, sched_ptr,
     q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
@@ -1241,20 +1255,18 @@ def _gluon_pod_fwd(
     items, item_full, item_empty, q_full, q_empty = item_bars
     handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
     gather = Gather(q_ptr, q_ptr, 0, 0)  # (no gathered pages)
-    ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr), ring,
-              Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
-              RowStrides(0, stride_qt, stride_qh, 0, stride_ot, stride_oh, 0, stride_lt,
-                         stride_lh),
-              Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, 0,
-                   n_hkv, 0, 0, 0, 0),
-              handoff, gather)
-    pod = Ctx(Io(q_ptr_d, o_ptr_d, lse_ptr_d), ring,
-              Keys(k_desc_d, v_desc_d, qk_scale_d, page_idx_ptr_d, k_page_rows_d, v_page_rows_d),
-              RowStrides(0, stride_qt_d, stride_qh_d, 0, stride_ot_d, stride_oh_d, 0, stride_lt_d,
-                         stride_lh_d),
-              Work(work_ptr, qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d, n_items, 0,
-                   n_hkv, 0, 0, 0, 0),
-              handoff, gather)
+    ctx = _pod_part_ctx(
+        Io(q_ptr, o_ptr, lse_ptr),
+        Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
+        (stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh),
+        (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr),
+        (work_ptr, n_items, n_hkv, ring, handoff, gather))
+    pod = _pod_part_ctx(
+        Io(q_ptr_d, o_ptr_d, lse_ptr_d),
+        Keys(k_desc_d, v_desc_d, qk_scale_d, page_idx_ptr_d, k_page_rows_d, v_page_rows_d),
+        (stride_qt_d, stride_qh_d, stride_ot_d, stride_oh_d, stride_lt_d, stride_lh_d),
+        (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d),
+        (work_ptr, n_items, n_hkv, ring, handoff, gather))
     if PINGPONG:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
