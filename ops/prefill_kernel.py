@@ -1148,11 +1148,11 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     flags_d = _flags(q_d, alibi_slopes, None, **d_params)
     if choose.pod_gluon(q_p, k_cache_p, v_cache_p, q_d, k_cache_d, v_cache_d, flags_p[1],
                         flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m):
-        parts = [_pod_part(*x, out_dtype, p_params, flags[0]["qk_scale"]) for x, flags in (
+        parts = [_pod_part(*x, out_dtype, params, flags[0]["qk_scale"]) for x, params, flags in (
             ((q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
-              kv_last_page_len_p, k_cache_p.shape[0] == 1), flags_p),
+              kv_last_page_len_p, k_cache_p.shape[0] == 1), p_params, flags_p),
             ((q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
-              kv_last_page_len_d, False), flags_d))]
+              kv_last_page_len_d, False), d_params, flags_d))]
         if work.shape[0] == 0 or (q_p.shape[0] == 0 and q_d.shape[0] == 0):
             return parts[0].out, parts[0].lse, parts[1].out, parts[1].lse
         return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
