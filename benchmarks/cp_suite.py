@@ -41,7 +41,10 @@ _BUDGET_ENV = "COMPILED_ATTN_CP_BUDGET_S"
 def _budget() -> float:
     """The run's budget in seconds: --budget-s (passed to the ranks by the environment)."""
     return float(os.environ.get(_BUDGET_ENV, BUDGET_S))
+
+
 BW_BYTES = 512 << 20
+TARGETS = {(32768, 8): 1.6, (131072, 8): 1.85, (131072, 32): 1.7}  # (S, Hkv) -> 2-GPU speedup
 
 
 def _case_name(s, hq, hkv):
@@ -163,6 +166,49 @@ def run(rank, world, reps):
     return rows if rank == 0 else None
 
 
+def plot(doc: dict, path) -> None:
+    """TFLOP/s of each case on 1 and 2 GPUs (bars), the 2-GPU speedup and its target above
+    them; nothing when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = doc["rows"]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, n in enumerate((1, 2)):
+        for j, c in enumerate(cases):
+            r = next((r for r in rows if r["case"] == c and r["gpus"] == n), {})
+            if r.get("tflops"):
+                label = f"{n} GPU{'s' * (n > 1)}"
+                ax.bar(j + (i - 0.5) * 0.38, r["tflops"], 0.38, color=f"C{i}",
+                       label=None if label in ax.get_legend_handles_labels()[1] else label)
+            if n == 2 and r.get("tflops"):
+                target = TARGETS.get((r["S"], r["Hkv"]))
+                text = f"{r['speedup_vs_1gpu']:.2f}x" if r.get("speedup_vs_1gpu") else ""
+                if target:
+                    text += f"\n(target {target}x)"
+                ax.text(j + 0.19, r["tflops"], text, ha="center", va="bottom", fontsize=7)
+    names = [c.replace(f"_D{D}_causal", "").replace("_", " ") + "\n"
+             + next(r["method"] for r in rows if r["case"] == c and r["gpus"] == 2)
+             for c in cases]
+    ax.set_xlabel(f"case (D {D}, causal, bf16) and the 2-GPU method")
+    ax.set_xticks(range(len(cases)), names, fontsize=7)
+    ax.set_ylabel("TFLOP/s (whole prompt's causal work / wall time)")
+    bw = rows[0].get("nvlink_all_gather_GBps") if rows else None
+    ax.set_title(f"cp suite: {doc['gpu']} x2, torch {doc['torch']}, triton {doc['triton']}, "
+                 f"{doc['date'][:10]}" + (f"; NVLink all-gather {bw:.0f} GB/s" if bw else ""),
+                 fontsize=8)
+    ax.legend(fontsize=8)
+    ax.set_ylim(0, max((r["tflops"] or 0) for r in rows) * 1.25 if rows else 1)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _out_path(arg):
     if arg:
         return arg
@@ -185,6 +231,7 @@ def _rank_main(rank, world, port, reps, out):
     rows = run(rank, world, reps)
     if rank == 0:
         results.write(out, results.environment(), rows)
+        plot(results.load(out), os.path.splitext(out)[0] + ".png")
         print(f"wrote {len(rows)} rows to {out}", flush=True)
     dist.destroy_process_group()
 

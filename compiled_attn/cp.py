@@ -16,8 +16,9 @@ Padding rows (positions >= L) are part of the local tensors: their queries see n
 LSE -inf) and their keys are never seen. ``shard`` writes zeros there, ``unshard`` drops them.
 
 Two methods (``prefill``):
-- ``"all_gather"`` (the default for GQA): K/V of every rank are all-gathered (by head slices, so
-  the gather of slice h + 1 runs under the attention of slice h), and each local query chunk
+- ``"all_gather"`` (the default for GQA): K/V of every rank are all-gathered (in one piece by
+  default; ``head_slices`` > 1 issues them per slice of the KV heads, so that the gather of slice
+  h + 1 runs under the attention of slice h), and each local query chunk
   attends its document's key prefix in one ragged launch: the bottom-right causal alignment
   (query row i at position kv_len - qo_len + i) makes a chunk against its prefix exact, with no
   merge. The prefixes of a rank's head and tail chunk overlap, and the ragged op reads each
@@ -29,7 +30,7 @@ Two methods (``prefill``):
   flight during this step's launch: two buffers). Step 0 is a causal launch over the local
   chunks (order-preserving, so local causal is global causal); a source j < r contributes its
   head chunk to every local row, a source j > r both its chunks to the tail rows only; partial
-  results are merged by LSE (``merge_state``) in float32.
+  results are merged by LSE (``merge_state``'s rule) in float32.
 
 Communication is torch's functional collectives (``all_gather_single`` / ``all_gather_tensor``,
 ``permute_tensor``): the same code runs eagerly (NCCL's stream, asynchronous until the result
@@ -52,7 +53,6 @@ from . import _validate as V
 from .op_call import call_op
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
 from .ops.schedule import block_m_for, build_work
-from .utils import merge_state
 
 __all__ = ["Layout", "shard", "unshard", "prefill", "METHODS"]
 
@@ -210,15 +210,45 @@ def _attend(q, k, v, reqs, causal: bool, opts: dict):
     group = int(q.shape[1]) // int(k.shape[1])
     dqk, dvo = int(q.shape[2]), int(v.shape[2])
     block_m = block_m_for(dqk, dvo, group, max(kv, default=0), causal)
-    dev = q.device
-    qo_indptr = torch.tensor(_cumsum(qo) + [sum(qo)], dtype=torch.int32, device=dev)
-    kv_indptr = torch.tensor(_cumsum(kv) + [sum(kv)], dtype=torch.int32, device=dev)
-    work = torch.tensor(_work_rows(tuple(qo), tuple(kv), group, block_m), dtype=torch.int32,
-                        device=dev).reshape(-1, 2)
+    qo_indptr, kv_indptr, work = _indices(tuple(qo), tuple(kv), group, block_m, q.device)
     return call_op("batch_ragged_prefill", q, k, v, qo_indptr, kv_indptr, work, None, None,
                    None, None, block_m, MASK_CAUSAL if causal else MASK_NONE,
                    opts["window_left"], 0, opts["sm_scale"], opts["logits_soft_cap"], POS_NONE,
                    1.0, 1e4, 1.0, q.dtype)
+
+
+# (device, stream, qo lengths, kv lengths, group, block_m) -> (qo_indptr, kv_indptr, work).
+# Every head slice of a call and every layer of a model launch the same requests: built once,
+# they cost a repeated call no host work and no blocking host-to-device copy (a pageable copy
+# waits for the stream, which would serialise the next slice's launch behind the running one).
+# The op only reads these tensors.
+_INDEX_CACHE: dict = {}
+_INDEX_CACHE_SIZE = 64
+
+
+def _indices(qo: tuple, kv: tuple, group: int, block_m: int, dev: torch.device):
+    """The ragged op's qo_indptr / kv_indptr [len + 1] and work [W, 2] (int32, on dev) for the
+    requests (qo[i], kv[i]); cached for eager calls, built in the graph when traced."""
+    def lists():
+        return (_cumsum(qo) + [sum(qo)], _cumsum(kv) + [sum(kv)],
+                _work_rows(qo, kv, group, block_m))
+
+    if torch.compiler.is_compiling():  # constants of the graph
+        qi, ki, w = (torch.tensor(x, dtype=torch.int32, device=dev) for x in lists())
+        return qi, ki, w.reshape(-1, 2)
+    # the stream is part of the key: a cached tensor is read on the stream that copied it
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (dev, stream, qo, kv, group, block_m)
+    hit = _INDEX_CACHE.get(key)
+    if hit is None:
+        host = [torch.tensor(x, dtype=torch.int32) for x in lists()]
+        if dev.type == "cuda":  # pinned: copied without waiting for the stream
+            host = [t.pin_memory() for t in host]
+        qi, ki, w = (t.to(dev, non_blocking=True) for t in host)
+        if len(_INDEX_CACHE) >= _INDEX_CACHE_SIZE:
+            _INDEX_CACHE.clear()
+        hit = _INDEX_CACHE[key] = (qi, ki, w.reshape(-1, 2))
+    return hit
 
 
 @torch.compiler.assume_constant_result
@@ -359,14 +389,32 @@ def _ring(q, k, v, lay: Layout, rank: int, group, causal: bool, opts: dict):
             nxt = (_pass_on(kc, group, n), _pass_on(vc, group, n))
         reqs, step_causal = _ring_plan(lay, rank, (rank - s) % n, causal)
         o, lse = _attend(q, kc, vc, reqs, step_causal, opts)
-        if acc is None:
-            acc = (o, lse) if n == 1 else (o.float(), lse)
-        else:
-            acc = merge_state(acc[0], acc[1], o.float(), lse)
+        acc = (o, lse) if acc is None else _merge_step(acc[0], acc[1], o, lse)
         if nxt is not None:
             kc = _wait(nxt[0]).reshape(k.shape)
             vc = _wait(nxt[1]).reshape(v.shape)
     return acc[0].to(q.dtype), acc[1]
+
+
+def _merge_step(acc: torch.Tensor, s_acc: torch.Tensor, o: torch.Tensor, s_o: torch.Tensor):
+    """merge_state of the running (acc, s_acc) and a step's (o, s_o) into a float32 acc, in
+    three passes over the [N, H, D] tensors (merge_state stacks both states first and casts
+    them: ~4x the memory traffic, a cost per ring step). acc: float32, or the first step's
+    output in q's dtype. Same rules as merge_state: rows whose LSEs are both -inf give 0 and
+    -inf; a NaN LSE gives NaN."""
+    m = torch.maximum(s_acc, s_o)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_acc, w_o = torch.exp2(s_acc - m_safe), torch.exp2(s_o - m_safe)
+    total = w_acc + w_o
+    unseen = total == 0
+    denom = torch.where(unseen, torch.ones_like(total), total)
+    lse = torch.where(unseen, torch.full_like(total, float("-inf")), torch.log2(denom) + m_safe)
+    a, b = (w_acc / denom).unsqueeze(-1), (w_o / denom).unsqueeze(-1)
+    if acc.dtype == torch.float32:
+        out = acc.mul_(a)  # acc is this function's own earlier result
+    else:
+        out = torch.mul(acc, a)  # float32: a is
+    return out.addcmul_(o, b), lse
 
 
 # --------------------------------------------------------------------------------------------
@@ -411,8 +459,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv) and windows, ring for
     MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left (causal only; all_gather only),
     logits_soft_cap: as single_prefill_with_kv_cache, over global positions. head_slices
-    (all_gather): gathers issued per slice of the KV heads so that the attention of one slice
-    runs under the next one's gather; default 2 when Hkv is even, else 1.
+    (all_gather): the gathers issued per slice of the KV heads, each slice's attention
+    launched when its own gather lands (a divisor of Hkv; default 1, one gather and one launch:
+    on two H200s the overlap cost more than the gather it hid, docs/context-parallel.md).
     Under torch.compile the shapes must be static (``dynamic=False``): the plan of each step is
     built from the lengths and head counts while tracing, and a symbolic one cannot be.
 
@@ -448,7 +497,7 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
             V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
         return _ring(q, k, v, lay, rank, group, bool(causal), opts)
     if head_slices is None:
-        head_slices = 2 if hkv % 2 == 0 else 1
+        head_slices = 1
     V.check_count("head_slices", head_slices, 1)
     if hkv % head_slices:
         raise ValueError(f"head_slices: {head_slices} does not divide the {hkv} KV heads; "

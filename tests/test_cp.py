@@ -252,3 +252,42 @@ def test_layout_errors():
         cp.unshard(torch.zeros(7), 2, seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
         cp.unshard(torch.zeros(8), 2)
+
+
+def test_ring_merge_step_matches_merge_state():
+    """The ring's merge (_merge_step: the first step's output in q's dtype, later ones into a
+    float32 accumulator) against merge_state on float32 copies; rows where both LSEs are -inf
+    give 0 / -inf, a NaN LSE gives NaN."""
+    from compiled_attn.utils import merge_state
+
+    g = torch.Generator().manual_seed(5)
+    o_a = torch.randn(6, 3, 8, generator=g).to(torch.bfloat16)
+    o_b = torch.randn(6, 3, 8, generator=g).to(torch.bfloat16)
+    s_a, s_b = torch.randn(6, 3, generator=g) * 4, torch.randn(6, 3, generator=g) * 4
+    s_a[0, 0] = s_b[0, 0] = float("-inf")  # no key on either side
+    s_a[1, 1] = float("-inf")  # one side only
+    s_b[2, 2] = float("nan")
+    want_v, want_s = merge_state(o_a.float(), s_a, o_b.float(), s_b)
+    got_v, got_s = cp._merge_step(o_a, s_a, o_b, s_b)
+    assert got_v.dtype == torch.float32
+    torch.testing.assert_close(got_v, want_v, rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got_s, want_s, equal_nan=True)
+    assert got_v[0, 0].eq(0).all() and got_s[0, 0] == float("-inf")
+    assert got_v[2, 2].isnan().all() and got_s[2, 2].isnan()
+    acc = got_v.clone()  # a float32 accumulator merges in place
+    v2, s2 = cp._merge_step(acc, got_s, o_a, s_a)
+    assert v2.data_ptr() == acc.data_ptr()
+    want2 = merge_state(want_v, want_s, o_a.float(), s_a)
+    torch.testing.assert_close(v2, want2[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_index_cache_reused_per_request_list():
+    """A repeated launch over the same requests (every head slice, every layer) reuses its
+    index tensors; other requests or tile heights get their own."""
+    cp._INDEX_CACHE.clear()
+    a = cp._indices((4, 4), (4, 12), 2, 16, torch.device("cpu"))
+    assert cp._indices((4, 4), (4, 12), 2, 16, torch.device("cpu")) is a
+    b = cp._indices((4, 4), (4, 11), 2, 16, torch.device("cpu"))
+    assert b is not a and cp._indices((4, 4), (4, 12), 2, 32, torch.device("cpu")) is not a
+    assert a[0].tolist() == [0, 4, 8] and a[1].tolist() == [0, 4, 16]
+    assert a[2].dtype == torch.int32 and a[2].shape[1] == 2
