@@ -27,7 +27,7 @@ D = 16
 # name -> (indptr, Hq, Hkv, causal, method, options)
 CASES = {
     "gqa_causal_all_gather": ([0, 24], 4, 2, True, "all_gather", {}),
-    "gqa_causal_one_slice": ([0, 24], 4, 2, True, "all_gather", {"head_slices": 1}),
+    "gqa_causal_two_slices": ([0, 24], 4, 2, True, "all_gather", {"head_slices": 2}),
     "mha_causal_ring": ([0, 24], 2, 2, True, "ring", {}),
     "mha_causal_auto": ([0, 24], 2, 2, True, "auto", {}),
     "uneven_all_gather": ([0, 23], 4, 2, True, "all_gather", {}),
@@ -172,12 +172,6 @@ def _cpu_cases(rank, world, attempt):
     attempt(f"{name}@compiled",
             lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
     attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
-
-
-
-
-
-
 
 
 _RESULTS: dict = {}
