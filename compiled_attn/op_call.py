@@ -34,19 +34,8 @@ except ImportError:  # pragma: no cover - then every call goes through the dispa
 
 def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a call with these arguments may skip the dispatcher (module docstring)."""
-    if not POLICY.direct or set_wrap_triton_enabled is None or torch.compiler.is_compiling():
-        return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._autograd._profiler_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor) and (type(a) is not torch.Tensor
-                                            or (grad and a.requires_grad)
-                                            or not (a.is_cuda or contracts._use_kernel(a))):
-            return False
-    return True
+    return (POLICY.direct and set_wrap_triton_enabled is not None
+            and launch.unobserved(args, kwargs))
 
 
 def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwargs):

@@ -28,9 +28,12 @@ logits_soft_cap 0 disables the cap.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import reference
+from . import launch, reference
+from .policy import POLICY
 from .modes import (INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE,  # noqa: F401 (re-exported)
                     POS_ALIBI, POS_NONE, POS_ROPE_LLAMA)
 
@@ -83,7 +86,7 @@ def refuse_if_miscomputed(name: str, dt: torch.dtype) -> None:
 def _use_kernel(t: Tensor) -> bool:
     """Whether the op runs the Triton kernel on t's device (CUDA, or CPU under the interpreter)
     rather than the reference."""
-    return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+    return launch.on_kernel_device(t)
 
 
 def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
@@ -102,15 +105,30 @@ def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
 IMPLEMENTATIONS: dict = {}
 
 
+def _replaying(name: str, fn):
+    """fn as the op's body: a call through torch.ops that nothing observes (a serving engine's
+    direct call, Inductor's run-time call of an op node it kept opaque) replays a bound launch
+    as the entry points' plain eager calls do (launch.LaunchCache; the first call with a given
+    metadata records); traced calls (fake or functional tensors) and observed ones run fn."""
+    @functools.wraps(fn)  # the schema is inferred from fn's signature (followed through)
+    def body(*args, **kwargs):
+        if POLICY.bound_launches and launch.unobserved(args, kwargs):
+            return launch.DEFAULT.call(fn, name, args, kwargs)
+        return fn(*args, **kwargs)
+
+    return body
+
+
 def _register(name: str, fn, fake):
     """Define compiled_attn::<name> from fn (schema inferred from its annotations), with fake as
     its FakeTensor implementation and a backward that raises."""
     qualname = f"compiled_attn::{name}"
     IMPLEMENTATIONS[name] = fn
+    body = _replaying(name, fn)
     if INTERPRET:
-        op = torch.library.custom_op(qualname, fn, mutates_args=())
+        op = torch.library.custom_op(qualname, body, mutates_args=())
     else:
-        op = torch.library.triton_op(qualname, fn, mutates_args=())
+        op = torch.library.triton_op(qualname, body, mutates_args=())
     op.register_fake(fake)
 
     def _backward(ctx, *grads):

@@ -35,8 +35,8 @@ import threading
 
 import torch
 
+from .modes import INTERPRET
 from .policy import Policy
-from .contracts import INTERPRET
 
 try:  # whether wrap_triton traces (private; torch 2.11-2.13)
     from torch._library.triton import is_wrap_triton_enabled, set_wrap_triton_enabled
@@ -439,6 +439,33 @@ class Bound:
                                       src.storage_offset() + delta // src.element_size())
                 a[pos] = dataclasses.replace(a[pos], base=view) if desc else view
             fn[grid](*a, **options)
+
+
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether t is on a device the kernels run: CUDA, or CPU under the Triton interpreter."""
+    return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+
+
+def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
+    """Whether nothing could observe or transform a call with these arguments, so that a bound
+    launch may stand in for it: not compiling or exporting (Dynamo), no TorchDispatchMode or
+    TorchFunctionMode active, no functorch transform, the autograd profiler off, and every
+    tensor argument a plain ``torch.Tensor`` on a device the kernels run (CUDA; CPU under the
+    Triton interpreter) that does not require grad while grad is on. (Traced calls see fake or
+    functional tensors, subclasses, and fail the last test.)"""
+    if torch.compiler.is_compiling():
+        return False
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._autograd._profiler_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor) and (
+                type(a) is not torch.Tensor or (grad and a.requires_grad)
+                or not (a.is_cuda or on_kernel_device(a))):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------------------------

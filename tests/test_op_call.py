@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import compiled_attn as fi
 from compiled_attn import op_call
-from compiled_attn.ops import contracts
+from compiled_attn.ops import launch
 from compiled_attn.ops.policy import POLICY
 
 
@@ -18,7 +18,7 @@ from compiled_attn.ops.policy import POLICY
 def kernel_device(monkeypatch):
     # CPU tensors count as a kernel device here (as under the interpreter); the predicate alone
     # is exercised, nothing is launched.
-    monkeypatch.setattr(contracts, "_use_kernel", lambda t: True)
+    monkeypatch.setattr(launch, "on_kernel_device", lambda t: True)
 
 
 class _Record(TorchDispatchMode):

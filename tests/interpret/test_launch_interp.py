@@ -221,3 +221,25 @@ def test_policy_override_restores_and_names_settings():
     with pytest.raises(AttributeError, match="no setting 'use_tmaa'"):
         with policy.override(use_tmaa=False):
             pass
+
+
+@pytest.mark.parametrize("case", ["single causal", "paged page 4"])
+def test_direct_op_call_replays(case):
+    """A call through torch.ops (a serving engine's direct call; Inductor's run-time call of an
+    op node) replays a bound launch from the op's own body, with the full path's bits; a call
+    with other metadata records anew, and with bound_launches off none replays."""
+    make, opts = CASES[case]
+    p = kc.params(**opts, head_dim=D)
+    launch.DEFAULT.clear()
+    name, args, kw = _args(make(seed=1), p)
+    op = getattr(torch.ops.compiled_attn, name)
+    op(*args, **kw)
+    hits, records = launch.DEFAULT.hits, launch.DEFAULT.records
+    name, args, kw = _args(make(seed=2), p)
+    got = op(*args, **kw)
+    assert launch.DEFAULT.hits == hits + 1 and launch.DEFAULT.records == records
+    with policy.override(bound_launches=False):
+        want = op(*args, **kw)
+    assert launch.DEFAULT.hits == hits + 1
+    assert not got[0].isnan().any()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,0 +1,117 @@
+"""Where the host time of a torch.compile'd op call goes: the host suite's tiny single prefill
+(benchmarks/host.py's inputs), compiled with fullgraph, against compiled SDPA and the eager
+call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
+Inductor's graph, the default for a call the Gluon kernel does not take) and kept opaque (the
+graph calls the op, whose eager launcher replays a bound launch). Then a cProfile of each
+compiled form and Inductor's generated wrapper code, under $OUT.
+
+    python -m dev.compiled_host_probe [--rounds 5] [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+
+import torch
+
+
+def _compiled(fn, *a):
+    c = torch.compile(fn, fullgraph=True)
+    c(*a)
+    return lambda: c(*a)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=200)
+    a = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+
+    import compiled_attn as ca
+    from compiled_attn.ops import dispatch
+    from benchmarks.host import HKV, HQ, _inputs, host_us
+
+    x = _inputs(torch.device("cuda"))
+    q1, k1, v1 = x["q1"], x["k1"], x["v1"]
+    f = torch.nn.functional.scaled_dot_product_attention
+    qs = q1.transpose(0, 1).unsqueeze(0)
+    ks = k1.repeat_interleave(HQ // HKV, 1).transpose(0, 1).unsqueeze(0)
+    vs = v1.repeat_interleave(HQ // HKV, 1).transpose(0, 1).unsqueeze(0)
+
+    def ours(q, k, v):
+        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
+
+    def ours_opaque(q, k, v):  # its own code object: Dynamo caches compiled code per code
+        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
+
+    q4, k4, v4 = (t.unsqueeze(0) for t in (q1, k1, v1))
+    op = torch.ops.compiled_attn.single_prefill
+    calls = {"eager_ours": lambda: ours(q1, k1, v1),
+             "op_direct": lambda: op(q4, k4, v4, None, None, None, 1, -1, 0, 128 ** -0.5, 0.0,
+                                     0, 1.0, 1e4, 1.0, None),
+             "eager_sdpa": lambda: f(qs, ks, vs, is_causal=True)}
+    from torch._inductor.codecache import PyCodeCache
+
+    def code_of(name):
+        with open(os.path.join(out_dir, f"code_{name}.py"), "w") as fh:
+            for mod in PyCodeCache.modules[seen[0]:]:
+                fh.write(f"# ---- {getattr(mod, '__file__', '?')}\n")
+                try:
+                    fh.write(open(mod.__file__).read())
+                except (OSError, TypeError):
+                    pass
+        seen[0] = len(PyCodeCache.modules)
+
+    seen = [len(PyCodeCache.modules)]
+    calls["compiled_sdpa"] = _compiled(lambda q, k, v: f(q, k, v, is_causal=True), qs, ks, vs)
+    code_of("sdpa")
+    calls["compiled_ours_inlined"] = _compiled(ours, q1, k1, v1)
+    code_of("ours_inlined")
+    keep = dispatch.keep_opaque
+    dispatch.keep_opaque = lambda name, args, kwargs=None: not dispatch.ahead_of_time()
+    try:
+        calls["compiled_ours_opaque"] = _compiled(ours_opaque, q1, k1, v1)
+        code_of("ours_opaque")
+    finally:
+        dispatch.keep_opaque = keep
+    ref = calls["eager_sdpa"]()
+    for name, fn in calls.items():
+        o = fn()
+        o = o[0] if isinstance(o, tuple) else o
+        if name == "op_direct":
+            o = o[0]
+        if "ours" in name or name == "op_direct":  # [S, Hq, D] -> SDPA's [1, Hq, S, D]
+            o = o.transpose(0, 1).unsqueeze(0)
+        err = (o.float() - ref.float()).abs().max().item()
+        print(f"{name}: max |out - sdpa| = {err:.3g}", flush=True)
+    res = {k: [] for k in calls}
+    for _ in range(a.rounds):
+        for name, fn in calls.items():
+            res[name].append(host_us(fn, a.calls))
+    for name in ("compiled_ours_inlined", "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
+        pr = cProfile.Profile()
+        fn = calls[name]
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_500_000_000)
+        pr.enable()
+        for _ in range(a.calls):
+            fn()
+        pr.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(35)
+        with open(os.path.join(out_dir, f"profile_{name}.txt"), "w") as fh:
+            fh.write(s.getvalue())
+    print("\nprovider                 host us per call (median of rounds)   rounds")
+    for name, v in res.items():
+        print(f"{name:24s} {statistics.median(v):8.1f}   " + " ".join(f"{t:.1f}" for t in v))
+
+
+if __name__ == "__main__":
+    main()
