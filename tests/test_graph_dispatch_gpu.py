@@ -17,7 +17,7 @@ import torch
 import compiled_attn
 from compiled_attn.ops import choose
 from compiled_attn import fx_passes
-from compiled_attn.ops import MASK_CAUSAL, POS_NONE, dispatch
+from compiled_attn.ops import MASK_CAUSAL, POS_NONE, dispatch, launch, policy
 from compiled_attn.ops import prefill_kernel as pk
 from compiled_attn.ops.schedule import block_m_for, build_work
 from tests.helpers import run_compiled
@@ -32,7 +32,9 @@ pytestmark = [
 
 @pytest.fixture
 def gluon_launches(monkeypatch):
-    """A list that counts the Gluon kernel's launches from here on."""
+    """A list that counts the Gluon kernel's launches from here on. Bound launches are off
+    meanwhile: a replay launches the recorded kernel without the launcher counted here (the
+    replay itself: test_compiled_call_replays_the_gluon_launch)."""
     calls = []
     real = pk._gluon.launch
 
@@ -41,7 +43,34 @@ def gluon_launches(monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(pk._gluon, "launch", counted)
-    return calls
+    with policy.override(bound_launches=False):
+        yield calls
+
+
+def test_compiled_call_replays_the_gluon_launch():
+    """With bound launches on, the compiled graph's run-time call of the opaque op replays the
+    eager call's recorded launch (the Gluon kernel), bit for bit the eager result."""
+    b, s, h, d = 4, 4096, 16, 128
+    q, k, v = (_rand(b * s, h, d) for _ in range(3))
+    indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+    block_m = block_m_for(d, d, 1, s, True, qo_lens=[s] * b)
+    work = build_work([s] * b, 1, block_m, "cuda", kv_lens=[s] * b)
+    tail = (None, None, None, None, block_m, MASK_CAUSAL, -1, 0, d ** -0.5, 0.0, POS_NONE, 1.0,
+            1e4, 1.0, None)
+
+    def f(q, k, v, indptr, work):
+        return torch.ops.compiled_attn.batch_ragged_prefill(q, k, v, indptr, indptr, work, *tail)
+
+    launch.DEFAULT.clear()
+    eager = f(q, k, v, indptr, work)
+    kernels = {entry[0].fn.__name__ for bound in launch.DEFAULT._bound.values()
+               if isinstance(bound, launch.Bound) for entry in bound.launches}
+    assert kernels == {"_gluon_fwd"}, kernels
+    hits = launch.DEFAULT.hits
+    out, code = run_compiled(torch.compile(f, fullgraph=True), q, k, v, indptr, work)
+    assert code.count("torch.ops.compiled_attn.batch_ragged_prefill.default(") == 1
+    assert launch.DEFAULT.hits > hits
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
 
 
 def _sdpa_bound(out, q, k, v):
