@@ -15,8 +15,10 @@ Plain eager means nothing could observe or transform the op: not compiling or ex
 FlopCounterMode, make_fx, debug modes), no functorch transform (vmap, grad), the autograd
 profiler off (it records the op by name), and every tensor argument a plain ``torch.Tensor`` on
 a device the kernel runs (CUDA; CPU under the Triton interpreter) that does not require grad
-while grad is on (the op's autograd kernel is what raises on backward). Any other call goes
-through the op, unchanged. Both paths run the same code and give the same bits.
+while grad is on (the op's autograd kernel is what raises on backward): ops.launch.unobserved.
+Any other call goes through the op, unchanged, whose body replays bound launches by the same
+rule once the dispatcher has passed it to the implementation (ops.contracts._replaying). Both
+paths run the same code and give the same bits.
 """
 
 from __future__ import annotations

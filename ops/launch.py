@@ -21,7 +21,7 @@ Invariants:
   everything a launch depends on; the key holds all of it, including the policy's version
   (``policy.version``: a scoped override bumps it).
 - A call under CUDA-graph capture, with a launch hook installed (profilers) or under any mode
-  that observes ops never replays (compiled_attn.op_call.plain_eager decides the latter).
+  that observes ops never replays (``unobserved`` decides the latter).
 - Under the Triton interpreter a replay calls the interpreted kernel with views rebuilt from the
   recorded geometry, so CI runs the same record / replay logic on the real kernel code; on a GPU
   it passes pointers as integers, which Triton's launchers accept.
@@ -498,7 +498,7 @@ class Memo:
     def eager_key(self, values, extra=()):
         """(key, tensors) of a plain eager call with these arguments (tuples flattened) and the
         caller's plain extra values (its options), or None for a call that is not plain eager
-        (op_call.plain_eager's per-tensor half: plain tensors on a device the kernels run, none
+        (unobserved's per-tensor half: plain tensors on a device the kernels run, none
         requiring grad while grad is on) or has no tensor. A tensor the memo holds as static is
         keyed by identity; others by shape, strides, dtype, device, storage offset and pointer
         alignment. (The aliasing pattern is added only where
