@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
-import time
 
 import torch
 
@@ -26,20 +24,10 @@ CASES = {"32k_gqa": (32768, 32, 8, "all_gather"), "32k_mha": (32768, 32, 32, "ri
 
 
 def _time(fn, reps, group):
-    import torch.distributed as dist
+    """Median ms of fn() over reps, the slowest rank's (benchmarks.cp_suite's timer)."""
+    from benchmarks.cp_suite import _time as seconds
 
-    fn()
-    ts = []
-    for _ in range(reps):
-        dist.barrier(group)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], device="cuda")
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=group)
-        ts.append(dt.item())
-    return statistics.median(ts) * 1e3
+    return seconds(fn, reps, group) * 1e3
 
 
 def _uncached(qo, kv, group, block_m, dev):
@@ -87,16 +75,7 @@ def _case(name, rank, world, group, reps, out_dir):
     res = {}
     # the 1-GPU time on rank 0 alone
     if rank == 0:
-        fn = lambda: cp._attend(*full, [(s, s)], True, opts)  # noqa: E731
-        fn()
-        ts = []
-        for _ in range(reps):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        res["1gpu"] = statistics.median(ts) * 1e3
+        res["1gpu"] = _time(lambda: cp._attend(*full, [(s, s)], True, opts), reps, None)
     dist.barrier(group)
     q, k, v = (cp.shard(t, world, rank) for t in full)
     del full

@@ -47,10 +47,9 @@ def gluon_launches(monkeypatch):
         yield calls
 
 
-def test_compiled_call_replays_the_gluon_launch():
-    """With bound launches on, the compiled graph's run-time call of the opaque op replays the
-    eager call's recorded launch (the Gluon kernel), bit for bit the eager result."""
-    b, s, h, d = 4, 4096, 16, 128
+def _ragged_call(b=4, s=4096, h=16, d=128):
+    """(f, its tensor arguments, the op's other arguments): batch_ragged_prefill through torch.ops on B x S causal requests
+    (FlashInfer-sweep shape by default: the Gluon kernel's eager choice)."""
     q, k, v = (_rand(b * s, h, d) for _ in range(3))
     indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
     block_m = block_m_for(d, d, 1, s, True, qo_lens=[s] * b)
@@ -61,6 +60,13 @@ def test_compiled_call_replays_the_gluon_launch():
     def f(q, k, v, indptr, work):
         return torch.ops.compiled_attn.batch_ragged_prefill(q, k, v, indptr, indptr, work, *tail)
 
+    return f, (q, k, v, indptr, work), tail
+
+
+def test_compiled_call_replays_the_gluon_launch():
+    """With bound launches on, the compiled graph's run-time call of the opaque op replays the
+    eager call's recorded launch (the Gluon kernel), bit for bit the eager result."""
+    f, (q, k, v, indptr, work), _ = _ragged_call()
     launch.DEFAULT.clear()
     eager = f(q, k, v, indptr, work)
     kernels = {entry[0].fn.__name__ for bound in launch.DEFAULT._bound.values()
@@ -98,17 +104,8 @@ def test_compiled_ragged_call_runs_gluon(gluon_launches, dynamic):
     """batch_ragged_prefill (FlashInfer-sweep shape, B 4 x 4k, H 16, D 128, causal) inside
     torch.compile (static or symbolic shapes): one opaque op call, the Gluon kernel launched,
     bitwise the eager result."""
-    b, s, h, d = 4, 4096, 16, 128
-    q, k, v = (_rand(b * s, h, d) for _ in range(3))
-    indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
-    block_m = block_m_for(d, d, 1, s, True, qo_lens=[s] * b)
-    work = build_work([s] * b, 1, block_m, "cuda", kv_lens=[s] * b)
-    tail = (None, None, None, None, block_m, MASK_CAUSAL, -1, 0, d ** -0.5, 0.0, POS_NONE, 1.0,
-            1e4, 1.0, None)
-
-    def f(q, k, v, indptr, work):
-        return torch.ops.compiled_attn.batch_ragged_prefill(q, k, v, indptr, indptr, work, *tail)
-
+    s = 4096
+    f, (q, k, v, indptr, work), tail = _ragged_call(s=s)
     assert dispatch.eager_gluon("batch_ragged_prefill", (q, k, v, indptr, indptr, work,
                                                                 *tail))
     eager = f(q, k, v, indptr, work)
