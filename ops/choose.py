@@ -506,8 +506,17 @@ def _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page_size, consts, scalar
     return True
 
 
+def one_page_cache(k, v, page_indices) -> bool:
+    """Whether a paged cache (k / v [P, page, Hkv, D], page_indices [pages listed]) is one page
+    that at most one request lists once (PODWithPagedKVCacheWrapper's contiguous k_p / v_p):
+    every request then reads the first last_page_len rows of page 0, so the kernels may read
+    it as rows, whatever its length. Shapes alone decide it (no device value is read); a page
+    listed twice keeps the page arithmetic."""
+    return k.shape[0] == 1 and v.shape[0] == 1 and page_indices.shape[0] <= 1
+
+
 def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, consts_d: dict,
-              scalars_d: dict, out_dtype: torch.dtype, block_m: int,
+              scalars_d: dict, out_dtype: torch.dtype, block_m: int, *, one_page: bool,
               device: Device | None = None) -> bool:
     """Whether a POD launch runs on the Gluon kernel's persistent work list
     (prefill_gluon.launch_pod) instead of the Triton kernel's POD launch: an eager launch
@@ -515,7 +524,8 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     D 128 tile, the decodes' pages read by TMA boxes, the prefill's too or its cache one page
     (PODWithPagedKVCacheWrapper's contiguous k_p / v_p: read as rows), one mask for both
     parts, and Q / O / LSE row strides that the launch specialises alike in both (a stride
-    of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x caches [P, page, Hkv, D]."""
+    of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x caches [P, page, Hkv, D]; one_page:
+    one_page_cache of the prefill's cache."""
     if not (POLICY.pod_gluon and eager_launch()) or INTERPRET or block_m != 128:
         return False
     dev = device_of(q_p.device) if device is None else device
@@ -523,7 +533,6 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     if d != 128 or q_p.dtype != q_d.dtype or consts_p["MASK_MODE"] != consts_d["MASK_MODE"]:
         return False
     block_n = _gluon.TILES[128, 128].block_n
-    one_page = k_p.shape[0] == 1 and v_p.shape[0] == 1
     for q, k, v, consts, scalars, prefill in ((q_p, k_p, v_p, consts_p, scalars_p, True),
                                               (q_d, k_d, v_d, consts_d, scalars_d, False)):
         page = k.shape[1]

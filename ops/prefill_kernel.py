@@ -1000,11 +1000,17 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
     return out, lse, args
 
 
+# The page-size constexpr of a one-page POD prefill cache (choose.one_page_cache) up to this
+# many keys; longer ones take the next power of two.
+ONE_PAGE_SIZE = 1 << 20
+
+
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
                 packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
-                work, pod=False):
+                work, pod=False, page_size=None):
     """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides); work as
-    _ragged_args'; pod: a part of POD's launch."""
+    _ragged_args'; pod: a part of POD's launch; page_size: the kernel's page-size constexpr
+    (default the cache's; a one-page cache may pass any size at least its page's)."""
     out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
     lse = _lse_out(q, params)
     args = _program_args(
@@ -1014,8 +1020,8 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
         (0, out.stride(0), out.stride(1)),
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1], params,
-        _ask(work, qo_indptr, kv_page_indices, pod))
+        alibi_slopes, sinks, (0, 0), block_m, kc.shape[1] if page_size is None else page_size,
+        params, _ask(work, qo_indptr, kv_page_indices, pod))
     return out, lse, args
 
 
@@ -1146,21 +1152,28 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
     d_params.pop("out_dtype")
     flags_p = _flags(q_p, alibi_slopes, None, **p_params)
     flags_d = _flags(q_d, alibi_slopes, None, **d_params)
+    one_page = choose.one_page_cache(k_cache_p, v_cache_p, kv_page_indices_p)
     if choose.pod_gluon(q_p, k_cache_p, v_cache_p, q_d, k_cache_d, v_cache_d, flags_p[1],
-                        flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m):
+                        flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m,
+                        one_page=one_page):
         parts = [_pod_part(*x, out_dtype, params, flags[0]["qk_scale"]) for x, params, flags in (
             ((q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
-              kv_last_page_len_p, k_cache_p.shape[0] == 1), p_params, flags_p),
+              kv_last_page_len_p, one_page), p_params, flags_p),
             ((q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
               kv_last_page_len_d, False), d_params, flags_d))]
         if work.shape[0] == 0 or (q_p.shape[0] == 0 and q_d.shape[0] == 0):
             return parts[0].out, parts[0].lse, parts[1].out, parts[1].lse
         return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
                                  block_m=block_m)
+    # A one-page prefill cache (its page as long as the prefill's keys) is launched with a
+    # fixed page-size constexpr of at least its length: no key leaves page 0 either way, and the
+    # kernel is not compiled again for every new prefill length.
     out_p, lse_p, args_p = _paged_args(
         q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
-        out_dtype, p_params, work, pod=True)
+        out_dtype, p_params, work, pod=True,
+        page_size=max(ONE_PAGE_SIZE, triton.next_power_of_2(k_cache_p.shape[1]))
+        if one_page else None)
     out_d, lse_d, args_d = _paged_args(
         q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
         kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params, work,

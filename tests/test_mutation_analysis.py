@@ -152,6 +152,23 @@ def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
     assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED
 
 
+def test_pod_one_page_prefill_compiles_with_the_fixed_page_size(launches, monkeypatch):
+    """PODWithPagedKVCacheWrapper's one-page prefill cache goes to the Triton POD launch with
+    the fixed page-size constexpr (prefill_kernel.ONE_PAGE_SIZE, not the prefill's length): it
+    compiles for sm_90 within the shared memory, its keys on the whole-page path."""
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    d = 64
+    kc, vc = (rand(1, 300, 2, d, seed=s, dtype=F16) for s in (1, 2))
+    one_page = (rand(257, 2, d, dtype=F16), kc, vc, indptr([257]),
+                torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                torch.tensor([300], dtype=torch.int32))
+    K.launch_pod(*one_page, *paged(qo=[1, 1]), torch.zeros(6, 3, dtype=torch.int32), None,
+                 None, None, 64, params(), params(C.MASK_NONE))
+    (fn, args, kw), = launches
+    assert fn is K._pod_fwd and kw["PAGE_SIZE_P"] == K.ONE_PAGE_SIZE
+    assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED
+
+
 def _inductor_module(kernel, path):
     """The kernel re-created as torch.compile / AOTInductor inline it: the source Inductor
     generates for a user-defined Triton kernel (its own transitive-closure source, after its

@@ -66,8 +66,9 @@ def _decide(prefill=None, decode=None, p=None, d=None, block_m=128):
                   rope_theta=1e4, v_scale=1.0)
     sp, cp = K._flags(q_p, None, None, **dict(params, **(p or {})))
     sd, cd = K._flags(q_d, None, None, **dict(params, **(d or {})))
+    one_page = choose.one_page_cache(k_p, v_p, torch.zeros(min(k_p.shape[0], 1)))
     return choose.pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, cp, sp, cd, sd, q_p.dtype, block_m,
-                            device=choose.H100)
+                            one_page=one_page, device=choose.H100)
 
 
 def test_pod_gluon_decision_in_scope():

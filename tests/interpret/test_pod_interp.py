@@ -202,3 +202,52 @@ def test_mixes_cover_the_grid():
     assert {m.lse for m in pods} >= {(True, False), (False, True)}
     batch = [m for k, m in mixes if k == "batch_pod"]
     assert any(q > k for m in batch for q, k in zip(m.qo_p, m.kv_p))
+
+
+def test_one_page_prefill_constexpr_does_not_follow_its_length(monkeypatch):
+    """PODWithPagedKVCacheWrapper's contiguous k_p / v_p (a one-page cache as long as the
+    prefill's keys) reach the Triton POD launch with one fixed page-size constexpr for every
+    prefill length, so the kernel is not compiled again per length; the results are checked
+    against the reference by test_pod_mix."""
+    from compiled_attn.ops import launch, policy, prefill_kernel as K
+
+    hq, hkv, d, dt = 4, 1, 16, torch.float16
+    cache, kvi, idx, last, _, _ = make_paged([5, 9], hkv, d, d, 4, dtype=dt, seed=3)
+    w = fi.PODWithPagedKVCacheWrapper(WS, "NHD")
+    w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
+    seen = []
+    real = launch.run
+
+    def run(fn, grid, *args, **kw):
+        if fn is K._pod_fwd:
+            seen.append((kw["PAGE_SIZE_P"], kw["PAGE_SIZE_D"]))
+        return real(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(launch, "run", run)
+    g = torch.Generator().manual_seed(0)
+    with policy.override(bound_launches=False):  # every call takes the launch path
+        for kv in (7, 33, 20):
+            q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt)
+                             for n, h in ((kv, hq), (kv, hkv), (kv, hkv)))
+            w.run(q_p, k_p, v_p, _randn(g, 2, hq, d, dtype=dt), cache, causal_p=True)
+    assert seen == [(K.ONE_PAGE_SIZE, 4)] * 3
+
+
+def test_one_page_cache_listed_twice_keeps_page_arithmetic():
+    """A one-page prefill cache whose page a request lists twice (legal in FlashInfer: the same
+    page's keys twice over) is not read as rows (choose.one_page_cache): each part matches the
+    float64 reference."""
+    from compiled_attn.ops import choose
+
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 5
+    pre = make_case("paged", [3], [2 * page - 1], hq, hkv, d, dtype=dt, page_size=page, seed=7)
+    one = pre.k[:1], pre.v[:1]  # keep page 0 only, listed twice
+    pre = Case("paged", q=pre.q, k=one[0], v=one[1], qo_indptr=pre.qo_indptr,
+               kv_indptr=torch.tensor([0, 2], dtype=torch.int32),
+               page_indices=torch.zeros(2, dtype=torch.int32),
+               last_page_len=torch.tensor([page - 1], dtype=torch.int32),
+               work=pre.work, block_m=pre.block_m)
+    assert not choose.one_page_cache(pre.k, pre.v, pre.page_indices)
+    dec = make_case("paged", [1, 1], [6, 11], hq, hkv, d, dtype=dt, page_size=page, seed=8)
+    check_pod(pre, dec, params(ops.MASK_CAUSAL, -1, head_dim=d),
+              params(ops.MASK_NONE, -1, head_dim=d))
