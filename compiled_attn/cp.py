@@ -420,6 +420,12 @@ def _merge_step(acc: torch.Tensor, s_acc: torch.Tensor, o: torch.Tensor, s_o: to
 # --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
+def _capturing(dev: torch.device) -> bool:
+    """Whether an eager call on dev runs under CUDA-graph capture (never asked when traced)."""
+    return (not torch.compiler.is_compiling() and dev.type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
+
+
 def _group_coords(group) -> tuple[int, int]:
     import torch.distributed as dist
 
@@ -479,6 +485,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
     hq, hkv = int(q.shape[1]), int(k.shape[1])
     V.check_heads(hq, hkv, names=("q's head count (q.shape[1])", "k's KV head count"))
+    if _capturing(q.device):
+        V.unsupported("q", "context-parallel prefill under CUDA-graph capture (its collectives "
+                      "and cached index tensors are not captured); call it eagerly or under "
+                      "torch.compile")
     world, rank = _group_coords(group)
     lay = Layout.of(world, indptr=indptr,
                     seq_len=world * int(q.shape[0]) if indptr is None else None)

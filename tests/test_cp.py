@@ -285,3 +285,12 @@ def test_index_cache_reused_per_request_list():
     assert b is not a and cp._indices((4, 4), (4, 12), 2, 32, torch.device("cpu")) is not a
     assert a[0].tolist() == [0, 4, 8] and a[1].tolist() == [0, 4, 16]
     assert a[2].dtype == torch.int32 and a[2].shape[1] == 2
+
+
+def test_prefill_refuses_cuda_graph_capture(monkeypatch):
+    """Under CUDA-graph capture cp.prefill raises, naming why (its collectives and cached index
+    tensors are not captured), before touching the group."""
+    monkeypatch.setattr(cp, "_capturing", lambda dev: True)
+    x = torch.randn(4, 2, D)
+    with pytest.raises(NotImplementedError, match="CUDA-graph capture"):
+        cp.prefill(x, x, x, group=None, causal=True)
