@@ -53,6 +53,7 @@ from . import _validate as V
 from .op_call import call_op
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
 from .ops.schedule import block_m_for, build_work
+from .utils import _lse_weights
 
 __all__ = ["Layout", "shard", "unshard", "prefill", "METHODS"]
 
@@ -398,18 +399,12 @@ def _ring(q, k, v, lay: Layout, rank: int, group, causal: bool, opts: dict):
 
 def _merge_step(acc: torch.Tensor, s_acc: torch.Tensor, o: torch.Tensor, s_o: torch.Tensor):
     """merge_state of the running (acc, s_acc) and a step's (o, s_o) into a float32 acc, in
-    three passes over the [N, H, D] tensors (merge_state stacks both states first and casts
-    them: ~4x the memory traffic, a cost per ring step). acc: float32, or the first step's
-    output in q's dtype. Same rules as merge_state: rows whose LSEs are both -inf give 0 and
-    -inf; a NaN LSE gives NaN."""
-    m = torch.maximum(s_acc, s_o)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_acc, w_o = torch.exp2(s_acc - m_safe), torch.exp2(s_o - m_safe)
-    total = w_acc + w_o
-    unseen = total == 0
-    denom = torch.where(unseen, torch.ones_like(total), total)
-    lse = torch.where(unseen, torch.full_like(total, float("-inf")), torch.log2(denom) + m_safe)
-    a, b = (w_acc / denom).unsqueeze(-1), (w_o / denom).unsqueeze(-1)
+    two passes over the [N, H, D] tensors (merge_state stacks both states first and casts
+    them: ~4x the memory traffic, a cost per ring step); the weights by merge_state's rule
+    (utils._lse_weights, on the small [N, 2, H] LSEs). acc: float32, or the first step's output
+    in q's dtype."""
+    w, denom, lse = _lse_weights(torch.stack([s_acc, s_o], dim=1).float())
+    a, b = (w[:, 0] / denom).unsqueeze(-1), (w[:, 1] / denom).unsqueeze(-1)
     if acc.dtype == torch.float32:
         out = acc.mul_(a)  # acc is this function's own earlier result
     else:

@@ -324,17 +324,26 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
         n, _, h, d = v.shape
         return v.new_zeros((n, h, d)), s.new_full((n, h), float("-inf"), dtype=torch.float32)
     ct = torch.float64 if v.dtype == torch.float64 else torch.float32
-    sf = s.to(ct)
-    m = sf.amax(dim=1, keepdim=True)  # [N, 1, H]
+    w, denom, lse = _lse_weights(s.to(ct))
+    out = (v.to(ct) * w[..., None]).sum(dim=1) / denom[..., None]
+    return out.to(v.dtype), lse
+
+
+def _lse_weights(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The merge rule of several states' base-2 LSEs s ``[N, S, H]`` (floating): each state's
+    unnormalised weight w = 2^(s - m) ``[N, S, H]`` (m the row's finite max, 0 for -inf states),
+    the divisor ``[N, H]`` (the weights' sum; 1 where every state is -inf) and the merged LSE
+    float32 ``[N, H]`` (-inf where every state is -inf; NaN where one is NaN). The merged
+    output is sum_s v_s w_s / divisor (merge_states; compiled_attn.cp's ring merge)."""
+    m = s.amax(dim=1, keepdim=True)  # [N, 1, H]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp2(sf - m_safe)  # 0 for -inf states
+    w = torch.exp2(s - m_safe)  # 0 for -inf states
     total = w.sum(dim=1)  # [N, H]; NaN where an LSE is NaN, which passes through
     unseen = total == 0
     denom = torch.where(unseen, torch.ones_like(total), total)
-    out = (v.to(ct) * w[..., None]).sum(dim=1) / denom[..., None]
     lse = torch.where(unseen, torch.full_like(total, float("-inf")),
                       torch.log2(denom) + m_safe[:, 0])
-    return out.to(v.dtype), lse.to(torch.float32)
+    return w, denom, lse.to(torch.float32)
 
 
 # --------------------------------------------------------------------------------------------

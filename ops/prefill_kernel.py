@@ -887,7 +887,8 @@ class ProgramArgs(NamedTuple):
 
 def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o_strides,
                   l_strides, qo_indptr, kv_indptr, page_idx, last_page_len, packed_mask,
-                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params, ask):
+                  mask_indptr, alibi_slopes, sinks, dense, block_m, page_size, params, ask,
+                  flags=None):
     """A launch's ProgramArgs: the kernel's runtime arguments by name, its constexprs and the
     launch configuration. q_strides (batch, token, head, dim), k_strides / v_strides (batch,
     token, page, head, dim), o_strides / l_strides (batch, token, head): STRIDE_FIELDS.
@@ -895,9 +896,10 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     launch's own arguments to choose.choose (work rows, requests, pages, split, whether it may
     take the Gluon kernel, POD); cfg["launch"] holds its answer,
     and cfg["gluon"] the Gluon kernel's arguments where it takes that kernel (no Triton
-    descriptors are built then)."""
+    descriptors are built then). flags: _flags(q, alibi_slopes, sinks, **params) where the
+    caller has them already."""
     hq, hkv = q.shape[-2], k.shape[-2]
-    scalars, consts = _flags(q, alibi_slopes, sinks, **params)
+    scalars, consts = flags or _flags(q, alibi_slopes, sinks, **params)
     choice = choose.choose(kv_mode, q, k, v, consts, scalars, out.dtype, block_m=block_m, **ask)
     block_m = choice.block_m
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
@@ -1007,10 +1009,11 @@ ONE_PAGE_SIZE = 1 << 20
 
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
                 packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
-                work, pod=False, page_size=None):
+                work, pod=False, page_size=None, flags=None):
     """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides); work as
     _ragged_args'; pod: a part of POD's launch; page_size: the kernel's page-size constexpr
-    (default the cache's; a one-page cache may pass any size at least its page's)."""
+    (default the cache's; a one-page cache may pass any size at least its page's); flags as
+    _program_args'."""
     out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
     lse = _lse_out(q, params)
     args = _program_args(
@@ -1021,7 +1024,7 @@ def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_p
         (0, lse.stride(0), lse.stride(1)),
         qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
         alibi_slopes, sinks, (0, 0), block_m, kc.shape[1] if page_size is None else page_size,
-        params, _ask(work, qo_indptr, kv_page_indices, pod))
+        params, _ask(work, qo_indptr, kv_page_indices, pod), flags)
     return out, lse, args
 
 
@@ -1173,11 +1176,11 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
         out_dtype, p_params, work, pod=True,
         page_size=max(ONE_PAGE_SIZE, triton.next_power_of_2(k_cache_p.shape[1]))
-        if one_page else None)
+        if one_page else None, flags=flags_p)
     out_d, lse_d, args_d = _paged_args(
         q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
         kv_last_page_len_d, None, None, alibi_slopes, None, block_m, out_dtype, d_params, work,
-        pod=True)
+        pod=True, flags=flags_d)
     if work.shape[0] == 0:
         return out_p, lse_p, out_d, lse_d
     # (choose.choose halved each part's pipeline: both live in one kernel)
