@@ -6,7 +6,9 @@ Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both 
 read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp
 group), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon
 Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge
-kernel, head dims 80 / 112 / 160 / 512, at small sizes; each result is also checked against
+kernel, head dims 80 / 112 / 160 / 512, and POD (the Gluon POD launch on a one-page and a paged
+prefill; the Triton POD launch on the one-page cache's fixed page-size constexpr and on page-1
+decodes), at small sizes; each result is also checked against
 the float64 reference. Exits non-zero on a mismatch."""
 
 import sys
@@ -18,7 +20,9 @@ from compiled_attn.ops import choose
 from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work, build_work
-from tests.kernel_cases import check, force_kv_path, make_case, params
+from compiled_attn.ops.policy import override
+from tests.kernel_cases import (check, check_pod, force_kv_path, make_case, one_page_prefill,
+                                params, pod_decodes)
 
 # An empty request, a request with no keys, odd lengths, one request longer than a tile.
 QO, KV = [37, 0, 150, 3], [80, 9, 150, 0]
@@ -160,6 +164,23 @@ def main() -> int:
         c.work, c.merge = c.work.cuda(), c.merge.cuda()
         check(c, params(head_dim=d))
         cases += 1
+    # POD: both launches, each part against the float64 reference. The one-page prefill cache
+    # (rows read past kv_len would leave the allocation), a paged prefill with a request
+    # without rows, decodes without keys, page-1 decodes (outside the Gluon POD's scope).
+    dec_kv = [900, 1, 0, 17, 2049]
+    for gluon in (True, False):
+        with override(pod_gluon=gluon):
+            p = params(ops.MASK_CAUSAL, head_dim=128)
+            check_pod(one_page_prefill(300, 701, 8, 2, seed=60),
+                      pod_decodes(dec_kv, 8, 2, 16, seed=61), p, dict(p, sm_scale=0.07))
+            check_pod(make_case("paged", [300, 0, 129], [700, 6, 129], 8, 2, 128,
+                                dtype=torch.bfloat16, device="cuda", page_size=16, seed=62),
+                      pod_decodes(dec_kv, 8, 2, 16, seed=63), p, p)
+            cases += 2
+    p = params(ops.MASK_CAUSAL, head_dim=128)
+    check_pod(one_page_prefill(77, 200, 8, 2, seed=64), pod_decodes(dec_kv, 8, 2, 1, seed=65),
+              p, p)
+    cases += 1
     torch.cuda.synchronize()
     print(f"memcheck subset: {cases} cases checked")
     return 0

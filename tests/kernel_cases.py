@@ -292,6 +292,28 @@ def check_parts(pre: Case, dec: Case, p_pre: dict, p_dec: dict, launch) -> None:
     check(dec, p_dec, runner=lambda c, p, out_dtype: (outs[2], outs[3]))
 
 
+def one_page_prefill(qo_len, kv_len, hq, hkv, dqk=128, *, dtype=torch.bfloat16, device="cuda",
+                     seed=0) -> Case:
+    """A paged case holding one request whose keys are one page of kv_len keys: the contiguous
+    k_p / v_p [kv_len, Hkv, D] that PODWithPagedKVCacheWrapper passes as a one-page cache."""
+    c = make_case("ragged", [qo_len], [kv_len], hq, hkv, dqk, dtype=dtype, device=device,
+                  seed=seed)
+    c.kind = "paged"
+    c.k, c.v = c.k.unsqueeze(0), c.v.unsqueeze(0)
+    dev = c.q.device
+    c.kv_indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    c.page_indices = torch.zeros(1, dtype=torch.int32, device=dev)
+    c.last_page_len = torch.tensor([kv_len], dtype=torch.int32, device=dev)
+    return c
+
+
+def pod_decodes(kv_lens, hq, hkv, page, dqk=128, *, dtype=torch.bfloat16, device="cuda",
+                seed=0) -> Case:
+    """A paged batch of one-row requests (POD's decode part) with kv_lens keys each."""
+    return make_case("paged", [1] * len(kv_lens), kv_lens, hq, hkv, dqk, dtype=dtype,
+                     device=device, page_size=page, seed=seed)
+
+
 def check_pod(pre: Case, dec: Case, p_pre: dict, p_dec: dict) -> None:
     """Run paged cases pre (the prefill part; its custom mask if it has one) and dec (the
     decode part; same heads, head dim and tile height) through pod_prefill_decode in one

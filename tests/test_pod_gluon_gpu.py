@@ -15,7 +15,7 @@ import compiled_attn
 from compiled_attn import ops
 from compiled_attn.ops import prefill_gluon
 from compiled_attn.ops.policy import override
-from tests.kernel_cases import check_pod, make_case, params
+from tests.kernel_cases import check_pod, make_case, one_page_prefill, params, pod_decodes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,24 +40,6 @@ def gluon_pods(monkeypatch):
     return calls
 
 
-def one_page_prefill(qo_len, kv_len, hq, hkv, seed):
-    """A paged case holding one request whose keys are one page of kv_len keys: the contiguous
-    k_p / v_p [kv_len, Hkv, D] that PODWithPagedKVCacheWrapper passes as a one-page cache."""
-    c = make_case("ragged", [qo_len], [kv_len], hq, hkv, D, dtype=BF16, device="cuda", seed=seed)
-    c.kind = "paged"
-    c.k, c.v = c.k.unsqueeze(0), c.v.unsqueeze(0)
-    dev = c.q.device
-    c.kv_indptr = torch.tensor([0, 1], dtype=torch.int32, device=dev)
-    c.page_indices = torch.zeros(1, dtype=torch.int32, device=dev)
-    c.last_page_len = torch.tensor([kv_len], dtype=torch.int32, device=dev)
-    return c
-
-
-def decodes(kv_lens, hq, hkv, page, seed):
-    return make_case("paged", [1] * len(kv_lens), kv_lens, hq, hkv, D, dtype=BF16,
-                     device="cuda", page_size=page, seed=seed)
-
-
 # (prefill qo_len, kv_len) of the one-page prefill; the decodes' kv lengths (one without keys)
 DECODE_KV = [900, 1, 33, 0, 17, 2049, 128, 4096]
 
@@ -67,7 +49,7 @@ DECODE_KV = [900, 1, 33, 0, 17, 2049, 128, 4096]
 @pytest.mark.parametrize("page", [8, 16, 128])
 def test_pod_one_page_prefill(mask, hq, hkv, page, gluon_pods):
     pre = one_page_prefill(300, 701, hq, hkv, seed=page + hq)
-    dec = decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1)
+    dec = pod_decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1)
     p_pre = params(mask, head_dim=D)
     check_pod(pre, dec, p_pre, dict(p_pre, sm_scale=0.07))
     assert gluon_pods, "the launch did not take the Gluon kernel"
@@ -78,7 +60,7 @@ def test_pod_paged_prefill(page_p, page_d, gluon_pods):
     # BatchPOD's parts: a paged prefill batch (a request without rows, odd lengths, qo < kv)
     pre = make_case("paged", [300, 0, 129, 5], [700, 6, 129, 5], 8, 2, D, dtype=BF16,
                     device="cuda", page_size=page_p, seed=3)
-    dec = decodes(DECODE_KV, 8, 2, page_d, seed=4)
+    dec = pod_decodes(DECODE_KV, 8, 2, page_d, seed=4)
     p = params(ops.MASK_CAUSAL, head_dim=D)
     check_pod(pre, dec, p, p)
     assert gluon_pods
@@ -87,9 +69,11 @@ def test_pod_paged_prefill(page_p, page_d, gluon_pods):
 @pytest.mark.parametrize("side", ["no_decode_keys", "no_prefill_rows"])
 def test_pod_empty_sides(side, gluon_pods):
     if side == "no_decode_keys":
-        pre, dec = one_page_prefill(64, 64, 8, 2, 5), decodes([0, 0, 0], 8, 2, 16, 6)
+        pre = one_page_prefill(64, 64, 8, 2, seed=5)
+        dec = pod_decodes([0, 0, 0], 8, 2, 16, seed=6)
     else:
-        pre, dec = one_page_prefill(0, 64, 8, 2, 7), decodes([300, 17], 8, 2, 16, 8)
+        pre = one_page_prefill(0, 64, 8, 2, seed=7)
+        dec = pod_decodes([300, 17], 8, 2, 16, seed=8)
     p = params(ops.MASK_CAUSAL, head_dim=D)
     check_pod(pre, dec, p, p)
     assert gluon_pods
@@ -97,8 +81,8 @@ def test_pod_empty_sides(side, gluon_pods):
 
 def test_pod_out_of_scope_takes_the_triton_launch(gluon_pods):
     # a window on the decode part is outside the Gluon kernel's scope: the Triton POD launch
-    pre = one_page_prefill(100, 300, 8, 2, 9)
-    dec = decodes([500, 33], 8, 2, 16, 10)
+    pre = one_page_prefill(100, 300, 8, 2, seed=9)
+    dec = pod_decodes([500, 33], 8, 2, 16, seed=10)
     p = params(ops.MASK_CAUSAL, head_dim=D)
     check_pod(pre, dec, p, dict(p, window_left=64))
     assert not gluon_pods
