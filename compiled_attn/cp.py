@@ -35,9 +35,10 @@ Two methods (``prefill``):
 Communication is torch's functional collectives (``all_gather_single`` / ``all_gather_tensor``,
 ``permute_tensor``): the same code runs eagerly (NCCL's stream, asynchronous until the result
 is used) and traces under torch.compile(fullgraph=True) and torch.export as
-``_c10d_functional`` nodes that Inductor can schedule around the attention ops. An opaque
-custom op taking the group by name would hide both the communication and the compute from the
-compiler; the functional form leaves Inductor the choice.
+``_c10d_functional`` nodes that Inductor can schedule around the attention ops. ``as_op=True``
+instead enters a graph as one opaque custom op, ``compiled_attn::cp_prefill``, that takes the
+group by name and runs the eager code inside (its collectives, index cache and launches as an
+eager call has them); docs/context-parallel.md compares the two forms' times.
 
 LSEs are base 2 (natural logsumexp / ln 2), as every compiled_attn entry point returns.
 """
@@ -447,7 +448,8 @@ def _method(method, hq: int, hkv: int, causal: bool, window_left: int) -> str:
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=None,
             method: str = "auto", causal: bool = False, sm_scale: float | None = None,
             window_left: int = -1, logits_soft_cap: float | None = None,
-            head_slices: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            head_slices: int | None = None,
+            as_op: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query rows against the whole sequence spread over ``group``.
 
     q: ``[local_len, Hq, D_qk]``, k: ``[local_len, Hkv, D_qk]``, v: ``[local_len, Hkv, D_vo]``:
@@ -463,6 +465,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     (all_gather): the gathers issued per slice of the KV heads, each slice's attention
     launched when its own gather lands (a divisor of Hkv; default 1, one gather and one launch:
     on two H200s the overlap cost more than the gather it hid, docs/context-parallel.md).
+    as_op: run the call as the one custom op ``compiled_attn::cp_prefill`` (the group passed by
+    its name), which a traced graph holds as one opaque node whose body is the eager call;
+    default False: the functional collectives and the attention ops enter the graph apiece
+    (module docstring).
     Under torch.compile the shapes must be static (``dynamic=False``): the plan of each step is
     built from the lengths and head counts while tracing, and a symbolic one cannot be.
 
@@ -500,11 +506,67 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     if method == "ring":
         if head_slices not in (None, 1):
             V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
-        return _ring(q, k, v, lay, rank, group, bool(causal), opts)
+        head_slices = 1
     if head_slices is None:
         head_slices = 1
     V.check_count("head_slices", head_slices, 1)
     if hkv % head_slices:
         raise ValueError(f"head_slices: {head_slices} does not divide the {hkv} KV heads; "
                          "pass a divisor of k.shape[1]")
-    return _all_gather(q, k, v, lay, rank, group, bool(causal), opts, head_slices)
+    if not isinstance(as_op, bool):
+        raise TypeError(f"as_op: got {as_op!r}; pass a bool")
+    if as_op:
+        return torch.ops.compiled_attn.cp_prefill(
+            q, k, v, _group_name(group), list(lay.lengths), method, bool(causal),
+            opts["sm_scale"], opts["window_left"], opts["logits_soft_cap"], head_slices)
+    return _run(q, k, v, lay, rank, group, method, bool(causal), opts, head_slices)
+
+
+def _run(q, k, v, lay: Layout, rank: int, group, method: str, causal: bool, opts: dict,
+         head_slices: int):
+    """The checked call's communication and launches (prefill's body, and cp_prefill's)."""
+    if method == "ring":
+        return _ring(q, k, v, lay, rank, group, causal, opts)
+    return _all_gather(q, k, v, lay, rank, group, causal, opts, head_slices)
+
+
+def _group_name(group) -> str:
+    name = getattr(group, "group_name", None)
+    if not name:
+        raise ValueError("group: as_op=True passes the group by name, and this group has none; "
+                         "pass a torch.distributed ProcessGroup (e.g. from new_group)")
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# the opaque form: one custom op, the group by name
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("compiled_attn::cp_prefill", mutates_args=())
+def _cp_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
+                lengths: list[int], method: str, causal: bool, sm_scale: float,
+                window_left: int, logits_soft_cap: float,
+                head_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """prefill(..., as_op=True)'s op: arguments checked by prefill; lengths are the documents'
+    token counts (the Layout); method "all_gather" or "ring". q / k / v: [local_len, H, D]."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    world, rank = _group_coords(group)
+    opts = dict(sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap)
+    return _run(q, k, v, Layout(world, lengths), rank, group, method, causal, opts, head_slices)
+
+
+@_cp_prefill.register_fake
+def _cp_prefill_fake(q, k, v, group_name, lengths, method, causal, sm_scale, window_left,
+                     logits_soft_cap, head_slices):
+    rows, hq = q.shape[0], q.shape[1]
+    return (q.new_empty((rows, hq, v.shape[2])),
+            q.new_empty((rows, hq), dtype=torch.float32))
+
+
+def _cp_backward(ctx, *grads):
+    raise RuntimeError("compiled_attn::cp_prefill has no backward: compiled_attn's kernels are "
+                       "inference-only. Run under torch.no_grad() or detach the inputs.")
+
+
+_cp_prefill.register_autograd(_cp_backward, setup_context=lambda ctx, inputs, output: None)

@@ -1,6 +1,6 @@
 """Where the 2-GPU context-parallel time goes: cp.prefill against its local attention alone.
 
-    python -m dev.cp_probe [--cases 32k_gqa,32k_mha,128k_gqa] [--out DIR]
+    python -m dev.cp_probe [--cases 32k_gqa,32k_mha,128k_gqa] [--out DIR] [--forms]
 
 spawns 2 NCCL ranks. Per case, medians (slowest rank) of: the 1-GPU op on the whole sequence;
 cp.prefill with the index cache (as shipped) and without it (a pageable, stream-blocking
@@ -8,6 +8,11 @@ host-to-device copy per launch, as before the cache); head_slices 1 / 2 / 4 (all
 rank's local attention alone (its launches on K/V already gathered and joined, no
 communication). Rank 0 then profiles one cp.prefill call and writes its CUDA kernels (name,
 start, duration in us) to DIR/cp_probe_<case>.txt. A table is printed last.
+
+--forms times, instead, the forms a traced graph can hold (issue: which overlaps better):
+cp.prefill eagerly and with as_op=True eagerly; under torch.compile(fullgraph=True,
+dynamic=False), the functional collectives (Inductor's default schedule, and with
+reorder_for_compute_comm_overlap) and the opaque op (as_op=True).
 """
 
 from __future__ import annotations
@@ -134,6 +139,53 @@ def _case(name, rank, world, group, reps, out_dir):
     return res
 
 
+def _forms(name, rank, world, group, reps):
+    """Medians (slowest rank, ms) of the eager and compiled forms of one case's call."""
+    import torch._dynamo
+    import torch._inductor.config as icfg
+
+    from compiled_attn import cp
+
+    s, hq, hkv, method = CASES[name]
+    g = torch.Generator(device="cuda").manual_seed(s + hkv)
+    q, k, v = (cp.shard(torch.randn(s, h, D, device="cuda", dtype=torch.bfloat16, generator=g),
+                        world, rank) for h in (hq, hkv, hkv))
+
+    def fn(a, b, c, as_op=False):
+        return cp.prefill(a, b, c, group=group, causal=True, method=method, as_op=as_op)
+
+    res = {"eager": _time(lambda: fn(q, k, v), reps, group),
+           "eager_as_op": _time(lambda: fn(q, k, v, True), reps, group)}
+    ref = fn(q, k, v)
+    for key, as_op, reorder in (("compiled", False, False), ("compiled_reorder", False, True),
+                                ("compiled_as_op", True, False)):
+        torch._dynamo.reset()
+        with icfg.patch(reorder_for_compute_comm_overlap=reorder):
+            c = torch.compile(lambda a, b, cc: fn(a, b, cc, as_op), fullgraph=True,
+                              dynamic=False)
+            o, lse = c(q, k, v)  # compiled here, inside the patch
+        res[f"{key}_equal"] = bool(torch.equal(o, ref[0]) and torch.equal(lse, ref[1]))
+        res[key] = _time(lambda: c(q, k, v), reps, group)
+    return res
+
+
+def _rank_forms(rank, world, port, cases, reps):
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    group = dist.group.WORLD
+    keys = ["eager", "eager_as_op", "compiled", "compiled_reorder", "compiled_as_op"]
+    table = [(name, _forms(name, rank, world, group, reps)) for name in cases]
+    if rank == 0:
+        print("\ncase      " + " ".join(f"{k:>17s}" for k in keys) + "  (ms; equal to eager)")
+        for name, r in table:
+            cells = " ".join(f"{r[k]:11.3f} {str(r.get(k + '_equal', '')):>5s}" for k in keys)
+            print(f"{name:10s}{cells}")
+    dist.destroy_process_group()
+
+
 def _rank(rank, world, port, cases, reps, out_dir):
     import torch.distributed as dist
 
@@ -163,13 +215,19 @@ def main():
     ap.add_argument("--cases", default="32k_gqa,32k_mha,128k_gqa")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    ap.add_argument("--forms", action="store_true",
+                    help="time the eager and compiled forms (functional vs as_op) instead")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    mp.spawn(_rank, args=(2, port, a.cases.split(","), a.reps, a.out), nprocs=2, join=True)
+    if a.forms:
+        mp.spawn(_rank_forms, args=(2, port, a.cases.split(","), a.reps), nprocs=2, join=True)
+    else:
+        mp.spawn(_rank, args=(2, port, a.cases.split(","), a.reps, a.out), nprocs=2,
+                 join=True)
 
 
 if __name__ == "__main__":

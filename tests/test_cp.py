@@ -140,6 +140,46 @@ def _run_case(name, spec, rank, world, group, compiled=False):
         e_out, e_lse = ep.module()(ql, kl, vl)
         torch.testing.assert_close(e_out, out, atol=1e-6, rtol=0)
         torch.testing.assert_close(e_lse, lse, atol=1e-6, rtol=0)
+        _check_as_op(run, out, lse, ql, kl, vl, group, indptr, causal, method, opts)
+
+
+def _check_as_op(run, out, lse, ql, kl, vl, group, indptr, causal, method, opts):
+    """as_op=True: the same results eagerly, compiled (one cp_prefill node, no collective
+    nodes) and exported; the op's fake and schema pass torch.library.opcheck."""
+    def run_op(a, b, c):
+        return cp.prefill(a, b, c, group=group, indptr=indptr, causal=causal, method=method,
+                          as_op=True, **opts)
+
+    for o, s in (run_op(ql, kl, vl),
+                 torch.compile(run_op, fullgraph=True, backend="aot_eager")(ql, kl, vl)):
+        assert torch.equal(o, out) and torch.equal(s, lse)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    torch.compile(run_op, fullgraph=True, backend=keep)(ql, kl, vl)
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes]
+    assert sum("cp_prefill" in t for t in targets) == 1
+    assert not any("c10d" in t for t in targets)
+
+    class Attn(torch.nn.Module):
+        def forward(self, a, b, c):
+            return run_op(a, b, c)
+
+    ep = torch.export.export(Attn(), (ql, kl, vl))
+    assert sum("cp_prefill" in str(n.target) for n in ep.graph.nodes) == 1
+    e_out, e_lse = ep.module()(ql, kl, vl)
+    assert torch.equal(e_out, out) and torch.equal(e_lse, lse)
+    lay = cp.Layout.of(int(torch.distributed.get_world_size(group)), indptr=indptr)
+    torch.library.opcheck(
+        torch.ops.compiled_attn.cp_prefill.default,
+        (ql, kl, vl, group.group_name, list(lay.lengths), method, causal,
+         opts.get("sm_scale") or D ** -0.5, opts.get("window_left", -1),
+         opts.get("logits_soft_cap") or 0.0, 1),
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
 def _errors(rank, world, group):
@@ -157,6 +197,8 @@ def _errors(rank, world, group):
         cp.prefill(x, x, x, group=group, method="all_gather", head_slices=3)
     with pytest.raises(ValueError, match="group"):
         cp.prefill(x, x, x, group=None)
+    with pytest.raises(TypeError, match="as_op"):
+        cp.prefill(x, x, x, group=group, as_op="yes")
 
 
 def _cpu_cases(rank, world, attempt):

@@ -97,7 +97,7 @@ def _ref64(q, k, v):
     return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
-def _ring(rank, world, hq, hkv, d, compiled=False, method="ring"):
+def _ring(rank, world, hq, hkv, d, compiled=False, method="ring", as_op=False):
     import torch.distributed as dist
 
     from compiled_attn import cp
@@ -106,7 +106,8 @@ def _ring(rank, world, hq, hkv, d, compiled=False, method="ring"):
     ql, kl, vl = (cp.shard(t, world, rank) for t in (q, k, v))
 
     def run(a, b, c):
-        return cp.prefill(a, b, c, group=dist.group.WORLD, causal=True, method=method)
+        return cp.prefill(a, b, c, group=dist.group.WORLD, causal=True, method=method,
+                          as_op=as_op)
 
     # dynamic=False: the all-gather and ring cases share run's code object, and automatic dynamic
     # shapes would make the second compile's head counts symbolic (cp.prefill: static shapes)
@@ -136,11 +137,16 @@ def _gpu_cases(rank, world, attempt):
         attempt(f"ring_{hq}_{hkv}_d{d}", lambda: _ring(rank, world, hq, hkv, d))
     attempt("all_gather_compiled", lambda: _ring(rank, world, 32, 8, 128, True, "all_gather"))
     attempt("ring_compiled", lambda: _ring(rank, world, 32, 32, 128, True))
+    # the opaque form (as_op: one compiled_attn::cp_prefill node) under Inductor
+    attempt("all_gather_compiled_as_op",
+            lambda: _ring(rank, world, 32, 8, 128, True, "all_gather", as_op=True))
+    attempt("ring_compiled_as_op", lambda: _ring(rank, world, 32, 32, 128, True, as_op=True))
 
 
 KEYS = ([f"all_gather_{hq}_{hkv}_d{d}_{pin}" for hq, hkv, d in BITWISE for pin in PINS]
         + [f"ring_{hq}_{hkv}_d{d}" for hq, hkv, d in RING]
-        + ["all_gather_compiled", "ring_compiled"])
+        + ["all_gather_compiled", "ring_compiled", "all_gather_compiled_as_op",
+           "ring_compiled_as_op"])
 _RESULTS: dict = {}
 
 
