@@ -21,8 +21,23 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work, build_work
 from compiled_attn.ops.policy import override
-from tests.kernel_cases import (check, check_pod, force_kv_path, make_case, one_page_prefill,
-                                params, pod_decodes)
+from tests.kernel_cases import check as _check, check_pod as _check_pod
+from tests.kernel_cases import force_kv_path, make_case, one_page_prefill, params, pod_decodes
+
+_DONE = [0]
+
+
+def _reported(fn):
+    """fn, printing a line after each case (a run cut short by a time limit shows how far it
+    got: the subset compiles ~100 kernels, slowly under compute-sanitizer)."""
+    def run(*args, **kwargs):
+        fn(*args, **kwargs)
+        _DONE[0] += 1
+        print(f"case {_DONE[0]} checked", flush=True)
+    return run
+
+
+check, check_pod = _reported(_check), _reported(_check_pod)
 
 # An empty request, a request with no keys, odd lengths, one request longer than a tile.
 QO, KV = [37, 0, 150, 3], [80, 9, 150, 0]
