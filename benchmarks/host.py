@@ -10,8 +10,11 @@ point, provider, "host_us" (median), "host_us_rounds", and on ours "ratio_vs_<pe
 host time over ours (above 1: we are cheaper). The host's CPU model is recorded in the header.
 
 Run on the GPU machine: ``python -m benchmarks.host --out benchmarks/results/host_<gpu>.json``
-(FlashInfer from .whl/, benchmarks/gpu_setup.sh; --no-flashinfer without it; --fi-pod adds
-FlashInfer's POD, whose first call JIT-builds for minutes). A plot goes beside the JSON.
+(FlashInfer from .whl/, dev/gpu_setup.sh; --no-flashinfer without it; --fi-pod adds
+FlashInfer's POD; a module missing from FlashInfer's JIT cache builds for minutes on first use).
+FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
+--fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
+the header. A plot goes beside the JSON.
 """
 
 from __future__ import annotations
@@ -62,13 +65,14 @@ def _inputs(dev):
     )
 
 
-def _wrappers(mod, x, dev, name):
+def _wrappers(mod, x, dev, name, single_backend="auto"):
     """Zero-argument calls of module ``mod``'s (compiled_attn or flashinfer) entry points."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     calls = {}
     kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    single_kw = {"backend": single_backend} if name == "flashinfer" else {}
     calls["single_prefill"] = lambda: mod.single_prefill_with_kv_cache(
-        x["q1"], x["k1"], x["v1"], causal=True, **kw)
+        x["q1"], x["k1"], x["v1"], causal=True, **single_kw)
     rw = mod.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
     rw.plan(x["qo"], x["qo"], HQ, HKV, D, causal=True, q_data_type=DT)
     calls["ragged_run"] = lambda: rw.run(x["q"], x["k"], x["v"])
@@ -117,7 +121,8 @@ def providers(args) -> dict:
         try:
             import flashinfer
 
-            for case, fn in _wrappers(flashinfer, x, dev, "flashinfer").items():
+            for case, fn in _wrappers(flashinfer, x, dev, "flashinfer",
+                                      args.fi_single_backend).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
             if args.fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
@@ -175,6 +180,8 @@ def main(argv=None):
     ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's rows")
     ap.add_argument("--fi-pod", action="store_true",
                     help="add FlashInfer's POD (its JIT build takes minutes on a fresh machine)")
+    ap.add_argument("--fi-single-backend", default="auto",
+                    help="FlashInfer single prefill's backend (auto: its default, fa3 on Hopper)")
     ap.add_argument("--profile", action="store_true",
                     help="also print a cProfile of our calls (where the host time goes)")
     args = ap.parse_args(argv)
@@ -208,7 +215,8 @@ def main(argv=None):
             for peer in rows:
                 if peer["case"] == row["case"] and peer is not row and peer.get("host_us"):
                     row[f"ratio_vs_{peer['provider']}"] = peer["host_us"] / row["host_us"]
-    doc = dict(environment(), cpu=_cpu_model(), rows=rows)
+    doc = dict(environment(), cpu=_cpu_model(), rows=rows,
+               fi_single_backend=None if args.no_flashinfer else args.fi_single_backend)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
     _plot(doc, args.out.with_suffix(".png"))
