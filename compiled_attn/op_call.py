@@ -44,12 +44,15 @@ def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwar
     """``torch.ops.compiled_attn.<name>(*args, **kwargs)``; a plain eager call runs the op's
     implementation directly, replaying a bound launch where one matches (module docstring).
     launches: the caller's cache (a wrapper's plan), else the shared one."""
-    if plain_eager(args, kwargs):
+    if POLICY.direct and set_wrap_triton_enabled is not None and launch.unwatched():
         impl = contracts.IMPLEMENTATIONS[name]
-        if POLICY.bound_launches:
-            return (launches or launch.DEFAULT).call(impl, name, args, kwargs)
-        with set_wrap_triton_enabled(False):
-            return impl(*args, **kwargs)
+        if POLICY.bound_launches:  # the cache asks the arguments' half of plain_eager
+            out = (launches or launch.DEFAULT).call(impl, name, args, kwargs)
+            if out is not launch.NOT_PLAIN:
+                return out
+        elif launch.unobserved(args, kwargs):
+            with set_wrap_triton_enabled(False):
+                return impl(*args, **kwargs)
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
 
 

@@ -112,8 +112,10 @@ def _replaying(name: str, fn):
     metadata records); traced calls (fake or functional tensors) and observed ones run fn."""
     @functools.wraps(fn)  # the schema is inferred from fn's signature (followed through)
     def body(*args, **kwargs):
-        if POLICY.bound_launches and launch.unobserved(args, kwargs):
-            return launch.DEFAULT.call(fn, name, args, kwargs)
+        if POLICY.bound_launches and launch.unwatched():
+            out = launch.DEFAULT.call(fn, name, args, kwargs)
+            if out is not launch.NOT_PLAIN:
+                return out
         return fn(*args, **kwargs)
 
     return body

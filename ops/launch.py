@@ -446,6 +446,15 @@ def on_kernel_device(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
 
 
+def unwatched() -> bool:
+    """unobserved's half that does not look at the arguments: not compiling or exporting, no
+    dispatch or function mode, no functorch transform, the autograd profiler off."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._autograd._profiler_enabled()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
 def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
     """Whether nothing could observe or transform a call with these arguments, so that a bound
     launch may stand in for it: not compiling or exporting (Dynamo), no TorchDispatchMode or
@@ -453,11 +462,7 @@ def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
     tensor argument a plain ``torch.Tensor`` on a device the kernels run (CUDA; CPU under the
     Triton interpreter) that does not require grad while grad is on. (Traced calls see fake or
     functional tensors, subclasses, and fail the last test.)"""
-    if torch.compiler.is_compiling():
-        return False
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._autograd._profiler_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None):
+    if not unwatched():
         return False
     grad = torch.is_grad_enabled()
     for a in (*args, *(kwargs or {}).values()):
@@ -472,6 +477,10 @@ def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
 # memos of bound calls
 # ---------------------------------------------------------------------------------------------
 _UNBOUND = object()
+# LaunchCache.call's answer for a call whose arguments are not plain eager (eager_key: a
+# subclass, a tensor requiring grad, one on another device) or hold no tensor
+NOT_PLAIN = object()
+_PLAIN_VALUES = frozenset({int, float, bool, str, type(None), torch.dtype})
 
 
 class Memo:
@@ -510,7 +519,10 @@ class Memo:
         static = self._static
         cuda = False
         for a in values:
-            if type(a) is torch.Tensor:
+            kind = type(a)
+            if kind in _PLAIN_VALUES:  # most arguments: options and flags
+                sig.append(a)
+            elif kind is torch.Tensor:
                 if grad and a.requires_grad:
                     return None
                 if a.is_cuda:
@@ -581,11 +593,12 @@ class LaunchCache(Memo):
 
     def call(self, impl, name: str, args: tuple, kwargs: dict):
         """impl(*args, **kwargs) (an op implementation, eager, wrap_triton off), replayed where
-        a call with the same key was bound."""
+        a call with the same key was bound; NOT_PLAIN, with nothing run, where the arguments
+        are not those of a plain eager call (unobserved's per-tensor half, asked here so that
+        the caller, having asked unwatched(), need not loop over them twice)."""
         kt = self.eager_key((*args, *kwargs.values()), (name, tuple(kwargs)))
-        if kt is None:  # (call_op asked plain_eager already: a tensor-less call, say)
-            with set_wrap_triton_enabled(False):
-                return impl(*args, **kwargs)
+        if kt is None:
+            return NOT_PLAIN
         key, tensors = kt
         out = self.lookup(key, tensors)
         if out is not None:

@@ -86,3 +86,24 @@ def test_ops_refuse_what_the_interpreter_miscomputes():
         torch.ops.compiled_attn.single_prefill(q, k, v, *tail, torch.float8_e4m3fn)
     out, lse = torch.ops.compiled_attn.single_prefill(q, k, v, *tail, None)
     assert out.dtype == torch.float16 and not out.isnan().any()
+
+
+def test_calls_that_are_not_plain_go_through_the_op():
+    """A tensor requiring grad (grad on) makes a call not plain eager: the launch cache answers
+    NOT_PLAIN without running anything, and the entry point's call goes through the op, whose
+    autograd kernel raises on backward; the same call under no_grad is plain and runs."""
+    from compiled_attn.ops import launch
+
+    q, k, v = (rand(9, h, D, seed=s, dtype=F32) for s, h in ((1, HQ), (2, HKV), (3, HKV)))
+    ran = []
+    cache = launch.LaunchCache()
+    assert cache.call(lambda *a: ran.append(a), "x", (q.requires_grad_(),), {}) \
+        is launch.NOT_PLAIN
+    assert cache.call(lambda *a: ran.append(a), "x", (1, None), {}) is launch.NOT_PLAIN
+    assert not ran
+    out = fi.single_prefill_with_kv_cache(q, k, v, causal=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        out.sum().backward()
+    with torch.no_grad():
+        ref = fi.single_prefill_with_kv_cache(q, k, v, causal=True)
+    assert torch.equal(out.detach(), ref)
