@@ -10,8 +10,10 @@ point, provider, "host_us" (median), "host_us_rounds", and on ours "ratio_vs_<pe
 host time over ours (above 1: we are cheaper). The host's CPU model is recorded in the header.
 
 Run on the GPU machine: ``python -m benchmarks.host --out benchmarks/results/host_<gpu>.json``
-(FlashInfer from .whl/, dev/gpu_setup.sh; --no-flashinfer without it; --fi-pod adds
+(FlashInfer from .whl/, dev/gpu_setup.sh; --no-flashinfer without it; --no-fi-pod leaves out
 FlashInfer's POD; a module missing from FlashInfer's JIT cache builds for minutes on first use).
+The row "single_prefill_torch_ops" is the op called as a serving engine may call it,
+``torch.ops.compiled_attn.single_prefill`` (through torch's dispatcher), beside SDPA's aten op.
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -124,7 +126,7 @@ def providers(args) -> dict:
             for case, fn in _wrappers(flashinfer, x, dev, "flashinfer",
                                       args.fi_single_backend).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
-            if args.fi_pod:
+            if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run"):
@@ -145,6 +147,16 @@ def providers(args) -> dict:
                     return f(qs, ks, vs, is_causal=True)
             return call
         add("single_prefill", prov, make)
+    # the ops called through torch's dispatcher (a serving engine's direct call)
+    from compiled_attn.ops import MASK_CAUSAL, POS_NONE
+
+    q4, k4, v4 = (t.unsqueeze(0) for t in (x["q1"], x["k1"], x["v1"]))
+    add("single_prefill_torch_ops", "compiled_attn", lambda: lambda: (
+        torch.ops.compiled_attn.single_prefill(q4, k4, v4, None, None, None, MASK_CAUSAL, -1,
+                                               0, D ** -0.5, 0.0, POS_NONE, 1.0, 1e4, 1.0,
+                                               None)))
+    add("single_prefill_torch_ops", "sdpa", lambda: lambda: (
+        torch.ops.aten.scaled_dot_product_attention.default(qs, ks, vs, is_causal=True)))
     # torch.compile'd forms
     add("compiled_single_prefill", "compiled_attn", lambda: _compiled(
         lambda q, k, v: ca.single_prefill_with_kv_cache(q, k, v, causal=True),
@@ -178,8 +190,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median kept)")
     ap.add_argument("--calls", type=int, default=200, help="calls queued per timing")
     ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's rows")
-    ap.add_argument("--fi-pod", action="store_true",
-                    help="add FlashInfer's POD (its JIT build takes minutes on a fresh machine)")
+    ap.add_argument("--no-fi-pod", action="store_true",
+                    help="leave out FlashInfer's POD (its JIT build takes minutes where it is "
+                         "not cached)")
     ap.add_argument("--fi-single-backend", default="auto",
                     help="FlashInfer single prefill's backend (auto: its default, fa3 on Hopper)")
     ap.add_argument("--profile", action="store_true",
