@@ -1,6 +1,6 @@
 """A small subset of kernel cases for compute-sanitizer (run on the GPU machine):
 
-    compute-sanitizer --tool memcheck python3 -m dev.gpu_memcheck
+    compute-sanitizer --tool memcheck python3 -m dev.gpu_memcheck [--only pod,head_dims]
 
 Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
 read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp
@@ -43,10 +43,15 @@ check, check_pod = _reported(_check), _reported(_check_pod)
 QO, KV = [37, 0, 150, 3], [80, 9, 150, 0]
 
 
-def main() -> int:
-    cases = 0
-    # padded work rows: request -1, and a first row past the request's rows
-    pad = torch.tensor([[-1, 0], [1, 4096]], dtype=torch.int32, device="cuda")
+def _pad():
+    """Padded work rows: request -1, and a first row past the request's rows."""
+    return torch.tensor([[-1, 0], [1, 4096]], dtype=torch.int32, device="cuda")
+
+
+def addressing():
+    """Every KV addressing mode, custom masks, a 64-row paged tile, small pages (256-row Triton
+    tiles and the Gluon producer's gather)."""
+    pad = _pad()
     for kind in ("ragged", "paged"):
         for page in (1, 5, 16):
             for mode in ("causal", "custom"):
@@ -57,7 +62,6 @@ def main() -> int:
                 p = params(mask_mode=ops.MASK_CUSTOM if mode == "custom" else ops.MASK_CAUSAL,
                            head_dim=128)
                 check(c, p)
-                cases += 1
             if kind == "ragged":
                 break
     s = make_case("single", [100], [260], hq=4, hkv=1, dqk=64, dtype=torch.float16,
@@ -75,7 +79,6 @@ def main() -> int:
         check(c, params(head_dim=128))
     finally:
         choose.tile, choose.config = orig, orig_cfg
-    cases += 2
     # Small pages on 256-row tiles of 16 warps (per-key gather and whole pages), padded rows.
     for page in (1, 4, 5):
         qo, kv = [300, 0, 37], [700, 9, 80]
@@ -84,7 +87,6 @@ def main() -> int:
         c.block_m = K.SMALL_PAGE_BLOCK_M
         c.work = torch.cat([build_work(qo, 4, c.block_m, "cuda", kv_lens=kv), pad])
         check(c, params(head_dim=128))
-        cases += 1
     # Small pages gathered by the Gluon kernel's producer warp group (pages 1 and 3, both tile
     # heights; 128 rows on short requests the short tile, prefill_gluon.GATHER_SHORT_TILE): slots
     # past kv_len hold copies of the last key's row, no key past kv_len is read.
@@ -96,7 +98,11 @@ def main() -> int:
             c.block_m = bm
             c.work = build_work(qo, 4, bm, "cuda", kv_lens=kv)
             check(c, params(head_dim=128))
-            cases += 1
+
+
+def descriptors():
+    """K/V through tensor descriptors on every path, split plans."""
+    pad = _pad()
     # Tensor descriptors at small sizes, built on the host, once per persistent program, and
     # per work item (the short-KV rule would pick pointer loads for the last): ragged with both
     # tile heights, windows and padded items, a dense batch, and a split plan. "gluon": the
@@ -113,7 +119,6 @@ def main() -> int:
                     c.work = torch.cat([build_work(QO, 4, bm, "cuda", kv_lens=KV), pad])
                     check(c, params(head_dim=128, **({"window_left": 40} if mode == "window"
                                                      else {})))
-                    cases += 1
             if path == "gluon":
                 # pages of whole key tiles and of 8 and 16 keys (a box each, warp-specialized),
                 # both tile heights (the ragged cases above: 64-row tiles warp-specialized)
@@ -125,7 +130,6 @@ def main() -> int:
                         c.block_m = bm
                         c.work = build_work(QO, 4, bm, "cuda", kv_lens=KV)
                         check(c, params(head_dim=128))
-                        cases += 1
                 # D 64 and D 256 on their own 128-row tiles (TILES by head dim): ragged with
                 # padded items, and whole-tile pages
                 for d in (64, 256):
@@ -135,7 +139,6 @@ def main() -> int:
                         c.block_m = 128
                         c.work = torch.cat([build_work(QO, 4, 128, "cuda", kv_lens=KV), pad])
                         check(c, params(head_dim=d))
-                        cases += 1
             s = make_case("single", [100], [260], hq=4, hkv=2, dqk=128, dtype=torch.bfloat16,
                           device="cuda")
             check(s, params(head_dim=128))
@@ -148,8 +151,11 @@ def main() -> int:
                 c.work, c.merge = c.work.cuda(), c.merge.cuda()
                 assert int(c.merge[:, 3].max()) > 2
                 check(c, params(head_dim=128))
-                cases += 1
-            cases += 1
+
+
+def head_dims():
+    """Head dims 80 / 112 / 160 / 512 on every K/V path."""
+    pad = _pad()
     # Head dims between powers of two (tiles padded, every load and store masked on the dim)
     # and 512, in tensors whose rows are exactly d wide (a read past the dim of the last row
     # leaves the allocation): every K/V path of ragged batches (descriptors whose box is wider
@@ -165,20 +171,21 @@ def main() -> int:
                               device="cuda", seed=d)
                 c.work = torch.cat([c.work, pad])
                 check(c, params(head_dim=d))
-                cases += 1
         for page in (1, 16):
             c = make_case("paged", QO, KV, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
                           device="cuda", page_size=page, seed=d + page)
             check(c, params(head_dim=d, pos_encoding_mode=ops.POS_ROPE_LLAMA if page == 16
                             else ops.POS_NONE))
-            cases += 1
         c = make_case("ragged", qo, kv, hq=8, hkv=2, dqk=d, dtype=torch.bfloat16,
                       device="cuda", seed=d + 2)
         c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
                                            min_keys_per_chunk=256)
         c.work, c.merge = c.work.cuda(), c.merge.cuda()
         check(c, params(head_dim=d))
-        cases += 1
+
+
+def pod():
+    """Both POD launches."""
     # POD: both launches, each part against the float64 reference. The one-page prefill cache
     # (rows read past kv_len would leave the allocation), a paged prefill with a request
     # without rows, decodes without keys, page-1 decodes (outside the Gluon POD's scope).
@@ -191,13 +198,30 @@ def main() -> int:
             check_pod(make_case("paged", [300, 0, 129], [700, 6, 129], 8, 2, 128,
                                 dtype=torch.bfloat16, device="cuda", page_size=16, seed=62),
                       pod_decodes(dec_kv, 8, 2, 16, seed=63), p, p)
-            cases += 2
     p = params(ops.MASK_CAUSAL, head_dim=128)
     check_pod(one_page_prefill(77, 200, 8, 2, seed=64), pod_decodes(dec_kv, 8, 2, 1, seed=65),
               p, p)
-    cases += 1
+
+
+SECTIONS = {"addressing": addressing, "descriptors": descriptors, "head_dims": head_dims,
+            "pod": pod}
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated sections to run (of {', '.join(SECTIONS)})")
+    names = ap.parse_args(argv).only.split(",")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        ap.error(f"--only: unknown sections {unknown}; pick from {list(SECTIONS)}")
+    for name in names:
+        print(f"section {name}", flush=True)
+        SECTIONS[name]()
     torch.cuda.synchronize()
-    print(f"memcheck subset: {cases} cases checked")
+    print(f"memcheck subset: {_DONE[0]} cases checked")
     return 0
 
 

@@ -367,8 +367,6 @@ def record_tma(monkeypatch) -> list:
 def force_kv_path(monkeypatch, path: str) -> int:
     """Force the K/V load path of dense and ragged launches (choose.KV_PATHS: "host",
     "persistent", "device" or "pointers") and return its TMA constexpr."""
-    from compiled_attn.ops import prefill_kernel
-
     from compiled_attn.ops.policy import POLICY
 
     tma, settings = choose.KV_PATHS[path]

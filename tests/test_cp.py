@@ -11,9 +11,6 @@ test (tests/test_cp_gpu.py).
 
 from __future__ import annotations
 
-import datetime
-import socket
-import traceback
 import zlib
 
 import pytest

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import compiled_attn as fi
-from compiled_attn import op_call
 from compiled_attn.ops import contracts
 from tests.helpers import WS, indptr, make_paged, rand
 from compiled_attn.ops.policy import POLICY
