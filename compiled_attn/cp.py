@@ -46,6 +46,7 @@ LSEs are base 2 (natural logsumexp / ln 2), as every compiled_attn entry point r
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -469,8 +470,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     its name), which a traced graph holds as one opaque node whose body is the eager call;
     default False: the functional collectives and the attention ops enter the graph apiece
     (module docstring).
-    Under torch.compile the shapes must be static (``dynamic=False``): the plan of each step is
-    built from the lengths and head counts while tracing, and a symbolic one cannot be.
+    Under torch.compile the plan of each step is built from the lengths and head counts while
+    tracing, so they are specialised: a new length or head count compiles the call again
+    (symbolic sizes, as torch's automatic dynamic shapes make them, are made constants).
 
     Returns out ``[local_len, Hq, D_vo]`` (q's dtype) and lse float32 ``[local_len, Hq]``,
     base 2 (natural logsumexp / ln 2) over the final logits, for the local rows in the same
@@ -484,6 +486,12 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
                          f"{tuple(v.shape)} disagree; pass [local_len, Hq, D_qk], "
                          "[local_len, Hkv, D_qk], [local_len, Hkv, D_vo] of one shard")
     V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype)
+    # Traced, each plan is built from these sizes: operator.index makes a symbolic one (torch's
+    # automatic dynamic shapes) a constant of the graph, guarded, so a new length or head count
+    # compiles again (int() would leave it symbolic, and no plan could be built from it).
+    for t in (q, k, v):
+        for size in t.shape:
+            operator.index(size)
     hq, hkv = int(q.shape[1]), int(k.shape[1])
     V.check_heads(hq, hkv, names=("q's head count (q.shape[1])", "k's KV head count"))
     if _capturing(q.device):

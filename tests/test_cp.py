@@ -198,6 +198,23 @@ def _errors(rank, world, group):
         cp.prefill(x, x, x, group=group, as_op="yes")
 
 
+def _new_lengths(rank, world, group):
+    """Compiled with torch's default (automatic dynamic shapes) and with dynamic=True: each new
+    length compiles again and gives the eager call's bits."""
+    def run(a, b, c):
+        return cp.prefill(a, b, c, group=group, causal=True, method="ring")
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        f = torch.compile(run, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for n in (24, 32, 40):
+            g = torch.Generator().manual_seed(n)
+            ql, kl, vl = (cp.shard(torch.randn(n, 2, D, generator=g), world, rank)
+                          for _ in range(3))
+            (o, lse), (r, rlse) = f(ql, kl, vl), run(ql, kl, vl)
+            assert torch.equal(o, r) and torch.equal(lse, rlse), (dynamic, n)
+
+
 def _cpu_cases(rank, world, attempt):
     """Every CPU case on this rank of a gloo group of ``world`` ranks."""
     import torch.distributed as dist
@@ -211,6 +228,8 @@ def _cpu_cases(rank, world, attempt):
     attempt(f"{name}@compiled",
             lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
     attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
+    if world == 2:
+        attempt("new_lengths_compiled", lambda: _new_lengths(rank, world, dist.group.WORLD))
 
 
 _RESULTS: dict = {}
@@ -224,7 +243,8 @@ def _results(world: int) -> dict:
 
 
 KEYS = (list(CASES) + [f"{n}@1" for n in SINGLETON]
-        + [f"{n}@compiled" for n in sorted(set(COMPILED.values()))] + ["errors"])
+        + [f"{n}@compiled" for n in sorted(set(COMPILED.values()))] + ["errors",
+                                                                        "new_lengths_compiled"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -232,6 +252,8 @@ KEYS = (list(CASES) + [f"{n}@1" for n in SINGLETON]
 def test_prefill(world, key):
     if key.endswith("@compiled") and key != f"{COMPILED[world]}@compiled":
         pytest.skip(f"compiled for {COMPILED[world]} on {world} ranks (CI time)")
+    if key == "new_lengths_compiled" and world != 2:
+        pytest.skip("run on 2 ranks (CI time)")
     res = _results(world)
     assert key in res, f"{key} did not run"
     assert res[key] is None, res[key]

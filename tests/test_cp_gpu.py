@@ -109,8 +109,8 @@ def _ring(rank, world, hq, hkv, d, compiled=False, method="ring", as_op=False):
         return cp.prefill(a, b, c, group=dist.group.WORLD, causal=True, method=method,
                           as_op=as_op)
 
-    # dynamic=False: the all-gather and ring cases share run's code object, and automatic dynamic
-    # shapes would make the second compile's head counts symbolic (cp.prefill: static shapes)
+    # dynamic=False: the all-gather and ring cases share run's code object; each compiles for
+    # its own sizes (cp.prefill specialises them either way)
     fn = torch.compile(run, fullgraph=True, dynamic=False) if compiled else run
     out, lse = fn(ql, kl, vl)
     o, s = _gather_unshard(out, world), _gather_unshard(lse, world)
