@@ -1254,19 +1254,18 @@ def _gluon_pod_fwd(
                                     PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)
     items, item_full, item_empty, q_full, q_empty = item_bars
     handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
-    gather = Gather(q_ptr, q_ptr, 0, 0)  # (no gathered pages)
+    # what both parts' Ctx share: the work list, the rings and the item hand-off
+    shared = (work_ptr, n_items, n_hkv, ring, handoff, Gather(q_ptr, q_ptr, 0, 0))
     ctx = _pod_part_ctx(
         Io(q_ptr, o_ptr, lse_ptr),
         Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
         (stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh),
-        (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr),
-        (work_ptr, n_items, n_hkv, ring, handoff, gather))
+        (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr), shared)
     pod = _pod_part_ctx(
         Io(q_ptr_d, o_ptr_d, lse_ptr_d),
         Keys(k_desc_d, v_desc_d, qk_scale_d, page_idx_ptr_d, k_page_rows_d, v_page_rows_d),
         (stride_qt_d, stride_qh_d, stride_ot_d, stride_oh_d, stride_lt_d, stride_lh_d),
-        (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d),
-        (work_ptr, n_items, n_hkv, ring, handoff, gather))
+        (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d), shared)
     if PINGPONG:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
