@@ -351,9 +351,12 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         return Launch("triton", block_m, 32 if d > 128 else 64, "pointers", 0,
                       1 if d > 256 else 2, warps, split=split)
     eager = True if static else eager_launch()
-    # (a launch being captured into a CUDA graph is never small: asked last, on CUDA only)
-    small = (eager and _small_launch(q, kv_mode, mean_kv, dvo, mask_mode)
-             and (static or not torch.cuda.is_current_stream_capturing()))
+    # A launch under a CUDA graph is never small: replays skip the host, so the faster kernel
+    # wins at any size (asked last: a capture eagerly, on CUDA only; a traced graph compiled
+    # for replay, torch.compile's reduce-overhead).
+    small = _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) and (
+        (static or not torch.cuda.is_current_stream_capturing()) if eager
+        else not _graph_replays())
     k_strides, v_strides = kv_strides(kv_mode, k), kv_strides(kv_mode, v)
     # The Gluon kernel first (its scope, layout and size rules); what it does not take runs the
     # Triton kernel, whose K/V go through tensor descriptors where its tile and the layout
@@ -375,9 +378,11 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
     if (cfg["TMA"] and _kv_descriptors(consts, kv_mode) and dev.tma
             and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
         whole = _whole_tensor_ok(k) and _whole_tensor_ok(v)
-        # An eager launch too small to outlast its own host-side cost takes neither whole-tensor
-        # path (both cost more CPU per call than the pointer loads or per-item descriptors),
-        # unless a CUDA graph is capturing it: replays skip the host, so the faster kernel wins.
+        # A launch too small to outlast its own host-side cost takes neither whole-tensor path:
+        # eagerly both cost more CPU per call than the pointer loads or per-item descriptors;
+        # in a traced graph the persistent grid costs Inductor's wrapper a kernel zeroing its
+        # counter, and its device descriptors' global scratch keeps the launch off torch's
+        # static launcher (Triton's own launcher parses the arguments in Python).
         small_tma = POLICY.host_tma and small
         if whole and POLICY.host_tma and eager and not small_tma:
             tma = 2
@@ -425,7 +430,7 @@ def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
     return POLICY.use_tma and kv_mode != KV_PAGED and not consts["ROPE"]
 
 
-# Eager launches below POLICY.host_tma_min_flop skip the whole-tensor descriptors (and the
+# Launches below POLICY.host_tma_min_flop skip the whole-tensor descriptors (and, eagerly, the
 # Gluon kernel's contiguous K/V). On the H100's host an eager call with host descriptors costs
 # ~170-300 us of CPU against ~130 us with pointer loads, while the kernel of D128 causal
 # B16 x 1k (69 GFLOP) takes ~200 us: such loops run at the host's pace (eager TFLOP/s, S 512 /
@@ -433,13 +438,21 @@ def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
 # descriptors win, 396 vs 372; benchmarks/NOTES.md). A launch being captured into a CUDA graph
 # is never small (replays skip the host, so the faster kernel wins at any size).
 def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
-    """Whether an eager launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
+    """Whether a launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
     for causal) is below host_tma_min_flop; False when a length is not a plain number."""
     rows = q.shape[0] * q.shape[1] if kv_mode == KV_DENSE else q.shape[0]
     if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
         return False
     flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
     return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
+
+
+def _graph_replays() -> bool:
+    """Whether the graph being traced is compiled for CUDA-graph replay (Inductor's
+    triton.cudagraphs, which torch.compile's reduce-overhead mode sets for the whole compile)."""
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs)
 
 
 def _whole_tensor_ok(t) -> bool:

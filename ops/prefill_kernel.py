@@ -904,7 +904,10 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     block_m = choice.block_m
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
     cfg = dict(num_warps=choice.warps, num_stages=choice.stages, launch=choice)
-    dummy = qo_indptr if qo_indptr is not None else q  # never read: its constexpr is off
+    # A pointer the launch does not read (its constexpr is off): an eager launch passes a
+    # tensor there; a traced one passes None (a constexpr), so Inductor's wrapper passes
+    # nothing (it re-views the stand-in for each such argument, every call).
+    dummy = (qo_indptr if qo_indptr is not None else q) if choose.eager_launch() else None
     opt = lambda t: dummy if t is None else t  # noqa: E731
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, qo_indptr_ptr=opt(qo_indptr),
                 kv_indptr_ptr=opt(kv_indptr), page_idx_ptr=opt(page_idx),
@@ -1052,9 +1055,12 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     group = choice.group
     n_items, n_hkv = grid
     split = work is not None and work.shape[1] == 4
+    # what the pointers this launch does not read get (as _program_args' dummy): dense mode's
+    # work list, the partials of a plan without splits, the counter of a plain grid
+    unread = (work if work is not None else prog_args["q_ptr"]) if choose.eager_launch() else None
     if work is None:
-        work = prog_args["q_ptr"]  # dense mode reads no work list; any tensor stands in
-    part_o = part_l = work
+        work = unread
+    part_o = part_l = unread
     if split:
         # Allocated for every split plan (a chunk never writes outside these buffers, even if
         # a plan forgot its merge row).
@@ -1080,7 +1086,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                              qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"],
                              tile=choice.gluon_tile)
-    counter = work
+    counter = unread
     if consts["TMA"] == 3:
         grid = (choice.programs,)
         counter = launch.counter(out.device)

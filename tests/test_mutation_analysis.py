@@ -66,8 +66,10 @@ def launches(monkeypatch):
 
 CASES = {
     "single pointers": (single_launch, {}),
-    # TMA 3: K/V descriptors built per persistent program, as in a traced graph
-    "single persistent": (single_launch, {"device_of": lambda device: choose.H100}),
+    # TMA 3: K/V descriptors built per persistent program, as in a traced graph compiled for
+    # CUDA-graph replay (a small launch otherwise takes the pointer loads: below)
+    "single persistent": (single_launch, {"device_of": lambda device: choose.H100,
+                                          "_graph_replays": lambda: True}),
     "ragged": (lambda: ragged_launch(False), {}),
     "ragged split + merge": (lambda: ragged_launch(True), {}),
     # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
@@ -108,6 +110,47 @@ def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
         assert launches[0][2]["TMA"] == 3 and "counter_ptr" in written
     if case.startswith("ragged split + merge"):
         assert [c[0] for c in launches] == [K._prefill_fwd, K._merge_fwd]
+
+
+# What each traced launch family reads beside q, k, v and its outputs; every other pointer is
+# passed as None, so Inductor's wrapper passes nothing for it.
+READ = {
+    "single pointers": set(),
+    "single persistent": {"counter_ptr"},
+    "ragged": {"work_ptr", "qo_indptr_ptr", "kv_indptr_ptr"},
+    "paged page 4": {"work_ptr", "qo_indptr_ptr", "kv_indptr_ptr", "page_idx_ptr",
+                     "last_page_len_ptr"},
+}
+
+
+@pytest.mark.parametrize("case", list(READ))
+def test_traced_launch_passes_none_for_unread_pointers(case, launches, monkeypatch):
+    launch, patches = CASES[case]
+    for name, value in patches.items():
+        monkeypatch.setattr(choose, name, value)
+    launch()
+    (fn, args, kw), = launches
+    kwargs = dict(zip(fn.arg_names, args), **kw)
+    tensors = {n for n, a in kwargs.items() if isinstance(a, torch.Tensor)}
+    pointers = {n for n in fn.arg_names if n.endswith("_ptr")}
+    assert tensors == {"q_ptr", "k_ptr", "v_ptr", "o_ptr", "lse_ptr"} | READ[case], sorted(tensors)
+    assert all(kwargs[n] is None for n in pointers - tensors)
+
+
+def test_small_traced_launch_takes_pointer_loads(launches, monkeypatch):
+    """A traced launch below host_tma_min_flop takes neither whole-tensor descriptor path (no
+    persistent counter, no global scratch), unless the graph is compiled for CUDA-graph replay;
+    a large one keeps the persistent grid."""
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    single_launch()  # 40 x 40 keys, 2 heads
+    assert launches[-1][2]["TMA"] == 0
+    monkeypatch.setattr(choose, "_graph_replays", lambda: True)
+    single_launch()
+    assert launches[-1][2]["TMA"] == 3
+    monkeypatch.setattr(choose, "_graph_replays", lambda: False)
+    monkeypatch.setattr(choose.POLICY, "host_tma_min_flop", 1e3)
+    single_launch()
+    assert launches[-1][2]["TMA"] == 3
 
 
 @pytest.mark.parametrize("case", ["ragged split", "ragged D128 128-row", "paged page 16"])
