@@ -373,6 +373,14 @@ class Bound:
                     patches.append((pos, True, self._source(a.base)))
                 elif not _is_constant(a):
                     raise _Unbindable(f"argument {pos} of {fn.fn.__name__}: {type(a).__name__}")
+            if not INTERPRET:
+                # A static tensor's pointer is fixed while the memo holds it: bound into the
+                # template once (the interpreter's replay rebuilds views, so it keeps them).
+                vals = list(vals)
+                for pos, desc, (kind, j, delta, _g) in patches:
+                    if kind == "static" and not desc:
+                        vals[pos] = j.data_ptr() + delta
+                patches = [pa for pa in patches if pa[2][0] != "static" or pa[1]]
             direct = None if INTERPRET else _Direct.of(compiled, list(vals))
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))

@@ -152,6 +152,29 @@ def test_wrapper_run_replays_its_plan(kind):
 
 
 @pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_plan_pointers_bound_into_the_gpu_template(kind, monkeypatch):
+    # On a GPU (no interpreter) a bound launch holds the plan's tensors as pointers in its
+    # template: a replay patches only the call's own tensors, its outputs and its scratch.
+    bind = launch.Bound.__init__
+
+    def bind_for_gpu(self, *a, **kw):  # (only the binding as it is on a GPU)
+        with monkeypatch.context() as m:
+            m.setattr(launch, "INTERPRET", False)
+            bind(self, *a, **kw)
+
+    monkeypatch.setattr(launch.Bound, "__init__", bind_for_gpu)
+    w, runs = _wrapper_runs(kind)
+    runs[0]()
+    (bound,) = w._memo._bound.values()
+    p = w._plan
+    (fn, _g, template, patches, *_), = bound.launches
+    assert patches and {src[0] for _, _, src in patches} <= {"in", "out", "tmp"}
+    ints = {a for a in template if type(a) is int}
+    for t in (p.work, p.qo_indptr, p.kv_indptr):
+        assert t.data_ptr() in ints
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
 def test_bound_run_keeps_every_check(kind):
     # after a replayed run(), inputs that the checks refuse still raise their messages
     w, runs = _wrapper_runs(kind)
