@@ -161,16 +161,13 @@ def providers(args) -> dict:
     add("compiled_single_prefill", "compiled_attn", lambda: _compiled(
         lambda q, k, v: ca.single_prefill_with_kv_cache(q, k, v, causal=True),
         x["q1"], x["k1"], x["v1"]))
-    add("compiled_single_prefill", "compiled_attn.compile", lambda: _compiled(
-        lambda q, k, v: ca.single_prefill_with_kv_cache(q, k, v, causal=True),
-        x["q1"], x["k1"], x["v1"], compile=ca.compile))
     add("compiled_single_prefill", "sdpa", lambda: _compiled(
         lambda q, k, v: f(q, k, v, is_causal=True), qs, ks, vs))
     return out
 
 
-def _compiled(fn, *a, compile=torch.compile):  # noqa: A002
-    c = compile(fn, fullgraph=True)
+def _compiled(fn, *a):
+    c = torch.compile(fn, fullgraph=True)
     c(*a)
     return lambda: c(*a)
 
@@ -227,10 +224,9 @@ def main(argv=None):
             row.update(status="failed" if "Error" in v else "unavailable", error=v)
         rows.append(row)
     for row in rows:
-        if row["provider"].startswith("compiled_attn") and row.get("host_us"):
+        if row["provider"] == "compiled_attn" and row.get("host_us"):
             for peer in rows:
-                if (peer["case"] == row["case"] and peer.get("host_us")
-                        and not peer["provider"].startswith("compiled_attn")):
+                if peer["case"] == row["case"] and peer is not row and peer.get("host_us"):
                     row[f"ratio_vs_{peer['provider']}"] = peer["host_us"] / row["host_us"]
     doc = dict(environment(), cpu=_cpu_model(), rows=rows,
                fi_single_backend=None if args.no_flashinfer else args.fi_single_backend)

@@ -2,8 +2,7 @@
 attention rewrite (compiled_attn.fx_passes) installed.
 
 ``compile`` passes the rewrite to Inductor through ``options`` (per call, no global config
-change), and with it Inductor's static launch of user-defined Triton kernels (on unless the
-caller's options say otherwise); ``mode=`` is translated into the equivalent options because torch.compile takes one
+change); ``mode=`` is translated into the equivalent options because torch.compile takes one
 or the other. ``export`` is torch.export.export followed by ``rewrite_exported_program``.
 Note: ``from .compile import *`` binds ``compiled_attn.compile`` to the function; the module
 stays importable as ``importlib.import_module("compiled_attn.compile")``.
@@ -45,16 +44,7 @@ def compile(model, **torch_compile_kwargs: Any):  # noqa: A001 - public name
             "yourself and call torch.compile directly."
         )
     options["joint_custom_pre_pass"] = AttentionRewritePass()
-    # Our ops' Triton launches are user-defined kernels to Inductor, which launches those
-    # through Triton's own Python launcher unless this is on; with it, those it can (no
-    # global scratch: compiled_attn's launches without device-built descriptors) take torch's
-    # static launcher, as Inductor's own kernels do, and the others keep Triton's.
-    if hasattr(torch._inductor.config, STATIC_USER_KERNELS):
-        options.setdefault(STATIC_USER_KERNELS, True)
     return torch.compile(model, options=options, **kw)
-
-
-STATIC_USER_KERNELS = "static_launch_user_defined_triton_kernels"
 
 
 def export(model, args, kwargs=None, *, dynamic_shapes=None, strict: bool = False):

@@ -3,8 +3,7 @@
 call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
 Inductor's graph, the default for a call the Gluon kernel does not take) and kept opaque (the
 graph calls the op, whose eager launcher replays a bound launch). Then a cProfile of each
-compiled form and Inductor's generated wrapper code, under $OUT. ca_compile_ours is the
-inlined form through compiled_attn.compile (Inductor's static launch of user-defined kernels).
+compiled form and Inductor's generated wrapper code, under $OUT.
 
     python -m dev.compiled_host_probe [--rounds 5] [--calls 200]
 """
@@ -21,8 +20,8 @@ import statistics
 import torch
 
 
-def _compiled(fn, *a, compile=torch.compile):  # noqa: A002
-    c = compile(fn, fullgraph=True)
+def _compiled(fn, *a):
+    c = torch.compile(fn, fullgraph=True)
     c(*a)
     return lambda: c(*a)
 
@@ -51,9 +50,6 @@ def main():
     def ours_opaque(q, k, v):  # its own code object: Dynamo caches compiled code per code
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
-    def ours_ca(q, k, v):  # compiled_attn.compile: static launches of user-defined kernels
-        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
-
     q4, k4, v4 = (t.unsqueeze(0) for t in (q1, k1, v1))
     op = torch.ops.compiled_attn.single_prefill
     calls = {"eager_ours": lambda: ours(q1, k1, v1),
@@ -77,8 +73,6 @@ def main():
     code_of("sdpa")
     calls["compiled_ours_inlined"] = _compiled(ours, q1, k1, v1)
     code_of("ours_inlined")
-    calls["ca_compile_ours"] = _compiled(ours_ca, q1, k1, v1, compile=ca.compile)
-    code_of("ours_ca_compile")
     keep = dispatch.keep_opaque
     dispatch.keep_opaque = lambda name, args, kwargs=None: not dispatch.ahead_of_time()
     try:
@@ -100,8 +94,7 @@ def main():
     for _ in range(a.rounds):
         for name, fn in calls.items():
             res[name].append(host_us(fn, a.calls))
-    for name in ("compiled_ours_inlined", "ca_compile_ours", "compiled_ours_opaque",
-                 "compiled_sdpa", "op_direct"):
+    for name in ("compiled_ours_inlined", "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
         pr = cProfile.Profile()
         fn = calls[name]
         torch.cuda.synchronize()

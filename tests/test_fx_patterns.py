@@ -421,17 +421,3 @@ def test_export_save_load_with_attention_as_output(case, tmp_path):
         assert o.shape == r.shape and not torch.isnan(o).any()
         err, eager_err = ((t.double() - r).abs().max().item() for t in (o, e))
         assert err <= 4 * eager_err + 1e-6 * r.abs().max().item(), (err, eager_err)
-
-
-@pytest.mark.parametrize("given", [None, False])
-def test_compile_options(given, monkeypatch):
-    # compiled_attn.compile installs the rewrite and, unless the caller says otherwise, static
-    # launches of user-defined Triton kernels (our ops' inlined launches); mode= becomes options
-    seen = {}
-    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.update(kw) or model)
-    opts = {} if given is None else {"static_launch_user_defined_triton_kernels": given}
-    compiled_attn.compile(torch.nn.Identity(), mode="max-autotune-no-cudagraphs", options=opts)
-    o = seen["options"]
-    assert isinstance(o["joint_custom_pre_pass"], fx_passes.AttentionRewritePass)
-    assert o["max_autotune"] is True and "mode" not in seen
-    assert o["static_launch_user_defined_triton_kernels"] is (True if given is None else given)
