@@ -381,8 +381,7 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         # A launch too small to outlast its own host-side cost takes neither whole-tensor path:
         # eagerly both cost more CPU per call than the pointer loads or per-item descriptors;
         # in a traced graph the persistent grid costs Inductor's wrapper a kernel zeroing its
-        # counter, and its device descriptors' global scratch keeps the launch off torch's
-        # static launcher (Triton's own launcher parses the arguments in Python).
+        # counter, and its device descriptors a global scratch allocation per launch.
         small_tma = POLICY.host_tma and small
         if whole and POLICY.host_tma and eager and not small_tma:
             tma = 2
