@@ -82,6 +82,14 @@ CASES = {
 }
 
 
+def _launch(case, monkeypatch):
+    """Run CASES[case]'s launcher with its patches of the launch decision."""
+    launch, patches = CASES[case]
+    for name, value in patches.items():
+        monkeypatch.setattr(choose, name, value)
+    launch()
+
+
 def _written(fn, kwargs) -> set[str]:
     """Names of the tensor arguments torch's analysis finds written (torch 2.13:
     identify_accessed_tensors; 2.11 / 2.12: identify_mutated_tensors)."""
@@ -93,10 +101,7 @@ def _written(fn, kwargs) -> set[str]:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_torch_finds_only_outputs_written(case, launches, monkeypatch):
-    launch, patches = CASES[case]
-    for name, value in patches.items():
-        monkeypatch.setattr(choose, name, value)
-    launch()
+    _launch(case, monkeypatch)
     assert launches, "the launcher launched nothing"
     for fn, args, kw in launches:
         kwargs = dict(zip(fn.arg_names, args), **kw)
@@ -125,10 +130,7 @@ READ = {
 
 @pytest.mark.parametrize("case", list(READ))
 def test_traced_launch_passes_none_for_unread_pointers(case, launches, monkeypatch):
-    launch, patches = CASES[case]
-    for name, value in patches.items():
-        monkeypatch.setattr(choose, name, value)
-    launch()
+    _launch(case, monkeypatch)
     (fn, args, kw), = launches
     kwargs = dict(zip(fn.arg_names, args), **kw)
     tensors = {n for n, a in kwargs.items() if isinstance(a, torch.Tensor)}
@@ -237,10 +239,7 @@ def test_inductor_inlined_source_compiles_for_sm90(case, launches, monkeypatch, 
     its own, carrying only the globals it knows (jit and constexpr functions, int / str / bool /
     tl.constexpr values, names imported from triton): every global the kernel family reads must
     be one of those, or the inlined compile fails on a NameError."""
-    launch, patches = CASES[case]
-    for name, value in patches.items():
-        monkeypatch.setattr(choose, name, value)
-    launch()
+    _launch(case, monkeypatch)
     assert launches, "the launcher launched nothing"
     for i, (fn, args, kw) in enumerate(launches):
         inlined = _inductor_module(fn, tmp_path / f"inlined_{i}.py")
