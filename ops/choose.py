@@ -351,12 +351,12 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         return Launch("triton", block_m, 32 if d > 128 else 64, "pointers", 0,
                       1 if d > 256 else 2, warps, split=split)
     eager = True if static else eager_launch()
-    # A launch under a CUDA graph is never small: replays skip the host, so the faster kernel
-    # wins at any size (asked last: a capture eagerly, on CUDA only; a traced graph compiled
-    # for replay, torch.compile's reduce-overhead).
+    # A launch whose host cost does not recur is never small: the faster kernel wins at any
+    # size (asked last): eagerly, one being captured into a CUDA graph (on CUDA only); traced,
+    # a graph compiled for CUDA-graph replay or ahead of time (AOTInductor's C++ launches).
     small = _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) and (
         (static or not torch.cuda.is_current_stream_capturing()) if eager
-        else not _graph_replays())
+        else not _graph_host_free())
     k_strides, v_strides = kv_strides(kv_mode, k), kv_strides(kv_mode, v)
     # The Gluon kernel first (its scope, layout and size rules); what it does not take runs the
     # Triton kernel, whose K/V go through tensor descriptors where its tile and the layout
@@ -446,12 +446,22 @@ def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
     return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
 
 
-def _graph_replays() -> bool:
-    """Whether the graph being traced is compiled for CUDA-graph replay (Inductor's
-    triton.cudagraphs, which torch.compile's reduce-overhead mode sets for the whole compile)."""
+def ahead_of_time() -> bool:
+    """Whether Inductor is compiling for AOTInductor or emitting C++ wrapper code (the package
+    runs without Python)."""
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+
+    return bool(V.aot_compilation) or bool(config.cpp_wrapper)
+
+
+def _graph_host_free() -> bool:
+    """Whether the graph being traced launches without Python's per-call cost: compiled for
+    CUDA-graph replay (Inductor's triton.cudagraphs, which torch.compile's reduce-overhead mode
+    sets for the whole compile) or ahead of time (ahead_of_time)."""
     from torch._inductor import config
 
-    return bool(config.triton.cudagraphs)
+    return bool(config.triton.cudagraphs) or ahead_of_time()
 
 
 def _whole_tensor_ok(t) -> bool:

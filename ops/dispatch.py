@@ -47,13 +47,9 @@ GLUON_OPS = ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill")
 _SIGNATURES = {name: inspect.signature(contracts.IMPLEMENTATIONS[name]) for name in GLUON_OPS}
 
 
-def ahead_of_time() -> bool:
-    """Whether Inductor is compiling for AOTInductor or emitting C++ wrapper code: the package
-    must run without Python, so our ops decompose into their Triton launches there."""
-    from torch._inductor import config
-    from torch._inductor.virtualized import V
-
-    return bool(V.aot_compilation) or bool(config.cpp_wrapper)
+# Whether Inductor is compiling for AOTInductor or emitting C++ wrapper code: the package must
+# run without Python, so our ops decompose into their Triton launches there.
+ahead_of_time = choose.ahead_of_time
 
 
 def bind(name: str, args: tuple, kwargs: dict | None = None) -> tuple[dict, dict]:

@@ -67,9 +67,9 @@ def launches(monkeypatch):
 CASES = {
     "single pointers": (single_launch, {}),
     # TMA 3: K/V descriptors built per persistent program, as in a traced graph compiled for
-    # CUDA-graph replay (a small launch otherwise takes the pointer loads: below)
+    # CUDA-graph replay or ahead of time (a small launch otherwise takes the pointer loads: below)
     "single persistent": (single_launch, {"device_of": lambda device: choose.H100,
-                                          "_graph_replays": lambda: True}),
+                                          "_graph_host_free": lambda: True}),
     "ragged": (lambda: ragged_launch(False), {}),
     "ragged split + merge": (lambda: ragged_launch(True), {}),
     # the row-max output (LSE rows of two) and skip-softmax, split: partial maxima
@@ -141,15 +141,15 @@ def test_traced_launch_passes_none_for_unread_pointers(case, launches, monkeypat
 
 def test_small_traced_launch_takes_pointer_loads(launches, monkeypatch):
     """A traced launch below host_tma_min_flop takes neither whole-tensor descriptor path (no
-    persistent counter, no global scratch), unless the graph is compiled for CUDA-graph replay;
-    a large one keeps the persistent grid."""
+    persistent counter, no global scratch), unless the graph is compiled for CUDA-graph replay
+    or ahead of time; a large one keeps the persistent grid."""
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
     single_launch()  # 40 x 40 keys, 2 heads
     assert launches[-1][2]["TMA"] == 0
-    monkeypatch.setattr(choose, "_graph_replays", lambda: True)
-    single_launch()
-    assert launches[-1][2]["TMA"] == 3
-    monkeypatch.setattr(choose, "_graph_replays", lambda: False)
+    for mode in ({"triton.cudagraphs": True}, {"cpp_wrapper": True}):
+        with torch._inductor.config.patch(mode):  # reduce-overhead; C++ wrapper
+            single_launch()
+        assert launches[-1][2]["TMA"] == 3, mode
     monkeypatch.setattr(choose.POLICY, "host_tma_min_flop", 1e3)
     single_launch()
     assert launches[-1][2]["TMA"] == 3
