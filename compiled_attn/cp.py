@@ -54,6 +54,7 @@ import torch
 from . import _validate as V
 from .op_call import call_op
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
+from .ops.contracts import refuse_backward
 from .ops.schedule import block_m_for, build_work
 from .utils import _lse_weights
 
@@ -511,10 +512,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
         window_left=V.check_window_left(window_left),
         logits_soft_cap=V.check_soft_cap(logits_soft_cap))
     method = _method(method, hq, hkv, bool(causal), opts["window_left"])
-    if method == "ring":
-        if head_slices not in (None, 1):
-            V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
-        head_slices = 1
+    if method == "ring" and head_slices not in (None, 1):
+        V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
     if head_slices is None:
         head_slices = 1
     V.check_count("head_slices", head_slices, 1)
@@ -572,9 +571,4 @@ def _cp_prefill_fake(q, k, v, group_name, lengths, method, causal, sm_scale, win
             q.new_empty((rows, hq), dtype=torch.float32))
 
 
-def _cp_backward(ctx, *grads):
-    raise RuntimeError("compiled_attn::cp_prefill has no backward: compiled_attn's kernels are "
-                       "inference-only. Run under torch.no_grad() or detach the inputs.")
-
-
-_cp_prefill.register_autograd(_cp_backward, setup_context=lambda ctx, inputs, output: None)
+refuse_backward(_cp_prefill, "compiled_attn::cp_prefill")

@@ -83,10 +83,9 @@ def refuse_if_miscomputed(name: str, dt: torch.dtype) -> None:
             f"unset TRITON_INTERPRET (the CPU reference takes {dt})")
 
 
-def _use_kernel(t: Tensor) -> bool:
-    """Whether the op runs the Triton kernel on t's device (CUDA, or CPU under the interpreter)
-    rather than the reference."""
-    return launch.on_kernel_device(t)
+# Whether the op runs the Triton kernel on t's device (CUDA, or CPU under the interpreter)
+# rather than the reference.
+_use_kernel = launch.on_kernel_device
 
 
 def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
@@ -132,7 +131,13 @@ def _register(name: str, fn, fake):
     else:
         op = torch.library.triton_op(qualname, body, mutates_args=())
     op.register_fake(fake)
+    refuse_backward(op, qualname)
+    return op
 
+
+def refuse_backward(op, qualname: str) -> None:
+    """Register on custom op ``op`` (named qualname) a backward that raises: compiled_attn's
+    ops are inference-only."""
     def _backward(ctx, *grads):
         raise RuntimeError(
             f"{qualname} has no backward: compiled_attn's kernels are inference-only. "
@@ -140,7 +145,6 @@ def _register(name: str, fn, fake):
         )
 
     op.register_autograd(_backward, setup_context=lambda ctx, inputs, output: None)
-    return op
 
 
 def _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap, pos_encoding_mode,

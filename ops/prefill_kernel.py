@@ -903,11 +903,13 @@ def _program_args(kv_mode, q, k, v, out, lse, q_strides, k_strides, v_strides, o
     choice = choose.choose(kv_mode, q, k, v, consts, scalars, out.dtype, block_m=block_m, **ask)
     block_m = choice.block_m
     dims = _dims(q.shape[-1], v.shape[-1], consts["ROPE"])
-    cfg = dict(num_warps=choice.warps, num_stages=choice.stages, launch=choice)
+    # eager: whether the kernel runs now rather than being traced (cfg's, for _launch_prefill)
+    eager = choose.eager_launch()
+    cfg = dict(num_warps=choice.warps, num_stages=choice.stages, launch=choice, eager=eager)
     # A pointer the launch does not read (its constexpr is off): an eager launch passes a
     # tensor there; a traced one passes None (a constexpr), so Inductor's wrapper passes
     # nothing (it re-views the stand-in for each such argument, every call).
-    dummy = (qo_indptr if qo_indptr is not None else q) if choose.eager_launch() else None
+    dummy = (qo_indptr if qo_indptr is not None else q) if eager else None
     opt = lambda t: dummy if t is None else t  # noqa: E731
     args = dict(q_ptr=q, k_ptr=k, v_ptr=v, o_ptr=out, lse_ptr=lse, qo_indptr_ptr=opt(qo_indptr),
                 kv_indptr_ptr=opt(kv_indptr), page_idx_ptr=opt(page_idx),
@@ -1057,7 +1059,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
     split = work is not None and work.shape[1] == 4
     # what the pointers this launch does not read get (as _program_args' dummy): dense mode's
     # work list, the partials of a plan without splits, the counter of a plain grid
-    unread = (work if work is not None else prog_args["q_ptr"]) if choose.eager_launch() else None
+    unread = (work if work is not None else prog_args["q_ptr"]) if cfg["eager"] else None
     if work is None:
         work = unread
     part_o = part_l = unread

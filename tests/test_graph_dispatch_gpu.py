@@ -48,8 +48,9 @@ def gluon_launches(monkeypatch):
 
 
 def _ragged_call(b=4, s=4096, h=16, d=128):
-    """(f, its tensor arguments, the op's other arguments): batch_ragged_prefill through torch.ops on B x S causal requests
-    (FlashInfer-sweep shape by default: the Gluon kernel's eager choice)."""
+    """(f, its tensor arguments, the op's other arguments): batch_ragged_prefill through
+    torch.ops on B x S causal requests (FlashInfer-sweep shape by default: the Gluon kernel's
+    eager choice)."""
     q, k, v = (_rand(b * s, h, d) for _ in range(3))
     indptr = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
     block_m = block_m_for(d, d, 1, s, True, qo_lens=[s] * b)
