@@ -15,8 +15,9 @@ a CUDA graph that captured one call, all interleaved in one bench() per case (th
 harness: CUDA events, medians over rounds).
 
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
-the results schema). On ours_pod: ratio_vs_apart = our apart's time over POD's (above 1: POD is
-faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod = the Triton POD
+the results schema). On ours_pod: launch ("fused", or "apart" where the launch policy runs the
+parts as two launches: ops.choose.pod_apart), ratio_vs_apart = our apart's time over POD's
+(above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod = the Triton POD
 launch's over ours, bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
 (target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
@@ -119,6 +120,14 @@ def case_list(quick: bool = False) -> list[PodCase]:
     return out
 
 
+def launch_choice(case: PodCase) -> str:
+    """How ours_pod runs the case under the launch policy: "fused" (one POD launch) or "apart"
+    (two launches, ops.choose.pod_apart: the decodes too small to hide under the prefill)."""
+    from compiled_attn.ops import choose
+
+    return "apart" if choose.pod_apart(case.flops("prefill"), case.decode_bytes()) else "fused"
+
+
 def providers_for(case: PodCase) -> tuple:
     return PROVIDERS
 
@@ -168,6 +177,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["copy_bytes"] = copy_bytes
         if prov != "ours_pod":
             continue
+        row["launch"] = launch_choice(case)
         if us.get(("ours_apart", mode)):
             row["ratio_vs_apart"] = us["ours_apart", mode] / t
         if us.get(("fi_pod", mode)):
@@ -307,13 +317,14 @@ def _calls(mod, case: PodCase, x: dict, dev, fi: bool) -> dict:
 
 
 def _triton_pod(pod_call):
-    """POD's call on the Triton kernel's POD launch (the launch policy's pod_gluon off), for
-    graph capture only: each override bumps the policy version, which sends every eager call
-    after it (ours_pod's too) through a new bound-launch recording."""
+    """POD's call on the Triton kernel's POD launch (the launch policy's pod_gluon off, and
+    pod_apart_balance 0: one launch whatever the mix), for graph capture only: each override
+    bumps the policy version, which sends every eager call after it (ours_pod's too) through a
+    new bound-launch recording."""
     from compiled_attn.ops.policy import override
 
     def call():
-        with override(pod_gluon=False):
+        with override(pod_gluon=False, pod_apart_balance=0.0):
             return pod_call()
 
     call.graph_only = True

@@ -10,6 +10,12 @@ checks in ``_validate``); run() reads no device value. Unlike FlashInfer, the LS
 when asked for (base 2, as everywhere in compiled_attn), and every run-time option takes effect
 or raises. The op applies one position encoding (mode, rope_scale, rope_theta) to both parts;
 prefill and decode options that would need two raise NotImplementedError.
+
+Where the decodes are too small to hide under the prefill (ops.choose.pod_apart: their bytes
+under 5% of the prefill's FLOPs counted at Hopper's rate, on a prefill of ~100 us or more), the
+fused launch would cost the prefill more than it saves, and run() launches the parts apart
+instead: the prefill through the single_prefill op (POD) or batch_paged_prefill (BatchPOD), the
+decodes through batch_paged_prefill, with the same numbers. Traced calls stay fused.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 from . import _validate as V
 from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
+from .ops import choose
 from .ops.launch import Memo
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
 from .ops.schedule import block_m_for, build_work, uniform_work
@@ -131,15 +138,35 @@ class _PODBase(_WrapperBase):
         return k, v
 
     def _call(self, p, part_p: tuple, part_d: tuple, *, work, packed_p, mask_indptr_p,
-              opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple):
+              opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple, apart=None):
         """One POD launch. part_p / part_d: each part's (q, k, v, qo_indptr, kv_indptr,
         kv_indices, last_page_len) in the op's order; opt_p / opt_d: (mask mode, window_left,
         sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
-        decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards."""
+        decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards. apart: None,
+        or the parts' own work lists (work_p, work_d), int32 [W_x, 2], to run them as two
+        launches (ops.choose.pod_apart): the decodes through batch_paged_prefill, the prefill
+        through single_prefill where it is POD's one request with contiguous k / v (dense,
+        work_p None), else batch_paged_prefill."""
         v_f, v_t = _split_v_scale(v_scale)
-        out_p, lse_p, out_d, lse_d = call_op(
-            "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p, p["alibi"],
-            p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
+        if apart is None:
+            out_p, lse_p, out_d, lse_d = call_op(
+                "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p,
+                p["alibi"], p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
+        else:
+            tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
+            work_p, work_d = apart
+            if work_p is None:
+                q, k, v = part_p[:3]
+                out_p, lse_p = call_op("single_prefill", q.unsqueeze(0), k, v, packed_p,
+                                       p["alibi"], None, opt_p[0], opt_p[1], 0, opt_p[2], *tail)
+                out_p, lse_p = out_p[0], lse_p[0]
+            else:
+                out_p, lse_p = call_op("batch_paged_prefill", *part_p, work_p, packed_p,
+                                       mask_indptr_p, p["alibi"], None, p["block_m"],
+                                       opt_p[0], opt_p[1], 0, opt_p[2], *tail)
+            out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
+                                   p["alibi"], None, p["block_m"], opt_d[0], opt_d[1], 0,
+                                   opt_d[2], *tail)
         if v_f != 1.0 or v_t is not None:
             ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
             scale = v_t.to(ct) if v_t is not None else v_f
@@ -148,6 +175,30 @@ class _PODBase(_WrapperBase):
         if want_lse_p or want_lse_d:
             return (out_p, out_d), (lse_p if want_lse_p else None, lse_d if want_lse_d else None)
         return out_p, out_d
+
+
+def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:
+    """Query-key pairs a request computes: all, or under the bottom-right causal mask (row i
+    sees kv_len - qo_len + 1 + i keys, clamped to [0, kv_len])."""
+    if not causal:
+        return qo_len * kv_len
+    first = kv_len - qo_len + 1
+    return qo_len * first + qo_len * (qo_len - 1) // 2 if first >= 1 else kv_len * (kv_len + 1) // 2
+
+
+def _decode_bytes(p: dict, pages: int) -> int:
+    """The K and V bytes a part reads from ``pages`` whole pages of the plan's cache."""
+    return pages * p["page_size"] * p["num_kv_heads"] * p["head_dim"] * 2 * p["kv_dtype"].itemsize
+
+
+def _apart(p: dict, pairs, decode_bytes) -> bool:
+    """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
+    each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
+    it costs nothing. Traced calls stay fused: the plan's numbers would be guards (a recompile
+    per re-plan), and a trace's sizes may be symbolic."""
+    if V.traced() or pairs <= 0 or decode_bytes <= 0:
+        return False
+    return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes)
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
@@ -251,6 +302,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                      last_page_len=last_h.to(**to))
         p.update(batch_size=b, max_page=V.max_entry(idx_h),
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
+        p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         self._set_plan(p)
 
     begin_forward = plan
@@ -363,7 +415,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         qo_len, kv_len = q_p.shape[0], kn.shape[0]
         dev = self.device
         nbits = qo_len * kv_len
-        packed_p = mask_indptr_p = None
+        packed_p = None
         if packed_custom_mask_p is not None:
             V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p, (nbits + 7) // 8,
                                  f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
@@ -379,8 +431,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             if causal_p and kv_len < qo_len:
                 raise ValueError(f"causal_p=True needs kv_len >= qo_len for the prefill request; "
                                  f"got kv_len={kv_len} < qo_len={qo_len}")
-        qo_p, kvi_p, idx_p, last_p, mask_indptr_p, work = self._prefill_part(
-            qo_len, kv_len, (nbits + 7) // 8 if packed_p is not None else None)
+        part = self._prefill_part(qo_len, kv_len,
+                                  (nbits + 7) // 8 if packed_p is not None else None,
+                                  mask_p == MASK_CAUSAL)
 
         # ---- decode part ----------------------------------------------------------------------
         b = p["batch_size"]
@@ -396,24 +449,27 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
         return self._call(
-            p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), qo_p, kvi_p, idx_p, last_p),
+            p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), *part["table"]),
             (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),
-            work=work, packed_p=packed_p, mask_indptr_p=mask_indptr_p, opt_p=opt_p,
+            work=part["work"], packed_p=packed_p, mask_indptr_p=part["mask_indptr"], opt_p=opt_p,
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
-            rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d))
+            rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
+            apart=(None, part["work_d"]) if part["apart"] else None)
 
     run.__doc__ += _RETURN_DOC
 
-    def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None):
-        """The prefill request's device tensors (indptrs, one-page table, last page length,
-        mask indptr or None, and the POD work list with the planned decodes), made once per
-        (qo_len, kv_len, mask bytes) and kept: plain numbers decide them, and run() then
-        launches no copy for them (the memo keys them by identity)."""
+    def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, causal: bool):
+        """The prefill request's device tensors and launch choice, made once per (qo_len,
+        kv_len, mask bytes, causal) and kept: plain numbers decide them, and run() then
+        launches no copy for them (the memo keys them by identity). A dict: "table" (qo
+        indptr, kv indptr, one-page table, last page length), "mask_indptr" (or None),
+        "work" (the POD work list with the planned decodes), "work_d" (the decodes' own) and
+        "apart" (ops.choose.pod_apart: run the parts as two launches)."""
         traced = V.traced()  # (a traced graph holds its own; the dict would be a guard)
         capturing = (not traced and self.device.type == "cuda"
                      and torch.cuda.is_current_stream_capturing())
-        key = (qo_len, kv_len, mask_bytes)
+        key = (qo_len, kv_len, mask_bytes, causal)
         part = None if traced else self._parts.get(key)
         if part is None:
             if not traced and len(self._parts) >= 64:  # an engine's many lengths: start over
@@ -421,16 +477,22 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p, dev = self._plan, self.device
             i2 = torch.arange(2, dtype=torch.int32, device=dev)
             has_kv = 1 if kv_len > 0 else 0
-            work = _pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
-                             uniform_work(p["batch_size"], 1, p["group"], p["block_m"], dev))
-            part = (i2 * qo_len, i2 * has_kv, torch.zeros(has_kv, dtype=torch.int32, device=dev),
-                    torch.full((1,), kv_len, dtype=torch.int32, device=dev),
-                    None if mask_bytes is None else i2 * mask_bytes, work)
+            work_d = uniform_work(p["batch_size"], 1, p["group"], p["block_m"], dev)
+            part = dict(
+                table=(i2 * qo_len, i2 * has_kv,
+                       torch.zeros(has_kv, dtype=torch.int32, device=dev),
+                       torch.full((1,), kv_len, dtype=torch.int32, device=dev)),
+                mask_indptr=None if mask_bytes is None else i2 * mask_bytes,
+                work=_pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev), work_d),
+                work_d=work_d,
+                apart=not traced and _apart(p, _pairs(qo_len, kv_len, causal),
+                                            p["decode_bytes"]))
             # (tensors made while a CUDA graph captures hold their values only in the graph's
             # replays: never kept for eager calls)
             if not traced and not capturing:
                 self._parts[key] = part
-                self._memo.add_static(part)
+                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
+                                       work_d))
         if capturing:
             # The graph reads this part and the plan's decode qo_indptr and ALiBi slopes at
             # every replay; a re-plan (CUDA-graph mode's new decode lengths) or the eviction
@@ -487,8 +549,15 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
                 p.update(mask_bits_p=mask_bits,
                          mask_indptr_p=torch.tensor(byte_ptr, dtype=torch.int32).to(**to),
-                         qo_lens_p=qo_lens, kv_lens_p=kv_lens)
+                         qo_lens_p=qo_lens, kv_lens_p=kv_lens,
+                         # query-key pairs without and with the causal mask (choose.pod_apart)
+                         pairs_p=tuple(sum(_pairs(q, k, c) for q, k in
+                                           zip(qo_lens.tolist(), kv_lens.tolist()))
+                                       for c in (False, True)))
+            else:
+                p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work"] = _pod_work(*works).to(**to)
+        p["work_p"], p["work_d"] = (w.to(**to) for w in works)
         self._set_plan(p)
 
     begin_forward = plan
@@ -562,6 +631,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_p=(mask_p, p["window_left"], p["sm_scale"]),
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
-            want_lse=(return_lse, return_lse))
+            want_lse=(return_lse, return_lse),
+            apart=((p["work_p"], p["work_d"])
+                   if _apart(p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"])
+                   else None))
 
     run.__doc__ += _RETURN_DOC

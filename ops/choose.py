@@ -567,6 +567,22 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     return all((a == 1) == (b == 1) for a, b in pairs)
 
 
+def pod_apart(prefill_flops: float, decode_bytes: float) -> bool:
+    """Whether a POD call runs its prefill and decode parts as two launches (each on the path
+    a call of that part alone takes) instead of one fused launch. The fused launch runs the
+    prefill on its persistent programs, a few percent slower than the prefill's own launch, and
+    wins that back by hiding the decodes' memory traffic under the prefill's matrix work: where
+    the decodes are too small to repay it, two launches are faster (benchmarks/NOTES.md,
+    2026-11-27: p8192 + 16 x 1k ran fused at 0.96x / 0.92x of apart, eager / graph). A small
+    prefill rides along in a decode-heavy launch and stays fused. prefill_flops: the prefill
+    part's attention FLOPs (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes
+    the decode part reads. Apart when the decodes' bytes are under POLICY.pod_apart_balance of
+    the prefill's FLOPs counted as bytes at POLICY.pod_flop_per_byte, and the prefill at least
+    POLICY.pod_apart_min_bytes of them."""
+    p = prefill_flops / POLICY.pod_flop_per_byte
+    return p >= POLICY.pod_apart_min_bytes and decode_bytes < POLICY.pod_apart_balance * p
+
+
 # Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one
 # 128-row tile fit an H100 SM at once. Persistent launches (TMA 3) start twice that many
 # programs per SM in case more fit: programs that start late find the counter spent and exit.

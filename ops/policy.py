@@ -41,6 +41,16 @@ class Policy:
         # POD launches whose parts are in its scope run on the Gluon kernel's persistent work
         # list (choose.pod_gluon); off: the Triton kernel's POD launch.
         self.pod_gluon = True
+        # POD calls whose decodes would take less than this share of the prefill's time run
+        # as two launches, each part on its own path (choose.pod_apart): the fused launch lost
+        # 4-8% to them there (benchmarks/NOTES.md, 2026-11-27). 0: always fused.
+        self.pod_apart_balance = 0.05
+        # ...and only where the prefill computes at least this many bytes' worth (about 100 us
+        # at 4 TB/s), so that the second launch's host cost stays hidden.
+        self.pod_apart_min_bytes = 4e8
+        # The prefill's FLOPs per decode byte in equal time: Hopper's attained D128 attention
+        # rate over its copy bandwidth (~600 TFLOP/s / ~4 TB/s).
+        self.pod_flop_per_byte = 150.0
         # Traced calls that the Gluon kernel would take stay opaque (ops.dispatch).
         self.graph_gluon = True
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).

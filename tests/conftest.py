@@ -10,6 +10,8 @@
   start their own ranks (tests/test_cp_gpu.py) name their devices themselves.
 - ``--shard I/N`` keeps the I-th of N parts of the selection (by a hash of each test's id), for
   a GPU tier that must be split over several machine calls.
+- The ``pod_launch`` fixture runs a POD test under each launch choice of the policy (one fused
+  launch, or the parts apart: ops.choose.pod_apart) and records which ops the wrapper called.
 - A last garbage collection before the interpreter exits, so that no reference cycle holding
   Triton IR objects (its code generator and builder reference each other) is left for the
   interpreter's teardown, after which Triton's nanobind module prints a page of "leaked
@@ -21,6 +23,8 @@ import gc
 import os
 import zlib
 from collections import Counter
+
+import pytest
 
 
 def pytest_configure(config):
@@ -102,3 +106,24 @@ def _reason(report) -> str:
 
 def pytest_unconfigure(config):
     gc.collect()
+
+
+
+@pytest.fixture(params=["apart", "fused"])
+def pod_launch(request, monkeypatch):
+    """(launch choice, the names of the ops the POD wrapper called): tests/helpers.py's
+    check_pod_launch reads it."""
+    import compiled_attn.pod as pod_mod
+    from compiled_attn.ops.policy import override
+    from tests.helpers import POD_LAUNCHES
+
+    called = []
+    real = pod_mod.call_op
+
+    def spy(name, *args, **kwargs):
+        called.append(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(pod_mod, "call_op", spy)
+    with override(**POD_LAUNCHES[request.param]):
+        yield request.param, called

@@ -732,3 +732,20 @@ class KernelRecorder:
 
     def arg(self, name):
         return self.args[self.arg_names.index(name)]
+
+
+# The launch policy's settings that send every POD call with two non-empty parts to two launches
+# (ops.choose.pod_apart), or keep it in one.
+POD_LAUNCHES = {"fused": dict(pod_apart_balance=0.0),
+                "apart": dict(pod_apart_balance=float("inf"), pod_apart_min_bytes=0)}
+
+
+def check_pod_launch(pod_launch, both_parts: bool) -> None:
+    """The ops a POD wrapper's call ran under the pod_launch fixture (tests/conftest.py): a
+    prefill op then batch_paged_prefill where it went apart with two non-empty parts, else the
+    one POD op."""
+    kind, called = pod_launch
+    if kind == "apart" and both_parts:
+        assert len(called) == 2 and called[1] == "batch_paged_prefill", called
+    else:
+        assert called == ["pod_prefill_decode"], called

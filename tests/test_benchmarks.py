@@ -754,6 +754,11 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path):
     assert e["bound_us"] == pytest.approx(400 + 0.25 * 100)
     assert e["pod_over_bound"] == pytest.approx(500 / 425) and e["max_abs_diff_vs_apart"] == 0.01
     assert e["ratio_vs_triton_pod"] == pytest.approx(800 / 500)
+    # the launch the policy gives the case (ops.choose.pod_apart): the quick grid's
+    # prefill-heavy case alone goes apart
+    assert e["launch"] == "fused" and "launch" not in by["ours_apart", "eager"]
+    assert [pod.launch_choice(c) for c in pod.case_list(quick=True)] == \
+        ["fused", "apart", "fused", "fused", "fused", "fused"]
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
     assert by["fi_pod", "graph"]["status"] == "failed"

@@ -16,6 +16,7 @@ from compiled_attn import ops
 from compiled_attn.ops import prefill_gluon
 from compiled_attn.ops.policy import override
 from tests.kernel_cases import check_pod, make_case, one_page_prefill, params, pod_decodes
+from tests.helpers import POD_LAUNCHES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -109,13 +110,16 @@ def _run_pod(x, dev):
                  return_lse_p=True, return_lse_d=True)
 
 
-def test_pod_wrapper_matches_reference(gluon_pods):
-    """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch) against the same wrapper on
-    the CPU in float64 (the reference), within the bf16 bound of kernel_cases.check: twice the
-    error of the same math in float32 with bf16 products, plus rounding."""
+@pytest.mark.parametrize("launch", ["fused", "apart"])
+def test_pod_wrapper_matches_reference(gluon_pods, launch):
+    """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch; "apart": the launch policy's
+    two launches, ops.choose.pod_apart, each part on its own kernel) against the same wrapper
+    on the CPU in float64 (the reference), within the bf16 bound of kernel_cases.check: twice
+    the error of the same math in float32 with bf16 products, plus rounding."""
     gpu = _pod_inputs("cuda", BF16)
-    (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
-    assert gluon_pods
+    with override(**POD_LAUNCHES[launch]):
+        (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
+    assert bool(gluon_pods) == (launch == "fused")
     ref64 = _pod_inputs("cpu", torch.float64)
     (r_p, r_d), (rl_p, rl_d) = _run_pod(ref64, "cpu")
     low = {k: (v.to(BF16).to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()

@@ -14,7 +14,7 @@ from compiled_attn.ops import launch, policy
 from compiled_attn.ops import contracts as C
 from compiled_attn.ops.schedule import build_split_work
 from tests import kernel_cases as kc
-from tests.helpers import WS, indptr, make_paged, rand
+from tests.helpers import POD_LAUNCHES, WS, indptr, make_paged, rand
 
 F16, F32 = torch.float16, torch.float32
 QO, KV = [5, 0, 9], [13, 7, 9]
@@ -139,14 +139,21 @@ def _flat(res):
     return tuple(x for pair in res for x in pair)
 
 
-@pytest.mark.parametrize("kind", ["ragged", "paged", "pod", "batch_pod"])
+@pytest.mark.parametrize("kind", ["ragged", "paged", "pod", "batch_pod", "pod apart",
+                                  "batch_pod apart"])
 def test_wrapper_run_replays_its_plan(kind):
-    w, runs = _wrapper_runs(kind)
-    runs[0]()
-    got = runs[1]()
-    assert w._memo.records == 1 and w._memo.hits == 1  # run() itself replayed
-    with policy.override(bound_launches=False):
-        want = runs[1]()
+    # "apart": POD's parts as two launches (ops.choose.pod_apart), one bound call of both
+    kind, apart = kind.split(" ")[0], kind.endswith("apart")
+    with policy.override(**POD_LAUNCHES["apart" if apart else "fused"]):
+        w, runs = _wrapper_runs(kind)
+        runs[0]()
+        got = runs[1]()
+        if apart:
+            (bound,) = w._memo._bound.values()
+            assert len(bound.launches) == 2
+        assert w._memo.records == 1 and w._memo.hits == 1  # run() itself replayed
+        with policy.override(bound_launches=False):
+            want = runs[1]()
     for g, r in zip(got, want):
         assert not g.isnan().any() and torch.equal(g, r)
 

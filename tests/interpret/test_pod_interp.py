@@ -20,7 +20,7 @@ import torch
 
 import compiled_attn as fi
 from compiled_attn import ops
-from tests.helpers import WS, indptr, make_paged
+from tests.helpers import WS, check_pod_launch, indptr, make_paged
 from tests.kernel_cases import Case, check_parts, check_pod, make_case, params
 
 GQA = [(2, 2), (4, 1), (7, 1)]
@@ -94,7 +94,7 @@ def _randn(g, *shape, dtype):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_pod_mix(seed):
+def test_pod_mix(seed, pod_launch):
     m = _mix("pod", seed)
     hq, hkv, d, dt, b = m.hq, m.hkv, m.d, m.dtype, len(m.kv_d)
     cache, kvi, idx, last, _, _ = make_paged(m.kv_d, hkv, d, d, m.page, layout=m.layout,
@@ -123,10 +123,11 @@ def test_pod_mix(seed):
         q_p, kk, vv, q_d, cache, causal_p=m.causal, kv_layout_p=m.layout_p,
         sm_scale_p=m.sm_scale_p, window_left_p=m.window_p, return_lse_p=m.lse[0],
         return_lse_d=m.lse[1]), m.lse))
+    check_pod_launch(pod_launch, qo * kv > 0 and any(m.kv_d))
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_batch_pod_mix(seed):
+def test_batch_pod_mix(seed, pod_launch):
     m = _mix("batch_pod", seed)
     hq, hkv, d, dt, b = m.hq, m.hkv, m.d, m.dtype, len(m.kv_d)
     cache_p, kvi_p, idx_p, last_p, _, _ = make_paged(m.kv_p, hkv, d, d, m.page,
@@ -145,6 +146,8 @@ def test_batch_pod_mix(seed):
     p_dec = params(ops.MASK_NONE, m.window, sm_scale=m.sm_scale, head_dim=d)
     check_parts(pre, dec, p_pre, p_dec, lambda: _parts(
         w.run(q_p, cache_p, q_d, cache_d, causal_p=m.causal, return_lse=m.lse[0]), m.lse))
+    # (a request's last row sees all its keys, causal or not)
+    check_pod_launch(pod_launch, any(q and k for q, k in zip(m.qo_p, m.kv_p)) and any(m.kv_d))
 
 
 # (prefill, decode) soft caps of the op-level mixes: each part capped alone, then both
