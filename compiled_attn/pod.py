@@ -182,13 +182,16 @@ def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:
     sees kv_len - qo_len + 1 + i keys, clamped to [0, kv_len])."""
     if not causal:
         return qo_len * kv_len
-    first = kv_len - qo_len + 1
-    return qo_len * first + qo_len * (qo_len - 1) // 2 if first >= 1 else kv_len * (kv_len + 1) // 2
+    first = kv_len - qo_len + 1  # the keys row 0 sees
+    if first >= 1:
+        return qo_len * first + qo_len * (qo_len - 1) // 2
+    return kv_len * (kv_len + 1) // 2  # rows before -first see none
 
 
 def _decode_bytes(p: dict, pages: int) -> int:
     """The K and V bytes a part reads from ``pages`` whole pages of the plan's cache."""
-    return pages * p["page_size"] * p["num_kv_heads"] * p["head_dim"] * 2 * p["kv_dtype"].itemsize
+    per_key = p["num_kv_heads"] * p["head_dim"] * 2 * p["kv_dtype"].itemsize
+    return pages * p["page_size"] * per_key
 
 
 def _apart(p: dict, pairs, decode_bytes) -> bool:

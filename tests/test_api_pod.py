@@ -342,3 +342,13 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, apart):
     with override(pod_apart_balance=0.0):
         w._parts.clear()
         assert w._prefill_part(qo, qo, None, True)["apart"] is False
+
+
+def test_pod_pairs_count_what_the_mask_keeps():
+    """The query-key pairs choose.pod_apart is given: every pair, or the bottom-right causal
+    mask's (kv < qo included), as counted row by row."""
+    from compiled_attn.pod import _pairs
+
+    for qo, kv in ((0, 5), (5, 0), (1, 1), (7, 3), (3, 7), (9, 9), (16, 40)):
+        assert _pairs(qo, kv, False) == qo * kv
+        assert _pairs(qo, kv, True) == sum(min(kv, max(0, kv - qo + 1 + i)) for i in range(qo))
