@@ -53,6 +53,12 @@ class Policy:
         self.pod_flop_per_byte = 150.0
         # Traced calls that the Gluon kernel would take stay opaque (ops.dispatch).
         self.graph_gluon = True
+        # A traced single prefill of one request (B == 1) hands its Triton launch the
+        # request's own [S, H, D] tensors and output instead of [1, S, H, D] views of them, so
+        # that Inductor's wrapper passes the graph's tensors as they are (four reinterpret_tensor
+        # calls fewer per call of the 3-D entry point). Off until timed: benchmarks/NOTES.md,
+        # 2026-11-28, and `python -m dev.compiled_host_probe`.
+        self.traced_unbatched = False
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

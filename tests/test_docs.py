@@ -120,3 +120,14 @@ def test_docs_references_exist():
                 if not (DOCS / link).exists():
                     missing.add(f"{f.relative_to(ROOT)}: {link}")
     assert not missing, sorted(missing)
+
+
+def test_design_lists_every_launch_policy_setting():
+    """docs/design.md names the launch policy's settings in one sentence: all of them."""
+    from compiled_attn.ops.policy import POLICY
+
+    text = (DOCS / "design.md").read_text()
+    listed = re.search(r"The policy's settings \(([^)]*)\)", text)
+    assert listed, "docs/design.md: the sentence listing the policy's settings is gone"
+    names = set(re.sub(r"\s+", " ", listed.group(1)).replace(" ", "").split(","))
+    assert names == set(POLICY.settings()), sorted(names ^ set(POLICY.settings()))
