@@ -802,3 +802,31 @@ def test_pod_suite_inputs_agree_across_our_providers(kind, pre, page):
     p = (torch.einsum("hd,nhd->hn", x["q_d"][1].float(), k) / pod.D ** 0.5).softmax(-1)
     ref = torch.einsum("hn,nhd->hd", p, v)
     assert (out_d[1].float() - ref).abs().max() < 1e-2
+
+
+def test_host_suite_rows_and_ratios_from_fake_timings():
+    """benchmarks/host.py's bookkeeping on this CPU machine: medians and best rounds per row,
+    ours' ratios against every peer of the same case (medians and best rounds), rows without
+    timings marked failed or unavailable, and the printed table."""
+    from benchmarks import host
+
+    call = object()
+    provs = {("ragged_run", "compiled_attn"): call, ("ragged_run", "flashinfer"): call,
+             ("paged_run", "compiled_attn"): call,
+             ("paged_run", "flashinfer"): "RuntimeError: no JIT cache",
+             ("pod_run", "flashinfer"): "skipped: --no-fi-pod"}
+    times = {("ragged_run", "compiled_attn"): [26.0, 40.0, 25.0],
+             ("ragged_run", "flashinfer"): [21.0, 20.0, 30.0],
+             ("paged_run", "compiled_attn"): [27.0, 28.0, 26.0]}
+    rows = host.assemble(provs, times)
+    by = {(r["case"], r["provider"]): r for r in rows}
+    ours = by["ragged_run", "compiled_attn"]
+    assert ours["host_us"] == 26.0 and ours["host_us_best"] == 25.0
+    assert ours["ratio_vs_flashinfer"] == pytest.approx(21.0 / 26.0)
+    assert ours["best_ratio_vs_flashinfer"] == pytest.approx(20.0 / 25.0)
+    assert "ratio_vs_compiled_attn" not in by["ragged_run", "flashinfer"]
+    assert by["paged_run", "flashinfer"]["status"] == "failed"
+    assert by["pod_run", "flashinfer"]["status"] == "unavailable"
+    assert not any(k.startswith("ratio_vs_") for k in by["paged_run", "compiled_attn"])
+    text = host.table(rows)
+    assert "flashinfer=0.81 (0.80)" in text and "RuntimeError: no JIT cache" in text
