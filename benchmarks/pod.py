@@ -17,8 +17,8 @@ harness: CUDA events, medians over rounds).
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
 the results schema). On ours_pod: launch ("fused", or "apart" where the launch policy runs the
 parts as two launches: ops.choose.pod_apart), ratio_vs_apart = our apart's time over POD's
-(above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod = the Triton POD
-launch's over ours, bound_us = max(prefill, decode) + 0.25
+(above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
+the Triton POD launch's over ours, bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
 (target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
 decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the

@@ -197,9 +197,10 @@ def _decode_bytes(p: dict, pages: int) -> int:
 def _apart(p: dict, pairs, decode_bytes) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
-    it costs nothing. Traced calls stay fused: the plan's numbers would be guards (a recompile
-    per re-plan), and a trace's sizes may be symbolic."""
-    if V.traced() or pairs <= 0 or decode_bytes <= 0:
+    it costs nothing. (Traced calls stay fused, which their callers decide before counting:
+    the plan's numbers would be guards, a recompile per re-plan, and a trace's sizes may be
+    symbolic.)"""
+    if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes)
 
@@ -306,6 +307,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p.update(batch_size=b, max_page=V.max_entry(idx_h),
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
+        p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], self.device)
         self._set_plan(p)
 
     begin_forward = plan
@@ -458,7 +460,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=(None, part["work_d"]) if part["apart"] else None)
+            apart=(None, p["work_d"]) if part["apart"] else None)
 
     run.__doc__ += _RETURN_DOC
 
@@ -467,8 +469,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         kv_len, mask bytes, causal) and kept: plain numbers decide them, and run() then
         launches no copy for them (the memo keys them by identity). A dict: "table" (qo
         indptr, kv indptr, one-page table, last page length), "mask_indptr" (or None),
-        "work" (the POD work list with the planned decodes), "work_d" (the decodes' own) and
-        "apart" (ops.choose.pod_apart: run the parts as two launches)."""
+        "work" (the POD work list with the plan's decodes, p["work_d"]) and "apart"
+        (ops.choose.pod_apart: run the parts as two launches)."""
         traced = V.traced()  # (a traced graph holds its own; the dict would be a guard)
         capturing = (not traced and self.device.type == "cuda"
                      and torch.cuda.is_current_stream_capturing())
@@ -480,27 +482,26 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p, dev = self._plan, self.device
             i2 = torch.arange(2, dtype=torch.int32, device=dev)
             has_kv = 1 if kv_len > 0 else 0
-            work_d = uniform_work(p["batch_size"], 1, p["group"], p["block_m"], dev)
             part = dict(
                 table=(i2 * qo_len, i2 * has_kv,
                        torch.zeros(has_kv, dtype=torch.int32, device=dev),
                        torch.full((1,), kv_len, dtype=torch.int32, device=dev)),
                 mask_indptr=None if mask_bytes is None else i2 * mask_bytes,
-                work=_pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev), work_d),
-                work_d=work_d,
+                work=_pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
+                               p["work_d"]),
                 apart=not traced and _apart(p, _pairs(qo_len, kv_len, causal),
                                             p["decode_bytes"]))
             # (tensors made while a CUDA graph captures hold their values only in the graph's
             # replays: never kept for eager calls)
             if not traced and not capturing:
                 self._parts[key] = part
-                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
-                                       work_d))
+                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"]))
         if capturing:
-            # The graph reads this part and the plan's decode qo_indptr and ALiBi slopes at
-            # every replay; a re-plan (CUDA-graph mode's new decode lengths) or the eviction
-            # above would free them for the allocator to hand out again.
-            self._captured.append((part, self._plan["qo_indptr"], self._plan["alibi"]))
+            # The graph reads this part and the plan's decode qo_indptr, ALiBi slopes and
+            # decode work list at every replay; a re-plan (CUDA-graph mode's new decode
+            # lengths) or the eviction above would free them for the allocator to hand out again.
+            p = self._plan
+            self._captured.append((part, p["qo_indptr"], p["alibi"], p["work_d"]))
         return part
 
 
@@ -635,8 +636,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse),
-            apart=((p["work_p"], p["work_d"])
-                   if _apart(p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"])
-                   else None))
+            apart=((p["work_p"], p["work_d"]) if not traced and _apart(
+                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"]) else None))
 
     run.__doc__ += _RETURN_DOC

@@ -3,8 +3,8 @@
 call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
 Inductor's graph, the default for a call the Gluon kernel does not take), the same traced with
 the launch policy's traced_unbatched (the kernel takes the 3-D tensors themselves, not views of
-them) and kept opaque (the graph calls the op, whose eager launcher replays a bound launch). Then a cProfile of each
-compiled form and Inductor's generated wrapper code, under $OUT.
+them) and kept opaque (the graph calls the op, whose eager launcher replays a bound launch).
+Then a cProfile of each compiled form and Inductor's generated wrapper code, under $OUT.
 
     python -m dev.compiled_host_probe [--rounds 5] [--calls 200]
 """

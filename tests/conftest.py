@@ -108,7 +108,6 @@ def pytest_unconfigure(config):
     gc.collect()
 
 
-
 @pytest.fixture(params=["apart", "fused"])
 def pod_launch(request, monkeypatch):
     """(launch choice, the names of the ops the POD wrapper called): tests/helpers.py's

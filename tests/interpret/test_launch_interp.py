@@ -139,11 +139,11 @@ def _flat(res):
     return tuple(x for pair in res for x in pair)
 
 
-@pytest.mark.parametrize("kind", ["ragged", "paged", "pod", "batch_pod", "pod apart",
-                                  "batch_pod apart"])
-def test_wrapper_run_replays_its_plan(kind):
-    # "apart": POD's parts as two launches (ops.choose.pod_apart), one bound call of both
-    kind, apart = kind.split(" ")[0], kind.endswith("apart")
+@pytest.mark.parametrize("kind,apart", [("ragged", False), ("paged", False), ("pod", False),
+                                        ("batch_pod", False), ("pod", True),
+                                        ("batch_pod", True)])
+def test_wrapper_run_replays_its_plan(kind, apart):
+    # apart: POD's parts as two launches (ops.choose.pod_apart), one bound call of both
     with policy.override(**POD_LAUNCHES["apart" if apart else "fused"]):
         w, runs = _wrapper_runs(kind)
         runs[0]()
