@@ -27,6 +27,9 @@ copy's rate (bytes read plus bytes written per second; target: 0.95 or more).
 Run on the GPU machine: ``python -m benchmarks.pod --out benchmarks/results/pod_<gpu>.json``
 (--quick: six representative cases for one device call; --no-flashinfer without FlashInfer;
 --budget-s bounds the run, later cases are recorded "unavailable"). A plot goes beside the JSON.
+The JSON is rewritten after every case, so a run stopped from outside keeps the cases it timed
+(the rest say "not reached"). On a cold machine the first case spends minutes compiling kernels
+(benchmarks/NOTES.md); --only runs one case.
 """
 
 from __future__ import annotations
@@ -435,8 +438,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     cases = [c for c in case_list(args.quick) if args.only is None or args.only in c.name]
     t0, rows = time.monotonic(), []
-    for case in cases:
+    for i, case in enumerate(cases):
         spent = time.monotonic() - t0
+        print(f"[{spent:6.0f} s] {case.name} ...", flush=True)
         if spent > args.budget_s:
             rows += skipped(case, f"--budget-s {args.budget_s:g} spent ({spent:.0f} s) before "
                                   "this case started")
@@ -446,13 +450,23 @@ def main(argv=None):
         else:
             rows += run_case(case, args)
             _free()
-        print(f"[{time.monotonic() - t0:6.0f} s] {case.name}", flush=True)
+        # Written after every case: a run stopped from outside (a time limit) keeps what it timed.
+        pending = [r for c in cases[i + 1:]
+                   for r in skipped(c, "not reached: the run stopped before this case")]
+        write(args.out, rows + pending)
+    write(args.out, rows, plot_too=True)
+    print(table(rows))
+
+
+def write(out: Path, rows: list[dict], plot_too: bool = False) -> dict:
+    """The results document (environment + rows), validated, to ``out``; its plot beside it."""
     doc = dict(environment(), rows=rows)
     validate(doc)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc, args.out.with_suffix(".png"))
-    print(table(rows))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    if plot_too:
+        plot(doc, out.with_suffix(".png"))
+    return doc
 
 
 def _free():

@@ -780,6 +780,36 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path):
     pod.plot(doc, tmp_path / "pod.png")
 
 
+def test_pod_suite_keeps_timed_cases_when_stopped(tmp_path, monkeypatch, capsys):
+    """The results file is rewritten after every case: a run stopped from outside during its
+    second case keeps the first case's rows, and the cases not reached say so."""
+    from benchmarks import pod
+
+    monkeypatch.setattr(pod, "environment", lambda: dict(ENV))
+    first = pod.case_list(quick=True)[0]
+
+    def run_case(case, args):
+        if case != first:
+            raise KeyboardInterrupt  # a time limit's signal, as seen by the run
+        res = {(p, m): 100.0 for p in pod.PROVIDERS for m in pod.MODES}
+        return pod.assemble(case, res, diff=0.0)
+
+    monkeypatch.setattr(pod, "run_case", run_case)
+    monkeypatch.setattr(pod, "_free", lambda: None)
+    out = tmp_path / "pod.json"
+    with pytest.raises(KeyboardInterrupt):
+        pod.main(["--out", str(out), "--quick"])
+    doc = json.loads(out.read_text())
+    results.validate(doc)
+    by_case = {}
+    for r in doc["rows"]:
+        by_case.setdefault(r["case"], set()).add(r["status"])
+    assert by_case.pop(first.name) == {"ok"}
+    assert len(by_case) == 5 and all(s == {"unavailable"} for s in by_case.values())
+    assert all("not reached" in r["error"] for r in doc["rows"] if r["case"] != first.name)
+    assert f"{first.name} ..." in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("kind,pre,page", [("pod", (40,), 16), ("batch_pod", (40, 17), 1)])
 def test_pod_suite_inputs_agree_across_our_providers(kind, pre, page):
     """The suite's page tables, contiguous k_p / v_p and mixed plan describe one batch: on the
