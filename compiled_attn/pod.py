@@ -436,9 +436,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             if causal_p and kv_len < qo_len:
                 raise ValueError(f"causal_p=True needs kv_len >= qo_len for the prefill request; "
                                  f"got kv_len={kv_len} < qo_len={qo_len}")
+        traced = V.traced()
         part = self._prefill_part(qo_len, kv_len,
-                                  (nbits + 7) // 8 if packed_p is not None else None,
-                                  mask_p == MASK_CAUSAL)
+                                  (nbits + 7) // 8 if packed_p is not None else None, traced)
 
         # ---- decode part ----------------------------------------------------------------------
         b = p["batch_size"]
@@ -460,21 +460,28 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=(None, p["work_d"]) if part["apart"] else None)
+            apart=((None, p["work_d"]) if not traced and self._launch_apart(
+                qo_len, kv_len, mask_p == MASK_CAUSAL) else None))
 
     run.__doc__ += _RETURN_DOC
 
-    def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, causal: bool):
-        """The prefill request's device tensors and launch choice, made once per (qo_len,
-        kv_len, mask bytes, causal) and kept: plain numbers decide them, and run() then
-        launches no copy for them (the memo keys them by identity). A dict: "table" (qo
-        indptr, kv indptr, one-page table, last page length), "mask_indptr" (or None),
-        "work" (the POD work list with the plan's decodes, p["work_d"]) and "apart"
-        (ops.choose.pod_apart: run the parts as two launches)."""
-        traced = V.traced()  # (a traced graph holds its own; the dict would be a guard)
+    def _launch_apart(self, qo_len: int, kv_len: int, causal: bool) -> bool:
+        """Whether an eager call with this prefill request runs the parts as two launches
+        (ops.choose.pod_apart). Asked at every call, never kept with the part: it reads the
+        launch policy, which a scoped override may change between calls."""
+        p = self._plan
+        return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"])
+
+    def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
+        """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
+        and kept: plain numbers decide them, and run() then launches no copy for them (the
+        memo keys them by identity). A dict: "table" (qo indptr, kv indptr, one-page table,
+        last page length), "mask_indptr" (or None) and "work" (the POD work list with the
+        plan's decodes, p["work_d"]). traced: V.traced() (a traced graph holds its own; the
+        dict would be a guard)."""
         capturing = (not traced and self.device.type == "cuda"
                      and torch.cuda.is_current_stream_capturing())
-        key = (qo_len, kv_len, mask_bytes, causal)
+        key = (qo_len, kv_len, mask_bytes)
         part = None if traced else self._parts.get(key)
         if part is None:
             if not traced and len(self._parts) >= 64:  # an engine's many lengths: start over
@@ -488,9 +495,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                        torch.full((1,), kv_len, dtype=torch.int32, device=dev)),
                 mask_indptr=None if mask_bytes is None else i2 * mask_bytes,
                 work=_pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
-                               p["work_d"]),
-                apart=not traced and _apart(p, _pairs(qo_len, kv_len, causal),
-                                            p["decode_bytes"]))
+                               p["work_d"]))
             # (tensors made while a CUDA graph captures hold their values only in the graph's
             # replays: never kept for eager calls)
             if not traced and not capturing:

@@ -10,8 +10,9 @@
   start their own ranks (tests/test_cp_gpu.py) name their devices themselves.
 - ``--shard I/N`` keeps the I-th of N parts of the selection (by a hash of each test's id), for
   a GPU tier that must be split over several machine calls.
-- The ``pod_launch`` fixture runs a POD test under each launch choice of the policy (one fused
-  launch, or the parts apart: ops.choose.pod_apart) and records which ops the wrapper called.
+- The ``pod_calls`` fixture records the ops the POD wrappers call; ``pod_launch`` runs a POD
+  test under each launch choice of the policy (one fused launch, or the parts apart:
+  ops.choose.pod_apart) with that record.
 - A last garbage collection before the interpreter exits, so that no reference cycle holding
   Triton IR objects (its code generator and builder reference each other) is left for the
   interpreter's teardown, after which Triton's nanobind module prints a page of "leaked
@@ -108,13 +109,11 @@ def pytest_unconfigure(config):
     gc.collect()
 
 
-@pytest.fixture(params=["apart", "fused"])
-def pod_launch(request, monkeypatch):
-    """(launch choice, the names of the ops the POD wrapper called): tests/helpers.py's
-    check_pod_launch reads it."""
+@pytest.fixture
+def pod_calls(monkeypatch):
+    """The names of the ops the POD wrappers call, in order (a spy on compiled_attn.pod's
+    call_op); a test may clear it between calls."""
     import compiled_attn.pod as pod_mod
-    from compiled_attn.ops.policy import override
-    from tests.helpers import POD_LAUNCHES
 
     called = []
     real = pod_mod.call_op
@@ -124,5 +123,15 @@ def pod_launch(request, monkeypatch):
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(pod_mod, "call_op", spy)
+    return called
+
+
+@pytest.fixture(params=["apart", "fused"])
+def pod_launch(request, pod_calls):
+    """(launch choice, the names of the ops the POD wrapper called): tests/helpers.py's
+    check_pod_launch reads it."""
+    from compiled_attn.ops.policy import override
+    from tests.helpers import POD_LAUNCHES
+
     with override(**POD_LAUNCHES[request.param]):
-        yield request.param, called
+        yield request.param, pod_calls

@@ -338,10 +338,33 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, apart):
     w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
            torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
            q_data_type=torch.bfloat16)
-    assert w._prefill_part(qo, qo, None, True)["apart"] is apart
+    assert w._launch_apart(qo, qo, True) is apart
     with override(pod_apart_balance=0.0):
-        w._parts.clear()
-        assert w._prefill_part(qo, qo, None, True)["apart"] is False
+        assert w._launch_apart(qo, qo, True) is False
+
+
+def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):
+    """The launch choice is the policy's at each call: a wrapper that ran a prefill length
+    apart runs it fused under a later override (the prefill part it keeps for that length holds
+    tensors, not the choice)."""
+    from compiled_attn.ops.policy import override
+
+    from .helpers import POD_LAUNCHES
+
+    hq, hkv, d, page, qo = 4, 2, 8, 4, 6
+    cache, kvi, idx, last, _, _ = make_paged(KV_D, hkv, d, d, page)
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    q_p, k_p, v_p = rand(qo, hq, d, seed=1), rand(qo, hkv, d, seed=2), rand(qo, hkv, d, seed=3)
+    q_d = rand(len(KV_D), hq, d, seed=4)
+    outs = {}
+    for kind in ("apart", "fused"):
+        pod_calls.clear()
+        with override(**POD_LAUNCHES[kind]):
+            outs[kind] = w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+        check_pod_launch((kind, pod_calls), True)
+    for a, b in zip(outs["apart"], outs["fused"]):
+        torch.testing.assert_close(a, b)
 
 
 def test_pod_pairs_count_what_the_mask_keeps():
