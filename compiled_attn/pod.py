@@ -71,7 +71,8 @@ class _PODBase(_WrapperBase):
         o = PlanOptions.of_pod(args, self.device.type)
         return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
                     head_dim=o.head_dim_qk, group=o.group,
-                    block_m=block_m_for(o.head_dim_qk, o.head_dim_qk, o.group),
+                    block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
+                                            o.kv_dtype),
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
@@ -144,9 +145,10 @@ class _PODBase(_WrapperBase):
         sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
         decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards. apart: None,
         or the parts' own work lists (work_p, work_d), int32 [W_x, 2], to run them as two
-        launches (ops.choose.pod_apart): the decodes through batch_paged_prefill, the prefill
-        through single_prefill where it is POD's one request with contiguous k / v (dense,
-        work_p None), else batch_paged_prefill."""
+        launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on the plan's
+        tile, the prefill through single_prefill where it is POD's one request with contiguous
+        k / v (dense, work_p None, its own tile), else batch_paged_prefill on its own tile
+        (p["block_m_p"])."""
         v_f, v_t = _split_v_scale(v_scale)
         if apart is None:
             out_p, lse_p, out_d, lse_d = call_op(
@@ -162,7 +164,7 @@ class _PODBase(_WrapperBase):
                 out_p, lse_p = out_p[0], lse_p[0]
             else:
                 out_p, lse_p = call_op("batch_paged_prefill", *part_p, work_p, packed_p,
-                                       mask_indptr_p, p["alibi"], None, p["block_m"],
+                                       mask_indptr_p, p["alibi"], None, p["block_m_p"],
                                        opt_p[0], opt_p[1], 0, opt_p[2], *tail)
             out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
                                    p["alibi"], None, p["block_m"], opt_d[0], opt_d[1], 0,
@@ -546,6 +548,15 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             qo_lens = qo_h[1:] - qo_h[:-1]
             works.append(build_work(qo_lens.tolist(), p["group"], p["block_m"], "cpu",
                                     kv_lens=kv_lens.tolist()))
+            if x == "p":
+                # The prefill's own tile when it runs as a launch of its own (pod_apart): the
+                # fused launch's tile (choose.pod_tile) suits the decodes.
+                p["block_m_p"] = block_m_for(
+                    p["head_dim"], p["head_dim"], p["group"],
+                    int(kv_lens.max()) if kv_lens.numel() else None, True, True,
+                    page_size=page_size, qo_lens=qo_lens.tolist(), kv_dtype=p["kv_dtype"])
+                work_p = build_work(qo_lens.tolist(), p["group"], p["block_m_p"], "cpu",
+                                    kv_lens=kv_lens.tolist())
             p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
                       f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
                       f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
@@ -566,7 +577,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work"] = _pod_work(*works).to(**to)
-        p["work_p"], p["work_d"] = (w.to(**to) for w in works)
+        p["work_p"], p["work_d"] = work_p.to(**to), works[1].to(**to)
         self._set_plan(p)
 
     begin_forward = plan

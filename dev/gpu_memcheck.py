@@ -22,7 +22,8 @@ from compiled_attn.ops import prefill_kernel as K
 from compiled_attn.ops.schedule import build_split_work, build_work
 from compiled_attn.ops.policy import override
 from tests.kernel_cases import check as _check, check_pod as _check_pod
-from tests.kernel_cases import force_kv_path, make_case, one_page_prefill, params, pod_decodes
+from tests.kernel_cases import (force_kv_path, make_case, one_page_prefill, params, pod_decodes,
+                                retile)
 
 _DONE = [0]
 
@@ -190,14 +191,20 @@ def pod():
     # (rows read past kv_len would leave the allocation), a paged prefill with a request
     # without rows, decodes without keys, page-1 decodes (outside the Gluon POD's scope).
     dec_kv = [900, 1, 0, 17, 2049]
-    for gluon in (True, False):
+
+    def tiled(c, qo_lens, kv_lens, block_m):  # the case's work list on another tile height
+        return retile(c, block_m, qo_lens, kv_lens, 4)
+
+    for gluon, bm in ((True, 128), (True, 64), (False, 128)):
         with override(pod_gluon=gluon):
             p = params(ops.MASK_CAUSAL, head_dim=128)
-            check_pod(one_page_prefill(300, 701, 8, 2, seed=60),
-                      pod_decodes(dec_kv, 8, 2, 16, seed=61), p, dict(p, sm_scale=0.07))
-            check_pod(make_case("paged", [300, 0, 129], [700, 6, 129], 8, 2, 128,
-                                dtype=torch.bfloat16, device="cuda", page_size=16, seed=62),
-                      pod_decodes(dec_kv, 8, 2, 16, seed=63), p, p)
+            check_pod(tiled(one_page_prefill(300, 701, 8, 2, seed=60), [300], [701], bm),
+                      tiled(pod_decodes(dec_kv, 8, 2, 16, seed=61), [1] * 5, dec_kv, bm), p,
+                      dict(p, sm_scale=0.07))
+            check_pod(tiled(make_case("paged", [300, 0, 129], [700, 6, 129], 8, 2, 128,
+                                      dtype=torch.bfloat16, device="cuda", page_size=16,
+                                      seed=62), [300, 0, 129], [700, 6, 129], bm),
+                      tiled(pod_decodes(dec_kv, 8, 2, 16, seed=63), [1] * 5, dec_kv, bm), p, p)
     p = params(ops.MASK_CAUSAL, head_dim=128)
     check_pod(one_page_prefill(77, 200, 8, 2, seed=64), pod_decodes(dec_kv, 8, 2, 1, seed=65),
               p, p)

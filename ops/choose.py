@@ -32,8 +32,8 @@ from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_tr
 from . import device as _device
 from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
 from .policy import POLICY
-from .tiles import (GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M, SMALL_PAGE_MAX,
-                    SMALL_PAGE_PAD)
+from .tiles import (DECODE_ROWS, GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M,
+                    SMALL_PAGE_MAX, SMALL_PAGE_PAD)
 
 try:  # the Gluon Hopper kernel (Triton's Gluon dialect): None where this Triton lacks it
     from . import prefill_gluon as _gluon
@@ -147,6 +147,9 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
         return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
     if d > 128 or max_kv_len is None:
         return 128
+    if (gluon_pages and d == 128 and qo_lens is not None and _decode_rows(qo_lens, group_size)
+            and not _gluon.page_gathered(page_size, _gluon.TILES[64, d].block_n, d)):
+        return 64
     if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d].block_n, d)
             and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
         return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
@@ -178,6 +181,12 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int, kv_dtype: torch.dtype | Non
             and _gluon_tiles(dqk, dvo, dev)
             and all(_gluon.page_read(page_size, t[0], dqk)
                     for (_, d), t in _gluon.TILES.items() if d == dqk))
+
+
+def _decode_rows(qo_lens: Sequence[int], group_size: int) -> bool:
+    """Whether every request has at most DECODE_ROWS packed rows (and one has any)."""
+    longest = max((int(n) for n in qo_lens), default=0)
+    return 0 < longest * group_size <= DECODE_ROWS
 
 
 def _fills(qo_lens: Sequence[int], group_size: int, block_m: int, smaller: int) -> bool:
@@ -542,29 +551,49 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
               device: Device | None = None) -> bool:
     """Whether a POD launch runs on the Gluon kernel's persistent work list
     (prefill_gluon.launch_pod) instead of the Triton kernel's POD launch: an eager launch
-    (POLICY.pod_gluon), both parts in the Gluon kernel's scope (_gluon_scope) on its 128-row
-    D 128 tile, the decodes' pages read by TMA boxes, the prefill's too or its cache one page
-    (PODWithPagedKVCacheWrapper's contiguous k_p / v_p: read as rows), one mask for both
-    parts, and Q / O / LSE row strides that the launch specialises alike in both (a stride
-    of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x caches [P, page, Hkv, D]; one_page:
-    one_page_cache of the prefill's cache."""
-    if not (POLICY.pod_gluon and eager_launch()) or INTERPRET or block_m != 128:
+    (POLICY.pod_gluon), both parts in the Gluon kernel's scope (_gluon_scope) on its 64- or
+    128-row D 128 tile (the plan's: pod_tile), the decodes' pages read by TMA boxes, the
+    prefill's too or its cache one page (PODWithPagedKVCacheWrapper's contiguous k_p / v_p:
+    read as rows), one mask for both parts, and Q / O / LSE row strides that the launch
+    specialises alike in both (a stride of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x
+    caches [P, page, Hkv, D]; one_page: one_page_cache of the prefill's cache."""
+    if not (POLICY.pod_gluon and eager_launch()) or INTERPRET or block_m not in (64, 128):
         return False
     dev = device_of(q_p.device) if device is None else device
     d = q_p.shape[-1]
     if d != 128 or q_p.dtype != q_d.dtype or consts_p["MASK_MODE"] != consts_d["MASK_MODE"]:
         return False
-    block_n = _gluon.TILES[128, 128].block_n
+    block_n = _gluon.TILES[block_m, 128].block_n
     for q, k, v, consts, scalars, prefill in ((q_p, k_p, v_p, consts_p, scalars_p, True),
                                               (q_d, k_d, v_d, consts_d, scalars_d, False)):
         page = k.shape[1]
         if prefill and one_page:
             page = block_n  # (scope only: a one-page cache is read as rows)
         if not (_gluon.page_fits(page, block_n, d)
-                and _gluon_scope(KV_PAGED, q, k, v, out_dtype, 128, page, consts, scalars, dev)):
+                and _gluon_scope(KV_PAGED, q, k, v, out_dtype, block_m, page, consts, scalars,
+                                 dev)):
             return False
     pairs = ((q_p.stride(0), q_d.stride(0)), (q_p.stride(1), q_d.stride(1)))
     return all((a == 1) == (b == 1) for a, b in pairs)
+
+
+def pod_tile(head_dim: int, group_size: int, page_size: int,
+             kv_dtype: torch.dtype | None = None, device: Device | None = None) -> int:
+    """The tile height of a POD plan, which both parts share in the fused launch: 64 where the
+    Gluon kernel's POD launch reads the decodes' pages by TMA boxes (its 64-row tile runs two
+    programs a SM: the decode items stream twice the K/V that the 128-row ping-pong tile's one
+    program did, and the prefill's tiles fill in between; benchmarks/NOTES.md, 2026-11-28,
+    POD on the 64-row tile), else ``tile``'s height for any length. kv_dtype None: fp16 /
+    bf16; device None: the current CUDA device."""
+    if INTERPRET:
+        return 64
+    dev = _plan_device() if device is None else device
+    t64 = _gluon.TILES.get((64, head_dim)) if _gluon is not None else None
+    if (POLICY.pod_gluon and t64 is not None and head_dim == 128
+            and _gluon_pages(page_size, head_dim, head_dim, kv_dtype, dev)
+            and _gluon.page_fits(page_size, t64.block_n, head_dim)):
+        return 64
+    return tile(head_dim, head_dim, group_size, device=dev)
 
 
 def pod_apart(prefill_flops: float, decode_bytes: float) -> bool:

@@ -14,6 +14,11 @@ from __future__ import annotations
 # benchmarks/NOTES.md (2026-11-22: tile sweeps, small-page tiles; 2026-11-23: ping-pong tiles;
 # 2026-11-24: gathered pages). The interpreter has no per-program setup to amortise: it reads
 # K/V through descriptors at any length (POLICY.tma_min_kv is 0 there), so CI runs that path.
+# Decode rows (every request at most DECODE_ROWS packed rows: qo_len x group) on pages the Gluon
+# kernel reads by TMA boxes take 64-row tiles at any key length: two programs a SM stream K/V
+# where one 128-row ping-pong program computed a half-empty tile (benchmarks/NOTES.md,
+# 2026-11-28, decode rows against the copy ceiling).
+DECODE_ROWS = 64
 SHORT_KV = 4096
 GLUON_SHORT_KV = 1024
 GATHER_MIN_KV = 512

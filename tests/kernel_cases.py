@@ -307,6 +307,14 @@ def one_page_prefill(qo_len, kv_len, hq, hkv, dqk=128, *, dtype=torch.bfloat16, 
     return c
 
 
+def retile(c: Case, block_m: int, qo_lens, kv_lens, group: int) -> Case:
+    """c with its work list rebuilt for tiles of block_m packed rows (the lengths it was made
+    with); returns c."""
+    c.block_m = block_m
+    c.work = build_work(qo_lens, group, block_m, c.q.device, kv_lens=kv_lens)
+    return c
+
+
 def pod_decodes(kv_lens, hq, hkv, page, dqk=128, *, dtype=torch.bfloat16, device="cuda",
                 seed=0) -> Case:
     """A paged batch of one-row requests (POD's decode part) with kv_lens keys each."""

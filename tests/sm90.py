@@ -213,16 +213,16 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
     return src, opts, facts
 
 
-def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128):
+def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
     """_gluon_pod_fwd's compile for sm_90 as prefill_gluon.launch_pod would set it up on the
-    128-row tile TILES[128, d], bf16: the prefill part's pages of page_p keys (0: the one-page
+    tile TILES[block_m, d], bf16: the prefill part's pages of page_p keys (0: the one-page
     cache read as contiguous rows), the decodes' of page_d. Returns (source, options)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from compiled_attn.ops import prefill_gluon as G
 
-    tile = G.TILES[128, d]
+    tile = G.TILES[block_m, d]
     fn = G._gluon_pod_fwd
 
     def desc(page):
@@ -234,7 +234,7 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128):
     consts = dict(PAGED=G.PAGED_BOXES.value if page_p else 0, PAGE=page_p,
                   BOXES=G.pod_boxes(page_p, tile.block_n), PAGED_D=G.PAGED_BOXES.value,
                   PAGE_D=page_d, BOXES_D=G.pod_boxes(page_d, tile.block_n), GROUP=group,
-                  CAUSAL=causal, BLOCK_M=128, BLOCK_N=tile.block_n, D=d, STAGES=tile.stages,
+                  CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=tile.block_n, D=d, STAGES=tile.stages,
                   PINGPONG=tile.pingpong, GROUP_REGS=G.PINGPONG_REGS,
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
     types = {}

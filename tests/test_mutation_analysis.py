@@ -198,11 +198,14 @@ def test_row_max_and_skip_compile_for_sm90(case, launches):
 SM90_SHARED = 232448
 
 
-@pytest.mark.parametrize("d", [256, 512])
-def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
+@pytest.mark.parametrize("d,block_m", [(256, None), (512, None), (128, 64), (128, 128)])
+def test_pod_fits_sm90_shared_memory(d, block_m, launches, monkeypatch):
     """POD holds both parts' K/V pipelines in one kernel: at D 512, as the GPU specializes the
-    launch, two 32-key stages per part needed 320 KB (choose.choose's POD rule)."""
+    launch, two 32-key stages per part needed 320 KB (choose.choose's POD rule). At D 128 the
+    Triton POD launch (here with the Gluon one switched off) on both tile heights a POD plan
+    takes (choose.pod_tile: 64 where the Gluon launch would read the pages)."""
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+    monkeypatch.setattr(choose.POLICY, "pod_gluon", False)
 
     def paged(qo):
         (kc, vc), page_indptr, indices, last, _, _ = make_paged(qo, 2, d, d, 16, fmt="4d",
@@ -210,9 +213,10 @@ def test_pod_fits_sm90_shared_memory(d, launches, monkeypatch):
         return rand(sum(qo), 8, d, dtype=F16), kc, vc, indptr(qo), page_indptr, indices, last
 
     K.launch_pod(*paged([300, 0, 129]), *paged([1] * 6), torch.zeros(6, 3, dtype=torch.int32),
-                 None, None, None, choose.tile(d, d, 4), params(d=d),
+                 None, None, None, block_m or choose.tile(d, d, 4), params(d=d),
                  params(C.MASK_NONE, d=d))
     (fn, args, kw), = launches
+    assert fn is K._pod_fwd
     assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED
 
 

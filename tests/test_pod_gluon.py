@@ -28,23 +28,25 @@ BF16 = torch.bfloat16
 SM90_SHARED = 232448  # sm_90's opt-in shared memory per block
 
 
-@pytest.mark.parametrize("page_p,page_d,causal", [(0, 16, True), (16, 16, True), (0, 8, False),
-                                                  (0, 128, True), (128, 16, False)])
-def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal):
+@pytest.mark.parametrize("page_p,page_d,causal,block_m", [
+    (0, 16, True, 128), (16, 16, True, 128), (0, 8, False, 128), (0, 128, True, 128),
+    (128, 16, False, 128), (0, 16, True, 64), (16, 16, False, 64)])
+def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal, block_m):
     import triton
 
     from .sm90 import gluon_pod_source, target
 
-    src, opts = gluon_pod_source(page_p, page_d, causal)
+    src, opts = gluon_pod_source(page_p, page_d, causal, block_m=block_m)
     k = triton.compile(src, target=target(), options=opts)
     ptx = k.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx
     # persistent, warp-specialized: items from a global counter, the load warp's registers
-    # given back, the compute warps' raised (two ping-pong groups)
+    # given back, the compute warps' raised (two ping-pong groups, or the 64-row tile's one)
     assert "atom.global" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    # both parts' K / V boxes: a box a page where pages are smaller than the 128-key tile
-    boxes = sum(128 // p if 0 < p < 128 else 1 for p in (page_p, page_d))
+    # both parts' K / V boxes: a box a page where pages are smaller than the key tile
+    n = G.TILES[block_m, 128].block_n
+    boxes = sum(n // p if 0 < p < n else 1 for p in (page_p, page_d))
     assert ptx.count("cp.async.bulk.tensor") >= 2 * boxes
     # one set of rings for both parts: the shared memory of one part's launch
     assert k.metadata.shared <= SM90_SHARED
@@ -87,9 +89,31 @@ def test_pod_gluon_decision_in_scope():
     dict(decode=_part(6, 40, 12)),  # a page neither dividing nor holding whole tiles
     dict(prefill=_part(300, 1, 700, d=64), decode=_part(6, 40, 16, d=64)),  # D 64
     dict(decode=_part(6, 40, 16, dtype=torch.float16)),  # q dtypes differ
-    dict(block_m=64)], ids=str)
+    dict(block_m=256)], ids=str)
 def test_pod_gluon_decision_out_of_scope(why):
     assert not _decide(**why)
+
+
+def test_pod_gluon_decision_on_the_64_row_tile():
+    # the plan's tile (choose.pod_tile): 64 rows where the decodes' pages take TMA boxes
+    assert _decide(block_m=64) and _decide(decode=_part(6, 40, 8), block_m=64)
+    assert not _decide(decode=_part(6, 40, 1), block_m=64)
+
+
+def test_pod_plan_tile(monkeypatch):
+    # POD plans take the 64-row tile where the Gluon POD launch reads the decodes' pages by
+    # boxes; gathered pages, fp8 K/V, D 64 and the policy switch keep the 128-row tile
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    def tile(page, d=128, **kw):
+        return choose.pod_tile(d, 4, page, device=choose.H100, **kw)
+
+    assert tile(16) == tile(8) == tile(64) == tile(128) == 64
+    assert tile(1) == tile(4) == tile(16, kv_dtype=torch.float8_e4m3fn) == tile(16, d=64) == 128
+    with override(pod_gluon=False):
+        assert tile(16) == 128
+    with override(use_gluon=False):
+        assert tile(16) == 128
+    assert choose.pod_tile(128, 4, 16, device=choose.Device("cuda", 8, 108)) == 128
 
 
 def test_pod_gluon_decision_policy_switch():

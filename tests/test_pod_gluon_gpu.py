@@ -15,7 +15,8 @@ import compiled_attn
 from compiled_attn import ops
 from compiled_attn.ops import prefill_gluon
 from compiled_attn.ops.policy import override
-from tests.kernel_cases import check_pod, make_case, one_page_prefill, params, pod_decodes
+from tests.kernel_cases import (check_pod, make_case, one_page_prefill, params, pod_decodes,
+                                retile)
 from tests.helpers import POD_LAUNCHES
 
 pytestmark = [
@@ -45,23 +46,31 @@ def gluon_pods(monkeypatch):
 DECODE_KV = [900, 1, 33, 0, 17, 2049, 128, 4096]
 
 
+@pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("mask", [ops.MASK_CAUSAL, ops.MASK_NONE], ids=["causal", "nomask"])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (14, 2)], ids=["gqa4", "gqa7"])
 @pytest.mark.parametrize("page", [8, 16, 128])
-def test_pod_one_page_prefill(mask, hq, hkv, page, gluon_pods):
-    pre = one_page_prefill(300, 701, hq, hkv, seed=page + hq)
-    dec = pod_decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1)
+def test_pod_one_page_prefill(mask, hq, hkv, page, block_m, gluon_pods):
+    # both tile heights: the plans' (choose.pod_tile: 64 rows where the decodes' pages take
+    # boxes) and the 128-row ping-pong tile
+    g = hq // hkv
+    pre = retile(one_page_prefill(300, 701, hq, hkv, seed=page + hq), block_m, [300], [701], g)
+    dec = retile(pod_decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1), block_m,
+                 [1] * len(DECODE_KV), DECODE_KV, g)
     p_pre = params(mask, head_dim=D)
     check_pod(pre, dec, p_pre, dict(p_pre, sm_scale=0.07))
     assert gluon_pods, "the launch did not take the Gluon kernel"
 
 
+@pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("page_p,page_d", [(16, 16), (128, 16), (16, 8)])
-def test_pod_paged_prefill(page_p, page_d, gluon_pods):
+def test_pod_paged_prefill(page_p, page_d, block_m, gluon_pods):
     # BatchPOD's parts: a paged prefill batch (a request without rows, odd lengths, qo < kv)
-    pre = make_case("paged", [300, 0, 129, 5], [700, 6, 129, 5], 8, 2, D, dtype=BF16,
-                    device="cuda", page_size=page_p, seed=3)
-    dec = pod_decodes(DECODE_KV, 8, 2, page_d, seed=4)
+    qo, kv = [300, 0, 129, 5], [700, 6, 129, 5]
+    pre = retile(make_case("paged", qo, kv, 8, 2, D, dtype=BF16, device="cuda",
+                           page_size=page_p, seed=3), block_m, qo, kv, 4)
+    dec = retile(pod_decodes(DECODE_KV, 8, 2, page_d, seed=4), block_m, [1] * len(DECODE_KV),
+                 DECODE_KV, 4)
     p = params(ops.MASK_CAUSAL, head_dim=D)
     check_pod(pre, dec, p, p)
     assert gluon_pods

@@ -216,6 +216,27 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
     assert tile(16, kv=2048) == 128 and full(8) == full(1) == K.SMALL_PAGE_BLOCK_M
 
 
+def test_decode_rows_take_64_row_tiles(monkeypatch):
+    # Requests of at most DECODE_ROWS packed rows (decodes, short speculative rows) on pages
+    # read by TMA boxes take 64-row tiles at any key length; longer requests, gathered pages,
+    # CUDA-graph plans (no longest key length), fp8 K/V and the Triton kernel keep theirs.
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
+
+    def tile(qo, g=4, page=16, kv=32768, **kw):
+        return choose.tile(128, 128, g, kv, False, True, page_size=page, qo_lens=qo, **kw)
+
+    assert tile([1] * 128) == tile([1], g=8) == tile([1] * 3, g=1) == tile([16, 1]) == 64
+    assert tile([1] * 128, page=64) == tile([8, 0], g=8) == 64
+    assert tile([17, 1]) == tile([1, 2048]) == tile([]) == tile([0, 0]) == 128
+    assert tile([1] * 128, page=1) == tile([1] * 128, page=4) == 128  # gathered
+    assert tile([1] * 128, kv_dtype=torch.float8_e4m3fn) == 128
+    assert choose.tile(128, 128, 4, None, False, True, page_size=16, qo_lens=[1] * 8) == 128
+    assert choose.tile(64, 64, 4, 32768, False, True, page_size=16, qo_lens=[1] * 8) == 128
+    monkeypatch.setattr(POLICY, "use_gluon", False)
+    assert tile([1] * 128) == 128
+
+
 def test_gluon_short_kv_bound(monkeypatch):
     # Eager D 128 launches on Hopper (the Gluon kernel) take 128-row ping-pong tiles beyond
     # GLUON_SHORT_KV causal keys (half that without a mask); elsewhere SHORT_KV holds.

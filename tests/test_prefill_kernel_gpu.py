@@ -170,6 +170,25 @@ def test_small_page_256_row_tiles(feature, page, monkeypatch):
     _check(f"page{page}_{feature}", c, FEATURES.get(feature) or SMALL_PAGE_EXTRA[feature])
 
 
+# Decode rows (ops.tiles.DECODE_ROWS): one-row requests (and a two-row one) with long, odd,
+# one-key and empty key ranges take 64-row tiles on pages read by TMA boxes.
+DECODE = [(32, 8, 16, "NHD", torch.bfloat16), (7, 1, 16, "NHD", torch.float16),
+          (64, 8, 8, "HND", torch.bfloat16), (8, 8, 64, "NHD", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("hq,hkv,page,layout,dt", DECODE)
+def test_decode_rows_64_row_tiles(hq, hkv, page, layout, dt):
+    qo = [1, 1, 2, 1, 1, 0, 1]
+    kv = [5000, 1, 2049, 0, 777, 40, 16]
+    c = make_case("paged", qo, kv, hq=hq, hkv=hkv, dqk=128, dtype=dt, device="cuda",
+                  page_size=page, layout=layout, seed=hq + page)
+    c.block_m = block_m_for(128, 128, hq // hkv, max(kv), False, True, page_size=page,
+                            qo_lens=qo, kv_dtype=c.k.dtype)
+    assert c.block_m == 64
+    c.work = build_work(qo, hq // hkv, c.block_m, "cuda", kv_lens=kv)
+    _check("decode", c, params(mask_mode=ops.MASK_NONE, head_dim=128))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("kind", ["paged", "ragged"])

@@ -1,0 +1,268 @@
+"""Decode rows against the copy ceiling (dev probe, GPU): batches of one-row requests through
+BatchPrefillWithPagedKVCacheWrapper (NHD pages, shuffled), beside a device copy of the same K/V
+bytes and FlashInfer's BatchDecodeWithPagedKVCacheWrapper (CUDA cores and tensor cores) where it
+imports; and, on the first cases, the Gluon kernel's tile variants (prefill_gluon.TILES replaced
+for the plan and the launch). Timed as CUDA graph replays of one call (the copy eagerly), interleaved rounds,
+medians in microseconds; decode/copy is K/V bytes read per second over the copy's
+(read + write) bytes per second.
+
+    python -m dev.decode_probe [--rounds 5] [--variants-only] [--out FILE.json]
+    python -m dev.decode_probe --plot FILE.json     (a PNG beside it; no GPU needed)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import torch
+
+D = 128
+# (requests, kv, page, Hq, Hkv): the issue's grid in miniature
+CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
+         (256, 4096, 16, 32, 8), (1, 32768, 16, 32, 8), (32, 512, 16, 32, 8),
+         (128, 4096, 1, 32, 8), (128, 4096, 16, 64, 8), (128, 4096, 16, 8, 8)]
+VARIANT_CASES = 2  # the first cases also run the tile variants
+
+
+def _variants():
+    from compiled_attn.ops import prefill_gluon as g
+
+    t = g.TILES[128, 128]
+    return {
+        "default": {},
+        "tile128": "tile128",  # decode rows on the 128-row ping-pong tile (before 2026-11-28)
+        "tile128 st3": ("tile128", {(128, 128): t._replace(stages=3)}),
+        "tile64 st3": {(64, 128): g.TILES[64, 128]._replace(stages=3)},
+    }
+
+
+@contextlib.contextmanager
+def _variant(v):
+    from compiled_attn.ops import choose, policy
+    from compiled_attn.ops import prefill_gluon as g
+
+    saved_tiles, saved_rows = dict(g.TILES), choose.DECODE_ROWS
+    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) else {})
+    try:
+        g.TILES.update(tiles)
+        if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
+            choose.DECODE_ROWS = 0
+        policy.touch()
+        yield
+    finally:
+        g.TILES.clear()
+        g.TILES.update(saved_tiles)
+        choose.DECODE_ROWS = saved_rows
+        policy.touch()
+
+
+def _inputs(case, dev):
+    b, kv, page, hq, hkv = case
+    npg = -(-kv // page)
+    gcpu = torch.Generator().manual_seed(0)
+    cache = torch.randn(b * npg, 2, page, hkv, D, device=dev, dtype=torch.bfloat16)
+    idx = torch.randperm(b * npg, generator=gcpu).to(torch.int32).to(dev)
+    indptr = (torch.arange(b + 1, dtype=torch.int32) * npg).to(dev)
+    last = torch.full((b,), kv - (npg - 1) * page, dtype=torch.int32, device=dev)
+    q = torch.randn(b, hq, D, device=dev, dtype=torch.bfloat16)
+    qo = torch.arange(b + 1, dtype=torch.int32, device=dev)
+    nbytes = b * npg * page * hkv * D * 2 * 2
+    n = min(nbytes, 8 << 30) // 2
+    src = cache.view(-1)[:n]
+    return dict(cache=cache, idx=idx, indptr=indptr, last=last, q=q, qo=qo, nbytes=nbytes,
+                src=src, dst=torch.empty_like(src))
+
+
+def _ours(case, x, variant):
+    import compiled_attn as ca
+
+    b, kv, page, hq, hkv = case
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
+    with _variant(variant):
+        w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w.plan(x["qo"], x["indptr"], x["idx"], x["last"], hq, hkv, D, page, causal=False,
+               q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        out = w.run(x["q"], x["cache"])
+        torch.cuda.synchronize()
+        info = f"block_m {w._plan.block_m}"
+        return (lambda: w.run(x["q"], x["cache"])), out, info
+
+
+def _fi(case, x, tensor_cores):
+    import flashinfer
+
+    b, kv, page, hq, hkv = case
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(x["indptr"], x["idx"], x["last"], hq, hkv, D, page, q_data_type=torch.bfloat16,
+           kv_data_type=torch.bfloat16)
+    out = w.run(x["q"], x["cache"])
+    torch.cuda.synchronize()
+    return (lambda: w.run(x["q"], x["cache"])), out
+
+
+def _graph(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def _time(replays: dict, rounds: int, est_us: float) -> dict:
+    iters = max(5, min(200, int(30e3 / max(est_us, 1.0))))
+    times = {k: [] for k in replays}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for r in range(rounds):
+        order = list(replays)
+        if r % 2:
+            order.reverse()
+        for k in order:
+            f = replays[k]
+            for _ in range(3):
+                f()
+            ev[0].record()
+            for _ in range(iters):
+                f()
+            ev[1].record()
+            ev[1].synchronize()
+            times[k].append(ev[0].elapsed_time(ev[1]) * 1e3 / iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def plot(path: str) -> str:
+    """Bars of decode/copy per case for each provider of a results JSON; returns the PNG's
+    path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.load(open(path))
+    rows = [r for r in doc["rows"] if r.get("over_copy")]
+    cases = list(dict.fromkeys(tuple(r["case"]) for r in rows))
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    w = 0.8 / len(provs)
+    for j, prov in enumerate(provs):
+        ys = [next((r["over_copy"] for r in rows if tuple(r["case"]) == c
+                    and r["provider"] == prov), 0.0) for c in cases]
+        ax.bar([i + j * w for i in range(len(cases))], ys, w, label=prov)
+    ax.axhline(0.95, color="k", lw=0.8, ls="--")
+    ax.set_xticks([i + 0.4 - w / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"B{b} kv{kv}\npage{pg} g{hq}/{hkv}" for b, kv, pg, hq, hkv in cases],
+                       fontsize=7)
+    ax.set_ylabel("K/V bytes/s over the copy's")
+    ax.set_title(f"Decode rows against a device copy ({doc['gpu']}, torch {doc['torch']})")
+    ax.legend(fontsize=7)
+    out = str(path).rsplit(".", 1)[0] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants-only", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--fi-tc", action="store_true", help="also FlashInfer's tensor-core decode "
+                    "(a JIT build on a cold machine)")
+    ap.add_argument("--budget-s", type=float, default=500.0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default=None, help="comma-separated variant names (default: "
+                    "all on the first cases); a fault in one kernel poisons the process, so a "
+                    "driver may run each in its own")
+    ap.add_argument("--cases", default=None, help="comma-separated indices into CASES")
+    ap.add_argument("--plot", default=None, help="plot this results JSON and exit")
+    args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
+    dev = torch.device("cuda")
+    t0 = time.time()
+    rows = []
+    idx = ([int(i) for i in args.cases.split(",")] if args.cases
+           else range(VARIANT_CASES if args.variants_only else len(CASES)))
+    for ci, case in ((i, CASES[i]) for i in idx):
+        if time.time() - t0 > args.budget_s:
+            print(f"budget spent; not run: {case}", flush=True)
+            continue
+        print(f"[{time.time() - t0:.0f} s] case {case}", flush=True)
+        x = _inputs(case, dev)
+        replays, notes, outs, keep = {}, {}, {}, []
+        variants = _variants()
+        if ci >= VARIANT_CASES:
+            variants = {k: variants[k] for k in ("default", "tile128")}
+        if args.variants:
+            variants = {k: v for k, v in _variants().items() if k in args.variants.split(",")}
+        for name, v in variants.items():
+            try:
+                fn, out, info = _ours(case, x, v)
+                outs[name] = out
+                notes[name] = info
+                keep.append(fn)  # a graph's replay does not keep the plan's tensors alive
+                with _variant(v):
+                    replays["ours " + name] = _graph(fn)
+            except Exception as e:  # noqa: BLE001
+                notes[name] = f"{type(e).__name__}: {str(e)[:160]}"
+        if not args.no_flashinfer:
+            for tc in ((False, True) if args.fi_tc else (False,)):
+                name = f"fi decode{' tc' if tc else ''}"
+                try:
+                    fn, out = _fi(case, x, tc)
+                    outs[name] = out
+                    keep.append(fn)
+                    replays[name] = _graph(fn)
+                except Exception as e:  # noqa: BLE001
+                    notes[name] = f"{type(e).__name__}: {str(e)[:160]}"
+        src, dst = x["src"], x["dst"]
+        # eager: a captured copy replays ~1.5x slower than the eager call (H200, 2026-11-28)
+        replays["copy"] = lambda: dst.copy_(src)
+        for k, f in list(replays.items()):  # a faulting replay stops here, named
+            f()
+            torch.cuda.synchronize()
+            print(f"  replayed {k}", flush=True)
+        est = x["nbytes"] / 3.5e12 * 1e6
+        med = _time(replays, args.rounds, est)
+        ref = outs.get("default")
+        copy_rate = 2 * x["src"].numel() * 2 / (med["copy"] * 1e-6)
+        for k, us in med.items():
+            name = k[5:] if k.startswith("ours ") else k
+            row = dict(case=list(case), provider=k, us=us, note=notes.get(name, ""))
+            if k != "copy":
+                rate = x["nbytes"] / (us * 1e-6)
+                row.update(tbs=rate / 1e12, over_copy=rate / copy_rate)
+                o = outs.get(name)
+                if ref is not None and o is not None:
+                    row["max_diff_vs_default"] = float((o.float() - ref.float()).abs().max())
+            rows.append(row)
+        for name, why in notes.items():
+            if "Error" in why:
+                rows.append(dict(case=list(case), provider=name, us=None, note=why))
+        del x, replays, outs, keep
+        torch.cuda.empty_cache()
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                               rows=rows), f, indent=1)
+    print(f"{'case (B, kv, page, Hq, Hkv)':<28} {'provider':<18} {'us':>9} {'TB/s':>6} "
+          f"{'/copy':>6} {'diff':>8}  note")
+    for r in rows:
+        us = "-" if r["us"] is None else f"{r['us']:.1f}"
+        print(f"{str(tuple(r['case'])):<28} {r['provider']:<18} {us:>9} "
+              f"{r.get('tbs', 0):6.2f} {r.get('over_copy', 0):6.3f} "
+              f"{r.get('max_diff_vs_default', float('nan')):8.1e}  {r['note']}")
+
+
+if __name__ == "__main__":
+    main()
