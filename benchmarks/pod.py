@@ -29,7 +29,8 @@ Run on the GPU machine: ``python -m benchmarks.pod --out benchmarks/results/pod_
 --budget-s bounds the run, later cases are recorded "unavailable"). A plot goes beside the JSON.
 The JSON is rewritten after every case, so a run stopped from outside keeps the cases it timed
 (the rest say "not reached"). On a cold machine the first case spends minutes compiling kernels
-(benchmarks/NOTES.md); --only runs one case.
+(benchmarks/NOTES.md); each case prints where its time goes (plans, first calls, timing) as
+it goes; --only runs one case.
 """
 
 from __future__ import annotations
@@ -376,6 +377,11 @@ def run_case(case: PodCase, args) -> list[dict]:
 
     dev = torch.device("cuda")
     res: dict = {}
+    t0 = time.monotonic()
+
+    def say(what: str) -> None:  # where a case's time goes (compiles, JIT builds), as it goes
+        print(f"    [{time.monotonic() - t0:5.0f} s] {what}", flush=True)
+
     try:
         x = make_inputs(case, dev)
     except Exception as e:  # noqa: BLE001
@@ -388,6 +394,7 @@ def run_case(case: PodCase, args) -> list[dict]:
         for p in PROVIDERS:
             if p.startswith("ours_"):
                 calls[p] = _err(e)
+    say("inputs made, our plans built")
     if args.no_flashinfer:
         calls.update({p: "skipped: --no-flashinfer" for p in PROVIDERS if p.startswith("fi_")})
     else:
@@ -402,8 +409,10 @@ def run_case(case: PodCase, args) -> list[dict]:
         except Exception as e:  # noqa: BLE001
             text = why if flashinfer is None else _err(e)
             calls.update({p: text for p in PROVIDERS if p.startswith("fi_")})
+        say("FlashInfer's plans built")
     calls["copy"] = lambda: x["copy_dst"].copy_(x["copy_src"])
     diff = _max_diff(calls) if callable(calls.get("ours_pod")) else None
+    say("POD checked against its parts")
     runners, keys = [], []
     for prov in providers_for(case):
         fn = calls.get(prov, "unavailable: not built")
@@ -424,8 +433,10 @@ def run_case(case: PodCase, args) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 res[prov, mode] = _err(e)
                 torch.cuda.synchronize()
+            say(f"{prov} {mode}: first call done")
     for key, t in zip(keys, bench(runners, args.warmup_ms, args.rep_ms, True, args.rounds)):
         res[key] = t.median_ms * 1e3 if t.error is None else _err(t.error)
+    say("timed")
     for prov in providers_for(case):
         e, g = res.get((prov, "eager")), res.get((prov, "graph"))
         if isinstance(e, float) and isinstance(g, float) and e > 50 and g < 0.2 * e:
