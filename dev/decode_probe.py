@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from tests.kernel_cases import capture_graph
+
 D = 128
 # (requests, kv, page, Hq, Hkv): the grid in miniature
 CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
@@ -103,19 +105,6 @@ def _fi(case, x, tensor_cores):
     out = w.run(x["q"], x["cache"])
     torch.cuda.synchronize()
     return (lambda: w.run(x["q"], x["cache"])), out
-
-
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def _time(replays: dict, rounds: int, est_us: float) -> dict:
@@ -212,7 +201,7 @@ def main(argv=None) -> None:
                 notes[name] = info
                 keep.append(fn)  # a graph's replay does not keep the plan's tensors alive
                 with _variant(v):
-                    replays["ours " + name] = _graph(fn)
+                    replays["ours " + name] = capture_graph(fn)[0].replay
             except Exception as e:  # noqa: BLE001
                 notes[name] = f"{type(e).__name__}: {str(e)[:160]}"
         if not args.no_flashinfer:
@@ -222,7 +211,7 @@ def main(argv=None) -> None:
                     fn, out = _fi(case, x, tc)
                     outs[name] = out
                     keep.append(fn)
-                    replays[name] = _graph(fn)
+                    replays[name] = capture_graph(fn)[0].replay
                 except Exception as e:  # noqa: BLE001
                     notes[name] = f"{type(e).__name__}: {str(e)[:160]}"
         src, dst = x["src"], x["dst"]

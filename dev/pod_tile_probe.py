@@ -18,6 +18,7 @@ import statistics
 import torch
 
 from benchmarks import pod as suite
+from tests.kernel_cases import capture_graph
 
 CASES = [suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
          suite.PodCase("pod", (256,), 128, 32768, 32, 8, 16),
@@ -48,19 +49,6 @@ def _fused64():
     finally:
         pod.block_m_for, choose.pod_gluon = saved_bm, saved_pg
         policy.touch()
-
-
-def _graph(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 def main(argv=None) -> None:
@@ -103,16 +91,16 @@ def main(argv=None) -> None:
                     "pod apart": dict(pod_apart_balance=1e30, pod_apart_min_bytes=0.0)}
         graphs, outs, keep = {}, {}, []
         for name, fn in calls.items():
-            graphs[name], outs[name] = _graph(fn)
+            graphs[name], outs[name] = capture_graph(fn)
         for name, s in settings.items():
             fn = pod_wrapper()
             with override(**s):
-                graphs[name], outs[name] = _graph(fn)
+                graphs[name], outs[name] = capture_graph(fn)
             keep.append(fn)  # a graph's replay does not keep the wrapper's plan alive
         if args.fused64:
             with _fused64():
                 fn = pod_wrapper()
-                graphs["fused64"], outs["fused64"] = _graph(fn)
+                graphs["fused64"], outs["fused64"] = capture_graph(fn)
             keep.append(fn)
         for g in graphs.values():
             g.replay()
