@@ -29,6 +29,7 @@ from . import _validate as V
 from ._plan_options import PlanOptions, scalar_options
 from .op_call import bound_run, call_op
 from .ops.launch import LaunchCache, Memo
+from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .ops.schedule import block_m_for, build_split_work, build_work
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
@@ -408,6 +409,8 @@ class _BatchPrefillBase(_WrapperBase):
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
         self._max_total_rows: int | None = None
+        # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan
+        self._graph_tile: tuple | None = None
         if not self._use_cuda_graph:
             return
         # CUDA-graph mode: plan() copies into these fixed buffers; run() passes them to the op.
@@ -471,14 +474,23 @@ class _BatchPrefillBase(_WrapperBase):
         qo_lens = qo_h[1:] - qo_h[:-1]
         _check_length_hints(args, qo_lens, kv_lens)
         mask_mode, packed, mask_indptr = _plan_mask(args, qo_lens, kv_lens)
-        # CUDA-graph plans keep one tile height for every re-plan (the captured launch is fixed);
-        # so do fixed-split plans, whose tiles must not depend on the rest of the batch.
+        # CUDA-graph plans keep the first plan's tile height for every re-plan (the captured
+        # launch is fixed): the one for any key length, or (POLICY.graph_decode_tile) decode
+        # rows' where the first plan's requests are decode rows. Fixed-split plans take the
+        # tile for any batch: a request's tiles must not depend on the rest of the batch.
         b = qo_h.numel() - 1
         max_kv = None if self._use_cuda_graph or fixed or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
-        block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
-                              mask_mode != MASK_NONE, paged, page_size=page_size,
-                              qo_lens=qo_list, kv_dtype=opts.kv_dtype)
+        shape_key = (opts.group, opts.head_dim_qk, opts.head_dim_vo)
+        if self._use_cuda_graph and self._graph_tile and self._graph_tile[0] == shape_key:
+            block_m = self._graph_tile[1]
+        else:
+            rows = not fixed and (POLICY.graph_decode_tile or not self._use_cuda_graph)
+            block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
+                                  mask_mode != MASK_NONE, paged, page_size=page_size,
+                                  qo_lens=qo_list if rows else None, kv_dtype=opts.kv_dtype)
+            if self._use_cuda_graph and self._graph_tile is None:
+                self._graph_tile = (shape_key, block_m)
         work = build_work(qo_list, opts.group, block_m, "cpu", kv_lens=kv_lens.tolist())
         non_blocking = args["non_blocking"]
         if self._use_cuda_graph:

@@ -133,7 +133,9 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
     page_size: the paged cache's page size (0: unknown or not paged); qo_lens: each request's
     query rows as the work list tiles them (None: unknown); kv_dtype: the K/V dtype (None:
     fp16 / bf16; fp8 K/V never take the Gluon kernel, so their small pages keep 256-row
-    tiles); device: the device planned for (None: the current CUDA device, if any)."""
+    tiles); device: the device planned for (None: the current CUDA device, if any). Decode
+    rows (every request at most DECODE_ROWS packed rows) on pages the Gluon kernel reads by
+    boxes take 64-row tiles whether max_kv_len is known or not."""
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
@@ -145,11 +147,12 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
         return SMALL_PAGE_BLOCK_M
     if d > 256:
         return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
-    if d > 128 or max_kv_len is None:
-        return 128
+    # decode rows: whatever the key lengths (known or not, as in a CUDA-graph plan)
     if (gluon_pages and d == 128 and qo_lens is not None and _decode_rows(qo_lens, group_size)
             and not _gluon.page_gathered(page_size, _gluon.TILES[64, d].block_n, d)):
         return 64
+    if d > 128 or max_kv_len is None:
+        return 128
     if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d].block_n, d)
             and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
         return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)

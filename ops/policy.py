@@ -59,6 +59,10 @@ class Policy:
         # calls fewer per call of the 3-D entry point). Off until timed: benchmarks/NOTES.md,
         # 2026-11-28, and `python -m dev.compiled_host_probe`.
         self.traced_unbatched = False
+        # CUDA-graph plans whose first plan is decode rows take the 64-row tile (choose.tile's
+        # decode rows) and keep it for every re-plan. Off until the GPU tier has run it
+        # (tests/test_api_gpu.py, the decode graph replay): eager plans of decode rows take it.
+        self.graph_decode_tile = False
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

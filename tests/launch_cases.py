@@ -164,9 +164,11 @@ def observe(case: dict) -> dict:
         if block_m:
             qo, kv = LENGTHS[case["kv"]]
             result["plan_block_m"] = block_m
+            # as a CUDA-graph plan asks (its rows only with the policy's graph_decode_tile)
             result["graph_block_m"] = choose.tile(
                 case["d"], case["d"], case["gqa"], None, case["mask"] != "none",
-                case["kind"] == "paged", page_size=case["page"], qo_lens=[qo, qo // 2],
+                case["kind"] == "paged", page_size=case["page"],
+                qo_lens=[qo, qo // 2] if choose.POLICY.graph_decode_tile else None,
                 kv_dtype=DTYPES[case["dtype"]])
         result["eager_gluon"] = traced_opaque
         return result

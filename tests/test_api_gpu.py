@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compiled_attn
+from compiled_attn.ops.policy import POLICY
 from tests.kernel_cases import capture_graph
 
 pytestmark = [
@@ -35,7 +36,17 @@ def _close(gpu, cpu):
     assert err < TOL, err
 
 
-def test_paged_wrapper_cuda_graph_replay_after_replan():
+# (qo_lens, kv_lens) of each plan; the first fixes the tile: 128 rows, or 64 for decode rows
+GRAPH_PLANS = {
+    "prefill": [([300, 1, 500, 99], [400, 1, 700, 99]), ([250, 0, 17, 600], [900, 3, 17, 1000])],
+    "decode": [([16, 1, 1, 1], [400, 1, 700, 99]), ([1, 0, 1, 17], [900, 3, 17, 1000]),
+               ([2, 1, 1, 1], [3000, 1, 2, 1])],
+}
+
+
+@pytest.mark.parametrize("rows", sorted(GRAPH_PLANS))
+def test_paged_wrapper_cuda_graph_replay_after_replan(rows, monkeypatch):
+    monkeypatch.setattr(POLICY, "graph_decode_tile", True)  # (off by default until this ran)
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, page, b, pages = 16, 4, 128, 16, 4, 256
     cache = torch.randn(pages, 2, page, hkv, d, generator=g)
@@ -48,12 +59,12 @@ def test_paged_wrapper_cuda_graph_replay_after_replan():
     ws = torch.empty(1, device="cuda")
     w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, **bufs)
     q_buf = torch.randn(cap_rows, hq, d, generator=g).to("cuda", torch.bfloat16)
-    plans = [([300, 1, 500, 99], [400, 1, 700, 99]), ([250, 0, 17, 600], [900, 3, 17, 1000])]
     graph = None
-    for qo, kv in plans:
+    for qo, kv in GRAPH_PLANS[rows]:
         indptr, indices, last = _page_table(kv, page, pages, g)
         w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
                q_data_type=torch.bfloat16)
+        assert w._plan.block_m == (64 if rows == "decode" else 128)
         if graph is None:
             graph, out = capture_graph(lambda: w.run(q_buf, cache_gpu))
         out.fill_(float("nan"))

@@ -259,6 +259,49 @@ def test_paged_cuda_graph_buffers_path():
 
 
 
+def test_cuda_graph_plans_keep_the_first_plans_tile(monkeypatch):
+    """A CUDA-graph plan's tile height is its first plan's: with the policy's
+    graph_decode_tile, decode rows (at most ops.tiles.DECODE_ROWS packed rows a request) on
+    pages the Gluon kernel reads by boxes take the 64-row tile, other first plans the 128-row
+    tile for any key length, and later plans keep it whatever their rows (the captured launch
+    cannot change its tile)."""
+    from compiled_attn.ops import choose
+
+    from compiled_attn.ops.policy import POLICY
+
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    page, hq, hkv, d = 16, 8, 2, 128
+
+    def plans(*qos):
+        bufs = dict(qo_indptr_buf=torch.zeros(4, dtype=torch.int32),
+                    paged_kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
+                    paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32),
+                    paged_kv_last_page_len_buf=torch.zeros(3, dtype=torch.int32))
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+        tiles = []
+        for qo in qos:
+            _, kvi, idx, last, _, _ = make_paged([300, 40, 17], hkv, d, d, page)
+            w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True,
+                   q_data_type=torch.bfloat16)
+            tiles.append(w._plan.block_m)
+        return tiles
+
+    assert plans([16, 1, 1], [1, 1, 1]) == [128, 128]  # graph_decode_tile off (the default)
+    monkeypatch.setattr(POLICY, "graph_decode_tile", True)
+    assert plans([16, 1, 1], [18, 0, 0], [1, 1, 1]) == [64, 64, 64]
+    assert plans([18, 0, 0], [1, 1, 1]) == [128, 128]
+    # eager plans choose per plan; fixed-split ones (batch-invariant) for any batch
+    _, kvi, idx, last, _, _ = make_paged([300, 40, 17], hkv, d, d, page)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
+    tiles = []
+    for split in (None, 4):
+        w.plan(indptr([1, 1, 1]), kvi, idx, last, hq, hkv, d, page, causal=True,
+               q_data_type=torch.bfloat16, fixed_split_size=split)
+        tiles.append(w._plan.block_m)
+    assert tiles == [64, 128]
+
+
 def test_paged_indices_buffer_longer_than_indptr():
     """FlashInfer reads paged_kv_indices[:paged_kv_indptr[-1]] only, and its batch-invariance
     test re-plans a sub-batch with the whole buffer (as serving engines do with buffers sized

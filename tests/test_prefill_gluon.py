@@ -218,8 +218,8 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
 
 def test_decode_rows_take_64_row_tiles(monkeypatch):
     # Requests of at most DECODE_ROWS packed rows (decodes, short speculative rows) on pages
-    # read by TMA boxes take 64-row tiles at any key length; longer requests, gathered pages,
-    # CUDA-graph plans (no longest key length), fp8 K/V and the Triton kernel keep theirs.
+    # read by TMA boxes take 64-row tiles at any key length, known or not (a CUDA-graph plan);
+    # longer requests, gathered pages, fp8 K/V and the Triton kernel keep theirs.
     monkeypatch.setattr(choose, "INTERPRET", False)
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
 
@@ -231,7 +231,8 @@ def test_decode_rows_take_64_row_tiles(monkeypatch):
     assert tile([17, 1]) == tile([1, 2048]) == tile([]) == tile([0, 0]) == 128
     assert tile([1] * 128, page=1) == tile([1] * 128, page=4) == 128  # gathered
     assert tile([1] * 128, kv_dtype=torch.float8_e4m3fn) == 128
-    assert choose.tile(128, 128, 4, None, False, True, page_size=16, qo_lens=[1] * 8) == 128
+    assert choose.tile(128, 128, 4, None, False, True, page_size=16, qo_lens=[1] * 8) == 64
+    assert choose.tile(128, 128, 4, None, False, True, page_size=16) == 128
     assert choose.tile(64, 64, 4, 32768, False, True, page_size=16, qo_lens=[1] * 8) == 128
     monkeypatch.setattr(POLICY, "use_gluon", False)
     assert tile([1] * 128) == 128
