@@ -29,7 +29,7 @@ from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
 from .ops import choose
 from .ops.launch import Memo
-from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_ROPE_LLAMA
+from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
 from .ops.schedule import block_m_for, build_work, uniform_work
 from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
@@ -72,7 +72,8 @@ class _PODBase(_WrapperBase):
         return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
                     head_dim=o.head_dim_qk, group=o.group,
                     block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
-                                            o.kv_dtype),
+                                            o.kv_dtype, plain=o.pos_encoding_mode == POS_NONE
+                                            and o.window_left < 0),
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,

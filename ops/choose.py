@@ -581,18 +581,21 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
 
 
 def pod_tile(head_dim: int, group_size: int, page_size: int,
-             kv_dtype: torch.dtype | None = None, device: Device | None = None) -> int:
+             kv_dtype: torch.dtype | None = None, device: Device | None = None, *,
+             plain: bool = True) -> int:
     """The tile height of a POD plan, which both parts share in the fused launch: 64 where the
     Gluon kernel's POD launch reads the decodes' pages by TMA boxes (its 64-row tile runs two
     programs a SM: the decode items stream twice the K/V that the 128-row ping-pong tile's one
     program did, and the prefill's tiles fill in between; benchmarks/NOTES.md, 2026-11-28,
-    POD on the 64-row tile), else ``tile``'s height for any length. kv_dtype None: fp16 /
-    bf16; device None: the current CUDA device."""
+    POD on the 64-row tile), else ``tile``'s height for any length (the Triton POD launch's,
+    as timed before). kv_dtype None: fp16 / bf16; device None: the current CUDA device; plain:
+    the plan's options leave the launch in the Gluon kernel's scope (no position encoding, no
+    window)."""
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
     t64 = _gluon.TILES.get((64, head_dim)) if _gluon is not None else None
-    if (POLICY.pod_gluon and t64 is not None and head_dim == 128
+    if (POLICY.pod_gluon and plain and t64 is not None and head_dim == 128
             and _gluon_pages(page_size, head_dim, head_dim, kv_dtype, dev)
             and _gluon.page_fits(page_size, t64.block_n, head_dim)):
         return 64

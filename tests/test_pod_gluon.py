@@ -109,11 +109,26 @@ def test_pod_plan_tile(monkeypatch):
 
     assert tile(16) == tile(8) == tile(64) == tile(128) == 64
     assert tile(1) == tile(4) == tile(16, kv_dtype=torch.float8_e4m3fn) == tile(16, d=64) == 128
+    assert tile(16, plain=False) == 128  # position encodings or a window: the Triton launch
     with override(pod_gluon=False):
         assert tile(16) == 128
     with override(use_gluon=False):
         assert tile(16) == 128
     assert choose.pod_tile(128, 4, 16, device=choose.Device("cuda", 8, 108)) == 128
+    # the wrappers' plans: the decode part's options decide (POD), both parts' (BatchPOD)
+    import compiled_attn
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    ind, idx, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 3], [0, 1, 2], [5, 9]))
+    for pos, window, want in (("NONE", -1, 64), ("ROPE_LLAMA", -1, 128), ("NONE", 32, 128)):
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        w.plan(ind, idx, last, 8, 2, 128, 16, pos_encoding_mode=pos, window_left=window,
+               q_data_type=BF16)
+        qo = torch.tensor([0, 3, 4], dtype=torch.int32)
+        wb = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        wb.plan(qo, ind, idx, last, qo, ind, idx, last, 8, 2, 128, 16, pos_encoding_mode=pos,
+                window_left=window, q_data_type=BF16)
+        assert w._plan["block_m"] == wb._plan["block_m"] == want, (pos, window)
 
 
 def test_pod_gluon_decision_policy_switch():
