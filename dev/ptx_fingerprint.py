@@ -1,8 +1,8 @@
 """PTX fingerprints of the kernels (dev tool): compiles the Triton kernel family in its main
-launch configurations and the Gluon kernel in a few tiles for sm_90, offline (no GPU: ptxas of
-the installed Triton), and prints one hash per configuration with debug info, comments and
-labels canonicalised. A refactor of the kernels' sources that must not change the compiled
-code keeps every hash.
+launch configurations and the Gluon kernel (its POD launch too) in a few tiles for sm_90,
+offline (no GPU: ptxas of the installed Triton), and prints one hash per configuration with
+debug info, comments and labels canonicalised. A refactor of the kernels' sources that must
+not change the compiled code keeps every hash.
 
     .venv/bin/python -m dev.ptx_fingerprint [--only NAME,...] [--dump DIR]
 
@@ -58,12 +58,22 @@ GLUON = {
     "gluon paged page 64 no ws": (False, 64, 64, 128, True, False, False, False),
     "gluon dense D64 ws": (True, 0, 64, 64, False, True, False, False),
 }
+# (page_p, page_d, causal, group, d, block_m): sm90.gluon_pod_source (both POD tiles)
+GLUON_POD = {
+    "gluon pod one-page prefill 128-row": (0, 16, True, 4, 128, 128),
+    "gluon pod paged prefill 128-row": (16, 16, False, 4, 128, 128),
+    "gluon pod one-page prefill 64-row": (0, 16, True, 4, 128, 64),
+    "gluon pod paged prefill page 8 64-row": (16, 8, True, 4, 128, 64),
+}
 
 
-def _compile_gluon(case):
+def _compile_gluon(case, pod=False):
     import triton
 
-    src, opts, _ = sm90.gluon_source(*case)
+    if pod:
+        src, opts = sm90.gluon_pod_source(*case[:3], group=case[3], d=case[4], block_m=case[5])
+    else:
+        src, opts, _ = sm90.gluon_source(*case)
     return triton.compile(src, target=sm90.target(), options=opts).asm["ptx"]
 
 
@@ -115,10 +125,11 @@ def main(argv=None):
             ptx = sm90.compile_triton(fn, args, kw).asm["ptx"]
             results.append((f"{name} [{fn.fn.__name__}]", ptx))
             print(f"{fingerprint(results[-1][1])}  {results[-1][0]}", flush=True)
-    for name, case in GLUON.items():
+    for name, case, pod in ([(n, c, False) for n, c in GLUON.items()]
+                            + [(n, c, True) for n, c in GLUON_POD.items()]):
         if only and name not in only:
             continue
-        results.append((name, _compile_gluon(case)))
+        results.append((name, _compile_gluon(case, pod)))
         print(f"{fingerprint(results[-1][1])}  {name}", flush=True)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)
