@@ -2,9 +2,10 @@
 BatchPrefillWithPagedKVCacheWrapper (NHD pages, shuffled), beside a device copy of the same K/V
 bytes and FlashInfer's BatchDecodeWithPagedKVCacheWrapper (CUDA cores and tensor cores) where it
 imports; and, on the first cases, the Gluon kernel's tile variants (prefill_gluon.TILES replaced
-for the plan and the launch). Timed as CUDA graph replays of one call (the copy eagerly), interleaved rounds,
-medians in microseconds; decode/copy is K/V bytes read per second over the copy's
-(read + write) bytes per second.
+for the plan and the launch); on every case CUDA-graph plans (use_cuda_graph=True) with the
+launch policy's graph_decode_tile off and on. Timed as CUDA graph replays of one call (the
+copy eagerly), interleaved rounds, medians in microseconds; decode/copy is K/V bytes read per
+second over the copy's (read + write) bytes per second.
 
     python -m dev.decode_probe [--rounds 5] [--variants-only] [--out FILE.json]
     python -m dev.decode_probe --plot FILE.json     (a PNG beside it; no GPU needed)
@@ -39,6 +40,9 @@ def _variants():
         "tile128": "tile128",  # decode rows on the 128-row ping-pong tile (before 2026-11-28)
         "tile128 st3": ("tile128", {(128, 128): t._replace(stages=3)}),
         "tile64 st3": {(64, 128): g.TILES[64, 128]._replace(stages=3)},
+        # use_cuda_graph=True plans, with the launch policy's graph_decode_tile off / on
+        "graph plan": ("graph", False),
+        "graph plan decode tile": ("graph", True),
     }
 
 
@@ -48,13 +52,14 @@ def _variant(v):
     from compiled_attn.ops import prefill_gluon as g
 
     saved_tiles, saved_rows = dict(g.TILES), choose.DECODE_ROWS
-    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) else {})
+    graph = isinstance(v, tuple) and v[0] == "graph"
+    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) and not graph else {})
     try:
         g.TILES.update(tiles)
         if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
             choose.DECODE_ROWS = 0
-        policy.touch()
-        yield
+        with policy.override(graph_decode_tile=graph and v[1]):
+            yield
     finally:
         g.TILES.clear()
         g.TILES.update(saved_tiles)
@@ -85,7 +90,15 @@ def _ours(case, x, variant):
     b, kv, page, hq, hkv = case
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
     with _variant(variant):
-        w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        if isinstance(variant, tuple) and variant[0] == "graph":
+            i32 = dict(dtype=torch.int32, device=x["q"].device)
+            w = ca.BatchPrefillWithPagedKVCacheWrapper(
+                ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.empty(b + 1, **i32),
+                paged_kv_indptr_buf=torch.empty(b + 1, **i32),
+                paged_kv_indices_buf=torch.empty(x["idx"].numel(), **i32),
+                paged_kv_last_page_len_buf=torch.empty(b, **i32))
+        else:
+            w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w.plan(x["qo"], x["indptr"], x["idx"], x["last"], hq, hkv, D, page, causal=False,
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         out = w.run(x["q"], x["cache"])
@@ -191,7 +204,8 @@ def main(argv=None) -> None:
         replays, notes, outs, keep = {}, {}, {}, []
         variants = _variants()
         if ci >= VARIANT_CASES:
-            variants = {k: variants[k] for k in ("default", "tile128")}
+            variants = {k: variants[k] for k in ("default", "tile128", "graph plan",
+                                                 "graph plan decode tile")}
         if args.variants:
             variants = {k: v for k, v in _variants().items() if k in args.variants.split(",")}
         for name, v in variants.items():
