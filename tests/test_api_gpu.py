@@ -64,7 +64,8 @@ def test_paged_wrapper_cuda_graph_replay_after_replan(rows, monkeypatch):
         indptr, indices, last = _page_table(kv, page, pages, g)
         w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
                q_data_type=torch.bfloat16)
-        assert w._plan.block_m == (64 if rows == "decode" else 128)
+        hopper = torch.cuda.get_device_capability()[0] == 9  # (the Gluon kernel's pages)
+        assert w._plan.block_m == (64 if rows == "decode" and hopper else 128)
         if graph is None:
             graph, out = capture_graph(lambda: w.run(q_buf, cache_gpu))
         out.fill_(float("nan"))
