@@ -581,6 +581,20 @@ def bench(runners: list[tuple[list[Callable[[], Any]], Callable[[], Any]]], warm
     return out
 
 
+def medians_us(calls: dict, rounds: int = 5, warmup_ms: float = 25.0, rep_ms: float = 150.0,
+               cuda: bool = True) -> dict:
+    """name -> median microseconds per call of each zero-argument callable, timed interleaved
+    through bench (the developer probes' comparisons of several calls); a failure raises."""
+    names = list(calls)
+    out = {}
+    for name, t in zip(names, bench([([calls[n]], contextlib.nullcontext) for n in names],
+                                    warmup_ms, rep_ms, cuda, rounds)):
+        if t.error is not None:
+            raise t.error
+        out[name] = t.median_ms * 1e3
+    return out
+
+
 def time_ms(fn: Callable[[], Any], warmup_ms: float = 100.0, rep_ms: float = 400.0,
             cuda: bool = True) -> float:
     """Median milliseconds per call of one callable through bench (one round): the developer

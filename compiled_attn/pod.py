@@ -547,17 +547,16 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
                 page_size, qo_h.numel() - 1)
             qo_lens = qo_h[1:] - qo_h[:-1]
-            works.append(build_work(qo_lens.tolist(), p["group"], p["block_m"], "cpu",
-                                    kv_lens=kv_lens.tolist()))
+            qo_l, kv_l = qo_lens.tolist(), kv_lens.tolist()
+            works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))
             if x == "p":
                 # The prefill's own tile when it runs as a launch of its own (pod_apart): the
                 # fused launch's tile (choose.pod_tile) suits the decodes.
                 p["block_m_p"] = block_m_for(
-                    p["head_dim"], p["head_dim"], p["group"],
-                    int(kv_lens.max()) if kv_lens.numel() else None, True, True,
-                    page_size=page_size, qo_lens=qo_lens.tolist(), kv_dtype=p["kv_dtype"])
-                work_p = build_work(qo_lens.tolist(), p["group"], p["block_m_p"], "cpu",
-                                    kv_lens=kv_lens.tolist())
+                    p["head_dim"], p["head_dim"], p["group"], max(kv_l, default=None), True,
+                    True, page_size=page_size, qo_lens=qo_l, kv_dtype=p["kv_dtype"])
+                work_p = works[0] if p["block_m_p"] == p["block_m"] else build_work(
+                    qo_l, p["group"], p["block_m_p"], "cpu", kv_lens=kv_l)
             p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
                       f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
                       f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
@@ -572,8 +571,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                          mask_indptr_p=torch.tensor(byte_ptr, dtype=torch.int32).to(**to),
                          qo_lens_p=qo_lens, kv_lens_p=kv_lens,
                          # query-key pairs without and with the causal mask (choose.pod_apart)
-                         pairs_p=tuple(sum(_pairs(q, k, c) for q, k in
-                                           zip(qo_lens.tolist(), kv_lens.tolist()))
+                         pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))

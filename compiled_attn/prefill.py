@@ -409,7 +409,8 @@ class _BatchPrefillBase(_WrapperBase):
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
         self._max_total_rows: int | None = None
-        # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan
+        # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan, which fixed
+        # the work buffer (_graph_tensors)
         self._graph_tile: tuple | None = None
         if not self._use_cuda_graph:
             return
@@ -489,12 +490,10 @@ class _BatchPrefillBase(_WrapperBase):
             block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
                                   mask_mode != MASK_NONE, paged, page_size=page_size,
                                   qo_lens=qo_list if rows else None, kv_dtype=opts.kv_dtype)
-            if self._use_cuda_graph and self._graph_tile is None:
-                self._graph_tile = (shape_key, block_m)
         work = build_work(qo_list, opts.group, block_m, "cpu", kv_lens=kv_lens.tolist())
         non_blocking = args["non_blocking"]
         if self._use_cuda_graph:
-            tensors = self._graph_tensors(qo_h, opts.group, block_m, work, packed, mask_indptr,
+            tensors = self._graph_tensors(qo_h, shape_key, block_m, work, packed, mask_indptr,
                                           non_blocking)
         else:
             chunk_keys = split_size * max(page_size, 1) if fixed else None
@@ -507,10 +506,12 @@ class _BatchPrefillBase(_WrapperBase):
                      block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors,
                      **opts.fields())
 
-    def _graph_tensors(self, qo_h, group: int, block_m: int, work, packed, mask_indptr,
+    def _graph_tensors(self, qo_h, shape_key: tuple, block_m: int, work, packed, mask_indptr,
                        non_blocking: bool) -> dict:
         """The plan's device tensors in CUDA-graph mode: copies into the constructor's buffers
-        and into a work buffer sized at the first plan (padding rows are request -1)."""
+        and into a work buffer sized at the first plan (padding rows are request -1).
+        shape_key: (group, D_qk, D_vo)."""
+        group = shape_key[0]
         b, total_rows = qo_h.numel() - 1, int(qo_h[-1])
         if b != self._fixed_batch_size:
             raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
@@ -523,12 +524,12 @@ class _BatchPrefillBase(_WrapperBase):
             cap = (total_rows * group + b * (block_m - 1)) // block_m
             self._work_buf = torch.empty((max(cap, 1), 2), dtype=torch.int32,
                                          device=self.device)
-            self._work_key = (group, block_m)
+            self._graph_tile = (shape_key, block_m)
         elif total_rows > self._max_total_rows:
             raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
                              f"{self._max_total_rows} of the first plan, which fixed the "
                              "CUDA-graph capacity; make the first plan() the largest batch")
-        if (group, block_m) != self._work_key:
+        if (group, block_m) != (self._graph_tile[0][0], self._graph_tile[1]):
             raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
                              "plan in CUDA-graph mode; create a new wrapper for new shapes")
         # Padding rows (request -1) are skipped by the kernel.

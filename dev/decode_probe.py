@@ -4,7 +4,7 @@ bytes and FlashInfer's BatchDecodeWithPagedKVCacheWrapper (CUDA cores and tensor
 imports; and, on the first cases, the Gluon kernel's tile variants (prefill_gluon.TILES replaced
 for the plan and the launch); on every case CUDA-graph plans (use_cuda_graph=True) with the
 launch policy's graph_decode_tile off and on. Timed as CUDA graph replays of one call (the
-copy eagerly), interleaved rounds, medians in microseconds; decode/copy is K/V bytes read per
+copy eagerly) by benchmarks.providers.bench, interleaved rounds, medians in microseconds; decode/copy is K/V bytes read per
 second over the copy's (read + write) bytes per second.
 
     python -m dev.decode_probe [--rounds 5] [--variants-only] [--out FILE.json]
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
 import time
 
 import torch
 
+from benchmarks.providers import medians_us
 from tests.kernel_cases import capture_graph
 
 D = 128
@@ -120,27 +120,6 @@ def _fi(case, x, tensor_cores):
     return (lambda: w.run(x["q"], x["cache"])), out
 
 
-def _time(replays: dict, rounds: int, est_us: float) -> dict:
-    iters = max(5, min(200, int(30e3 / max(est_us, 1.0))))
-    times = {k: [] for k in replays}
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    for r in range(rounds):
-        order = list(replays)
-        if r % 2:
-            order.reverse()
-        for k in order:
-            f = replays[k]
-            for _ in range(3):
-                f()
-            ev[0].record()
-            for _ in range(iters):
-                f()
-            ev[1].record()
-            ev[1].synchronize()
-            times[k].append(ev[0].elapsed_time(ev[1]) * 1e3 / iters)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def plot(path: str) -> str:
     """Bars of decode/copy per case for each provider of a results JSON; returns the PNG's
     path."""
@@ -235,8 +214,7 @@ def main(argv=None) -> None:
             f()
             torch.cuda.synchronize()
             print(f"  replayed {k}", flush=True)
-        est = x["nbytes"] / 3.5e12 * 1e6
-        med = _time(replays, args.rounds, est)
+        med = medians_us(replays, args.rounds)
         ref = outs.get("default")
         copy_rate = 2 * x["src"].numel() * 2 / (med["copy"] * 1e-6)
         for k, us in med.items():

@@ -3,8 +3,9 @@ through PODWithPagedKVCacheWrapper fused on the plan's tile (choose.pod_tile), a
 launches (pod_apart), the parts alone (the decodes through BatchPrefillWithPagedKVCacheWrapper,
 which tiles decode rows by 64), and with --fused64 the fused launch forced onto the 64-row tile
 (the POD plan's tile and choose.pod_gluon's height check replaced; how the 64-row POD was
-first timed, while plans took 128-row tiles; run it in a process of its own). CUDA graph replays, interleaved rounds, medians in
-microseconds; diff: max abs difference of each call's outputs from the parts alone.
+first timed, while plans took 128-row tiles; run it in a process of its own). CUDA graph
+replays timed by benchmarks.providers.bench (interleaved rounds, medians in microseconds); diff:
+max abs difference of each call's outputs from the parts alone.
 
     python -m dev.pod_tile_probe [--cases 0,1] [--fused64] [--rounds 5]
 """
@@ -13,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 
 import torch
 
 from benchmarks import pod as suite
+from benchmarks.providers import medians_us
 from tests.kernel_cases import capture_graph
 
 CASES = [suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
@@ -106,28 +107,15 @@ def main(argv=None) -> None:
             g.replay()
         torch.cuda.synchronize()
         ref = outs["apart (parts)"]
-        times = {k: [] for k in graphs}
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        for r in range(args.rounds):
-            order = list(graphs)[::(-1 if r % 2 else 1)]
-            for k in order:
-                g = graphs[k]
-                for _ in range(3):
-                    g.replay()
-                ev[0].record()
-                for _ in range(20):
-                    g.replay()
-                ev[1].record()
-                ev[1].synchronize()
-                times[k].append(ev[0].elapsed_time(ev[1]) * 1e3 / 20)
-        for k, v in times.items():
+        med = medians_us({k: g.replay for k, g in graphs.items()}, args.rounds)
+        for k, us in med.items():
             o = outs[k]
             if isinstance(o, tuple) and len(o) == 2 and isinstance(ref, tuple) and k not in (
                     "prefill", "decode"):
                 diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(o, ref))
             else:
                 diff = float("nan")
-            table.append((case.name, k, statistics.median(v), diff))
+            table.append((case.name, k, us, diff))
         graphs = outs = calls = x = keep = None
         torch.cuda.empty_cache()
     print(f"{'case':<34} {'call':<14} {'us':>9} {'diff':>9}")

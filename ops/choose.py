@@ -148,8 +148,8 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
     if d > 256:
         return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
     # decode rows: whatever the key lengths (known or not, as in a CUDA-graph plan)
-    if (gluon_pages and d == 128 and qo_lens is not None and _decode_rows(qo_lens, group_size)
-            and not _gluon.page_gathered(page_size, _gluon.TILES[64, d].block_n, d)):
+    if (gluon_pages and qo_lens is not None and _decode_rows(qo_lens, group_size)
+            and _boxes_on_64_rows(page_size, d, kv_dtype, dev)):
         return 64
     if d > 128 or max_kv_len is None:
         return 128
@@ -184,6 +184,14 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int, kv_dtype: torch.dtype | Non
             and _gluon_tiles(dqk, dvo, dev)
             and all(_gluon.page_read(page_size, t[0], dqk)
                     for (_, d), t in _gluon.TILES.items() if d == dqk))
+
+
+def _boxes_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
+                      dev: Device) -> bool:
+    """Whether eager launches read pages of this size at head dim d (Q's and V's) by TMA boxes
+    on the Gluon kernel's 64-row tile: the tile of decode rows and of POD plans."""
+    return (d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)
+            and _gluon.page_fits(page_size, _gluon.TILES[64, d].block_n, d))
 
 
 def _decode_rows(qo_lens: Sequence[int], group_size: int) -> bool:
@@ -594,10 +602,7 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
-    t64 = _gluon.TILES.get((64, head_dim)) if _gluon is not None else None
-    if (POLICY.pod_gluon and plain and t64 is not None and head_dim == 128
-            and _gluon_pages(page_size, head_dim, head_dim, kv_dtype, dev)
-            and _gluon.page_fits(page_size, t64.block_n, head_dim)):
+    if POLICY.pod_gluon and plain and _boxes_on_64_rows(page_size, head_dim, kv_dtype, dev):
         return 64
     return tile(head_dim, head_dim, group_size, device=dev)
 

@@ -860,3 +860,21 @@ def test_host_suite_rows_and_ratios_from_fake_timings():
     assert not any(k.startswith("ratio_vs_") for k in by["paged_run", "compiled_attn"])
     text = host.table(rows)
     assert "flashinfer=0.81 (0.80)" in text and "RuntimeError: no JIT cache" in text
+
+
+def test_medians_us_times_each_call_and_raises_a_failure():
+    """providers.medians_us (the developer probes' timing through bench): one median per name,
+    in microseconds; a call that raises is not given a figure."""
+    from benchmarks.providers import medians_us
+
+    calls = []
+    med = medians_us({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2,
+                     cuda=False)
+    assert list(med) == ["a", "b"] and all(v > 0 for v in med.values())
+    assert {"a", "b"} <= set(calls)
+
+    def fails():
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError, match="no"):
+        medians_us({"ok": lambda: None, "bad": fails}, rounds=1, cuda=False)
