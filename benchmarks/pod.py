@@ -124,12 +124,16 @@ def case_list(quick: bool = False) -> list[PodCase]:
     return out
 
 
-def launch_choice(case: PodCase) -> str:
+def launch_choice(case: PodCase, device=None) -> str:
     """How ours_pod runs the case under the launch policy: "fused" (one POD launch) or "apart"
-    (two launches, ops.choose.pod_apart: the decodes too small to hide under the prefill)."""
+    (two launches, ops.choose.pod_apart: the decodes too small to hide under the prefill, or a
+    fused launch that would be the Triton kernel's). device: an ops.device.Device (default:
+    the current CUDA device)."""
     from compiled_attn.ops import choose
 
-    return "apart" if choose.pod_apart(case.flops("prefill"), case.decode_bytes()) else "fused"
+    gluon = choose.pod_fused_gluon(D, case.page, device=device)
+    apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon)
+    return "apart" if apart else "fused"
 
 
 def providers_for(case: PodCase) -> tuple:

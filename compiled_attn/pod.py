@@ -69,11 +69,13 @@ class _PODBase(_WrapperBase):
         """The plan dict's options, from a POD plan()'s arguments by FlashInfer name
         (PlanOptions.of_pod), with the tile height and the ALiBi slopes."""
         o = PlanOptions.of_pod(args, self.device.type)
+        plain = o.pos_encoding_mode == POS_NONE and o.window_left < 0
         return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
                     head_dim=o.head_dim_qk, group=o.group,
                     block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
-                                            o.kv_dtype, plain=o.pos_encoding_mode == POS_NONE
-                                            and o.window_left < 0),
+                                            o.kv_dtype, plain=plain),
+                    fused_gluon=choose.pod_fused_gluon(o.head_dim_qk, args["page_size"],
+                                                       o.kv_dtype, plain=plain),
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
@@ -205,7 +207,8 @@ def _apart(p: dict, pairs, decode_bytes) -> bool:
     symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
-    return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes)
+    return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
+                            gluon=p["fused_gluon"])
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:

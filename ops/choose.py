@@ -602,12 +602,23 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
-    if POLICY.pod_gluon and plain and _boxes_on_64_rows(page_size, head_dim, kv_dtype, dev):
+    if pod_fused_gluon(head_dim, page_size, kv_dtype, dev, plain=plain):
         return 64
     return tile(head_dim, head_dim, group_size, device=dev)
 
 
-def pod_apart(prefill_flops: float, decode_bytes: float) -> bool:
+def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None = None,
+                    device: Device | None = None, *, plain: bool = True) -> bool:
+    """Whether a POD plan's fused launch is the Gluon kernel's (on pod_tile's 64-row tile;
+    pod_gluon checks the call's tensors at launch), not the Triton kernel's POD launch.
+    Arguments as pod_tile's. Never under the interpreter, which runs the Triton kernel."""
+    if INTERPRET:
+        return False
+    dev = _plan_device() if device is None else device
+    return POLICY.pod_gluon and plain and _boxes_on_64_rows(page_size, head_dim, kv_dtype, dev)
+
+
+def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, a few percent slower than the prefill's own launch, and
@@ -618,7 +629,14 @@ def pod_apart(prefill_flops: float, decode_bytes: float) -> bool:
     part's attention FLOPs (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes
     the decode part reads. Apart when the decodes' bytes are under POLICY.pod_apart_balance of
     the prefill's FLOPs counted as bytes at POLICY.pod_flop_per_byte, and the prefill at least
-    POLICY.pod_apart_min_bytes of them."""
+    POLICY.pod_apart_min_bytes of them. gluon: the fused launch would be the Gluon kernel's
+    (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
+    (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
+    POLICY.pod_apart_balance is 0 (always fused)."""
+    if POLICY.pod_apart_balance <= 0:
+        return False
+    if not gluon:
+        return True
     p = prefill_flops / POLICY.pod_flop_per_byte
     return p >= POLICY.pod_apart_min_bytes and decode_bytes < POLICY.pod_apart_balance * p
 

@@ -60,9 +60,9 @@ class Policy:
         # 2026-11-28, and `python -m dev.compiled_host_probe`.
         self.traced_unbatched = False
         # CUDA-graph plans whose first plan is decode rows take the 64-row tile (choose.tile's
-        # decode rows) and keep it for every re-plan. Off until the GPU tier has run it
-        # (tests/test_api_gpu.py, the decode graph replay): eager plans of decode rows take it.
-        self.graph_decode_tile = False
+        # decode rows) and keep it for every re-plan: 128 x 4k decodes replay in 495 us
+        # instead of 560 (H200, benchmarks/NOTES.md, 2026-11-28).
+        self.graph_decode_tile = True
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 import compiled_attn
-from compiled_attn.ops.policy import POLICY
 from tests.kernel_cases import capture_graph
 
 pytestmark = [
@@ -45,8 +44,7 @@ GRAPH_PLANS = {
 
 
 @pytest.mark.parametrize("rows", sorted(GRAPH_PLANS))
-def test_paged_wrapper_cuda_graph_replay_after_replan(rows, monkeypatch):
-    monkeypatch.setattr(POLICY, "graph_decode_tile", True)  # (off by default until this ran)
+def test_paged_wrapper_cuda_graph_replay_after_replan(rows):
     g = torch.Generator().manual_seed(0)
     hq, hkv, d, page, b, pages = 16, 4, 128, 16, 4, 256
     cache = torch.randn(pages, 2, page, hkv, d, generator=g)

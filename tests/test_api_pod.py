@@ -319,20 +319,24 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
     _check_part(o_d, l_d, q_d, [1] * len(kv_d), ks_d, vs_d, window_left=3)
 
 
-# (prefill tokens, decodes, keys each, Hq, apart): the pod suite's cases of 2026-11-27
+# (prefill tokens, decodes, keys each, Hq, page, apart): the pod suite's cases of 2026-11-27
 # (benchmarks/NOTES.md): the prefill-heavy mix lost 4-8% in the fused launch and goes apart; the
-# balanced and decode-heavy ones (a small prefill rides along) and small calls stay fused.
-@pytest.mark.parametrize("qo,n_dec,kv_d,hq,apart", [
-    (8192, 16, 1024, 32, True), (8192, 16, 4096, 64, True), (8192, 16, 4096, 32, False),
-    (2048, 128, 4096, 32, False), (2048, 128, 4096, 64, False), (256, 128, 32768, 32, False),
-    (2048, 16, 1024, 32, False), (64, 4, 64, 32, False)])
-def test_pod_apart_decision(qo, n_dec, kv_d, hq, apart):
+# balanced and decode-heavy ones (a small prefill rides along) and small calls stay fused. Page 1
+# (no Gluon POD launch: its Triton fused launch ran 0.6x of apart, 2026-11-28) goes apart.
+@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
+    (8192, 16, 1024, 32, 16, True), (8192, 16, 4096, 64, 16, True),
+    (8192, 16, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
+    (2048, 128, 4096, 64, 16, False), (256, 128, 32768, 32, 16, False),
+    (2048, 16, 1024, 32, 16, False), (64, 4, 64, 32, 16, False),
+    (2048, 128, 4096, 32, 1, True), (64, 4, 64, 32, 1, True)])
+def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
-    sizes (bf16, Hkv 8, D 128, page 16, causal prefill with kv = qo); the policy's balance 0
-    keeps every call fused."""
+    sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
+    policy's balance 0 keeps every call fused."""
+    from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
 
-    page = 16
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
     pages = [kv_d // page] * n_dec
     w = fi.PODWithPagedKVCacheWrapper(WS)
     w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),

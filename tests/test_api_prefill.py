@@ -287,10 +287,10 @@ def test_cuda_graph_plans_keep_the_first_plans_tile(monkeypatch):
             tiles.append(w._plan.block_m)
         return tiles
 
-    assert plans([16, 1, 1], [1, 1, 1]) == [128, 128]  # graph_decode_tile off (the default)
-    monkeypatch.setattr(POLICY, "graph_decode_tile", True)
-    assert plans([16, 1, 1], [18, 0, 0], [1, 1, 1]) == [64, 64, 64]
+    assert plans([16, 1, 1], [18, 0, 0], [1, 1, 1]) == [64, 64, 64]  # (the default)
     assert plans([18, 0, 0], [1, 1, 1]) == [128, 128]
+    monkeypatch.setattr(POLICY, "graph_decode_tile", False)
+    assert plans([16, 1, 1], [1, 1, 1]) == [128, 128]
     # eager plans choose per plan; fixed-split ones (batch-invariant) for any batch
     _, kvi, idx, last, _, _ = make_paged([300, 40, 17], hkv, d, d, page)
     w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")

@@ -20,7 +20,7 @@ import torch
 
 import compiled_attn as fi
 from compiled_attn import ops
-from tests.helpers import WS, check_pod_launch, indptr, make_paged
+from tests.helpers import POD_LAUNCHES, WS, check_pod_launch, indptr, make_paged
 from tests.kernel_cases import Case, check_parts, check_pod, make_case, params
 
 GQA = [(2, 2), (4, 1), (7, 1)]
@@ -228,7 +228,8 @@ def test_one_page_prefill_constexpr_does_not_follow_its_length(monkeypatch):
 
     monkeypatch.setattr(launch, "run", run)
     g = torch.Generator().manual_seed(0)
-    with policy.override(bound_launches=False):  # every call takes the launch path
+    # every call takes the launch path, the fused one (tests/helpers.py POD_LAUNCHES)
+    with policy.override(bound_launches=False, **POD_LAUNCHES["fused"]):
         for kv in (7, 33, 20):
             q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt)
                              for n, h in ((kv, hq), (kv, hkv), (kv, hkv)))
