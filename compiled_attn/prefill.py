@@ -31,7 +31,9 @@ from .op_call import bound_run, call_op
 from .ops.launch import LaunchCache, Memo
 from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
-from .ops.schedule import block_m_for, build_split_work, build_work
+from .ops.device import sm_count
+from .ops.schedule import (block_m_for, build_split_work, build_work, chunks_wanted,
+                            split_capacity)
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -408,6 +410,10 @@ class _BatchPrefillBase(_WrapperBase):
         self._plan: _Plan | None = None
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
+        # CUDA-graph mode with split KV (the first plan's tiles leave SMs idle): the merge
+        # rows' buffer, and the SM count the splits were sized for (_graph_tensors)
+        self._merge_buf: torch.Tensor | None = None
+        self._graph_sms: int | None = None
         self._max_total_rows: int | None = None
         # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan, which fixed
         # the work buffer (_graph_tensors)
@@ -469,9 +475,10 @@ class _BatchPrefillBase(_WrapperBase):
         # FlashInfer: disable_split_kv=True wins over a fixed split size.
         fixed = split_size is not None and not args["disable_split_kv"]
         if fixed and self._use_cuda_graph:
-            V.unsupported("fixed_split_size", "with use_cuda_graph=True: CUDA-graph plans keep "
-                          "a fixed work buffer and never split KV; pass None (such plans take one "
-                          "tile height for every batch) or plan without CUDA graphs")
+            V.unsupported("fixed_split_size", "with use_cuda_graph=True: CUDA-graph plans size "
+                          "their KV splits once, at the first plan (few long requests split "
+                          "over the SMs), not in fixed-size chunks; pass None (such plans take "
+                          "one tile height for every batch) or plan without CUDA graphs")
         qo_lens = qo_h[1:] - qo_h[:-1]
         _check_length_hints(args, qo_lens, kv_lens)
         mask_mode, packed, mask_indptr = _plan_mask(args, qo_lens, kv_lens)
@@ -494,7 +501,9 @@ class _BatchPrefillBase(_WrapperBase):
         non_blocking = args["non_blocking"]
         if self._use_cuda_graph:
             tensors = self._graph_tensors(qo_h, shape_key, block_m, work, packed, mask_indptr,
-                                          non_blocking)
+                                          non_blocking, kv_lens=kv_lens.tolist(),
+                                          num_kv_heads=opts.num_kv_heads,
+                                          disable_split_kv=args["disable_split_kv"])
         else:
             chunk_keys = split_size * max(page_size, 1) if fixed else None
             tensors = self._plan_tensors(qo_h, kv_lens, opts, block_m, work, packed,
@@ -506,11 +515,22 @@ class _BatchPrefillBase(_WrapperBase):
                      block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors,
                      **opts.fields())
 
+    def _graph_split_sms(self) -> int | None:
+        """The SM count CUDA-graph plans size their KV splits for (None: this device never
+        splits, as eager plans split on CUDA devices only)."""
+        return sm_count(self.device.index) if self.device.type == "cuda" else None
+
     def _graph_tensors(self, qo_h, shape_key: tuple, block_m: int, work, packed, mask_indptr,
-                       non_blocking: bool) -> dict:
+                       non_blocking: bool, *, kv_lens: list, num_kv_heads: int,
+                       disable_split_kv: bool) -> dict:
         """The plan's device tensors in CUDA-graph mode: copies into the constructor's buffers
         and into a work buffer sized at the first plan (padding rows are request -1).
-        shape_key: (group, D_qk, D_vo)."""
+        shape_key: (group, D_qk, D_vo). Where the first plan's tiles (at most, for its rows)
+        leave most SMs idle (schedule.chunks_wanted) and it does not pass disable_split_kv,
+        every plan of the wrapper splits KV as an eager plan would (build_split_work) into
+        buffers sized for any plan within that capacity (schedule.split_capacity), its merge
+        rows padded with request -1: a captured decode of few long requests then runs on
+        every SM."""
         group = shape_key[0]
         b, total_rows = qo_h.numel() - 1, int(qo_h[-1])
         if b != self._fixed_batch_size:
@@ -522,8 +542,16 @@ class _BatchPrefillBase(_WrapperBase):
             # sized for any plan within it: sum_b ceil(x_b / m) <= (X + B (m - 1)) // m.
             self._max_total_rows = total_rows
             cap = (total_rows * group + b * (block_m - 1)) // block_m
-            self._work_buf = torch.empty((max(cap, 1), 2), dtype=torch.int32,
-                                         device=self.device)
+            sms = None if disable_split_kv else self._graph_split_sms()
+            if sms is not None and chunks_wanted(cap * num_kv_heads, sms) > 1:
+                self._graph_sms = sms
+                self._merge_buf = torch.empty((max(cap, 1), 4), dtype=torch.int32,
+                                              device=self.device)
+                rows = split_capacity(cap, num_kv_heads, sms)
+            else:
+                rows = cap
+            self._work_buf = torch.empty((max(rows, 1), 2 if self._merge_buf is None else 4),
+                                         dtype=torch.int32, device=self.device)
             self._graph_tile = (shape_key, block_m)
         elif total_rows > self._max_total_rows:
             raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
@@ -532,12 +560,30 @@ class _BatchPrefillBase(_WrapperBase):
         if (group, block_m) != (self._graph_tile[0][0], self._graph_tile[1]):
             raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
                              "plan in CUDA-graph mode; create a new wrapper for new shapes")
-        # Padding rows (request -1) are skipped by the kernel.
+        merge, mb = None, self._merge_buf
+        if mb is not None:
+            qo_lens = (qo_h[1:] - qo_h[:-1]).tolist()
+            if disable_split_kv:
+                work = torch.cat([work, torch.tensor([[0, 1]], dtype=torch.int32).expand(
+                    work.shape[0], 2)], dim=1)
+            else:
+                work, merge = build_split_work(qo_lens, kv_lens, group, block_m, num_kv_heads,
+                                               "cpu", num_sms=self._graph_sms)
+            n = 0 if merge is None else merge.shape[0]
+            if n > mb.shape[0]:  # cannot happen: a merge row per split tile
+                raise AssertionError("merge rows exceed their computed capacity")
+            mb[n:].copy_(torch.tensor([-1, 0, 0, 0], dtype=torch.int32).expand(
+                mb.shape[0] - n, 4), non_blocking=non_blocking)
+            if n:
+                mb[:n].copy_(merge, non_blocking=non_blocking)
+        # Padding rows (request -1; a chunk 0 of 1) are skipped by the kernel.
         wb = self._work_buf
-        if work.shape[0] > wb.shape[0]:  # cannot happen by the bound above
+        if work.shape[0] > wb.shape[0]:  # cannot happen by the bounds above
             raise AssertionError("work list exceeds its computed capacity")
         wb[work.shape[0]:, 0].fill_(-1)
-        wb[work.shape[0]:, 1].fill_(0)
+        wb[work.shape[0]:, 1:].fill_(0)
+        if wb.shape[1] == 4:
+            wb[work.shape[0]:, 3].fill_(1)
         wb[:work.shape[0]].copy_(work, non_blocking=non_blocking)
         qo_dev = self._into_buf("qo_indptr_buf", qo_h, non_blocking)
         if packed is not None:
@@ -545,7 +591,7 @@ class _BatchPrefillBase(_WrapperBase):
             mask_indptr_dev = self._into_buf("mask_indptr_buf", mask_indptr, non_blocking)
         else:
             packed_dev = mask_indptr_dev = None
-        return dict(qo_indptr=qo_dev, work=wb, merge=None, packed_mask=packed_dev,
+        return dict(qo_indptr=qo_dev, work=wb, merge=mb, packed_mask=packed_dev,
                     mask_indptr=mask_indptr_dev)
 
     def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,

@@ -2,14 +2,15 @@
 
     compute-sanitizer --tool memcheck python3 -m dev.gpu_memcheck [--only pod,head_dims]
 
-Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table
-read paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp
-group), K/V through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon
-Hopper kernel), custom masks, padded work items, empty requests and split-KV with its merge
-kernel, head dims 80 / 112 / 160 / 512, and POD (the Gluon POD launch on a one-page and a paged
-prefill; the Triton POD launch on the one-page cache's fixed page-size constexpr and on page-1
-decodes), at small sizes; each result is also checked against
-the float64 reference. Exits non-zero on a mismatch."""
+Covers every KV addressing mode (dense, ragged, paged with page 1/5/16 and both page-table read
+paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer warp group), K/V
+through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon Hopper kernel),
+custom masks, padded work items, empty requests and split-KV with its merge kernel (padded as
+CUDA-graph plans pad both lists), head dims 80 / 112 / 160 / 512, and POD (the Gluon POD launch
+on a one-page and a paged prefill; the Triton POD launch on the one-page cache's fixed page-size
+constexpr and on page-1 decodes), at small sizes; each result is also checked against the
+float64 reference.
+Exits non-zero on a mismatch."""
 
 import sys
 
@@ -149,8 +150,13 @@ def descriptors():
                               device="cuda", page_size=16, seed=31)
                 c.work, c.merge = build_split_work(qo, kv, 4, c.block_m, 2, num_sms=132,
                                                    min_keys_per_chunk=256)
-                c.work, c.merge = c.work.cuda(), c.merge.cuda()
                 assert int(c.merge[:, 3].max()) > 2
+                # a CUDA-graph plan's padding: work rows (request -1, chunk 0 of 1) and merge
+                # rows of request -1 (the merge kernel returns before any read)
+                c.work = torch.cat([c.work, torch.tensor([[-1, 0, 0, 1]], dtype=torch.int32)])
+                c.merge = torch.cat([c.merge, torch.tensor([[-1, 0, 0, 0]] * 2,
+                                                           dtype=torch.int32)])
+                c.work, c.merge = c.work.cuda(), c.merge.cuda()
                 check(c, params(head_dim=128))
 
 

@@ -782,10 +782,13 @@ def _merge_fwd(
 ):
     """Grid (split tiles, KV heads): combine a tile's partials (merge row: request, first
     row, first work item, number of chunks) by their base-2 LSEs, then apply sinks and
-    v_scale and store like _store_final. STATS: the row max is the largest chunk max."""
+    v_scale and store like _store_final. STATS: the row max is the largest chunk max. A row of
+    request -1 is padding (a CUDA-graph plan's merge buffer past this plan's rows)."""
     t = tl.program_id(0)
     hkv = tl.program_id(1)
     req = tl.load(merge_ptr + t * 4)
+    if req < 0:
+        return
     row0 = tl.load(merge_ptr + t * 4 + 1)
     first = tl.load(merge_ptr + t * 4 + 2)
     n = tl.load(merge_ptr + t * 4 + 3)

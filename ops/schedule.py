@@ -67,6 +67,24 @@ def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
     return torch.stack([req, row], dim=1)
 
 
+def chunks_wanted(programs: int, num_sms: int | None) -> int:
+    """The chunks per tile a split plan aims at for ``programs`` tiles x KV heads (1: none).
+    Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
+    memory rate, and splitting them was slower (0.82x, benchmarks/NOTES.md); split only when
+    at most half the SMs would have a program, up to about one program per SM."""
+    if num_sms is None or 2 * programs > num_sms:
+        return 1
+    return -(-num_sms // max(programs, 1))
+
+
+def split_capacity(tiles: int, num_kv_heads: int, num_sms: int, max_chunks: int = 16) -> int:
+    """The most work rows build_split_work gives a plan of at most ``tiles`` tiles (with its
+    num_sms and max_chunks): a CUDA-graph plan's work buffer, sized once for every re-plan."""
+    small = min(tiles, num_sms // (2 * max(num_kv_heads, 1)))  # the tile counts that split
+    return max([tiles] + [t * min(max_chunks, chunks_wanted(t * num_kv_heads, num_sms))
+                          for t in range(1, small + 1)])
+
+
 def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size: int,
                      block_m: int, num_kv_heads: int, device: torch.device | str = "cpu", *,
                      num_sms: int | None = None, min_keys_per_chunk: int = 1024,
@@ -90,12 +108,7 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
     if num_sms is None and chunk_keys is None:
         num_sms = sm_count() if torch.cuda.is_available() else 132
     tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
-    programs = len(tiles) * num_kv_heads
-    # Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
-    # memory rate, and splitting them was slower (0.82x, benchmarks/NOTES.md); split only when
-    # at most half the SMs would have a program, up to about one program per SM.
-    want = 1 if num_sms is None else (
-        -(-num_sms // max(programs, 1)) if 2 * programs <= num_sms else 1)
+    want = chunks_wanted(len(tiles) * num_kv_heads, num_sms)
     rows, merges = [], []
     for b, row in tiles:
         last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size

@@ -40,6 +40,9 @@ GRAPH_PLANS = {
     "prefill": [([300, 1, 500, 99], [400, 1, 700, 99]), ([250, 0, 17, 600], [900, 3, 17, 1000])],
     "decode": [([16, 1, 1, 1], [400, 1, 700, 99]), ([1, 0, 1, 17], [900, 3, 17, 1000]),
                ([2, 1, 1, 1], [3000, 1, 2, 1])],
+    # few long decodes: every plan splits KV (its first plan's 4 tiles leave the SMs idle)
+    "long decode": [([1, 1, 1, 1], [1000, 2500, 300, 20]), ([1, 1, 0, 1], [3900, 5, 0, 16]),
+                    ([1, 1, 1, 1], [30, 40, 50, 60])],
 }
 
 
@@ -63,7 +66,9 @@ def test_paged_wrapper_cuda_graph_replay_after_replan(rows):
         w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
                q_data_type=torch.bfloat16)
         hopper = torch.cuda.get_device_capability()[0] == 9  # (the Gluon kernel's pages)
-        assert w._plan.block_m == (64 if rows == "decode" and hopper else 128)
+        assert w._plan.block_m == (64 if rows != "prefill" and hopper else 128)
+        # split KV where the first plan's tiles x KV heads fill at most half the SMs
+        assert (w._plan.merge is not None) == (rows != "prefill")
         if graph is None:
             graph, out = capture_graph(lambda: w.run(q_buf, cache_gpu))
         out.fill_(float("nan"))

@@ -117,3 +117,30 @@ def test_symbolic_tile_height_is_specialised(monkeypatch):
     with lc.override(**policy):
         got = _choice(case, choose.H100)
     assert got == want and type(got.block_m) is int and got.tma == 3
+
+
+@pytest.mark.parametrize("hkv,sms", [(1, 132), (2, 132), (8, 132), (8, 78), (4, 16)])
+def test_split_capacity_bounds_every_split_plan(hkv, sms):
+    """schedule.split_capacity, a CUDA-graph plan's work buffer, holds build_split_work's rows
+    for every batch of at most that many tiles (random lengths, decode and prefill rows), and
+    is reached: a buffer one row smaller would not do."""
+    from compiled_attn.ops.schedule import build_split_work, chunks_wanted, split_capacity
+
+    g = torch.Generator().manual_seed(hkv * 1000 + sms)
+    group, block_m, cap = 4, 64, 12
+    worst = 0
+    for _ in range(300):
+        b = int(torch.randint(1, 6, (1,), generator=g))
+        qo = torch.randint(0, 40, (b,), generator=g).tolist()
+        kv = [q + int(k) for q, k in zip(qo, torch.randint(0, 40000, (b,), generator=g))]
+        tiles = sum(-(-q * group // block_m) for q in qo)
+        if tiles > cap:
+            continue
+        work, merge = build_split_work(qo, kv, group, block_m, hkv, num_sms=sms)
+        assert work.shape[0] <= split_capacity(cap, hkv, sms)
+        assert merge is None or merge.shape[0] <= cap
+        worst = max(worst, work.shape[0])
+    t = next(t for t in range(1, cap + 1)  # the bound's own worst case, built
+             if t * min(16, chunks_wanted(t * hkv, sms)) == split_capacity(cap, hkv, sms))
+    work, _ = build_split_work([1] * t, [64 * 1024] * t, 1, 64, hkv, num_sms=sms)  # t tiles
+    assert work.shape[0] == split_capacity(cap, hkv, sms) >= worst
