@@ -34,14 +34,21 @@ else
          "recorded as unavailable (or pass --no-flashinfer)"
 fi
 
-# FlashInfer's JIT builds, carried as .ficache/fi_cache.part.* (a tar.gz of a GPU machine's
-# $FLASHINFER_WORKSPACE_BASE/.cache, split under 16 MiB a part to come back through $OUT):
-# unpacked once into /tmp/fiws, which FLASHINFER_WORKSPACE_BASE then names (unless set).
-if ls .ficache/fi_cache.part.* >/dev/null 2>&1 && [ -z "${FLASHINFER_WORKSPACE_BASE:-}" ]; then
+# FlashInfer's JIT builds, carried as .ficache/fi_cache.txz.part.* (an xz tar of a GPU machine's
+# $FLASHINFER_WORKSPACE_BASE/.cache, 24 MB for the pod suite's modules, so that it travels with
+# .whl/ within the run tool's 64 MiB; split under 16 MiB a part to come back through $OUT) or,
+# as before, .ficache/fi_cache.part.* (gzip): unpacked once into /tmp/fiws, which
+# FLASHINFER_WORKSPACE_BASE then names (unless set). To refresh it on the GPU machine:
+#     (cd /tmp/fiws && tar cf - .cache | xz -6 -T0 | split -b 15M - $OUT/fi_cache.txz.part.)
+if [ -z "${FLASHINFER_WORKSPACE_BASE:-}" ] && ls .ficache/fi_cache.*part.* >/dev/null 2>&1; then
     export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
     if [ ! -f /tmp/fiws/.unpacked ]; then
-        mkdir -p /tmp/fiws && cat .ficache/fi_cache.part.* | tar xzf - -C /tmp/fiws \
-            && touch /tmp/fiws/.unpacked || echo "gpu_setup: unpacking .ficache FAILED"
+        mkdir -p /tmp/fiws
+        if ls .ficache/fi_cache.txz.part.* >/dev/null 2>&1; then
+            cat .ficache/fi_cache.txz.part.* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/fiws')"
+        else
+            cat .ficache/fi_cache.part.* | tar xzf - -C /tmp/fiws
+        fi && touch /tmp/fiws/.unpacked || echo "gpu_setup: unpacking .ficache FAILED"
     fi
 fi
 
