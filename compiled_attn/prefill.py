@@ -32,8 +32,8 @@ from .ops.launch import LaunchCache, Memo
 from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .ops.device import sm_count
-from .ops.schedule import (block_m_for, build_split_work, build_work, chunks_wanted,
-                            split_capacity)
+from .ops.schedule import (MAX_CHUNKS, block_m_for, build_split_work, build_work,
+                            chunks_wanted, split_capacity)
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -382,6 +382,22 @@ class _WrapperBase:
         """Deprecated in FlashInfer; nothing to release."""
 
 
+def _copy_padded(buf: torch.Tensor, src: torch.Tensor, fill, non_blocking: bool):
+    """buf's first len(src) entries (rows) become src and every later one ``fill`` (a number
+    for a 1-D buf, a row for a 2-D one): a CUDA-graph buffer re-planned in place, by fills on
+    its device (no host copy to wait for). Returns buf."""
+    n = src.shape[0]
+    buf[:n].copy_(src.reshape(n, *buf.shape[1:]).to(buf.dtype), non_blocking=non_blocking)
+    if n < buf.shape[0]:
+        tail = buf[n:]
+        if buf.dim() == 1:
+            tail.fill_(fill)
+        else:
+            for j, v in enumerate(fill):
+                tail[:, j].fill_(v)
+    return buf
+
+
 class _BatchPrefillBase(_WrapperBase):
     """Plan bookkeeping and run plumbing shared by the paged and ragged wrappers.
 
@@ -411,9 +427,8 @@ class _BatchPrefillBase(_WrapperBase):
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
         # CUDA-graph mode with split KV (the first plan's tiles leave SMs idle): the merge
-        # rows' buffer, and the SM count the splits were sized for (_graph_tensors)
+        # rows' buffer (_graph_tensors)
         self._merge_buf: torch.Tensor | None = None
-        self._graph_sms: int | None = None
         self._max_total_rows: int | None = None
         # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan, which fixed
         # the work buffer (_graph_tensors)
@@ -459,10 +474,7 @@ class _BatchPrefillBase(_WrapperBase):
         if n > buf.numel():
             raise ValueError(f"{name}: holds {buf.numel()} entries but this plan needs {n}; "
                              "allocate a larger buffer when constructing the wrapper")
-        buf[:n].copy_(src.to(buf.dtype), non_blocking=non_blocking)
-        if n < buf.numel():
-            buf[n:].fill_(fill)
-        return buf
+        return _copy_padded(buf, src, fill, non_blocking)
 
     def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_lens: torch.Tensor, *,
                      paged: bool, page_size: int = 0) -> _Plan:
@@ -544,7 +556,6 @@ class _BatchPrefillBase(_WrapperBase):
             cap = (total_rows * group + b * (block_m - 1)) // block_m
             sms = None if disable_split_kv else self._graph_split_sms()
             if sms is not None and chunks_wanted(cap * num_kv_heads, sms) > 1:
-                self._graph_sms = sms
                 self._merge_buf = torch.empty((max(cap, 1), 4), dtype=torch.int32,
                                               device=self.device)
                 rows = split_capacity(cap, num_kv_heads, sms)
@@ -560,31 +571,21 @@ class _BatchPrefillBase(_WrapperBase):
         if (group, block_m) != (self._graph_tile[0][0], self._graph_tile[1]):
             raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
                              "plan in CUDA-graph mode; create a new wrapper for new shapes")
-        merge, mb = None, self._merge_buf
+        mb, wb = self._merge_buf, self._work_buf
         if mb is not None:
-            qo_lens = (qo_h[1:] - qo_h[:-1]).tolist()
-            if disable_split_kv:
-                work = torch.cat([work, torch.tensor([[0, 1]], dtype=torch.int32).expand(
-                    work.shape[0], 2)], dim=1)
-            else:
-                work, merge = build_split_work(qo_lens, kv_lens, group, block_m, num_kv_heads,
-                                               "cpu", num_sms=self._graph_sms)
-            n = 0 if merge is None else merge.shape[0]
-            if n > mb.shape[0]:  # cannot happen: a merge row per split tile
+            # (disable_split_kv: one chunk a tile, chunk columns kept for the captured launch)
+            work, merge = build_split_work(
+                (qo_h[1:] - qo_h[:-1]).tolist(), kv_lens, group, block_m, num_kv_heads, "cpu",
+                num_sms=self._graph_split_sms(), max_chunks=1 if disable_split_kv else MAX_CHUNKS)
+            if merge is None:
+                merge = torch.empty((0, 4), dtype=torch.int32)
+            if merge.shape[0] > mb.shape[0]:  # cannot happen: a merge row per split tile
                 raise AssertionError("merge rows exceed their computed capacity")
-            mb[n:].copy_(torch.tensor([-1, 0, 0, 0], dtype=torch.int32).expand(
-                mb.shape[0] - n, 4), non_blocking=non_blocking)
-            if n:
-                mb[:n].copy_(merge, non_blocking=non_blocking)
-        # Padding rows (request -1; a chunk 0 of 1) are skipped by the kernel.
-        wb = self._work_buf
+            _copy_padded(mb, merge, (-1, 0, 0, 0), non_blocking)
         if work.shape[0] > wb.shape[0]:  # cannot happen by the bounds above
             raise AssertionError("work list exceeds its computed capacity")
-        wb[work.shape[0]:, 0].fill_(-1)
-        wb[work.shape[0]:, 1:].fill_(0)
-        if wb.shape[1] == 4:
-            wb[work.shape[0]:, 3].fill_(1)
-        wb[:work.shape[0]].copy_(work, non_blocking=non_blocking)
+        # Padding rows (request -1; a chunk 0 of 1) are skipped by the kernel.
+        _copy_padded(wb, work, (-1, 0) if wb.shape[1] == 2 else (-1, 0, 0, 1), non_blocking)
         qo_dev = self._into_buf("qo_indptr_buf", qo_h, non_blocking)
         if packed is not None:
             packed_dev = self._into_buf("custom_mask_buf", packed.reshape(-1), non_blocking)

@@ -67,6 +67,10 @@ def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
     return torch.stack([req, row], dim=1)
 
 
+# The most chunks a split plan cuts one tile's keys into.
+MAX_CHUNKS = 16
+
+
 def chunks_wanted(programs: int, num_sms: int | None) -> int:
     """The chunks per tile a split plan aims at for ``programs`` tiles x KV heads (1: none).
     Measured on the H100: 128 programs over 132 SMs streaming long keys already run at the
@@ -77,7 +81,8 @@ def chunks_wanted(programs: int, num_sms: int | None) -> int:
     return -(-num_sms // max(programs, 1))
 
 
-def split_capacity(tiles: int, num_kv_heads: int, num_sms: int, max_chunks: int = 16) -> int:
+def split_capacity(tiles: int, num_kv_heads: int, num_sms: int,
+                   max_chunks: int = MAX_CHUNKS) -> int:
     """The most work rows build_split_work gives a plan of at most ``tiles`` tiles (with its
     num_sms and max_chunks): a CUDA-graph plan's work buffer, sized once for every re-plan."""
     small = min(tiles, num_sms // (2 * max(num_kv_heads, 1)))  # the tile counts that split
@@ -88,7 +93,7 @@ def split_capacity(tiles: int, num_kv_heads: int, num_sms: int, max_chunks: int 
 def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size: int,
                      block_m: int, num_kv_heads: int, device: torch.device | str = "cpu", *,
                      num_sms: int | None = None, min_keys_per_chunk: int = 1024,
-                     max_chunks: int = 16, chunk_keys: int | None = None,
+                     max_chunks: int = MAX_CHUNKS, chunk_keys: int | None = None,
                      causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV plan: (work int32 [W, 4], merge int32 [T, 4] or None).
 

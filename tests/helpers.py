@@ -259,6 +259,14 @@ def make_paged(kv_lens, hkv, dqk, dvo, page, *, layout="NHD", fmt="5d", dtype=D6
     return cache, indptr(npages), perm, last, ks, vs
 
 
+def paged_graph_bufs(batch: int, pages: int, device="cpu") -> dict:
+    """The four index buffers of a use_cuda_graph=True BatchPrefillWithPagedKVCacheWrapper for
+    ``batch`` requests over at most ``pages`` page-table entries (int32 zeros), by keyword."""
+    z = lambda n: torch.zeros(n, dtype=torch.int32, device=device)  # noqa: E731
+    return dict(qo_indptr_buf=z(batch + 1), paged_kv_indptr_buf=z(batch + 1),
+                paged_kv_indices_buf=z(pages), paged_kv_last_page_len_buf=z(batch))
+
+
 def rand(*shape, seed=0, dtype=D64):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 

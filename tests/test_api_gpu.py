@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import compiled_attn
+from tests.helpers import paged_graph_bufs
 from tests.kernel_cases import capture_graph
 
 pytestmark = [
@@ -53,10 +54,7 @@ def test_paged_wrapper_cuda_graph_replay_after_replan(rows):
     cache = torch.randn(pages, 2, page, hkv, d, generator=g)
     cache_gpu = cache.to("cuda", torch.bfloat16)
     cap_rows, cap_pages = 900, pages
-    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indices_buf=torch.zeros(cap_pages, dtype=torch.int32, device="cuda"),
-                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    bufs = paged_graph_bufs(b, cap_pages, "cuda")
     ws = torch.empty(1, device="cuda")
     w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, **bufs)
     q_buf = torch.randn(cap_rows, hq, d, generator=g).to("cuda", torch.bfloat16)
@@ -198,11 +196,7 @@ def test_page_indices_longer_than_indptr(page):
     want = exact.run(q, cache_gpu)
     _close(want, ref)
     b = len(qo)
-    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32, device="cuda"),
-                paged_kv_indices_buf=torch.zeros(indices.numel(), dtype=torch.int32,
-                                                 device="cuda"),
-                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32, device="cuda"))
+    bufs = paged_graph_bufs(b, indices.numel(), "cuda")
     long_idx = _poisoned(indices, pages).cuda()
     for w in (compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"),
               compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True,

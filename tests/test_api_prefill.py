@@ -13,7 +13,7 @@ import torch
 import compiled_attn as fi
 from compiled_attn.ops import contracts
 
-from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, rand
+from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, paged_graph_bufs, rand
 from tests.helpers import batch_invariance, check_fixed_split_plan, poisoned_tail, ragged_kv  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
@@ -223,11 +223,7 @@ def test_paged_cuda_graph_buffers_path():
     """use_cuda_graph=True on CPU: plan copies into the caller's buffers and a fixed work
     buffer; re-plans within capacity reuse the same tensors (what a captured graph replays)."""
     page, hq, hkv, d, b = 4, 4, 2, 8, 3
-    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
-                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
-                paged_kv_indices_buf=torch.zeros(32, dtype=torch.int32),
-                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32),
-                custom_mask_buf=torch.zeros(64, dtype=torch.uint8),
+    bufs = dict(paged_graph_bufs(b, 32), custom_mask_buf=torch.zeros(64, dtype=torch.uint8),
                 mask_indptr_buf=torch.zeros(b + 1, dtype=torch.int32))
     w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
     assert w.is_cuda_graph_enabled
@@ -274,11 +270,7 @@ def test_cuda_graph_plans_keep_the_first_plans_tile(monkeypatch):
     page, hq, hkv, d = 16, 8, 2, 128
 
     def plans(*qos):
-        bufs = dict(qo_indptr_buf=torch.zeros(4, dtype=torch.int32),
-                    paged_kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
-                    paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32),
-                    paged_kv_last_page_len_buf=torch.zeros(3, dtype=torch.int32))
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(3, 64))
         tiles = []
         for qo in qos:
             _, kvi, idx, last, _, _ = make_paged([300, 40, 17], hkv, d, d, page)
@@ -311,10 +303,7 @@ def test_paged_indices_buffer_longer_than_indptr():
     cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=50)
     buf = poisoned_tail(idx, cache.shape[0])
     q = rand(sum(qo), hq, d, seed=51)
-    bufs = dict(qo_indptr_buf=torch.zeros(4, dtype=torch.int32),
-                paged_kv_indptr_buf=torch.zeros(4, dtype=torch.int32),
-                paged_kv_indices_buf=torch.zeros(idx.numel() + 1, dtype=torch.int32),
-                paged_kv_last_page_len_buf=torch.zeros(3, dtype=torch.int32))
+    bufs = paged_graph_bufs(3, idx.numel() + 1)
     for w in (fi.BatchPrefillWithPagedKVCacheWrapper(WS),
               fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)):
         w.plan(indptr(qo), kvi, buf, last, hq, hkv, d, page, causal=True, q_data_type=D64)
@@ -447,11 +436,7 @@ def test_cuda_graph_replans_keep_one_traced_graph():
     cache = rand(n_pages, 2, page, hkv, d, seed=4)
     r = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD", True, qo_indptr_buf=torch.zeros(
         b + 1, dtype=i32), kv_indptr_buf=torch.zeros(b + 1, dtype=i32))
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(
-        WS, "NHD", True, qo_indptr_buf=torch.zeros(b + 1, dtype=i32),
-        paged_kv_indptr_buf=torch.zeros(b + 1, dtype=i32),
-        paged_kv_indices_buf=torch.zeros(n_pages, dtype=i32),
-        paged_kv_last_page_len_buf=torch.zeros(b, dtype=i32))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(b, n_pages))
     torch._dynamo.reset()
     counters.clear()
     ragged = torch.compile(lambda q, k, v: r.run(q, k, v), fullgraph=True, backend="eager")
@@ -626,11 +611,7 @@ def test_single_prefill_without_query_rows():
 def test_cuda_graph_paged_plan_on_a_cache_without_pages():
     """The index buffers' tail past the plan is padding (page 0); a cache with no pages at all
     reads none of it."""
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(
-        WS, "NHD", True, qo_indptr_buf=torch.zeros(2, dtype=torch.int32),
-        paged_kv_indptr_buf=torch.zeros(2, dtype=torch.int32),
-        paged_kv_indices_buf=torch.zeros(4, dtype=torch.int32),
-        paged_kv_last_page_len_buf=torch.zeros(1, dtype=torch.int32))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(1, 4))
     w.plan(indptr([3]), indptr([0]), torch.zeros(0, dtype=torch.int32),
            torch.zeros(1, dtype=torch.int32), 2, 1, 4, 16, causal=True, q_data_type=D64)
     _assert_no_key(*w.run(rand(3, 2, 4, seed=155), torch.zeros(0, 2, 16, 1, 4, dtype=D64),
@@ -664,11 +645,7 @@ def test_fixed_split_size_with_disable_split_kv_or_cuda_graph():
     plan, *_ = batch_invariance("paged", qo_lens=[4, 2], kv_lens=[30, 12], inv=1, page=4,
                                 fixed_split_size=2, disable_split_kv=True, seed=61)
     assert plan.work.shape[1] == 2
-    bufs = dict(qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
-                paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32),
-                paged_kv_indices_buf=torch.zeros(16, dtype=torch.int32),
-                paged_kv_last_page_len_buf=torch.zeros(2, dtype=torch.int32))
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(2, 16))
     with pytest.raises(NotImplementedError, match="fixed_split_size.*use_cuda_graph"):
         w.plan(indptr([4, 2]), indptr([8, 3]), torch.arange(11, dtype=torch.int32),
                torch.tensor([2, 4], dtype=torch.int32), 4, 2, 16, 4, fixed_split_size=2)

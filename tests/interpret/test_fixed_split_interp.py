@@ -47,18 +47,14 @@ def test_cuda_graph_plans_split_kv(monkeypatch):
     import compiled_attn as fi
     from compiled_attn import prefill
     from compiled_attn.ops import schedule
-    from tests.helpers import WS, indptr, make_paged, rand
+    from tests.helpers import WS, indptr, make_paged, paged_graph_bufs, rand
 
     monkeypatch.setattr(fi.BatchPrefillWithPagedKVCacheWrapper, "_graph_split_sms",
                         lambda self: 132)
     monkeypatch.setattr(prefill, "build_split_work",
                         functools.partial(schedule.build_split_work, min_keys_per_chunk=16))
     page, hq, hkv, d, b, dt = 4, 4, 2, 16, 3, torch.float32
-    bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
-                paged_kv_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
-                paged_kv_indices_buf=torch.zeros(128, dtype=torch.int32),
-                paged_kv_last_page_len_buf=torch.zeros(b, dtype=torch.int32))
-    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(b, 128))
     ids = None
     plans = [([1, 1, 1], [100, 37, 0], False, 2), ([1, 0, 1], [20, 5, 300], False, 1),
              ([1, 1, 1], [50, 50, 50], True, 0), ([1, 1, 0], [3, 1, 0], False, 0)]
