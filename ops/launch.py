@@ -236,7 +236,11 @@ def _is_descriptor(a) -> bool:
 
 
 def _is_constant(a) -> bool:
-    """A launch argument fixed by the key: numbers, flags, dtypes, constexprs, layouts."""
+    """A launch argument fixed by the key: numbers, flags, dtypes, constexprs, layouts, and
+    tuples of these (the Gluon kernels' named bundles; a tuple holding a tensor is not one, so a
+    launch passing one is never bound)."""
+    if isinstance(a, tuple):
+        return all(_is_constant(x) for x in a)
     return (a is None or isinstance(a, (bool, int, float, str, torch.dtype))
             or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
 
@@ -258,7 +262,11 @@ class _Direct:
     Built only where the launcher has triton 3.6's shape (CudaLauncher(gridX, gridY, gridZ,
     stream, function, *args) over a launcher taking 13 base arguments, descriptors expanded by
     make_tensordesc_arg(arg, metadata)) and needs no scratch; else None and the replay calls
-    CompiledKernel.run (the same on every version)."""
+    CompiledKernel.run (the same on every version; triton 3.9's launcher has another shape).
+    A tuple argument (a bundle of constants: _is_constant) goes to the launcher as it is: triton
+    3.6's parses it in place (its format's "(...)" for a tuple of the signature) and its wrapper
+    expands only top-level descriptors, which the template expands likewise; a tuple holding
+    anything else, or a descriptor position that is not a descriptor, gives None."""
 
     @staticmethod
     def of(compiled, template: list):
@@ -273,12 +281,16 @@ class _Direct:
                                   "args"]
                     or len(inspect.signature(nvd.make_tensordesc_arg).parameters) != 2):
                 return None
+            if any(isinstance(a, tuple) and not _is_constant(a) for a in template):
+                return None
             launch = L.launch
             code = getattr(launch, "__code__", None)
             if code is None:  # no descriptor argument: the C launcher itself
                 return _Direct(L, launch, set(), [], nvd, template)
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
             if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+                return None
+            if not all(_is_descriptor(template[i]) for i in cells["tensordesc_indices"]):
                 return None
             return _Direct(L, cells["launcher"], set(cells["tensordesc_indices"]),
                            list(cells["tensordesc_meta"]), nvd, template)

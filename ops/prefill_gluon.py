@@ -70,11 +70,10 @@ GATHER_TPW = gl.constexpr(4)
 
 
 # ---- the kernel's named bundles -----------------------------------------------------------------
-# _gluon_fwd keeps a flat signature (launched eagerly through launch.run_direct, replayed by the
-# bound launches) and gathers its runtime values into one Ctx of these named tuples, which the
-# partitions take (Gluon passes a tuple's fields like separate arguments; a tuple assigned to a
-# name holds runtime values, so constexprs stay separate arguments). Ctx's fields flatten in the
-# order the warp-specialized partitions receive them.
+# _gluon_fwd gathers its runtime values into one Ctx of these named tuples, which the partitions
+# take (Gluon passes a tuple's fields like separate arguments; a tuple assigned to a name holds
+# runtime values, so constexprs stay separate arguments). Ctx's fields flatten in the order the
+# warp-specialized partitions receive them.
 Io = namedtuple("Io", "q_ptr o_ptr lse_ptr")
 Io.__doc__ = """\
     Q, O and LSE."""
@@ -130,6 +129,58 @@ Item.__doc__ = """\
     A work item (_item_of): request, first packed row, KV head, the request's rows
     (qo_start, qo_len) and keys (kv_start, kv_len; paged: first page-table entry, pages), its
     key tiles (n_tiles, the first n_free unmasked) and whether its rows exist (valid)."""
+
+
+# ---- the launch arguments' bundles -------------------------------------------------------------
+# The launched kernels take their scalars and constexprs in these named tuples, built by launch /
+# launch_pod. Triton specialises a tuple argument's fields like top-level arguments (an integer 1
+# becomes a constexpr, a multiple of 16 is marked so) and flattens them in place, so the compiled
+# parameters are the flat signature's, in the same order (dev/ptx_fingerprint checks). Tensors
+# and tensor descriptors stay top-level arguments: triton 3.6's launcher expands only top-level
+# descriptors, and the bound launches (launch.Bound) substitute only top-level tensors. The
+# kernels read a bundle's fields in place (bundle.field): a name assigned a tuple would turn its
+# constexpr fields (an integer 1) into runtime values on triton 3.9.
+PageRows = namedtuple("PageRows", "k_page_rows v_page_rows")
+PageRows.__doc__ = """\
+    Each K / V cache's rows from one page to the next (paged; else never read)."""
+
+
+WorkSizes = namedtuple("WorkSizes", "n_items n_req n_hkv dense_tiles dense_group dense_qo_len "
+                       "dense_kv_len")
+WorkSizes.__doc__ = """\
+    Work's sizes: items per KV head, requests, KV heads, and dense mode's tiles per entry,
+    pairs per group and lengths (0 where not dense)."""
+
+
+GatherStrides = namedtuple("GatherStrides", "stride_kr stride_vr")
+GatherStrides.__doc__ = """\
+    Elements from one row of the K / V caches' 2D views to the next (PAGED_GATHER)."""
+
+
+PartScalars = namedtuple("PartScalars", "k_page_rows v_page_rows qt qh ot oh lt lh qk_scale")
+PartScalars.__doc__ = """\
+    A POD part's scalars (_gluon_pod_fwd): its caches' page rows, the token and head strides of
+    q, o and lse (ragged: no batch strides), and its base-2 logit scale."""
+
+
+Source = namedtuple("Source", "PAGED PAGE BOXES WIDE")
+Source.__doc__ = """\
+    Constexprs of a K / V source: PAGED (0, PAGED_BOXES or PAGED_GATHER), the page size, TMA
+    boxes per key tile, and WIDE (the gather's int64 row offsets)."""
+
+
+Shape = namedtuple("Shape", "GROUP CAUSAL BLOCK_M BLOCK_N D STAGES")
+Shape.__doc__ = """\
+    Constexprs of the tile: query heads per KV head, the causal mask, rows and keys per tile,
+    head dim, K / V ring slots."""
+
+
+Schedule = namedtuple("Schedule", "DENSE Q_TMA P_SMEM WS PERSISTENT PINGPONG PRODUCER_REGS "
+                      "GROUP_REGS")
+Schedule.__doc__ = """\
+    _gluon_fwd's constexprs of the work and its schedule: dense work items, Q by TMA, P through
+    shared memory, warp specialization, persistent programs, ping-pong groups, and the load and
+    second compute partitions' registers."""
 
 
 @constexpr_function
@@ -1090,18 +1141,14 @@ def _release_state(ring, item_bars, STAGES: gl.constexpr):
 @gluon.jit
 def _gluon_fwd(
     work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
-    page_idx_ptr, last_page_len_ptr, k_page_rows, v_page_rows,
-    stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh, stride_lb, stride_lt,
-    stride_lh, qk_scale, n_items, n_req, n_hkv, dense_tiles, dense_group, dense_qo_len,
-    dense_kv_len, sched_ptr, q_desc, q_req_rows, k_ptr, v_ptr, stride_kr, stride_vr,
-    DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
-    GROUP: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr, P_SMEM: gl.constexpr,
-    WS: gl.constexpr, PERSISTENT: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr, PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr,
-    num_warps: gl.constexpr,
+    page_idx_ptr, last_page_len_ptr, page_rows, row_strides, qk_scale, work_sizes, sched_ptr,
+    q_desc, q_req_rows, k_ptr, v_ptr, gather_strides,
+    SOURCE: gl.constexpr, SHAPE: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr,
 ):
-    """Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
+    """Scalars and constexprs come in bundles (the named tuples above): page_rows a PageRows,
+    row_strides a RowStrides, work_sizes a WorkSizes, gather_strides a GatherStrides; SOURCE a
+    Source, SHAPE a Shape, SCHEDULE a Schedule. Below, a field goes by its own name (PAGED is
+    SOURCE.PAGED, n_items work_sizes.n_items). Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
     grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
     from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
     zeroed per launch) until none is left, a 1D grid of at most the programs the GPU holds at
@@ -1121,6 +1168,24 @@ def _gluon_fwd(
     of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
     the second a worker partition at GROUP_REGS registers."""
+    PAGED: gl.constexpr = SOURCE.PAGED
+    PAGE: gl.constexpr = SOURCE.PAGE
+    BOXES: gl.constexpr = SOURCE.BOXES
+    WIDE: gl.constexpr = SOURCE.WIDE
+    GROUP: gl.constexpr = SHAPE.GROUP
+    CAUSAL: gl.constexpr = SHAPE.CAUSAL
+    BLOCK_M: gl.constexpr = SHAPE.BLOCK_M
+    BLOCK_N: gl.constexpr = SHAPE.BLOCK_N
+    D: gl.constexpr = SHAPE.D
+    STAGES: gl.constexpr = SHAPE.STAGES
+    DENSE: gl.constexpr = SCHEDULE.DENSE
+    Q_TMA: gl.constexpr = SCHEDULE.Q_TMA
+    P_SMEM: gl.constexpr = SCHEDULE.P_SMEM
+    WS: gl.constexpr = SCHEDULE.WS
+    PERSISTENT: gl.constexpr = SCHEDULE.PERSISTENT
+    PINGPONG: gl.constexpr = SCHEDULE.PINGPONG
+    PRODUCER_REGS: gl.constexpr = SCHEDULE.PRODUCER_REGS
+    GROUP_REGS: gl.constexpr = SCHEDULE.GROUP_REGS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
@@ -1132,14 +1197,15 @@ def _gluon_fwd(
     # the launch's runtime values (Ctx)
     ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr),
               ring,
-              Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
-              RowStrides(stride_qb, stride_qt, stride_qh, stride_ob, stride_ot, stride_oh,
-                         stride_lb, stride_lt, stride_lh),
-              Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, n_req,
-                   n_hkv, dense_tiles, dense_group, dense_qo_len, dense_kv_len),
+              Keys(k_desc, v_desc, qk_scale, page_idx_ptr, page_rows.k_page_rows,
+                   page_rows.v_page_rows),
+              row_strides,
+              Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, work_sizes.n_items,
+                   work_sizes.n_req, work_sizes.n_hkv, work_sizes.dense_tiles,
+                   work_sizes.dense_group, work_sizes.dense_qo_len, work_sizes.dense_kv_len),
               Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, q_desc,
                       q_req_rows),
-              Gather(k_ptr, v_ptr, stride_kr, stride_vr))
+              Gather(k_ptr, v_ptr, gather_strides.stride_kr, gather_strides.stride_vr))
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     if PERSISTENT:
         # The load warp takes the work items (program_id, then a global counter's) and starts
@@ -1161,8 +1227,8 @@ def _gluon_fwd(
                               STAGES, BOXES, WIDE)),
             ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
-        item = _item_of(gl.program_id(0) + gl.program_id(1) * n_items, ctx, DENSE, PAGED, PAGE,
-                        GROUP, CAUSAL, BLOCK_M, BLOCK_N)
+        item = _item_of(gl.program_id(0) + gl.program_id(1) * work_sizes.n_items, ctx, DENSE,
+                        PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N)
         n_tiles = item.n_tiles
         q_smem = q_ring.index(0)
         if n_tiles > 0:
@@ -1178,8 +1244,9 @@ def _gluon_fwd(
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
                                       k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
                                       item.hkv, page_idx_ptr, item.page_base, item.npages,
-                                      k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
-                                      BLOCK_N, D, STAGES, BOXES, WIDE)),
+                                      page_rows.k_page_rows, page_rows.v_page_rows,
+                                      gather_strides.stride_kr, gather_strides.stride_vr, PAGED,
+                                      PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)),
                 ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
             elif WS:
                 gl.warp_specialize([
@@ -1188,24 +1255,25 @@ def _gluon_fwd(
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
                                       k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
                                       item.hkv, page_idx_ptr, item.page_base, item.npages,
-                                      k_page_rows, v_page_rows, stride_kr, stride_vr, PAGED, PAGE,
-                                      BLOCK_N, D, STAGES, BOXES, WIDE)),
+                                      page_rows.k_page_rows, page_rows.v_page_rows,
+                                      gather_strides.stride_kr, gather_strides.stride_vr, PAGED,
+                                      PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)),
                 ], [LOAD_WARPS], [PRODUCER_REGS])
             else:
                 for i in gl.static_range(STAGES):
                     page = _page_of(page_idx_ptr, item.page_base, item.npages, i, PAGED, PAGE,
                                     BLOCK_N)
                     _load_kv(k_desc, k_ring, k_bar, i, item.kv_start, item.hkv, i < n_tiles, page,
-                             k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+                             page_rows.k_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                     _load_kv(v_desc, v_ring, v_bar, i, item.kv_start, item.hkv, i < n_tiles, page,
-                             v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
+                             page_rows.v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _group(0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
                        CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
         elif item.valid:  # no key for any row of the tile: 0 and LSE -inf
-            _zero_rows(o_ptr, lse_ptr, item.req.to(gl.int64) * stride_ob,
-                       item.req.to(gl.int64) * stride_lb, item.qo_start, item.qo_len, item.hkv,
-                       item.row0, stride_ot, stride_oh, stride_lt, stride_lh, GROUP, BLOCK_M, D,
-                       num_warps)
+            _zero_rows(o_ptr, lse_ptr, item.req.to(gl.int64) * row_strides.ob,
+                       item.req.to(gl.int64) * row_strides.lb, item.qo_start, item.qo_len,
+                       item.hkv, item.row0, row_strides.ot, row_strides.oh, row_strides.lt,
+                       row_strides.lh, GROUP, BLOCK_M, D, num_warps)
     _release_state(ring, item_bars, STAGES)
 
 
@@ -1227,15 +1295,11 @@ def _pod_part_ctx(io, keys, strides, indptrs, shared):
 def _gluon_pod_fwd(
     work_ptr, n_items, n_hkv, sched_ptr,
     q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
-    last_page_len_ptr, k_page_rows, v_page_rows, stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_lt, stride_lh, qk_scale,
+    last_page_len_ptr, scalars,
     q_ptr_d, k_desc_d, v_desc_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
-    page_idx_ptr_d, last_page_len_ptr_d, k_page_rows_d, v_page_rows_d, stride_qt_d, stride_qh_d,
-    stride_ot_d, stride_oh_d, stride_lt_d, stride_lh_d, qk_scale_d,
-    PAGED: gl.constexpr, PAGE: gl.constexpr, BOXES: gl.constexpr, PAGED_D: gl.constexpr,
-    PAGE_D: gl.constexpr, BOXES_D: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr, GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
+    page_idx_ptr_d, last_page_len_ptr_d, scalars_d,
+    SOURCE: gl.constexpr, SOURCE_D: gl.constexpr, SHAPE: gl.constexpr, PINGPONG: gl.constexpr,
+    GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """POD on the persistent warp-specialized kernel: one launch whose work items are a
     prefill's tiles (part 0: the arguments without suffix) and a decode batch's items (part 1:
@@ -1247,7 +1311,21 @@ def _gluon_pod_fwd(
     paged cache (PAGED_BOXES, PAGE, BOXES) or a one-page cache whose request reads that page's
     first last_page_len rows (PAGED 0: PODWithPagedKVCacheWrapper's contiguous k_p / v_p),
     part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Descriptors and page rows as in
-    _gluon_fwd; both parts' boxes fill slots of one shared layout (the launcher checks)."""
+    _gluon_fwd; both parts' boxes fill slots of one shared layout (the launcher checks).
+    Bundles: each part's scalars a PartScalars (scalars, scalars_d), its K / V source a Source
+    (SOURCE, SOURCE_D: PAGED, PAGE, BOXES; WIDE off), the tile a Shape (SHAPE)."""
+    PAGED: gl.constexpr = SOURCE.PAGED
+    PAGE: gl.constexpr = SOURCE.PAGE
+    BOXES: gl.constexpr = SOURCE.BOXES
+    PAGED_D: gl.constexpr = SOURCE_D.PAGED
+    PAGE_D: gl.constexpr = SOURCE_D.PAGE
+    BOXES_D: gl.constexpr = SOURCE_D.BOXES
+    GROUP: gl.constexpr = SHAPE.GROUP
+    CAUSAL: gl.constexpr = SHAPE.CAUSAL
+    BLOCK_M: gl.constexpr = SHAPE.BLOCK_M
+    BLOCK_N: gl.constexpr = SHAPE.BLOCK_N
+    D: gl.constexpr = SHAPE.D
+    STAGES: gl.constexpr = SHAPE.STAGES
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
     ring, item_bars = _shared_state(dtype, k_desc, v_desc, k_desc, False, False, PAGED,
@@ -1258,13 +1336,15 @@ def _gluon_pod_fwd(
     shared = (work_ptr, n_items, n_hkv, ring, handoff, Gather(q_ptr, q_ptr, 0, 0))
     ctx = _pod_part_ctx(
         Io(q_ptr, o_ptr, lse_ptr),
-        Keys(k_desc, v_desc, qk_scale, page_idx_ptr, k_page_rows, v_page_rows),
-        (stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh),
+        Keys(k_desc, v_desc, scalars.qk_scale, page_idx_ptr, scalars.k_page_rows,
+             scalars.v_page_rows),
+        (scalars.qt, scalars.qh, scalars.ot, scalars.oh, scalars.lt, scalars.lh),
         (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr), shared)
     pod = _pod_part_ctx(
         Io(q_ptr_d, o_ptr_d, lse_ptr_d),
-        Keys(k_desc_d, v_desc_d, qk_scale_d, page_idx_ptr_d, k_page_rows_d, v_page_rows_d),
-        (stride_qt_d, stride_qh_d, stride_ot_d, stride_oh_d, stride_lt_d, stride_lh_d),
+        Keys(k_desc_d, v_desc_d, scalars_d.qk_scale, page_idx_ptr_d, scalars_d.k_page_rows,
+             scalars_d.v_page_rows),
+        (scalars_d.qt, scalars_d.qh, scalars_d.ot, scalars_d.oh, scalars_d.lt, scalars_d.lh),
         (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d), shared)
     if PINGPONG:
         gl.warp_specialize([
@@ -1498,14 +1578,17 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         q_desc, q_req_rows = k_desc, 0  # (never read)
     _launch.run_direct(
         _gluon_fwd, grid, work_arg, q, k_desc, kv_descriptor(v2, d, box), out, lse,
-        qo_arg, kv_arg, page_idx, last, k_rows, v_rows, *qs, *os_, *ls, qk_scale, n_items,
-        n_req, hkv, tiles, group, sq, skv, sched, q_desc, q_req_rows, k2, v2, k2.stride(0),
-        v2.stride(0), DENSE=dense is not None, Q_TMA=q2 is not None,
-        PAGED=(PAGED_GATHER.value if gather else PAGED_BOXES.value) if paged else 0, PAGE=page,
-        GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages,
-        P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, BOXES=boxes, WIDE=gather and wide,
-        PRODUCER_REGS=GATHER_REGS[1] if gather else 24, PINGPONG=pingpong,
-        GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
+        qo_arg, kv_arg, page_idx, last, PageRows(k_rows, v_rows), RowStrides(*qs, *os_, *ls),
+        qk_scale, WorkSizes(n_items, n_req, hkv, tiles, group, sq, skv), sched, q_desc,
+        q_req_rows, k2, v2, GatherStrides(k2.stride(0), v2.stride(0)),
+        SOURCE=Source(PAGED=(PAGED_GATHER.value if gather else PAGED_BOXES.value) if paged
+                      else 0, PAGE=page, BOXES=boxes, WIDE=gather and wide),
+        SHAPE=Shape(GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
+                    STAGES=stages),
+        SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
+                          PERSISTENT=persistent, PINGPONG=pingpong,
+                          PRODUCER_REGS=GATHER_REGS[1] if gather else 24,
+                          GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 
@@ -1560,17 +1643,20 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
 
     def part_args(part, pair):
         return (part.q, pair[0], pair[1], part.out, part.lse, part.qo_indptr, part.kv_indptr,
-                part.page_idx, part.last_page_len, part.k_rows, part.v_rows, part.q.stride(0),
-                part.q.stride(1), part.out.stride(0), part.out.stride(1), part.lse.stride(0),
-                part.lse.stride(1), part.qk_scale)
+                part.page_idx, part.last_page_len,
+                PartScalars(part.k_rows, part.v_rows, part.q.stride(0), part.q.stride(1),
+                            part.out.stride(0), part.out.stride(1), part.lse.stride(0),
+                            part.lse.stride(1), part.qk_scale))
 
     _launch.run_direct(
         _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device),
         *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
-        PAGED=PAGED_BOXES.value if prefill.page else 0, PAGE=prefill.page, BOXES=boxes[0],
-        PAGED_D=PAGED_BOXES.value, PAGE_D=decode.page, BOXES_D=boxes[1],
-        GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=tile.block_n, D=d,
-        STAGES=tile.stages, PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
+        SOURCE=Source(PAGED=PAGED_BOXES.value if prefill.page else 0, PAGE=prefill.page,
+                      BOXES=boxes[0], WIDE=False),
+        SOURCE_D=Source(PAGED=PAGED_BOXES.value, PAGE=decode.page, BOXES=boxes[1], WIDE=False),
+        SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
+                    BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
+        PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
         num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
     return prefill.out, prefill.lse, decode.out, decode.lse
 

@@ -136,11 +136,13 @@ def _observed(seen) -> dict:
     if not seen:
         return dict(kernels=kernels)
     name, grid, a = seen[0]
-    if name == "_gluon_fwd":
-        return dict(kernels=kernels, grid=list(grid), BLOCK_M=a["BLOCK_M"], BLOCK_N=a["BLOCK_N"],
-                    stages=a["STAGES"], warps=a["num_warps"], persistent=bool(a["PERSISTENT"]),
-                    paged=int(a["PAGED"]), ws=bool(a["WS"]), pingpong=bool(a["PINGPONG"]),
-                    p_smem=bool(a["P_SMEM"]), boxes=int(a["BOXES"]), group=int(a["dense_group"]))
+    if name == "_gluon_fwd":  # (its named bundles: prefill_gluon.Source, Shape, ...)
+        src, shape, sched = a["SOURCE"], a["SHAPE"], a["SCHEDULE"]
+        return dict(kernels=kernels, grid=list(grid), BLOCK_M=shape.BLOCK_M,
+                    BLOCK_N=shape.BLOCK_N, stages=shape.STAGES, warps=a["num_warps"],
+                    persistent=bool(sched.PERSISTENT), paged=int(src.PAGED), ws=bool(sched.WS),
+                    pingpong=bool(sched.PINGPONG), p_smem=bool(sched.P_SMEM),
+                    boxes=int(src.BOXES), group=int(a["work_sizes"].dense_group))
     return dict(kernels=kernels, grid=list(grid), BLOCK_M=a["BLOCK_M"], BLOCK_N=a["BLOCK_N"],
                 stages=a["num_stages"], warps=a["num_warps"], tma=int(a["TMA"]),
                 split=bool(a["SPLIT"]), group=int(a["dense_group"]),

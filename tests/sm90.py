@@ -184,27 +184,37 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
                          else G.persistent_default(pp, block_n // box))
     paged_mode = (G.PAGED_GATHER.value if gather else G.PAGED_BOXES.value) if page else 0
     regs = G.GATHER_REGS if gather else (G.PINGPONG_REGS, 24)
-    consts = dict(DENSE=dense, Q_TMA=persistent, PAGED=paged_mode, PAGE=page,
-                  GROUP=1 if persistent else 4, CAUSAL=causal, PERSISTENT=persistent,
-                  BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages, P_SMEM=p_smem,
-                  WS=ws, BOXES=block_n // box, WIDE=page == 3, PRODUCER_REGS=regs[1],
-                  PINGPONG=pp, GROUP_REGS=regs[0], num_warps=warps // 2 if pp else warps)
     # (WIDE: the gather's int64 row offsets, a cache of 2^31 elements or more: page 3 compiles
     # them, page 1 the int32 ones)
-    if page == 1:  # a page of one row: the launch specializes page_rows == 1 as a constexpr
-        consts.update(k_page_rows=1, v_page_rows=1)
+    consts = dict(SOURCE=G.Source(PAGED=paged_mode, PAGE=page, BOXES=block_n // box,
+                                  WIDE=page == 3),
+                  SHAPE=G.Shape(GROUP=1 if persistent else 4, CAUSAL=causal, BLOCK_M=block_m,
+                                BLOCK_N=block_n, D=d, STAGES=stages),
+                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent, P_SMEM=p_smem, WS=ws,
+                                      PERSISTENT=persistent, PINGPONG=pp,
+                                      PRODUCER_REGS=regs[1], GROUP_REGS=regs[0]),
+                  num_warps=warps // 2 if pp else warps)
+    # the bundles' field types as the launch's specialization names them (named tuples: the
+    # kernel reads their fields by name); a page of one row: the launch specializes
+    # page_rows == 1 as constexprs
+    rows = "constexpr" if page == 1 else "i32"
     types = dict(work_ptr="*i32", q_ptr="*bf16", k_desc=desc, v_desc=desc, o_ptr="*bf16",
                  lse_ptr="*fp32", qo_indptr_ptr="*i32", kv_indptr_ptr="*i32",
                  page_idx_ptr="*i32", last_page_len_ptr="*i32", qk_scale="fp32",
                  sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>",
-                 k_ptr="*bf16", v_ptr="*bf16")
+                 k_ptr="*bf16", v_ptr="*bf16", page_rows=G.PageRows(rows, rows),
+                 row_strides=G.RowStrides(*["i32"] * 9), work_sizes=G.WorkSizes(*["i32"] * 7),
+                 gather_strides=G.GatherStrides("i32", "i32"))
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    at = fn.arg_names.index
+    constexprs = {(at(n),): v for n, v in consts.items()}
+    if page == 1:
+        constexprs.update({(at("page_rows"), 0): 1, (at("page_rows"), 1): 1})
     # 16-byte aligned pointers and row strides, as the launch's specialization finds them
-    aligned = ("k_ptr", "v_ptr", "stride_kr", "stride_vr")
-    src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
-                         attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                                for n in aligned})
+    aligned = [(at("k_ptr"),), (at("v_ptr"),), (at("gather_strides"), 0),
+               (at("gather_strides"), 1)]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                         attrs={path: [["tt.divisibility", 16]] for path in aligned})
     opts = dict(num_warps=consts["num_warps"])
     if ws:  # as launch() sets it
         opts["maxnreg"] = G.ws_maxnreg(warps)
@@ -231,24 +241,27 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
         return f"tensordesc<bf16[{box}, {d}],{layout}>", box
 
     (dp, _), (dd, _) = desc(page_p), desc(page_d)
-    consts = dict(PAGED=G.PAGED_BOXES.value if page_p else 0, PAGE=page_p,
-                  BOXES=G.pod_boxes(page_p, tile.block_n), PAGED_D=G.PAGED_BOXES.value,
-                  PAGE_D=page_d, BOXES_D=G.pod_boxes(page_d, tile.block_n), GROUP=group,
-                  CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=tile.block_n, D=d, STAGES=tile.stages,
+    consts = dict(SOURCE=G.Source(PAGED=G.PAGED_BOXES.value if page_p else 0, PAGE=page_p,
+                                  BOXES=G.pod_boxes(page_p, tile.block_n), WIDE=False),
+                  SOURCE_D=G.Source(PAGED=G.PAGED_BOXES.value, PAGE=page_d,
+                                    BOXES=G.pod_boxes(page_d, tile.block_n), WIDE=False),
+                  SHAPE=G.Shape(GROUP=group, CAUSAL=causal, BLOCK_M=block_m,
+                                BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
                   PINGPONG=tile.pingpong, GROUP_REGS=G.PINGPONG_REGS,
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
-    types = {}
+    # each part's scalars; lse [N, Hq]: its head stride 1 is specialised as a constexpr by the
+    # launch
+    scalars = G.PartScalars(*["i32"] * 7, "constexpr", "fp32")
+    types = dict(work_ptr="*i32", sched_ptr="*i32")
     for sfx, dsc in (("", dp), ("_d", dd)):
         types.update({f"q_ptr{sfx}": "*bf16", f"o_ptr{sfx}": "*bf16", f"lse_ptr{sfx}": "*fp32",
                       f"k_desc{sfx}": dsc, f"v_desc{sfx}": dsc, f"qo_indptr_ptr{sfx}": "*i32",
                       f"kv_indptr_ptr{sfx}": "*i32", f"page_idx_ptr{sfx}": "*i32",
-                      f"last_page_len_ptr{sfx}": "*i32", f"qk_scale{sfx}": "fp32"})
-    types.update(work_ptr="*i32", sched_ptr="*i32")
-    # lse [N, Hq]: its head stride 1 is specialised as a constexpr by the launch
-    ones = {"stride_lh": 1, "stride_lh_d": 1}
-    consts.update(ones)
+                      f"last_page_len_ptr{sfx}": "*i32", f"scalars{sfx}": scalars})
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    src = GluonASTSource(fn=fn, signature=sig,
-                         constexprs={(fn.arg_names.index(n),): v for n, v in consts.items()},
-                         attrs={})
+    at = fn.arg_names.index
+    constexprs = {(at(n),): v for n, v in consts.items()}
+    lh = G.PartScalars._fields.index("lh")
+    constexprs.update({(at("scalars"), lh): 1, (at("scalars_d"), lh): 1})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs={})
     return src, dict(num_warps=consts["num_warps"], maxnreg=G.ws_maxnreg(tile.warps))

@@ -2,15 +2,19 @@
 
 No function of the package takes more than 30 parameters, but for the public FlashInfer
 signatures (public names), the op implementations (their torch.library schemas are flat) and
-the launched kernels, whose flat signatures torch's wrap_triton, its mutation analysis and the
-bound-launch replay bind argument by argument: those gather their arguments into tuples at once,
-and the functions below them take the bundles and read their fields by prefill_kernel's
-tl.constexpr indices (P_, ST_, SC_, O_, R_, KEY_ + the field's name). The launch arguments are
-assembled by name, in the kernels' parameter order.
+the launched Triton kernels, whose flat signatures torch's wrap_triton and its mutation analysis
+bind argument by argument (Dynamo refuses tuple arguments to a Triton kernel): those gather
+their arguments into tuples at once, and the functions below them take the bundles and read
+their fields by prefill_kernel's tl.constexpr indices (P_, ST_, SC_, O_, R_, KEY_ + the field's
+name). The launch arguments are assembled by name, in the kernels' parameter order. The Gluon
+kernels, launched eagerly only, take their scalars and constexprs in named tuples
+(prefill_gluon's PageRows, RowStrides, WorkSizes, GatherStrides, PartScalars, Source, Shape,
+Schedule) and keep to the rule; the bound-launch replay passes those tuples as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -25,8 +29,8 @@ import compiled_attn.ops
 from compiled_attn.ops import prefill_kernel as K
 
 MAX_PARAMS = 30
-# The kernels launched from the host (flat signatures, see the module docstring).
-LAUNCHED = {"_prefill_fwd", "_pod_fwd", "_gluon_fwd", "_gluon_pod_fwd"}
+# The Triton kernels launched from the host (flat signatures, see the module docstring).
+LAUNCHED = {"_prefill_fwd", "_pod_fwd"}
 # Implementations of an op schema (contracts.py), real and fake.
 OP_SCHEMAS = {"_pod_prefill_decode", "_pod_prefill_decode_fake"}
 
@@ -72,10 +76,50 @@ def test_no_private_function_takes_more_than_30_parameters():
 def test_the_launched_kernels_are_the_flat_ones():
     # every name in LAUNCHED exists and is flat indeed (a stale entry would exempt nothing)
     kernels = [K._prefill_fwd, K._pod_fwd]
-    gluon = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
-    kernels += [gluon._gluon_fwd, gluon._gluon_pod_fwd]
     assert {k.fn.__name__ for k in kernels} == LAUNCHED
     assert all(len(k.arg_names) > MAX_PARAMS for k in kernels)
+
+
+# _gluon_fwd's and _gluon_pod_fwd's runtime parameters before their bundles, in order: the
+# bundles' fields flattened in place must give them back (the compiled parameters' order)
+GLUON_FLAT = (
+    "work_ptr q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
+    "last_page_len_ptr k_page_rows v_page_rows qb qt qh ob ot oh lb lt lh qk_scale n_items "
+    "n_req n_hkv dense_tiles dense_group dense_qo_len dense_kv_len sched_ptr q_desc q_req_rows "
+    "k_ptr v_ptr stride_kr stride_vr").split()
+_PART = ("q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
+         "last_page_len_ptr k_page_rows v_page_rows qt qh ot oh lt lh qk_scale").split()
+GLUON_POD_FLAT = ["work_ptr", "n_items", "n_hkv", "sched_ptr", *_PART,
+                  *[n if n in ("k_page_rows", "v_page_rows", "qt", "qh", "ot", "oh", "lt", "lh",
+                               "qk_scale") else n + "_d" for n in _PART]]
+
+
+def test_gluon_bundles_flatten_to_the_flat_order():
+    G = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
+    bundles = {"page_rows": G.PageRows, "row_strides": G.RowStrides,
+               "work_sizes": G.WorkSizes, "gather_strides": G.GatherStrides,
+               "scalars": G.PartScalars, "scalars_d": G.PartScalars}
+    for kernel, flat in ((G._gluon_fwd, GLUON_FLAT), (G._gluon_pod_fwd, GLUON_POD_FLAT)):
+        assert len(kernel.arg_names) <= MAX_PARAMS
+        runtime = [p.name for p in kernel.params if not p.is_constexpr]
+        fields = [f for n in runtime for f in (bundles[n]._fields if n in bundles else [n])]
+        assert fields == flat, kernel.fn.__name__
+    # the constexpr bundles name the constexprs the kernels unpack (ALL_CAPS, one each)
+    for t in (G.Source, G.Shape, G.Schedule):
+        assert all(f.isupper() for f in t._fields)
+
+
+def test_bound_launch_takes_constant_bundles():
+    """A tuple of constants (a bundle) is a constant launch argument; one holding a tensor is
+    not (its launch is never bound)."""
+    G = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
+    from compiled_attn.ops import launch
+
+    assert launch._is_constant(G.RowStrides(*range(9)))
+    assert launch._is_constant(G.Shape(4, True, 128, 64, 128, 2))
+    assert launch._is_constant(((1, 2.5), (None, torch.float16)))
+    assert not launch._is_constant((1, torch.zeros(1)))
+    assert not launch._is_constant(((1,), [2]))
 
 
 def _bundle(prefix: str) -> list[str]:
@@ -135,3 +179,32 @@ def test_program_args_are_named_in_parameter_order():
     for sfx in ("_p", "_d"):
         i = pod.index("q_ptr" + sfx)
         assert pod[i:i + len(built.args)] == [n + sfx for n in built.args]
+
+
+def test_direct_launch_passes_bundles_as_they_are():
+    """launch._Direct (triton 3.6's C launcher called with its descriptors expanded ahead): a
+    bundle keeps its place as one argument, which that launcher parses in place; descriptors
+    expand, and a patched pointer lands on its own position after them."""
+    from types import SimpleNamespace
+
+    from compiled_attn.ops import launch
+
+    @dataclasses.dataclass
+    class Desc:
+        base: object
+        block_shape: list
+
+    calls = []
+    nvd = SimpleNamespace(make_tensordesc_arg=lambda d, meta: [("map", d.base.data_ptr()), 7, 1])
+    L = SimpleNamespace(launch_cooperative_grid=False, launch_pdl=False)
+    t = torch.zeros(4)
+    rows = (16, 1)
+    template = [t.data_ptr(), Desc(t, [64, 128]), rows, 0.5, tl.constexpr(3)]
+    direct = launch._Direct(L, lambda *a: calls.append(a), {1}, [None], nvd, template)
+    u = torch.zeros(4)
+    direct((2, 1, 1), 0, SimpleNamespace(function=0, packed_metadata=()),
+           [(0, False, ("in", 0, 0, None)), (1, True, ("in", 1, 0, None))],
+           {"in": [u, u]})
+    (args,) = calls
+    assert list(args[13:]) == [u.data_ptr(), ("map", u.data_ptr()), 7, 1, rows, 0.5,
+                               template[4]]

@@ -158,15 +158,16 @@ def test_launch_pod_arguments(one_page, monkeypatch):
     assert rec.grid == (2 * G._WS_CTAS[8], )
     assert (rec.arg("n_items"), rec.arg("n_hkv")) == (7, 2)
     kw = rec.kw
-    assert (kw["PAGED"], kw["PAGE"], kw["BOXES"]) == ((0, 0, 1) if one_page else (1, 16, 8))
-    assert (kw["PAGED_D"], kw["PAGE_D"], kw["BOXES_D"]) == (1, 8, 16)
+    assert kw["SOURCE"] == ((0, 0, 1, False) if one_page else (1, 16, 8, False))
+    assert kw["SOURCE_D"] == (1, 8, 16, False)
     assert kw["PINGPONG"] and kw["num_warps"] == 4 and kw["maxnreg"] == G.ws_maxnreg(8)
     assert rec.arg("k_desc").block_shape == [128 if one_page else 16, 128]
     assert rec.arg("k_desc_d").block_shape == [8, 128]
-    assert rec.arg("qk_scale") == 0.5 and rec.arg("qk_scale_d") == 0.25
+    part, part_d = rec.arg("scalars"), rec.arg("scalars_d")
+    assert part.qk_scale == 0.5 and part_d.qk_scale == 0.25
     # pages two pages' rows apart (K and V interleave in one [P, 2, page, Hkv, D] buffer); the
     # one-page cache's K view is its 700 rows
-    assert rec.arg("k_page_rows") == (1400 if one_page else 32) and rec.arg("k_page_rows_d") == 16
+    assert part.k_page_rows == (1400 if one_page else 32) and part_d.k_page_rows == 16
     assert rec.arg("k_desc").shape[0] == (700 if one_page else 49 * 32 + 16)
     assert rec.arg("q_ptr") is q_p and rec.arg("o_ptr_d") is out_d
 

@@ -289,17 +289,18 @@ def test_launch_box_and_warp_plan(page, block_m, boxes, ws, monkeypatch):
     # other ping-pong launches a program per item
     persistent = block_m == 64 or boxes > 1 or short
     assert rec.grid == ((gluon_mod._WS_CTAS[warps], ) if persistent else (3, 2))
-    assert rec.kw["PERSISTENT"] == persistent
-    assert not rec.kw["Q_TMA"] and rec.arg("q_req_rows") == 0  # GQA 4:1: Q through registers
-    assert (rec.kw["BOXES"], rec.kw["WS"], rec.kw["PAGE"]) == (boxes, ws, page)
-    assert rec.kw["PAGED"] == (2 if gather else 1 if page else 0)
-    assert rec.kw["PRODUCER_REGS"] == (gluon_mod.GATHER_REGS[1] if gather else 24)
-    assert rec.arg("k_ptr") is k2 and rec.arg("stride_kr") == k2.stride(0)
-    assert rec.kw["WIDE"] is False  # a small cache: the gather's row offsets in int32
+    src, sched = rec.kw["SOURCE"], rec.kw["SCHEDULE"]
+    assert sched.PERSISTENT == persistent
+    assert not sched.Q_TMA and rec.arg("q_req_rows") == 0  # GQA 4:1: Q through registers
+    assert (src.BOXES, sched.WS, src.PAGE) == (boxes, ws, page)
+    assert src.PAGED == (2 if gather else 1 if page else 0)
+    assert sched.PRODUCER_REGS == (gluon_mod.GATHER_REGS[1] if gather else 24)
+    assert rec.arg("k_ptr") is k2 and rec.arg("gather_strides").stride_kr == k2.stride(0)
+    assert src.WIDE is False  # a small cache: the gather's row offsets in int32
     assert rec.kw.get("maxnreg") == (gluon_mod.ws_maxnreg(warps) if ws else None)
     # 128-row tiles run ping-pong: two groups of half the warps (num_warps is the first's)
     pp = block_m == 128
-    assert (rec.kw["PINGPONG"], rec.kw["num_warps"]) == (pp, warps // 2 if pp else warps)
+    assert (sched.PINGPONG, rec.kw["num_warps"]) == (pp, warps // 2 if pp else warps)
     assert rec.arg("k_desc").block_shape == [block_n // boxes, 128]  # the K descriptor's box
     if page:
         assert rec.arg("page_idx_ptr") is table and rec.arg("last_page_len_ptr") is last
@@ -332,7 +333,8 @@ def test_launch_gather_offset_width(pages, wide, monkeypatch):
     for kc, vc in ((big, k2), (k2, big)):  # either cache decides
         gluon_mod.launch(q, kc, vc, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                          causal=True, block_m=128, paged=(1, table, last, 1, 1))
-        assert rec.kw["PAGED"] == gluon_mod.PAGED_GATHER.value and rec.kw["WIDE"] is wide
+        src = rec.kw["SOURCE"]
+        assert src.PAGED == gluon_mod.PAGED_GATHER.value and src.WIDE is wide
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -353,7 +355,8 @@ def test_launch_gather_short_tile(causal, monkeypatch):
         gluon_mod.launch(q, k2, k2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                          causal=causal, block_m=128, paged=(page, table, indptr[1:], page, page),
                          **kw)
-        return (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["PERSISTENT"], rec.kw["PAGED"])
+        shape, sched = rec.kw["SHAPE"], rec.kw["SCHEDULE"]
+        return (shape.BLOCK_N, shape.STAGES, sched.PERSISTENT, rec.kw["SOURCE"].PAGED)
 
     gather = gluon_mod.PAGED_GATHER.value
     assert tile_of(2 * short) == tile_of(2 * short, page=2) == (64, 3, True, gather)
@@ -390,11 +393,11 @@ def test_launch_q_box(layout, monkeypatch):
                      causal=True, block_m=128 if layout == "per-item" else 64, tile=tile)
     q_desc, q_req_rows = rec.arg("q_desc"), rec.arg("q_req_rows")
     if layout in ("ragged", "dense"):
-        assert rec.kw["Q_TMA"] and list(q_desc.block_shape) == [64, 128]
+        assert rec.kw["SCHEDULE"].Q_TMA and list(q_desc.block_shape) == [64, 128]
         assert tuple(q_desc.base.shape) == (120 if dense else 40, hq * 128)
         assert q_desc.base.data_ptr() == q.data_ptr() and q_req_rows == (40 if dense else 0)
     else:
-        assert not rec.kw["Q_TMA"] and q_req_rows == 0
+        assert not rec.kw["SCHEDULE"].Q_TMA and q_req_rows == 0
 
 
 @pytest.mark.parametrize("block_m,d,block_n,stages", [(128, 64, 128, 3), (128, 256, 64, 2)])
@@ -411,8 +414,9 @@ def test_launch_tile_by_head_dim(block_m, d, block_n, stages, monkeypatch):
     k2 = v2 = gluon_mod.kv_2d(torch.randn(50, 2, d, dtype=torch.bfloat16), "ragged")
     gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                      causal=True, block_m=block_m)
-    assert (rec.kw["BLOCK_N"], rec.kw["STAGES"], rec.kw["D"]) == (block_n, stages, d)
-    assert rec.kw["PINGPONG"] and not rec.kw["PERSISTENT"] and rec.grid == (3, 2)
+    shape, sched = rec.kw["SHAPE"], rec.kw["SCHEDULE"]
+    assert (shape.BLOCK_N, shape.STAGES, shape.D) == (block_n, stages, d)
+    assert sched.PINGPONG and not sched.PERSISTENT and rec.grid == (3, 2)
     assert rec.arg("k_desc").block_shape == [block_n, d]
     if d == 256:
         with pytest.raises(ValueError, match="no Gluon tile for block_m 64 at head dim 256"):
