@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(their rows are recorded unavailable)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="seconds after which no new "
                     "case starts; the cases left are recorded unavailable (default 480)")
-    ap.add_argument("--only", default=None, help="run only cases whose name contains this text "
-                    "(e.g. 'page1', 'batch_pod', 'g64/8'), to split the grid over calls")
+    ap.add_argument("--only", default=None, help="run only the case of this whole name, or "
+                    "else the cases whose name contains this text (e.g. 'batch_pod', 'g64/8'), "
+                    "to split the grid over calls")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case "
                     "(median over all timed calls)")
     ap.add_argument("--warmup-ms", type=float, default=25.0, help="untimed calls before each "
@@ -451,7 +452,10 @@ def run_case(case: PodCase, args) -> list[dict]:
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    cases = [c for c in case_list(args.quick) if args.only is None or args.only in c.name]
+    cases = case_list(args.quick)
+    if args.only is not None:  # a case's whole name picks that case alone
+        exact = [c for c in cases if c.name == args.only]
+        cases = exact or [c for c in cases if args.only in c.name]
     t0, rows = time.monotonic(), []
     for i, case in enumerate(cases):
         spent = time.monotonic() - t0

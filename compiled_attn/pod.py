@@ -76,6 +76,7 @@ class _PODBase(_WrapperBase):
                                             o.kv_dtype, plain=plain),
                     fused_gluon=choose.pod_fused_gluon(o.head_dim_qk, args["page_size"],
                                                        o.kv_dtype, plain=plain),
+                    plain=plain,
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
@@ -148,8 +149,8 @@ class _PODBase(_WrapperBase):
         sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
         decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards. apart: None,
         or the parts' own work lists (work_p, work_d), int32 [W_x, 2], to run them as two
-        launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on the plan's
-        tile, the prefill through single_prefill where it is POD's one request with contiguous
+        launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on their own
+        tile (p["block_m_d"]), the prefill through single_prefill where it is POD's one request with contiguous
         k / v (dense, work_p None, its own tile), else batch_paged_prefill on its own tile
         (p["block_m_p"])."""
         v_f, v_t = _split_v_scale(v_scale)
@@ -170,7 +171,7 @@ class _PODBase(_WrapperBase):
                                        mask_indptr_p, p["alibi"], None, p["block_m_p"],
                                        opt_p[0], opt_p[1], 0, opt_p[2], *tail)
             out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
-                                   p["alibi"], None, p["block_m"], opt_d[0], opt_d[1], 0,
+                                   p["alibi"], None, p["block_m_d"], opt_d[0], opt_d[1], 0,
                                    opt_d[2], *tail)
         if v_f != 1.0 or v_t is not None:
             ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
@@ -314,6 +315,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], self.device)
+        # The decodes' own tile when they run as a launch of their own (pod_apart): where the
+        # fused launch would not be the Gluon kernel's (e.g. page 1), pod_tile is not theirs.
+        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
+                                                p["kv_dtype"], plain=p["plain"])
+        p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
+            b, 1, p["group"], p["block_m_d"], self.device)
         self._set_plan(p)
 
     begin_forward = plan
@@ -466,7 +473,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=((None, p["work_d"]) if not traced and self._launch_apart(
+            apart=((None, p["work_d_apart"]) if not traced and self._launch_apart(
                 qo_len, kv_len, mask_p == MASK_CAUSAL) else None))
 
     run.__doc__ += _RETURN_DOC
@@ -512,7 +519,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             # decode work list at every replay; a re-plan (CUDA-graph mode's new decode
             # lengths) or the eviction above would free them for the allocator to hand out again.
             p = self._plan
-            self._captured.append((part, p["qo_indptr"], p["alibi"], p["work_d"]))
+            self._captured.append((part, p["qo_indptr"], p["alibi"], p["work_d"],
+                                   p["work_d_apart"]))
         return part
 
 
@@ -565,6 +573,11 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                       f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
             if x == "d":
                 p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
+                # the decodes' own tile when they run apart (as the prefill's above)
+                p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size,
+                                                        qo_l, p["kv_dtype"], plain=p["plain"])
+                work_d = works[1] if p["block_m_d"] == p["block_m"] else build_work(
+                    qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":
                 mask_bits = (qo_lens * kv_lens).tolist()
                 byte_ptr = [0]
@@ -579,7 +592,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work"] = _pod_work(*works).to(**to)
-        p["work_p"], p["work_d"] = work_p.to(**to), works[1].to(**to)
+        p["work_p"], p["work_d_apart"] = work_p.to(**to), work_d.to(**to)
         self._set_plan(p)
 
     begin_forward = plan
@@ -654,7 +667,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse),
-            apart=((p["work_p"], p["work_d"]) if not traced and _apart(
+            apart=((p["work_p"], p["work_d_apart"]) if not traced and _apart(
                 p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"]) else None))
 
     run.__doc__ += _RETURN_DOC

@@ -27,7 +27,9 @@ D = 128
 # (requests, kv, page, Hq, Hkv): the grid in miniature
 CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
          (256, 4096, 16, 32, 8), (1, 32768, 16, 32, 8), (32, 512, 16, 32, 8),
-         (128, 4096, 1, 32, 8), (128, 4096, 16, 64, 8), (128, 4096, 16, 8, 8)]
+         (128, 4096, 1, 32, 8), (128, 4096, 16, 64, 8), (128, 4096, 16, 8, 8),
+         (128, 32768, 1, 32, 8), (16, 1024, 1, 32, 8), (128, 4096, 4, 32, 8),
+         (32, 16384, 3, 32, 8)]
 VARIANT_CASES = 2  # the first cases also run the tile variants
 
 
@@ -43,6 +45,10 @@ def _variants():
         # use_cuda_graph=True plans, with the launch policy's graph_decode_tile off / on
         "graph plan": ("graph", False),
         "graph plan decode tile": ("graph", True),
+        # decode rows on gathered pages (page 1-7) on the 64-row tile, as on pages read by boxes
+        "gather64": ("gather64", {}),
+        "gather64 st3": ("gather64", {(64, 128): g.TILES[64, 128]._replace(stages=3)}),
+        "graph gather64": ("gather64", {}, "graph"),
     }
 
 
@@ -52,15 +58,26 @@ def _variant(v):
     from compiled_attn.ops import prefill_gluon as g
 
     saved_tiles, saved_rows = dict(g.TILES), choose.DECODE_ROWS
-    graph = isinstance(v, tuple) and v[0] == "graph"
-    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) and not graph else {})
+    saved_boxes = choose._boxes_on_64_rows
+    gather64 = isinstance(v, tuple) and v[0] == "gather64"
+    graph = isinstance(v, tuple) and (v[0] == "graph" or v[-1] == "graph")
+    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) and v[0] != "graph"
+                                           else {})
     try:
         g.TILES.update(tiles)
+        if gather64:
+            def boxes_or_gathered(page, d, kv_dtype, dev):
+                return saved_boxes(page, d, kv_dtype, dev) or (
+                    d == 128 and choose._gluon_pages(page, d, d, kv_dtype, dev)
+                    and g.page_gathered(page, g.TILES[64, d].block_n, d))
+            choose._boxes_on_64_rows = boxes_or_gathered
+        policy.touch()
         if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
             choose.DECODE_ROWS = 0
-        with policy.override(graph_decode_tile=graph and v[1]):
+        with policy.override(graph_decode_tile=graph and (gather64 or v[1])):
             yield
     finally:
+        choose._boxes_on_64_rows = saved_boxes
         g.TILES.clear()
         g.TILES.update(saved_tiles)
         choose.DECODE_ROWS = saved_rows
@@ -90,7 +107,7 @@ def _ours(case, x, variant):
     b, kv, page, hq, hkv = case
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
     with _variant(variant):
-        if isinstance(variant, tuple) and variant[0] == "graph":
+        if isinstance(variant, tuple) and "graph" in (variant[0], variant[-1]):
             i32 = dict(dtype=torch.int32, device=x["q"].device)
             w = ca.BatchPrefillWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.empty(b + 1, **i32),

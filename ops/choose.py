@@ -134,8 +134,8 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
     query rows as the work list tiles them (None: unknown); kv_dtype: the K/V dtype (None:
     fp16 / bf16; fp8 K/V never take the Gluon kernel, so their small pages keep 256-row
     tiles); device: the device planned for (None: the current CUDA device, if any). Decode
-    rows (every request at most DECODE_ROWS packed rows) on pages the Gluon kernel reads by
-    boxes take 64-row tiles whether max_kv_len is known or not."""
+    rows (every request at most DECODE_ROWS packed rows) on pages the Gluon kernel reads on
+    its 64-row tile (by boxes or gathers) take 64-row tiles whether max_kv_len is known or not."""
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
@@ -149,7 +149,7 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
         return 64  # D 512: a 128-row tile's Q alone would take 128 KB of shared memory
     # decode rows: whatever the key lengths (known or not, as in a CUDA-graph plan)
     if (gluon_pages and qo_lens is not None and _decode_rows(qo_lens, group_size)
-            and _boxes_on_64_rows(page_size, d, kv_dtype, dev)):
+            and _pages_on_64_rows(page_size, d, kv_dtype, dev)):
         return 64
     if d > 128 or max_kv_len is None:
         return 128
@@ -192,6 +192,18 @@ def _boxes_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
     on the Gluon kernel's 64-row tile: the tile of decode rows and of POD plans."""
     return (d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)
             and _gluon.page_fits(page_size, _gluon.TILES[64, d].block_n, d))
+
+
+def _pages_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
+                     dev: Device) -> bool:
+    """Whether eager launches read pages of this size at head dim d on the Gluon kernel's
+    64-row tile at all: by TMA boxes (_boxes_on_64_rows) or, pages too small for a box, by the
+    producer warp group's gathers. Decode rows take that tile on either: two programs a SM,
+    each with its own loads, where the 128-row ping-pong tile computed an empty half
+    (benchmarks/NOTES.md, 2026-11-28: page 1, 128 x 4k 486 us against 533)."""
+    return _boxes_on_64_rows(page_size, d, kv_dtype, dev) or (
+        d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)
+        and _gluon.page_gathered(page_size, _gluon.TILES[64, d].block_n, d))
 
 
 def _decode_rows(qo_lens: Sequence[int], group_size: int) -> bool:
@@ -605,6 +617,21 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     if pod_fused_gluon(head_dim, page_size, kv_dtype, dev, plain=plain):
         return 64
     return tile(head_dim, head_dim, group_size, device=dev)
+
+
+def pod_decode_tile(head_dim: int, group_size: int, page_size: int, qo_lens: Sequence[int],
+                    kv_dtype: torch.dtype | None = None, device: Device | None = None, *,
+                    plain: bool = True) -> int:
+    """The tile height of a POD plan's decode part when it runs as a launch of its own
+    (pod_apart): decode rows (qo_lens: the part's query rows per request) take the 64-row tile
+    that a paged call of them alone takes (``tile``: pages read by boxes or gathered), else the
+    plan's pod_tile. Other arguments as pod_tile's."""
+    dev = None if INTERPRET else (_plan_device() if device is None else device)
+    if tile(head_dim, head_dim, group_size, None, False, True, page_size=page_size,
+            qo_lens=qo_lens, kv_dtype=kv_dtype, device=dev) == 64 and (
+            INTERPRET or _decode_rows(qo_lens, group_size)):
+        return 64
+    return pod_tile(head_dim, group_size, page_size, kv_dtype, dev, plain=plain)
 
 
 def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None = None,

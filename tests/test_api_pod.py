@@ -343,6 +343,9 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
            torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
            q_data_type=torch.bfloat16)
     assert w._launch_apart(qo, qo, True) is apart
+    # the decodes' own tile when apart: the 64-row decode tile on boxes and on gathered pages,
+    # where page 1's fused launch (the Triton kernel's) keeps 128 rows
+    assert (w._plan["block_m"], w._plan["block_m_d"]) == ((128, 64) if page == 1 else (64, 64))
     with override(pod_apart_balance=0.0):
         assert w._launch_apart(qo, qo, True) is False
 

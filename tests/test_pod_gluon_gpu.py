@@ -119,17 +119,19 @@ def _run_pod(x, dev):
                  return_lse_p=True, return_lse_d=True)
 
 
-@pytest.mark.parametrize("launch", ["fused", "apart"])
-def test_pod_wrapper_matches_reference(gluon_pods, launch):
+@pytest.mark.parametrize("launch,page", [("fused", 16), ("apart", 16), ("apart", 1)])
+def test_pod_wrapper_matches_reference(gluon_pods, launch, page):
     """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch; "apart": the launch policy's
-    two launches, ops.choose.pod_apart, each part on its own kernel) against the same wrapper
-    on the CPU in float64 (the reference), within the bf16 bound of kernel_cases.check: twice
-    the error of the same math in float32 with bf16 products, plus rounding."""
-    gpu = _pod_inputs("cuda", BF16)
+    two launches, ops.choose.pod_apart, each part on its own kernel; page 1: the decodes'
+    gathered pages on their own 64-row tile, where the plan's fused tile has 128 rows) against
+    the same wrapper on the CPU in float64 (the reference), within the bf16 bound of
+    kernel_cases.check: twice the error of the same math in float32 with bf16 products, plus
+    rounding."""
+    gpu = _pod_inputs("cuda", BF16, page=page)
     with override(**POD_LAUNCHES[launch]):
         (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
     assert bool(gluon_pods) == (launch == "fused")
-    ref64 = _pod_inputs("cpu", torch.float64)
+    ref64 = _pod_inputs("cpu", torch.float64, page=page)
     (r_p, r_d), (rl_p, rl_d) = _run_pod(ref64, "cpu")
     low = {k: (v.to(BF16).to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
                else v) for k, v in ref64.items()}

@@ -218,8 +218,8 @@ def test_gluon_pages_are_tiled_like_contiguous_kv(monkeypatch):
 
 def test_decode_rows_take_64_row_tiles(monkeypatch):
     # Requests of at most DECODE_ROWS packed rows (decodes, short speculative rows) on pages
-    # read by TMA boxes take 64-row tiles at any key length, known or not (a CUDA-graph plan);
-    # longer requests, gathered pages, fp8 K/V and the Triton kernel keep theirs.
+    # read by TMA boxes or gathered (pages 1-7) take 64-row tiles at any key length, known or
+    # not (a CUDA-graph plan); longer requests, fp8 K/V and the Triton kernel keep theirs.
     monkeypatch.setattr(choose, "INTERPRET", False)
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
 
@@ -229,7 +229,9 @@ def test_decode_rows_take_64_row_tiles(monkeypatch):
     assert tile([1] * 128) == tile([1], g=8) == tile([1] * 3, g=1) == tile([16, 1]) == 64
     assert tile([1] * 128, page=64) == tile([8, 0], g=8) == 64
     assert tile([17, 1]) == tile([1, 2048]) == tile([]) == tile([0, 0]) == 128
-    assert tile([1] * 128, page=1) == tile([1] * 128, page=4) == 128  # gathered
+    assert tile([1] * 128, page=1) == tile([1] * 128, page=4) == tile([1], page=1, kv=None) \
+        == 64  # gathered
+    assert tile([17, 1], page=1) == 128
     assert tile([1] * 128, kv_dtype=torch.float8_e4m3fn) == 128
     assert choose.tile(128, 128, 4, None, False, True, page_size=16, qo_lens=[1] * 8) == 64
     assert choose.tile(128, 128, 4, None, False, True, page_size=16) == 128

@@ -171,9 +171,11 @@ def test_small_page_256_row_tiles(feature, page, monkeypatch):
 
 
 # Decode rows (ops.tiles.DECODE_ROWS): one-row requests (and a two-row one) with long, odd,
-# one-key and empty key ranges take 64-row tiles on pages read by TMA boxes.
+# one-key and empty key ranges take 64-row tiles on pages read by TMA boxes or gathered (page
+# 1 and 3: the gathering warp group beside the 64-row tile's compute warps).
 DECODE = [(32, 8, 16, "NHD", torch.bfloat16), (7, 1, 16, "NHD", torch.float16),
-          (64, 8, 8, "HND", torch.bfloat16), (8, 8, 64, "NHD", torch.bfloat16)]
+          (64, 8, 8, "HND", torch.bfloat16), (8, 8, 64, "NHD", torch.bfloat16),
+          (32, 8, 1, "NHD", torch.bfloat16), (7, 1, 3, "HND", torch.float16)]
 
 
 @pytest.mark.parametrize("hq,hkv,page,layout,dt", DECODE)
