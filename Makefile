@@ -64,6 +64,8 @@ test:
 # GPU_SHARD=I/N runs the I-th of N parts (tests/conftest.py --shard): the whole tier takes longer
 # than one 10-minute call on an H200 (pytest's own time 4-5 minutes a shard on 2026-11-28), so it
 # runs as 1/3, 2/3, 3/3. A shard that holds no gpu_solo test is not a failure (pytest's exit 5).
+# On a two-GPU machine two shards run at once, one a GPU, in the time of one (2026-11-28):
+#     CUDA_VISIBLE_DEVICES=0 make test-gpu GPU_SHARD=1/3 & CUDA_VISIBLE_DEVICES=1 make test-gpu GPU_SHARD=2/3
 GPU_TESTS ?= tests
 GPU_SHARD ?=
 SHARD := $(if $(GPU_SHARD),--shard $(GPU_SHARD))
