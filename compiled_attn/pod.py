@@ -70,13 +70,12 @@ class _PODBase(_WrapperBase):
         (PlanOptions.of_pod), with the tile height and the ALiBi slopes."""
         o = PlanOptions.of_pod(args, self.device.type)
         plain = o.pos_encoding_mode == POS_NONE and o.window_left < 0
+        fused = choose.pod_fused_gluon(o.head_dim_qk, args["page_size"], o.kv_dtype, plain=plain)
         return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
                     head_dim=o.head_dim_qk, group=o.group,
                     block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
-                                            o.kv_dtype, plain=plain),
-                    fused_gluon=choose.pod_fused_gluon(o.head_dim_qk, args["page_size"],
-                                                       o.kv_dtype, plain=plain),
-                    plain=plain,
+                                            o.kv_dtype, plain=plain, fused_gluon=fused),
+                    fused_gluon=fused,
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
@@ -318,7 +317,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. page 1), pod_tile is not theirs.
         p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
-                                                p["kv_dtype"], plain=p["plain"])
+                                                p["block_m"], p["kv_dtype"])
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
             b, 1, p["group"], p["block_m_d"], self.device)
         self._set_plan(p)
@@ -575,7 +574,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
                 # the decodes' own tile when they run apart (as the prefill's above)
                 p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size,
-                                                        qo_l, p["kv_dtype"], plain=p["plain"])
+                                                        qo_l, p["block_m"], p["kv_dtype"])
                 work_d = works[1] if p["block_m_d"] == p["block_m"] else build_work(
                     qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":

@@ -576,7 +576,8 @@ class _BatchPrefillBase(_WrapperBase):
             # (disable_split_kv: one chunk a tile, chunk columns kept for the captured launch)
             work, merge = build_split_work(
                 (qo_h[1:] - qo_h[:-1]).tolist(), kv_lens, group, block_m, num_kv_heads, "cpu",
-                num_sms=self._graph_split_sms(), max_chunks=1 if disable_split_kv else MAX_CHUNKS)
+                num_sms=self._graph_split_sms(), max_chunks=1 if disable_split_kv else MAX_CHUNKS,
+                tiles=work)
             if merge is None:
                 merge = torch.empty((0, 4), dtype=torch.int32)
             if merge.shape[0] > mb.shape[0]:  # cannot happen: a merge row per split tile
@@ -608,12 +609,13 @@ class _BatchPrefillBase(_WrapperBase):
         if chunk_keys is not None:
             work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
                                            opts.group, block_m, opts.num_kv_heads, "cpu",
-                                           chunk_keys=chunk_keys, causal=causal)
+                                           chunk_keys=chunk_keys, causal=causal, tiles=work)
             if merge is not None:
                 merge_dev = self._to_dev(merge, non_blocking)
         elif self.device.type == "cuda" and not disable_split_kv:
             work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
-                                           opts.group, block_m, opts.num_kv_heads, "cpu")
+                                           opts.group, block_m, opts.num_kv_heads, "cpu",
+                                           tiles=work)
             if merge is not None:
                 merge_dev = self._to_dev(merge, non_blocking)
             else:

@@ -602,7 +602,7 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
 
 def pod_tile(head_dim: int, group_size: int, page_size: int,
              kv_dtype: torch.dtype | None = None, device: Device | None = None, *,
-             plain: bool = True) -> int:
+             plain: bool = True, fused_gluon: bool | None = None) -> int:
     """The tile height of a POD plan, which both parts share in the fused launch: 64 where the
     Gluon kernel's POD launch reads the decodes' pages by TMA boxes (its 64-row tile runs two
     programs a SM: the decode items stream twice the K/V that the 128-row ping-pong tile's one
@@ -610,28 +610,30 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     POD on the 64-row tile), else ``tile``'s height for any length (the Triton POD launch's,
     as timed before). kv_dtype None: fp16 / bf16; device None: the current CUDA device; plain:
     the plan's options leave the launch in the Gluon kernel's scope (no position encoding, no
-    window)."""
+    window); fused_gluon: pod_fused_gluon's answer where the caller has it (None: asked here)."""
     if INTERPRET:
         return 64
     dev = _plan_device() if device is None else device
-    if pod_fused_gluon(head_dim, page_size, kv_dtype, dev, plain=plain):
+    if fused_gluon is None:
+        fused_gluon = pod_fused_gluon(head_dim, page_size, kv_dtype, dev, plain=plain)
+    if fused_gluon:
         return 64
     return tile(head_dim, head_dim, group_size, device=dev)
 
 
 def pod_decode_tile(head_dim: int, group_size: int, page_size: int, qo_lens: Sequence[int],
-                    kv_dtype: torch.dtype | None = None, device: Device | None = None, *,
-                    plain: bool = True) -> int:
+                    block_m: int, kv_dtype: torch.dtype | None = None,
+                    device: Device | None = None) -> int:
     """The tile height of a POD plan's decode part when it runs as a launch of its own
     (pod_apart): decode rows (qo_lens: the part's query rows per request) take the 64-row tile
     that a paged call of them alone takes (``tile``: pages read by boxes or gathered), else the
-    plan's pod_tile. Other arguments as pod_tile's."""
-    dev = None if INTERPRET else (_plan_device() if device is None else device)
-    if tile(head_dim, head_dim, group_size, None, False, True, page_size=page_size,
-            qo_lens=qo_lens, kv_dtype=kv_dtype, device=dev) == 64 and (
-            INTERPRET or _decode_rows(qo_lens, group_size)):
-        return 64
-    return pod_tile(head_dim, group_size, page_size, kv_dtype, dev, plain=plain)
+    plan's tile, block_m (pod_tile's). Other arguments as pod_tile's."""
+    if INTERPRET or not _decode_rows(qo_lens, group_size):
+        return block_m
+    rows = tile(head_dim, head_dim, group_size, None, False, True, page_size=page_size,
+                qo_lens=qo_lens, kv_dtype=kv_dtype,
+                device=_plan_device() if device is None else device)
+    return 64 if rows == 64 else block_m
 
 
 def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None = None,

@@ -94,7 +94,8 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
                      block_m: int, num_kv_heads: int, device: torch.device | str = "cpu", *,
                      num_sms: int | None = None, min_keys_per_chunk: int = 1024,
                      max_chunks: int = MAX_CHUNKS, chunk_keys: int | None = None,
-                     causal: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     causal: bool = True, tiles: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Split-KV plan: (work int32 [W, 4], merge int32 [T, 4] or None).
 
     When the tiles times the KV heads would leave most SMs idle (programs <= SMs / 2), a tile
@@ -109,10 +110,15 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
     rows may see (the causal bound when ``causal``, else kv_len); the kernel divides the
     tile's key range into that many equal runs of whole key blocks. A request's chunks, and so
     its numbers, then depend on that request alone.
+
+    tiles: build_work's list for these lengths and tile (int32 [W, 2]) where the caller has it
+    already (plan() builds it first); else built here.
     """
     if num_sms is None and chunk_keys is None:
         num_sms = sm_count() if torch.cuda.is_available() else 132
-    tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens).tolist()
+    if tiles is None:
+        tiles = build_work(qo_lens, group_size, block_m, "cpu", kv_lens=kv_lens)
+    tiles = tiles.tolist()
     want = chunks_wanted(len(tiles) * num_kv_heads, num_sms)
     rows, merges = [], []
     for b, row in tiles:

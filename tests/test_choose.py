@@ -124,7 +124,8 @@ def test_split_capacity_bounds_every_split_plan(hkv, sms):
     """schedule.split_capacity, a CUDA-graph plan's work buffer, holds build_split_work's rows
     for every batch of at most that many tiles (random lengths, decode and prefill rows), and
     is reached: a buffer one row smaller would not do."""
-    from compiled_attn.ops.schedule import build_split_work, chunks_wanted, split_capacity
+    from compiled_attn.ops.schedule import (build_split_work, build_work, chunks_wanted,
+                                            split_capacity)
 
     g = torch.Generator().manual_seed(hkv * 1000 + sms)
     group, block_m, cap = 4, 64, 12
@@ -137,6 +138,11 @@ def test_split_capacity_bounds_every_split_plan(hkv, sms):
         if tiles > cap:
             continue
         work, merge = build_split_work(qo, kv, group, block_m, hkv, num_sms=sms)
+        # plan() hands over the tile list it built: the same plan
+        again = build_split_work(qo, kv, group, block_m, hkv, num_sms=sms,
+                                 tiles=build_work(qo, group, block_m, kv_lens=kv))
+        assert torch.equal(again[0], work) and (merge is None) == (again[1] is None)
+        assert merge is None or torch.equal(again[1], merge)
         assert work.shape[0] <= split_capacity(cap, hkv, sms)
         assert merge is None or merge.shape[0] <= cap
         worst = max(worst, work.shape[0])

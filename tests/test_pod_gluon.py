@@ -129,6 +129,22 @@ def test_pod_plan_tile(monkeypatch):
         wb.plan(qo, ind, idx, last, qo, ind, idx, last, 8, 2, 128, 16, pos_encoding_mode=pos,
                 window_left=window, q_data_type=BF16)
         assert w._plan["block_m"] == wb._plan["block_m"] == want, (pos, window)
+        # run apart, the decodes take the tile a paged call of them alone takes
+        assert w._plan["block_m_d"] == wb._plan["block_m_d"] == 64, (pos, window)
+
+
+def test_pod_decode_part_tile(monkeypatch):
+    # choose.pod_decode_tile: decode rows (at most DECODE_ROWS packed rows a request) on pages
+    # the Gluon kernel reads on its 64-row tile, boxes or gathered, take it; else the plan's
+    monkeypatch.setattr(choose, "INTERPRET", False)
+    def tile(qo, page=16, block_m=128, **kw):
+        return choose.pod_decode_tile(128, 4, page, qo, block_m, device=choose.H100, **kw)
+
+    assert tile([1] * 8) == tile([1] * 8, page=1) == tile([16, 1], page=3) == 64
+    assert tile([17, 1]) == tile([]) == tile([1], kv_dtype=torch.float8_e4m3fn) == 128
+    assert tile([17, 1], block_m=64) == 64
+    with override(use_gluon=False):
+        assert tile([1] * 8) == 128
 
 
 def test_pod_gluon_decision_policy_switch():
