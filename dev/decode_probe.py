@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import time
 
@@ -29,7 +30,7 @@ CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
          (256, 4096, 16, 32, 8), (1, 32768, 16, 32, 8), (32, 512, 16, 32, 8),
          (128, 4096, 1, 32, 8), (128, 4096, 16, 64, 8), (128, 4096, 16, 8, 8),
          (128, 32768, 1, 32, 8), (16, 1024, 1, 32, 8), (128, 4096, 4, 32, 8),
-         (32, 16384, 3, 32, 8)]
+         (32, 16384, 3, 32, 8), (8, 4096, 16, 32, 8), (48, 1024, 16, 32, 8)]
 VARIANT_CASES = 2  # the first cases also run the tile variants
 
 
@@ -49,6 +50,11 @@ def _variants():
         "gather64": ("gather64", {}),
         "gather64 st3": ("gather64", {(64, 128): g.TILES[64, 128]._replace(stages=3)}),
         "graph gather64": ("gather64", {}, "graph"),
+        # split-KV for small batches: chunks of at least this many keys (plan default 1024),
+        # counting this many resident programs a SM (chunks_wanted counts one)
+        "split256 x2": ("split", 256, 2),
+        "split128 x2": ("split", 128, 2),
+        "split256 x4": ("split", 256, 4),
     }
 
 
@@ -58,11 +64,16 @@ def _variant(v):
     from compiled_attn.ops import prefill_gluon as g
 
     saved_tiles, saved_rows = dict(g.TILES), choose.DECODE_ROWS
+    from compiled_attn import prefill
+    from compiled_attn.ops import schedule
+
     saved_boxes = choose._boxes_on_64_rows
+    saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
     gather64 = isinstance(v, tuple) and v[0] == "gather64"
+    split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and (v[0] == "graph" or v[-1] == "graph")
-    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) and v[0] != "graph"
-                                           else {})
+    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple)
+                                           and v[0] not in ("graph", "split") else {})
     try:
         g.TILES.update(tiles)
         if gather64:
@@ -71,13 +82,21 @@ def _variant(v):
                     d == 128 and choose._gluon_pages(page, d, d, kv_dtype, dev)
                     and g.page_gathered(page, g.TILES[64, d].block_n, d))
             choose._boxes_on_64_rows = boxes_or_gathered
+        if split:
+            min_keys, slots = v[1], v[2]
+
+            def wanted(programs, num_sms):
+                return saved_wanted(programs, None if num_sms is None else slots * num_sms)
+            schedule.chunks_wanted = wanted
+            prefill.build_split_work = functools.partial(saved_split, min_keys_per_chunk=min_keys)
         policy.touch()
         if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
             choose.DECODE_ROWS = 0
-        with policy.override(graph_decode_tile=graph and (gather64 or v[1])):
+        with policy.override(graph_decode_tile=graph and (gather64 or bool(v[1]))):
             yield
     finally:
         choose._boxes_on_64_rows = saved_boxes
+        prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
         g.TILES.clear()
         g.TILES.update(saved_tiles)
         choose.DECODE_ROWS = saved_rows
@@ -120,7 +139,9 @@ def _ours(case, x, variant):
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         out = w.run(x["q"], x["cache"])
         torch.cuda.synchronize()
-        info = f"block_m {w._plan.block_m}"
+        merge = getattr(w._plan, "merge", None)
+        info = f"block_m {w._plan.block_m}, work rows {w._plan.work.shape[0]}" + (
+            f", merge rows {merge.shape[0]}" if merge is not None else "")
         return (lambda: w.run(x["q"], x["cache"])), out, info
 
 
