@@ -149,9 +149,9 @@ class _PODBase(_WrapperBase):
         decode). v_scale (decode only, as FlashInfer) multiplies out_d afterwards. apart: None,
         or the parts' own work lists (work_p, work_d), int32 [W_x, 2], to run them as two
         launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on their own
-        tile (p["block_m_d"]), the prefill through single_prefill where it is POD's one request with contiguous
-        k / v (dense, work_p None, its own tile), else batch_paged_prefill on its own tile
-        (p["block_m_p"])."""
+        tile (p["block_m_d"]), the prefill through single_prefill where it is POD's one
+        request with contiguous k / v (dense, work_p None, its own tile), else
+        batch_paged_prefill on its own tile (p["block_m_p"])."""
         v_f, v_t = _split_v_scale(v_scale)
         if apart is None:
             out_p, lse_p, out_d, lse_d = call_op(
