@@ -571,7 +571,7 @@ def one_page_cache(k, v, page_indices) -> bool:
 
 def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, consts_d: dict,
               scalars_d: dict, out_dtype: torch.dtype, block_m: int, *, one_page: bool,
-              device: Device | None = None) -> bool:
+              device: Device | None = None, static: bool = False) -> bool:
     """Whether a POD launch runs on the Gluon kernel's persistent work list
     (prefill_gluon.launch_pod) instead of the Triton kernel's POD launch: an eager launch
     (POLICY.pod_gluon), both parts in the Gluon kernel's scope (_gluon_scope) on its 64- or
@@ -579,8 +579,11 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     prefill's too or its cache one page (PODWithPagedKVCacheWrapper's contiguous k_p / v_p:
     read as rows), one mask for both parts, and Q / O / LSE row strides that the launch
     specialises alike in both (a stride of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x
-    caches [P, page, Hkv, D]; one_page: one_page_cache of the prefill's cache."""
-    if not (POLICY.pod_gluon and eager_launch()) or INTERPRET or block_m not in (64, 128):
+    caches [P, page, Hkv, D]; one_page: one_page_cache of the prefill's cache. static: what a
+    trace can know (ops.dispatch: a traced call that an eager launch would send here stays
+    opaque), as choose's: the launch itself not asked, pointers' alignment not read."""
+    if (not (POLICY.pod_gluon and (static or eager_launch())) or INTERPRET
+            or block_m not in (64, 128)):
         return False
     dev = device_of(q_p.device) if device is None else device
     d = q_p.shape[-1]
@@ -594,7 +597,7 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
             page = block_n  # (scope only: a one-page cache is read as rows)
         if not (_gluon.page_fits(page, block_n, d)
                 and _gluon_scope(KV_PAGED, q, k, v, out_dtype, block_m, page, consts, scalars,
-                                 dev)):
+                                 dev, aligned=not static)):
             return False
     pairs = ((q_p.stride(0), q_d.stride(0)), (q_p.stride(1), q_d.stride(1)))
     return all((a == 1) == (b == 1) for a, b in pairs)

@@ -330,6 +330,20 @@ batch_paged_prefill = _register("batch_paged_prefill", _batch_paged_prefill,
 # --------------------------------------------------------------------------------------------
 # pod_prefill_decode
 # --------------------------------------------------------------------------------------------
+def pod_part_params(mask_mode_p, window_left_p, sm_scale_p, logits_soft_cap_p, mask_mode_d,
+                    window_left_d, sm_scale_d, logits_soft_cap_d, pos_encoding_mode, rope_scale,
+                    rope_theta, v_scale, out_dtype) -> tuple[dict, dict]:
+    """Each part's keyword options (batch_paged_prefill's names, out_dtype resolved) from
+    pod_prefill_decode's scalar arguments: the op's launch and the torch.compile dispatch's
+    reading of a traced call (ops.dispatch) build them here alike."""
+    common = dict(chunk_size=0, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                  rope_theta=rope_theta, v_scale=v_scale, out_dtype=out_dtype)
+    return (dict(mask_mode=mask_mode_p, window_left=window_left_p, sm_scale=sm_scale_p,
+                 logits_soft_cap=logits_soft_cap_p, **common),
+            dict(mask_mode=mask_mode_d, window_left=window_left_d, sm_scale=sm_scale_d,
+                 logits_soft_cap=logits_soft_cap_d, **common))
+
+
 def _pod_prefill_decode(
     q_p: Tensor, k_cache_p: Tensor, v_cache_p: Tensor, qo_indptr_p: Tensor,
     kv_page_indptr_p: Tensor, kv_page_indices_p: Tensor, kv_last_page_len_p: Tensor,
@@ -350,12 +364,10 @@ def _pod_prefill_decode(
     = (part: 0 prefill / 1 decode, request, first packed row). Returns (out_p, lse_p, out_d,
     lse_d).
     """
-    common = dict(chunk_size=0, pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
-                  rope_theta=rope_theta, v_scale=v_scale, out_dtype=out_dtype or q_p.dtype)
-    p_params = dict(mask_mode=mask_mode_p, window_left=window_left_p, sm_scale=sm_scale_p,
-                    logits_soft_cap=logits_soft_cap_p, **common)
-    d_params = dict(mask_mode=mask_mode_d, window_left=window_left_d, sm_scale=sm_scale_d,
-                    logits_soft_cap=logits_soft_cap_d, **common)
+    p_params, d_params = pod_part_params(
+        mask_mode_p, window_left_p, sm_scale_p, logits_soft_cap_p, mask_mode_d, window_left_d,
+        sm_scale_d, logits_soft_cap_d, pos_encoding_mode, rope_scale, rope_theta, v_scale,
+        out_dtype or q_p.dtype)
     if _kernel_call(q_p, out_dtype):
         from . import prefill_kernel
 

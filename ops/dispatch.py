@@ -10,7 +10,9 @@ the Python wrapper (not AOTInductor, not C++ wrapper code, not torch.export) on 
 call of single_prefill / batch_ragged_prefill / batch_paged_prefill that the eager launcher
 would send to the Gluon kernel stays one op node, which Inductor runs as a fallback call of the
 op: the eager launcher, Gluon included. Every other call decomposes into the Triton launch as
-before (POD never runs Gluon; CPU calls decompose into the reference, which Inductor fuses).
+before (CPU calls decompose into the reference, which Inductor fuses). pod_prefill_decode follows
+the same rule with its own eager decision (ops.choose.pod_gluon: one Gluon launch of both
+parts); out of that scope it decomposes into the Triton kernel's POD launch.
 
 Two entries, one rule (``keep_opaque``): the FunctionalTensorMode rule installed on each op
 here (calls of the ops that torch.compile traces), and ``fx_passes`` (the attention rewrite's
@@ -39,12 +41,15 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from . import choose, contracts
 from .policy import POLICY
 
-__all__ = ["GLUON_OPS", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
+__all__ = ["GLUON_OPS", "POD_OP", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
 
-# The ops whose eager launch can take the Gluon kernel (pod_prefill_decode never does).
+# The ops whose eager launch can take the Gluon kernel through choose.choose, and POD's, whose
+# eager launch asks choose.pod_gluon.
 GLUON_OPS = ("single_prefill", "batch_ragged_prefill", "batch_paged_prefill")
+POD_OP = "pod_prefill_decode"
 
-_SIGNATURES = {name: inspect.signature(contracts.IMPLEMENTATIONS[name]) for name in GLUON_OPS}
+_SIGNATURES = {name: inspect.signature(contracts.IMPLEMENTATIONS[name])
+               for name in (*GLUON_OPS, POD_OP)}
 
 
 # Whether Inductor is compiling for AOTInductor or emitting C++ wrapper code: the package must
@@ -68,6 +73,8 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     properties tell: choose.choose(static=True) (module docstring)."""
     from . import prefill_kernel as pk
 
+    if name == POD_OP:
+        return _pod_gluon(args, kwargs)
     if name not in GLUON_OPS or not (POLICY.use_gluon and choose._gluon is not None
                                      and POLICY.host_tma):
         return False
@@ -97,6 +104,35 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     return launch.kernel == "gluon"
 
 
+def _pod_gluon(args: tuple, kwargs: dict | None) -> bool:
+    """eager_gluon for pod_prefill_decode: choose.pod_gluon(static=True) on the call's parts,
+    their options built as the op's launch builds them (contracts.pod_part_params)."""
+    from . import prefill_kernel as pk
+
+    b = _SIGNATURES[POD_OP].bind(*args, **(kwargs or {}))
+    b.apply_defaults()
+    a = b.arguments
+    q_p = a["q_p"]
+    dev = choose.device_of(q_p.device)
+    if not dev.gluon:  # a Hopper GPU (before any guard on the shapes)
+        return False
+    out_dtype = a["out_dtype"] or q_p.dtype
+    parts = contracts.pod_part_params(*(a[n] for n in (
+        "mask_mode_p", "window_left_p", "sm_scale_p", "logits_soft_cap_p", "mask_mode_d",
+        "window_left_d", "sm_scale_d", "logits_soft_cap_d", "pos_encoding_mode", "rope_scale",
+        "rope_theta", "v_scale")), out_dtype)
+    flags = []
+    for x, params in zip("pd", parts):
+        params.pop("out_dtype")
+        flags.append(pk._flags(a[f"q_{x}"], a["alibi_slopes"], None, **params))
+    one_page = choose.one_page_cache(a["k_cache_p"], a["v_cache_p"], a["kv_page_indices_p"])
+    (scalars_p, consts_p), (scalars_d, consts_d) = flags
+    return choose.pod_gluon(q_p, a["k_cache_p"], a["v_cache_p"], a["q_d"], a["k_cache_d"],
+                            a["v_cache_d"], consts_p, scalars_p, consts_d, scalars_d, out_dtype,
+                            guard_int(a["block_m"]), one_page=one_page, device=dev,
+                            static=True)
+
+
 def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a traced call of op ``name`` stays an opaque op node (its eager launcher runs it
     at run time) rather than decomposing into its Triton launch: graph_gluon, not ahead of
@@ -115,13 +151,14 @@ def _export_keeps_ops() -> bool:
 
 
 def _install() -> bool:
-    """Put keep_opaque in front of triton_op's decomposition of each GLUON_OPS op under
-    FunctionalTensorMode (where torch.compile's AOTDispatcher decomposes it). Returns whether
-    it is installed: not under TRITON_INTERPRET=1, where the ops are plain opaque custom ops."""
+    """Put keep_opaque in front of triton_op's decomposition of each GLUON_OPS op and POD_OP
+    under FunctionalTensorMode (where torch.compile's AOTDispatcher decomposes it). Returns
+    whether it is installed: not under TRITON_INTERPRET=1, where the ops are plain opaque
+    custom ops."""
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     installed = True
-    for name in GLUON_OPS:
+    for name in (*GLUON_OPS, POD_OP):
         op = getattr(contracts, name)
         decompose = getattr(op, "_torch_dispatch_fns", {}).get(FunctionalTensorMode)
         if decompose is None:

@@ -37,7 +37,7 @@ def test_rule_installed():
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     assert gd.INSTALLED
-    for name in OPS:
+    for name in (*OPS, gd.POD_OP):
         rule = getattr(contracts, name)._torch_dispatch_fns[FunctionalTensorMode]
         assert rule.__name__ == "rule" and rule.__module__ == gd.__name__
 
@@ -233,6 +233,109 @@ def test_dynamic_shapes_stay_opaque(hopper, monkeypatch, name):
     assert code.count(f"torch.ops.compiled_attn.{name}.default(") == 1, code
     eager = fn(*ts)
     assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+
+
+def pod_call(dtype=torch.bfloat16, d=128, page=16, block_m=64, mask_p=MASK_CAUSAL,
+             mask_d=None, one_page=True, out_dtype=None, kv_layout="packed", **opts):
+    """pod_prefill_decode's arguments (its own order) on fresh random CPU tensors: a prefill of
+    24 rows against 30 keys (a one-page cache, as PODWithPagedKVCacheWrapper passes contiguous
+    k / v, or pages of ``page`` keys) and 3 single-row decodes of 40 / 17 / 33 keys on pages of
+    ``page`` keys; 4 query heads over 2 KV heads. kv_layout "offset": the decode caches start
+    one element into their storage (not 16-byte aligned)."""
+    g = torch.Generator().manual_seed(1)
+    i32 = dict(dtype=torch.int32)
+
+    def rnd(*shape, shift=False):
+        if shift:
+            return torch.randn(math.prod(shape) + 1, generator=g).to(dtype)[1:].view(shape)
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    def paged(lens, shift=False):
+        pages = [-(-n // page) for n in lens]
+        total = sum(pages)
+        return (rnd(total, page, 2, d, shift=shift), rnd(total, page, 2, d, shift=shift),
+                torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), **i32),
+                torch.randperm(total, generator=g).to(torch.int32),
+                torch.tensor([n - (p - 1) * page for n, p in zip(lens, pages)], **i32))
+
+    if one_page:
+        prefill = (rnd(1, 30, 2, d), rnd(1, 30, 2, d), torch.tensor([0, 1], **i32),
+                   torch.zeros(1, **i32), torch.tensor([30], **i32))
+    else:
+        prefill = paged([30])
+    decode = paged([40, 17, 33], shift=kv_layout == "offset")
+    params = dict(window_left=-1, sm_scale=d ** -0.5, logits_soft_cap=0.0)
+    params.update({k: v for k, v in opts.items() if k in params})
+    common = dict(pos_encoding_mode=0, rope_scale=1.0, rope_theta=1e4, v_scale=1.0)
+    common.update({k: v for k, v in opts.items() if k in common})
+    alibi = torch.ones(4) if common["pos_encoding_mode"] == POS_ALIBI else None
+    part = lambda mask: (mask, *params.values())  # noqa: E731
+    return (rnd(24, 4, d), *prefill[:2], torch.tensor([0, 24], **i32), *prefill[2:],
+            rnd(3, 4, d), *decode[:2], torch.arange(4, **i32), *decode[2:],
+            torch.zeros(3, 3, **i32), None, None, alibi, block_m, *part(mask_p),
+            *part(mask_p if mask_d is None else mask_d), *common.values(), out_dtype)
+
+
+def launcher_takes_gluon_pod(args, monkeypatch) -> bool:
+    """Whether the eager POD launcher (prefill_kernel.launch_pod, wrap_triton off) hands these
+    arguments to the Gluon POD launch: it runs with both launches replaced by recorders."""
+    taken = []
+    monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: taken.append("gluon"))
+    monkeypatch.setattr(pk.launch, "run", lambda *a, **k: taken.append("triton"))
+    b = gd._SIGNATURES[gd.POD_OP].bind(*args)
+    b.apply_defaults()
+    a = b.arguments
+    p_params, d_params = contracts.pod_part_params(*(a[n] for n in (
+        "mask_mode_p", "window_left_p", "sm_scale_p", "logits_soft_cap_p", "mask_mode_d",
+        "window_left_d", "sm_scale_d", "logits_soft_cap_d", "pos_encoding_mode", "rope_scale",
+        "rope_theta", "v_scale")), a["out_dtype"] or a["q_p"].dtype)
+    with set_wrap_triton_enabled(False):
+        pk.launch_pod(*args[:19], p_params, d_params)
+    assert len(taken) == 1, taken
+    return taken[0] == "gluon"
+
+
+POD_VARIANTS = [
+    {}, {"dtype": torch.float16}, {"block_m": 128}, {"one_page": False}, {"mask_p": MASK_NONE},
+    {"dtype": torch.float32}, {"d": 64}, {"page": 1}, {"page": 4}, {"block_m": 256},
+    {"mask_d": MASK_NONE}, {"window_left": 8}, {"logits_soft_cap": 30.0},
+    {"pos_encoding_mode": POS_ALIBI}, {"pos_encoding_mode": POS_ROPE_LLAMA}, {"v_scale": 0.5},
+    {"out_dtype": torch.float32}, {"kv_layout": "offset"},
+]
+
+
+def test_pod_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch):
+    """eager_gluon of pod_prefill_decode (choose.pod_gluon, static) equals the eager POD
+    launcher's own choice on real tensors, for every variant (a cache starting one element
+    into its storage included: its storage offset is known to a trace)."""
+    seen = set()
+    for var in POD_VARIANTS:
+        args = pod_call(**var)
+        want = launcher_takes_gluon_pod(args, monkeypatch)
+        assert gd.eager_gluon(gd.POD_OP, args) == want, (var, want)
+        seen.add(want)
+    assert seen == {True, False}
+    assert gd.keep_opaque(gd.POD_OP, pod_call())
+    monkeypatch.setattr(POLICY, "pod_gluon", False)
+    assert not gd.eager_gluon(gd.POD_OP, pod_call())
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_pod_call_stays_opaque(hopper, monkeypatch, dynamic):
+    """A POD call under torch.compile that the eager launcher would send to the Gluon POD
+    launch stays one fallback call of the op (its eager launcher runs it), equal to the eager
+    call; out of that scope (page 1: gathered pages) and with graph_gluon off it decomposes."""
+    for var, opaque in (({}, True), ({"page": 1}, False)):
+        fn, ts = op_fn(gd.POD_OP, pod_call(**var))
+        eager = fn(*ts)
+        out, code = run_compiled(torch.compile(fn, fullgraph=True, dynamic=dynamic), *ts)
+        assert code.count("torch.ops.compiled_attn.pod_prefill_decode.default(") == opaque, code
+        for o, e in zip(out, eager):
+            torch.testing.assert_close(o, e)
+    monkeypatch.setattr(POLICY, "graph_gluon", False)
+    fn, ts = op_fn(gd.POD_OP, pod_call())
+    out, code = run_compiled(torch.compile(fn, fullgraph=True), *ts)
+    assert "compiled_attn.pod_prefill_decode" not in code
 
 
 class _Causal(torch.nn.Module):

@@ -1,6 +1,7 @@
 """GPU tier of compiled_attn.ops.dispatch (run on the H100: ``pytest -m gpu
 tests/test_graph_dispatch_gpu.py``): torch.compile'd calls that the Gluon kernel takes eagerly
-stay opaque op calls and launch it; AOTInductor packages still inline the Triton kernel.
+(POD's Gluon launch included) stay opaque op calls and launch it; AOTInductor packages still
+inline the Triton kernel.
 
 Each compiled output is compared bit for bit with the eager op's (the same launch), and with a
 float64 reference: error at most twice SDPA's own bf16 error on the same inputs plus one bf16
@@ -150,6 +151,43 @@ def test_compiled_paged_page16_runs_gluon(gluon_launches):
     k0 = kc[idx[: s // page].long()].reshape(1, s, h, d)
     v0 = vc[idx[: s // page].long()].reshape(1, s, h, d)
     _sdpa_bound(out[0][:s].unsqueeze(0), q[:s].unsqueeze(0), k0, v0)
+
+
+def test_compiled_pod_runs_gluon(monkeypatch):
+    """PODWithPagedKVCacheWrapper.run under torch.compile (fullgraph), both parts in the Gluon
+    POD launch's scope (bf16, D 128, page 16, causal): one opaque pod_prefill_decode call that
+    launches it, equal bit for bit to the eager call's fused launch (the policy keeps both
+    fused: a traced call never runs apart)."""
+    launches = []
+    real = pk._gluon.launch_pod
+    monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: launches.append(1) or real(
+        *a, **k))
+    hq, hkv, d, page, qo = 32, 8, 128, 16, 300
+    kv_d = [900, 1, 4096, 33]
+    pages = [-(-n // page) for n in kv_d]
+    total = sum(pages)
+    cache = _rand(total, 2, page, hkv, d)
+    i32 = dict(device="cuda", dtype=torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), **i32)
+    last = torch.tensor([(n - 1) % page + 1 for n in kv_d], **i32)
+    idx = torch.randperm(total, device="cuda").to(torch.int32)
+    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+    w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
+    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
+    q_d = _rand(len(kv_d), hq, d)
+
+    def f(q_p, k_p, v_p, q_d, cache):
+        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+    with policy.override(bound_launches=False, pod_apart_balance=0.0):
+        eager = f(q_p, k_p, v_p, q_d, cache)
+        assert len(launches) == 1
+        out, code = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
+    assert code.count("torch.ops.compiled_attn.pod_prefill_decode.default(") == 1, code
+    assert len(launches) > 1  # the compiled call launched it too
+    for o, e in zip(out, eager):
+        assert not o.float().isnan().any() and torch.equal(o, e)
+    _sdpa_bound(out[0].unsqueeze(0), q_p.unsqueeze(0), k_p.unsqueeze(0), v_p.unsqueeze(0))
 
 
 class _Llama(torch.nn.Module):
