@@ -255,3 +255,33 @@ def test_one_page_cache_listed_twice_keeps_page_arithmetic():
     dec = make_case("paged", [1, 1], [6, 11], hq, hkv, d, dtype=dt, page_size=page, seed=8)
     check_pod(pre, dec, params(ops.MASK_CAUSAL, -1, head_dim=d),
               params(ops.MASK_NONE, -1, head_dim=d))
+
+
+def test_decodes_apart_on_their_own_tile(monkeypatch, pod_calls):
+    """A BatchPOD call run apart launches its decodes on the plan's block_m_d
+    (choose.pod_decode_tile) with the work list built for that tile, not the fused launch's:
+    here 16 rows (forced) against the plan's 64, with decode requests of up to 20 packed rows
+    (two 16-row tiles). Each part matches the float64 reference; a list built for the other
+    tile would leave rows unwritten."""
+    from compiled_attn.ops import choose, policy
+
+    monkeypatch.setattr(choose, "pod_decode_tile", lambda *a, **k: 16)
+    hq, hkv, d, dt, page = 4, 1, 16, torch.float32, 3
+    qo_p, kv_p, qo_d, kv_d = [9], [14], [5, 1, 3, 0], [21, 8, 40, 6]
+    cache_p, kvi_p, idx_p, last_p, _, _ = make_paged(kv_p, hkv, d, d, page, dtype=dt, seed=11)
+    cache_d, kvi_d, idx_d, last_d, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt, seed=12)
+    g = torch.Generator().manual_seed(13)
+    q_p, q_d = _randn(g, sum(qo_p), hq, d, dtype=dt), _randn(g, sum(qo_d), hq, d, dtype=dt)
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS, "NHD")
+    w.plan(indptr(qo_p), kvi_p, idx_p, last_p, indptr(qo_d), kvi_d, idx_d, last_d, hq, hkv, d,
+           page, q_data_type=dt)
+    assert (w._plan["block_m"], w._plan["block_m_d"]) == (64, 16)
+    assert w._plan["work_d_apart"].shape[0] == 4  # 20, 4, 12, 0 packed rows: 2 + 1 + 1 tiles
+    pre = _paged_case(q_p, cache_p, "NHD", qo_p, kvi_p, idx_p, last_p)
+    dec = _paged_case(q_d, cache_d, "NHD", qo_d, kvi_d, idx_d, last_d)
+    p_pre = params(ops.MASK_CAUSAL, -1, head_dim=d)
+    p_dec = params(ops.MASK_NONE, -1, head_dim=d)  # (BatchPOD's multi-row decodes: no mask)
+    with policy.override(**POD_LAUNCHES["apart"]):
+        check_parts(pre, dec, p_pre, p_dec, lambda: _parts(
+            w.run(q_p, cache_p, q_d, cache_d, causal_p=True, return_lse=True), (True, True)))
+    check_pod_launch(("apart", pod_calls), True)
