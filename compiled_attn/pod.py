@@ -15,7 +15,9 @@ Where the decodes are too small to hide under the prefill (ops.choose.pod_apart:
 under 5% of the prefill's FLOPs counted at Hopper's rate, on a prefill of ~100 us or more), the
 fused launch would cost the prefill more than it saves, and run() launches the parts apart
 instead: the prefill through the single_prefill op (POD) or batch_paged_prefill (BatchPOD), the
-decodes through batch_paged_prefill, with the same numbers. Traced calls stay fused.
+decodes through batch_paged_prefill, with the same numbers; and so always where the fused launch
+would not be the Gluon kernel's (ops.choose.pod_fused_gluon). Calls traced by torch.compile go
+apart only in that second case, which needs no sizes; torch.export keeps one POD op.
 """
 
 from __future__ import annotations
@@ -202,13 +204,23 @@ def _decode_bytes(p: dict, pages: int) -> int:
 def _apart(p: dict, pairs, decode_bytes) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
-    it costs nothing. (Traced calls stay fused, which their callers decide before counting:
-    the plan's numbers would be guards, a recompile per re-plan, and a trace's sizes may be
-    symbolic.)"""
+    it costs nothing. (Traced calls ask _traced_apart instead: the plan's numbers would be
+    guards, a recompile per re-plan, and a trace's sizes may be symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"])
+
+
+def _traced_apart(p: dict) -> bool:
+    """Whether a call traced by torch.compile runs its parts as two launches: where an eager
+    call would whatever its sizes (ops.choose.pod_apart_any_size: the fused launch would not be
+    the Gluon kernel's), so that the compiled call runs what the eager one does (each part's
+    op kept opaque for the Gluon kernel where its eager launch takes it: ops.dispatch). Never
+    under torch.export: its program, and an AOTInductor package made from it, keep one POD
+    op (the Triton POD launch)."""
+    return (not torch.compiler.is_exporting()
+            and choose.pod_apart_any_size(p["fused_gluon"]) is True)
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
@@ -472,8 +484,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=((None, p["work_d_apart"]) if not traced and self._launch_apart(
-                qo_len, kv_len, mask_p == MASK_CAUSAL) else None))
+            apart=((None, p["work_d_apart"]) if (_traced_apart(p) if traced else
+                                                  self._launch_apart(qo_len, kv_len,
+                                                                     mask_p == MASK_CAUSAL))
+                   else None))
 
     run.__doc__ += _RETURN_DOC
 
@@ -666,7 +680,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse),
-            apart=((p["work_p"], p["work_d_apart"]) if not traced and _apart(
-                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"]) else None))
+            apart=((p["work_p"], p["work_d_apart"]) if (_traced_apart(p) if traced else _apart(
+                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"])) else None))
 
     run.__doc__ += _RETURN_DOC

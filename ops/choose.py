@@ -665,12 +665,20 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True) 
     (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
     (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
     POLICY.pod_apart_balance is 0 (always fused)."""
-    if POLICY.pod_apart_balance <= 0:
-        return False
-    if not gluon:
-        return True
+    fixed = pod_apart_any_size(gluon)
+    if fixed is not None:
+        return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
     return p >= POLICY.pod_apart_min_bytes and decode_bytes < POLICY.pod_apart_balance * p
+
+
+def pod_apart_any_size(gluon: bool) -> bool | None:
+    """pod_apart's answer where the sizes do not enter it (None: they do): never apart with
+    POLICY.pod_apart_balance 0, always apart where the fused launch would not be the Gluon
+    kernel's (gluon False). What a call traced by torch.compile can decide without guards."""
+    if POLICY.pod_apart_balance <= 0:
+        return False
+    return None if gluon else True
 
 
 # Tiles resident per SM: two 64-row tiles (4 warps, ~113 KB of shared memory each) or one

@@ -140,9 +140,11 @@ def test_batch_pod(pod_launch):
         assert torch.equal(o_p, torch.zeros_like(o_p)) and torch.isneginf(l_p).all()
 
 
-def test_pod_run_traces_fullgraph():
+def test_pod_run_traces_fullgraph(pod_launch):
     """The one-page prefill cache, its page table and the work list are built with device ops
-    from shapes: dynamo traces run() as one graph."""
+    from shapes: dynamo traces run() as one graph, one fused launch or (where the fused launch
+    would not be the Gluon kernel's, as on this CPU, and the policy lets calls go apart) the
+    parts' two launches, as an eager call of the plan would."""
     hq, hkv, d, page = 4, 2, 8, 4
     cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=90)
     w = fi.PODWithPagedKVCacheWrapper(WS)
@@ -155,6 +157,7 @@ def test_pod_run_traces_fullgraph():
     check(o_p, l_p, *dense(q_p, k_p, k_p, causal=True))
     assert l_d is None
     check(o_d, None, *dense_batch(q_d, [1] * len(KV_D), ks, vs))
+    check_pod_launch(pod_launch, True)
 
 
 def test_pod_cuda_graph_replans_keep_one_traced_graph():
@@ -335,6 +338,7 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     policy's balance 0 keeps every call fused."""
     from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
+    from compiled_attn.pod import _traced_apart
 
     monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
     pages = [kv_d // page] * n_dec
@@ -346,8 +350,14 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     # the decodes' own tile when apart: the 64-row decode tile on boxes and on gathered pages,
     # where page 1's fused launch (the Triton kernel's) keeps 128 rows
     assert (w._plan["block_m"], w._plan["block_m_d"]) == ((128, 64) if page == 1 else (64, 64))
+    # a call traced by torch.compile: apart where that needs no sizes (page 1), never exported
+    assert _traced_apart(w._plan) is (page == 1)
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_exporting", lambda: True)
+        assert _traced_apart(w._plan) is False
     with override(pod_apart_balance=0.0):
         assert w._launch_apart(qo, qo, True) is False
+        assert _traced_apart(w._plan) is False
 
 
 def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):

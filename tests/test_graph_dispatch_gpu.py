@@ -190,6 +190,39 @@ def test_compiled_pod_runs_gluon(monkeypatch):
     _sdpa_bound(out[0].unsqueeze(0), q_p.unsqueeze(0), k_p.unsqueeze(0), v_p.unsqueeze(0))
 
 
+def test_compiled_pod_page1_runs_apart(gluon_launches):
+    """Page 1 (no Gluon POD launch): a PODWithPagedKVCacheWrapper.run under torch.compile runs
+    the parts as two launches, as the eager call does (pod._traced_apart), the decodes' an
+    opaque op on the Gluon kernel (gathered pages on the 64-row tile), the prefill's on the
+    kernel its own call takes; the decodes equal to eager bit for bit."""
+    hq, hkv, d, page, qo = 32, 8, 128, 1, 2048  # (sizes above the small-launch bound)
+    kv_d = [4096] * 31 + [1]
+    total = sum(kv_d)
+    cache = _rand(total, 2, page, hkv, d)
+    i32 = dict(device="cuda", dtype=torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(kv_d).cumsum(0).tolist(), **i32)
+    last = torch.ones(len(kv_d), **i32)
+    idx = torch.randperm(total, device="cuda").to(torch.int32)
+    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+    w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
+    assert (w._plan["block_m"], w._plan["block_m_d"]) == (128, 64)
+    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
+    q_d = _rand(len(kv_d), hq, d)
+
+    def f(q_p, k_p, v_p, q_d, cache):
+        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+    eager = f(q_p, k_p, v_p, q_d, cache)
+    n_eager = len(gluon_launches)
+    assert n_eager >= 1  # the decodes' (the prefill's where its own rules take Gluon)
+    out, code = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
+    assert "pod_prefill_decode" not in code, code
+    assert code.count("torch.ops.compiled_attn.batch_paged_prefill.default(") == 1, code
+    assert len(gluon_launches) >= 2 * n_eager
+    assert not out[1].float().isnan().any() and torch.equal(out[1], eager[1])  # the same launch
+    _sdpa_bound(out[0].unsqueeze(0), q_p.unsqueeze(0), k_p.unsqueeze(0), v_p.unsqueeze(0))
+
+
 class _Llama(torch.nn.Module):
     """Causal GQA SDPA on [B, S, H, D] projections seen as [B, H, S, D], as HF Llama writes it
     (enable_gqa; the rewrite passes K/V with packed heads)."""
