@@ -160,6 +160,32 @@ def test_pod_run_traces_fullgraph(pod_launch):
     check_pod_launch(pod_launch, True)
 
 
+def test_pod_export_keeps_one_op():
+    """torch.export of a POD wrapper's run() keeps one pod_prefill_decode node (what an
+    AOTInductor package compiles) even where torch.compile and eager calls run the parts
+    apart (here: the fused launch would not be the Gluon kernel's, as on any CPU)."""
+    from compiled_attn.pod import _traced_apart
+
+    hq, hkv, d, page = 4, 2, 8, 4
+    cache, kvi, idx, last, ks, vs = make_paged(KV_D, hkv, d, d, page, seed=93)
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    assert _traced_apart(w._plan)
+
+    class Step(torch.nn.Module):
+        def forward(self, qp, kp, qd, c):
+            return w.run(qp, kp, kp, qd, c, causal_p=True)
+
+    q_p, k_p, q_d = rand(3, hq, d, seed=94), rand(5, hkv, d, seed=95), rand(len(KV_D), hq, d)
+    ep = torch.export.export(Step(), (q_p, k_p, q_d, cache))
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    ours = [t for t in targets if "compiled_attn" in str(t)]
+    assert ours == [torch.ops.compiled_attn.pod_prefill_decode.default], ours
+    o_p, o_d = ep.module()(q_p, k_p, q_d, cache)
+    check(o_p, None, *dense(q_p, k_p, k_p, causal=True))
+    check(o_d, None, *dense_batch(q_d, [1] * len(KV_D), ks, vs))
+
+
 def test_pod_cuda_graph_replans_keep_one_traced_graph():
     """A CUDA-graph-mode POD wrapper under torch.compile(fullgraph=True), re-planned each decode
     step (the decode requests grow; the page table, and its largest index, change): one graph,
