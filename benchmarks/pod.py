@@ -6,7 +6,8 @@ Cases (bf16, D 128, causal prefill with kv = its own tokens, decodes of one row 
 shuffled): prefill 256 / 2048 / 8192 x decodes 16 / 128 / 256 x kv 1k / 4k / 32k, at GQA 32/8 and
 64/8 and pages of 16 and 1; BatchPOD cases hold several paged prefill requests. Providers:
 ours_pod (PODWithPagedKVCacheWrapper, or BatchPODWithPagedKVCacheWrapper), ours_pod_triton
-(the same call on the Triton kernel's POD launch, CUDA graph replays only), ours_prefill,
+(the same call on the Triton kernel's POD launch, CUDA graph replays only), ours_pod_compiled
+(the same call under torch.compile(fullgraph=True); with --compiled only), ours_prefill,
 ours_decode (BatchPrefillWithPagedKVCacheWrapper, one row per request), ours_apart (the two back
 to back), ours_mixed (the whole batch as one paged prefill plan); fi_pod, fi_prefill, fi_decode
 (BatchDecodeWithPagedKVCacheWrapper), fi_apart when FlashInfer imports; copy (the decode's K/V
@@ -18,7 +19,8 @@ Rows: suite "pod", case, the case's fields, provider, mode, median_us (and media
 the results schema). On ours_pod: launch ("fused", or "apart" where the launch policy runs the
 parts as two launches: ops.choose.pod_apart), ratio_vs_apart = our apart's time over POD's
 (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
-the Triton POD launch's over ours, bound_us = max(prefill, decode) + 0.25
+the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
+(below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
 (target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
 decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the
@@ -54,8 +56,8 @@ PAGES = (16, 1)
 BATCH_PREFILLS = (2048, 1024, 512, 512)  # BatchPOD's prefill requests
 COPY_CAP = 8 << 30  # bytes: the copy ceiling's rate is flat well below this
 ELEM = 2  # bf16 bytes
-PROVIDERS = ("ours_pod", "ours_pod_triton", "ours_prefill", "ours_decode", "ours_apart",
-             "ours_mixed", "fi_pod", "fi_prefill", "fi_decode", "fi_apart", "copy")
+PROVIDERS = ("ours_pod", "ours_pod_triton", "ours_pod_compiled", "ours_prefill", "ours_decode",
+             "ours_apart", "ours_mixed", "fi_pod", "fi_prefill", "fi_decode", "fi_apart", "copy")
 MODES = ("eager", "graph")
 
 
@@ -192,6 +194,8 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["ratio_vs_fi_pod"] = us["fi_pod", mode] / t
         if us.get(("ours_pod_triton", mode)):
             row["ratio_vs_triton_pod"] = us["ours_pod_triton", mode] / t
+        if us.get(("ours_pod_compiled", mode)):
+            row["ratio_vs_compiled"] = us["ours_pod_compiled", mode] / t
         pre, dec = us.get(("ours_prefill", mode)), us.get(("ours_decode", mode))
         if pre and dec:
             row["bound_us"] = max(pre, dec) + 0.25 * min(pre, dec)
@@ -220,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default=None, help="run only the case of this whole name, or "
                     "else the cases whose name contains this text (e.g. 'batch_pod', 'g64/8'), "
                     "to split the grid over calls")
+    ap.add_argument("--compiled", action="store_true", help="also time POD's call under "
+                    "torch.compile (ours_pod_compiled: a compile per case)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case "
                     "(median over all timed calls)")
     ap.add_argument("--warmup-ms", type=float, default=25.0, help="untimed calls before each "
@@ -399,6 +405,10 @@ def run_case(case: PodCase, args) -> list[dict]:
         for p in PROVIDERS:
             if p.startswith("ours_"):
                 calls[p] = _err(e)
+    if getattr(args, "compiled", False) and callable(calls.get("ours_pod")):
+        calls["ours_pod_compiled"] = torch.compile(calls["ours_pod"], fullgraph=True)
+    else:
+        calls["ours_pod_compiled"] = "skipped: without --compiled"
     say("inputs made, our plans built")
     if args.no_flashinfer:
         calls.update({p: "skipped: --no-flashinfer" for p in PROVIDERS if p.startswith("fi_")})

@@ -741,7 +741,8 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)  # (the suite's GPU)
 
     case = pod.PodCase("pod", (2048,), 128, 4096, 32, 8, 16)
-    t = {"ours_pod": 500.0, "ours_pod_triton": 800.0, "ours_prefill": 100.0, "ours_decode": 400.0, "ours_apart": 600.0,
+    t = {"ours_pod": 500.0, "ours_pod_triton": 800.0, "ours_pod_compiled": 510.0,
+         "ours_prefill": 100.0, "ours_decode": 400.0, "ours_apart": 600.0,
          "ours_mixed": 700.0, "fi_pod": 550.0, "fi_prefill": 90.0, "fi_decode": 380.0,
          "fi_apart": 480.0, "copy": 300.0}
     res = {(p, "eager"): v for p, v in t.items()}
@@ -757,6 +758,7 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     assert e["bound_us"] == pytest.approx(400 + 0.25 * 100)
     assert e["pod_over_bound"] == pytest.approx(500 / 425) and e["max_abs_diff_vs_apart"] == 0.01
     assert e["ratio_vs_triton_pod"] == pytest.approx(800 / 500)
+    assert e["ratio_vs_compiled"] == pytest.approx(510 / 500)
     # the launch the policy gives the case (ops.choose.pod_apart): the quick grid's
     # prefill-heavy case goes apart, and the page-1 one (its fused launch would be Triton's)
     assert e["launch"] == "fused" and "launch" not in by["ours_apart", "eager"]
