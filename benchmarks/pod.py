@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", default=None, help="run only the case of this whole name, or "
                     "else the cases whose name contains this text (e.g. 'batch_pod', 'g64/8'), "
                     "to split the grid over calls")
+    ap.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
+                    help="run under this launch-policy setting (compiled_attn.ops.policy; "
+                    "repeatable), e.g. host_tma_min_flop=2e10; recorded in the JSON")
     ap.add_argument("--compiled", action="store_true", help="also time POD's call under "
                     "torch.compile (ours_pod_compiled: a compile per case)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per case "
@@ -460,8 +463,34 @@ def run_case(case: PodCase, args) -> list[dict]:
     return assemble(case, res, diff)
 
 
+def policy_settings(items: list[str]) -> dict:
+    """--policy NAME=VALUE items as launch-policy settings (VALUE a Python literal)."""
+    import ast
+
+    settings = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--policy {item!r}: write NAME=VALUE, e.g. host_tma_min_flop=2e10")
+        try:
+            settings[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--policy {item!r}: VALUE must be a Python literal") from None
+    return settings
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    settings = policy_settings(args.policy)
+    if settings:  # the whole run under them (an unknown name raises AttributeError here)
+        from compiled_attn.ops.policy import override
+
+        with override(**settings):
+            return _main(args, settings)
+    return _main(args, settings)
+
+
+def _main(args, settings: dict):
     cases = case_list(args.quick)
     if args.only is not None:  # a case's whole name picks that case alone
         exact = [c for c in cases if c.name == args.only]
@@ -482,14 +511,18 @@ def main(argv=None):
         # Written after every case: a run stopped from outside (a time limit) keeps what it timed.
         pending = [r for c in cases[i + 1:]
                    for r in skipped(c, "not reached: the run stopped before this case")]
-        write(args.out, rows + pending)
-    write(args.out, rows, plot_too=True)
+        write(args.out, rows + pending, settings)
+    write(args.out, rows, settings, plot_too=True)
     print(table(rows))
 
 
-def write(out: Path, rows: list[dict], plot_too: bool = False) -> dict:
-    """The results document (environment + rows), validated, to ``out``; its plot beside it."""
+def write(out: Path, rows: list[dict], settings: dict | None = None,
+          plot_too: bool = False) -> dict:
+    """The results document (environment, the --policy settings if any, rows), validated, to
+    ``out``; its plot beside it."""
     doc = dict(environment(), rows=rows)
+    if settings:
+        doc["policy"] = {k: repr(v) for k, v in settings.items()}
     validate(doc)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

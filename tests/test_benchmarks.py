@@ -785,6 +785,34 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     pod.plot(doc, tmp_path / "pod.png")
 
 
+def test_pod_suite_policy_settings(tmp_path, monkeypatch):
+    """--policy NAME=VALUE: the run goes under those launch-policy settings (read by the cases
+    while they run, restored after), recorded in the results; malformed items exit with why."""
+    from benchmarks import pod
+    from compiled_attn.ops.policy import POLICY
+
+    monkeypatch.setattr(pod, "environment", lambda: dict(ENV))
+    before, seen = POLICY.host_tma_min_flop, []
+
+    def run_case(case, args):
+        seen.append((POLICY.host_tma_min_flop, POLICY.pod_gluon))
+        return pod.assemble(case, {(p, m): 100.0 for p in pod.PROVIDERS for m in pod.MODES},
+                            diff=0.0)
+
+    monkeypatch.setattr(pod, "run_case", run_case)
+    monkeypatch.setattr(pod, "plot", lambda doc, path: None)
+    out = tmp_path / "pod.json"
+    first = pod.case_list(quick=True)[0].name
+    pod.main(["--out", str(out), "--quick", "--only", first, "--policy", "host_tma_min_flop=2e10",
+              "--policy", "pod_gluon=False"])
+    assert seen == [(2e10, False)] and POLICY.host_tma_min_flop == before
+    assert json.loads(out.read_text())["policy"] == {"host_tma_min_flop": "20000000000.0",
+                                                     "pod_gluon": "False"}
+    for bad in ("host_tma_min_flop", "host_tma_min_flop=two"):
+        with pytest.raises(SystemExit, match="--policy"):
+            pod.main(["--out", str(out), "--only", first, "--policy", bad])
+
+
 def test_pod_suite_keeps_timed_cases_when_stopped(tmp_path, monkeypatch, capsys):
     """The results file is rewritten after every case: a run stopped from outside during its
     second case keeps the first case's rows, and the cases not reached say so."""
