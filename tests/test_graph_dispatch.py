@@ -338,6 +338,40 @@ def test_compiled_pod_call_stays_opaque(hopper, monkeypatch, dynamic):
     assert "compiled_attn.pod_prefill_decode" not in code
 
 
+def test_compiled_pod_wrapper_stays_opaque(hopper, monkeypatch):
+    """PODWithPagedKVCacheWrapper.run under torch.compile, planned for a Hopper GPU (the Gluon
+    POD launch's scope: D 128, page 16, bf16): the traced call stays fused (pod._traced_apart)
+    and its op one opaque call; planned for page 1 it runs the parts as two ops. Equal to the
+    eager call either way (the CPU reference underneath)."""
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = 4, 2, 128
+    kv_d = [40, 17, 33]
+    for page, fused in ((16, True), (1, False)):
+        pages = [-(-n // page) for n in kv_d]
+        total = sum(pages)
+        cache = torch.randn(total, 2, page, hkv, d, generator=g).to(torch.bfloat16)
+        i32 = dict(dtype=torch.int32)
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        w.plan(torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), **i32),
+               torch.randperm(total, generator=g).to(torch.int32),
+               torch.tensor([(n - 1) % page + 1 for n in kv_d], **i32), hq, hkv, d, page,
+               q_data_type=torch.bfloat16)
+        assert w._plan["fused_gluon"] is fused
+        q_p, k_p, v_p = (torch.randn(n, h, d, generator=g).to(torch.bfloat16)
+                         for n, h in ((24, hq), (30, hkv), (30, hkv)))
+        q_d = torch.randn(len(kv_d), hq, d, generator=g).to(torch.bfloat16)
+
+        def f(q_p, k_p, v_p, q_d, cache):
+            return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+        eager = f(q_p, k_p, v_p, q_d, cache)
+        out, code = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
+        assert code.count("torch.ops.compiled_attn.pod_prefill_decode.default(") == fused, code
+        for o, e in zip(out, eager):
+            torch.testing.assert_close(o, e)
+
+
 class _Causal(torch.nn.Module):
     """Causal SDPA on [B, S, H, D] projections seen as [B, H, S, D] (as HF models do): the
     rewrite hands the op K/V with packed heads, which the Gluon kernel reads."""
