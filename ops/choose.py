@@ -610,8 +610,9 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     Gluon kernel's POD launch reads the decodes' pages by TMA boxes (its 64-row tile runs two
     programs a SM: the decode items stream twice the K/V that the 128-row ping-pong tile's one
     program did, and the prefill's tiles fill in between; benchmarks/NOTES.md, 2026-11-28,
-    POD on the 64-row tile), else ``tile``'s height for any length (the Triton POD launch's,
-    as timed before). kv_dtype None: fp16 / bf16; device None: the current CUDA device; plain:
+    POD on the 64-row tile), else ``tile``'s height for any length: the Triton POD launch's
+    (which such calls take only exported, or with POLICY.pod_apart_balance 0: otherwise they
+    run apart, pod_apart_any_size, their decodes on pod_decode_tile's height). kv_dtype None: fp16 / bf16; device None: the current CUDA device; plain:
     the plan's options leave the launch in the Gluon kernel's scope (no position encoding, no
     window); fused_gluon: pod_fused_gluon's answer where the caller has it (None: asked here)."""
     if INTERPRET:
