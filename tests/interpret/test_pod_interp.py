@@ -285,3 +285,31 @@ def test_decodes_apart_on_their_own_tile(monkeypatch, pod_calls):
         check_parts(pre, dec, p_pre, p_dec, lambda: _parts(
             w.run(q_p, cache_p, q_d, cache_d, causal_p=True, return_lse=True), (True, True)))
     check_pod_launch(("apart", pod_calls), True)
+
+
+@pytest.mark.parametrize("kv_d,qo,kv", [([5, 9], 0, 3), ([5, 9], 0, 0), ([], 3, 5),
+                                        ([0, 0], 3, 5)], ids=["no_prefill_rows",
+                                                              "no_prefill", "no_decodes",
+                                                              "no_decode_keys"])
+def test_traced_apart_with_an_empty_part(kv_d, qo, kv):
+    """A POD call traced by torch.compile runs apart whatever its sizes where the fused launch
+    would not be the Gluon kernel's (pod._traced_apart: here the interpreter's), so an empty
+    part reaches its own launch (an eager call keeps such a call fused): the outputs equal the
+    eager call's, shapes included."""
+    from compiled_attn.pod import _traced_apart
+
+    hq, hkv, d, page, dt = 4, 2, 16, 4, torch.float32
+    cache, kvi, idx, last, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt, seed=21)
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+    assert _traced_apart(w._plan)
+    g = torch.Generator().manual_seed(22)
+    q_p, k_p, q_d = (_randn(g, n, h, d, dtype=dt) for n, h in ((qo, hq), (kv, hkv),
+                                                                (len(kv_d), hq)))
+    eager = w.run(q_p, k_p, k_p, q_d, cache, causal_p=kv >= qo)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c, e: w.run(a, b, b, c, e, causal_p=kv >= qo),
+                      fullgraph=True, backend="eager")
+    out = f(q_p, k_p, q_d, cache)
+    for o, e in zip(out, eager):
+        assert o.shape == e.shape and torch.equal(o, e)
