@@ -46,10 +46,6 @@ def _variants():
         # use_cuda_graph=True plans, with the launch policy's graph_decode_tile off / on
         "graph plan": ("graph", False),
         "graph plan decode tile": ("graph", True),
-        # decode rows on gathered pages (page 1-7) on the 64-row tile, as on pages read by boxes
-        "gather64": ("gather64", {}),
-        "gather64 st3": ("gather64", {(64, 128): g.TILES[64, 128]._replace(stages=3)}),
-        "graph gather64": ("gather64", {}, "graph"),
         # split-KV for small batches: chunks of at least this many keys (plan default 1024),
         # counting this many resident programs a SM (chunks_wanted counts one)
         "split256 x2": ("split", 256, 2),
@@ -67,21 +63,13 @@ def _variant(v):
     from compiled_attn import prefill
     from compiled_attn.ops import schedule
 
-    saved_boxes = choose._boxes_on_64_rows
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
-    gather64 = isinstance(v, tuple) and v[0] == "gather64"
     split = isinstance(v, tuple) and v[0] == "split"
-    graph = isinstance(v, tuple) and (v[0] == "graph" or v[-1] == "graph")
+    graph = isinstance(v, tuple) and v[0] == "graph"
     tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple)
                                            and v[0] not in ("graph", "split") else {})
     try:
         g.TILES.update(tiles)
-        if gather64:
-            def boxes_or_gathered(page, d, kv_dtype, dev):
-                return saved_boxes(page, d, kv_dtype, dev) or (
-                    d == 128 and choose._gluon_pages(page, d, d, kv_dtype, dev)
-                    and g.page_gathered(page, g.TILES[64, d].block_n, d))
-            choose._boxes_on_64_rows = boxes_or_gathered
         if split:
             min_keys, slots = v[1], v[2]
 
@@ -92,10 +80,9 @@ def _variant(v):
         policy.touch()
         if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
             choose.DECODE_ROWS = 0
-        with policy.override(graph_decode_tile=graph and (gather64 or bool(v[1]))):
+        with policy.override(graph_decode_tile=graph and bool(v[1])):
             yield
     finally:
-        choose._boxes_on_64_rows = saved_boxes
         prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
         g.TILES.clear()
         g.TILES.update(saved_tiles)
@@ -126,7 +113,7 @@ def _ours(case, x, variant):
     b, kv, page, hq, hkv = case
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
     with _variant(variant):
-        if isinstance(variant, tuple) and "graph" in (variant[0], variant[-1]):
+        if isinstance(variant, tuple) and variant[0] == "graph":
             i32 = dict(dtype=torch.int32, device=x["q"].device)
             w = ca.BatchPrefillWithPagedKVCacheWrapper(
                 ws, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.empty(b + 1, **i32),
