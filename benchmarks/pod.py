@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results import environment, validate
+from benchmarks.results import environment, policy_settings, validate
 
 D = 128
 PREFILLS = (256, 2048, 8192)
@@ -461,22 +461,6 @@ def run_case(case: PodCase, args) -> list[dict]:
             res[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {e:.1f} us eager: "
                                   "the capture recorded no kernel (not capturable this way)")
     return assemble(case, res, diff)
-
-
-def policy_settings(items: list[str]) -> dict:
-    """--policy NAME=VALUE items as launch-policy settings (VALUE a Python literal)."""
-    import ast
-
-    settings = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--policy {item!r}: write NAME=VALUE, e.g. host_tma_min_flop=2e10")
-        try:
-            settings[name.strip()] = ast.literal_eval(value.strip())
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--policy {item!r}: VALUE must be a Python literal") from None
-    return settings
 
 
 def main(argv=None):

@@ -53,6 +53,23 @@ def environment() -> dict:
     }
 
 
+def policy_settings(items: list[str]) -> dict:
+    """--policy NAME=VALUE items (the suites' CLIs) as launch-policy settings
+    (compiled_attn.ops.policy; VALUE a Python literal)."""
+    import ast
+
+    settings = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--policy {item!r}: write NAME=VALUE, e.g. host_tma_min_flop=2e10")
+        try:
+            settings[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--policy {item!r}: VALUE must be a Python literal") from None
+    return settings
+
+
 def _code_key(node) -> str:
     """A node's code as text: node types and field values, without positions, docstrings or
     empty fields (so the key is the same under the Pythons that read it: 3.12 adds empty

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default cuda (cpu only for --suite smoke)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the random inputs; input copy c uses seed + c (default 0)")
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
+                   help="time our provider under this launch-policy setting "
+                   "(compiled_attn.ops.policy; repeatable, e.g. host_tma_min_flop=2e10); each row "
+                   "records it; needs --out (a variant's rows stay out of the committed results)")
     p.add_argument("--list", action="store_true", help="print the cases and exit (no GPU needed)")
     p.add_argument("--flex-on-cpu", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -325,6 +329,11 @@ def main(argv=None) -> int:
             print(f"--cases {args.cases!r} matches no case of {', '.join(args.suites)} "
                   "(--list prints their names)", file=sys.stderr)
             return 2
+    settings = results.policy_settings(args.policy)
+    if settings and args.out is None:
+        print("--policy needs --out: a variant's rows stay out of the committed results",
+              file=sys.stderr)
+        return 2
     if args.list:
         for c in cases:
             print(f"{c.suite:10s} {c.name:32s} {c.layout:6s} B={c.batch:<4d} Hq/Hkv="
@@ -365,13 +374,17 @@ def main(argv=None) -> int:
                     smoothing=0.1)
     new_rows: list[dict] = []
     t0 = time.perf_counter()
+    from compiled_attn.ops.policy import override
+
     try:
-        with torch.no_grad():  # not inference_mode: friendlier to torch.compile (flex)
+        with torch.no_grad(), override(**settings):  # (no_grad, not inference_mode: flex)
             for group in _groups(cases):
                 for case, rows in run_group(group, args, device, dtype, progress):
                     for r in rows:  # a merged file keeps each suite's rows with their run's
                         r["run_date"] = env["date"]  # date and kernel source
                         r["kernel_src"] = kernel_src
+                        if settings:
+                            r["policy"] = {k: repr(v) for k, v in settings.items()}
                     new_rows += rows
                     progress.write(summary_line(case, rows), file=sys.stdout)
                 ran = None if args.cases is None else [(c.suite, c.name) for c in cases]

@@ -785,6 +785,33 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     pod.plot(doc, tmp_path / "pod.png")
 
 
+def test_run_policy_settings(tmp_path, monkeypatch):
+    """python -m benchmarks --policy NAME=VALUE: our provider runs under the setting (seen by
+    the launch while it runs, restored after), each row records it, and it needs --out."""
+    pytest.importorskip("compiled_attn.ops")
+    from benchmarks import run
+    from compiled_attn.ops import reference
+    from compiled_attn.ops.policy import POLICY
+
+    seen = []
+    real = reference.single_prefill
+
+    def spy(*a, **k):  # (the CPU body of the op our provider calls)
+        seen.append(POLICY.host_tma_min_flop)
+        return real(*a, **k)
+
+    monkeypatch.setattr(reference, "single_prefill", spy)
+    before = POLICY.host_tma_min_flop
+    out = tmp_path / "variant.json"
+    args = ["--suite", "smoke", "--device", "cpu", "--providers", "compiled_attn",
+            "--warmup-ms", "1", "--rep-ms", "2", "--policy", "host_tma_min_flop=2e10"]
+    assert run.main(args) == 2  # no --out
+    assert run.main(args + ["--out", str(out)]) == 0
+    assert seen and set(seen) == {2e10} and POLICY.host_tma_min_flop == before
+    rows = results.load(out)["rows"]
+    assert rows and all(r["policy"] == {"host_tma_min_flop": "20000000000.0"} for r in rows)
+
+
 def test_pod_suite_policy_settings(tmp_path, monkeypatch):
     """--policy NAME=VALUE: the run goes under those launch-policy settings (read by the cases
     while they run, restored after), recorded in the results; malformed items exit with why."""
