@@ -786,7 +786,7 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
 
 
 def test_run_policy_settings(tmp_path, monkeypatch):
-    """python -m benchmarks --policy NAME=VALUE: our provider runs under the setting (seen by
+    """python -m benchmarks.run --policy NAME=VALUE: our provider runs under the setting (seen by
     the launch while it runs, restored after), each row records it, and it needs --out."""
     pytest.importorskip("compiled_attn.ops")
     from benchmarks import run
