@@ -466,12 +466,11 @@ def run_case(case: PodCase, args) -> list[dict]:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     settings = policy_settings(args.policy)
-    if settings:  # the whole run under them (an unknown name raises AttributeError here)
-        from compiled_attn.ops.policy import override
+    from compiled_attn.ops.policy import override
 
-        with override(**settings):
-            return _main(args, settings)
-    return _main(args, settings)
+    # the whole run under them (none: the policy as it is; an unknown name raises here)
+    with override(**settings):
+        return _main(args, settings)
 
 
 def _main(args, settings: dict):

@@ -41,7 +41,8 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from . import choose, contracts
 from .policy import POLICY
 
-__all__ = ["GLUON_OPS", "POD_OP", "ahead_of_time", "bind", "eager_gluon", "keep_opaque"]
+__all__ = ["GLUON_OPS", "POD_OP", "ahead_of_time", "bind", "bind_pod", "eager_gluon",
+           "keep_opaque"]
 
 # The ops whose eager launch can take the Gluon kernel through choose.choose, and POD's, whose
 # eager launch asks choose.pod_gluon.
@@ -104,33 +105,32 @@ def eager_gluon(name: str, args: tuple, kwargs: dict | None = None) -> bool:
     return launch.kernel == "gluon"
 
 
-def _pod_gluon(args: tuple, kwargs: dict | None) -> bool:
-    """eager_gluon for pod_prefill_decode: choose.pod_gluon(static=True) on the call's parts,
-    their options built as the op's launch builds them (contracts.pod_part_params)."""
-    from . import prefill_kernel as pk
-
+def bind_pod(args: tuple, kwargs: dict | None = None) -> tuple[dict, dict, dict]:
+    """A pod_prefill_decode call's arguments by name and each part's options as the op builds
+    them (contracts.pod_part_params): (arguments, p_params, d_params)."""
     b = _SIGNATURES[POD_OP].bind(*args, **(kwargs or {}))
     b.apply_defaults()
     a = b.arguments
-    q_p = a["q_p"]
-    dev = choose.device_of(q_p.device)
-    if not dev.gluon:  # a Hopper GPU (before any guard on the shapes)
-        return False
-    out_dtype = a["out_dtype"] or q_p.dtype
-    parts = contracts.pod_part_params(*(a[n] for n in (
+    p_params, d_params = contracts.pod_part_params(*(a[n] for n in (
         "mask_mode_p", "window_left_p", "sm_scale_p", "logits_soft_cap_p", "mask_mode_d",
         "window_left_d", "sm_scale_d", "logits_soft_cap_d", "pos_encoding_mode", "rope_scale",
-        "rope_theta", "v_scale")), out_dtype)
-    flags = []
-    for x, params in zip("pd", parts):
-        params.pop("out_dtype")
-        flags.append(pk._flags(a[f"q_{x}"], a["alibi_slopes"], None, **params))
-    one_page = choose.one_page_cache(a["k_cache_p"], a["v_cache_p"], a["kv_page_indices_p"])
-    (scalars_p, consts_p), (scalars_d, consts_d) = flags
-    return choose.pod_gluon(q_p, a["k_cache_p"], a["v_cache_p"], a["q_d"], a["k_cache_d"],
-                            a["v_cache_d"], consts_p, scalars_p, consts_d, scalars_d, out_dtype,
-                            guard_int(a["block_m"]), one_page=one_page, device=dev,
-                            static=True)
+        "rope_theta", "v_scale")), a["out_dtype"] or a["q_p"].dtype)
+    return a, p_params, d_params
+
+
+def _pod_gluon(args: tuple, kwargs: dict | None) -> bool:
+    """eager_gluon for pod_prefill_decode: the POD launch's own decision
+    (prefill_kernel.pod_choice), static."""
+    from . import prefill_kernel as pk
+
+    a, p_params, d_params = bind_pod(args, kwargs)
+    dev = choose.device_of(a["q_p"].device)
+    if not dev.gluon:  # a Hopper GPU (before any guard on the shapes)
+        return False
+    return pk.pod_choice(a["q_p"], a["k_cache_p"], a["v_cache_p"], a["kv_page_indices_p"],
+                         a["q_d"], a["k_cache_d"], a["v_cache_d"], a["alibi_slopes"],
+                         guard_int(a["block_m"]), p_params, d_params, static=True,
+                         device=dev)[0]
 
 
 def keep_opaque(name: str, args: tuple, kwargs: dict | None = None) -> bool:

@@ -1164,6 +1164,26 @@ def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices
                            sinks, params["v_scale"])
 
 
+def pod_choice(q_p, k_cache_p, v_cache_p, kv_page_indices_p, q_d, k_cache_d, v_cache_d,
+               alibi_slopes, block_m, p_params: dict, d_params: dict, *, static: bool = False,
+               device=None):
+    """What a POD launch decides before launching, from its tensors and each part's options
+    (contracts.pod_part_params, out_dtype included): (whether it is the Gluon POD launch,
+    choose.pod_gluon; the out dtype; one_page, choose.one_page_cache of the prefill's cache;
+    (params, flags) of each part, params without out_dtype, flags _flags'). static: a traced
+    call's question (ops.dispatch), as pod_gluon's."""
+    p_params, d_params = dict(p_params), dict(d_params)
+    out_dtype = p_params.pop("out_dtype")
+    d_params.pop("out_dtype")
+    flags_p = _flags(q_p, alibi_slopes, None, **p_params)
+    flags_d = _flags(q_d, alibi_slopes, None, **d_params)
+    one_page = choose.one_page_cache(k_cache_p, v_cache_p, kv_page_indices_p)
+    gluon = choose.pod_gluon(q_p, k_cache_p, v_cache_p, q_d, k_cache_d, v_cache_d, flags_p[1],
+                             flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m,
+                             one_page=one_page, device=device, static=static)
+    return gluon, out_dtype, one_page, (p_params, flags_p), (d_params, flags_d)
+
+
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
                kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
                kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
@@ -1174,15 +1194,10 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
             "pod_prefill_decode: the prefill and decode parts must have the same numbers of "
             f"query heads ({q_p.shape[1]} vs {q_d.shape[1]}) and KV heads "
             f"({k_cache_p.shape[2]} vs {k_cache_d.shape[2]}): they share one launch grid")
-    p_params, d_params = dict(p_params), dict(d_params)
-    out_dtype = p_params.pop("out_dtype")
-    d_params.pop("out_dtype")
-    flags_p = _flags(q_p, alibi_slopes, None, **p_params)
-    flags_d = _flags(q_d, alibi_slopes, None, **d_params)
-    one_page = choose.one_page_cache(k_cache_p, v_cache_p, kv_page_indices_p)
-    if choose.pod_gluon(q_p, k_cache_p, v_cache_p, q_d, k_cache_d, v_cache_d, flags_p[1],
-                        flags_p[0], flags_d[1], flags_d[0], out_dtype, block_m,
-                        one_page=one_page):
+    gluon, out_dtype, one_page, (p_params, flags_p), (d_params, flags_d) = pod_choice(
+        q_p, k_cache_p, v_cache_p, kv_page_indices_p, q_d, k_cache_d, v_cache_d, alibi_slopes,
+        block_m, p_params, d_params)
+    if gluon:
         parts = [_pod_part(*x, out_dtype, params, flags[0]["qk_scale"]) for x, params, flags in (
             ((q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
               kv_last_page_len_p, one_page), p_params, flags_p),

@@ -282,13 +282,7 @@ def launcher_takes_gluon_pod(args, monkeypatch) -> bool:
     taken = []
     monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: taken.append("gluon"))
     monkeypatch.setattr(pk.launch, "run", lambda *a, **k: taken.append("triton"))
-    b = gd._SIGNATURES[gd.POD_OP].bind(*args)
-    b.apply_defaults()
-    a = b.arguments
-    p_params, d_params = contracts.pod_part_params(*(a[n] for n in (
-        "mask_mode_p", "window_left_p", "sm_scale_p", "logits_soft_cap_p", "mask_mode_d",
-        "window_left_d", "sm_scale_d", "logits_soft_cap_d", "pos_encoding_mode", "rope_scale",
-        "rope_theta", "v_scale")), a["out_dtype"] or a["q_p"].dtype)
+    _, p_params, d_params = gd.bind_pod(args)
     with set_wrap_triton_enabled(False):
         pk.launch_pod(*args[:19], p_params, d_params)
     assert len(taken) == 1, taken
