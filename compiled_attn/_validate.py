@@ -182,6 +182,13 @@ def traced() -> bool:
     return torch.compiler.is_compiling()
 
 
+def exporting() -> bool:
+    """Whether torch.export is tracing this call: the flag torch.export sets while it traces.
+    (torch.compiler.is_exporting() does not tell: Dynamo answers it True under every
+    torch.compile trace on torch 2.11, as it answers is_compiling().)"""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 def device_check(cond: torch.Tensor, msg: str) -> None:
     """A check on device values without a host read (capturable in a CUDA graph): a device-side
     assert under CUDA, which surfaces at the next synchronisation; on CPU it raises at once."""

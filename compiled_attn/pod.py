@@ -219,7 +219,7 @@ def _traced_apart(p: dict) -> bool:
     op kept opaque for the Gluon kernel where its eager launch takes it: ops.dispatch). Never
     under torch.export: its program, and an AOTInductor package made from it, keep one POD
     op (the Triton POD launch)."""
-    return (not torch.compiler.is_exporting()
+    return (not V.exporting()
             and choose.pod_apart_any_size(p["fused_gluon"]) is True)
 
 

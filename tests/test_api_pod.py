@@ -160,6 +160,25 @@ def test_pod_run_traces_fullgraph(pod_launch):
     check_pod_launch(pod_launch, True)
 
 
+def test_exporting_reads_torch_exports_flag():
+    """_validate.exporting(): False under a torch.compile trace, True under torch.export's.
+    (torch.compiler.is_exporting() answers True under every torch.compile trace on torch 2.11,
+    which sent compiled POD calls to the fused launch where eager calls run apart.)"""
+    from compiled_attn import _validate as V
+
+    def f(x):
+        return x + (1.0 if V.exporting() else 2.0)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return f(x)
+
+    x = torch.zeros(2)
+    assert not V.exporting()
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x + 2.0)
+    assert torch.equal(torch.export.export(M(), (x,)).module()(x), x + 1.0)
+
+
 def test_pod_export_keeps_one_op():
     """torch.export of a POD wrapper's run() keeps one pod_prefill_decode node (what an
     AOTInductor package compiles) even where torch.compile and eager calls run the parts
@@ -379,7 +398,7 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     # a call traced by torch.compile: apart where that needs no sizes (page 1), never exported
     assert _traced_apart(w._plan) is (page == 1)
     with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "is_exporting", lambda: True)
+        m.setattr(torch.compiler, "_is_exporting_flag", True)  # as torch.export sets it
         assert _traced_apart(w._plan) is False
     with override(pod_apart_balance=0.0):
         assert w._launch_apart(qo, qo, True) is False
