@@ -571,10 +571,12 @@ class Memo:
         return tuple(sig), tensors
 
     def lookup(self, key, tensors):
-        """The replayed outputs of a call with this key, or None (unbound, refused, or not
-        replayable now)."""
+        """The replayed outputs of a call with this key, or None (unbound, refused, not
+        replayable now, or inside another call's recording: a replay launches around the
+        recorder, whose Bound would then lack these launches and replay without them)."""
         bound = self._bound.get(key)
-        if bound is None or bound is _UNBOUND or not _replayable(tensors[0].device):
+        if (bound is None or bound is _UNBOUND or _recorder() is not None
+                or not _replayable(tensors[0].device)):
             return None
         self.hits += 1
         return bound.replay(tensors)

@@ -158,6 +158,26 @@ def test_wrapper_run_replays_its_plan(kind, apart):
         assert not g.isnan().any() and torch.equal(g, r)
 
 
+@pytest.mark.parametrize("kind,apart", [("ragged", False), ("pod", False), ("pod", True)])
+def test_wrapper_records_after_a_direct_op_call(kind, apart):
+    """A wrapper's first run() after a call of the same op with the same metadata outside it
+    (here its own run() under torch.compile, whose graph calls the op: Inductor's run-time
+    call, or a serving engine's torch.ops call) records the op's launches, not a replay of the
+    op-level bound call around its recorder: its later replays compute (they once launched
+    nothing, leaving the outputs unwritten)."""
+    with policy.override(**POD_LAUNCHES["apart" if apart else "fused"]):
+        launch.DEFAULT.clear()
+        w, runs = _wrapper_runs(kind)
+        compiled = torch.compile(runs[0], fullgraph=True, backend="eager")
+        want = compiled()
+        first, again = runs[0](), runs[0]()
+        assert w._memo.records == 1 and w._memo.hits == 1
+        (bound,) = w._memo._bound.values()
+        assert len(bound.launches) == (2 if apart else 1)
+    for a, b, r in zip(first, again, want):
+        assert not r.isnan().any() and torch.equal(a, r) and torch.equal(b, r)
+
+
 @pytest.mark.parametrize("kind", ["ragged", "paged"])
 def test_plan_pointers_bound_into_the_gpu_template(kind, monkeypatch):
     # On a GPU (no interpreter) a bound launch holds the plan's tensors as pointers in its
