@@ -462,12 +462,12 @@ def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
 
 
 # Launches below POLICY.host_tma_min_flop skip the whole-tensor descriptors (and, eagerly, the
-# Gluon kernel's contiguous K/V). On the H100's host an eager call with host descriptors costs
-# ~170-300 us of CPU against ~130 us with pointer loads, while the kernel of D128 causal
-# B16 x 1k (69 GFLOP) takes ~200 us: such loops run at the host's pace (eager TFLOP/s, S 512 /
-# 1k: 103 / 194 with host descriptors, 201 / 282 with pointer loads; at S 2k, 137 GFLOP, host
-# descriptors win, 396 vs 372; benchmarks/NOTES.md). A launch being captured into a CUDA graph
-# is never small (replays skip the host, so the faster kernel wins at any size).
+# Gluon kernel's contiguous K/V): where the kernel is shorter than an eager call's host time,
+# the cheaper launch wins. Before bound launches a call with host descriptors cost the H100's
+# host ~170-300 us against ~130 with pointer loads (the bound was 1e11 FLOP); a bound replay
+# costs either path ~30 us, and the bound is 1e10 (benchmarks/NOTES.md, 2026-11-22 and
+# 2026-11-28). A launch being captured into a CUDA graph is never small (replays skip the
+# host, so the faster kernel wins at any size).
 def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
     """Whether a launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
     for causal) is below host_tma_min_flop; False when a length is not a plain number."""

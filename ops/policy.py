@@ -30,9 +30,11 @@ class Policy:
         # Host-built descriptors (TMA 2 and the Gluon kernel) for eager launches.
         self.host_tma = True
         # Eager launches below this many FLOPs skip whole-tensor descriptors: their host cost
-        # outlasts the kernel there (benchmarks/NOTES.md, 2026-11-22). The interpreter has no
-        # such cost: CI runs the descriptor paths at any size.
-        self.host_tma_min_flop = 0 if INTERPRET else 1e11
+        # outlasts the kernel there. With bound launches the two paths cost the host alike, and
+        # launches of 19-34 GFLOP ran 1.33-1.40x faster with descriptors; at 0.5-17 GFLOP the
+        # paths were within this run's noise (benchmarks/NOTES.md, 2026-11-28). The interpreter
+        # has no such cost: CI runs the descriptor paths at any size.
+        self.host_tma_min_flop = 0 if INTERPRET else 1e10
         # Per-program descriptors only for mean key lengths above this (shorter ranges do not
         # amortise them).
         self.tma_min_kv = 0 if INTERPRET else 1024
