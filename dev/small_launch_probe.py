@@ -8,7 +8,8 @@ K/V); above it, what a CUDA-graph capture takes at any size. Run on the GPU mach
     python3 -m dev.small_launch_probe [--thresholds 1e11,2e10,0] [--rounds 3]
 
 Prints a table (us per call, and each threshold's ratio over the first one's) and writes
-small_launch_probe.json under $OUT when set.
+small_launch_probe.json under $OUT when set. ``--plot FILE.json`` draws a saved run instead
+(FILE.png beside it: each threshold's time over the first threshold's, per case).
 """
 
 from __future__ import annotations
@@ -62,13 +63,48 @@ def _call(lens, causal):
     return lambda: w.run(q, k, v)
 
 
+def plot(path: str) -> str:
+    """A saved run's ratios (the first threshold's time over each other's: above 1, faster)
+    per case, as a bar chart beside the JSON; returns the PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        doc = json.load(f)
+    rows = doc["rows"]
+    names = list(rows[0]["us"])
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / max(1, len(names) - 1)
+    for j, name in enumerate(names[1:]):
+        ys = [r["us"][names[0]] / r["us"][name] if r["us"][name] else 0 for r in rows]
+        ax.bar([i + j * width for i in range(len(rows))], ys, width,
+               label=f"host_tma_min_flop={name}")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels([f"{r['case']}\n{r['gflop']:.1f} GFLOP" for r in rows], rotation=60,
+                       ha="right", fontsize=7)
+    ax.set_ylabel(f"eager time at {names[0]} / at this bound")
+    ax.set_title(f"eager prefill calls by small-launch bound ({doc['gpu']}, torch {doc['torch']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = os.path.splitext(path)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--thresholds", default="1e11,2e10,0")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep-ms", type=float, default=40.0)
     ap.add_argument("--cases", default="", help="only the cases whose name contains this")
+    ap.add_argument("--plot", default=None, help="draw this saved JSON instead of running")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
     values = [float(t) for t in args.thresholds.split(",")]
     rows = []
     for name, lens, causal in CASES:
