@@ -870,6 +870,39 @@ def test_pod_suite_keeps_timed_cases_when_stopped(tmp_path, monkeypatch, capsys)
     assert f"{first.name} ..." in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("after", [0.5, 7.0])
+def test_pod_suite_fails_an_eager_row_whose_output_changed(monkeypatch, after):
+    """run_case checks POD's eager output against its parts again after the timed calls: the
+    same difference as before them keeps the row; another (a launch that stopped computing
+    between, as a bound call without its launches once did) fails the eager row, with both."""
+    import argparse
+
+    import torch
+
+    from benchmarks import pod
+
+    case = pod.case_list(quick=True)[0]
+    diffs = iter([0.5, after])
+    monkeypatch.setattr(pod, "make_inputs", lambda case, dev: {"copy_dst": None, "copy_src": None})
+    monkeypatch.setattr(pod, "_calls", lambda *a: {k: (lambda: None) for k in
+                                                    ("pod", "prefill", "decode", "apart")})
+    monkeypatch.setattr(pod, "_max_diff", lambda calls: next(diffs))
+    monkeypatch.setattr(pod, "_graph", lambda fn: fn)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr("benchmarks.providers.bench",
+                        lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
+                                             for _ in runners])
+    args = argparse.Namespace(no_flashinfer=True, compiled=False, warmup_ms=1, rep_ms=1,
+                              rounds=1)
+    by = {(r["provider"], r["mode"]): r for r in pod.run_case(case, args)}
+    eager, graph = by["ours_pod", "eager"], by["ours_pod", "graph"]
+    assert graph["status"] == "ok"
+    if after == 0.5:
+        assert eager["status"] == "ok" and eager["median_us"] == pytest.approx(100.0)
+    else:
+        assert eager["status"] == "failed" and "by 7.0 (before them: 0.5)" in eager["error"]
+
+
 @pytest.mark.parametrize("kind,pre,page", [("pod", (40,), 16), ("batch_pod", (40, 17), 1)])
 def test_pod_suite_inputs_agree_across_our_providers(kind, pre, page):
     """The suite's page tables, contiguous k_p / v_p and mixed plan describe one batch: on the
