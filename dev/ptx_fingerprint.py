@@ -116,7 +116,16 @@ def main(argv=None):
         return
     import triton
 
-    print(f"# triton {triton.__version__}, torch {torch.__version__}, target {sm90.TARGET}")
+    from compiled_attn.ops import prefill_gluon
+
+    # the kernels compiled are the imported package's: an editable install imports its own
+    # tree whatever the working directory (a second worktree compiles the first one's source)
+    src = os.path.dirname(os.path.abspath(prefill_gluon.__file__))
+    print(f"# triton {triton.__version__}, torch {torch.__version__}, target {sm90.TARGET}, "
+          f"kernels from {src}")
+    if not os.path.abspath(os.getcwd()).startswith(os.path.dirname(src)):
+        print(f"# note: the working directory {os.getcwd()} is not the compiled tree's",
+              file=sys.stderr)
     results = []
     for name, (launch, patches) in TRITON.items():
         if only and name not in only:
