@@ -3,7 +3,9 @@
 call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
 Inductor's graph, the default for a call the Gluon kernel does not take), the same traced with
 the launch policy's traced_unbatched (the kernel takes the 3-D tensors themselves, not views of
-them) and kept opaque (the graph calls the op, whose eager launcher replays a bound launch).
+them), the same compiled with Inductor's static launcher for user-defined Triton kernels
+(static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
+graph calls the op, whose eager launcher replays a bound launch).
 Then a cProfile of each compiled form and Inductor's generated wrapper code, under $OUT.
 
     python -m dev.compiled_host_probe [--rounds 5] [--calls 200]
@@ -55,6 +57,9 @@ def main():
     def ours_unbatched(q, k, v):  # (the same, traced with POLICY.traced_unbatched)
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
+    def ours_static(q, k, v):  # (the same, compiled with Inductor's static launcher for
+        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)  # user-defined kernels)
+
     q4, k4, v4 = (t.unsqueeze(0) for t in (q1, k1, v1))
     op = torch.ops.compiled_attn.single_prefill
     calls = {"eager_ours": lambda: ours(q1, k1, v1),
@@ -83,6 +88,16 @@ def main():
             torch._functorch.config.patch(enable_autograd_cache=False):
         calls["compiled_ours_unbatched"] = _compiled(ours_unbatched, q1, k1, v1)
     code_of("ours_unbatched")
+    # Inductor's static CUDA launcher for user-defined Triton kernels (the inlined op's launch):
+    # off by default in torch 2.11-2.13 (config static_launch_user_defined_triton_kernels)
+    if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
+        with torch._inductor.config.patch(static_launch_user_defined_triton_kernels=True,
+                                          fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
+            calls["compiled_ours_static"] = _compiled(ours_static, q1, k1, v1)
+        code_of("ours_static")
+    else:
+        print("compiled_ours_static: this torch has no static_launch_user_defined_triton_kernels")
     keep = dispatch.keep_opaque
     dispatch.keep_opaque = lambda name, args, kwargs=None: not dispatch.ahead_of_time()
     try:
@@ -104,8 +119,10 @@ def main():
     for _ in range(a.rounds):
         for name, fn in calls.items():
             res[name].append(host_us(fn, a.calls))
-    for name in ("compiled_ours_inlined", "compiled_ours_unbatched", "compiled_ours_opaque",
-                 "compiled_sdpa", "op_direct"):
+    for name in ("compiled_ours_inlined", "compiled_ours_unbatched", "compiled_ours_static",
+                 "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
+        if name not in calls:
+            continue
         pr = cProfile.Profile()
         fn = calls[name]
         torch.cuda.synchronize()
