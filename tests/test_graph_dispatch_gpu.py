@@ -190,6 +190,40 @@ def test_compiled_pod_runs_gluon(monkeypatch):
     _sdpa_bound(out[0].unsqueeze(0), q_p.unsqueeze(0), k_p.unsqueeze(0), v_p.unsqueeze(0))
 
 
+@pytest.mark.parametrize("page", [16, 1])
+def test_eager_runs_after_a_compiled_run(page):
+    """A POD wrapper compiled and run first (its graph's op call binds the op's launch: the
+    Gluon POD launch on page 16, the decodes' Gluon launch apart on page 1), then run eagerly
+    three times: every eager run computes, bit for bit the compiled run's outputs (a wrapper
+    that recorded a replay of the op-level bound call once replayed without that launch:
+    benchmarks/NOTES.md, 2026-11-28)."""
+    launch.DEFAULT.clear()
+    hq, hkv, d, qo = 32, 8, 128, 2048
+    kv_d = [4096] * 15 + [33]
+    pages = [-(-n // page) for n in kv_d]
+    total = sum(pages)
+    cache = _rand(total, 2, page, hkv, d)
+    i32 = dict(device="cuda", dtype=torch.int32)
+    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), **i32)
+    last = torch.tensor([(n - 1) % page + 1 for n in kv_d], **i32)
+    idx = torch.randperm(total, device="cuda").to(torch.int32)
+    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+    w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
+    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
+    q_d = _rand(len(kv_d), hq, d)
+
+    def f(q_p, k_p, v_p, q_d, cache):
+        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+    want, _ = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
+    for _ in range(3):
+        got = f(q_p, k_p, v_p, q_d, cache)
+        for o, e in zip(got, want):
+            assert not o.float().isnan().any() and torch.equal(o, e)
+    assert w._memo.hits == 2
+    _sdpa_bound(want[0].unsqueeze(0), q_p.unsqueeze(0), k_p.unsqueeze(0), v_p.unsqueeze(0))
+
+
 def test_compiled_pod_page1_runs_apart(gluon_launches):
     """Page 1 (no Gluon POD launch): a PODWithPagedKVCacheWrapper.run under torch.compile runs
     the parts as two launches, as the eager call does (pod._traced_apart), the decodes' an
