@@ -153,17 +153,10 @@ def test_compiled_paged_page16_runs_gluon(gluon_launches):
     _sdpa_bound(out[0][:s].unsqueeze(0), q[:s].unsqueeze(0), k0, v0)
 
 
-def test_compiled_pod_runs_gluon(monkeypatch):
-    """PODWithPagedKVCacheWrapper.run under torch.compile (fullgraph), both parts in the Gluon
-    POD launch's scope (bf16, D 128, page 16, causal): one opaque pod_prefill_decode call that
-    launches it, equal bit for bit to the eager call's fused launch (the policy keeps both
-    fused: a traced call never runs apart)."""
-    launches = []
-    real = pk._gluon.launch_pod
-    monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: launches.append(1) or real(
-        *a, **k))
-    hq, hkv, d, page, qo = 32, 8, 128, 16, 300
-    kv_d = [900, 1, 4096, 33]
+def _pod_call(kv_d, page, qo, hq=32, hkv=8, d=128):
+    """(f, its arguments, the wrapper): a bf16 PODWithPagedKVCacheWrapper planned for decodes
+    of kv_d keys on a shuffled cache of page-sized pages, f its causal run() of a qo-token
+    prefill."""
     pages = [-(-n // page) for n in kv_d]
     total = sum(pages)
     cache = _rand(total, 2, page, hkv, d)
@@ -173,12 +166,24 @@ def test_compiled_pod_runs_gluon(monkeypatch):
     idx = torch.randperm(total, device="cuda").to(torch.int32)
     w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
     w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
-    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
-    q_d = _rand(len(kv_d), hq, d)
 
     def f(q_p, k_p, v_p, q_d, cache):
         return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
 
+    return f, (_rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d), _rand(len(kv_d), hq, d),
+               cache), w
+
+
+def test_compiled_pod_runs_gluon(monkeypatch):
+    """PODWithPagedKVCacheWrapper.run under torch.compile (fullgraph), both parts in the Gluon
+    POD launch's scope (bf16, D 128, page 16, causal): one opaque pod_prefill_decode call that
+    launches it, equal bit for bit to the eager call's fused launch (the policy keeps both
+    fused: a traced call never runs apart)."""
+    launches = []
+    real = pk._gluon.launch_pod
+    monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: launches.append(1) or real(
+        *a, **k))
+    f, (q_p, k_p, v_p, q_d, cache), _ = _pod_call([900, 1, 4096, 33], 16, 300)
     with policy.override(bound_launches=False, pod_apart_balance=0.0):
         eager = f(q_p, k_p, v_p, q_d, cache)
         assert len(launches) == 1
@@ -198,23 +203,7 @@ def test_eager_runs_after_a_compiled_run(page):
     that recorded a replay of the op-level bound call once replayed without that launch:
     benchmarks/NOTES.md, 2026-11-28)."""
     launch.DEFAULT.clear()
-    hq, hkv, d, qo = 32, 8, 128, 2048
-    kv_d = [4096] * 15 + [33]
-    pages = [-(-n // page) for n in kv_d]
-    total = sum(pages)
-    cache = _rand(total, 2, page, hkv, d)
-    i32 = dict(device="cuda", dtype=torch.int32)
-    indptr = torch.tensor([0] + torch.tensor(pages).cumsum(0).tolist(), **i32)
-    last = torch.tensor([(n - 1) % page + 1 for n in kv_d], **i32)
-    idx = torch.randperm(total, device="cuda").to(torch.int32)
-    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-    w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
-    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
-    q_d = _rand(len(kv_d), hq, d)
-
-    def f(q_p, k_p, v_p, q_d, cache):
-        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
-
+    f, (q_p, k_p, v_p, q_d, cache), w = _pod_call([4096] * 15 + [33], page, 2048)
     want, _ = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
     for _ in range(3):
         got = f(q_p, k_p, v_p, q_d, cache)
@@ -229,23 +218,9 @@ def test_compiled_pod_page1_runs_apart(gluon_launches):
     the parts as two launches, as the eager call does (pod._traced_apart), the decodes' an
     opaque op on the Gluon kernel (gathered pages on the 64-row tile), the prefill's on the
     kernel its own call takes; the decodes equal to eager bit for bit."""
-    hq, hkv, d, page, qo = 32, 8, 128, 1, 2048  # (sizes above the small-launch bound)
-    kv_d = [4096] * 31 + [1]
-    total = sum(kv_d)
-    cache = _rand(total, 2, page, hkv, d)
-    i32 = dict(device="cuda", dtype=torch.int32)
-    indptr = torch.tensor([0] + torch.tensor(kv_d).cumsum(0).tolist(), **i32)
-    last = torch.ones(len(kv_d), **i32)
-    idx = torch.randperm(total, device="cuda").to(torch.int32)
-    w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-    w.plan(indptr, idx, last, hq, hkv, d, page, q_data_type=torch.bfloat16)
+    # (sizes above the small-launch bound)
+    f, (q_p, k_p, v_p, q_d, cache), w = _pod_call([4096] * 31 + [1], 1, 2048)
     assert (w._plan["block_m"], w._plan["block_m_d"]) == (128, 64)
-    q_p, k_p, v_p = _rand(qo, hq, d), _rand(qo, hkv, d), _rand(qo, hkv, d)
-    q_d = _rand(len(kv_d), hq, d)
-
-    def f(q_p, k_p, v_p, q_d, cache):
-        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
-
     eager = f(q_p, k_p, v_p, q_d, cache)
     n_eager = len(gluon_launches)
     assert n_eager >= 1  # the decodes' (the prefill's where its own rules take Gluon)
