@@ -241,7 +241,7 @@ def run_group(cases, args, device, dtype, progress: tqdm) -> list[tuple[object, 
     from .providers import bench, make_inputs, reference
 
     cuda = device.type == "cuda"
-    out, ready = [], []  # ready: (case, row, runner) to time
+    out, ready, refs = [], [], {}  # ready: (case, row, runner) to time; refs: by case name
     for case in cases:
         inps = [make_inputs(case, device, dtype, seed=args.seed)]
         copies = 1
@@ -260,7 +260,8 @@ def run_group(cases, args, device, dtype, progress: tqdm) -> list[tuple[object, 
             if runner is not None:
                 ready.append((case, row, runner))
         out.append((case, rows))
-        del inps, ref  # the runners keep what they call
+        refs[case.name] = ref
+        del inps  # the runners keep what they call
     timings = bench([(runner.fns, runner.context) for _, _, runner in ready], args.warmup_ms,
                     args.rep_ms, cuda, rounds=args.rounds)
     for (case, row, _), t in zip(ready, timings):
@@ -270,12 +271,38 @@ def run_group(cases, args, device, dtype, progress: tqdm) -> list[tuple[object, 
         record_timing(row, case.flops, t, len(ready))
         row["timing"] = (f"rounds {args.rounds}, settle {args.warmup_ms:g} ms, "
                          f"rep {args.rep_ms:g} ms")
+    for case, row, runner in ready:  # still right after the timed calls (replays included)?
+        if row["status"] == "ok":
+            recheck(row, runner, refs[case.name], args.tol, cuda)
     for _, rows in out:
         add_ratios(rows)
-    del ready, timings
+    del ready, timings, refs
     if cuda:
         torch.cuda.empty_cache()
     return out
+
+
+def recheck(row: dict, runner, ref, tol: float, cuda: bool) -> None:
+    """A timed row's output once more against the reference, after its timed calls: a provider
+    whose calls stopped computing while it was timed (a bound launch replayed without its
+    kernel once did) times nothing, so its row fails, with the error it then had."""
+    import torch
+
+    try:
+        with runner.context():
+            after = rel_err(runner.canon(runner.fns[0]()), ref)
+            if cuda:
+                torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001  (recorded in the row)
+        _record_failure(row, e, cuda)
+        return
+    row["rel_err_after"] = after
+    if not math.isfinite(after) or after > tol:
+        row["status"] = "failed"
+        row["error"] = (f"wrong output after the timed calls: rel_err {after:.3g} > tol "
+                        f"{tol:g} (before them: {row.get('rel_err', float('nan')):.3g})")
+        row["timed_ms"] = row["median_ms"]  # (kept aside: not a time of the computation)
+        row["median_ms"] = row["tflops"] = None
 
 
 def record_timing(row: dict, flops: float, t, timed_with: int) -> None:

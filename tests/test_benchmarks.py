@@ -457,6 +457,43 @@ def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
             assert r["error"] == "RuntimeError: kernel exploded"
 
 
+def test_output_wrong_after_timing_fails_the_row(tmp_path, monkeypatch):
+    """A provider right at its check call and wrong afterwards (its timed calls computed
+    nothing) is failed by the re-check after timing, its timing kept aside; a provider right
+    throughout keeps its row, with rel_err_after."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from benchmarks import providers, run
+
+    real = providers.SETUPS["compiled_attn"]
+
+    def flaky(case, inps, opts):
+        runner = real(case, inps, opts)
+        calls = {"n": 0}
+
+        def fn(f=runner.fns[0]):
+            calls["n"] += 1
+            out = f()
+            return out if calls["n"] == 1 else tree_map(torch.zeros_like, out)
+        runner.fns = [fn]
+        return runner
+
+    monkeypatch.setitem(providers.SETUPS, "flex", flaky)
+    out = tmp_path / "w.json"
+    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers",
+                     "compiled_attn,flex", "--rep-ms", "1", "--warmup-ms", "1",
+                     "--out", str(out)]) == 0
+    rows = results.load(out)["rows"]
+    assert rows
+    for r in rows:
+        if r["provider"] == "compiled_attn":
+            assert r["status"] == "ok" and r["rel_err_after"] == pytest.approx(r["rel_err"])
+        else:
+            assert r["status"] == "failed" and "after the timed calls" in r["error"]
+            assert r["median_ms"] is None and r["timed_ms"] > 0
+
+
 def test_gpu_state_and_clock_in_summary(monkeypatch):
     """Each timed CUDA row carries the SM clock, power and temperature read while it ran; where
     NVML cannot be read (this CPU machine) the values are None, never a made-up number; the
