@@ -423,12 +423,22 @@ def test_scatter_pages_round_trips_through_the_page_table():
         start += n
 
 
+def _smoke_rows(tmp_path, provider_list: str) -> list[dict]:
+    """The rows of a quick CPU run of the smoke suite with these providers."""
+    from benchmarks import run
+
+    out = tmp_path / "w.json"
+    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers", provider_list,
+                     "--rep-ms", "1", "--warmup-ms", "1", "--out", str(out)]) == 0
+    return results.load(out)["rows"]
+
+
 def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
     """A provider whose output differs from the reference is recorded as failed, untimed; a
     provider that raises is failed with its error; neither stops the run."""
     import torch
 
-    from benchmarks import providers, run
+    from benchmarks import providers
 
     calls = {"n": 0}
 
@@ -443,11 +453,7 @@ def test_wrong_output_is_failed_and_not_timed(tmp_path, monkeypatch):
 
     monkeypatch.setitem(providers.SETUPS, "sdpa_efficient", wrong)
     monkeypatch.setitem(providers.SETUPS, "flex", crash)
-    out = tmp_path / "w.json"
-    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers",
-                     "sdpa_efficient,flex", "--rep-ms", "1", "--warmup-ms", "1",
-                     "--out", str(out)]) == 0
-    rows = results.load(out)["rows"]
+    rows = _smoke_rows(tmp_path, "sdpa_efficient,flex")
     assert calls["n"] == len(cases.smoke_cases())  # one check call per case, no timing calls
     for r in rows:
         assert r["status"] == "failed" and r["median_ms"] is None and r["tflops"] is None
@@ -464,7 +470,7 @@ def test_output_wrong_after_timing_fails_the_row(tmp_path, monkeypatch):
     import torch
     from torch.utils._pytree import tree_map
 
-    from benchmarks import providers, run
+    from benchmarks import providers
 
     real = providers.SETUPS["compiled_attn"]
 
@@ -480,11 +486,7 @@ def test_output_wrong_after_timing_fails_the_row(tmp_path, monkeypatch):
         return runner
 
     monkeypatch.setitem(providers.SETUPS, "flex", flaky)
-    out = tmp_path / "w.json"
-    assert run.main(["--suite", "smoke", "--device", "cpu", "--providers",
-                     "compiled_attn,flex", "--rep-ms", "1", "--warmup-ms", "1",
-                     "--out", str(out)]) == 0
-    rows = results.load(out)["rows"]
+    rows = _smoke_rows(tmp_path, "compiled_attn,flex")
     assert rows
     for r in rows:
         if r["provider"] == "compiled_attn":
