@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.results import environment, policy_settings, validate
+from benchmarks.results import environment, policy_record, policy_settings, validate
 
 D = 128
 PREFILLS = (256, 2048, 8192)
@@ -511,7 +511,7 @@ def write(out: Path, rows: list[dict], settings: dict | None = None,
     ``out``; its plot beside it."""
     doc = dict(environment(), rows=rows)
     if settings:
-        doc["policy"] = {k: repr(v) for k, v in settings.items()}
+        doc["policy"] = policy_record(settings)
     validate(doc)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")

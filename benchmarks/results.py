@@ -70,6 +70,11 @@ def policy_settings(items: list[str]) -> dict:
     return settings
 
 
+def policy_record(settings: dict) -> dict:
+    """Launch-policy settings as a results file records them (each value's repr)."""
+    return {k: repr(v) for k, v in settings.items()}
+
+
 def _code_key(node) -> str:
     """A node's code as text: node types and field values, without positions, docstrings or
     empty fields (so the key is the same under the Pythons that read it: 3.12 adds empty

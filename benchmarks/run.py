@@ -403,6 +403,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     from compiled_attn.ops.policy import override
 
+    recorded = results.policy_record(settings)
     try:
         with torch.no_grad(), override(**settings):  # (no_grad, not inference_mode: flex)
             for group in _groups(cases):
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
                         r["run_date"] = env["date"]  # date and kernel source
                         r["kernel_src"] = kernel_src
                         if settings:
-                            r["policy"] = {k: repr(v) for k, v in settings.items()}
+                            r["policy"] = recorded
                     new_rows += rows
                     progress.write(summary_line(case, rows), file=sys.stdout)
                 ran = None if args.cases is None else [(c.suite, c.name) for c in cases]

@@ -223,6 +223,13 @@ def _traced_apart(p: dict) -> bool:
             and choose.pod_apart_any_size(p["fused_gluon"]) is True)
 
 
+def _apart_works(p: dict, traced: bool, works: tuple, eager_apart) -> tuple | None:
+    """_call's ``apart``: the parts' own work lists ``works`` where the call runs them as two
+    launches, else None. A traced call asks _traced_apart (no sizes, no guards), an eager one
+    eager_apart() (its sizes: _apart)."""
+    return works if (_traced_apart(p) if traced else eager_apart()) else None
+
+
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
     """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists, the
     prefill's rows first (interleaving the parts in proportion measured the same or up to 4%
@@ -484,10 +491,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=((None, p["work_d_apart"]) if (_traced_apart(p) if traced else
-                                                  self._launch_apart(qo_len, kv_len,
-                                                                     mask_p == MASK_CAUSAL))
-                   else None))
+            apart=_apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
+                qo_len, kv_len, mask_p == MASK_CAUSAL)))
 
     run.__doc__ += _RETURN_DOC
 
@@ -680,7 +685,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse),
-            apart=((p["work_p"], p["work_d_apart"]) if (_traced_apart(p) if traced else _apart(
-                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"])) else None))
+            apart=_apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
+                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"])))
 
     run.__doc__ += _RETURN_DOC

@@ -21,6 +21,7 @@ import os
 import torch
 
 import compiled_attn
+from compiled_attn.ops import choose
 from compiled_attn.ops.policy import override
 
 from benchmarks.providers import bench
@@ -43,9 +44,8 @@ CASES = [
 
 
 def _flop(lens, causal):
-    """The launch's FLOPs as choose._small_launch counts them (mean keys, halved if causal)."""
-    rows, mean = sum(lens), sum(lens) / len(lens)
-    return 2.0 * rows * mean * HQ * 2 * D * (0.5 if causal else 1.0)
+    """The launch's FLOPs as the small-launch rule counts them (choose.launch_flop)."""
+    return choose.launch_flop(sum(lens), sum(lens) / len(lens), HQ, D, D, causal)
 
 
 def _call(lens, causal):

@@ -190,20 +190,21 @@ def _boxes_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
                       dev: Device) -> bool:
     """Whether eager launches read pages of this size at head dim d (Q's and V's) by TMA boxes
     on the Gluon kernel's 64-row tile: the tile of decode rows and of POD plans."""
-    return (d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)
-            and _gluon.page_fits(page_size, _gluon.TILES[64, d].block_n, d))
+    return _pages_on_64_rows(page_size, d, kv_dtype, dev, gathered=False)
 
 
 def _pages_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
-                     dev: Device) -> bool:
+                      dev: Device, *, gathered: bool = True) -> bool:
     """Whether eager launches read pages of this size at head dim d on the Gluon kernel's
-    64-row tile at all: by TMA boxes (_boxes_on_64_rows) or, pages too small for a box, by the
-    producer warp group's gathers. Decode rows take that tile on either: two programs a SM,
-    each with its own loads, where the 128-row ping-pong tile computed an empty half
-    (benchmarks/NOTES.md, 2026-11-28: page 1, 128 x 4k 486 us against 533)."""
-    return _boxes_on_64_rows(page_size, d, kv_dtype, dev) or (
-        d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)
-        and _gluon.page_gathered(page_size, _gluon.TILES[64, d].block_n, d))
+    64-row tile at all: by TMA boxes or (gathered) pages too small for a box, by the producer
+    warp group's gathers. Decode rows take that tile on either: two programs a SM, each with
+    its own loads, where the 128-row ping-pong tile computed an empty half (benchmarks/NOTES.md,
+    2026-11-28: page 1, 128 x 4k 486 us against 533)."""
+    if not (d == 128 and _gluon_pages(page_size, d, d, kv_dtype, dev)):
+        return False
+    block_n = _gluon.TILES[64, d].block_n
+    return _gluon.page_fits(page_size, block_n, d) or (
+        gathered and _gluon.page_gathered(page_size, block_n, d))
 
 
 def _decode_rows(qo_lens: Sequence[int], group_size: int) -> bool:
@@ -468,14 +469,21 @@ def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
 # costs either path ~30 us, and the bound is 1e10 (benchmarks/NOTES.md, 2026-11-22 and
 # 2026-11-28). A launch being captured into a CUDA graph is never small (replays skip the
 # host, so the faster kernel wins at any size).
+def launch_flop(rows: int, mean_kv: float, heads: int, dqk: int, dvo: int,
+                causal: bool) -> float:
+    """A launch's work as the small-launch rule counts it: query rows x mean keys x query
+    heads x 2 (Dqk + Dvo), halved for causal."""
+    return 2.0 * rows * mean_kv * heads * (dqk + dvo) * (0.5 if causal else 1.0)
+
+
 def _small_launch(q, kv_mode, mean_kv, dvo, mask_mode) -> bool:
-    """Whether a launch's work (query rows x mean keys x heads x 2(Dqk + Dvo), halved
-    for causal) is below host_tma_min_flop; False when a length is not a plain number."""
+    """Whether a launch's work (launch_flop) is below host_tma_min_flop; False when a length
+    is not a plain number."""
     rows = q.shape[0] * q.shape[1] if kv_mode == KV_DENSE else q.shape[0]
     if not isinstance(mean_kv, (int, float)) or type(rows) is not int:
         return False
-    flop = 2.0 * rows * mean_kv * q.shape[-2] * (q.shape[-1] + dvo)
-    return flop * (0.5 if mask_mode == MASK_CAUSAL else 1.0) < POLICY.host_tma_min_flop
+    return launch_flop(rows, mean_kv, q.shape[-2], q.shape[-1], dvo,
+                       mask_mode == MASK_CAUSAL) < POLICY.host_tma_min_flop
 
 
 def ahead_of_time() -> bool:
@@ -612,7 +620,8 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
     program did, and the prefill's tiles fill in between; benchmarks/NOTES.md, 2026-11-28,
     POD on the 64-row tile), else ``tile``'s height for any length: the Triton POD launch's
     (which such calls take only exported, or with POLICY.pod_apart_balance 0: otherwise they
-    run apart, pod_apart_any_size, their decodes on pod_decode_tile's height). kv_dtype None: fp16 / bf16; device None: the current CUDA device; plain:
+    run apart, pod_apart_any_size, their decodes on pod_decode_tile's height). kv_dtype None:
+    fp16 / bf16; device None: the current CUDA device; plain:
     the plan's options leave the launch in the Gluon kernel's scope (no position encoding, no
     window); fused_gluon: pod_fused_gluon's answer where the caller has it (None: asked here)."""
     if INTERPRET:
