@@ -1,9 +1,8 @@
 """Where the host time of a torch.compile'd op call goes: the host suite's tiny single prefill
 (benchmarks/host.py's inputs), compiled with fullgraph, against compiled SDPA and the eager
 call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
-Inductor's graph, the default for a call the Gluon kernel does not take), the same traced with
-the launch policy's traced_unbatched (the kernel takes the 3-D tensors themselves, not views of
-them), the same compiled with Inductor's static launcher for user-defined Triton kernels
+Inductor's graph, the default for a call the Gluon kernel does not take), the same compiled
+with Inductor's static launcher for user-defined Triton kernels
 (static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
 graph calls the op, whose eager launcher replays a bound launch).
 Then a cProfile of each compiled form and Inductor's generated wrapper code, under $OUT.
@@ -38,7 +37,6 @@ def main():
 
     import compiled_attn as ca
     from compiled_attn.ops import dispatch
-    from compiled_attn.ops.policy import override
     from benchmarks.host import HKV, HQ, _inputs, host_us
 
     x = _inputs(torch.device("cuda"))
@@ -52,9 +50,6 @@ def main():
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
     def ours_opaque(q, k, v):  # its own code object: Dynamo caches compiled code per code
-        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
-
-    def ours_unbatched(q, k, v):  # (the same, traced with POLICY.traced_unbatched)
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
     def ours_static(q, k, v):  # (the same, compiled with Inductor's static launcher for
@@ -83,11 +78,6 @@ def main():
     code_of("sdpa")
     calls["compiled_ours_inlined"] = _compiled(ours, q1, k1, v1)
     code_of("ours_inlined")
-    # the launch policy is read while tracing, and the compile caches do not key on it
-    with override(traced_unbatched=True), torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        calls["compiled_ours_unbatched"] = _compiled(ours_unbatched, q1, k1, v1)
-    code_of("ours_unbatched")
     # Inductor's static CUDA launcher for user-defined Triton kernels (the inlined op's launch):
     # off by default in torch 2.11-2.13 (config static_launch_user_defined_triton_kernels)
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
@@ -119,7 +109,7 @@ def main():
     for _ in range(a.rounds):
         for name, fn in calls.items():
             res[name].append(host_us(fn, a.calls))
-    for name in ("compiled_ours_inlined", "compiled_ours_unbatched", "compiled_ours_static",
+    for name in ("compiled_ours_inlined", "compiled_ours_static",
                  "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
         if name not in calls:
             continue

@@ -55,12 +55,6 @@ class Policy:
         self.pod_flop_per_byte = 150.0
         # Traced calls that the Gluon kernel would take stay opaque (ops.dispatch).
         self.graph_gluon = True
-        # A traced single prefill of one request (B == 1) hands its Triton launch the
-        # request's own [S, H, D] tensors and output instead of [1, S, H, D] views of them, so
-        # that Inductor's wrapper passes the graph's tensors as they are (four reinterpret_tensor
-        # calls fewer per call of the 3-D entry point). Off until timed: benchmarks/NOTES.md,
-        # 2026-11-28, and `python -m dev.compiled_host_probe`.
-        self.traced_unbatched = False
         # CUDA-graph plans whose first plan is decode rows take the 64-row tile (choose.tile's
         # decode rows) and keep it for every re-plan: 128 x 4k decodes replay in 495 us
         # instead of 560 (H200, benchmarks/NOTES.md, 2026-11-28).

@@ -36,7 +36,6 @@ try:  # Triton's allocator slot (private): None where this Triton lacks it
 except ImportError:
     NullAllocator = _allocator = None
 from . import choose, launch
-from .policy import POLICY
 from .choose import KV_DENSE, KV_PAGED, KV_RAGGED, known as _known
 from .modes import (INTERPRET, LOG2E, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                     POS_ROPE_LLAMA)
@@ -961,21 +960,11 @@ def _host_descriptor(t: torch.Tensor, kv_mode: int, block_n: int, block_d: int):
 
 
 def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gluon=False):
-    """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]. A traced launch of one
-    request under POLICY.traced_unbatched passes the [Sq, H, D] tensors q[0], k[0], v[0] and
-    outputs of their own (out, lse are views of them) as its pointers; the strides stay those
-    of the batched views (the batch index is always 0)."""
+    """single_prefill: q [B, Sq, Hq, Dqk], k/v [B, Skv, Hkv, D]."""
     bsz, sq, hq, _ = q.shape
     skv = k.shape[1]
-    unbatched = (POLICY.traced_unbatched and type(bsz) is int and bsz == 1
-                 and not choose.eager_launch())
-    if unbatched:
-        out1 = q.new_empty((sq, hq, v.shape[-1]), dtype=out_dtype)
-        lse1 = q.new_empty((sq, hq), dtype=torch.float32)
-        out, lse = out1.unsqueeze(0), lse1.unsqueeze(0)
-    else:
-        out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
-        lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
+    out = q.new_empty((bsz, sq, hq, v.shape[-1]), dtype=out_dtype)
+    lse = q.new_empty((bsz, sq, hq), dtype=torch.float32)
     args = _program_args(
         KV_DENSE, q, k, v, out, lse,
         (q.stride(0), q.stride(1), q.stride(2), q.stride(3)),
@@ -984,8 +973,6 @@ def _dense_args(q, k, v, packed_mask, alibi_slopes, sinks, out_dtype, params, gl
         (lse.stride(0), lse.stride(1), lse.stride(2)),
         None, None, None, None, packed_mask, None, alibi_slopes, sinks,
         (sq, skv), None, 1, params, dict(gluon=gluon))
-    if unbatched and "gluon" not in args.cfg:
-        args.args.update(q_ptr=q[0], k_ptr=k[0], v_ptr=v[0], o_ptr=out1, lse_ptr=lse1)
     return out, lse, args
 
 

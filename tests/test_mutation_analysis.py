@@ -155,25 +155,6 @@ def test_small_traced_launch_takes_pointer_loads(launches, monkeypatch):
     assert launches[-1][2]["TMA"] == 3
 
 
-def test_traced_single_launch_unbatched(launches, monkeypatch):
-    """POLICY.traced_unbatched: a traced launch of one request passes the request's own
-    [S, H, D] tensors (q[0], k[0], v[0]) and 3-D outputs, returning [1, S, H, D] views of those
-    outputs (the op's contract); torch's analysis finds only the outputs written, and the
-    kernel compiles for sm_90 from the same arguments."""
-    monkeypatch.setattr(choose.POLICY, "traced_unbatched", True)
-    q, k, v = (rand(1, 40, 2, 64, seed=s, dtype=F16) for s in range(3))
-    out, lse = K.launch_single(q, k, v, None, None, None, **params())
-    (fn, args, kw), = launches
-    kwargs = dict(zip(fn.arg_names, args), **kw)
-    for name, t in (("q_ptr", q), ("k_ptr", k), ("v_ptr", v)):
-        assert kwargs[name].shape == t.shape[1:] and kwargs[name].data_ptr() == t.data_ptr()
-    for name, t in (("o_ptr", out), ("lse_ptr", lse)):
-        assert kwargs[name].dim() == t.dim() - 1 and kwargs[name].data_ptr() == t.data_ptr()
-    assert out.shape == (1, 40, 2, 64) and out.is_contiguous() and lse.shape == (1, 40, 2)
-    assert _written(fn, dict(kwargs)) == {"o_ptr", "lse_ptr"}
-    assert "ld.global" in compile_triton(fn, args, kw).asm["ptx"]
-
-
 @pytest.mark.parametrize("case", ["ragged split", "ragged D128 128-row", "paged page 16"])
 def test_row_max_and_skip_compile_for_sm90(case, launches):
     """The STATS / SKIP branches (a runtime branch around P.V inside the pipelined key loop)
