@@ -5,9 +5,11 @@ Inductor's graph, the default for a call the Gluon kernel does not take), the sa
 with Inductor's static launcher for user-defined Triton kernels
 (static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
 graph calls the op, whose eager launcher replays a bound launch).
-Then a cProfile of each compiled form and Inductor's generated wrapper code, under $OUT.
+With --dump DIR, then a cProfile of each compiled form and Inductor's generated wrapper code
+under DIR (eleven files: kept out of a device call's $OUT unless asked, which returns only so
+many files).
 
-    python -m dev.compiled_host_probe [--rounds 5] [--calls 200]
+    python -m dev.compiled_host_probe [--rounds 5] [--calls 200] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--dump", default=None, help="folder for the profiles and the wrapper code")
     a = ap.parse_args()
-    out_dir = os.environ.get("OUT", "/tmp")
+    out_dir = a.dump
 
     import compiled_attn as ca
     from compiled_attn.ops import dispatch
@@ -64,6 +67,9 @@ def main():
     from torch._inductor.codecache import PyCodeCache
 
     def code_of(name):
+        if out_dir is None:
+            return
+        os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, f"code_{name}.py"), "w") as fh:
             for mod in PyCodeCache.modules[seen[0]:]:
                 fh.write(f"# ---- {getattr(mod, '__file__', '?')}\n")
@@ -111,7 +117,7 @@ def main():
             res[name].append(host_us(fn, a.calls))
     for name in ("compiled_ours_inlined", "compiled_ours_static",
                  "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
-        if name not in calls:
+        if name not in calls or out_dir is None:
             continue
         pr = cProfile.Profile()
         fn = calls[name]
