@@ -121,7 +121,9 @@ def _inputs(case, dev):
 def _merge_chunks(o_ptr, lse_ptr, out_ptr, C: tl.constexpr, HQ: tl.constexpr,
                   D: tl.constexpr):
     """out[r, h] from chunk outputs o [R * C, HQ, D] and base-2 LSEs lse [R * C, HQ]
-    (contiguous): the chunks' outputs weighted by 2^(lse - max). Grid (R, HQ)."""
+    (contiguous): the chunks' outputs weighted by 2^(lse - max). Grid (R, HQ). The output of
+    compiled_attn.utils.merge_states for chunks that each saw keys, in one launch: the probe
+    times the merge a split plan would launch, where merge_states runs a dozen torch ops."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.arange(0, C)
