@@ -61,6 +61,8 @@ def _variants():
         # own (the Gluon launch as it is; no split plan), then an LSE merge of the chunks
         "chunks x2": ("chunks", 2),
         "chunks x4": ("chunks", 4),
+        "chunks x8": ("chunks", 8),
+        "chunks x16": ("chunks", 16),
     }
 
 

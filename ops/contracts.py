@@ -132,7 +132,46 @@ def _register(name: str, fn, fake):
         op = torch.library.triton_op(qualname, body, mutates_args=())
     op.register_fake(fake)
     refuse_backward(op, qualname)
+    _register_front(name, fn, op)
     return op
+
+
+# The kernels that stand in front of the custom ops' own autograd kernel for the devices the
+# Triton kernels run on (_register_front); held here so that the registrations live.
+_FRONT = torch.library.Library("compiled_attn", "IMPL")
+# op name -> whether its front kernel is registered (False on a torch whose custom-op internals
+# differ: calls then take the custom op's own path, at its host cost)
+FRONT: dict = {}
+
+
+def _register_front(name: str, fn, op) -> None:
+    """Register, at AutogradCUDA (and AutogradCPU under the interpreter), a kernel that runs a
+    plain eager call's bound launch right there (launch.LaunchCache.call: the entry points'
+    direct path). Through torch's dispatcher a custom op's call otherwise passes custom_op's
+    Python autograd kernel, a redispatch and its Python backend kernel (which checks the outputs
+    for aliasing) before ``_replaying`` runs: ~11 us of the host's time on a 16-argument op
+    (benchmarks/NOTES.md, 2026-11-28). Any call that is not plain eager (launch.unobserved:
+    a mode, a transform, the profiler, a subclass or fake tensor, a tensor requiring grad while
+    grad is on) goes on to custom_op's autograd kernel unchanged, so tracing, the fakes and the
+    backward that raises behave as before."""
+    try:  # custom_op's own autograd kernel (private; present in torch 2.11-2.13)
+        from torch._library.autograd import make_autograd_impl
+
+        autograd_impl = make_autograd_impl(op._opoverload, op)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - another torch
+        FRONT[name] = False
+        return
+
+    def front(keyset, *args, **kwargs):
+        if POLICY.bound_launches and launch.unwatched():
+            out = launch.DEFAULT.call(fn, name, args, kwargs)
+            if out is not launch.NOT_PLAIN:
+                return out
+        return autograd_impl(keyset, *args, **kwargs)
+
+    for key in ("AutogradCUDA", "AutogradCPU") if INTERPRET else ("AutogradCUDA",):
+        _FRONT.impl(name, front, key, with_keyset=True)
+    FRONT[name] = True
 
 
 def refuse_backward(op, qualname: str) -> None:

@@ -106,3 +106,38 @@ def test_calls_that_are_not_plain_go_through_the_op():
     with torch.no_grad():
         ref = fi.single_prefill_with_kv_cache(q, k, v, causal=True)
     assert torch.equal(out.detach(), ref)
+
+
+def test_torch_ops_call_takes_the_front_kernel(monkeypatch):
+    """A plain eager torch.ops call stops at the front kernel (contracts._register_front): the
+    custom op's backend kernel, whose body is _replaying, is not entered; the bits are those of
+    the op's full path (bound launches off). A call that is not plain (grad on, q requiring
+    grad) goes on to the custom op's autograd kernel: its output's backward raises."""
+    from compiled_attn import ops
+    from compiled_attn.ops import launch
+
+    assert all(contracts.FRONT.values()) and set(contracts.FRONT) == set(contracts.IMPLEMENTATIONS)
+    q, k, v = (rand(1, 9, h, D, seed=s, dtype=F32) for s, h in ((1, HQ), (2, HKV), (3, HKV)))
+    args = (q, k, v, None, None, None, ops.MASK_CAUSAL, -1, 0, 0.3, 0.0, ops.POS_NONE, 1.0,
+            1e4, 1.0, None)
+    seen = []  # per call: whether it was asked below the autograd keys (custom_op's backend)
+    real = launch.unwatched
+    below = lambda: torch._C._dispatch_tls_is_dispatch_key_excluded(  # noqa: E731
+        torch._C.DispatchKey.AutogradFunctionality)
+    monkeypatch.setattr(launch, "unwatched", lambda: seen.append(below()) or real())
+    cache = launch.LaunchCache()  # a fresh cache: the first call records, the second replays
+    monkeypatch.setattr(launch, "DEFAULT", cache)
+    with torch.no_grad():
+        first = torch.ops.compiled_attn.single_prefill(*args)
+        again = torch.ops.compiled_attn.single_prefill(*args)
+        assert seen == [False, False]  # each call asked once, at the front (above autograd)
+        monkeypatch.setattr(POLICY, "bound_launches", False)
+        full = torch.ops.compiled_attn.single_prefill(*args)
+    assert not first[0].isnan().any()
+    for a, b in zip((*first, *again), (*full, *full)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(POLICY, "bound_launches", True)
+    out, _ = torch.ops.compiled_attn.single_prefill(q.clone().requires_grad_(), *args[1:])
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="has no backward"):
+        out.sum().backward()
