@@ -4,7 +4,7 @@ call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton la
 Inductor's graph, the default for a call the Gluon kernel does not take), the same compiled
 with Inductor's static launcher for user-defined Triton kernels
 (static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
-graph calls the op, whose eager launcher replays a bound launch).
+graph calls the op, whose front kernel replays a bound launch).
 With --dump DIR, then a cProfile of each compiled form and Inductor's generated wrapper code
 under DIR (eleven files: kept out of a device call's $OUT unless asked, which returns only so
 many files).
@@ -25,8 +25,12 @@ import torch
 
 
 def _compiled(fn, *a):
+    """fn compiled and run once with the caches off (the forms share one graph, which the
+    launch policy's settings lower differently: a cache hit would return another form)."""
     c = torch.compile(fn, fullgraph=True)
-    c(*a)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        c(*a)
     return lambda: c(*a)
 
 
