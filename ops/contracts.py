@@ -153,7 +153,9 @@ def _register_front(name: str, fn, op) -> None:
     (benchmarks/NOTES.md, 2026-11-28). Any call that is not plain eager (launch.unobserved:
     a mode, a transform, the profiler, a subclass or fake tensor, a tensor requiring grad while
     grad is on) goes on to custom_op's autograd kernel unchanged, so tracing, the fakes and the
-    backward that raises behave as before."""
+    backward that raises behave as before. Under torch.inference_mode() the dispatcher skips
+    the autograd keys, this kernel with them: such calls reach ``_replaying``, which replays by
+    the same rule."""
     try:  # custom_op's own autograd kernel (private; present in torch 2.11-2.13)
         from torch._library.autograd import make_autograd_impl
 

@@ -131,10 +131,13 @@ def test_torch_ops_call_takes_the_front_kernel(monkeypatch):
         first = torch.ops.compiled_attn.single_prefill(*args)
         again = torch.ops.compiled_attn.single_prefill(*args)
         assert seen == [False, False]  # each call asked once, at the front (above autograd)
+        with torch.inference_mode():  # no autograd keys: _replaying replays instead
+            inference = torch.ops.compiled_attn.single_prefill(*args)
+        assert seen == [False, False, True] and cache.hits == 2
         monkeypatch.setattr(POLICY, "bound_launches", False)
         full = torch.ops.compiled_attn.single_prefill(*args)
     assert not first[0].isnan().any()
-    for a, b in zip((*first, *again), (*full, *full)):
+    for a, b in zip((*first, *again, *inference), (*full, *full, *full)):
         assert torch.equal(a, b)
     monkeypatch.setattr(POLICY, "bound_launches", True)
     out, _ = torch.ops.compiled_attn.single_prefill(q.clone().requires_grad_(), *args[1:])
