@@ -124,16 +124,19 @@ def _merge_chunks(o_ptr, lse_ptr, out_ptr, C: tl.constexpr, HQ: tl.constexpr,
                   D: tl.constexpr):
     """out[r, h] from chunk outputs o [R * C, HQ, D] and base-2 LSEs lse [R * C, HQ]
     (contiguous): the chunks' outputs weighted by 2^(lse - max). Grid (R, HQ). The output of
-    compiled_attn.utils.merge_states for chunks that each saw keys, in one launch: the probe
-    times the merge a split plan would launch, where merge_states runs a dozen torch ops."""
+    compiled_attn.utils.merge_states (its rule for chunks of LSE -inf included: weight 0, and
+    output 0 where every chunk is -inf), in one launch: the probe times the merge a split plan
+    would launch, where merge_states runs a dozen torch ops."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.arange(0, C)
     d = tl.arange(0, D)
     lse = tl.load(lse_ptr + (r * C + c) * HQ + h)
-    w = tl.exp2(lse - tl.max(lse, 0))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for -inf chunks
+    total = tl.sum(w, 0)
     o = tl.load(o_ptr + ((r * C + c) * HQ + h)[:, None] * D + d[None, :]).to(tl.float32)
-    acc = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    acc = tl.sum(o * w[:, None], 0) / tl.where(total == 0, 1.0, total)
     tl.store(out_ptr + (r * HQ + h) * D + d, acc.to(out_ptr.dtype.element_ty))
 
 
