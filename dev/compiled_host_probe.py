@@ -119,9 +119,10 @@ def main():
     for _ in range(a.rounds):
         for name, fn in calls.items():
             res[name].append(host_us(fn, a.calls))
-    for name in ("compiled_ours_inlined", "compiled_ours_static",
-                 "compiled_ours_opaque", "compiled_sdpa", "op_direct"):
-        if name not in calls or out_dir is None:
+    profiled = ("compiled_ours_inlined", "compiled_ours_static", "compiled_ours_opaque",
+                "compiled_sdpa", "op_direct") if out_dir is not None else ()
+    for name in profiled:
+        if name not in calls:
             continue
         pr = cProfile.Profile()
         fn = calls[name]

@@ -104,18 +104,25 @@ def _kernel_call(q: Tensor, out_dtype: torch.dtype | None) -> bool:
 IMPLEMENTATIONS: dict = {}
 
 
+def _bound_call(name: str, fn, args: tuple, kwargs: dict):
+    """A call of op ``name`` (implementation fn) that nothing observes, as the entry points'
+    plain eager calls run it: a bound launch replayed (launch.LaunchCache; the first call with a
+    given metadata records). launch.NOT_PLAIN, with nothing run, for any other call or with
+    bound launches off. The one rule of the op's body and its front kernel."""
+    if POLICY.bound_launches and launch.unwatched():
+        return launch.DEFAULT.call(fn, name, args, kwargs)
+    return launch.NOT_PLAIN
+
+
 def _replaying(name: str, fn):
     """fn as the op's body: a call through torch.ops that nothing observes (a serving engine's
-    direct call, Inductor's run-time call of an op node it kept opaque) replays a bound launch
-    as the entry points' plain eager calls do (launch.LaunchCache; the first call with a given
-    metadata records); traced calls (fake or functional tensors) and observed ones run fn."""
+    direct call under inference_mode, Inductor's run-time call of an op node it kept opaque)
+    replays a bound launch (_bound_call); traced calls (fake or functional tensors) and
+    observed ones run fn."""
     @functools.wraps(fn)  # the schema is inferred from fn's signature (followed through)
     def body(*args, **kwargs):
-        if POLICY.bound_launches and launch.unwatched():
-            out = launch.DEFAULT.call(fn, name, args, kwargs)
-            if out is not launch.NOT_PLAIN:
-                return out
-        return fn(*args, **kwargs)
+        out = _bound_call(name, fn, args, kwargs)
+        return fn(*args, **kwargs) if out is launch.NOT_PLAIN else out
 
     return body
 
@@ -146,8 +153,7 @@ FRONT: dict = {}
 
 def _register_front(name: str, fn, op) -> None:
     """Register, at AutogradCUDA (and AutogradCPU under the interpreter), a kernel that runs a
-    plain eager call's bound launch right there (launch.LaunchCache.call: the entry points'
-    direct path). Through torch's dispatcher a custom op's call otherwise passes custom_op's
+    plain eager call's bound launch right there (_bound_call: the entry points' direct path). Through torch's dispatcher a custom op's call otherwise passes custom_op's
     Python autograd kernel, a redispatch and its Python backend kernel (which checks the outputs
     for aliasing) before ``_replaying`` runs: ~11 us of the host's time on a 16-argument op
     (benchmarks/NOTES.md, 2026-11-28). Any call that is not plain eager (launch.unobserved:
@@ -165,11 +171,8 @@ def _register_front(name: str, fn, op) -> None:
         return
 
     def front(keyset, *args, **kwargs):
-        if POLICY.bound_launches and launch.unwatched():
-            out = launch.DEFAULT.call(fn, name, args, kwargs)
-            if out is not launch.NOT_PLAIN:
-                return out
-        return autograd_impl(keyset, *args, **kwargs)
+        out = _bound_call(name, fn, args, kwargs)
+        return autograd_impl(keyset, *args, **kwargs) if out is launch.NOT_PLAIN else out
 
     for key in ("AutogradCUDA", "AutogradCPU") if INTERPRET else ("AutogradCUDA",):
         _FRONT.impl(name, front, key, with_keyset=True)
