@@ -28,12 +28,14 @@ import torch
 from . import _validate as V
 from ._plan_options import PlanOptions, scalar_options
 from .op_call import bound_run, call_op
-from .ops.launch import LaunchCache, Memo
+from .ops import decode_chunks as _chunks
+from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
+from .ops.launch import LaunchCache, Memo, adopt_scratch, on_kernel_device
 from .ops.policy import POLICY
-from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
+from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE
 from .ops.device import sm_count
-from .ops.schedule import (MAX_CHUNKS, block_m_for, build_split_work, build_work,
-                            chunks_wanted, split_capacity)
+from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
+                            build_work, chunks_wanted, decode_chunk_count, split_capacity)
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -353,6 +355,31 @@ class _Plan:
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
+
+
+# A paged plan's decode key chunks (BatchPrefillWithPagedKVCacheWrapper._plan_chunks): the
+# chunk requests' index arrays and work list, each chunk row's query row, the merge rows.
+_CHUNK_FIELDS = ("chunk_qo_indptr", "chunk_kv_indptr", "chunk_last_page_len", "chunk_work",
+                 "chunk_src", "chunk_merge")
+
+
+def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
+    """Whether a decode batch cut into key chunks computes plan p's attention exactly, on the
+    Gluon kernel where it reads the pages: no custom mask, window, position encoding (a chunk
+    request counts RoPE positions and ALiBi distances from its own last key), soft cap or sinks
+    (the merge takes none), and q, K/V and the output of one dtype. (A causal row of a
+    one-row request sees every key, as it does in each of its chunks.)"""
+    return (p.mask_mode != MASK_CUSTOM and window_left < 0 and sinks is None
+            and p.pos_encoding_mode == POS_NONE and not p.logits_soft_cap
+            and p.q_dtype == p.kv_dtype == p.o_dtype)
+
+
+def _eager_call(*tensors) -> bool:
+    """Whether a call runs eagerly on plain tensors (no trace: not compiling, no dispatch mode,
+    no functorch transform), as the decode chunks' direct launches need."""
+    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+            and torch._C._functorch.peek_interpreter_stack() is None
+            and all(type(t) is torch.Tensor for t in tensors))
 
 
 class _WrapperBase:
@@ -750,7 +777,9 @@ _PLAN_COMMON_DOC = """
         from the lengths themselves, so a hint that holds changes nothing, and one that does not
         is a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every tile's keys in one program
         (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
-        tiles would leave SMs idle, a choice that depends on the whole batch).
+        tiles would leave SMs idle, a choice that depends on the whole batch; a paged decode
+        batch, one query row a request, on a Hopper GPU is then cut into key chunks that run()
+        launches as one-row requests and merges by LSE).
         fixed_split_size (FlashInfer's batch-invariant mode; pages, ragged: keys; ignored with
         disable_split_kv=True, as in FlashInfer): each tile's key range is cut into
         ceil(keys / (fixed_split_size * page_size)) chunks of whole key blocks, and the tile
@@ -843,7 +872,41 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.last_page_len = self._to_dev(last_h, non_blocking)
         p.page_size = page_size
         p.max_page = V.max_entry(idx_h)
+        p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h, kv_lens))
         self._set_plan(p)
+
+    def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h, kv_lens) -> dict:
+        """Plan p's decode key chunks (_CHUNK_FIELDS; all None where the batch is not cut).
+        An eager plan (not CUDA-graph mode, neither disable_split_kv nor fixed_split_size) of
+        decode rows that a split plan would split, with options the chunks compute exactly
+        (_chunks_exact), on a device and tile the launch policy cuts for
+        (choose.decode_chunk_sms), cuts each request's pages into chunk requests
+        (schedule.build_decode_chunks) that run() launches instead of the split plan: the
+        chunks' rows gathered from q, one paged launch, a merge (ops/decode_chunks.py)."""
+        none = dict.fromkeys(_CHUNK_FIELDS)
+        if (self._use_cuda_graph or args["disable_split_kv"]
+                or _check_fixed_split_size(args["fixed_split_size"]) is not None
+                or not on_kernel_device(torch.empty(0, device=self.device))):
+            return none
+        sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
+                               p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
+                               device=device_of(self.device))
+        n = sms and decode_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(), p.num_kv_heads,
+                                       sms, min_keys_per_chunk=POLICY.decode_chunk_min_keys,
+                                       slots_per_sm=RESIDENT_PER_SM[64])
+        if not n:
+            return none
+        c = build_decode_chunks(qo_h.tolist(), kv_h.tolist(), last_h.tolist(), p.page_size, n)
+        pages = c["kv_indptr"][1:] - c["kv_indptr"][:-1]
+        c_kv = torch.where(pages > 0, (pages - 1) * p.page_size + c["last_page_len"], 0)
+        work = build_work((c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist(), p.group,
+                          p.block_m, "cpu", kv_lens=c_kv.tolist())
+        nb = args["non_blocking"]
+        return dict(chunk_qo_indptr=self._to_dev(c["qo_indptr"], nb),
+                    chunk_kv_indptr=self._to_dev(c["kv_indptr"], nb),
+                    chunk_last_page_len=self._to_dev(c["last_page_len"], nb),
+                    chunk_work=self._to_dev(work, nb), chunk_src=self._to_dev(c["src"], nb),
+                    chunk_merge=self._to_dev(c["merge"], nb))
 
     plan.__doc__ += _PLAN_COMMON_DOC
     begin_forward = plan
@@ -914,6 +977,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                            device=self.device, what="[Hq] float32")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
                        self.device, lse_layout)
+        if p.chunk_work is not None and _chunks_exact(p, w, sinks) and _eager_call(
+                q, k_cache, v_cache):
+            # decode key chunks (_plan_chunks): q's rows gathered per chunk, one paged launch
+            # of the chunk requests, their outputs merged per request
+            q_c = _chunks.gather_rows(q, p.chunk_src)
+            o_c, lse_c = call_op(
+                "batch_paged_prefill", q_c, k_cache, v_cache, p.chunk_qo_indptr,
+                p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,
+                None, None, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
+                p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype,
+                launches=self._memo)
+            adopt_scratch(o_c)
+            adopt_scratch(lse_c)
+            res_out, res_lse = _chunks.merge_chunks(o_c, lse_c, p.chunk_merge, q.shape[0])
+            return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse,
+                            return_lse, lse_base, lse_layout)
         res_out, res_lse = call_op(
             "batch_paged_prefill",
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,

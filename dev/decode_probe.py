@@ -3,13 +3,12 @@ BatchPrefillWithPagedKVCacheWrapper (NHD pages, shuffled), beside a device copy 
 bytes and FlashInfer's BatchDecodeWithPagedKVCacheWrapper (CUDA cores and tensor cores) where it
 imports; and, on the first cases, the Gluon kernel's tile variants (prefill_gluon.TILES replaced
 for the plan and the launch); on every case CUDA-graph plans (use_cuda_graph=True) with the
-launch policy's graph_decode_tile off and on; with --variants "chunks x2" / "chunks x4", each
-request's keys cut into chunks that run as one-row requests of their own in one launch, then an
-LSE merge (no kernel change: a split-KV for small batches on the Gluon kernel; the chunks'
-outputs are rounded to the output dtype before the merge). Timed as CUDA graph replays of one
-call (the copy eagerly) by benchmarks.providers.bench, interleaved rounds, medians in
-microseconds; decode/copy is K/V bytes read per second over the copy's (read + write) bytes per
-second.
+launch policy's graph_decode_tile off and on; with --variants "no chunks" / "chunks 512", the
+plan's decode key chunks (POLICY.decode_chunks: few requests' pages cut into one-row chunk
+requests on the Gluon kernel, then a merge) off, or with chunks of at least 512 keys. Timed as
+CUDA graph replays of one call (the copy eagerly) by benchmarks.providers.bench, interleaved
+rounds, medians in microseconds; decode/copy is K/V bytes read per second over the copy's
+(read + write) bytes per second.
 
     python -m dev.decode_probe [--rounds 5] [--variants-only] [--out FILE.json]
     python -m dev.decode_probe --plot FILE.json     (a PNG beside it; no GPU needed)
@@ -24,8 +23,6 @@ import json
 import time
 
 import torch
-import triton
-import triton.language as tl
 
 from benchmarks.providers import medians_us
 from tests.kernel_cases import capture_graph
@@ -57,12 +54,9 @@ def _variants():
         "split256 x2": ("split", 256, 2),
         "split128 x2": ("split", 128, 2),
         "split256 x4": ("split", 256, 4),
-        # each request's keys cut into this many chunks, each chunk a one-row request of its
-        # own (the Gluon launch as it is; no split plan), then an LSE merge of the chunks
-        "chunks x2": ("chunks", 2),
-        "chunks x4": ("chunks", 4),
-        "chunks x8": ("chunks", 8),
-        "chunks x16": ("chunks", 16),
+        # the plan's decode key chunks (POLICY.decode_chunks) off, or of at least 512 keys
+        "no chunks": ("policy", dict(decode_chunks="off")),
+        "chunks 512": ("policy", dict(decode_chunk_min_keys=512)),
     }
 
 
@@ -78,8 +72,9 @@ def _variant(v):
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
     split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and v[0] == "graph"
+    settings = v[1] if isinstance(v, tuple) and v[0] == "policy" else {}
     tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple)
-                                           and v[0] not in ("graph", "split", "chunks") else {})
+                                           and v[0] not in ("graph", "split", "policy") else {})
     try:
         g.TILES.update(tiles)
         if split:
@@ -92,7 +87,7 @@ def _variant(v):
         policy.touch()
         if v == "tile128" or (isinstance(v, tuple) and v[0] == "tile128"):
             choose.DECODE_ROWS = 0
-        with policy.override(graph_decode_tile=graph and bool(v[1])):
+        with policy.override(graph_decode_tile=graph and bool(v[1]), **settings):
             yield
     finally:
         prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
@@ -119,79 +114,9 @@ def _inputs(case, dev):
                 src=src, dst=torch.empty_like(src))
 
 
-@triton.jit
-def _merge_chunks(o_ptr, lse_ptr, out_ptr, C: tl.constexpr, HQ: tl.constexpr,
-                  D: tl.constexpr):
-    """out[r, h] from chunk outputs o [R * C, HQ, D] and base-2 LSEs lse [R * C, HQ]
-    (contiguous): the chunks' outputs weighted by 2^(lse - max). Grid (R, HQ). The output of
-    compiled_attn.utils.merge_states (its rule for chunks of LSE -inf included: weight 0, and
-    output 0 where every chunk is -inf), in one launch: the probe times the merge a split plan
-    would launch, where merge_states runs a dozen torch ops."""
-    r = tl.program_id(0)
-    h = tl.program_id(1)
-    c = tl.arange(0, C)
-    d = tl.arange(0, D)
-    lse = tl.load(lse_ptr + (r * C + c) * HQ + h)
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # 0 for -inf chunks
-    total = tl.sum(w, 0)
-    o = tl.load(o_ptr + ((r * C + c) * HQ + h)[:, None] * D + d[None, :]).to(tl.float32)
-    acc = tl.sum(o * w[:, None], 0) / tl.where(total == 0, 1.0, total)
-    tl.store(out_ptr + (r * HQ + h) * D + d, acc.to(out_ptr.dtype.element_ty))
-
-
-def chunked_requests(x, page: int, chunks: int):
-    """The probe's batch (x: _inputs' dict; every request with the same pages) as one-row
-    requests of ``chunks`` key chunks each: (qo_indptr, kv_indptr, indices, last_page_len,
-    rep), rep int64 [B * chunks] the request of each chunk (q's row to gather)."""
-    dev = x["q"].device
-    b = x["indptr"].numel() - 1
-    npg = int(x["indptr"][1] - x["indptr"][0])
-    per = -(-npg // chunks)
-    counts = [min(per, npg - j * per) for j in range(chunks)]
-    if min(counts) < 1:
-        raise ValueError(f"{npg} pages a request do not make {chunks} chunks")
-    kv_ind = torch.tensor([0] + counts * b, dtype=torch.int32).cumsum(0).to(torch.int32)
-    last = torch.full((b, chunks), page, dtype=torch.int32)
-    last[:, -1] = x["last"].cpu()
-    qo = torch.arange(b * chunks + 1, dtype=torch.int32)
-    rep = torch.arange(b).repeat_interleave(chunks)
-    return (qo.to(dev), kv_ind.to(dev), x["idx"], last.reshape(-1).to(dev), rep.to(dev))
-
-
-def _chunked(case, x, chunks: int):
-    """The chunks variant: a plan of one-row chunk requests (disable_split_kv), and per call
-    q's rows gathered, one paged launch with its LSE, and _merge_chunks."""
-    import compiled_attn as ca
-
-    b, kv, page, hq, hkv = case
-    q = x["q"]
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
-    qo, kv_ind, idx, last, rep = chunked_requests(x, page, chunks)
-    w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-    w.plan(qo, kv_ind, idx, last, hq, hkv, D, page, causal=False, q_data_type=q.dtype,
-           kv_data_type=x["cache"].dtype, disable_split_kv=True)
-    qv = q.new_empty((b * chunks, hq, D))
-    out = torch.empty_like(q)
-
-    def call():
-        torch.index_select(q, 0, rep, out=qv)
-        o, lse = w.run(qv, x["cache"], return_lse=True)
-        _merge_chunks[(b, hq)](o, lse, out, C=chunks, HQ=hq, D=D)
-        return out
-
-    res = call().clone()
-    info = f"block_m {w._plan.block_m}, work rows {w._plan.work.shape[0]}, chunks {chunks}"
-    return call, res, info
-
-
 def _ours(case, x, variant):
     import compiled_attn as ca
 
-    if isinstance(variant, tuple) and variant[0] == "chunks":
-        fn, out, info = _chunked(case, x, variant[1])
-        torch.cuda.synchronize()
-        return fn, out, info
     b, kv, page, hq, hkv = case
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=x["q"].device)
     with _variant(variant):
@@ -208,9 +133,12 @@ def _ours(case, x, variant):
                q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
         out = w.run(x["q"], x["cache"])
         torch.cuda.synchronize()
-        merge = getattr(w._plan, "merge", None)
-        info = f"block_m {w._plan.block_m}, work rows {w._plan.work.shape[0]}" + (
+        p = w._plan
+        merge = getattr(p, "merge", None)
+        info = f"block_m {p.block_m}, work rows {p.work.shape[0]}" + (
             f", merge rows {merge.shape[0]}" if merge is not None else "")
+        if getattr(p, "chunk_work", None) is not None:
+            info += f"; chunks: work rows {p.chunk_work.shape[0]}"
         return (lambda: w.run(x["q"], x["cache"])), out, info
 
 

@@ -164,6 +164,28 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
     return 64 if max_kv_len <= (short if causal else short // 2) else 128
 
 
+def decode_chunk_sms(page_size: int, dqk: int, dvo: int, block_m: int,
+                     kv_dtype: torch.dtype | None, *, plain: bool,
+                     device: Device | None = None) -> int:
+    """The SM count a decode batch's key chunks are planned for (schedule.decode_chunk_count;
+    0: no chunks), by POLICY.decode_chunks: "gluon" where the Gluon kernel reads the pages on
+    its 64-row decode tile (the plan's block_m 64, head dims equal, fp16 / bf16 K/V), "always"
+    on any device (an SM count of 132 where the device has none), "off" never. plain: the
+    plan's options leave the chunks' launch exact and in the Gluon kernel's scope (no custom
+    mask, window, position encoding, soft cap; q, K/V and output of one 16-bit dtype)."""
+    mode = POLICY.decode_chunks
+    if mode not in ("gluon", "always", "off"):
+        raise ValueError(f"POLICY.decode_chunks: got {mode!r}; one of 'gluon', 'always', 'off'")
+    if mode == "off" or not plain:
+        return 0
+    dev = _plan_device() if device is None else device
+    if mode == "always":
+        return dev.sm_count or H100.sm_count
+    if dqk != dvo or block_m != 64 or not _pages_on_64_rows(page_size, dqk, kv_dtype, dev):
+        return 0
+    return dev.sm_count
+
+
 def _gluon_tiles(dqk: int, dvo: int, dev: Device) -> bool:
     """Whether eager launches at these head dims go to the Gluon kernel on this device
     (use_gluon, a Hopper GPU, D 128), whose tiles ``tile`` then sizes (GLUON_SHORT_KV). Graphs

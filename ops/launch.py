@@ -83,6 +83,17 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+def adopt_scratch(t: torch.Tensor) -> None:
+    """Mark a tensor the launch path allocated itself (an op's output that a later launch of
+    the same call reads) as scratch of the call being recorded, so that a replay allocates it
+    again; nothing outside a recording."""
+    rec = _recorder()
+    if rec is not None:
+        if not t.is_contiguous():  # (a replay allocates scratch contiguous)
+            rec.problem = rec.problem or "an adopted scratch tensor is not contiguous"
+        rec.scratch[t.data_ptr()] = ("empty", tuple(t.shape), t.dtype)
+
+
 # Work counters of eager launches come from a zeroed pool per (device, stream): a slot a launch,
 # the whole pool zeroed again (one memset, ordered after every launch that used it) when spent.
 # A launch being captured into a CUDA graph takes a fresh zeroed tensor instead (the graph's

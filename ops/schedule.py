@@ -136,3 +136,72 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
     work = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
     merge = torch.tensor(merges, dtype=torch.int32).reshape(-1, 4).to(device) if merges else None
     return work, merge
+
+
+def decode_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_heads: int,
+                       num_sms: int, *, min_keys_per_chunk: int = 1024,
+                       slots_per_sm: int = 2) -> int:
+    """The key chunks per request of a decode batch cut into chunk requests (0: not cut).
+
+    A batch is cut where a split plan would split it (its programs, one a request and KV head,
+    fill at most half the SMs: chunks_wanted) into enough chunks for ``slots_per_sm`` programs
+    a SM (the Gluon kernel's 64-row tile runs two), at most MAX_CHUNKS, each of at least
+    ``min_keys_per_chunk`` keys of the longest request. Only for decode rows: every request has
+    at most one query row, and one has a row and a key."""
+    rows = [int(n) for n in qo_lens]
+    if not rows or max(rows) != 1 or min(rows) < 0:
+        return 0
+    programs = sum(rows) * num_kv_heads
+    if chunks_wanted(programs, num_sms) <= 1:
+        return 0
+    longest = max(int(k) for k, n in zip(kv_lens, rows) if n)
+    n = min(chunks_wanted(programs, slots_per_sm * num_sms), MAX_CHUNKS,
+            longest // max(min_keys_per_chunk, 1))
+    return n if n > 1 else 0
+
+
+def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
+                        last_page_len: Sequence[int], page_size: int, chunks: int, *,
+                        align_keys: int = 128) -> dict:
+    """A decode batch (every request at most one query row) as chunk requests, host tensors.
+
+    Request b's pages (kv_indptr[b] to kv_indptr[b + 1] of the page table) are cut into at
+    most ``chunks`` runs of whole pages, each a multiple of ``align_keys`` keys where the pages
+    allow (so that chunks start on key tiles); each run is a one-row request of its own over the
+    same page table. A request without a row keeps one chunk request without a row over its
+    pages (the chunks' kv_indptr stays contiguous); a row's request without keys has one chunk
+    without pages (its output 0, LSE -inf). Returns int32 tensors:
+    - qo_indptr [C + 1] (one row a chunk, none for a request without rows), kv_indptr [C + 1]
+      (offsets into the page table), last_page_len [C]: the chunk requests' index arrays;
+    - src [R]: the query row each chunk row reads (its request's);
+    - merge [M, 3]: per request with a row (out row, first chunk row, chunks), by row.
+    """
+    qo = [int(x) for x in qo_indptr]
+    kv = [int(x) for x in kv_indptr]
+    align = max(1, align_keys // max(page_size, 1))
+    c_qo, c_kv, c_last, src, merge = [0], [kv[0]], [], [], []
+    for b in range(len(qo) - 1):
+        rows, pages = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
+        if rows == 0:  # a placeholder over its pages
+            c_qo.append(c_qo[-1])
+            c_kv.append(kv[b + 1])
+            c_last.append(int(last_page_len[b]))
+            continue
+        if rows != 1:
+            raise ValueError(f"request {b} has {rows} query rows; decode chunks take at most "
+                             "one a request")
+        per = -(-max(pages, 1) // chunks)
+        per = -(-per // align) * align if per > align else per
+        n = max(1, -(-pages // per))
+        merge.append((qo[b], len(src), n))
+        for j in range(n):
+            take = min(per, pages - j * per)
+            c_qo.append(c_qo[-1] + 1)
+            c_kv.append(kv[b] + j * per + take)
+            c_last.append(int(last_page_len[b]) if j == n - 1 and pages else
+                          page_size if take else 0)
+            src.append(qo[b])
+    i32 = dict(dtype=torch.int32)
+    return dict(qo_indptr=torch.tensor(c_qo, **i32), kv_indptr=torch.tensor(c_kv, **i32),
+                last_page_len=torch.tensor(c_last, **i32), src=torch.tensor(src, **i32),
+                merge=torch.tensor(merge, **i32).reshape(-1, 3))

@@ -1,74 +1,150 @@
-"""dev.decode_probe's key-chunk decode (each request's keys as one-row chunk requests in one
-paged launch, then ``_merge_chunks``) under the Triton interpreter: the numbers a GPU timing of
-that variant stands on. Against a float64 reference on fresh random inputs, with the output
-poisoned first; and the merge kernel against compiled_attn.utils.merge_states, chunks that saw
-no key (LSE -inf) included."""
+"""Decode key chunks (POLICY.decode_chunks; compiled_attn/prefill.py _plan_chunks, ops/
+decode_chunks.py) under the Triton interpreter, where the chunk requests run on the Triton
+kernel: a paged wrapper's decode batch cut into chunks against a float64 reference on fresh
+random inputs (outputs poisoned first), and against the same plan uncut; the bound run()'s
+replay against its full path; the calls a chunk plan must not cut (sinks, a window passed to
+run(), a traced run) against the uncut plan, bit for bit; and the merge kernel against
+compiled_attn.utils.merge_states, chunks that saw no key included. ``decode_chunks="always"``
+cuts on this device, and chunks of 8 keys keep the shapes small."""
 
 import pytest
 import torch
 
+import compiled_attn as ca
+from compiled_attn.ops import decode_chunks
+from compiled_attn.ops.policy import override
 from compiled_attn.utils import merge_states
-from dev import decode_probe as dp
+from tests.helpers import assert_lse, dense_batch, indptr, make_paged, rand
 
 F32 = torch.float32
+WS = torch.empty(16, dtype=torch.uint8)
+
+# name: (qo_lens, kv_lens, page, Hq, Hkv, causal, dtype): odd lengths, a request without rows
+# and a row without keys, page 1, GQA 7:1, one KV head, MHA
+CASES = {
+    "odd": ([1, 0, 1, 1, 1], [37, 20, 0, 61, 5], 4, 4, 2, True, F32),
+    "page1-gqa7": ([1, 1], [45, 19], 1, 7, 1, False, torch.float16),
+    "page16-mha": ([1, 1, 1], [70, 33, 128], 16, 2, 2, True, F32),
+}
 
 
-def _decode_case(b, kv, page, hq, hkv, seed=0):
-    """dp._inputs' layout (NHD pages [P, 2, page, Hkv, D], shuffled) in float32 on CPU."""
-    g = torch.Generator().manual_seed(seed)
-    npg = -(-kv // page)
-    cache = torch.randn(b * npg, 2, page, hkv, dp.D, generator=g, dtype=F32)
-    idx = torch.randperm(b * npg, generator=g).to(torch.int32)
-    indptr = torch.arange(b + 1, dtype=torch.int32) * npg
-    last = torch.full((b,), kv - (npg - 1) * page, dtype=torch.int32)
-    q = torch.randn(b, hq, dp.D, generator=g, dtype=F32)
-    return dict(cache=cache, idx=idx, indptr=indptr, last=last, q=q)
+def _wrapper(qo, kv, page, hq, hkv, causal, dt, mode, seed=0, **plan):
+    cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, 16, 16, page, seed=seed, dtype=dt)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
+    with override(decode_chunks=mode, decode_chunk_min_keys=8):
+        w.plan(indptr(qo), kvi, idx, last, hq, hkv, 16, page, causal=causal, q_data_type=dt,
+               **plan)
+    return w, cache, ks, vs
 
 
-def _reference(x, kv, hq, hkv, dt=torch.float64):
-    """Attention of each one-row request over its kv keys, computed by PyTorch in dt:
-    [B, Hq, D]."""
-    outs = []
-    for r in range(x["q"].shape[0]):
-        pages = x["idx"][x["indptr"][r]:x["indptr"][r + 1]].long()
-        k, v = (x["cache"][pages, i].reshape(-1, hkv, dp.D)[:kv].to(dt) for i in (0, 1))
-        k, v = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
-        s = torch.einsum("hd,khd->hk", x["q"][r].to(dt), k) * dp.D ** -0.5
-        outs.append(torch.einsum("hk,khd->hd", s.softmax(-1), v))
-    return torch.stack(outs)
-
-
-# (B, kv, page, Hq, Hkv), chunks (a power of two: the merge's arange): odd lengths, page 1,
-# GQA 7:1, one KV head
-@pytest.mark.parametrize("case,chunks", [((3, 37, 4, 4, 2), 2), ((2, 64, 16, 8, 1), 4),
-                                         ((1, 29, 1, 7, 1), 4)])
-def test_chunked_decode_matches_float64(case, chunks):
-    b, kv, page, hq, hkv = case
-    x = _decode_case(*case)
-    fn, out, _ = dp._chunked(case, x, chunks)
-    ref = _reference(x, kv, hq, hkv)
-    own = (_reference(x, kv, hq, hkv, F32).double() - ref).abs().max().item()
-    err = (out.double() - ref).abs().max().item()
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_chunked_decode_matches_float64(name):
+    qo, kv, page, hq, hkv, causal, dt = CASES[name]
+    w, cache, ks, vs = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=3)
+    p = w._plan
+    assert p.chunk_work is not None and int(p.chunk_merge[:, 2].max()) > 1
+    assert p.chunk_merge.shape[0] == sum(qo)  # a merge row per row
+    q = rand(sum(qo), hq, 16, seed=4, dtype=dt)
+    out = torch.full((sum(qo), hq, 16), float("nan"), dtype=dt)
+    lse = torch.full((sum(qo), hq), float("nan"))
+    w.run(q, cache, out=out, lse=lse, return_lse=True)
+    ref_out, ref_lse = dense_batch(q.double(), qo, ks, vs, causal=causal)
+    own_out, _ = dense_batch(q.to(F32), qo, [k.to(F32) for k in ks], [v.to(F32) for v in vs],
+                             causal=causal)
+    own = (own_out.to(dt).double() - ref_out).abs().max().item()
+    err = (out.double() - ref_out).abs().max().item()
     assert not out.isnan().any()
-    # the kernel tests' bound (tests/kernel_cases.check): twice PyTorch's own float32 error,
-    # one float32 step of the output's scale, 1e-6
-    assert err <= 2 * own + torch.finfo(F32).eps * ref.abs().max().item() + 1e-6, (err, own)
-    buf = fn().fill_(float("nan"))  # the buffer each call writes: poisoned, then run again
-    again = fn()
-    assert again.data_ptr() == buf.data_ptr() and not again.isnan().any()
-    assert (again.double() - ref).abs().max().item() == err
+    # twice PyTorch's own error in this dtype (float32 compute, rounded to dt), plus one step
+    # of dt at the output's scale: the chunks round their outputs to dt before the merge
+    assert err <= 2 * own + torch.finfo(dt).eps * ref_out.abs().max().item() + 1e-6, (err, own)
+    assert_lse(lse, ref_lse, dict(rtol=1e-5, atol=1e-5))
+    # the same plan uncut: the split-free path (the interpreter never splits), within the bound
+    w_off, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "off", seed=3)
+    assert w_off._plan.chunk_work is None
+    base = w_off.run(q, cache)
+    assert (out.double() - base.double()).abs().max().item() <= 2 * max(err, own) + 1e-6
+
+
+def test_chunk_plan_bound_run_replays_its_full_path():
+    qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
+    w, cache, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=5)
+    q = rand(sum(qo), hq, 16, seed=6, dtype=dt)
+    first = w.run(q, cache, return_lse=True)  # recorded: the gather, the paged op, the merge
+    second = w.run(q, cache, return_lse=True)  # replayed
+    assert w._memo.records == 1 and w._memo.hits == 1 and w._memo.refused == 0
+    with override(bound_launches=False):
+        full = w.run(q, cache, return_lse=True)
+    for a, b, c in zip(first, second, full):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # a replay writes fresh outputs every call
+    assert second[0].data_ptr() != first[0].data_ptr()
+
+
+@pytest.mark.parametrize("call", ["sinks", "window", "traced"])
+def test_calls_a_chunk_plan_does_not_cut_run_uncut(call):
+    """Sinks and a window passed to run() (the merge takes no sinks; a window counts from each
+    chunk's own end) and a traced run (the chunks' launches are eager only) take the plan's
+    uncut path: the same bits as the plan made with decode_chunks off."""
+    qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
+    w, cache, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=7)
+    w_off, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "off", seed=7)
+    assert w._plan.chunk_work is not None
+    q = rand(sum(qo), hq, 16, seed=8, dtype=dt)
+    if call == "sinks":
+        s = rand(hq, seed=9, dtype=F32)
+        got, want = (x.run(q, cache, sinks=s, return_lse=True) for x in (w, w_off))
+    elif call == "window":
+        got, want = (x.run(q, cache, window_left=6, return_lse=True) for x in (w, w_off))
+    else:
+        got = torch.compile(lambda a, c: w.run(a, c, return_lse=True), backend="eager",
+                            fullgraph=True)(q, cache)
+        want = w_off.run(q, cache, return_lse=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plan", [dict(disable_split_kv=True), dict(fixed_split_size=2),
+                                  dict(pos_encoding_mode="ROPE_LLAMA"), dict(window_left=4),
+                                  dict(logits_soft_cap=5.0)])
+def test_plans_that_are_not_cut(plan):
+    """disable_split_kv and fixed_split_size (batch-invariant plans), and options whose chunks
+    would differ (positions and windows count from a chunk's own end) or leave the Gluon
+    kernel's scope, are never cut; nor is a batch with a multi-row request."""
+    qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
+    w, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", **plan)
+    assert w._plan.chunk_work is None
+    w, *_ = _wrapper([2, 1], [40, 40], page, hq, hkv, causal, dt, "always")
+    assert w._plan.chunk_work is None
 
 
 def test_merge_chunks_is_merge_states_with_unseen_chunks():
-    r, c, h, d = 3, 4, 2, 16
+    """Merge rows of 1 to 5 chunks (at most MAX_CHUNKS), chunks of LSE -inf among them and a
+    row of only such chunks, into out rows in another order: merge_states' numbers."""
+    h, d = 3, 24  # (a head dim that is not a power of two)
+    counts = [4, 1, 5, 2]
     g = torch.Generator().manual_seed(1)
-    o = torch.randn(r * c, h, d, generator=g)
-    lse = torch.randn(r * c, h, generator=g) * 3
-    lse.view(r, c, h)[1, :2] = float("-inf")  # chunks that saw no key
-    lse.view(r, c, h)[2] = float("-inf")  # a request that saw none
-    o.view(r, c, h, d)[lse.view(r, c, h) == float("-inf")] = 0
-    out = torch.full((r, h, d), float("nan"))
-    dp._merge_chunks[(r, h)](o, lse, out, C=c, HQ=h, D=d)
-    ref, _ = merge_states(o.view(r, c, h, d).double(), lse.view(r, c, h).double())
-    assert not out.isnan().any()
-    assert (out.double() - ref).abs().max().item() <= 4 * torch.finfo(F32).eps * ref.abs().max()
+    r = sum(counts)
+    o = torch.randn(r, h, d, generator=g)
+    lse = torch.randn(r, h, generator=g) * 3
+    lse[0:2] = float("-inf")  # chunks that saw no key
+    lse[5:10, 1] = float("-inf")  # a row (head 1) whose chunks saw none
+    o[lse == float("-inf")] = 0
+    firsts = [0, 4, 5, 10]
+    rows = [2, 0, 3, 1]
+    merge = torch.tensor(list(zip(rows, firsts, counts)), dtype=torch.int32)
+    out, out_lse = decode_chunks.merge_chunks(o, lse, merge, 4)
+    for row, first, n in zip(rows, firsts, counts):
+        v, s = merge_states(o[first:first + n].unsqueeze(0).double(),
+                            lse[first:first + n].unsqueeze(0).double())
+        assert not out[row].isnan().any()
+        assert (out[row].double() - v[0]).abs().max().item() <= 4 * torch.finfo(F32).eps * (
+            v.abs().max().item() + 1)
+        assert_lse(out_lse[row:row + 1], s.double(), dict(rtol=1e-6, atol=1e-6))
+    assert torch.equal(out[3, 1], torch.zeros(d)) and out_lse[3, 1] == float("-inf")
+
+
+def test_gather_rows():
+    q = rand(5, 3, 24, seed=2, dtype=F32)[:, :, :20]  # (strided rows and heads)
+    src = torch.tensor([4, 4, 0, 2], dtype=torch.int32)
+    got = decode_chunks.gather_rows(q, src)
+    assert got.is_contiguous() and torch.equal(got, q[src.long()])

@@ -1,0 +1,94 @@
+"""Decode key chunks: the two small launches around a decode batch cut into chunk requests.
+
+A decode batch of few requests (one query row each) over long keys gives the paged launch too
+few programs to fill the GPU. Its plan (compiled_attn/prefill.py) may then cut each request's
+pages into chunks (schedule.build_decode_chunks), each a one-row request of its own over the
+same page table, so that the paged launch runs on the Gluon kernel with enough programs instead
+of a split plan on the Triton kernel (which the Gluon kernel does not take). Around that launch:
+- ``gather_rows``: each chunk row's query row, copied from q (chunks of one request share it);
+- ``merge_chunks``: each request's chunk outputs combined by their base-2 LSEs into its output
+  row and LSE, as compiled_attn.utils.merge_states combines states (a chunk that saw no key has
+  LSE -inf and weight 0; a row none of whose chunks saw a key gets output 0 and LSE -inf).
+Both launch through launch.run_direct (eager only; a recording call notes them), so a bound
+run() replays the three launches together.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch
+from .schedule import MAX_CHUNKS
+
+
+@triton.jit
+def _gather_rows(src_ptr, q_ptr, out_ptr, stride_qn, stride_qh, HQ: tl.constexpr,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (chunk rows, HQ): out [R, HQ, D] (contiguous) row r, head h = q[src[r], h]."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    s = tl.load(src_ptr + r).to(tl.int64)
+    x = tl.load(q_ptr + s * stride_qn + h * stride_qh + d, mask=d < D)
+    tl.store(out_ptr + (r.to(tl.int64) * HQ + h) * D + d, x, mask=d < D)
+
+
+@triton.jit
+def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, stride_oh,
+                  stride_ln, stride_lh, HQ: tl.constexpr, D: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (merge rows, HQ): merge row (out row, first chunk row, chunks) of chunk outputs o
+    [R, HQ, D] and base-2 LSEs lse [R, HQ] (contiguous) into out [N, HQ, D] and out_lse [N, HQ]
+    (strides given): the chunks' outputs weighted by 2^(lse - max) over the weights' sum; LSE
+    max + log2(sum). Chunks of LSE -inf weigh 0; a row of only such chunks writes 0 / -inf."""
+    m_row = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(merge_ptr + m_row * 3).to(tl.int64)
+    first = tl.load(merge_ptr + m_row * 3 + 1)
+    n = tl.load(merge_ptr + m_row * 3 + 2)
+    c = tl.arange(0, BLOCK_C)
+    d = tl.arange(0, BLOCK_D)
+    rows = (first + c).to(tl.int64)
+    lse = tl.load(lse_ptr + rows * HQ + h, mask=c < n, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    base = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse - base)  # 0 for -inf chunks and past n
+    total = tl.sum(w, 0)
+    o = tl.load(o_ptr + (rows * HQ + h)[:, None] * D + d[None, :],
+                mask=(c < n)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    acc = tl.sum(o * w[:, None], 0) / tl.where(total == 0, 1.0, total)
+    tl.store(out_ptr + row * stride_on + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty),
+             mask=d < D)
+    out_lse = tl.where(total == 0, float("-inf"), base + tl.log2(tl.where(total == 0, 1.0, total)))
+    tl.store(out_lse_ptr + row * stride_ln + h * stride_lh, out_lse)
+
+
+def gather_rows(q: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """q [N, Hq, D] (unit stride in D), src int32 [R] (rows of q) -> contiguous [R, Hq, D]: a
+    scratch buffer (launch.scratch) that a bound run allocates again per call."""
+    r, (_, hq, d) = src.shape[0], q.shape
+    rows = launch.scratch((r, hq, d), q.dtype, q.device)
+    if r:
+        launch.run_direct(_gather_rows, (r, hq), src, q, rows, q.stride(0), q.stride(1),
+                          HQ=hq, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+    return rows
+
+
+def merge_chunks(o: torch.Tensor, lse: torch.Tensor, merge: torch.Tensor, rows: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk outputs o [R, Hq, D] and base-2 LSEs lse float32 [R, Hq] (contiguous), merge int32
+    [M, 3] (schedule.build_decode_chunks; at most MAX_CHUNKS chunks a row) -> (out [rows, Hq,
+    D] in o's dtype, lse float32 [rows, Hq]). Rows no merge row names are not written (a decode
+    batch's rows are all named: every request with a row has one)."""
+    hq, d = o.shape[1], o.shape[2]
+    out = torch.empty((rows, hq, d), dtype=o.dtype, device=o.device)
+    out_lse = torch.empty((rows, hq), dtype=torch.float32, device=o.device)
+    if merge.shape[0]:
+        launch.run_direct(_merge_chunks, (merge.shape[0], hq), merge, o, lse, out, out_lse,
+                          out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
+                          HQ=hq, D=d, BLOCK_C=MAX_CHUNKS, BLOCK_D=triton.next_power_of_2(d),
+                          num_warps=4)
+    return out, out_lse
+

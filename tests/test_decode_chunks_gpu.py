@@ -1,0 +1,111 @@
+"""GPU tier of the decode key chunks (ops/decode_chunks.py; pytest -m gpu on a Hopper GPU): a
+paged wrapper's decode batch of few requests over long keys, planned with the launch policy's
+defaults, is cut into chunk requests whose one paged launch the Gluon kernel runs; its output
+and LSE against a float64 reference on fresh random inputs, bounded by PyTorch's own error in
+bf16 (SDPA on the same GPU); its CUDA-graph replay bit for bit against the eager call. Cases:
+one request at 32k keys, odd lengths with a row without keys and a request without rows,
+page 1 with GQA 7:1, and one query head a KV head."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compiled_attn as ca
+from compiled_attn.ops import prefill_kernel
+from tests.helpers import indptr
+from tests.kernel_cases import capture_graph
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"),
+]
+
+D = 128
+CASES = {  # name: (qo_lens, kv_lens, page, Hq, Hkv)
+    "1x32k": ([1], [32768], 16, 32, 8),
+    "odd": ([1, 1, 0, 1, 1, 1], [4096, 4001, 300, 0, 9999, 4097], 16, 32, 8),
+    "page1-gqa7": ([1, 1, 1], [9000, 20001, 777], 1, 7, 1),
+    "mha": ([1, 1], [10000, 3000], 16, 8, 8),
+}
+
+
+def _case(qo, kv, page, hq, hkv, seed):
+    g = torch.Generator().manual_seed(seed)
+    npg = [-(-n // page) for n in kv]
+    total = sum(npg) + 5
+    cache = torch.randn(total, 2, page, hkv, D, generator=g).to("cuda", torch.bfloat16)
+    idx = torch.randperm(total, generator=g)[:sum(npg)].to(torch.int32)
+    last = torch.tensor([(n - 1) % page + 1 if n else 0 for n in kv], dtype=torch.int32)
+    q = torch.randn(sum(qo), hq, D, generator=g).to("cuda", torch.bfloat16)
+    return q, cache, indptr(npg), idx, last
+
+
+def _dense_kv(cache, kvi, idx, last, page, b):
+    pages = idx[int(kvi[b]):int(kvi[b + 1])].long().cuda()
+    n = (pages.numel() - 1) * page + int(last[b]) if pages.numel() else 0
+    return (cache[pages, i].reshape(-1, *cache.shape[-2:])[:n] for i in (0, 1))
+
+
+def _reference(q, cache, qo, kvi, idx, last, page, dt):
+    """Per request with a row: SDPA in dt (float64: the math backend) over its K/V gathered
+    from the pages -> (out [rows, Hq, D], base-2 LSE [rows, Hq]) in float64."""
+    outs, lses, r = [], [], 0
+    for b, n in enumerate(qo):
+        if not n:
+            continue
+        k, v = (t.to(dt) for t in _dense_kv(cache, kvi, idx, last, page, b))
+        qb = q[r:r + 1].to(dt)
+        r += 1
+        g = q.shape[1] // k.shape[1]
+        if k.shape[0] == 0:
+            outs.append(torch.zeros_like(qb, dtype=torch.float64))
+            lses.append(torch.full(qb.shape[:2], float("-inf"), dtype=torch.float64,
+                                   device=q.device))
+            continue
+        k, v = (t.repeat_interleave(g, 1).transpose(0, 1) for t in (k, v))
+        o = F.scaled_dot_product_attention(qb.transpose(0, 1), k, v)  # [Hq, 1, D]
+        s = (qb.transpose(0, 1).double() @ k.double().transpose(1, 2)) * D ** -0.5
+        outs.append(o.transpose(0, 1).double())
+        lses.append((torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0))).transpose(0, 1))
+    return torch.cat(outs), torch.cat(lses).to(q.device)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_decode_chunks_on_the_gluon_kernel(name, monkeypatch):
+    qo, kv, page, hq, hkv = CASES[name]
+    q, cache, kvi, idx, last = _case(qo, kv, page, hq, hkv, seed=len(name))
+    seen = []
+    orig = prefill_kernel._gluon.launch
+
+    def spy(*a, **kw):
+        seen.append((kw["block_m"], kw["paged"] is not None))
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(prefill_kernel._gluon, "launch", spy)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+    w.plan(indptr(qo), kvi, idx, last, hq, hkv, D, page, causal=True,
+           q_data_type=torch.bfloat16)
+    p = w._plan
+    assert p.chunk_work is not None and int(p.chunk_merge[:, 2].max()) > 1
+    out = torch.full((sum(qo), hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((sum(qo), hq), float("nan"), device="cuda")
+    w.run(q, cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert seen == [(64, True)]  # one paged launch, on the Gluon kernel's decode tile
+    ref, ref_lse = _reference(q, cache, qo, kvi, idx, last, page, torch.float64)
+    own, _ = _reference(q, cache, qo, kvi, idx, last, page, torch.bfloat16)
+    assert not out.isnan().any() and not lse.isnan().any()
+    err = (out.double() - ref).abs().max().item()
+    own_err = (own - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= 2 * own_err + torch.finfo(torch.bfloat16).eps * scale, (err, own_err)
+    inf = ref_lse.isinf()
+    assert torch.equal(lse.isinf(), inf)
+    assert (lse.double()[~inf] - ref_lse[~inf]).abs().max().item() <= 1e-3
+    # CUDA-graph capture of the three launches replays the eager call's bits
+    graph, g_out = capture_graph(lambda: w.run(q, cache))
+    g_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(g_out, w.run(q, cache)) and torch.equal(g_out, out)
