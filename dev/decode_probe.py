@@ -3,9 +3,9 @@ BatchPrefillWithPagedKVCacheWrapper (NHD pages, shuffled), beside a device copy 
 bytes and FlashInfer's BatchDecodeWithPagedKVCacheWrapper (CUDA cores and tensor cores) where it
 imports; and, on the first cases, the Gluon kernel's tile variants (prefill_gluon.TILES replaced
 for the plan and the launch); on every case CUDA-graph plans (use_cuda_graph=True) with the
-launch policy's graph_decode_tile off and on; with --variants "no chunks" / "chunks 512", the
+launch policy's graph_decode_tile off and on; with --variants "no chunks" / "chunks 1024", the
 plan's decode key chunks (POLICY.decode_chunks: few requests' pages cut into one-row chunk
-requests on the Gluon kernel, then a merge) off, or with chunks of at least 512 keys. Timed as
+requests on the Gluon kernel, then a merge) off, or with chunks of at least 1024 keys. Timed as
 CUDA graph replays of one call (the copy eagerly) by benchmarks.providers.bench, interleaved
 rounds, medians in microseconds; decode/copy is K/V bytes read per second over the copy's
 (read + write) bytes per second.
@@ -57,9 +57,9 @@ def _variants():
         "split256 x2": ("split", 256, 2),
         "split128 x2": ("split", 128, 2),
         "split256 x4": ("split", 256, 4),
-        # the plan's decode key chunks (POLICY.decode_chunks) off, or of at least 512 keys
+        # the plan's decode key chunks (POLICY.decode_chunks) off, or of at least 1024 keys
         "no chunks": ("policy", dict(decode_chunks="off")),
-        "chunks 512": ("policy", dict(decode_chunk_min_keys=512)),
+        "chunks 1024": ("policy", dict(decode_chunk_min_keys=1024)),
     }
 
 

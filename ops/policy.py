@@ -65,7 +65,7 @@ class Policy:
         # device the kernels run (tests: the interpreter runs them on the Triton kernel), "off".
         self.decode_chunks = "gluon"
         # ...each chunk at least this many keys of the longest request.
-        self.decode_chunk_min_keys = 1024
+        self.decode_chunk_min_keys = 512
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

@@ -15,11 +15,13 @@ from tests.helpers import indptr, make_paged
 
 @pytest.mark.parametrize("qo,kv,hkv,want", [
     ([1], [32768], 8, 16),  # 8 programs: MAX_CHUNKS
-    ([1] * 8, [4096] * 8, 8, 4),  # 64 programs: two a SM over 132 SMs, 1024 keys a chunk
+    ([1] * 8, [4096] * 8, 8, 4),  # 64 programs: one wave of two a SM over 132 SMs
     ([1] * 8, [4096] * 7 + [100], 8, 4),  # the longest request decides
+    ([1] * 4, [16384] * 4, 8, 8),  # 8 x 32 programs fit the 264 slots; 9 x 32 would not
+    ([1], [2048], 8, 4),  # chunks of at least 512 keys
     ([1] * 16, [1024] * 16, 8, 0),  # 128 programs: a split plan would not split them
     ([1] * 48, [1024] * 48, 8, 0),
-    ([1, 0, 1], [1500, 9000, 1500], 8, 0),  # chunks of at least 1024 keys: one
+    ([1, 0, 1], [1000, 9000, 1000], 8, 0),  # chunks of at least 512 keys: one
     ([2, 1], [32768, 32768], 8, 0),  # a two-row request: not decode rows
     ([0, 0], [100, 100], 8, 0),  # no row
     ([], [], 8, 0),
