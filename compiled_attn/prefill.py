@@ -35,7 +35,8 @@ from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE
 from .ops.device import sm_count
 from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
-                            build_work, chunks_wanted, decode_chunk_count, split_capacity)
+                            build_work, chunks_wanted, decode_chunk_capacity,
+                            decode_chunk_count, split_capacity)
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -460,6 +461,9 @@ class _BatchPrefillBase(_WrapperBase):
         # CUDA-graph mode: ((group, D_qk, D_vo), tile height) of the first plan, which fixed
         # the work buffer (_graph_tensors)
         self._graph_tile: tuple | None = None
+        # CUDA-graph mode, paged: the decode key chunks' buffers (a dict), or False where the
+        # first plan was not cut; None before it (BatchPrefillWithPagedKVCacheWrapper._plan_chunks)
+        self._chunk_bufs = None
         if not self._use_cuda_graph:
             return
         # CUDA-graph mode: plan() copies into these fixed buffers; run() passes them to the op.
@@ -779,7 +783,8 @@ _PLAN_COMMON_DOC = """
         (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
         tiles would leave SMs idle, a choice that depends on the whole batch; a paged decode
         batch, one query row a request, on a Hopper GPU is then cut into key chunks that run()
-        launches as one-row requests and merges by LSE).
+        launches as one-row requests and merges by LSE; with use_cuda_graph=True the first plan
+        decides whether every plan of the wrapper is).
         fixed_split_size (FlashInfer's batch-invariant mode; pages, ragged: keys; ignored with
         disable_split_kv=True, as in FlashInfer): each tile's key range is cut into
         ceil(keys / (fixed_split_size * page_size)) chunks of whole key blocks, and the tile
@@ -877,36 +882,70 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
 
     def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h, kv_lens) -> dict:
         """Plan p's decode key chunks (_CHUNK_FIELDS; all None where the batch is not cut).
-        An eager plan (not CUDA-graph mode, neither disable_split_kv nor fixed_split_size) of
-        decode rows that a split plan would split, with options the chunks compute exactly
-        (_chunks_exact), on a device and tile the launch policy cuts for
-        (choose.decode_chunk_sms), cuts each request's pages into chunk requests
-        (schedule.build_decode_chunks) that run() launches instead of the split plan: the
-        chunks' rows gathered from q, one paged launch, a merge (ops/decode_chunks.py)."""
+        A plan of decode rows that a split plan would split (neither disable_split_kv nor
+        fixed_split_size), with options the chunks compute exactly (_chunks_exact), on a device
+        and tile the launch policy cuts for (choose.decode_chunk_sms), cuts each request's pages
+        into chunk requests (schedule.build_decode_chunks) that run() launches instead of the
+        split plan: the chunks' rows gathered from q, one paged launch, a merge
+        (ops/decode_chunks.py). In CUDA-graph mode the first plan decides for the wrapper: if
+        it is cut, every re-plan is (into buffers sized at the first plan, padded; one chunk a
+        request where the batch would not be cut), so that a captured run() serves it."""
         none = dict.fromkeys(_CHUNK_FIELDS)
-        if (self._use_cuda_graph or args["disable_split_kv"]
+        graph = self._use_cuda_graph
+        if graph and self._chunk_bufs is False:
+            return none
+        n = 0
+        if not (args["disable_split_kv"]
                 or _check_fixed_split_size(args["fixed_split_size"]) is not None
                 or not on_kernel_device(torch.empty(0, device=self.device))):
+            sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
+                                   p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
+                                   device=device_of(self.device))
+            n = sms and decode_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(),
+                                           p.num_kv_heads, sms,
+                                           min_keys_per_chunk=POLICY.decode_chunk_min_keys,
+                                           slots_per_sm=RESIDENT_PER_SM[64])
+        if graph and self._chunk_bufs is None:  # the first plan
+            self._chunk_bufs = self._chunk_buffers(p) if n else False
+        if not (n or graph and self._chunk_bufs):
             return none
-        sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
-                               p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
-                               device=device_of(self.device))
-        n = sms and decode_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(), p.num_kv_heads,
-                                       sms, min_keys_per_chunk=POLICY.decode_chunk_min_keys,
-                                       slots_per_sm=RESIDENT_PER_SM[64])
-        if not n:
-            return none
-        c = build_decode_chunks(qo_h.tolist(), kv_h.tolist(), last_h.tolist(), p.page_size, n)
+        c = build_decode_chunks(qo_h.tolist(), kv_h.tolist(), last_h.tolist(), p.page_size,
+                                n or 1)
         pages = c["kv_indptr"][1:] - c["kv_indptr"][:-1]
         c_kv = torch.where(pages > 0, (pages - 1) * p.page_size + c["last_page_len"], 0)
         work = build_work((c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist(), p.group,
                           p.block_m, "cpu", kv_lens=c_kv.tolist())
         nb = args["non_blocking"]
-        return dict(chunk_qo_indptr=self._to_dev(c["qo_indptr"], nb),
-                    chunk_kv_indptr=self._to_dev(c["kv_indptr"], nb),
-                    chunk_last_page_len=self._to_dev(c["last_page_len"], nb),
-                    chunk_work=self._to_dev(work, nb), chunk_src=self._to_dev(c["src"], nb),
-                    chunk_merge=self._to_dev(c["merge"], nb))
+        fields = dict(chunk_qo_indptr=c["qo_indptr"], chunk_kv_indptr=c["kv_indptr"],
+                      chunk_last_page_len=c["last_page_len"], chunk_work=work,
+                      chunk_src=c["src"], chunk_merge=c["merge"])
+        if not graph:
+            return {k: self._to_dev(t, nb) for k, t in fields.items()}
+        # padding: chunk requests without rows or pages, work rows of request -1, chunk rows
+        # reading q's row 0 (gathered, never read), merge rows of out row -1 (no store)
+        fill = dict(chunk_qo_indptr=int(c["qo_indptr"][-1]),
+                    chunk_kv_indptr=int(c["kv_indptr"][-1]), chunk_last_page_len=0,
+                    chunk_work=(-1, 0), chunk_src=0, chunk_merge=(-1, 0, 0))
+        out = {}
+        for k, t in fields.items():
+            buf = self._chunk_bufs[k]
+            if t.shape[0] > buf.shape[0]:  # cannot happen: decode_chunk_capacity bounds them
+                raise AssertionError(f"{k}: {t.shape[0]} rows exceed the capacity "
+                                     f"{buf.shape[0]}")
+            out[k] = _copy_padded(buf, t, fill[k], nb)
+        return out
+
+    def _chunk_buffers(self, p: _Plan) -> dict:
+        """CUDA-graph mode: the chunk fields' buffers, sized at the first plan for any plan of
+        the wrapper's batch size and row capacity (schedule.decode_chunk_capacity)."""
+        cap = decode_chunk_capacity(self._fixed_batch_size, self._max_total_rows, p.group,
+                                    p.block_m)
+        shapes = dict(chunk_qo_indptr=(cap["requests"] + 1,),
+                      chunk_kv_indptr=(cap["requests"] + 1,),
+                      chunk_last_page_len=(cap["requests"],), chunk_work=(cap["work"], 2),
+                      chunk_src=(cap["rows"],), chunk_merge=(cap["merge"], 3))
+        return {k: torch.empty(s, dtype=torch.int32, device=self.device)
+                for k, s in shapes.items()}
 
     plan.__doc__ += _PLAN_COMMON_DOC
     begin_forward = plan

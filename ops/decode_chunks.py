@@ -42,10 +42,13 @@ def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, st
     """Grid (merge rows, HQ): merge row (out row, first chunk row, chunks) of chunk outputs o
     [R, HQ, D] and base-2 LSEs lse [R, HQ] (contiguous) into out [N, HQ, D] and out_lse [N, HQ]
     (strides given): the chunks' outputs weighted by 2^(lse - max) over the weights' sum; LSE
-    max + log2(sum). Chunks of LSE -inf weigh 0; a row of only such chunks writes 0 / -inf."""
+    max + log2(sum). Chunks of LSE -inf weigh 0; a row of only such chunks writes 0 / -inf. A
+    merge row of out row -1 is padding (a CUDA-graph plan's buffer past its rows): no store."""
     m_row = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(merge_ptr + m_row * 3).to(tl.int64)
+    keep = row >= 0  # (compared as blocks below: a scalar mask fails under the interpreter)
+    row = tl.maximum(row, 0)
     first = tl.load(merge_ptr + m_row * 3 + 1)
     n = tl.load(merge_ptr + m_row * 3 + 2)
     c = tl.arange(0, BLOCK_C)
@@ -60,9 +63,12 @@ def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, st
                 mask=(c < n)[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     acc = tl.sum(o * w[:, None], 0) / tl.where(total == 0, 1.0, total)
     tl.store(out_ptr + row * stride_on + h * stride_oh + d, acc.to(out_ptr.dtype.element_ty),
-             mask=d < D)
-    out_lse = tl.where(total == 0, float("-inf"), base + tl.log2(tl.where(total == 0, 1.0, total)))
-    tl.store(out_lse_ptr + row * stride_ln + h * stride_lh, out_lse)
+             mask=(d < D) & (d * 0 + keep.to(tl.int32) > 0))
+    log_total = tl.log2(tl.where(total == 0, 1.0, total))
+    out_lse = tl.where(total == 0, float("-inf"), base + log_total)
+    one = tl.arange(0, 1)  # (one value stored as a block)
+    tl.store(out_lse_ptr + row * stride_ln + h * stride_lh + one,
+             out_lse + tl.zeros([1], tl.float32), mask=one * 0 + keep.to(tl.int32) > 0)
 
 
 def gather_rows(q: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

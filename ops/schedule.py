@@ -164,18 +164,20 @@ def decode_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_he
 def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
                         last_page_len: Sequence[int], page_size: int, chunks: int, *,
                         align_keys: int = 128) -> dict:
-    """A decode batch (every request at most one query row) as chunk requests, host tensors.
+    """A batch as chunk requests (host tensors): each one-row request's keys cut into chunks.
 
     Request b's pages (kv_indptr[b] to kv_indptr[b + 1] of the page table) are cut into at
     most ``chunks`` runs of whole pages, each a multiple of ``align_keys`` keys where the pages
     allow (so that chunks start on key tiles); each run is a one-row request of its own over the
     same page table. A request without a row keeps one chunk request without a row over its
     pages (the chunks' kv_indptr stays contiguous); a row's request without keys has one chunk
-    without pages (its output 0, LSE -inf). Returns int32 tensors:
-    - qo_indptr [C + 1] (one row a chunk, none for a request without rows), kv_indptr [C + 1]
-      (offsets into the page table), last_page_len [C]: the chunk requests' index arrays;
-    - src [R]: the query row each chunk row reads (its request's);
-    - merge [M, 3]: per request with a row (out row, first chunk row, chunks), by row.
+    without pages (its output 0, LSE -inf); a request of several rows stays whole, one chunk
+    request with its rows (a CUDA-graph plan re-planned with such a batch: the captured launches
+    serve it). Returns int32 tensors:
+    - qo_indptr [C + 1] (a chunk's rows), kv_indptr [C + 1] (offsets into the page table),
+      last_page_len [C]: the chunk requests' index arrays;
+    - src [R]: the query row each chunk row reads;
+    - merge [M, 3]: per query row (out row, first chunk row, chunks), by row.
     """
     qo = [int(x) for x in qo_indptr]
     kv = [int(x) for x in kv_indptr]
@@ -183,15 +185,14 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
     c_qo, c_kv, c_last, src, merge = [0], [kv[0]], [], [], []
     for b in range(len(qo) - 1):
         rows, pages = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
-        if rows == 0:  # a placeholder over its pages
-            c_qo.append(c_qo[-1])
+        if rows != 1:  # no row (a placeholder over its pages), or several: whole
+            merge.extend((qo[b] + i, len(src) + i, 1) for i in range(rows))
+            src.extend(range(qo[b], qo[b + 1]))
+            c_qo.append(c_qo[-1] + rows)
             c_kv.append(kv[b + 1])
             c_last.append(int(last_page_len[b]))
             continue
-        if rows != 1:
-            raise ValueError(f"request {b} has {rows} query rows; decode chunks take at most "
-                             "one a request")
-        per = -(-max(pages, 1) // chunks)
+        per = -(-max(pages, 1) // max(chunks, 1))
         per = -(-per // align) * align if per > align else per
         n = max(1, -(-pages // per))
         merge.append((qo[b], len(src), n))
@@ -206,3 +207,16 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
     return dict(qo_indptr=torch.tensor(c_qo, **i32), kv_indptr=torch.tensor(c_kv, **i32),
                 last_page_len=torch.tensor(c_last, **i32), src=torch.tensor(src, **i32),
                 merge=torch.tensor(merge, **i32).reshape(-1, 3))
+
+
+def decode_chunk_capacity(batch_size: int, max_rows: int, group_size: int,
+                          block_m: int) -> dict:
+    """The most entries build_decode_chunks (at most MAX_CHUNKS chunks a row) and build_work
+    over its chunk requests give any batch of ``batch_size`` requests and at most ``max_rows``
+    query rows: the sizes of a CUDA-graph plan's chunk buffers (requests, chunk rows, work
+    rows, merge rows)."""
+    requests = batch_size * MAX_CHUNKS
+    tiles = (max_rows * group_size + batch_size * (block_m - 1)) // block_m
+    per_chunk = -(-group_size // block_m)  # a one-row chunk's tiles
+    return dict(requests=requests, rows=max_rows * MAX_CHUNKS,
+                work=tiles + requests * per_chunk, merge=max_rows)

@@ -1,6 +1,7 @@
 """Decode key chunks on the host (no kernel): which batches the launch policy cuts
-(ops.choose.decode_chunk_sms, ops.schedule.decode_chunk_count) and the chunk requests' index
-arrays (ops.schedule.build_decode_chunks), checked against the page table they cut."""
+(ops.choose.decode_chunk_sms, ops.schedule.decode_chunk_count), the chunk requests' index
+arrays (ops.schedule.build_decode_chunks), checked against the page table they cut, and the
+CUDA-graph buffers' capacity (ops.schedule.decode_chunk_capacity)."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ import compiled_attn as ca
 from compiled_attn.ops import choose
 from compiled_attn.ops.choose import H200, Device, decode_chunk_sms
 from compiled_attn.ops.policy import override
-from compiled_attn.ops.schedule import build_decode_chunks, decode_chunk_count
+from compiled_attn.ops.schedule import (MAX_CHUNKS, build_decode_chunks, build_work,
+                                        decode_chunk_capacity, decode_chunk_count)
 from tests.helpers import indptr, make_paged
 
 
@@ -85,9 +87,35 @@ def test_build_decode_chunks_covers_each_request_in_order(qo, kv, page, chunks):
     assert j == c_last.numel()
 
 
-def test_build_decode_chunks_refuses_multi_row_requests():
-    with pytest.raises(ValueError, match="request 1 has 2 query rows"):
-        build_decode_chunks([0, 1, 3], [0, 4, 8], [16, 16], 16, 4)
+def test_build_decode_chunks_keeps_multi_row_requests_whole():
+    c = build_decode_chunks([0, 1, 4, 4], [0, 40, 48, 50], [16, 5, 9], 16, 4)
+    assert c["qo_indptr"].tolist() == [0, 1, 2, 3, 6, 6]  # 3 chunks, the 3 rows whole, none
+    assert c["kv_indptr"].tolist() == [0, 16, 32, 40, 48, 50]
+    assert c["last_page_len"].tolist() == [16, 16, 16, 5, 9]
+    assert c["src"].tolist() == [0, 0, 0, 1, 2, 3]
+    assert c["merge"].tolist() == [[0, 0, 3], [1, 3, 1], [2, 4, 1], [3, 5, 1]]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_chunk_capacity_bounds_every_batch(seed):
+    """A CUDA-graph plan's chunk buffers (sized by decode_chunk_capacity at the first plan)
+    hold build_decode_chunks' and build_work's output for any batch of that size and at most
+    that many rows, decode rows or not, at any chunk count."""
+    g = torch.Generator().manual_seed(seed)
+    b, group, block_m, page = 6, [1, 4, 7, 16][seed % 4], 64, [1, 16][seed % 2]
+    max_rows = int(torch.randint(b, 4 * b, (1,), generator=g))
+    cap = decode_chunk_capacity(b, max_rows, group, block_m)
+    qo = torch.zeros(b, dtype=torch.int64)
+    for _ in range(int(torch.randint(0, max_rows + 1, (1,), generator=g))):
+        qo[int(torch.randint(0, b, (1,), generator=g))] += 1
+    kv = torch.randint(0, 3000, (b,), generator=g)
+    npg = [-(-int(n) // page) for n in kv]
+    last = [int(n) - (p - 1) * page if p else 0 for n, p in zip(kv, npg)]
+    c = build_decode_chunks(indptr(qo.tolist()), indptr(npg), last, page, MAX_CHUNKS)
+    work = build_work(c["qo_indptr"].diff().tolist(), group, block_m)
+    assert c["qo_indptr"].numel() <= cap["requests"] + 1
+    assert c["src"].numel() <= cap["rows"] and c["merge"].shape[0] <= cap["merge"]
+    assert work.shape[0] <= cap["work"]
 
 
 def test_cpu_plans_are_not_cut():

@@ -48,24 +48,28 @@ def _dense_kv(cache, kvi, idx, last, page, b):
 
 
 def _reference(q, cache, qo, kvi, idx, last, page, dt):
-    """Per request with a row: SDPA in dt (float64: the math backend) over its K/V gathered
-    from the pages -> (out [rows, Hq, D], base-2 LSE [rows, Hq]) in float64."""
+    """Per request with rows: causal (bottom-right) SDPA in dt (float64: the math backend) over
+    its K/V gathered from the pages -> (out [rows, Hq, D], base-2 LSE [rows, Hq]) in float64."""
     outs, lses, r = [], [], 0
     for b, n in enumerate(qo):
         if not n:
             continue
         k, v = (t.to(dt) for t in _dense_kv(cache, kvi, idx, last, page, b))
-        qb = q[r:r + 1].to(dt)
-        r += 1
-        g = q.shape[1] // k.shape[1]
-        if k.shape[0] == 0:
-            outs.append(torch.zeros_like(qb, dtype=torch.float64))
-            lses.append(torch.full(qb.shape[:2], float("-inf"), dtype=torch.float64,
+        qb = q[r:r + n].to(dt).transpose(0, 1)  # [Hq, n, D]
+        r += n
+        kv = k.shape[0]
+        see = (torch.arange(kv, device=q.device)[None, :]
+               <= torch.arange(n, device=q.device)[:, None] + kv - n)  # [n, kv]
+        if kv == 0 or not see.any():
+            outs.append(torch.zeros(n, q.shape[1], D, dtype=torch.float64, device=q.device))
+            lses.append(torch.full((n, q.shape[1]), float("-inf"), dtype=torch.float64,
                                    device=q.device))
             continue
-        k, v = (t.repeat_interleave(g, 1).transpose(0, 1) for t in (k, v))
-        o = F.scaled_dot_product_attention(qb.transpose(0, 1), k, v)  # [Hq, 1, D]
-        s = (qb.transpose(0, 1).double() @ k.double().transpose(1, 2)) * D ** -0.5
+        g = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(g, 1).transpose(0, 1) for t in (k, v))  # [Hq, kv, D]
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=see)
+        s = (qb.double() @ k.double().transpose(1, 2)) * D ** -0.5
+        s = s.masked_fill(~see, float("-inf"))
         outs.append(o.transpose(0, 1).double())
         lses.append((torch.logsumexp(s, -1) / torch.log(torch.tensor(2.0))).transpose(0, 1))
     return torch.cat(outs), torch.cat(lses).to(q.device)
@@ -109,3 +113,45 @@ def test_decode_chunks_on_the_gluon_kernel(name, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(g_out, w.run(q, cache)) and torch.equal(g_out, out)
+
+
+def test_cuda_graph_replay_after_replan():
+    """use_cuda_graph=True, first planned with few long decodes (cut): run() captured once,
+    then re-planned into the same buffers with other lengths, a request without rows, a
+    two-row request (kept whole) and disable_split_kv (one chunk a request), and replayed;
+    each replay against the float64 reference within PyTorch's own bf16 error."""
+    from tests.helpers import paged_graph_bufs
+
+    hq, hkv, page, b = 32, 8, 16, 4
+    plans = [([1, 1, 1, 1], [30000, 4096, 17, 9000], {}),
+             ([1, 0, 1, 1], [5000, 300, 20000, 1], {}),
+             ([2, 1, 1, 0], [7000, 12000, 64, 5], {}),
+             ([1, 1, 1, 1], [3000, 3000, 3000, 3000], dict(disable_split_kv=True))]
+    pages = sum(-(-n // page) for n in plans[0][1]) + 2048
+    bufs = paged_graph_bufs(b, pages, "cuda")
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD",
+                                               use_cuda_graph=True, **bufs)
+    graph = q_buf = cache = None
+    for seed, (qo, kv, extra) in enumerate(plans):
+        q, c, kvi, idx, last = _case(qo, kv, page, hq, hkv, seed=40 + seed)
+        w.plan(indptr(qo), kvi, idx, last, hq, hkv, D, page, causal=True,
+               q_data_type=torch.bfloat16, **extra)
+        assert w._plan.chunk_work is not None
+        if graph is None:
+            q_buf = torch.zeros(4, hq, D, dtype=torch.bfloat16, device="cuda")
+            cache = torch.zeros(pages, 2, page, hkv, D, dtype=torch.bfloat16, device="cuda")
+            graph, out = capture_graph(lambda: w.run(q_buf, cache))
+        q_buf[:q.shape[0]].copy_(q)
+        cache[:c.shape[0]].copy_(c)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        n = sum(qo)
+        ref, _ = _reference(q, c, qo, kvi, idx, last, page, torch.float64)
+        own, _ = _reference(q, c, qo, kvi, idx, last, page, torch.bfloat16)
+        got = out[:n]
+        assert not got.isnan().any()
+        err = (got.double() - ref).abs().max().item()
+        own_err = (own - ref).abs().max().item()
+        assert err <= 2 * own_err + torch.finfo(torch.bfloat16).eps * ref.abs().max().item(), \
+            (seed, err, own_err)

@@ -3,7 +3,8 @@ decode_chunks.py) under the Triton interpreter, where the chunk requests run on 
 kernel: a paged wrapper's decode batch cut into chunks against a float64 reference on fresh
 random inputs (outputs poisoned first), and against the same plan uncut; the bound run()'s
 replay against its full path; the calls a chunk plan must not cut (sinks, a window passed to
-run(), a traced run) against the uncut plan, bit for bit; and the merge kernel against
+run(), a traced run) against the uncut plan, bit for bit; CUDA-graph plans re-planned into
+fixed chunk buffers; and the merge kernel (its padding rows included) against
 compiled_attn.utils.merge_states, chunks that saw no key included. ``decode_chunks="always"``
 cuts on this device, and chunks of 8 keys keep the shapes small."""
 
@@ -117,6 +118,49 @@ def test_plans_that_are_not_cut(plan):
     assert w._plan.chunk_work is None
 
 
+def test_cuda_graph_plans_refill_their_chunk_buffers():
+    """use_cuda_graph=True: a first plan that is cut fixes the chunk buffers; re-plans with
+    other lengths, a request without rows, a two-row request (kept whole) and
+    disable_split_kv (one chunk a request) fill the same buffers, padded, and each run()
+    against float64 (q with a row past the plan's, as a captured buffer has). A wrapper whose
+    first plan is not cut never cuts."""
+    from compiled_attn.prefill import _CHUNK_FIELDS
+    from tests.helpers import paged_graph_bufs
+
+    page, hq, hkv, d, b, dt = 4, 4, 2, 16, 3, F32
+    plans = [([1, 1, 1], [100, 37, 0], {}), ([1, 0, 1], [20, 5, 300], {}),
+             ([2, 1, 0], [40, 9, 17], {}), ([1, 1, 1], [50, 50, 50], dict(disable_split_kv=True))]
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(b, 128))
+    first = None
+    for seed, (qo, kv, extra) in enumerate(plans):
+        cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=80 + seed)
+        with override(decode_chunks="always", decode_chunk_min_keys=8):
+            w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=dt,
+                   **extra)
+        p = w._plan
+        ptrs = [getattr(p, f).data_ptr() for f in _CHUNK_FIELDS]
+        first = first or ptrs
+        assert ptrs == first  # what a captured run() reads
+        merges = p.chunk_merge[p.chunk_merge[:, 0] >= 0]
+        assert merges.shape[0] == sum(qo)
+        if seed == 0:
+            assert int(merges[:, 2].max()) > 1
+        if extra:
+            assert bool((merges[:, 2] == 1).all())
+        q = rand(sum(qo) + 1, hq, d, seed=90 + seed, dtype=dt)
+        out, lse = w.run(q, cache.to(dt), return_lse=True)
+        ref_out, ref_lse = dense_batch(q[:sum(qo)].double(), qo, ks, vs, causal=True)
+        torch.testing.assert_close(out[:sum(qo)].double(), ref_out, rtol=1e-5, atol=1e-5)
+        assert_lse(lse[:sum(qo)], ref_lse, dict(rtol=1e-4, atol=1e-4))
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(b, 128))
+    for qo, kv, extra in (plans[3], plans[0]):
+        cache, kvi, idx, last, *_ = make_paged(kv, hkv, d, d, page)
+        with override(decode_chunks="always", decode_chunk_min_keys=8):
+            w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=dt,
+                   **extra)
+        assert w._plan.chunk_work is None
+
+
 def test_merge_chunks_is_merge_states_with_unseen_chunks():
     """Merge rows of 1 to 5 chunks (at most MAX_CHUNKS), chunks of LSE -inf among them and a
     row of only such chunks, into out rows in another order: merge_states' numbers."""
@@ -131,8 +175,15 @@ def test_merge_chunks_is_merge_states_with_unseen_chunks():
     o[lse == float("-inf")] = 0
     firsts = [0, 4, 5, 10]
     rows = [2, 0, 3, 1]
-    merge = torch.tensor(list(zip(rows, firsts, counts)), dtype=torch.int32)
-    out, out_lse = decode_chunks.merge_chunks(o, lse, merge, 4)
+    merge = torch.tensor(list(zip(rows, firsts, counts)) + [(-1, 0, 0)], dtype=torch.int32)
+    out, out_lse = decode_chunks.merge_chunks(o, lse, merge, 5)
+    out[4], out_lse[4] = 7.0, 7.0  # row 4: no merge row names it (only the padding row)
+    merge[-1, 0] = -1
+    out, out_lse = out.clone(), out_lse.clone()
+    decode_chunks._merge_chunks[(merge.shape[0], h)](
+        merge, o, lse, out, out_lse, out.stride(0), out.stride(1), out_lse.stride(0),
+        out_lse.stride(1), HQ=h, D=d, BLOCK_C=16, BLOCK_D=32)
+    assert bool((out[4] == 7.0).all()) and bool((out_lse[4] == 7.0).all())
     for row, first, n in zip(rows, firsts, counts):
         v, s = merge_states(o[first:first + n].unsqueeze(0).double(),
                             lse[first:first + n].unsqueeze(0).double())
