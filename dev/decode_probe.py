@@ -52,6 +52,7 @@ def _variants():
         # use_cuda_graph=True plans, with the launch policy's graph_decode_tile off / on
         "graph plan": ("graph", False),
         "graph plan decode tile": ("graph", True),
+        "graph plan no chunks": ("graph", True, dict(decode_chunks="off")),
         # split-KV for small batches: chunks of at least this many keys (plan default 1024),
         # counting this many resident programs a SM (chunks_wanted counts one)
         "split256 x2": ("split", 256, 2),
@@ -75,7 +76,8 @@ def _variant(v):
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
     split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and v[0] == "graph"
-    settings = v[1] if isinstance(v, tuple) and v[0] == "policy" else {}
+    settings = (v[1] if isinstance(v, tuple) and v[0] == "policy" else
+                v[2] if graph and len(v) > 2 else {})
     tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple)
                                            and v[0] not in ("graph", "split", "policy") else {})
     try:
