@@ -894,7 +894,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         graph = self._use_cuda_graph
         if graph and self._chunk_bufs is False:
             return none
-        n = 0
+        n = sms = 0
         if not (args["disable_split_kv"]
                 or _check_fixed_split_size(args["fixed_split_size"]) is not None
                 or not on_kernel_device(torch.empty(0, device=self.device))):
@@ -906,7 +906,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                                            min_keys_per_chunk=POLICY.decode_chunk_min_keys,
                                            slots_per_sm=RESIDENT_PER_SM[64])
         if graph and self._chunk_bufs is None:  # the first plan
-            self._chunk_bufs = self._chunk_buffers(p) if n else False
+            self._chunk_bufs = self._chunk_buffers(p, sms) if n else False
         if not (n or graph and self._chunk_bufs):
             return none
         c = build_decode_chunks(qo_h.tolist(), kv_h.tolist(), last_h.tolist(), p.page_size,
@@ -935,11 +935,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             out[k] = _copy_padded(buf, t, fill[k], nb)
         return out
 
-    def _chunk_buffers(self, p: _Plan) -> dict:
-        """CUDA-graph mode: the chunk fields' buffers, sized at the first plan for any plan of
-        the wrapper's batch size and row capacity (schedule.decode_chunk_capacity)."""
+    def _chunk_buffers(self, p: _Plan, sms: int) -> dict:
+        """CUDA-graph mode: the chunk fields' buffers, sized at the first plan (cut for ``sms``
+        SMs) for any plan of the wrapper's batch size and row capacity
+        (schedule.decode_chunk_capacity)."""
         cap = decode_chunk_capacity(self._fixed_batch_size, self._max_total_rows, p.group,
-                                    p.block_m)
+                                    p.block_m, p.num_kv_heads, RESIDENT_PER_SM[64] * sms)
         shapes = dict(chunk_qo_indptr=(cap["requests"] + 1,),
                       chunk_kv_indptr=(cap["requests"] + 1,),
                       chunk_last_page_len=(cap["requests"],), chunk_work=(cap["work"], 2),

@@ -209,14 +209,16 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
                 merge=torch.tensor(merge, **i32).reshape(-1, 3))
 
 
-def decode_chunk_capacity(batch_size: int, max_rows: int, group_size: int,
-                          block_m: int) -> dict:
-    """The most entries build_decode_chunks (at most MAX_CHUNKS chunks a row) and build_work
-    over its chunk requests give any batch of ``batch_size`` requests and at most ``max_rows``
-    query rows: the sizes of a CUDA-graph plan's chunk buffers (requests, chunk rows, work
-    rows, merge rows)."""
-    requests = batch_size * MAX_CHUNKS
+def decode_chunk_capacity(batch_size: int, max_rows: int, group_size: int, block_m: int,
+                          num_kv_heads: int, slots: int) -> dict:
+    """The most entries build_decode_chunks and build_work over its chunk requests give a
+    batch of ``batch_size`` requests and at most ``max_rows`` query rows, cut into
+    decode_chunk_count's chunks for ``slots`` programs (slots_per_sm x num_sms), or one chunk a
+    request: the sizes of a CUDA-graph plan's chunk buffers (requests, chunk rows, work rows,
+    merge rows). Cut, R one-row requests take n <= slots // (R x num_kv_heads) chunks each, so
+    at most slots // num_kv_heads chunk rows in all; uncut, a row each."""
+    rows = max(max_rows, slots // max(num_kv_heads, 1))
     tiles = (max_rows * group_size + batch_size * (block_m - 1)) // block_m
     per_chunk = -(-group_size // block_m)  # a one-row chunk's tiles
-    return dict(requests=requests, rows=max_rows * MAX_CHUNKS,
-                work=tiles + requests * per_chunk, merge=max_rows)
+    return dict(requests=rows + batch_size, rows=rows, work=max(tiles, rows * per_chunk),
+                merge=max_rows)

@@ -10,8 +10,8 @@ import compiled_attn as ca
 from compiled_attn.ops import choose
 from compiled_attn.ops.choose import H200, Device, decode_chunk_sms
 from compiled_attn.ops.policy import override
-from compiled_attn.ops.schedule import (MAX_CHUNKS, build_decode_chunks, build_work,
-                                        decode_chunk_capacity, decode_chunk_count)
+from compiled_attn.ops.schedule import (build_decode_chunks, build_work, decode_chunk_capacity,
+                                        decode_chunk_count)
 from tests.helpers import indptr, make_paged
 
 
@@ -96,22 +96,29 @@ def test_build_decode_chunks_keeps_multi_row_requests_whole():
     assert c["merge"].tolist() == [[0, 0, 3], [1, 3, 1], [2, 4, 1], [3, 5, 1]]
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(30))
 def test_decode_chunk_capacity_bounds_every_batch(seed):
     """A CUDA-graph plan's chunk buffers (sized by decode_chunk_capacity at the first plan)
     hold build_decode_chunks' and build_work's output for any batch of that size and at most
-    that many rows, decode rows or not, at any chunk count."""
+    that many rows: decode rows cut as decode_chunk_count says, or any batch at one chunk a
+    request."""
     g = torch.Generator().manual_seed(seed)
-    b, group, block_m, page = 6, [1, 4, 7, 16][seed % 4], 64, [1, 16][seed % 2]
-    max_rows = int(torch.randint(b, 4 * b, (1,), generator=g))
-    cap = decode_chunk_capacity(b, max_rows, group, block_m)
-    qo = torch.zeros(b, dtype=torch.int64)
-    for _ in range(int(torch.randint(0, max_rows + 1, (1,), generator=g))):
-        qo[int(torch.randint(0, b, (1,), generator=g))] += 1
-    kv = torch.randint(0, 3000, (b,), generator=g)
-    npg = [-(-int(n) // page) for n in kv]
-    last = [int(n) - (p - 1) * page if p else 0 for n, p in zip(kv, npg)]
-    c = build_decode_chunks(indptr(qo.tolist()), indptr(npg), last, page, MAX_CHUNKS)
+    b, hkv = 6, [1, 2, 8][seed % 3]
+    group, block_m, page = [1, 4, 7, 16][seed % 4], 64, [1, 16][seed % 2]
+    decode = seed % 2 == 0
+    max_rows = b if decode else int(torch.randint(b, 4 * b, (1,), generator=g))
+    cap = decode_chunk_capacity(b, max_rows, group, block_m, hkv, 2 * 132)
+    if decode:
+        qo = (torch.rand(b, generator=g) < 0.8).long()
+    else:
+        qo = torch.zeros(b, dtype=torch.int64)
+        for _ in range(int(torch.randint(0, max_rows + 1, (1,), generator=g))):
+            qo[int(torch.randint(0, b, (1,), generator=g))] += 1
+    kv = torch.randint(0, 40000, (b,), generator=g)
+    n = decode_chunk_count(qo.tolist(), kv.tolist(), hkv, 132, min_keys_per_chunk=1) or 1
+    npg = [-(-int(k) // page) for k in kv]
+    last = [int(k) - (p - 1) * page if p else 0 for k, p in zip(kv, npg)]
+    c = build_decode_chunks(indptr(qo.tolist()), indptr(npg), last, page, n)
     work = build_work(c["qo_indptr"].diff().tolist(), group, block_m)
     assert c["qo_indptr"].numel() <= cap["requests"] + 1
     assert c["src"].numel() <= cap["rows"] and c["merge"].shape[0] <= cap["merge"]
