@@ -377,10 +377,13 @@ def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
 
 def _eager_call(*tensors) -> bool:
     """Whether a call runs eagerly on plain tensors (no trace: not compiling, no dispatch mode,
-    no functorch transform), as the decode chunks' direct launches need."""
+    no functorch transform), none requiring grad while grad is on (the op's autograd kernel is
+    what raises on backward), as the decode chunks' direct launches need."""
+    grad = torch.is_grad_enabled()
     return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
             and torch._C._functorch.peek_interpreter_stack() is None
-            and all(type(t) is torch.Tensor for t in tensors))
+            and all(type(t) is torch.Tensor and not (grad and t.requires_grad)
+                    for t in tensors))
 
 
 class _WrapperBase:

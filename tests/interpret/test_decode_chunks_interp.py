@@ -81,11 +81,12 @@ def test_chunk_plan_bound_run_replays_its_full_path():
     assert second[0].data_ptr() != first[0].data_ptr()
 
 
-@pytest.mark.parametrize("call", ["sinks", "window", "traced"])
+@pytest.mark.parametrize("call", ["sinks", "window", "traced", "grad"])
 def test_calls_a_chunk_plan_does_not_cut_run_uncut(call):
     """Sinks and a window passed to run() (the merge takes no sinks; a window counts from each
-    chunk's own end) and a traced run (the chunks' launches are eager only) take the plan's
-    uncut path: the same bits as the plan made with decode_chunks off."""
+    chunk's own end), a traced run (the chunks' launches are eager only) and a q that requires
+    grad (whose backward the op refuses) take the plan's uncut path: the same bits as the plan
+    made with decode_chunks off."""
     qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
     w, cache, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=7)
     w_off, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "off", seed=7)
@@ -96,6 +97,12 @@ def test_calls_a_chunk_plan_does_not_cut_run_uncut(call):
         got, want = (x.run(q, cache, sinks=s, return_lse=True) for x in (w, w_off))
     elif call == "window":
         got, want = (x.run(q, cache, window_left=6, return_lse=True) for x in (w, w_off))
+    elif call == "grad":
+        qg = q.clone().requires_grad_()
+        got, want = (x.run(qg, cache, return_lse=True) for x in (w, w_off))
+        with pytest.raises(RuntimeError, match="backward"):
+            got[0].sum().backward()
+        got, want = [t.detach() for t in got], [t.detach() for t in want]
     else:
         got = torch.compile(lambda a, c: w.run(a, c, return_lse=True), backend="eager",
                             fullgraph=True)(q, cache)
