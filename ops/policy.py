@@ -59,10 +59,12 @@ class Policy:
         # decode rows) and keep it for every re-plan: 128 x 4k decodes replay in 495 us
         # instead of 560 (H200, benchmarks/NOTES.md, 2026-11-28).
         self.graph_decode_tile = True
-        # Eager paged plans of decode rows that a split plan would split (few requests, long
-        # keys) cut each request's pages into chunk requests on the Gluon kernel, then merge
-        # (choose.decode_chunk_sms): "gluon" where that kernel reads them, "always" on any
-        # device the kernels run (tests: the interpreter runs them on the Triton kernel), "off".
+        # Paged plans of decode rows that a split plan would split (few requests, long keys)
+        # cut each request's pages into chunk requests on the Gluon kernel, then merge
+        # (choose.decode_chunk_sms; CUDA-graph plans as their first plan): "gluon" where that
+        # kernel reads them, "always" on any device the kernels run (tests: the interpreter
+        # runs them on the Triton kernel), "off". 1 x 32k decodes replay in 47 us instead of
+        # 76 (H200, benchmarks/NOTES.md, 2026-11-28).
         self.decode_chunks = "gluon"
         # ...each chunk at least this many keys of the longest request.
         self.decode_chunk_min_keys = 512
