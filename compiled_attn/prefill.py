@@ -30,7 +30,8 @@ from ._plan_options import PlanOptions, scalar_options
 from .op_call import bound_run, call_op
 from .ops import decode_chunks as _chunks
 from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
-from .ops.launch import LaunchCache, Memo, adopt_scratch, on_kernel_device
+from .ops.launch import (LaunchCache, Memo, adopt_scratch, kernel_device, plain_tensors,
+                         untraced)
 from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE
 from .ops.device import sm_count
@@ -373,17 +374,6 @@ def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
     return (p.mask_mode != MASK_CUSTOM and window_left < 0 and sinks is None
             and p.pos_encoding_mode == POS_NONE and not p.logits_soft_cap
             and p.q_dtype == p.kv_dtype == p.o_dtype)
-
-
-def _eager_call(*tensors) -> bool:
-    """Whether a call runs eagerly on plain tensors (no trace: not compiling, no dispatch mode,
-    no functorch transform), none requiring grad while grad is on (the op's autograd kernel is
-    what raises on backward), as the decode chunks' direct launches need."""
-    grad = torch.is_grad_enabled()
-    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and torch._C._functorch.peek_interpreter_stack() is None
-            and all(type(t) is torch.Tensor and not (grad and t.requires_grad)
-                    for t in tensors))
 
 
 class _WrapperBase:
@@ -900,7 +890,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         n = sms = 0
         if not (args["disable_split_kv"]
                 or _check_fixed_split_size(args["fixed_split_size"]) is not None
-                or not on_kernel_device(torch.empty(0, device=self.device))):
+                or not kernel_device(self.device)):
             sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
                                    p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
                                    device=device_of(self.device))
@@ -914,10 +904,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             return none
         c = build_decode_chunks(qo_h.tolist(), kv_h.tolist(), last_h.tolist(), p.page_size,
                                 n or 1)
-        pages = c["kv_indptr"][1:] - c["kv_indptr"][:-1]
-        c_kv = torch.where(pages > 0, (pages - 1) * p.page_size + c["last_page_len"], 0)
         work = build_work((c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist(), p.group,
-                          p.block_m, "cpu", kv_lens=c_kv.tolist())
+                          p.block_m, "cpu", kv_lens=c["kv_lens"])
         nb = args["non_blocking"]
         fields = dict(chunk_qo_indptr=c["qo_indptr"], chunk_kv_indptr=c["kv_indptr"],
                       chunk_last_page_len=c["last_page_len"], chunk_work=work,
@@ -1020,8 +1008,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                            device=self.device, what="[Hq] float32")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,
                        self.device, lse_layout)
-        if p.chunk_work is not None and _chunks_exact(p, w, sinks) and _eager_call(
-                q, k_cache, v_cache):
+        # (the chunks' direct launches need an eager call on plain tensors; a q that requires
+        # grad takes the op, whose autograd kernel refuses the backward)
+        if (p.chunk_work is not None and _chunks_exact(p, w, sinks) and untraced()
+                and plain_tensors((q, k_cache, v_cache))):
             # decode key chunks (_plan_chunks): q's rows gathered per chunk, one paged launch
             # of the chunk requests, their outputs merged per request
             q_c = _chunks.gather_rows(q, p.chunk_src)

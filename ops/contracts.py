@@ -153,9 +153,10 @@ FRONT: dict = {}
 
 def _register_front(name: str, fn, op) -> None:
     """Register, at AutogradCUDA (and AutogradCPU under the interpreter), a kernel that runs a
-    plain eager call's bound launch right there (_bound_call: the entry points' direct path). Through torch's dispatcher a custom op's call otherwise passes custom_op's
-    Python autograd kernel, a redispatch and its Python backend kernel (which checks the outputs
-    for aliasing) before ``_replaying`` runs: ~11 us of the host's time on a 16-argument op
+    plain eager call's bound launch right there (_bound_call: the entry points' direct path).
+    Through torch's dispatcher a custom op's call otherwise passes custom_op's Python autograd
+    kernel, a redispatch and its Python backend kernel (which checks the outputs for aliasing)
+    before ``_replaying`` runs: ~11 us of the host's time on a 16-argument op
     (benchmarks/NOTES.md, 2026-11-28). Any call that is not plain eager (launch.unobserved:
     a mode, a transform, the profiler, a subclass or fake tensor, a tensor requiring grad while
     grad is on) goes on to custom_op's autograd kernel unchanged, so tracing, the fakes and the

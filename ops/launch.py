@@ -472,18 +472,40 @@ class Bound:
             fn[grid](*a, **options)
 
 
+def kernel_device(device: torch.device) -> bool:
+    """Whether the kernels run on device: CUDA, or CPU under the Triton interpreter."""
+    return device.type == "cuda" or (INTERPRET and device.type == "cpu")
+
+
 def on_kernel_device(t: torch.Tensor) -> bool:
-    """Whether t is on a device the kernels run: CUDA, or CPU under the Triton interpreter."""
-    return t.device.type == "cuda" or (INTERPRET and t.device.type == "cpu")
+    """Whether t is on a device the kernels run (kernel_device)."""
+    return kernel_device(t.device)
+
+
+def untraced() -> bool:
+    """Whether a call runs eagerly on real tensors: not compiling or exporting, no dispatch
+    mode, no functorch transform (a profiler or function mode may still watch it: unwatched)."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
 
 
 def unwatched() -> bool:
-    """unobserved's half that does not look at the arguments: not compiling or exporting, no
-    dispatch or function mode, no functorch transform, the autograd profiler off."""
-    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                or torch._C._is_torch_function_mode_enabled()
-                or torch._C._autograd._profiler_enabled()
-                or torch._C._functorch.peek_interpreter_stack() is not None)
+    """unobserved's half that does not look at the arguments: untraced, no function mode, the
+    autograd profiler off."""
+    return untraced() and not (torch._C._is_torch_function_mode_enabled()
+                               or torch._C._autograd._profiler_enabled())
+
+
+def plain_tensors(values) -> bool:
+    """unobserved's half that looks at the arguments: every tensor among values a plain
+    ``torch.Tensor`` on a device the kernels run that does not require grad while grad is on."""
+    grad = torch.is_grad_enabled()
+    for a in values:
+        if isinstance(a, torch.Tensor) and (
+                type(a) is not torch.Tensor or (grad and a.requires_grad)
+                or not (a.is_cuda or on_kernel_device(a))):
+            return False
+    return True
 
 
 def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
@@ -493,15 +515,7 @@ def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
     tensor argument a plain ``torch.Tensor`` on a device the kernels run (CUDA; CPU under the
     Triton interpreter) that does not require grad while grad is on. (Traced calls see fake or
     functional tensors, subclasses, and fail the last test.)"""
-    if not unwatched():
-        return False
-    grad = torch.is_grad_enabled()
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor) and (
-                type(a) is not torch.Tensor or (grad and a.requires_grad)
-                or not (a.is_cuda or on_kernel_device(a))):
-            return False
-    return True
+    return unwatched() and plain_tensors((*args, *(kwargs or {}).values()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,12 +177,13 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
     - qo_indptr [C + 1] (a chunk's rows), kv_indptr [C + 1] (offsets into the page table),
       last_page_len [C]: the chunk requests' index arrays;
     - src [R]: the query row each chunk row reads;
-    - merge [M, 3]: per query row (out row, first chunk row, chunks), by row.
+    - merge [M, 3]: per query row (out row, first chunk row, chunks), by row;
+    and kv_lens, a list of each chunk request's keys (build_work's ordering).
     """
     qo = [int(x) for x in qo_indptr]
     kv = [int(x) for x in kv_indptr]
     align = max(1, align_keys // max(page_size, 1))
-    c_qo, c_kv, c_last, src, merge = [0], [kv[0]], [], [], []
+    c_qo, c_kv, c_last, c_keys, src, merge = [0], [kv[0]], [], [], [], []
     for b in range(len(qo) - 1):
         rows, pages = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
         if rows != 1:  # no row (a placeholder over its pages), or several: whole
@@ -191,6 +192,7 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
             c_qo.append(c_qo[-1] + rows)
             c_kv.append(kv[b + 1])
             c_last.append(int(last_page_len[b]))
+            c_keys.append((pages - 1) * page_size + c_last[-1] if pages else 0)
             continue
         per = -(-max(pages, 1) // max(chunks, 1))
         per = -(-per // align) * align if per > align else per
@@ -202,11 +204,12 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
             c_kv.append(kv[b] + j * per + take)
             c_last.append(int(last_page_len[b]) if j == n - 1 and pages else
                           page_size if take else 0)
+            c_keys.append((take - 1) * page_size + c_last[-1] if take else 0)
             src.append(qo[b])
     i32 = dict(dtype=torch.int32)
     return dict(qo_indptr=torch.tensor(c_qo, **i32), kv_indptr=torch.tensor(c_kv, **i32),
                 last_page_len=torch.tensor(c_last, **i32), src=torch.tensor(src, **i32),
-                merge=torch.tensor(merge, **i32).reshape(-1, 3))
+                merge=torch.tensor(merge, **i32).reshape(-1, 3), kv_lens=c_keys)
 
 
 def decode_chunk_capacity(batch_size: int, max_rows: int, group_size: int, block_m: int,

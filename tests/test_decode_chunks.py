@@ -66,6 +66,7 @@ def test_build_decode_chunks_covers_each_request_in_order(qo, kv, page, chunks):
     keys = [((int(c_kv[j + 1]) - int(c_kv[j]) - 1) * page + int(c_last[j])
              if c_kv[j + 1] > c_kv[j] else 0) for j in range(c_last.numel())]
     rows = c_qo.diff().tolist()
+    assert c["kv_lens"] == keys
     assert all(0 <= k for k in keys) and set(rows) <= {0, 1}
     j = 0  # chunk requests in request order: a placeholder a request without rows, else n
     for b, (n_rows, n_keys) in enumerate(zip(qo, kv)):
