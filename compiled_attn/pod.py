@@ -334,7 +334,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], self.device)
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
-        # fused launch would not be the Gluon kernel's (e.g. page 1), pod_tile is not theirs.
+        # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
         p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
                                                 p["block_m"], p["kv_dtype"])
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(

@@ -208,13 +208,6 @@ def _gluon_pages(page_size: int, dqk: int, dvo: int, kv_dtype: torch.dtype | Non
                     for (_, d), t in _gluon.TILES.items() if d == dqk))
 
 
-def _boxes_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
-                      dev: Device) -> bool:
-    """Whether eager launches read pages of this size at head dim d (Q's and V's) by TMA boxes
-    on the Gluon kernel's 64-row tile: the tile of decode rows and of POD plans."""
-    return _pages_on_64_rows(page_size, d, kv_dtype, dev, gathered=False)
-
-
 def _pages_on_64_rows(page_size: int, d: int, kv_dtype: torch.dtype | None,
                       dev: Device, *, gathered: bool = True) -> bool:
     """Whether eager launches read pages of this size at head dim d on the Gluon kernel's
@@ -605,9 +598,10 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     """Whether a POD launch runs on the Gluon kernel's persistent work list
     (prefill_gluon.launch_pod) instead of the Triton kernel's POD launch: an eager launch
     (POLICY.pod_gluon), both parts in the Gluon kernel's scope (_gluon_scope) on its 64- or
-    128-row D 128 tile (the plan's: pod_tile), the decodes' pages read by TMA boxes, the
-    prefill's too or its cache one page (PODWithPagedKVCacheWrapper's contiguous k_p / v_p:
-    read as rows), one mask for both parts, and Q / O / LSE row strides that the launch
+    128-row D 128 tile (the plan's: pod_tile), both parts' pages read alike, by TMA boxes or
+    gathered (pages of 1-7 keys: the launch's slots are filled one way), the prefill's cache
+    possibly one page (PODWithPagedKVCacheWrapper's contiguous k_p / v_p: read as rows, or as
+    one gathered page), one mask for both parts, and Q / O / LSE row strides that the launch
     specialises alike in both (a stride of 1 becomes a constexpr). q_x [N, Hq, D]; k_x / v_x
     caches [P, page, Hkv, D]; one_page: one_page_cache of the prefill's cache. static: what a
     trace can know (ops.dispatch: a traced call that an eager launch would send here stays
@@ -620,12 +614,16 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     if d != 128 or q_p.dtype != q_d.dtype or consts_p["MASK_MODE"] != consts_d["MASK_MODE"]:
         return False
     block_n = _gluon.TILES[block_m, 128].block_n
+    gathered = _gluon.page_gathered(k_d.shape[1], block_n, d)
+    if gathered and not POLICY.pod_gather:
+        return False
     for q, k, v, consts, scalars, prefill in ((q_p, k_p, v_p, consts_p, scalars_p, True),
                                               (q_d, k_d, v_d, consts_d, scalars_d, False)):
         page = k.shape[1]
-        if prefill and one_page:
-            page = block_n  # (scope only: a one-page cache is read as rows)
-        if not (_gluon.page_fits(page, block_n, d)
+        if prefill and one_page:  # (scope only: read as rows, or as one gathered page)
+            page = k_d.shape[1] if gathered else block_n
+        read = _gluon.page_gathered if gathered else _gluon.page_fits
+        if not (read(page, block_n, d)
                 and _gluon_scope(KV_PAGED, q, k, v, out_dtype, block_m, page, consts, scalars,
                                  dev, aligned=not static)):
             return False
@@ -637,7 +635,7 @@ def pod_tile(head_dim: int, group_size: int, page_size: int,
              kv_dtype: torch.dtype | None = None, device: Device | None = None, *,
              plain: bool = True, fused_gluon: bool | None = None) -> int:
     """The tile height of a POD plan, which both parts share in the fused launch: 64 where the
-    Gluon kernel's POD launch reads the decodes' pages by TMA boxes (its 64-row tile runs two
+    Gluon kernel's POD launch reads the decodes' pages (pod_fused_gluon; its 64-row tile runs two
     programs a SM: the decode items stream twice the K/V that the 128-row ping-pong tile's one
     program did, and the prefill's tiles fill in between; benchmarks/NOTES.md, 2026-11-28,
     POD on the 64-row tile), else ``tile``'s height for any length: the Triton POD launch's
@@ -673,13 +671,15 @@ def pod_decode_tile(head_dim: int, group_size: int, page_size: int, qo_lens: Seq
 
 def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None = None,
                     device: Device | None = None, *, plain: bool = True) -> bool:
-    """Whether a POD plan's fused launch is the Gluon kernel's (on pod_tile's 64-row tile;
-    pod_gluon checks the call's tensors at launch), not the Triton kernel's POD launch.
-    Arguments as pod_tile's. Never under the interpreter, which runs the Triton kernel."""
+    """Whether a POD plan's fused launch is the Gluon kernel's (on pod_tile's 64-row tile, the
+    decodes' pages read by TMA boxes or gathered; pod_gluon checks the call's tensors at
+    launch), not the Triton kernel's POD launch. Arguments as pod_tile's. Never under the
+    interpreter, which runs the Triton kernel."""
     if INTERPRET:
         return False
     dev = _plan_device() if device is None else device
-    return POLICY.pod_gluon and plain and _boxes_on_64_rows(page_size, head_dim, kv_dtype, dev)
+    return (POLICY.pod_gluon and plain
+            and _pages_on_64_rows(page_size, head_dim, kv_dtype, dev, gathered=POLICY.pod_gather))
 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True) -> bool:

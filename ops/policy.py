@@ -43,6 +43,10 @@ class Policy:
         # POD launches whose parts are in its scope run on the Gluon kernel's persistent work
         # list (choose.pod_gluon); off: the Triton kernel's POD launch.
         self.pod_gluon = True
+        # ...that Gluon launch also where the decodes' pages are gathered (pages of 1-7 keys:
+        # both parts' K / V then gathered, a one-page prefill cache as one page); off: such
+        # POD calls run their parts apart (choose.pod_apart_any_size).
+        self.pod_gather = True
         # POD calls whose decodes would take less than this share of the prefill's time run
         # as two launches, each part on its own path (choose.pod_apart): the fused launch lost
         # 4-8% to them there (benchmarks/NOTES.md, 2026-11-27). 0: always fused.

@@ -47,7 +47,7 @@ from triton.runtime.jit import constexpr_function
 
 from . import launch as _launch
 from .modes import LOG2E
-from .tiles import GLUON_SHORT_KV
+from .tiles import GLUON_SHORT_KV, one_page_size
 
 # The CTA-wide barrier is gl.thread_barrier in triton 3.6 and gl.barrier from 3.7 on.
 _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -157,10 +157,12 @@ GatherStrides.__doc__ = """\
     Elements from one row of the K / V caches' 2D views to the next (PAGED_GATHER)."""
 
 
-PartScalars = namedtuple("PartScalars", "k_page_rows v_page_rows qt qh ot oh lt lh qk_scale")
+PartScalars = namedtuple("PartScalars", "k_page_rows v_page_rows qt qh ot oh lt lh qk_scale "
+                         "stride_kr stride_vr")
 PartScalars.__doc__ = """\
     A POD part's scalars (_gluon_pod_fwd): its caches' page rows, the token and head strides of
-    q, o and lse (ragged: no batch strides), and its base-2 logit scale."""
+    q, o and lse (ragged: no batch strides), its base-2 logit scale, and the row strides of its
+    caches' 2D views (PAGED_GATHER)."""
 
 
 Source = namedtuple("Source", "PAGED PAGE BOXES WIDE")
@@ -181,6 +183,12 @@ Schedule.__doc__ = """\
     _gluon_fwd's constexprs of the work and its schedule: dense work items, Q by TMA, P through
     shared memory, warp specialization, persistent programs, ping-pong groups, and the load and
     second compute partitions' registers."""
+
+
+PodConfig = namedtuple("PodConfig", "SOURCE SOURCE_D SHAPE PINGPONG GROUP_REGS PRODUCER_REGS")
+PodConfig.__doc__ = """\
+    _gluon_pod_fwd's constexprs: each part's K / V Source (prefill, decodes), the tile's Shape,
+    ping-pong groups, and the second compute and the load partitions' registers."""
 
 
 @constexpr_function
@@ -983,7 +991,7 @@ def _produce(keys, ctx, item, it, PAGED: gl.constexpr, PAGE: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
              BOXES: gl.constexpr, WIDE: gl.constexpr):
     """The load partition's K / V copies of one work item (_item_producer) from the Keys
-    ``keys`` into ctx's rings."""
+    ``keys`` (PAGED_GATHER: from ctx's Gather) into ctx's rings."""
     ring, gather = ctx.ring, ctx.gather
     _item_producer(keys.k_desc, keys.v_desc, gather.k_ptr, gather.v_ptr, ring.k_ring,
                    ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty, item.n_tiles,
@@ -1039,7 +1047,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
             if part == 0:
                 _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
             else:
-                _produce(pod.keys, ctx, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
+                _produce(pod.keys, pod, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
                          WIDE)
         else:
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
@@ -1278,13 +1286,14 @@ def _gluon_fwd(
 
 
 @gluon.jit
-def _pod_part_ctx(io, keys, strides, indptrs, shared):
+def _pod_part_ctx(io, keys, strides, indptrs, gather, shared):
     """A POD part's Ctx (_gluon_pod_fwd): its Io and Keys, its row strides (qt, qh, ot, oh,
-    lt, lh; ragged: no batch strides), its indptrs (qo, kv, last page lengths) and what the
-    parts share (the work list, items, KV heads, rings, handoff, gather stand-in)."""
+    lt, lh; ragged: no batch strides), its indptrs (qo, kv, last page lengths), its caches as
+    pointers (Gather, PAGED_GATHER) and what the parts share (the work list, items, KV heads,
+    rings, handoff)."""
     qt, qh, ot, oh, lt, lh = strides
     qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr = indptrs
-    work_ptr, n_items, n_hkv, ring, handoff, gather = shared
+    work_ptr, n_items, n_hkv, ring, handoff = shared
     return Ctx(io, ring, keys, RowStrides(0, qt, qh, 0, ot, oh, 0, lt, lh),
                Work(work_ptr, qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr, n_items, 0, n_hkv,
                     0, 0, 0, 0),
@@ -1295,11 +1304,10 @@ def _pod_part_ctx(io, keys, strides, indptrs, shared):
 def _gluon_pod_fwd(
     work_ptr, n_items, n_hkv, sched_ptr,
     q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
-    last_page_len_ptr, scalars,
+    last_page_len_ptr, k_ptr, v_ptr, scalars,
     q_ptr_d, k_desc_d, v_desc_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
-    page_idx_ptr_d, last_page_len_ptr_d, scalars_d,
-    SOURCE: gl.constexpr, SOURCE_D: gl.constexpr, SHAPE: gl.constexpr, PINGPONG: gl.constexpr,
-    GROUP_REGS: gl.constexpr, num_warps: gl.constexpr,
+    page_idx_ptr_d, last_page_len_ptr_d, k_ptr_d, v_ptr_d, scalars_d,
+    CONFIG: gl.constexpr, num_warps: gl.constexpr,
 ):
     """POD on the persistent warp-specialized kernel: one launch whose work items are a
     prefill's tiles (part 0: the arguments without suffix) and a decode batch's items (part 1:
@@ -1310,22 +1318,33 @@ def _gluon_pod_fwd(
     ([N, Hq, D], [N, Hq]; ragged row strides), indptrs, logit scale and K / V source: part 0 a
     paged cache (PAGED_BOXES, PAGE, BOXES) or a one-page cache whose request reads that page's
     first last_page_len rows (PAGED 0: PODWithPagedKVCacheWrapper's contiguous k_p / v_p),
-    part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Descriptors and page rows as in
-    _gluon_fwd; both parts' boxes fill slots of one shared layout (the launcher checks).
-    Bundles: each part's scalars a PartScalars (scalars, scalars_d), its K / V source a Source
-    (SOURCE, SOURCE_D: PAGED, PAGE, BOXES; WIDE off), the tile a Shape (SHAPE)."""
-    PAGED: gl.constexpr = SOURCE.PAGED
-    PAGE: gl.constexpr = SOURCE.PAGE
-    BOXES: gl.constexpr = SOURCE.BOXES
-    PAGED_D: gl.constexpr = SOURCE_D.PAGED
-    PAGE_D: gl.constexpr = SOURCE_D.PAGE
-    BOXES_D: gl.constexpr = SOURCE_D.BOXES
-    GROUP: gl.constexpr = SHAPE.GROUP
-    CAUSAL: gl.constexpr = SHAPE.CAUSAL
-    BLOCK_M: gl.constexpr = SHAPE.BLOCK_M
-    BLOCK_N: gl.constexpr = SHAPE.BLOCK_N
-    D: gl.constexpr = SHAPE.D
-    STAGES: gl.constexpr = SHAPE.STAGES
+    part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Or both parts' caches gathered
+    (PAGED_GATHER, pages of 1-7 keys; a one-page prefill cache gathered as one page of PAGE
+    keys or more) through k_ptr / v_ptr (_d), the load partition then a warp group at
+    PRODUCER_REGS registers: the ring barriers' arrivals, the consumers' fences and tails
+    depend on how slots are filled, so the parts fill them alike (the launcher checks).
+    Descriptors and page rows as in _gluon_fwd; both parts' boxes fill slots of one shared
+    layout (the launcher checks; a gathered part's descriptor only shapes the rings).
+    Bundles: each part's scalars a PartScalars (scalars, scalars_d); the constexprs a
+    PodConfig (CONFIG): each part's K / V source a Source (SOURCE, SOURCE_D: PAGED, PAGE, BOXES,
+    WIDE), the tile a Shape (SHAPE), PINGPONG, GROUP_REGS and PRODUCER_REGS."""
+    PAGED: gl.constexpr = CONFIG.SOURCE.PAGED
+    PAGE: gl.constexpr = CONFIG.SOURCE.PAGE
+    BOXES: gl.constexpr = CONFIG.SOURCE.BOXES
+    PAGED_D: gl.constexpr = CONFIG.SOURCE_D.PAGED
+    PAGE_D: gl.constexpr = CONFIG.SOURCE_D.PAGE
+    BOXES_D: gl.constexpr = CONFIG.SOURCE_D.BOXES
+    WIDE: gl.constexpr = CONFIG.SOURCE.WIDE or CONFIG.SOURCE_D.WIDE
+    GROUP: gl.constexpr = CONFIG.SHAPE.GROUP
+    CAUSAL: gl.constexpr = CONFIG.SHAPE.CAUSAL
+    BLOCK_M: gl.constexpr = CONFIG.SHAPE.BLOCK_M
+    BLOCK_N: gl.constexpr = CONFIG.SHAPE.BLOCK_N
+    D: gl.constexpr = CONFIG.SHAPE.D
+    STAGES: gl.constexpr = CONFIG.SHAPE.STAGES
+    PINGPONG: gl.constexpr = CONFIG.PINGPONG
+    GROUP_REGS: gl.constexpr = CONFIG.GROUP_REGS
+    PRODUCER_REGS: gl.constexpr = CONFIG.PRODUCER_REGS
+    LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
     ring, item_bars = _shared_state(dtype, k_desc, v_desc, k_desc, False, False, PAGED,
@@ -1333,19 +1352,21 @@ def _gluon_pod_fwd(
     items, item_full, item_empty, q_full, q_empty = item_bars
     handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
     # what both parts' Ctx share: the work list, the rings and the item hand-off
-    shared = (work_ptr, n_items, n_hkv, ring, handoff, Gather(q_ptr, q_ptr, 0, 0))
+    shared = (work_ptr, n_items, n_hkv, ring, handoff)
     ctx = _pod_part_ctx(
         Io(q_ptr, o_ptr, lse_ptr),
         Keys(k_desc, v_desc, scalars.qk_scale, page_idx_ptr, scalars.k_page_rows,
              scalars.v_page_rows),
         (scalars.qt, scalars.qh, scalars.ot, scalars.oh, scalars.lt, scalars.lh),
-        (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr), shared)
+        (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr),
+        Gather(k_ptr, v_ptr, scalars.stride_kr, scalars.stride_vr), shared)
     pod = _pod_part_ctx(
         Io(q_ptr_d, o_ptr_d, lse_ptr_d),
         Keys(k_desc_d, v_desc_d, scalars_d.qk_scale, page_idx_ptr_d, scalars_d.k_page_rows,
              scalars_d.v_page_rows),
         (scalars_d.qt, scalars_d.qh, scalars_d.ot, scalars_d.oh, scalars_d.lt, scalars_d.lh),
-        (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d), shared)
+        (qo_indptr_ptr_d, kv_indptr_ptr_d, last_page_len_ptr_d),
+        Gather(k_ptr_d, v_ptr_d, scalars_d.stride_kr, scalars_d.stride_vr), shared)
     if PINGPONG:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
@@ -1353,15 +1374,15 @@ def _gluon_pod_fwd(
             (_ws_group, (1, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                          BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
             (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                          STAGES, BOXES, False, pod, True, PAGED_D, PAGE_D, BOXES_D)),
-        ], [num_warps, 1], [GROUP_REGS, 24])
+                          STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D)),
+        ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                          BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
             (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                          STAGES, BOXES, False, pod, True, PAGED_D, PAGE_D, BOXES_D)),
-        ], [1], [24])
+                          STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D)),
+        ], [LOAD_WARPS], [PRODUCER_REGS])
     _release_state(ring, item_bars, STAGES)
 
 
@@ -1625,38 +1646,58 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
     """One launch of _gluon_pod_fwd: the parts' work items (work int32 [W, 3] of (part,
     request, first packed row)) taken by persistent warp-specialized programs on one tile
     (TILES[block_m, D] unless given; its K / V rings shared by both parts, so their boxes'
-    shared layouts must agree). Writes each part's out and lse."""
+    shared layouts must agree). The decodes' pages are read by TMA boxes (page_fits) or
+    gathered (page_gathered); the prefill's alike, a one-page cache (page 0) as rows beside
+    boxes or as one gathered page beside gathers. Writes each part's out and lse."""
     q = prefill.q
     d = q.shape[-1]
     hkv = prefill.k2.shape[1] // d
     tile = Tile(*(tile or TILES[block_m, d]))
-    boxes = [pod_boxes(part.page, tile.block_n) for part in (prefill, decode)]
+    block_n = tile.block_n
+    gather = page_gathered(decode.page, block_n, d)
+    for name, page in (("prefill", prefill.page), ("decode", decode.page)):
+        one_page = page == 0 and name == "prefill"  # read as rows, or as one gathered page
+        if not (one_page or (page_gathered if gather else page_fits)(page, block_n, d)):
+            raise ValueError(
+                f"POD's {name} pages of {page} keys at D {d}: both parts' pages must be read "
+                f"alike, by TMA boxes (page_fits; a one-page prefill cache as rows) or gathered "
+                f"(page_gathered; the decodes' pages here are {decode.page})")
+    page_p = prefill.page
+    if gather and page_p == 0:  # a one-page cache: its one page as long as its rows, or more
+        page_p = one_page_size(prefill.k2.shape[0])
+    boxes = [1 if gather else pod_boxes(page, block_n) for page in (page_p, decode.page)]
     descs = []
     for part, nb in zip((prefill, decode), boxes):
-        box = tile.block_n // nb
+        box = block_n // nb
         descs.append((kv_descriptor(part.k2, d, box), kv_descriptor(part.v2, d, box)))
     layouts = [x.layout for pair in descs for x in pair]
     if any(x != layouts[0] for x in layouts):
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
+    # the gather's row offsets in int64 only where a cache's elements reach 2^31 (_row_offsets)
+    wide = gather and max(t.shape[0] * t.stride(0) for part in (prefill, decode)
+                          for t in (part.k2, part.v2)) >= 2 ** 31
     pingpong = tile.pingpong
     grid = (max(1, min(work.shape[0] * hkv, _sm_count(q.device) * _WS_CTAS[tile.warps])), )
 
     def part_args(part, pair):
         return (part.q, pair[0], pair[1], part.out, part.lse, part.qo_indptr, part.kv_indptr,
-                part.page_idx, part.last_page_len,
+                part.page_idx, part.last_page_len, part.k2, part.v2,
                 PartScalars(part.k_rows, part.v_rows, part.q.stride(0), part.q.stride(1),
                             part.out.stride(0), part.out.stride(1), part.lse.stride(0),
-                            part.lse.stride(1), part.qk_scale))
+                            part.lse.stride(1), part.qk_scale, part.k2.stride(0),
+                            part.v2.stride(0)))
 
+    paged = PAGED_GATHER.value if gather else PAGED_BOXES.value
     _launch.run_direct(
         _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device),
         *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
-        SOURCE=Source(PAGED=PAGED_BOXES.value if prefill.page else 0, PAGE=prefill.page,
-                      BOXES=boxes[0], WIDE=False),
-        SOURCE_D=Source(PAGED=PAGED_BOXES.value, PAGE=decode.page, BOXES=boxes[1], WIDE=False),
-        SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
-                    BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
-        PINGPONG=pingpong, GROUP_REGS=PINGPONG_REGS,
+        CONFIG=PodConfig(
+            SOURCE=Source(PAGED=paged if page_p else 0, PAGE=page_p, BOXES=boxes[0], WIDE=wide),
+            SOURCE_D=Source(PAGED=paged, PAGE=decode.page, BOXES=boxes[1], WIDE=wide),
+            SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
+                        BLOCK_N=block_n, D=d, STAGES=tile.stages),
+            PINGPONG=pingpong, GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
+            PRODUCER_REGS=GATHER_REGS[1] if gather else 24),
         num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
     return prefill.out, prefill.lse, decode.out, decode.lse
 

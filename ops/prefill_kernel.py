@@ -39,6 +39,7 @@ from . import choose, launch
 from .choose import KV_DENSE, KV_PAGED, KV_RAGGED, known as _known
 from .modes import (INTERPRET, LOG2E, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                     POS_ROPE_LLAMA)
+from .tiles import ONE_PAGE_SIZE, one_page_size  # noqa: F401 (tests read ONE_PAGE_SIZE here)
 from .tiles import SMALL_PAGE_BLOCK_M  # noqa: F401 (tests read it here)
 from .contracts import check_kernel_head_dims
 
@@ -1010,11 +1011,6 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
     return out, lse, args
 
 
-# The page-size constexpr of a one-page POD prefill cache (choose.one_page_cache) up to this
-# many keys; longer ones take the next power of two.
-ONE_PAGE_SIZE = 1 << 20
-
-
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
                 packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
                 work, pod=False, page_size=None, flags=None):
@@ -1195,13 +1191,12 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
                                  block_m=block_m)
     # A one-page prefill cache (its page as long as the prefill's keys) is launched with a
-    # fixed page-size constexpr of at least its length: no key leaves page 0 either way, and the
-    # kernel is not compiled again for every new prefill length.
+    # fixed page-size constexpr of at least its length (tiles.one_page_size).
     out_p, lse_p, args_p = _paged_args(
         q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, block_m,
         out_dtype, p_params, work, pod=True,
-        page_size=max(ONE_PAGE_SIZE, triton.next_power_of_2(k_cache_p.shape[1]))
+        page_size=one_page_size(k_cache_p.shape[1])
         if one_page else None, flags=flags_p)
     out_d, lse_d, args_d = _paged_args(
         q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,

@@ -1,6 +1,7 @@
 """The tile-height bounds of both launchers: choose.tile sizes a plan's tiles by
 them, and the Gluon launcher (prefill_gluon.gather_short) picks its short-request tile by the same
-GLUON_SHORT_KV. A leaf module, so neither launcher imports the other for them.
+GLUON_SHORT_KV; and the page size both launchers give a one-page POD prefill cache. A leaf
+module, so neither launcher imports the other for them.
 """
 
 from __future__ import annotations
@@ -25,3 +26,14 @@ GATHER_MIN_KV = 512
 SMALL_PAGE_BLOCK_M = 256
 SMALL_PAGE_MAX = 8
 SMALL_PAGE_PAD = 1.05
+
+
+# The page-size constexpr of a one-page POD prefill cache (choose.one_page_cache) up to this
+# many keys; longer ones take the next power of two. No key leaves page 0 either way, and the
+# kernels are not compiled again for every new prefill length.
+ONE_PAGE_SIZE = 1 << 20
+
+
+def one_page_size(rows: int) -> int:
+    """The page-size constexpr of a one-page cache of ``rows`` keys: at least ONE_PAGE_SIZE."""
+    return max(ONE_PAGE_SIZE, 1 << max(0, int(rows) - 1).bit_length())

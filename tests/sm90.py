@@ -226,7 +226,9 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
 def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
     """_gluon_pod_fwd's compile for sm_90 as prefill_gluon.launch_pod would set it up on the
     tile TILES[block_m, d], bf16: the prefill part's pages of page_p keys (0: the one-page
-    cache read as contiguous rows), the decodes' of page_d. Returns (source, options)."""
+    cache, read as contiguous rows beside boxes, as one page beside gathers), the decodes' of
+    page_d (gathered where prefill_gluon.page_gathered says: both parts then). Returns
+    (source, options)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -235,33 +237,50 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
     tile = G.TILES[block_m, d]
     fn = G._gluon_pod_fwd
 
+    gather = G.page_gathered(page_d, tile.block_n, d)
+    if gather and not page_p:
+        page_p = G.one_page_size(page_p)
+    paged = G.PAGED_GATHER.value if gather else G.PAGED_BOXES.value
+
+    def boxes(page):
+        return 1 if gather else G.pod_boxes(page, tile.block_n)
+
     def desc(page):
-        box = tile.block_n // G.pod_boxes(page, tile.block_n)
+        box = tile.block_n // boxes(page)
         layout = gl.NVMMASharedLayout.get_default_for([box, d], gl.bfloat16)
         return f"tensordesc<bf16[{box}, {d}],{layout}>", box
 
     (dp, _), (dd, _) = desc(page_p), desc(page_d)
-    consts = dict(SOURCE=G.Source(PAGED=G.PAGED_BOXES.value if page_p else 0, PAGE=page_p,
-                                  BOXES=G.pod_boxes(page_p, tile.block_n), WIDE=False),
-                  SOURCE_D=G.Source(PAGED=G.PAGED_BOXES.value, PAGE=page_d,
-                                    BOXES=G.pod_boxes(page_d, tile.block_n), WIDE=False),
-                  SHAPE=G.Shape(GROUP=group, CAUSAL=causal, BLOCK_M=block_m,
-                                BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
-                  PINGPONG=tile.pingpong, GROUP_REGS=G.PINGPONG_REGS,
+    consts = dict(CONFIG=G.PodConfig(
+                      SOURCE=G.Source(PAGED=paged if page_p else 0, PAGE=page_p,
+                                      BOXES=boxes(page_p), WIDE=False),
+                      SOURCE_D=G.Source(PAGED=paged, PAGE=page_d, BOXES=boxes(page_d),
+                                        WIDE=False),
+                      SHAPE=G.Shape(GROUP=group, CAUSAL=causal, BLOCK_M=block_m,
+                                    BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
+                      PINGPONG=tile.pingpong,
+                      GROUP_REGS=G.GATHER_REGS[0] if gather else G.PINGPONG_REGS,
+                      PRODUCER_REGS=G.GATHER_REGS[1] if gather else 24),
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
     # each part's scalars; lse [N, Hq]: its head stride 1 is specialised as a constexpr by the
     # launch
-    scalars = G.PartScalars(*["i32"] * 7, "constexpr", "fp32")
+    scalars = G.PartScalars(*["i32"] * 7, "constexpr", "fp32", "i32", "i32")
     types = dict(work_ptr="*i32", sched_ptr="*i32")
     for sfx, dsc in (("", dp), ("_d", dd)):
         types.update({f"q_ptr{sfx}": "*bf16", f"o_ptr{sfx}": "*bf16", f"lse_ptr{sfx}": "*fp32",
                       f"k_desc{sfx}": dsc, f"v_desc{sfx}": dsc, f"qo_indptr_ptr{sfx}": "*i32",
                       f"kv_indptr_ptr{sfx}": "*i32", f"page_idx_ptr{sfx}": "*i32",
-                      f"last_page_len_ptr{sfx}": "*i32", f"scalars{sfx}": scalars})
+                      f"last_page_len_ptr{sfx}": "*i32", f"k_ptr{sfx}": "*bf16",
+                      f"v_ptr{sfx}": "*bf16", f"scalars{sfx}": scalars})
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     at = fn.arg_names.index
     constexprs = {(at(n),): v for n, v in consts.items()}
     lh = G.PartScalars._fields.index("lh")
     constexprs.update({(at("scalars"), lh): 1, (at("scalars_d"), lh): 1})
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs={})
+    # 16-byte aligned cache pointers and row strides, as the launch's specialization finds them
+    kr, vr = (G.PartScalars._fields.index(f) for f in ("stride_kr", "stride_vr"))
+    aligned = [(at(n),) for n in ("k_ptr", "v_ptr", "k_ptr_d", "v_ptr_d")] + [
+        (at(n), f) for n in ("scalars", "scalars_d") for f in (kr, vr)]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=constexprs,
+                         attrs={path: [["tt.divisibility", 16]] for path in aligned})
     return src, dict(num_warps=consts["num_warps"], maxnreg=G.ws_maxnreg(tile.warps))

@@ -370,13 +370,14 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
 # (prefill tokens, decodes, keys each, Hq, page, apart): the pod suite's cases of 2026-11-27
 # (benchmarks/NOTES.md): the prefill-heavy mix lost 4-8% in the fused launch and goes apart; the
 # balanced and decode-heavy ones (a small prefill rides along) and small calls stay fused. Page 1
-# (no Gluon POD launch: its Triton fused launch ran 0.6x of apart, 2026-11-28) goes apart.
+# takes the Gluon POD launch with both parts gathered, by the same rule; with pod_gather off it
+# has no Gluon POD launch (the Triton fused launch ran 0.6x of apart, 2026-11-28) and goes apart.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
     (8192, 16, 1024, 32, 16, True), (8192, 16, 4096, 64, 16, True),
     (8192, 16, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
     (2048, 128, 4096, 64, 16, False), (256, 128, 32768, 32, 16, False),
     (2048, 16, 1024, 32, 16, False), (64, 4, 64, 32, 16, False),
-    (2048, 128, 4096, 32, 1, True), (64, 4, 64, 32, 1, True)])
+    (2048, 128, 4096, 32, 1, False), (64, 4, 64, 32, 1, False), (8192, 16, 1024, 32, 1, True)])
 def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
     sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
@@ -392,17 +393,25 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
            torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
            q_data_type=torch.bfloat16)
     assert w._launch_apart(qo, qo, True) is apart
-    # the decodes' own tile when apart: the 64-row decode tile on boxes and on gathered pages,
-    # where page 1's fused launch (the Triton kernel's) keeps 128 rows
-    assert (w._plan["block_m"], w._plan["block_m_d"]) == ((128, 64) if page == 1 else (64, 64))
-    # a call traced by torch.compile: apart where that needs no sizes (page 1), never exported
-    assert _traced_apart(w._plan) is (page == 1)
-    with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "_is_exporting_flag", True)  # as torch.export sets it
-        assert _traced_apart(w._plan) is False
+    # the fused launch's tile and the decodes' own tile when apart: 64 rows, on boxes and on
+    # gathered pages
+    assert (w._plan["block_m"], w._plan["block_m_d"]) == (64, 64)
+    # a call traced by torch.compile: apart only where that needs no sizes, never exported
+    assert _traced_apart(w._plan) is False
     with override(pod_apart_balance=0.0):
         assert w._launch_apart(qo, qo, True) is False
         assert _traced_apart(w._plan) is False
+    if page == 1:  # without the gathered Gluon POD launch: the Triton kernel's 128-row tile,
+        with override(pod_gather=False):  # always apart
+            w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+                   torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
+                   q_data_type=torch.bfloat16)
+            assert w._launch_apart(qo, qo, True) is True
+            assert (w._plan["block_m"], w._plan["block_m_d"]) == (128, 64)
+            assert _traced_apart(w._plan) is True
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, "_is_exporting_flag", True)  # as torch.export sets it
+                assert _traced_apart(w._plan) is False
 
 
 def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):

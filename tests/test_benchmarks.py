@@ -776,6 +776,7 @@ def test_pod_suite_cases_and_cli(capsys):
 def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     from benchmarks import pod
     from compiled_attn.ops import choose
+    from compiled_attn.ops.policy import override
 
     monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)  # (the suite's GPU)
 
@@ -799,10 +800,13 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     assert e["ratio_vs_triton_pod"] == pytest.approx(800 / 500)
     assert e["ratio_vs_compiled"] == pytest.approx(510 / 500)
     # the launch the policy gives the case (ops.choose.pod_apart): the quick grid's
-    # prefill-heavy case goes apart, and the page-1 one (its fused launch would be Triton's)
+    # prefill-heavy case goes apart; the page-1 one is fused (both parts gathered), apart with
+    # pod_gather off (its fused launch would be Triton's)
     assert e["launch"] == "fused" and "launch" not in by["ours_apart", "eager"]
     assert [pod.launch_choice(c) for c in pod.case_list(quick=True)] == \
-        ["fused", "apart", "fused", "fused", "apart", "fused"]
+        ["fused", "apart", "fused", "fused", "fused", "fused"]
+    with override(pod_gather=False):
+        assert pod.launch_choice(pod.case_list(quick=True)[4]) == "apart"
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
     assert by["fi_pod", "graph"]["status"] == "failed"

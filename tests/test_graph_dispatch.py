@@ -318,8 +318,9 @@ def test_pod_eager_gluon_agrees_with_the_launcher(hopper, monkeypatch):
 def test_compiled_pod_call_stays_opaque(hopper, monkeypatch, dynamic):
     """A POD call under torch.compile that the eager launcher would send to the Gluon POD
     launch stays one fallback call of the op (its eager launcher runs it), equal to the eager
-    call; out of that scope (page 1: gathered pages) and with graph_gluon off it decomposes."""
-    for var, opaque in (({}, True), ({"page": 1}, False)):
+    call (pages read by boxes, page 1's gathered); out of that scope (pages of 12 keys: neither
+    boxes nor gathers) and with graph_gluon off it decomposes."""
+    for var, opaque in (({}, True), ({"page": 1}, True), ({"page": 12}, False)):
         fn, ts = op_fn(gd.POD_OP, pod_call(**var))
         eager = fn(*ts)
         out, code = run_compiled(torch.compile(fn, fullgraph=True, dynamic=dynamic), *ts)
@@ -335,13 +336,16 @@ def test_compiled_pod_call_stays_opaque(hopper, monkeypatch, dynamic):
 def test_compiled_pod_wrapper_stays_opaque(hopper, monkeypatch):
     """PODWithPagedKVCacheWrapper.run under torch.compile, planned for a Hopper GPU (the Gluon
     POD launch's scope: D 128, page 16, bf16): the traced call stays fused (pod._traced_apart)
-    and its op one opaque call; planned for page 1 it runs the parts as two ops. Equal to the
-    eager call either way (the CPU reference underneath)."""
+    and its op one opaque call, on page 1 too (its pages gathered); planned for pages of 12
+    keys (neither boxes nor gathers), or page 1 with pod_gather off, it runs the parts as two
+    ops. Equal to the eager call either way (the CPU reference underneath)."""
     monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
     g = torch.Generator().manual_seed(3)
     hq, hkv, d = 4, 2, 128
     kv_d = [40, 17, 33]
-    for page, fused in ((16, True), (1, False)):
+    for page, fused, gather in ((16, True, True), (1, True, True), (12, False, True),
+                                (1, False, False)):
+        monkeypatch.setattr(POLICY, "pod_gather", gather)
         pages = [-(-n // page) for n in kv_d]
         total = sum(pages)
         cache = torch.randn(total, 2, page, hkv, d, generator=g).to(torch.bfloat16)

@@ -174,16 +174,18 @@ def _pod_call(kv_d, page, qo, hq=32, hkv=8, d=128):
                cache), w
 
 
-def test_compiled_pod_runs_gluon(monkeypatch):
+@pytest.mark.parametrize("page", [16, 1])
+def test_compiled_pod_runs_gluon(monkeypatch, page):
     """PODWithPagedKVCacheWrapper.run under torch.compile (fullgraph), both parts in the Gluon
-    POD launch's scope (bf16, D 128, page 16, causal): one opaque pod_prefill_decode call that
+    POD launch's scope (bf16, D 128, page 16 read by boxes, page 1 gathered, causal): one
+    opaque pod_prefill_decode call that
     launches it, equal bit for bit to the eager call's fused launch (the policy keeps both
     fused: a traced call never runs apart)."""
     launches = []
     real = pk._gluon.launch_pod
     monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: launches.append(1) or real(
         *a, **k))
-    f, (q_p, k_p, v_p, q_d, cache), _ = _pod_call([900, 1, 4096, 33], 16, 300)
+    f, (q_p, k_p, v_p, q_d, cache), _ = _pod_call([900, 1, 4096, 33], page, 300)
     with policy.override(bound_launches=False, pod_apart_balance=0.0):
         eager = f(q_p, k_p, v_p, q_d, cache)
         assert len(launches) == 1
@@ -198,7 +200,7 @@ def test_compiled_pod_runs_gluon(monkeypatch):
 @pytest.mark.parametrize("page", [16, 1])
 def test_eager_runs_after_a_compiled_run(page):
     """A POD wrapper compiled and run first (its graph's op call binds the op's launch: the
-    Gluon POD launch on page 16, the decodes' Gluon launch apart on page 1), then run eagerly
+    Gluon POD launch on page 16, on page 1 with both parts gathered), then run eagerly
     three times: every eager run computes, bit for bit the compiled run's outputs (a wrapper
     that recorded a replay of the op-level bound call once replayed without that launch:
     benchmarks/NOTES.md, 2026-11-28)."""
@@ -214,10 +216,16 @@ def test_eager_runs_after_a_compiled_run(page):
 
 
 def test_compiled_pod_page1_runs_apart(gluon_launches):
-    """Page 1 (no Gluon POD launch): a PODWithPagedKVCacheWrapper.run under torch.compile runs
-    the parts as two launches, as the eager call does (pod._traced_apart), the decodes' an
-    opaque op on the Gluon kernel (gathered pages on the 64-row tile), the prefill's on the
-    kernel its own call takes; the decodes equal to eager bit for bit."""
+    """Page 1 without the gathered Gluon POD launch (pod_gather off): a
+    PODWithPagedKVCacheWrapper.run under torch.compile runs the parts as two launches, as the
+    eager call does (pod._traced_apart), the decodes' an opaque op on the Gluon kernel
+    (gathered pages on the 64-row tile), the prefill's on the kernel its own call takes; the
+    decodes equal to eager bit for bit."""
+    with policy.override(pod_gather=False):
+        _compiled_pod_page1_runs_apart(gluon_launches)
+
+
+def _compiled_pod_page1_runs_apart(gluon_launches):
     # (sizes above the small-launch bound)
     f, (q_p, k_p, v_p, q_d, cache), w = _pod_call([4096] * 31 + [1], 1, 2048)
     assert (w._plan["block_m"], w._plan["block_m_d"]) == (128, 64)

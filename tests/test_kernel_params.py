@@ -82,16 +82,18 @@ def test_the_launched_kernels_are_the_flat_ones():
 
 # _gluon_fwd's and _gluon_pod_fwd's runtime parameters before their bundles, in order: the
 # bundles' fields flattened in place must give them back (the compiled parameters' order)
+G_SCALARS = ("k_page_rows", "v_page_rows", "qt", "qh", "ot", "oh", "lt", "lh", "qk_scale",
+             "stride_kr", "stride_vr")  # PartScalars' fields (unsuffixed in both parts)
 GLUON_FLAT = (
     "work_ptr q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
     "last_page_len_ptr k_page_rows v_page_rows qb qt qh ob ot oh lb lt lh qk_scale n_items "
     "n_req n_hkv dense_tiles dense_group dense_qo_len dense_kv_len sched_ptr q_desc q_req_rows "
     "k_ptr v_ptr stride_kr stride_vr").split()
 _PART = ("q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
-         "last_page_len_ptr k_page_rows v_page_rows qt qh ot oh lt lh qk_scale").split()
+         "last_page_len_ptr k_ptr v_ptr k_page_rows v_page_rows qt qh ot oh lt lh qk_scale "
+         "stride_kr stride_vr").split()
 GLUON_POD_FLAT = ["work_ptr", "n_items", "n_hkv", "sched_ptr", *_PART,
-                  *[n if n in ("k_page_rows", "v_page_rows", "qt", "qh", "ot", "oh", "lt", "lh",
-                               "qk_scale") else n + "_d" for n in _PART]]
+                  *[n if n in G_SCALARS else n + "_d" for n in _PART]]
 
 
 def test_gluon_bundles_flatten_to_the_flat_order():
@@ -105,7 +107,7 @@ def test_gluon_bundles_flatten_to_the_flat_order():
         fields = [f for n in runtime for f in (bundles[n]._fields if n in bundles else [n])]
         assert fields == flat, kernel.fn.__name__
     # the constexpr bundles name the constexprs the kernels unpack (ALL_CAPS, one each)
-    for t in (G.Source, G.Shape, G.Schedule):
+    for t in (G.Source, G.Shape, G.Schedule, G.PodConfig):
         assert all(f.isupper() for f in t._fields)
 
 

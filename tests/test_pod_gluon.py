@@ -30,7 +30,8 @@ SM90_SHARED = 232448  # sm_90's opt-in shared memory per block
 
 @pytest.mark.parametrize("page_p,page_d,causal,block_m", [
     (0, 16, True, 128), (16, 16, True, 128), (0, 8, False, 128), (0, 128, True, 128),
-    (128, 16, False, 128), (0, 16, True, 64), (16, 16, False, 64)])
+    (128, 16, False, 128), (0, 16, True, 64), (16, 16, False, 64),
+    (0, 1, True, 64), (1, 1, False, 64), (3, 3, True, 64), (0, 1, True, 128)])
 def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal, block_m):
     import triton
 
@@ -44,10 +45,14 @@ def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal, block_m):
     # given back, the compute warps' raised (two ping-pong groups, or the 64-row tile's one)
     assert "atom.global" in ptx
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    # both parts' K / V boxes: a box a page where pages are smaller than the key tile
     n = G.TILES[block_m, 128].block_n
-    boxes = sum(n // p if 0 < p < n else 1 for p in (page_p, page_d))
-    assert ptx.count("cp.async.bulk.tensor") >= 2 * boxes
+    if G.page_gathered(page_d, n, 128):
+        # both parts' K / V gathered by the producer warp group's cp.async copies: no TMA
+        assert "cp.async.cg.shared.global" in ptx and "cp.async.bulk.tensor" not in ptx
+    else:
+        # both parts' K / V boxes: a box a page where pages are smaller than the key tile
+        boxes = sum(n // p if 0 < p < n else 1 for p in (page_p, page_d))
+        assert ptx.count("cp.async.bulk.tensor") >= 2 * boxes
     # one set of rings for both parts: the shared memory of one part's launch
     assert k.metadata.shared <= SM90_SHARED
     assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0
@@ -79,14 +84,18 @@ def test_pod_gluon_decision_in_scope():
     assert _decide(prefill=_part(300, 50, 16), p=dict(mask_mode=ops.MASK_NONE),
                    d=dict(mask_mode=ops.MASK_NONE))  # a paged prefill, no mask
     assert _decide(decode=_part(6, 40, 8)) and _decide(decode=_part(6, 4, 128))
+    # gathered pages (1-7 keys): both parts gathered, the one-page prefill cache as one page
+    assert _decide(decode=_part(6, 40, 1)) and _decide(decode=_part(6, 40, 3))
+    assert _decide(prefill=_part(300, 700, 1), decode=_part(6, 40, 1))
 
 
 @pytest.mark.parametrize("why", [
     dict(d=dict(mask_mode=ops.MASK_NONE)),  # one mask for both parts
     dict(d=dict(window_left=64)), dict(p=dict(logits_soft_cap=30.0)),
     dict(p=dict(pos_encoding_mode=ops.POS_ROPE_LLAMA), d=dict(pos_encoding_mode=ops.POS_ROPE_LLAMA)),
-    dict(decode=_part(6, 40, 1)),  # gathered pages: no boxes
     dict(decode=_part(6, 40, 12)),  # a page neither dividing nor holding whole tiles
+    dict(prefill=_part(300, 50, 16), decode=_part(6, 40, 1)),  # boxes beside gathers
+    dict(prefill=_part(300, 700, 1), decode=_part(6, 40, 16)),  # gathers beside boxes
     dict(prefill=_part(300, 1, 700, d=64), decode=_part(6, 40, 16, d=64)),  # D 64
     dict(decode=_part(6, 40, 16, dtype=torch.float16)),  # q dtypes differ
     dict(block_m=256)], ids=str)
@@ -95,20 +104,27 @@ def test_pod_gluon_decision_out_of_scope(why):
 
 
 def test_pod_gluon_decision_on_the_64_row_tile():
-    # the plan's tile (choose.pod_tile): 64 rows where the decodes' pages take TMA boxes
+    # the plan's tile (choose.pod_tile): 64 rows where the decodes' pages take TMA boxes or
+    # are gathered
     assert _decide(block_m=64) and _decide(decode=_part(6, 40, 8), block_m=64)
-    assert not _decide(decode=_part(6, 40, 1), block_m=64)
+    assert _decide(decode=_part(6, 40, 1), block_m=64)
+    with override(pod_gather=False):  # gathered pages then run apart
+        assert not _decide(decode=_part(6, 40, 1), block_m=64)
+        assert _decide(block_m=64)
 
 
 def test_pod_plan_tile(monkeypatch):
-    # POD plans take the 64-row tile where the Gluon POD launch reads the decodes' pages by
-    # boxes; gathered pages, fp8 K/V, D 64 and the policy switch keep the 128-row tile
+    # POD plans take the 64-row tile where the Gluon POD launch reads the decodes' pages (by
+    # boxes or gathered); fp8 K/V, D 64, pages of 12 keys and the policy switches keep the
+    # 128-row tile
     monkeypatch.setattr(choose, "INTERPRET", False)
     def tile(page, d=128, **kw):
         return choose.pod_tile(d, 4, page, device=choose.H100, **kw)
 
-    assert tile(16) == tile(8) == tile(64) == tile(128) == 64
-    assert tile(1) == tile(4) == tile(16, kv_dtype=torch.float8_e4m3fn) == tile(16, d=64) == 128
+    assert tile(16) == tile(8) == tile(64) == tile(128) == tile(1) == tile(4) == 64
+    assert tile(12) == tile(16, kv_dtype=torch.float8_e4m3fn) == tile(16, d=64) == 128
+    with override(pod_gather=False):
+        assert tile(1) == 128 and tile(16) == 64
     assert tile(16, plain=False) == 128  # position encodings or a window: the Triton launch
     with override(pod_gluon=False):
         assert tile(16) == 128
@@ -173,10 +189,11 @@ def test_launch_pod_arguments(one_page, monkeypatch):
     # one per item (7 rows x 2 KV heads)
     assert rec.grid == (2 * G._WS_CTAS[8], )
     assert (rec.arg("n_items"), rec.arg("n_hkv")) == (7, 2)
-    kw = rec.kw
-    assert kw["SOURCE"] == ((0, 0, 1, False) if one_page else (1, 16, 8, False))
-    assert kw["SOURCE_D"] == (1, 8, 16, False)
-    assert kw["PINGPONG"] and kw["num_warps"] == 4 and kw["maxnreg"] == G.ws_maxnreg(8)
+    kw, cfg = rec.kw, rec.kw["CONFIG"]
+    assert cfg.SOURCE == ((0, 0, 1, False) if one_page else (1, 16, 8, False))
+    assert cfg.SOURCE_D == (1, 8, 16, False)
+    assert cfg.PINGPONG and kw["num_warps"] == 4 and kw["maxnreg"] == G.ws_maxnreg(8)
+    assert (cfg.GROUP_REGS, cfg.PRODUCER_REGS) == (G.PINGPONG_REGS, 24)
     assert rec.arg("k_desc").block_shape == [128 if one_page else 16, 128]
     assert rec.arg("k_desc_d").block_shape == [8, 128]
     part, part_d = rec.arg("scalars"), rec.arg("scalars_d")
@@ -186,6 +203,38 @@ def test_launch_pod_arguments(one_page, monkeypatch):
     assert part.k_page_rows == (1400 if one_page else 32) and part_d.k_page_rows == 16
     assert rec.arg("k_desc").shape[0] == (700 if one_page else 49 * 32 + 16)
     assert rec.arg("q_ptr") is q_p and rec.arg("o_ptr_d") is out_d
+
+
+@pytest.mark.parametrize("one_page", [True, False])
+def test_launch_pod_gathered_arguments(one_page, monkeypatch):
+    # decodes on pages of 1 key: both parts gathered through their caches' pointers (the
+    # one-page prefill cache as one page of one_page_size keys), the load partition a warp
+    # group at GATHER_REGS
+    rec = KernelRecorder(G._gluon_pod_fwd)
+    monkeypatch.setattr(G, "_gluon_pod_fwd", rec)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 2)
+    i32 = dict(dtype=torch.int32)
+    q_p, k_p, v_p = _part(300, 1, 700) if one_page else _part(300, 700, 1)
+    q_d, k_d, v_d = _part(6, 40, 1, seed=1)
+    parts = [K._pod_part(q, k, v, torch.tensor([0, q.shape[0]], **i32),
+                         torch.tensor([0, k.shape[0]], **i32), torch.arange(k.shape[0], **i32),
+                         torch.tensor([k.shape[1]], **i32), one, BF16, {}, s)
+             for q, k, v, one, s in ((q_p, k_p, v_p, one_page, 0.5), (q_d, k_d, v_d, False, 0.25))]
+    G.launch_pod(*parts, torch.zeros(7, 3, **i32), causal=True, block_m=64)
+    cfg = rec.kw["CONFIG"]
+    assert cfg.SOURCE == ((2, G.one_page_size(700), 1, False) if one_page else (2, 1, 1, False))
+    assert cfg.SOURCE_D == (2, 1, 1, False)
+    assert (cfg.GROUP_REGS, cfg.PRODUCER_REGS) == G.GATHER_REGS and not cfg.PINGPONG
+    assert rec.arg("k_ptr") is parts[0].k2 and rec.arg("v_ptr_d") is parts[1].v2
+    part, part_d = rec.arg("scalars"), rec.arg("scalars_d")
+    # K and V interleave in one buffer: a cache row is Hkv * D elements, the next K row of a
+    # page two pages' rows on (page_rows)
+    assert part.stride_kr == part_d.stride_vr == 2 * 128
+    assert part_d.k_page_rows == 2
+    # boxes beside gathers: refused with the reason
+    parts[0] = parts[0]._replace(page=16)
+    with pytest.raises(ValueError, match="read alike"):
+        G.launch_pod(*parts, torch.zeros(7, 3, **i32), causal=True, block_m=64)
 
 
 def test_pod_work_order_and_decode_mask():

@@ -5,7 +5,7 @@ each part against the float64 reference with the project's bound (kernel_cases.c
 PyTorch's own error in the same dtype plus a rounding term; NaN never passes; outputs poisoned
 first), and asserts that the Gluon launch ran. Cases: the one-page prefill cache that
 PODWithPagedKVCacheWrapper passes (contiguous k_p / v_p) and a paged prefill (BatchPOD), pages
-of 8 / 16 / 128 keys, GQA 4:1 and 7:1, causal and no mask, odd lengths, requests without keys
+of 8 / 16 / 128 keys (TMA boxes) and of 1 / 3 keys (both parts gathered), GQA 4:1 and 7:1, causal and no mask, odd lengths, requests without keys
 or rows, per-part scales; and the public wrappers end to end against their CPU reference."""
 
 import pytest
@@ -49,10 +49,11 @@ DECODE_KV = [900, 1, 33, 0, 17, 2049, 128, 4096]
 @pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("mask", [ops.MASK_CAUSAL, ops.MASK_NONE], ids=["causal", "nomask"])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (14, 2)], ids=["gqa4", "gqa7"])
-@pytest.mark.parametrize("page", [8, 16, 128])
+@pytest.mark.parametrize("page", [8, 16, 128, 1])
 def test_pod_one_page_prefill(mask, hq, hkv, page, block_m, gluon_pods):
-    # both tile heights: the plans' (choose.pod_tile: 64 rows where the decodes' pages take
-    # boxes) and the 128-row ping-pong tile
+    # both tile heights: the plans' (choose.pod_tile: 64 rows where the Gluon POD launch reads
+    # the decodes' pages) and the 128-row ping-pong tile; page 1: the one-page prefill cache
+    # gathered as one page beside the decodes' gathered pages
     g = hq // hkv
     pre = retile(one_page_prefill(300, 701, hq, hkv, seed=page + hq), block_m, [300], [701], g)
     dec = retile(pod_decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1), block_m,
@@ -63,7 +64,7 @@ def test_pod_one_page_prefill(mask, hq, hkv, page, block_m, gluon_pods):
 
 
 @pytest.mark.parametrize("block_m", [128, 64])
-@pytest.mark.parametrize("page_p,page_d", [(16, 16), (128, 16), (16, 8)])
+@pytest.mark.parametrize("page_p,page_d", [(16, 16), (128, 16), (16, 8), (1, 1), (3, 3)])
 def test_pod_paged_prefill(page_p, page_d, block_m, gluon_pods):
     # BatchPOD's parts: a paged prefill batch (a request without rows, odd lengths, qo < kv)
     qo, kv = [300, 0, 129, 5], [700, 6, 129, 5]
@@ -76,14 +77,15 @@ def test_pod_paged_prefill(page_p, page_d, block_m, gluon_pods):
     assert gluon_pods
 
 
+@pytest.mark.parametrize("page", [16, 1])
 @pytest.mark.parametrize("side", ["no_decode_keys", "no_prefill_rows"])
-def test_pod_empty_sides(side, gluon_pods):
+def test_pod_empty_sides(side, page, gluon_pods):
     if side == "no_decode_keys":
         pre = one_page_prefill(64, 64, 8, 2, seed=5)
-        dec = pod_decodes([0, 0, 0], 8, 2, 16, seed=6)
+        dec = pod_decodes([0, 0, 0], 8, 2, page, seed=6)
     else:
         pre = one_page_prefill(0, 64, 8, 2, seed=7)
-        dec = pod_decodes([300, 17], 8, 2, 16, seed=8)
+        dec = pod_decodes([300, 17], 8, 2, page, seed=8)
     p = params(ops.MASK_CAUSAL, head_dim=D)
     check_pod(pre, dec, p, p)
     assert gluon_pods
@@ -119,11 +121,12 @@ def _run_pod(x, dev):
                  return_lse_p=True, return_lse_d=True)
 
 
-@pytest.mark.parametrize("launch,page", [("fused", 16), ("apart", 16), ("apart", 1)])
+@pytest.mark.parametrize("launch,page", [("fused", 16), ("apart", 16), ("fused", 1),
+                                         ("apart", 1)])
 def test_pod_wrapper_matches_reference(gluon_pods, launch, page):
-    """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch; "apart": the launch policy's
-    two launches, ops.choose.pod_apart, each part on its own kernel; page 1: the decodes'
-    gathered pages on their own 64-row tile, where the plan's fused tile has 128 rows) against
+    """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch, page 1's with both parts
+    gathered; "apart": the launch policy's two launches, ops.choose.pod_apart, each part on
+    its own kernel) against
     the same wrapper on the CPU in float64 (the reference), within the bf16 bound of
     kernel_cases.check: twice the error of the same math in float32 with bf16 products, plus
     rounding."""
