@@ -7,9 +7,9 @@ paths, small pages on 256-row tiles and gathered by the Gluon kernel's producer 
 through tensor descriptors (dense and ragged, 64- and 128-row tiles; the Gluon Hopper kernel),
 custom masks, padded work items, empty requests and split-KV with its merge kernel (padded as
 CUDA-graph plans pad both lists), head dims 80 / 112 / 160 / 512, and POD (the Gluon POD launch
-on a one-page and a paged prefill; the Triton POD launch on the one-page cache's fixed page-size
-constexpr and on page-1 decodes), at small sizes; each result is also checked against the
-float64 reference.
+on a one-page and a paged prefill, with pages read by boxes and gathered; the Triton POD launch
+on the one-page cache's fixed page-size constexpr and on page-1 decodes), at small sizes; each
+result is also checked against the float64 reference.
 Exits non-zero on a mismatch."""
 
 import sys
@@ -195,7 +195,9 @@ def pod():
     """Both POD launches."""
     # POD: both launches, each part against the float64 reference. The one-page prefill cache
     # (rows read past kv_len would leave the allocation), a paged prefill with a request
-    # without rows, decodes without keys, page-1 decodes (outside the Gluon POD's scope).
+    # without rows, decodes without keys; gathered pages (1 and 3 keys: both parts gathered in
+    # the Gluon POD launch, the one-page prefill cache as one page), and page-1 decodes on the
+    # Triton POD launch (pod_gather off).
     dec_kv = [900, 1, 0, 17, 2049]
 
     def tiled(c, qo_lens, kv_lens, block_m):  # the case's work list on another tile height
@@ -212,8 +214,16 @@ def pod():
                                       seed=62), [300, 0, 129], [700, 6, 129], bm),
                       tiled(pod_decodes(dec_kv, 8, 2, 16, seed=63), [1] * 5, dec_kv, bm), p, p)
     p = params(ops.MASK_CAUSAL, head_dim=128)
-    check_pod(one_page_prefill(77, 200, 8, 2, seed=64), pod_decodes(dec_kv, 8, 2, 1, seed=65),
-              p, p)
+    for page in (1, 3):
+        check_pod(tiled(one_page_prefill(300, 701, 8, 2, seed=66), [300], [701], 64),
+                  tiled(pod_decodes(dec_kv, 8, 2, page, seed=67), [1] * 5, dec_kv, 64), p, p)
+        check_pod(tiled(make_case("paged", [300, 0, 129], [700, 6, 129], 8, 2, 128,
+                                  dtype=torch.bfloat16, device="cuda", page_size=page, seed=68),
+                        [300, 0, 129], [700, 6, 129], 64),
+                  tiled(pod_decodes(dec_kv, 8, 2, page, seed=69), [1] * 5, dec_kv, 64), p, p)
+    with override(pod_gather=False):
+        check_pod(one_page_prefill(77, 200, 8, 2, seed=64),
+                  pod_decodes(dec_kv, 8, 2, 1, seed=65), p, p)
 
 
 SECTIONS = {"addressing": addressing, "descriptors": descriptors, "head_dims": head_dims,
