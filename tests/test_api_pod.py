@@ -389,9 +389,13 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
     pages = [kv_d // page] * n_dec
     w = fi.PODWithPagedKVCacheWrapper(WS)
-    w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-           torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
-           q_data_type=torch.bfloat16)
+
+    def plan():
+        w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+               torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
+               q_data_type=torch.bfloat16)
+
+    plan()
     assert w._launch_apart(qo, qo, True) is apart
     # the fused launch's tile and the decodes' own tile when apart: 64 rows, on boxes and on
     # gathered pages
@@ -403,9 +407,7 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
         assert _traced_apart(w._plan) is False
     if page == 1:  # without the gathered Gluon POD launch: the Triton kernel's 128-row tile,
         with override(pod_gather=False):  # always apart
-            w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-                   torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
-                   q_data_type=torch.bfloat16)
+            plan()
             assert w._launch_apart(qo, qo, True) is True
             assert (w._plan["block_m"], w._plan["block_m_d"]) == (128, 64)
             assert _traced_apart(w._plan) is True

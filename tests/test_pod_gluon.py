@@ -170,19 +170,26 @@ def test_pod_gluon_decision_policy_switch():
         assert not _decide()
 
 
-@pytest.mark.parametrize("one_page", [True, False])
-def test_launch_pod_arguments(one_page, monkeypatch):
+def _launch_parts(prefill, decode, one_page, monkeypatch):
+    """(recorder, the two PodParts) for launch_pod with _gluon_pod_fwd recorded on a 2-SM GPU:
+    prefill / decode (q, k, v) as _part makes them, one request each (the prefill's cache one
+    page when one_page), scales 0.5 and 0.25."""
     rec = KernelRecorder(G._gluon_pod_fwd)
     monkeypatch.setattr(G, "_gluon_pod_fwd", rec)
     monkeypatch.setattr(G, "_sm_count", lambda device: 2)
     i32 = dict(dtype=torch.int32)
-    q_p, k_p, v_p = _part(300, 1, 700) if one_page else _part(300, 50, 16)
-    q_d, k_d, v_d = _part(6, 40, 8, seed=1)
     parts = [K._pod_part(q, k, v, torch.tensor([0, q.shape[0]], **i32),
                          torch.tensor([0, k.shape[0]], **i32), torch.arange(k.shape[0], **i32),
                          torch.tensor([k.shape[1]], **i32), one, BF16, {}, s)
-             for q, k, v, one, s in ((q_p, k_p, v_p, one_page, 0.5), (q_d, k_d, v_d, False, 0.25))]
-    work = torch.zeros(7, 3, **i32)
+             for (q, k, v), one, s in ((prefill, one_page, 0.5), (decode, False, 0.25))]
+    return rec, parts
+
+
+@pytest.mark.parametrize("one_page", [True, False])
+def test_launch_pod_arguments(one_page, monkeypatch):
+    q_p, k_p, v_p = prefill = _part(300, 1, 700) if one_page else _part(300, 50, 16)
+    rec, parts = _launch_parts(prefill, _part(6, 40, 8, seed=1), one_page, monkeypatch)
+    work = torch.zeros(7, 3, dtype=torch.int32)
     out_p, lse_p, out_d, lse_d = G.launch_pod(*parts, work, causal=True)
     assert out_p.shape == (300, 8, 128) and lse_d.shape == (6, 8) and out_d.dtype == BF16
     # persistent: a 1D grid of the programs a 2-SM GPU holds (one 128-row tile each), at most
@@ -210,17 +217,10 @@ def test_launch_pod_gathered_arguments(one_page, monkeypatch):
     # decodes on pages of 1 key: both parts gathered through their caches' pointers (the
     # one-page prefill cache as one page of one_page_size keys), the load partition a warp
     # group at GATHER_REGS
-    rec = KernelRecorder(G._gluon_pod_fwd)
-    monkeypatch.setattr(G, "_gluon_pod_fwd", rec)
-    monkeypatch.setattr(G, "_sm_count", lambda device: 2)
-    i32 = dict(dtype=torch.int32)
-    q_p, k_p, v_p = _part(300, 1, 700) if one_page else _part(300, 700, 1)
-    q_d, k_d, v_d = _part(6, 40, 1, seed=1)
-    parts = [K._pod_part(q, k, v, torch.tensor([0, q.shape[0]], **i32),
-                         torch.tensor([0, k.shape[0]], **i32), torch.arange(k.shape[0], **i32),
-                         torch.tensor([k.shape[1]], **i32), one, BF16, {}, s)
-             for q, k, v, one, s in ((q_p, k_p, v_p, one_page, 0.5), (q_d, k_d, v_d, False, 0.25))]
-    G.launch_pod(*parts, torch.zeros(7, 3, **i32), causal=True, block_m=64)
+    rec, parts = _launch_parts(_part(300, 1, 700) if one_page else _part(300, 700, 1),
+                               _part(6, 40, 1, seed=1), one_page, monkeypatch)
+    work = torch.zeros(7, 3, dtype=torch.int32)
+    G.launch_pod(*parts, work, causal=True, block_m=64)
     cfg = rec.kw["CONFIG"]
     assert cfg.SOURCE == ((2, G.one_page_size(700), 1, False) if one_page else (2, 1, 1, False))
     assert cfg.SOURCE_D == (2, 1, 1, False)
@@ -234,7 +234,7 @@ def test_launch_pod_gathered_arguments(one_page, monkeypatch):
     # boxes beside gathers: refused with the reason
     parts[0] = parts[0]._replace(page=16)
     with pytest.raises(ValueError, match="read alike"):
-        G.launch_pod(*parts, torch.zeros(7, 3, **i32), causal=True, block_m=64)
+        G.launch_pod(*parts, work, causal=True, block_m=64)
 
 
 def test_pod_work_order_and_decode_mask():
