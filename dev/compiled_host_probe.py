@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import logging
 import os
 import pstats
 import statistics
@@ -32,6 +33,19 @@ def _compiled(fn, *a):
             torch._functorch.config.patch(enable_autograd_cache=False):
         c(*a)
     return lambda: c(*a)
+
+
+class _LogLines(logging.Handler):
+    """The messages of the records it handles that contain ``text``."""
+
+    def __init__(self, text: str):
+        super().__init__(logging.INFO)
+        self.text, self.lines = text, []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if self.text in msg:
+            self.lines.append(msg)
 
 
 def main():
@@ -91,10 +105,23 @@ def main():
     # Inductor's static CUDA launcher for user-defined Triton kernels (the inlined op's launch):
     # off by default in torch 2.11-2.13 (config static_launch_user_defined_triton_kernels)
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
-        with torch._inductor.config.patch(static_launch_user_defined_triton_kernels=True,
-                                          fx_graph_cache=False), \
-                torch._functorch.config.patch(enable_autograd_cache=False):
-            calls["compiled_ours_static"] = _compiled(ours_static, q1, k1, v1)
+        # (compiled in this process, so that Inductor's log of a kernel it does not launch
+        # statically, and why, reaches the handler)
+        bypass = _LogLines("Bypassing StaticallyLaunched")
+        log = logging.getLogger("torch._inductor.runtime.triton_heuristics")
+        level = log.level
+        log.addHandler(bypass)
+        log.setLevel(logging.INFO)
+        try:
+            with torch._inductor.config.patch(static_launch_user_defined_triton_kernels=True,
+                                              fx_graph_cache=False, compile_threads=1), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                calls["compiled_ours_static"] = _compiled(ours_static, q1, k1, v1)
+        finally:
+            log.removeHandler(bypass)
+            log.setLevel(level)
+        print("compiled_ours_static: kernels not launched statically: "
+              + ("; ".join(bypass.lines) or "none"), flush=True)
         code_of("ours_static")
     else:
         print("compiled_ours_static: this torch has no static_launch_user_defined_triton_kernels")
