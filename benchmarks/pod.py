@@ -353,8 +353,9 @@ def _err(e: BaseException) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
-def _graph(fn):
-    """A replay of a CUDA graph that captured one call of fn (warmed on a side stream)."""
+def capture(fn, calls: int = 1, graph=None):
+    """A CUDA graph (``graph``, or a new one) that captured ``calls`` calls of fn, warmed on a
+    side stream first."""
     import torch
 
     s = torch.cuda.Stream()
@@ -363,10 +364,16 @@ def _graph(fn):
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
+    g = torch.cuda.CUDAGraph() if graph is None else graph
     with torch.cuda.graph(g):
-        fn()
-    return g.replay
+        for _ in range(calls):
+            fn()
+    return g
+
+
+def _graph(fn):
+    """A replay of a CUDA graph that captured one call of fn (capture)."""
+    return capture(fn).replay
 
 
 def _max_diff(calls: dict) -> float | None:

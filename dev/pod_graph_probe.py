@@ -40,20 +40,14 @@ def _graph(fn, calls: int, dump: str | None = None):
     dump: a path to keep the DOT file at."""
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
+    from benchmarks.pod import capture
+
     try:  # (the captured cudaGraph_t outlives instantiation only when kept: torch 2.10 on)
         g = torch.cuda.CUDAGraph(keep_graph=True)
     except TypeError:
         g = torch.cuda.CUDAGraph()
     g.enable_debug_mode()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    capture(fn, calls, g)
     path = dump or os.path.join(tempfile.mkdtemp(), "g.dot")
     g.debug_dump(path)
     if not os.path.exists(path):
