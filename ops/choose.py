@@ -614,18 +614,17 @@ def pod_gluon(q_p, k_p, v_p, q_d, k_d, v_d, consts_p: dict, scalars_p: dict, con
     if d != 128 or q_p.dtype != q_d.dtype or consts_p["MASK_MODE"] != consts_d["MASK_MODE"]:
         return False
     block_n = _gluon.TILES[block_m, 128].block_n
-    gathered = _gluon.page_gathered(k_d.shape[1], block_n, d)
-    if gathered and not POLICY.pod_gather:
+    paged = _gluon.pod_read(0 if one_page else k_p.shape[1], k_d.shape[1], block_n, d)
+    gathered = paged == _gluon.PAGED_GATHER.value
+    if paged is None or (gathered and not POLICY.pod_gather):
         return False
     for q, k, v, consts, scalars, prefill in ((q_p, k_p, v_p, consts_p, scalars_p, True),
                                               (q_d, k_d, v_d, consts_d, scalars_d, False)):
         page = k.shape[1]
         if prefill and one_page:  # (scope only: read as rows, or as one gathered page)
             page = k_d.shape[1] if gathered else block_n
-        read = _gluon.page_gathered if gathered else _gluon.page_fits
-        if not (read(page, block_n, d)
-                and _gluon_scope(KV_PAGED, q, k, v, out_dtype, block_m, page, consts, scalars,
-                                 dev, aligned=not static)):
+        if not _gluon_scope(KV_PAGED, q, k, v, out_dtype, block_m, page, consts, scalars, dev,
+                            aligned=not static):
             return False
     pairs = ((q_p.stride(0), q_d.stride(0)), (q_p.stride(1), q_d.stride(1)))
     return all((a == 1) == (b == 1) for a, b in pairs)

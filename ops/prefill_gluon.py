@@ -1431,6 +1431,18 @@ PINGPONG_REGS = 240
 GATHER_REGS = (224, 64)
 
 
+def partition_regs(gather: bool) -> tuple[int, int]:
+    """(a ping-pong launch's worker compute group, the load partition) registers: GATHER_REGS
+    where a warp group gathers pages, else PINGPONG_REGS beside a TMA warp's 24."""
+    return GATHER_REGS if gather else (PINGPONG_REGS, 24)
+
+
+def _wide(*views: torch.Tensor) -> bool:
+    """Whether the gather's row offsets need int64 (_row_offsets): a cache view of 2^31
+    elements or more."""
+    return max(t.shape[0] * t.stride(0) for t in views) >= 2 ** 31
+
+
 def persistent_default(pingpong: bool, boxes: int) -> bool:
     """Whether a warp-specialized launch runs persistent programs (they stay resident and take
     work items from a counter; the load warp brings the next item's Q and first K / V tiles
@@ -1567,8 +1579,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     if paged is None:  # never read
         page_idx = last = work_arg
     box = block_n // boxes
-    # the gather's row offsets in int64 only where a cache's elements reach 2^31 (_row_offsets)
-    wide = max(k2.shape[0] * k2.stride(0), v2.shape[0] * v2.stride(0)) >= 2 ** 31
+    wide = _wide(k2, v2)
     # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
     # per SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
@@ -1608,8 +1619,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                     STAGES=stages),
         SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
                           PERSISTENT=persistent, PINGPONG=pingpong,
-                          PRODUCER_REGS=GATHER_REGS[1] if gather else 24,
-                          GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS),
+                          PRODUCER_REGS=partition_regs(gather)[1],
+                          GROUP_REGS=partition_regs(gather)[0]),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 
@@ -1654,14 +1665,13 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
     hkv = prefill.k2.shape[1] // d
     tile = Tile(*(tile or TILES[block_m, d]))
     block_n = tile.block_n
-    gather = page_gathered(decode.page, block_n, d)
-    for name, page in (("prefill", prefill.page), ("decode", decode.page)):
-        one_page = page == 0 and name == "prefill"  # read as rows, or as one gathered page
-        if not (one_page or (page_gathered if gather else page_fits)(page, block_n, d)):
-            raise ValueError(
-                f"POD's {name} pages of {page} keys at D {d}: both parts' pages must be read "
-                f"alike, by TMA boxes (page_fits; a one-page prefill cache as rows) or gathered "
-                f"(page_gathered; the decodes' pages here are {decode.page})")
+    paged = pod_read(prefill.page, decode.page, block_n, d)
+    if paged is None:
+        raise ValueError(
+            f"POD's pages at D {d}: prefill {prefill.page} keys, decodes {decode.page}; both "
+            f"parts' pages must be read alike, by TMA boxes (page_fits; a one-page prefill cache "
+            f"as rows) or gathered (page_gathered; a one-page prefill cache as one page)")
+    gather = paged == PAGED_GATHER.value
     page_p = prefill.page
     if gather and page_p == 0:  # a one-page cache: its one page as long as its rows, or more
         page_p = one_page_size(prefill.k2.shape[0])
@@ -1673,9 +1683,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
     layouts = [x.layout for pair in descs for x in pair]
     if any(x != layouts[0] for x in layouts):
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
-    # the gather's row offsets in int64 only where a cache's elements reach 2^31 (_row_offsets)
-    wide = gather and max(t.shape[0] * t.stride(0) for part in (prefill, decode)
-                          for t in (part.k2, part.v2)) >= 2 ** 31
+    wide = gather and _wide(prefill.k2, prefill.v2, decode.k2, decode.v2)
     pingpong = tile.pingpong
     grid = (max(1, min(work.shape[0] * hkv, _sm_count(q.device) * _WS_CTAS[tile.warps])), )
 
@@ -1687,7 +1695,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
                             part.lse.stride(1), part.qk_scale, part.k2.stride(0),
                             part.v2.stride(0)))
 
-    paged = PAGED_GATHER.value if gather else PAGED_BOXES.value
+    group_regs, producer_regs = partition_regs(gather)
     _launch.run_direct(
         _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device),
         *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
@@ -1696,8 +1704,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
             SOURCE_D=Source(PAGED=paged, PAGE=decode.page, BOXES=boxes[1], WIDE=wide),
             SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
                         BLOCK_N=block_n, D=d, STAGES=tile.stages),
-            PINGPONG=pingpong, GROUP_REGS=GATHER_REGS[0] if gather else PINGPONG_REGS,
-            PRODUCER_REGS=GATHER_REGS[1] if gather else 24),
+            PINGPONG=pingpong, GROUP_REGS=group_regs, PRODUCER_REGS=producer_regs),
         num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
     return prefill.out, prefill.lse, decode.out, decode.lse
 
@@ -1732,6 +1739,20 @@ def page_gathered(page: int, block_n: int, d: int) -> bool:
     beat the Triton kernel's pointer gathers; larger pages without boxes keep the Triton
     kernel's whole-page loads (benchmarks/NOTES.md, 2026-11-24, pages of 1-7 keys)."""
     return 0 < page < MIN_BOX_PAGE and not page_fits(page, block_n, d)
+
+
+def pod_read(prefill_page: int, decode_page: int, block_n: int, d: int) -> int | None:
+    """How a Gluon POD launch reads both parts' K / V (one way for both: the ring barriers'
+    arrivals, fences and key tails follow how slots are filled): PAGED_BOXES where the decodes'
+    pages take TMA boxes (page_fits), PAGED_GATHER where they are gathered (page_gathered), the
+    prefill's pages alike or its cache one page (prefill_page 0: read as rows beside boxes, as
+    one gathered page beside gathers); None where the parts cannot be read alike."""
+    gather = page_gathered(decode_page, block_n, d)
+    read = page_gathered if gather else page_fits
+    if not (read(decode_page, block_n, d) and (prefill_page == 0
+                                                or read(prefill_page, block_n, d))):
+        return None
+    return PAGED_GATHER.value if gather else PAGED_BOXES.value
 
 
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,

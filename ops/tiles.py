@@ -6,6 +6,8 @@ module, so neither launcher imports the other for them.
 
 from __future__ import annotations
 
+import triton
+
 # Tile choice (block_m_for): 64-row tiles for short key ranges (POLICY.tma_min_kv; up to SHORT_KV
 # causal keys where K/V go through descriptors, GLUON_SHORT_KV on the Gluon kernel's ping-pong
 # tiles, half either without a mask), 128-row tiles beyond; the Triton kernel's small pages
@@ -36,4 +38,4 @@ ONE_PAGE_SIZE = 1 << 20
 
 def one_page_size(rows: int) -> int:
     """The page-size constexpr of a one-page cache of ``rows`` keys: at least ONE_PAGE_SIZE."""
-    return max(ONE_PAGE_SIZE, 1 << max(0, int(rows) - 1).bit_length())
+    return max(ONE_PAGE_SIZE, triton.next_power_of_2(int(rows)))

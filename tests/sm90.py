@@ -183,7 +183,7 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else G.persistent_default(pp, block_n // box))
     paged_mode = (G.PAGED_GATHER.value if gather else G.PAGED_BOXES.value) if page else 0
-    regs = G.GATHER_REGS if gather else (G.PINGPONG_REGS, 24)
+    regs = G.partition_regs(gather)
     # (WIDE: the gather's int64 row offsets, a cache of 2^31 elements or more: page 3 compiles
     # them, page 1 the int32 ones)
     consts = dict(SOURCE=G.Source(PAGED=paged_mode, PAGE=page, BOXES=block_n // box,
@@ -259,8 +259,8 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
                       SHAPE=G.Shape(GROUP=group, CAUSAL=causal, BLOCK_M=block_m,
                                     BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
                       PINGPONG=tile.pingpong,
-                      GROUP_REGS=G.GATHER_REGS[0] if gather else G.PINGPONG_REGS,
-                      PRODUCER_REGS=G.GATHER_REGS[1] if gather else 24),
+                      GROUP_REGS=G.partition_regs(gather)[0],
+                      PRODUCER_REGS=G.partition_regs(gather)[1]),
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
     # each part's scalars; lse [N, Hq]: its head stride 1 is specialised as a constexpr by the
     # launch
