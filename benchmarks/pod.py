@@ -126,6 +126,16 @@ def case_list(quick: bool = False) -> list[PodCase]:
     return out
 
 
+def pick(cases: list[PodCase], only: str) -> list[PodCase]:
+    """The cases --only names, in its order: per comma-separated item, the case of that whole
+    name, or else every case whose name contains it ("page1" alone also matches "page16")."""
+    out = []
+    for item in only.split(","):
+        exact = [c for c in cases if c.name == item]
+        out += [c for c in exact or [c for c in cases if item in c.name] if c not in out]
+    return out
+
+
 def launch_choice(case: PodCase, device=None) -> str:
     """How ours_pod runs the case under the launch policy: "fused" (one POD launch) or "apart"
     (two launches, ops.choose.pod_apart: the decodes too small to hide under the prefill, or a
@@ -221,9 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(their rows are recorded unavailable)")
     ap.add_argument("--budget-s", type=float, default=480.0, help="seconds after which no new "
                     "case starts; the cases left are recorded unavailable (default 480)")
-    ap.add_argument("--only", default=None, help="run only the case of this whole name, or "
-                    "else the cases whose name contains this text (e.g. 'batch_pod', 'g64/8'), "
-                    "to split the grid over calls")
+    ap.add_argument("--only", default=None, help="comma-separated: for each item, the case of "
+                    "this whole name, or else the cases whose name contains it (e.g. "
+                    "'batch_pod', 'g64/8'), to split the grid over calls")
     ap.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
                     help="run under this launch-policy setting (compiled_attn.ops.policy; "
                     "repeatable), e.g. host_tma_min_flop=2e10; recorded in the JSON")
@@ -488,9 +498,8 @@ def main(argv=None):
 
 def _main(args, settings: dict):
     cases = case_list(args.quick)
-    if args.only is not None:  # a case's whole name picks that case alone
-        exact = [c for c in cases if c.name == args.only]
-        cases = exact or [c for c in cases if args.only in c.name]
+    if args.only is not None:
+        cases = pick(cases, args.only)
     t0, rows = time.monotonic(), []
     for i, case in enumerate(cases):
         spent = time.monotonic() - t0

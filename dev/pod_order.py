@@ -3,7 +3,7 @@ PODWithPagedKVCacheWrapper with compiled_attn.pod._pod_work replaced by each ord
 prefill's rows first, the default; the decodes' first; the parts interleaved in proportion),
 timed as CUDA graph replays, interleaved rounds, medians in microseconds.
 
-    python -m dev.pod_order [--rounds 5]
+    python -m dev.pod_order [--rounds 5] [--only NAMES]   (NAMES: as benchmarks.pod --only)
 """
 
 from __future__ import annotations
@@ -72,9 +72,12 @@ def _time(replay, n=20):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median kept)")
+    ap.add_argument("--only", default=None, help="the pod suite's cases to run instead "
+                    "(benchmarks.pod --only's comma-separated names)")
     args = ap.parse_args(argv)
+    cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
     print(f"{'case':40} " + " ".join(f"{k:>14}" for k in ORDERS), flush=True)
-    for case in CASES:
+    for case in cases:
         x = suite.make_inputs(case, torch.device("cuda"))
         replays = {k: _replay(case, x, o) for k, o in ORDERS.items()}
         times = {k: [] for k in ORDERS}

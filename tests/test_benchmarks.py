@@ -1014,3 +1014,18 @@ def test_medians_us_times_each_call_and_raises_a_failure():
 
     with pytest.raises(RuntimeError, match="no"):
         medians_us({"ok": lambda: None, "bad": fails}, rounds=1, cuda=False)
+
+
+def test_pod_only_picks_whole_names_then_substrings_in_order():
+    """--only: each comma-separated item picks the case of that whole name, else the cases
+    whose name contains it; items keep their order and a case is taken once."""
+    from benchmarks import pod
+
+    cases = pod.case_list()
+    p1 = "pod p2048 d128x4096 g32/8 page1"
+    got = [c.name for c in pod.pick(cases, f"{p1},batch_pod p2048+1024+512+512 d16,{p1}")]
+    assert got == [p1] + [f"batch_pod p2048+1024+512+512 d16x4096 g{g} page{pg}"
+                          for g in ("32/8", "64/8") for pg in (16, 1)]
+    assert [c.name for c in pod.pick(cases, "page1")] == [c.name for c in cases
+                                                          if "page1" in c.name]
+    assert pod.pick(cases, "no such case") == []
