@@ -144,7 +144,8 @@ def launch_choice(case: PodCase, device=None) -> str:
     from compiled_attn.ops import choose
 
     gluon = choose.pod_fused_gluon(D, case.page, device=device)
-    apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon)
+    apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon,
+                             gathered=gluon and choose.pod_fused_gathers(D, case.page))
     return "apart" if apart else "fused"
 
 

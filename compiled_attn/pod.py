@@ -78,6 +78,8 @@ class _PODBase(_WrapperBase):
                     block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
                                             o.kv_dtype, plain=plain, fused_gluon=fused),
                     fused_gluon=fused,
+                    fused_gathers=fused and choose.pod_fused_gathers(o.head_dim_qk,
+                                                                     args["page_size"]),
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
@@ -209,7 +211,7 @@ def _apart(p: dict, pairs, decode_bytes) -> bool:
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
-                            gluon=p["fused_gluon"])
+                            gluon=p["fused_gluon"], gathered=p["fused_gathers"])
 
 
 def _traced_apart(p: dict) -> bool:

@@ -681,7 +681,8 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
             and _pages_on_64_rows(page_size, head_dim, kv_dtype, dev, gathered=POLICY.pod_gather))
 
 
-def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True) -> bool:
+def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
+              gathered: bool = False) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, a few percent slower than the prefill's own launch, and
@@ -695,12 +696,23 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True) 
     POLICY.pod_apart_min_bytes of them. gluon: the fused launch would be the Gluon kernel's
     (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
     (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
-    POLICY.pod_apart_balance is 0 (always fused)."""
+    POLICY.pod_apart_balance is 0 (always fused). gathered: that Gluon launch gathers both
+    parts' K / V (pod_fused_gathers), where the balance is POLICY.pod_gather_apart_factor times
+    larger."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
-    return p >= POLICY.pod_apart_min_bytes and decode_bytes < POLICY.pod_apart_balance * p
+    balance = POLICY.pod_apart_balance * (POLICY.pod_gather_apart_factor if gathered else 1.0)
+    return p >= POLICY.pod_apart_min_bytes and decode_bytes < balance * p
+
+
+def pod_fused_gathers(head_dim: int, page_size: int) -> bool:
+    """Whether a Gluon POD launch (pod_fused_gluon) on pages of this size gathers both parts'
+    K / V rows (prefill_gluon.pod_read's PAGED_GATHER) rather than reading them by boxes."""
+    if INTERPRET or (64, head_dim) not in _gluon.TILES:
+        return False
+    return _gluon.page_gathered(page_size, _gluon.TILES[64, head_dim].block_n, head_dim)
 
 
 def pod_apart_any_size(gluon: bool) -> bool | None:
