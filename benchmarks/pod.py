@@ -479,12 +479,31 @@ def run_case(case: PodCase, args) -> list[dict]:
         # calls (bound launches replayed many times) it must give the bits it gave before them
         res["ours_pod", "eager"] = (f"failed: after the timed calls POD's eager output differs "
                                     f"from its parts by {after} (before them: {diff})")
-    for prov in providers_for(case):
+    return assemble(case, uncaptured(res, providers_for(case)), diff)
+
+
+def uncaptured(res: dict, providers) -> dict:
+    """res with the graph rows of captures that recorded no kernel marked failed (FlashInfer's
+    POD wrapper captures nothing this way, 2026-11-28): a replay under a fifth of the eager
+    call's time where that is over 50 us, or a POD replay under half the time of its longer
+    part replayed alone (p256 + 16 x 1k: 10.3 us, its parts 11.4 and 34.2; 2026-11-29)."""
+    parts = {"ours_pod": ("ours_prefill", "ours_decode"), "fi_pod": ("fi_prefill", "fi_decode")}
+    out = dict(res)
+    for prov in providers:
         e, g = res.get((prov, "eager")), res.get((prov, "graph"))
-        if isinstance(e, float) and isinstance(g, float) and e > 50 and g < 0.2 * e:
-            res[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {e:.1f} us eager: "
-                                  "the capture recorded no kernel (not capturable this way)")
-    return assemble(case, res, diff)
+        if not isinstance(g, float):
+            continue
+        alone = [res.get((p, "graph")) for p in parts.get(prov, ())]
+        longest = max(alone) if alone and all(isinstance(a, float) for a in alone) else None
+        if isinstance(e, float) and e > 50 and g < 0.2 * e:
+            why = f"{e:.1f} us eager"
+        elif longest is not None and g < 0.5 * longest:
+            why = f"{longest:.1f} us for its longer part alone"
+        else:
+            continue
+        out[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {why}: the capture "
+                              "recorded no kernel (not capturable this way)")
+    return out
 
 
 def main(argv=None):

@@ -1029,3 +1029,19 @@ def test_pod_only_picks_whole_names_then_substrings_in_order():
     assert [c.name for c in pod.pick(cases, "page1")] == [c.name for c in cases
                                                           if "page1" in c.name]
     assert pod.pick(cases, "no such case") == []
+
+
+def test_pod_uncaptured_marks_graphs_that_recorded_nothing():
+    """A graph replay far under its eager call, or a POD replay under half of its longer part
+    replayed alone, is a capture that recorded no kernel: marked failed; plausible ones stay."""
+    from benchmarks import pod
+
+    res = {("fi_pod", "eager"): 51.4, ("fi_pod", "graph"): 10.3, ("fi_prefill", "graph"): 11.4,
+           ("fi_decode", "graph"): 34.2, ("ours_pod", "eager"): 56.4, ("ours_pod", "graph"): 28.9,
+           ("ours_prefill", "graph"): 12.4, ("ours_decode", "graph"): 25.9,
+           ("fi_apart", "eager"): 600.0, ("fi_apart", "graph"): 100.0}
+    out = pod.uncaptured(res, pod.PROVIDERS)
+    assert out["fi_pod", "graph"].startswith("failed:") and "34.2 us" in out["fi_pod", "graph"]
+    assert out["fi_apart", "graph"].startswith("failed:") and "600.0 us eager" in \
+        out["fi_apart", "graph"]
+    assert out["ours_pod", "graph"] == 28.9 and res["fi_pod", "graph"] == 10.3
