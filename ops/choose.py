@@ -697,8 +697,8 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
     (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
     POLICY.pod_apart_balance is 0 (always fused). gathered: that Gluon launch gathers both
-    parts' K / V (pod_fused_gathers), where the balance is POLICY.pod_gather_apart_factor times
-    larger."""
+    parts' K / V (pod_fused_gathers) where the prefill alone would read them by boxes or
+    densely; the balance is then POLICY.pod_gather_apart_factor times larger."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed

@@ -51,9 +51,9 @@ class Policy:
         # as two launches, each part on its own path (choose.pod_apart): the fused launch lost
         # 4-8% to them there (benchmarks/NOTES.md, 2026-11-27). 0: always fused.
         self.pod_apart_balance = 0.05
-        # ...times this where the fused launch gathers both parts (decodes on pages of 1-7 keys):
-        # its prefill reads K / V by cp.async rows, slower than its own launch's boxes, so the
-        # decodes must hide more (p8192 + 128 x 1k page 1 ran fused at 0.74x of apart; p2048 +
+        # ...times this where the fused launch gathers both parts (decodes on pages of 1-7 keys)
+        # and the prefill alone would not (POD's contiguous k / v): the fused launch reads it by
+        # cp.async rows, slower than its own launch, so the decodes must hide more (p8192 + 128 x 1k page 1 ran fused at 0.74x of apart; p2048 +
         # 128 x 4k at 1.06x; benchmarks/NOTES.md, 2026-11-29).
         self.pod_gather_apart_factor = 10.0
         # ...and only where the prefill computes at least this many bytes' worth (about 100 us

@@ -420,6 +420,28 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
                 assert _traced_apart(w._plan) is False
 
 
+def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatch):
+    """On page 1 the fused launch gathers both parts: POD's prefill alone reads contiguous
+    k / v (faster), so a large prefill with small decodes goes apart; BatchPOD's prefill alone
+    reads the same gathered pages, so the same sizes stay fused (the usual balance)."""
+    from compiled_attn.ops import choose
+    from compiled_attn.pod import _apart, _pairs
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    qo, n_dec, kv_d, page = 8192, 128, 1024, 1
+    dec = [kv_d // page] * n_dec
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr([qo]), indptr([qo // page]), torch.arange(qo // page, dtype=torch.int32),
+           torch.ones(1, dtype=torch.int32), indptr([1] * n_dec), indptr(dec),
+           torch.arange(sum(dec), dtype=torch.int32), torch.ones(n_dec, dtype=torch.int32),
+           32, 8, 128, page, q_data_type=torch.bfloat16)
+    p = w._plan
+    assert p["fused_gluon"] and p["fused_gathers"]
+    pairs = _pairs(qo, qo, True)
+    assert _apart(p, pairs, p["decode_bytes"], True) is True  # as POD decides
+    assert _apart(p, pairs, p["decode_bytes"], False) is False  # as BatchPOD decides
+
+
 def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):
     """The launch choice is the policy's at each call: a wrapper that ran a prefill length
     apart runs it fused under a later override (the prefill part it keeps for that length holds
