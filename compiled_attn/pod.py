@@ -203,13 +203,14 @@ def _decode_bytes(p: dict, pages: int) -> int:
     return pages * p["page_size"] * per_key
 
 
-def _apart(p: dict, pairs, decode_bytes, dense_prefill: bool) -> bool:
+def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
     it costs nothing. dense_prefill: the prefill alone reads contiguous k / v (POD's), so a
     fused launch that gathers both parts (p["fused_gathers"]) slows it; BatchPOD's prefill
-    alone reads the same pages as the fused launch. (Traced calls ask _traced_apart instead: the plan's numbers would be
-    guards, a recompile per re-plan, and a trace's sizes may be symbolic.)"""
+    alone reads the same pages as the fused launch. (Traced calls ask _traced_apart instead:
+    the plan's numbers would be guards, a recompile per re-plan, and a trace's sizes may be
+    symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
@@ -506,7 +507,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         (ops.choose.pod_apart). Asked at every call, never kept with the part: it reads the
         launch policy, which a scoped override may change between calls."""
         p = self._plan
-        return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], True)
+        return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"],
+                      dense_prefill=True)
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
@@ -691,6 +693,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse),
             apart=_apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
-                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"], False)))
+                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"],
+                dense_prefill=False)))
 
     run.__doc__ += _RETURN_DOC

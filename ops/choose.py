@@ -708,11 +708,13 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
 
 
 def pod_fused_gathers(head_dim: int, page_size: int) -> bool:
-    """Whether a Gluon POD launch (pod_fused_gluon) on pages of this size gathers both parts'
-    K / V rows (prefill_gluon.pod_read's PAGED_GATHER) rather than reading them by boxes."""
+    """Whether a Gluon POD launch (pod_fused_gluon, on pod_tile's 64-row tile) whose decodes
+    sit on pages of this size gathers both parts' K / V (prefill_gluon.pod_read's PAGED_GATHER)
+    rather than reading them by boxes."""
     if INTERPRET or (64, head_dim) not in _gluon.TILES:
         return False
-    return _gluon.page_gathered(page_size, _gluon.TILES[64, head_dim].block_n, head_dim)
+    block_n = _gluon.TILES[64, head_dim].block_n
+    return _gluon.pod_read(0, page_size, block_n, head_dim) == _gluon.PAGED_GATHER.value
 
 
 def pod_apart_any_size(gluon: bool) -> bool | None:

@@ -53,8 +53,9 @@ class Policy:
         self.pod_apart_balance = 0.05
         # ...times this where the fused launch gathers both parts (decodes on pages of 1-7 keys)
         # and the prefill alone would not (POD's contiguous k / v): the fused launch reads it by
-        # cp.async rows, slower than its own launch, so the decodes must hide more (p8192 + 128 x 1k page 1 ran fused at 0.74x of apart; p2048 +
-        # 128 x 4k at 1.06x; benchmarks/NOTES.md, 2026-11-29).
+        # cp.async rows, slower than its own launch, so the decodes must hide more (p8192 +
+        # 128 x 1k page 1 ran fused at 0.74x of apart, p2048 + 128 x 4k at 1.06x;
+        # benchmarks/NOTES.md, 2026-11-29).
         self.pod_gather_apart_factor = 10.0
         # ...and only where the prefill computes at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.

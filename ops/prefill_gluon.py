@@ -1580,6 +1580,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         page_idx = last = work_arg
     box = block_n // boxes
     wide = _wide(k2, v2)
+    group_regs, producer_regs = partition_regs(gather)
     # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
     # per SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
@@ -1619,8 +1620,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                     STAGES=stages),
         SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
                           PERSISTENT=persistent, PINGPONG=pingpong,
-                          PRODUCER_REGS=partition_regs(gather)[1],
-                          GROUP_REGS=partition_regs(gather)[0]),
+                          PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 

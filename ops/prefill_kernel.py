@@ -39,7 +39,7 @@ from . import choose, launch
 from .choose import KV_DENSE, KV_PAGED, KV_RAGGED, known as _known
 from .modes import (INTERPRET, LOG2E, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI,
                     POS_ROPE_LLAMA)
-from .tiles import ONE_PAGE_SIZE, one_page_size  # noqa: F401 (tests read ONE_PAGE_SIZE here)
+from .tiles import one_page_size
 from .tiles import SMALL_PAGE_BLOCK_M  # noqa: F401 (tests read it here)
 from .contracts import check_kernel_head_dims
 

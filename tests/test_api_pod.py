@@ -438,8 +438,8 @@ def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatc
     p = w._plan
     assert p["fused_gluon"] and p["fused_gathers"]
     pairs = _pairs(qo, qo, True)
-    assert _apart(p, pairs, p["decode_bytes"], True) is True  # as POD decides
-    assert _apart(p, pairs, p["decode_bytes"], False) is False  # as BatchPOD decides
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True) is True  # as POD decides
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False) is False  # as BatchPOD decides
 
 
 def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):

@@ -27,6 +27,7 @@ from compiled_attn.ops import choose
 from compiled_attn.ops import contracts as C
 from compiled_attn.ops import launch as L
 from compiled_attn.ops import prefill_kernel as K
+from compiled_attn.ops.tiles import ONE_PAGE_SIZE
 
 from .helpers import indptr, make_paged, rand
 from .sm90 import (F16, FakeDriver, compile_triton, paged, paged_launch, params, pod_launch, ragged,
@@ -203,7 +204,7 @@ def test_pod_fits_sm90_shared_memory(d, block_m, launches, monkeypatch):
 
 def test_pod_one_page_prefill_compiles_with_the_fixed_page_size(launches, monkeypatch):
     """PODWithPagedKVCacheWrapper's one-page prefill cache goes to the Triton POD launch with
-    the fixed page-size constexpr (prefill_kernel.ONE_PAGE_SIZE, not the prefill's length): it
+    the fixed page-size constexpr (tiles.ONE_PAGE_SIZE, not the prefill's length): it
     compiles for sm_90 within the shared memory, its keys on the whole-page path."""
     monkeypatch.setattr(choose, "device_of", lambda device: choose.H100)
     d = 64
@@ -214,7 +215,7 @@ def test_pod_one_page_prefill_compiles_with_the_fixed_page_size(launches, monkey
     K.launch_pod(*one_page, *paged(qo=[1, 1]), torch.zeros(6, 3, dtype=torch.int32), None,
                  None, None, 64, params(), params(C.MASK_NONE))
     (fn, args, kw), = launches
-    assert fn is K._pod_fwd and kw["PAGE_SIZE_P"] == K.ONE_PAGE_SIZE
+    assert fn is K._pod_fwd and kw["PAGE_SIZE_P"] == ONE_PAGE_SIZE
     assert compile_triton(fn, args, kw).metadata.shared <= SM90_SHARED
 
 

@@ -20,6 +20,7 @@ import torch
 
 import compiled_attn as fi
 from compiled_attn import ops
+from compiled_attn.ops.tiles import ONE_PAGE_SIZE
 from tests.helpers import POD_LAUNCHES, WS, check_pod_launch, indptr, make_paged
 from tests.kernel_cases import Case, check_parts, check_pod, make_case, params
 
@@ -234,7 +235,7 @@ def test_one_page_prefill_constexpr_does_not_follow_its_length(monkeypatch):
             q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt)
                              for n, h in ((kv, hq), (kv, hkv), (kv, hkv)))
             w.run(q_p, k_p, v_p, _randn(g, 2, hq, d, dtype=dt), cache, causal_p=True)
-    assert seen == [(K.ONE_PAGE_SIZE, 4)] * 3
+    assert seen == [(ONE_PAGE_SIZE, 4)] * 3
 
 
 def test_one_page_cache_listed_twice_keeps_page_arithmetic():
