@@ -146,7 +146,7 @@ def launch_choice(case: PodCase, device=None) -> str:
     gluon = choose.pod_fused_gluon(D, case.page, device=device)
     gathered = case.kind == "pod" and gluon and choose.pod_fused_gathers(D, case.page)
     apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon,
-                             gathered=gathered)
+                             dense_prefill=case.kind == "pod", gathered=gathered)
     return "apart" if apart else "fused"
 
 

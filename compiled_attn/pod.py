@@ -12,8 +12,10 @@ or raises. The op applies one position encoding (mode, rope_scale, rope_theta) t
 prefill and decode options that would need two raise NotImplementedError.
 
 Where the decodes are too small to hide under the prefill (ops.choose.pod_apart: their bytes
-under 5% of the prefill's FLOPs counted at Hopper's rate, on a prefill of ~100 us or more), the
-fused launch would cost the prefill more than it saves, and run() launches the parts apart
+under 5% of the prefill's FLOPs counted at Hopper's rate for BatchPOD, under about the
+prefill's time for POD, whose prefill alone runs on contiguous k / v, and under three times it
+where the fused launch gathers both parts; on parts of ~100 us or more together), the fused
+launch would cost the prefill more than it saves, and run() launches the parts apart
 instead: the prefill through the single_prefill op (POD) or batch_paged_prefill (BatchPOD), the
 decodes through batch_paged_prefill, with the same numbers; and so always where the fused launch
 would not be the Gluon kernel's (ops.choose.pod_fused_gluon). Calls traced by torch.compile go
@@ -206,15 +208,16 @@ def _decode_bytes(p: dict, pages: int) -> int:
 def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
-    it costs nothing. dense_prefill: the prefill alone reads contiguous k / v (POD's), so a
-    fused launch that gathers both parts (p["fused_gathers"]) slows it; BatchPOD's prefill
-    alone reads the same pages as the fused launch. (Traced calls ask _traced_apart instead:
+    it costs nothing. dense_prefill: the prefill alone reads contiguous k / v on its own tiles
+    (POD's), so the fused launch slows it, more where it gathers both parts
+    (p["fused_gathers"]); BatchPOD's prefill alone reads the same pages as the fused launch.
+    (Traced calls ask _traced_apart instead:
     the plan's numbers would be guards, a recompile per re-plan, and a trace's sizes may be
     symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
-                            gluon=p["fused_gluon"],
+                            gluon=p["fused_gluon"], dense_prefill=dense_prefill,
                             gathered=dense_prefill and p["fused_gathers"])
 
 

@@ -682,29 +682,32 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
-              gathered: bool = False) -> bool:
+              dense_prefill: bool = False, gathered: bool = False) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
-    prefill on its persistent programs, a few percent slower than the prefill's own launch, and
-    wins that back by hiding the decodes' memory traffic under the prefill's matrix work: where
-    the decodes are too small to repay it, two launches are faster (benchmarks/NOTES.md,
-    2026-11-27: p8192 + 16 x 1k ran fused at 0.96x / 0.92x of apart, eager / graph). A small
-    prefill rides along in a decode-heavy launch and stays fused. prefill_flops: the prefill
-    part's attention FLOPs (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes
-    the decode part reads. Apart when the decodes' bytes are under POLICY.pod_apart_balance of
-    the prefill's FLOPs counted as bytes at POLICY.pod_flop_per_byte, and the prefill at least
-    POLICY.pod_apart_min_bytes of them. gluon: the fused launch would be the Gluon kernel's
-    (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
-    (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
-    POLICY.pod_apart_balance is 0 (always fused). gathered: that Gluon launch gathers both
-    parts' K / V (pod_fused_gathers) where the prefill alone would read them by boxes or
-    densely; the balance is then POLICY.pod_gather_apart_factor times larger."""
+    prefill on its persistent programs, slower than the prefill's own launch, and wins that
+    back by hiding the decodes' memory traffic under the prefill's matrix work: where the
+    decodes are too small to repay it, two launches are faster. A small prefill rides along in
+    a decode-heavy launch and stays fused. prefill_flops: the prefill part's attention FLOPs
+    (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes the decode part
+    reads. Apart when the decodes' bytes are under a balance times the prefill's FLOPs counted
+    as bytes at POLICY.pod_flop_per_byte, and the two parts together at least
+    POLICY.pod_apart_min_bytes of them. The balance is POLICY.pod_apart_balance where the
+    prefill alone reads the pages the fused launch reads (BatchPOD); times
+    POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
+    (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where the fused launch
+    also gathers them (gathered: pod_fused_gathers). gluon: the fused launch would be the
+    Gluon kernel's (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the
+    parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go
+    apart, unless POLICY.pod_apart_balance is 0 (always fused)."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
-    balance = POLICY.pod_apart_balance * (POLICY.pod_gather_apart_factor if gathered else 1.0)
-    return p >= POLICY.pod_apart_min_bytes and decode_bytes < balance * p
+    factor = (POLICY.pod_gather_apart_factor if gathered
+              else POLICY.pod_dense_apart_factor if dense_prefill else 1.0)
+    return (p + decode_bytes >= POLICY.pod_apart_min_bytes
+            and decode_bytes < POLICY.pod_apart_balance * factor * p)
 
 
 def pod_fused_gathers(head_dim: int, page_size: int) -> bool:

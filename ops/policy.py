@@ -48,16 +48,21 @@ class Policy:
         # POD calls run their parts apart (choose.pod_apart_any_size).
         self.pod_gather = True
         # POD calls whose decodes would take less than this share of the prefill's time run
-        # as two launches, each part on its own path (choose.pod_apart): the fused launch lost
-        # 4-8% to them there (benchmarks/NOTES.md, 2026-11-27). 0: always fused.
+        # as two launches, each part on its own path (choose.pod_apart), where the prefill
+        # alone reads the pages the fused launch reads (BatchPOD). 0: always fused.
         self.pod_apart_balance = 0.05
-        # ...times this where the fused launch gathers both parts (decodes on pages of 1-7 keys)
-        # and the prefill alone would not (POD's contiguous k / v): the fused launch reads it by
-        # cp.async rows, slower than its own launch, so the decodes must hide more (p8192 +
-        # 128 x 1k page 1 ran fused at 0.74x of apart, p2048 + 128 x 4k at 1.06x;
-        # benchmarks/NOTES.md, 2026-11-29).
-        self.pod_gather_apart_factor = 10.0
-        # ...and only where the prefill computes at least this many bytes' worth (about 100 us
+        # ...times this where the prefill alone reads contiguous k / v on its own tiles (POD):
+        # the fused launch's 64-row paged tiles ran a p8192 prefill ~1.2x slower, so the
+        # decodes must take about its time to repay fusing (page 16, fused over apart, at
+        # decode bytes over the prefill's counted as bytes: 0.07-0.59 -> 0.83-0.95x,
+        # 1.17 -> 1.02-1.03x, 2.3-9.4 -> 1.04-1.14x; benchmarks/NOTES.md, 2026-11-29).
+        self.pod_dense_apart_factor = 20.0
+        # ...times this instead where the fused launch also gathers both parts (decodes on
+        # pages of 1-7 keys): it reads the prefill by cp.async rows, ~1.4x its own launch
+        # (page 1: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x, 4.7 -> 1.13x and 1.06x, 9.4 ->
+        # 1.06x; benchmarks/NOTES.md, 2026-11-29).
+        self.pod_gather_apart_factor = 60.0
+        # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.
         self.pod_apart_min_bytes = 4e8
         # The prefill's FLOPs per decode byte in equal time: Hopper's attained D128 attention

@@ -367,21 +367,27 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
     _check_part(o_d, l_d, q_d, [1] * len(kv_d), ks_d, vs_d, window_left=3)
 
 
-# (prefill tokens, decodes, keys each, Hq, page, apart): the pod suite's cases of 2026-11-27
-# (benchmarks/NOTES.md): the prefill-heavy mix lost 4-8% in the fused launch and goes apart; the
-# balanced and decode-heavy ones (a small prefill rides along) and small calls stay fused. Page 1
-# takes the Gluon POD launch with both parts gathered, by the same rule at ten times the balance
-# (its gathered prefill is slower: p8192 + 128 x 1k ran fused at 0.74x of apart, 2026-11-29);
-# with pod_gather off it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart,
-# 2026-11-28) and goes apart.
+# (prefill tokens, decodes, keys each, Hq, page, apart): cases of the pod suite
+# (benchmarks/NOTES.md, 2026-11-29). POD's prefill alone runs on contiguous k / v and its own
+# tiles, so decodes under about its time go apart (page 16: p8192 + 16 x 4k ran fused at 0.86x
+# of apart, + 128 x 4k 0.95x, + 256 x 4k 1.03x, + 128 x 32k 1.04x), and a small call stays
+# fused whatever its balance (p2048 + 16 x 1k). Page 1 takes the Gluon POD launch with both
+# parts gathered, its prefill slower still, by the same rule at three times that balance
+# (p8192 + 256 x 4k 0.84x, p2048 + 16 x 4k 0.90x; p2048 + 256 x 1k 1.13x); with pod_gather off
+# it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart, 2026-11-28) and goes
+# apart.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
     (8192, 16, 1024, 32, 16, True), (8192, 16, 4096, 64, 16, True),
-    (8192, 16, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
-    (2048, 128, 4096, 64, 16, False), (256, 128, 32768, 32, 16, False),
-    (2048, 16, 1024, 32, 16, False), (64, 4, 64, 32, 16, False),
+    (8192, 16, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
+    (8192, 256, 4096, 32, 16, False), (8192, 128, 32768, 32, 16, False),
+    (2048, 128, 4096, 32, 16, False), (2048, 128, 4096, 64, 16, False),
+    (256, 128, 32768, 32, 16, False), (2048, 16, 1024, 32, 16, False),
+    (2048, 16, 4096, 32, 16, False), (2048, 16, 4096, 64, 16, True), (64, 4, 64, 32, 16, False),
     (2048, 128, 4096, 32, 1, False), (64, 4, 64, 32, 1, False), (8192, 16, 1024, 32, 1, True),
-    (8192, 128, 1024, 32, 1, True), (8192, 128, 1024, 32, 16, False),
-    (2048, 128, 4096, 64, 1, False), (8192, 256, 4096, 32, 1, False)])
+    (8192, 128, 1024, 32, 1, True), (8192, 128, 1024, 32, 16, True),
+    (2048, 128, 4096, 64, 1, False), (8192, 256, 4096, 32, 1, True),
+    (2048, 16, 4096, 32, 1, True), (2048, 256, 1024, 32, 1, False),
+    (256, 16, 4096, 64, 1, False), (256, 128, 4096, 32, 1, False)])
 def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
     sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
