@@ -1,7 +1,8 @@
 """POD's work-list order (dev probe, GPU): the pod suite's cases through
 PODWithPagedKVCacheWrapper with compiled_attn.pod._pod_work replaced by each order below (the
 prefill's rows first, the default; the decodes' first; the parts interleaved in proportion),
-timed as CUDA graph replays, interleaved rounds, medians in microseconds.
+beside the two parts as two launches (apart), timed as CUDA graph replays, interleaved rounds,
+medians in microseconds.
 
     python -m dev.pod_order [--rounds 5] [--only NAMES]   (NAMES: as benchmarks.pod --only)
 """
@@ -44,7 +45,11 @@ ORDERS = {"prefill_first": pod_mod._pod_work, "decode_first": _concat(True),
           "interleave": _interleave}
 
 
-def _replay(case, x, order):
+def _replay(case, x, order, **policy):
+    """A CUDA graph of the case's POD call with work order ``order``, captured under the
+    launch policy's ``policy`` settings."""
+    from compiled_attn.ops.policy import override
+
     pod_mod._pod_work = order
     try:
         w = compiled_attn.PODWithPagedKVCacheWrapper(
@@ -53,7 +58,8 @@ def _replay(case, x, order):
         w.plan(di, dx, dl, case.hq, case.hkv, suite.D, case.page, q_data_type=torch.bfloat16)
         fn = lambda: w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],  # noqa: E731
                            causal_p=True)
-        return suite._graph(fn)
+        with override(**policy):
+            return suite._graph(fn)
     finally:
         pod_mod._pod_work = ORDERS["prefill_first"]
 
@@ -76,16 +82,19 @@ def main(argv=None):
                     "(benchmarks.pod --only's comma-separated names)")
     args = ap.parse_args(argv)
     cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
-    print(f"{'case':40} " + " ".join(f"{k:>14}" for k in ORDERS), flush=True)
+    names = [*ORDERS, "apart"]
+    print(f"{'case':40} " + " ".join(f"{k:>14}" for k in names), flush=True)
     for case in cases:
         x = suite.make_inputs(case, torch.device("cuda"))
-        replays = {k: _replay(case, x, o) for k, o in ORDERS.items()}
-        times = {k: [] for k in ORDERS}
+        replays = {k: _replay(case, x, o, pod_apart_balance=0.0) for k, o in ORDERS.items()}
+        replays["apart"] = _replay(case, x, ORDERS["prefill_first"],
+                                   pod_apart_balance=float("inf"), pod_apart_min_bytes=0.0)
+        times = {k: [] for k in names}
         for _ in range(args.rounds):
             for k, r in replays.items():
                 times[k].append(_time(r))
         print(f"{case.name:40} " + " ".join(f"{statistics.median(times[k]):14.1f}"
-                                            for k in ORDERS), flush=True)
+                                            for k in names), flush=True)
 
 
 if __name__ == "__main__":
