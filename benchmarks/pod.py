@@ -589,8 +589,9 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(doc: dict, path) -> None:
-    """POD's ratios per case (graph replays): over our apart, over FlashInfer's POD, and the
-    decode part's fraction of the copy ceiling; a line at 1."""
+    """POD's ratios per case, a panel per GQA / page setting: over our apart and the decode
+    part's fraction of the copy ceiling (CUDA graph replays), over FlashInfer's POD (eager:
+    its POD wrapper records no kernel in a graph); a line at 1."""
     try:
         import matplotlib
 
@@ -598,29 +599,38 @@ def plot(doc: dict, path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    rows = [r for r in doc["rows"] if r["mode"] == "graph"]
-    cases = list(dict.fromkeys(r["case"] for r in rows if r["provider"] == "ours_pod"))
-    series = (("ours_pod", "ratio_vs_apart", "POD: apart / POD"),
-              ("ours_pod", "ratio_vs_fi_pod", "POD: FlashInfer POD / ours"),
-              ("ours_decode", "decode_over_copy", "decode: bytes/s over copy"))
-    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(cases) + 3), 5))
+    rows = {(r["case"], r["provider"], r["mode"]): r for r in doc["rows"]}
+    cases = list(dict.fromkeys(r["case"] for r in doc["rows"] if r["provider"] == "ours_pod"))
+    groups: dict[str, list[str]] = {}
+    for c in cases:  # "pod p256 d16x1024 g32/8 page16": the panel is "g32/8 page16"
+        groups.setdefault(" ".join(c.split()[-2:]), []).append(c)
+    series = (("ours_pod", "graph", "ratio_vs_apart", "POD: apart / POD (graph)"),
+              ("ours_pod", "eager", "ratio_vs_fi_pod", "POD: FlashInfer POD / ours (eager)"),
+              ("ours_decode", "graph", "decode_over_copy", "decode: bytes/s over copy (graph)"))
+    width = max(len(v) for v in groups.values())
+    fig, axes = plt.subplots(len(groups), 1, squeeze=False,
+                             figsize=(max(8, 0.42 * width + 3), 3.6 * len(groups)))
     w = 0.8 / len(series)
-    for i, (prov, key, label) in enumerate(series):
-        xs, ys = [], []
-        for j, c in enumerate(cases):
-            r = next((r for r in rows if r["case"] == c and r["provider"] == prov), {})
-            if r.get(key) is not None:
-                xs.append(j + i * w)
-                ys.append(r[key])
-        ax.bar(xs, ys, w, label=label)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cases))], cases, rotation=70, ha="right",
-                  fontsize=6)
-    ax.set_ylabel("ratio (above 1: ours faster / at ceiling)")
-    ax.set_title(f"pod suite (CUDA graph replays), {doc['gpu']}, {doc['date'][:10]}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    for ax, (group, names) in zip(axes[:, 0], groups.items()):
+        for i, (prov, mode, key, label) in enumerate(series):
+            xs, ys = [], []
+            for j, c in enumerate(names):
+                v = rows.get((c, prov, mode), {}).get(key)
+                if v is not None:
+                    xs.append(j + i * w)
+                    ys.append(v)
+            ax.bar(xs, ys, w, label=label)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(names))],
+                      [" ".join(c.split()[:-2]) for c in names], rotation=60, ha="right",
+                      fontsize=7)
+        ax.set_ylabel("ratio (above 1: ours faster)", fontsize=8)
+        ax.set_title(group, fontsize=9)
+        ax.set_xlim(-0.5, width - 0.2)  # bars of one width in every panel
+    fig.suptitle(f"pod suite, {doc['gpu']}, {doc['date'][:10]}", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), fontsize=7, ncol=3, loc="lower center")
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":
