@@ -211,9 +211,8 @@ def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
     it costs nothing. dense_prefill: the prefill alone reads contiguous k / v on its own tiles
     (POD's), so the fused launch slows it, more where it gathers both parts
     (p["fused_gathers"]); BatchPOD's prefill alone reads the same pages as the fused launch.
-    (Traced calls ask _traced_apart instead:
-    the plan's numbers would be guards, a recompile per re-plan, and a trace's sizes may be
-    symbolic.)"""
+    (Traced calls ask _traced_apart instead: the plan's numbers would be guards, a recompile
+    per re-plan, and a trace's sizes may be symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,

@@ -6,6 +6,13 @@ not change the compiled code keeps every hash.
 
     .venv/bin/python -m dev.ptx_fingerprint [--only NAME,...] [--dump DIR]
 
+The hashes depend on the installed Triton: compare before and after under one version. To
+check a refactor under the GPU machines' Triton as well (3.6, where the project's venv has
+3.9), a second environment works, on CPU too:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install torch==2.13.0 triton==3.6.0 pytest
+    PYTHONPATH=. /tmp/t36/bin/python -m dev.ptx_fingerprint
+
 The launches and compiles are tests/sm90.py's: the Triton launches the op launchers' own
 (prefill_kernel.launch_*) on CPU tensors, recorded instead of run and compiled with the JIT's
 specialization of their arguments; the Gluon kernel as prefill_gluon.launch would set it up.
