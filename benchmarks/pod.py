@@ -144,9 +144,9 @@ def launch_choice(case: PodCase, device=None) -> str:
     from compiled_attn.ops import choose
 
     gluon = choose.pod_fused_gluon(D, case.page, device=device)
-    gathered = case.kind == "pod" and gluon and choose.pod_fused_gathers(D, case.page)
     apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon,
-                             dense_prefill=case.kind == "pod", gathered=gathered)
+                             dense_prefill=case.kind == "pod",
+                             fused_gathers=choose.pod_fused_gathers(D, case.page))
     return "apart" if apart else "fused"
 
 

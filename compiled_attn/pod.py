@@ -217,7 +217,7 @@ def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"], dense_prefill=dense_prefill,
-                            gathered=dense_prefill and p["fused_gathers"])
+                            fused_gathers=p["fused_gathers"])
 
 
 def _traced_apart(p: dict) -> bool:

@@ -682,7 +682,7 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
-              dense_prefill: bool = False, gathered: bool = False) -> bool:
+              dense_prefill: bool = False, fused_gathers: bool = False) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, slower than the prefill's own launch, and wins that
@@ -695,17 +695,18 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     POLICY.pod_apart_min_bytes of them. The balance is POLICY.pod_apart_balance where the
     prefill alone reads the pages the fused launch reads (BatchPOD); times
     POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
-    (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where the fused launch
-    also gathers them (gathered: pod_fused_gathers). gluon: the fused launch would be the
-    Gluon kernel's (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the
-    parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go
-    apart, unless POLICY.pod_apart_balance is 0 (always fused)."""
+    (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where that prefill's
+    fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers; BatchPOD's
+    prefill alone gathers the same pages). gluon: the fused launch would be the Gluon kernel's
+    (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
+    (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
+    POLICY.pod_apart_balance is 0 (always fused)."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
-    factor = (POLICY.pod_gather_apart_factor if gathered
-              else POLICY.pod_dense_apart_factor if dense_prefill else 1.0)
+    factor = ((POLICY.pod_gather_apart_factor if fused_gathers
+               else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
     return (p + decode_bytes >= POLICY.pod_apart_min_bytes
             and decode_bytes < POLICY.pod_apart_balance * factor * p)
 
