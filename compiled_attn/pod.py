@@ -32,9 +32,13 @@ from . import _validate as V
 from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
 from .ops import choose
-from .ops.launch import Memo
+from .ops import decode_chunks as _chunks
+from .ops.choose import RESIDENT_PER_SM
+from .ops.launch import Memo, adopt_scratch, plain_tensors, untraced
+from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
-from .ops.schedule import block_m_for, build_work, uniform_work
+from .ops.schedule import (block_m_for, build_decode_chunks, build_work, decode_chunk_count,
+                           uniform_work)
 from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
 
@@ -91,7 +95,7 @@ class _PODBase(_WrapperBase):
     def _set_plan(self, p: dict) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
         self._plan = p
-        self._memo = Memo(static=p.values())
+        self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values()])
         self._parts = {}
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
@@ -148,7 +152,8 @@ class _PODBase(_WrapperBase):
         return k, v
 
     def _call(self, p, part_p: tuple, part_d: tuple, *, work, packed_p, mask_indptr_p,
-              opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple, apart=None):
+              opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple, apart=None,
+              cut=None):
         """One POD launch. part_p / part_d: each part's (q, k, v, qo_indptr, kv_indptr,
         kv_indices, last_page_len) in the op's order; opt_p / opt_d: (mask mode, window_left,
         sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
@@ -157,12 +162,25 @@ class _PODBase(_WrapperBase):
         launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on their own
         tile (p["block_m_d"]), the prefill through single_prefill where it is POD's one
         request with contiguous k / v (dense, work_p None, its own tile), else
-        batch_paged_prefill on its own tile (p["block_m_p"])."""
+        batch_paged_prefill on its own tile (p["block_m_p"]). cut: None, or (the plan's decode
+        key chunks, the fused launch's work list over them): the decode part then runs as its
+        chunk requests (_plan_chunks; q_d's rows gathered per chunk) and their outputs are
+        merged per request (_cut says when)."""
         v_f, v_t = _split_v_scale(v_scale)
+        if apart is None and cut is not None:
+            chunks, work = cut
+            q_d = part_d[0]
+            q_c = _chunks.gather_rows(q_d, chunks["src"])
+            part_d = (q_c, *part_d[1:3], chunks["qo_indptr"], chunks["kv_indptr"], part_d[5],
+                      chunks["last_page_len"])
         if apart is None:
             out_p, lse_p, out_d, lse_d = call_op(
                 "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p,
                 p["alibi"], p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
+            if cut is not None:  # the chunks' outputs, merged per request
+                adopt_scratch(out_d)
+                adopt_scratch(lse_d)
+                out_d, lse_d = _chunks.merge_chunks(out_d, lse_d, chunks["merge"], q_d.shape[0])
         else:
             tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
             work_p, work_d = apart
@@ -203,6 +221,55 @@ def _decode_bytes(p: dict, pages: int) -> int:
     """The K and V bytes a part reads from ``pages`` whole pages of the plan's cache."""
     per_key = p["num_kv_heads"] * p["head_dim"] * 2 * p["kv_dtype"].itemsize
     return pages * p["page_size"] * per_key
+
+
+def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
+                 kv_lens: list, device: torch.device) -> dict | None:
+    """The decode part's key chunks of a POD plan p, or None: where few one-row requests would
+    leave most of the fused launch's resident slots to the prefill (ops.choose.pod_chunk_sms,
+    schedule.decode_chunk_count over two waves), each request's pages cut into one-row chunk
+    requests over the same page table (schedule.build_decode_chunks), whose items even out the
+    prefill's tail; run() merges their outputs (_call's cut). Only where the chunks compute
+    the decodes exactly: no position encoding (a chunk request counts positions from its own
+    last key), no window, q and K/V of one dtype. qo_h / ind_h / last_h: the decode part's
+    host index arrays [B + 1] / [B + 1] / [B]; kv_lens: its keys per request. The dict holds
+    the chunk requests' device arrays (qo_indptr, kv_indptr, last_page_len), src (the query
+    row of each chunk row), merge (ops.decode_chunks.merge_chunks'), work (their work list,
+    int32 [W, 2]) and the numbers choose.pod_cut reads (sms, decode_items, longest)."""
+    qo_l = (qo_h[1:] - qo_h[:-1]).tolist()
+    if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
+        return None
+    sms = choose.pod_chunk_sms(p["fused_gluon"])  # (the plan's device, as pod_tile's)
+    n = sms and decode_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms,
+                                   min_keys_per_chunk=POLICY.pod_chunk_min_keys,
+                                   slots_per_sm=RESIDENT_PER_SM[64], fill=POLICY.pod_chunk_fill,
+                                   waves=2)
+    if not n:
+        return None
+    c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n)
+    rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
+    to = dict(device=device, dtype=torch.int32)
+    out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
+    out.update(work=build_work(rows, p["group"], p["block_m"], "cpu").to(**to), sms=sms,
+               decode_items=-(-p["group"] // p["block_m"]) * sum(qo_l) * p["num_kv_heads"],
+               longest=max(kv_lens, default=0))
+    return out
+
+
+def _cut(p: dict, prefill_tiles: int, window_d: int, pos: int, tensors: tuple) -> bool:
+    """Whether a fused launch of plan p runs its decodes as the plan's key chunks
+    (_plan_chunks): the plan has them, the call's options keep them exact (pos: the launch's
+    position encoding; window_d: the decodes' window), the call is eager on plain tensors
+    (``tensors``: q_p, q_d and the caches; the gather and merge are direct launches) with q_d
+    of unit stride in D, and the launch's items ask for them (ops.choose.pod_cut;
+    prefill_tiles: the prefill's work rows, each times the KV heads)."""
+    c = p.get("chunks")
+    if c is None or window_d >= 0 or pos != POS_NONE or tensors[1].stride(-1) != 1:
+        return False
+    if not (untraced() and plain_tensors(tensors)):
+        return False
+    return choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["decode_items"], c["longest"],
+                          c["sms"])
 
 
 def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
@@ -347,6 +414,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                                 p["block_m"], p["kv_dtype"])
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
             b, 1, p["group"], p["block_m_d"], self.device)
+        # (CUDA-graph mode: a re-plan must keep the captured launches' shapes; no chunks)
+        p["chunks"] = None if self._use_cuda_graph else _plan_chunks(
+            p, torch.arange(b + 1, dtype=torch.int32), ind_h, last_h, kv_lens.tolist(),
+            self.device)
         self._set_plan(p)
 
     begin_forward = plan
@@ -492,6 +563,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
+        cut = None
+        if not traced and _cut(p, -(-qo_len * p["group"] // p["block_m"]), window_d, pos_p,
+                               (q_p, q_d, k_p, v_p, k_d, v_d)):
+            cut = (p["chunks"], part["work_cut"])
         return self._call(
             p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), *part["table"]),
             (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),
@@ -500,7 +575,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
             apart=_apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
-                qo_len, kv_len, mask_p == MASK_CAUSAL)))
+                qo_len, kv_len, mask_p == MASK_CAUSAL)), cut=cut)
 
     run.__doc__ += _RETURN_DOC
 
@@ -529,25 +604,29 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p, dev = self._plan, self.device
             i2 = torch.arange(2, dtype=torch.int32, device=dev)
             has_kv = 1 if kv_len > 0 else 0
+            work_p = uniform_work(1, qo_len, p["group"], p["block_m"], dev)
             part = dict(
                 table=(i2 * qo_len, i2 * has_kv,
                        torch.zeros(has_kv, dtype=torch.int32, device=dev),
                        torch.full((1,), kv_len, dtype=torch.int32, device=dev)),
                 mask_indptr=None if mask_bytes is None else i2 * mask_bytes,
-                work=_pod_work(uniform_work(1, qo_len, p["group"], p["block_m"], dev),
-                               p["work_d"]))
+                work=_pod_work(work_p, p["work_d"]),
+                # the fused launch's list over the plan's decode key chunks (_plan_chunks)
+                work_cut=None if p["chunks"] is None else _pod_work(work_p,
+                                                                    p["chunks"]["work"]))
             # (tensors made while a CUDA graph captures hold their values only in the graph's
             # replays: never kept for eager calls)
             if not traced and not capturing:
                 self._parts[key] = part
-                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"]))
+                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
+                                       part["work_cut"]))
         if capturing:
-            # The graph reads this part and the plan's decode qo_indptr, ALiBi slopes and
-            # decode work list at every replay; a re-plan (CUDA-graph mode's new decode
+            # The graph reads this part and the plan's decode qo_indptr, ALiBi slopes, decode
+            # work lists and key chunks at every replay; a re-plan (CUDA-graph mode's new decode
             # lengths) or the eviction above would free them for the allocator to hand out again.
             p = self._plan
             self._captured.append((part, p["qo_indptr"], p["alibi"], p["work_d"],
-                                   p["work_d_apart"]))
+                                   p["work_d_apart"], p["chunks"]))
         return part
 
 
@@ -618,7 +697,11 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
+                p["chunks"] = _plan_chunks(p, qo_h, ind_h, last_h, kv_l, self.device)
         p["work"] = _pod_work(*works).to(**to)
+        p["tiles_p"] = works[0].shape[0]
+        p["work_cut"] = (None if p["chunks"] is None
+                         else _pod_work(works[0].to(**to), p["chunks"]["work"]))
         p["work_p"], p["work_d_apart"] = work_p.to(**to), work_d.to(**to)
         self._set_plan(p)
 
@@ -687,6 +770,10 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
+        cut = None
+        if not traced and _cut(p, p["tiles_p"], p["window_left"], p["pos"],
+                               (q_p, q_d, k_p, v_p, k_d, v_d)):
+            cut = (p["chunks"], p["work_cut"])
         return self._call(
             p, (q_p, k_p, v_p, *part["p"]), (q_d, k_d, v_d, *part["d"]), work=p["work"],
             packed_p=packed_p, mask_indptr_p=mask_indptr_p,
@@ -696,6 +783,6 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             want_lse=(return_lse, return_lse),
             apart=_apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
                 p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"],
-                dense_prefill=False)))
+                dense_prefill=False)), cut=cut)
 
     run.__doc__ += _RETURN_DOC

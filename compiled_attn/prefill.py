@@ -897,7 +897,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             n = sms and decode_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(),
                                            p.num_kv_heads, sms,
                                            min_keys_per_chunk=POLICY.decode_chunk_min_keys,
-                                           slots_per_sm=RESIDENT_PER_SM[64])
+                                           slots_per_sm=RESIDENT_PER_SM[64],
+                                           fill=POLICY.decode_chunk_fill)
         if graph and self._chunk_bufs is None:  # the first plan
             self._chunk_bufs = self._chunk_buffers(p, sms) if n else False
         if not (n or graph and self._chunk_bufs):

@@ -711,6 +711,30 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
             and decode_bytes < POLICY.pod_apart_balance * factor * p)
 
 
+def pod_chunk_sms(fused_gluon: bool, device: Device | None = None) -> int:
+    """The SM count a POD plan's decode key chunks are planned for (schedule.decode_chunk_count
+    with POLICY.pod_chunk_fill over two waves; 0: no chunks), by POLICY.pod_chunks: "gluon"
+    where the plan's fused launch is the Gluon kernel's (fused_gluon: pod_fused_gluon),
+    "always" on any device (132 SMs where the device has none), "off" never."""
+    mode = POLICY.pod_chunks
+    if mode not in ("gluon", "always", "off"):
+        raise ValueError(f"POLICY.pod_chunks: got {mode!r}; one of 'gluon', 'always', 'off'")
+    if mode == "off" or (mode == "gluon" and not fused_gluon):
+        return 0
+    dev = _plan_device() if device is None else device
+    return dev.sm_count or H100.sm_count
+
+
+def pod_cut(prefill_items: int, decode_items: int, longest_keys: int, sms: int) -> bool:
+    """Whether a fused POD launch whose plan has decode key chunks (pod_chunk_sms) runs them:
+    where its work items, the prefill's tiles and the uncut decodes' (each times the KV heads),
+    exceed one wave of resident 64-row programs on ``sms`` SMs, or the longest decode has
+    POLICY.pod_chunk_long_keys keys or more (module policy: a launch of one wave of short
+    decodes loses more to the gather and merge launches than the chunks gain)."""
+    return (prefill_items + decode_items > RESIDENT_PER_SM[64] * sms
+            or longest_keys >= POLICY.pod_chunk_long_keys)
+
+
 def pod_fused_gathers(head_dim: int, page_size: int) -> bool:
     """Whether a Gluon POD launch (pod_fused_gluon, on pod_tile's 64-row tile) whose decodes
     sit on pages of this size gathers both parts' K / V (prefill_gluon.pod_read's PAGED_GATHER)

@@ -83,6 +83,27 @@ class Policy:
         self.decode_chunks = "gluon"
         # ...each chunk at least this many keys of the longest request.
         self.decode_chunk_min_keys = 512
+        # ...where the batch's programs (a request and KV head each) fill at most this much of
+        # one wave of resident 64-row programs (two a SM): 0.25, at most half the SMs.
+        self.decode_chunk_fill = 0.25
+        # POD's decodes, where few requests leave most of the fused launch's resident slots to
+        # the prefill, cut into key chunks (one-row chunk requests, then a merge) so that their
+        # items even out the prefill's tail (choose.pod_chunk_sms, choose.pod_cut): "gluon"
+        # where the fused launch is the Gluon kernel's, "always" on any device the kernels run
+        # (tests: the interpreter runs the Triton POD launch), "off". p2048 + 16 x 32k replayed
+        # in 547 us instead of 636, p2048 + 16 x 4k in 134 instead of 151 (H200,
+        # benchmarks/NOTES.md, 2026-11-29).
+        self.pod_chunks = "gluon"
+        # ...where the decodes' programs (a request and KV head each) fill at most this much of
+        # one wave of resident 64-row programs (two a SM): 0.5, at most one a SM; into chunks
+        # for two such waves, each at least pod_chunk_min_keys keys of the longest request...
+        self.pod_chunk_fill = 0.5
+        self.pod_chunk_min_keys = 1024
+        # ...and only where the launch's items exceed one wave (the prefill's tiles and the
+        # uncut decodes), or the longest decode has at least this many keys: in one wave,
+        # short decodes lose more to the gather and merge launches than the chunks gain
+        # (p256 + 16 x 4k: 82 against 78 us).
+        self.pod_chunk_long_keys = 16384
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

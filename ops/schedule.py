@@ -140,23 +140,25 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
 
 def decode_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_heads: int,
                        num_sms: int, *, min_keys_per_chunk: int = 512,
-                       slots_per_sm: int = 2) -> int:
+                       slots_per_sm: int = 2, fill: float = 0.25, waves: int = 1) -> int:
     """The key chunks per request of a decode batch cut into chunk requests (0: not cut).
 
-    A batch is cut where a split plan would split it (its programs, one a request and KV head,
-    fill at most half the SMs: chunks_wanted), into as many chunks as fit one wave of
-    ``slots_per_sm`` programs a SM (the Gluon kernel's 64-row tile runs two; a chunk more would
-    start a second, mostly idle wave), at most MAX_CHUNKS, each of at least
-    ``min_keys_per_chunk`` keys of the longest request. Only for decode rows: every request has
-    at most one query row, and one has a row."""
+    A batch is cut where its programs, one a request and KV head, fill at most ``fill`` of one
+    wave of ``slots_per_sm`` programs a SM (the Gluon kernel's 64-row tile runs two; 0.25: at
+    most half the SMs, where a split plan would split it, chunks_wanted), into as many chunks as
+    fit ``waves`` such waves (one for a launch of its own: a chunk more would start a second,
+    mostly idle wave; POD's fused launch takes two, so that its decode items even out the
+    prefill's tail), at most MAX_CHUNKS, each of at least ``min_keys_per_chunk`` keys of the
+    longest request. Only for decode rows: every request has at most one query row, and one
+    has a row."""
     rows = [int(n) for n in qo_lens]
     if not rows or max(rows) != 1 or min(rows) < 0:
         return 0
     programs = sum(rows) * num_kv_heads
-    if chunks_wanted(programs, num_sms) <= 1:
+    if programs > fill * slots_per_sm * num_sms:
         return 0
     longest = max(int(k) for k, n in zip(kv_lens, rows) if n)
-    n = min(slots_per_sm * num_sms // programs, MAX_CHUNKS,
+    n = min(waves * slots_per_sm * num_sms // programs, MAX_CHUNKS,
             longest // max(min_keys_per_chunk, 1))
     return n if n > 1 else 0
 

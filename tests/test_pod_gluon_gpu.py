@@ -121,19 +121,34 @@ def _run_pod(x, dev):
                  return_lse_p=True, return_lse_d=True)
 
 
-@pytest.mark.parametrize("launch,page", [("fused", 16), ("apart", 16), ("fused", 1),
-                                         ("apart", 1)])
-def test_pod_wrapper_matches_reference(gluon_pods, launch, page):
+@pytest.fixture
+def pod_merges(monkeypatch):
+    """The calls of the merge of POD's decode key chunks (compiled_attn/pod.py _call's cut)."""
+    from compiled_attn import pod
+
+    calls = []
+    real = pod._chunks.merge_chunks
+    monkeypatch.setattr(pod._chunks, "merge_chunks",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("launch,page", [("fused", 16), ("uncut", 16), ("apart", 16),
+                                         ("fused", 1), ("uncut", 1), ("apart", 1)])
+def test_pod_wrapper_matches_reference(gluon_pods, pod_merges, launch, page):
     """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch, page 1's with both parts
-    gathered; "apart": the launch policy's two launches, ops.choose.pod_apart, each part on
-    its own kernel) against
-    the same wrapper on the CPU in float64 (the reference), within the bf16 bound of
-    kernel_cases.check: twice the error of the same math in float32 with bf16 products, plus
-    rounding."""
+    gathered, its four decodes (32 programs, the longest 4096 keys) cut into key chunks beside
+    the 513-row prefill's 264 items; "uncut": the same launch with the policy's pod_chunks off;
+    "apart": the launch policy's two launches, ops.choose.pod_apart, each part on its own
+    kernel) against the same wrapper on the CPU in float64 (the reference), within the bf16
+    bound of kernel_cases.check: twice the error of the same math in float32 with bf16
+    products, plus rounding."""
     gpu = _pod_inputs("cuda", BF16, page=page)
-    with override(**POD_LAUNCHES[launch]):
+    chunks = "off" if launch == "uncut" else "gluon"
+    with override(**POD_LAUNCHES["apart" if launch == "apart" else "fused"], pod_chunks=chunks):
         (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
-    assert bool(gluon_pods) == (launch == "fused")
+    assert bool(gluon_pods) == (launch != "apart")
+    assert bool(pod_merges) == (launch == "fused")
     ref64 = _pod_inputs("cpu", torch.float64, page=page)
     (r_p, r_d), (rl_p, rl_d) = _run_pod(ref64, "cpu")
     low = {k: (v.to(BF16).to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()
@@ -160,3 +175,62 @@ def test_pod_wrapper_gluon_equals_triton_launch_closely():
         (t_p, t_d), _ = _run_pod(x, "cuda")
     for a, b in ((g_p, t_p), (g_d, t_d)):
         assert (a.float() - b.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("kind", ["pod", "batch_pod"])
+def test_pod_decode_chunks_replay_exactly(gluon_pods, pod_merges, kind):
+    """POD and BatchPOD whose fused launch runs the decodes as key chunks (few long requests,
+    one without keys and one of one key, beside a prefill of more than one wave): a CUDA graph
+    of run() replays it bit for bit against eager calls on new values in the same buffers, and
+    the decodes match the uncut launch (pod_chunks off) within bf16 rounding."""
+    from tests.kernel_cases import capture_graph
+
+    x = _pod_inputs("cuda", BF16, seed=3, qo=777, kv_d=(5000, 0, 1, 2049, 3001), hq=28, hkv=4)
+    for t in ("q_p", "k_p", "v_p", "q_d", "cache"):
+        x[t] = x[t].clone()
+    if kind == "pod":
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
+               q_data_type=BF16)
+
+        def call():
+            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
+                                           causal_p=True, return_lse_p=True, return_lse_d=True)
+            return o_p, o_d, l_p, l_d
+    else:
+        qo_p = torch.tensor([0, 777], dtype=torch.int32)
+        pages_p = (777 + x["page"] - 1) // x["page"]
+        # the prefill's pages appended to the cache the decodes read
+        x["cache"] = torch.cat([x["cache"], torch.randn(
+            pages_p, *x["cache"].shape[1:], device="cuda").to(BF16)])
+        idx_p = torch.arange(x["cache"].shape[0] - pages_p, x["cache"].shape[0],
+                             dtype=torch.int32)
+        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        w.plan(qo_p, torch.tensor([0, pages_p], dtype=torch.int32), idx_p,
+               torch.tensor([(777 - 1) % x["page"] + 1], dtype=torch.int32),
+               torch.arange(6, dtype=torch.int32), x["indptr"], x["indices"], x["last"],
+               x["hq"], x["hkv"], D, x["page"], q_data_type=BF16)
+
+        def call():
+            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["cache"], x["q_d"], x["cache"],
+                                           causal_p=True, return_lse=True)
+            return o_p, o_d, l_p, l_d
+    assert w._plan["chunks"] is not None
+    eager = [t.clone() for t in call()]
+    assert pod_merges and gluon_pods
+    graph, outs = capture_graph(call)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    for _ in range(2):
+        for t in ("q_p", "q_d", "cache"):
+            x[t].copy_(torch.randn(x[t].shape, generator=g, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        again = call()
+        for a, b in zip(outs, again):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    with override(pod_chunks="off"):
+        w._set_plan(dict(w._plan, chunks=None))
+        uncut = call()
+    for a, b in zip(again[1:4:2], uncut[1:4:2]):
+        assert (a.float() - b.float()).nan_to_num().abs().max().item() < 2e-2
+    assert not any(torch.isnan(t).any() for t in eager[:2])

@@ -314,3 +314,109 @@ def test_traced_apart_with_an_empty_part(kv_d, qo, kv):
     out = f(q_p, k_p, q_d, cache)
     for o, e in zip(out, eager):
         assert o.shape == e.shape and torch.equal(o, e)
+
+
+# POD's decode key chunks (POLICY.pod_chunks; compiled_attn/pod.py _plan_chunks): chunks of at
+# least 8 keys, and every launch asks for them (pod_chunk_long_keys 1), so that small mixes cut
+CHUNKS = dict(pod_chunks="always", pod_chunk_min_keys=8, pod_chunk_long_keys=1)
+CHUNK_SEEDS = [s for s in SEEDS if s not in NO_DECODES][:6]
+
+
+@pytest.mark.parametrize("kind", ["pod", "batch_pod"])
+@pytest.mark.parametrize("seed", CHUNK_SEEDS)
+def test_pod_decode_chunks_mix(kind, seed, monkeypatch):
+    """The seeded mixes without a decode window, planned and run with decode key chunks: the
+    fused launch runs the decodes as chunk requests (the recorded call merges them) and each
+    part matches the float64 reference; the bound replays of the same call give the same
+    bits."""
+    from compiled_attn import pod as pod_mod
+    from compiled_attn.ops.policy import override
+
+    merges = []
+    real = pod_mod._chunks.merge_chunks
+    monkeypatch.setattr(pod_mod._chunks, "merge_chunks",
+                        lambda *a, **k: merges.append(1) or real(*a, **k))
+    m = _mix(kind, seed)
+    m.window, m.graph_bufs = -1, False
+    # at least two chunks of 8 keys (a request without keys kept where there is one)
+    m.kv_d = [k + 17 if k else 0 for k in m.kv_d] + ([] if any(m.kv_d) else [33])
+    hq, hkv, d, dt, b = m.hq, m.hkv, m.d, m.dtype, len(m.kv_d)
+    cache_d, kvi_d, idx_d, last_d, _, _ = make_paged(m.kv_d, hkv, d, d, m.page,
+                                                     layout=m.layout, dtype=dt, seed=seed)
+    g = torch.Generator().manual_seed(3000 + seed)
+    q_d = _randn(g, b, hq, d, dtype=dt)
+    dec = _paged_case(q_d, cache_d, m.layout, [1] * b, kvi_d, idx_d, last_d)
+    p_dec = params(ops.MASK_NONE, -1, sm_scale=m.sm_scale, head_dim=d)
+    mask_p = ops.MASK_CAUSAL if m.causal else ops.MASK_NONE
+    with override(**CHUNKS, **POD_LAUNCHES["fused"]):
+        if kind == "pod":
+            (qo,), (kv,) = m.qo_p, m.kv_p
+            q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt)
+                             for n, h in ((qo, hq), (kv, hkv), (kv, hkv)))
+            w = fi.PODWithPagedKVCacheWrapper(WS, m.layout)
+            w.plan(kvi_d, idx_d, last_d, hq, hkv, d, m.page, q_data_type=dt,
+                   sm_scale=m.sm_scale)
+            pre = Case("ragged", q=q_p, k=k_p, v=v_p, qo_indptr=indptr([qo]),
+                       kv_indptr=indptr([kv]))
+            p_pre = params(mask_p, m.window_p, sm_scale=m.sm_scale_p, head_dim=d)
+
+            def call():
+                return w.run(q_p, k_p, v_p, q_d, cache_d, causal_p=m.causal,
+                             sm_scale_p=m.sm_scale_p, window_left_p=m.window_p,
+                             return_lse_p=True, return_lse_d=True)
+        else:
+            cache_p, kvi_p, idx_p, last_p, _, _ = make_paged(m.kv_p, hkv, d, d, m.page,
+                                                             layout=m.layout, dtype=dt,
+                                                             seed=seed + 50)
+            q_p = _randn(g, sum(m.qo_p), hq, d, dtype=dt)
+            w = fi.BatchPODWithPagedKVCacheWrapper(WS, m.layout)
+            w.plan(indptr(m.qo_p), kvi_p, idx_p, last_p, indptr([1] * b), kvi_d, idx_d, last_d,
+                   hq, hkv, d, m.page, q_data_type=dt, sm_scale=m.sm_scale)
+            pre = _paged_case(q_p, cache_p, m.layout, m.qo_p, kvi_p, idx_p, last_p)
+            p_pre = params(mask_p, -1, sm_scale=m.sm_scale, head_dim=d)
+
+            def call():
+                return w.run(q_p, cache_p, q_d, cache_d, causal_p=m.causal, return_lse=True)
+        chunks = w._plan["chunks"]
+        assert chunks is not None and int(chunks["merge"][:, 2].max()) > 1
+        check_parts(pre, dec, p_pre, p_dec, lambda: _parts(call(), (True, True)))
+        first = [t.clone() for pair in call() for t in pair]
+        again = [t for pair in call() for t in pair]
+    # the first call cut and was recorded; the later ones replay its launches, merge included
+    assert len(merges) == 1
+    for a, b_ in zip(first, again):
+        assert torch.equal(a.nan_to_num(), b_.nan_to_num())
+
+
+def test_pod_decode_chunks_follow_the_options():
+    """Where the chunks would not compute the decodes exactly (a decode window passed to run(),
+    a position encoding) or the policy has them off, run() launches the uncut decodes, and the
+    plan keeps no chunks where it cannot use them."""
+    from compiled_attn.ops.policy import override
+
+    hq, hkv, d, dt = 4, 2, 16, torch.float32
+    kv_d = [40, 29, 0]
+    cache, kvi, idx, last, _, _ = make_paged(kv_d, hkv, d, d, 4, dtype=dt, seed=1)
+    g = torch.Generator().manual_seed(5)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((9, hq), (12, hkv), (12, hkv)))
+    q_d = _randn(g, len(kv_d), hq, d, dtype=dt)
+    with override(**CHUNKS, **POD_LAUNCHES["fused"]):
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
+        assert w._plan["chunks"] is not None
+        cut_d = w.run(q_p, k_p, v_p, q_d, cache)[1]
+        win_d = w.run(q_p, k_p, v_p, q_d, cache, window_left_d=5)[1]
+        with override(pod_chunks="off"):
+            w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
+            assert w._plan["chunks"] is None
+            plain_d = w.run(q_p, k_p, v_p, q_d, cache)[1]
+            plain_win = w.run(q_p, k_p, v_p, q_d, cache, window_left_d=5)[1]
+        w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt, pos_encoding_mode="ALIBI")
+        assert w._plan["chunks"] is None
+        w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt, window_left=3)
+        assert w._plan["chunks"] is None
+        with pytest.raises(ValueError, match="pod_chunks"), override(pod_chunks="sometimes"):
+            w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
+    # a decode window: the uncut launch, bit for bit; no window: the chunks' merged rows
+    assert torch.equal(win_d, plain_win)
+    assert (cut_d.double() - plain_d.double()).abs().max() < 1e-5
