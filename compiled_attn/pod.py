@@ -20,6 +20,11 @@ instead: the prefill through the single_prefill op (POD) or batch_paged_prefill 
 decodes through batch_paged_prefill, with the same numbers; and so always where the fused launch
 would not be the Gluon kernel's (ops.choose.pod_fused_gluon). Calls traced by torch.compile go
 apart only in that second case, which needs no sizes; torch.export keeps one POD op.
+
+Few long decode requests run as key chunks (one-row chunk requests over the same page table,
+their outputs merged by LSE; _plan_chunks): inside the fused launch where they would leave it a
+few long items that finish unevenly (ops.choose.pod_cut), and apart where a paged call of them
+alone would cut them.
 """
 
 from __future__ import annotations
@@ -95,7 +100,8 @@ class _PODBase(_WrapperBase):
     def _set_plan(self, p: dict) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
         self._plan = p
-        self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values()])
+        self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values(),
+                                  *(p.get("chunks_apart") or {}).values()])
         self._parts = {}
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
@@ -162,25 +168,25 @@ class _PODBase(_WrapperBase):
         launches (ops.choose.pod_apart): the decodes through batch_paged_prefill on their own
         tile (p["block_m_d"]), the prefill through single_prefill where it is POD's one
         request with contiguous k / v (dense, work_p None, its own tile), else
-        batch_paged_prefill on its own tile (p["block_m_p"]). cut: None, or (the plan's decode
-        key chunks, the fused launch's work list over them): the decode part then runs as its
-        chunk requests (_plan_chunks; q_d's rows gathered per chunk) and their outputs are
-        merged per request (_cut says when)."""
+        batch_paged_prefill on its own tile (p["block_m_p"]). cut: None, or (decode key chunks
+        of the plan, the launch's work list over them): the decode part then runs as its chunk
+        requests (_plan_chunks; q_d's rows gathered per chunk), fused or apart, and their
+        outputs are merged per request (_cut says when)."""
         v_f, v_t = _split_v_scale(v_scale)
-        if apart is None and cut is not None:
-            chunks, work = cut
+        if cut is not None:
+            chunks, cut_work = cut
             q_d = part_d[0]
             q_c = _chunks.gather_rows(q_d, chunks["src"])
             part_d = (q_c, *part_d[1:3], chunks["qo_indptr"], chunks["kv_indptr"], part_d[5],
                       chunks["last_page_len"])
+            if apart is None:
+                work = cut_work
+            else:
+                apart = (apart[0], cut_work)
         if apart is None:
             out_p, lse_p, out_d, lse_d = call_op(
                 "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p,
                 p["alibi"], p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
-            if cut is not None:  # the chunks' outputs, merged per request
-                adopt_scratch(out_d)
-                adopt_scratch(lse_d)
-                out_d, lse_d = _chunks.merge_chunks(out_d, lse_d, chunks["merge"], q_d.shape[0])
         else:
             tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
             work_p, work_d = apart
@@ -196,6 +202,10 @@ class _PODBase(_WrapperBase):
             out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
                                    p["alibi"], None, p["block_m_d"], opt_d[0], opt_d[1], 0,
                                    opt_d[2], *tail)
+        if cut is not None:  # the chunks' outputs, merged per request
+            adopt_scratch(out_d)
+            adopt_scratch(lse_d)
+            out_d, lse_d = _chunks.merge_chunks(out_d, lse_d, chunks["merge"], q_d.shape[0])
         if v_f != 1.0 or v_t is not None:
             ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
             scale = v_t.to(ct) if v_t is not None else v_f
@@ -224,52 +234,75 @@ def _decode_bytes(p: dict, pages: int) -> int:
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
-                 kv_lens: list, device: torch.device) -> dict | None:
-    """The decode part's key chunks of a POD plan p, or None: where few one-row requests would
-    leave most of the fused launch's resident slots to the prefill (ops.choose.pod_chunk_sms,
-    schedule.decode_chunk_count over two waves), each request's pages cut into one-row chunk
-    requests over the same page table (schedule.build_decode_chunks), whose items even out the
-    prefill's tail; run() merges their outputs (_call's cut). Only where the chunks compute
-    the decodes exactly: no position encoding (a chunk request counts positions from its own
-    last key), no window, q and K/V of one dtype. qo_h / ind_h / last_h: the decode part's
-    host index arrays [B + 1] / [B + 1] / [B]; kv_lens: its keys per request. The dict holds
-    the chunk requests' device arrays (qo_indptr, kv_indptr, last_page_len), src (the query
-    row of each chunk row), merge (ops.decode_chunks.merge_chunks'), work (their work list,
-    int32 [W, 2]) and the numbers choose.pod_cut reads (sms, decode_items, longest)."""
+                 kv_lens: list, device: torch.device, *, apart: bool) -> dict | None:
+    """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
+    one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
+    outputs run() merges (_call's cut). For the fused launch (apart False): where few one-row
+    requests would leave most of its resident slots to the prefill (ops.choose.pod_chunk_sms,
+    schedule.decode_chunk_count over two waves), so that their items even out the prefill's
+    tail. For the decodes' own launch when the parts run apart (apart True): where a paged
+    call of them alone would cut them (choose.decode_chunk_sms on their own tile, block_m_d;
+    the paged plan's rule), so that apart runs each part as a call of it alone would. Only
+    where the chunks compute the decodes exactly: no position encoding (a chunk request counts
+    positions from its own last key), no window, q and K/V of one dtype. qo_h / ind_h /
+    last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; kv_lens: its keys per
+    request. The dict holds the chunk requests' device arrays (qo_indptr, kv_indptr,
+    last_page_len), src (the query row of each chunk row), merge
+    (ops.decode_chunks.merge_chunks'), work (their work list on the launch's tile, int32 [W,
+    2]) and the numbers choose.pod_cut reads (sms, decode_items, longest)."""
     qo_l = (qo_h[1:] - qo_h[:-1]).tolist()
     if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
         return None
-    sms = choose.pod_chunk_sms(p["fused_gluon"])  # (the plan's device, as pod_tile's)
+    # (the plan's device, as pod_tile's)
+    if apart:
+        block_m = p["block_m_d"]
+        sms = choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
+                                      p["kv_dtype"], plain=True)
+        rule = dict(min_keys_per_chunk=POLICY.decode_chunk_min_keys,
+                    fill=POLICY.decode_chunk_fill, waves=1)
+    else:
+        block_m = p["block_m"]
+        sms = choose.pod_chunk_sms(p["fused_gluon"])
+        rule = dict(min_keys_per_chunk=POLICY.pod_chunk_min_keys, fill=POLICY.pod_chunk_fill,
+                    waves=2)
     n = sms and decode_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms,
-                                   min_keys_per_chunk=POLICY.pod_chunk_min_keys,
-                                   slots_per_sm=RESIDENT_PER_SM[64], fill=POLICY.pod_chunk_fill,
-                                   waves=2)
+                                   slots_per_sm=RESIDENT_PER_SM[64], **rule)
     if not n:
         return None
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n)
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
     to = dict(device=device, dtype=torch.int32)
     out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
-    out.update(work=build_work(rows, p["group"], p["block_m"], "cpu").to(**to), sms=sms,
-               decode_items=-(-p["group"] // p["block_m"]) * sum(qo_l) * p["num_kv_heads"],
+    out.update(work=build_work(rows, p["group"], block_m, "cpu").to(**to), sms=sms,
+               decode_items=-(-p["group"] // block_m) * sum(qo_l) * p["num_kv_heads"],
                longest=max(kv_lens, default=0))
     return out
 
 
-def _cut(p: dict, prefill_tiles: int, window_d: int, pos: int, tensors: tuple) -> bool:
-    """Whether a fused launch of plan p runs its decodes as the plan's key chunks
-    (_plan_chunks): the plan has them, the call's options keep them exact (pos: the launch's
-    position encoding; window_d: the decodes' window), the call is eager on plain tensors
-    (``tensors``: q_p, q_d and the caches; the gather and merge are direct launches) with q_d
-    of unit stride in D, and the launch's items ask for them (ops.choose.pod_cut;
-    prefill_tiles: the prefill's work rows, each times the KV heads)."""
-    c = p.get("chunks")
+def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, kv_lens: list, device) -> None:
+    """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
+    decodes' own launch."""
+    for key, apart in (("chunks", False), ("chunks_apart", True)):
+        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, kv_lens, device, apart=apart)
+
+
+def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
+         tensors: tuple) -> dict | None:
+    """The decode key chunks (_plan_chunks) a call of plan p runs, or None: the plan's for the
+    launch the call makes (apart: the parts as two launches), where the call's options keep
+    them exact (pos: the launch's position encoding; window_d: the decodes' window), the call
+    is eager on plain tensors (``tensors``: q_p, q_d and the caches; the gather and merge are
+    direct launches) with q_d of unit stride in D, and, fused, the launch's items ask for them
+    (ops.choose.pod_cut; prefill_tiles: the prefill's work rows, each times the KV heads)."""
+    c = p.get("chunks_apart" if apart else "chunks")
     if c is None or window_d >= 0 or pos != POS_NONE or tensors[1].stride(-1) != 1:
-        return False
+        return None
     if not (untraced() and plain_tensors(tensors)):
-        return False
-    return choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["decode_items"], c["longest"],
-                          c["sms"])
+        return None
+    if apart or choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["decode_items"],
+                               c["longest"], c["sms"]):
+        return c
+    return None
 
 
 def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
@@ -415,9 +448,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
             b, 1, p["group"], p["block_m_d"], self.device)
         # (CUDA-graph mode: a re-plan must keep the captured launches' shapes; no chunks)
-        p["chunks"] = None if self._use_cuda_graph else _plan_chunks(
-            p, torch.arange(b + 1, dtype=torch.int32), ind_h, last_h, kv_lens.tolist(),
-            self.device)
+        p["chunks"] = p["chunks_apart"] = None
+        if not self._use_cuda_graph:
+            _plan_both_chunks(p, torch.arange(b + 1, dtype=torch.int32), ind_h, last_h,
+                              kv_lens.tolist(), self.device)
         self._set_plan(p)
 
     begin_forward = plan
@@ -563,10 +597,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
-        cut = None
-        if not traced and _cut(p, -(-qo_len * p["group"] // p["block_m"]), window_d, pos_p,
-                               (q_p, q_d, k_p, v_p, k_d, v_d)):
-            cut = (p["chunks"], part["work_cut"])
+        apart = _apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
+            qo_len, kv_len, mask_p == MASK_CAUSAL))
+        c = None if traced else _cut(p, apart is not None,
+                                     -(-qo_len * p["group"] // p["block_m"]), window_d, pos_p,
+                                     (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
             p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), *part["table"]),
             (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),
@@ -574,8 +609,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=_apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
-                qo_len, kv_len, mask_p == MASK_CAUSAL)), cut=cut)
+            apart=apart, cut=None if c is None else (c, c["work"] if apart else part["work_cut"]))
 
     run.__doc__ += _RETURN_DOC
 
@@ -626,7 +660,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             # lengths) or the eviction above would free them for the allocator to hand out again.
             p = self._plan
             self._captured.append((part, p["qo_indptr"], p["alibi"], p["work_d"],
-                                   p["work_d_apart"], p["chunks"]))
+                                   p["work_d_apart"], p["chunks"], p["chunks_apart"]))
         return part
 
 
@@ -697,7 +731,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-                p["chunks"] = _plan_chunks(p, qo_h, ind_h, last_h, kv_l, self.device)
+                _plan_both_chunks(p, qo_h, ind_h, last_h, kv_l, self.device)
         p["work"] = _pod_work(*works).to(**to)
         p["tiles_p"] = works[0].shape[0]
         p["work_cut"] = (None if p["chunks"] is None
@@ -770,19 +804,17 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
-        cut = None
-        if not traced and _cut(p, p["tiles_p"], p["window_left"], p["pos"],
-                               (q_p, q_d, k_p, v_p, k_d, v_d)):
-            cut = (p["chunks"], p["work_cut"])
+        apart = _apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
+            p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"], dense_prefill=False))
+        c = None if traced else _cut(p, apart is not None, p["tiles_p"], p["window_left"],
+                                     p["pos"], (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
             p, (q_p, k_p, v_p, *part["p"]), (q_d, k_d, v_d, *part["d"]), work=p["work"],
             packed_p=packed_p, mask_indptr_p=mask_indptr_p,
             opt_p=(mask_p, p["window_left"], p["sm_scale"]),
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
-            want_lse=(return_lse, return_lse),
-            apart=_apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
-                p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"],
-                dense_prefill=False)), cut=cut)
+            want_lse=(return_lse, return_lse), apart=apart,
+            cut=None if c is None else (c, c["work"] if apart else p["work_cut"]))
 
     run.__doc__ += _RETURN_DOC

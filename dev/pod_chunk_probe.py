@@ -9,11 +9,14 @@ rounds (medians, microseconds):
 - ``dec``: the decodes through BatchPrefillWithPagedKVCacheWrapper (the launch policy as is);
   ``dec fill F``: planned with POLICY.decode_chunk_fill F (cut where the programs fill at most
   F of a wave of two a SM);
-- ``pod``: POD's fused launch (pod_apart_balance 0); ``apart``: the prefill's single prefill,
+- ``pod``: POD's fused launch, uncut (pod_apart_balance 0, pod_chunks off); ``apart``: the prefill's single prefill,
   then ``dec``; ``apart fill F``: then ``dec fill F``;
 - ``pod cut N``: POD's fused launch whose decode part is the batch cut into N key chunks a
   request (schedule.build_decode_chunks, over the same page table), with the chunk rows'
   gather and merge (ops.decode_chunks) in the graph;
+- ``pod policy``: the POD wrapper's call as the launch policy decides it (POLICY.pod_chunks
+  included); ``pod own apart``: the wrapper's own two launches (its decodes cut as a paged call
+  of them alone would be);
 - ``copy``: a device copy of the decodes' K/V bytes (eager), the ceiling.
 
 Each variant's decode output is checked against ``dec``'s (max abs difference printed).
@@ -71,28 +74,34 @@ def _decoder(case, x, **policy):
     return call, cut
 
 
-def _pod(case, x, cut: int = 0):
-    """POD's fused launch; cut > 0: its decode part cut into ``cut`` chunks a request, the
-    chunk rows gathered before and merged after. Returns a call giving (out_p, out_d)."""
+def _pod(case, x, cut: int = 0, **policy):
+    """POD's fused launch (or, with ``policy``, the wrapper's call under those settings); cut >
+    0: its decode part cut into ``cut`` chunks a request, the chunk rows gathered before and
+    merged after. Returns a call giving (out_p, out_d)."""
     di, dx, dl = x["dec"]
     w = compiled_attn.PODWithPagedKVCacheWrapper(_ws(), "NHD")
     if not cut:
-        w.plan(di, dx, dl, case.hq, case.hkv, suite.D, case.page, q_data_type=torch.bfloat16)
+        settings = policy or dict(pod_apart_balance=0.0, pod_chunks="off")
+        with override(**settings):
+            w.plan(di, dx, dl, case.hq, case.hkv, suite.D, case.page,
+                   q_data_type=torch.bfloat16)
 
         def call():
-            with override(pod_apart_balance=0.0):
+            with override(**settings):
                 return w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"], causal_p=True)
         return call
     qo = list(range(case.decodes + 1))
     c = build_decode_chunks(qo, di.tolist(), dl.tolist(), case.page, cut)
     dev = x["q_d"].device
     src, merge = c["src"].to(dev), c["merge"].to(dev)
-    w.plan(c["kv_indptr"].to(dev), dx, c["last_page_len"].to(dev), case.hq, case.hkv, suite.D,
-           case.page, q_data_type=torch.bfloat16)
+    fused = dict(pod_apart_balance=0.0, pod_chunks="off")
+    with override(**fused):
+        w.plan(c["kv_indptr"].to(dev), dx, c["last_page_len"].to(dev), case.hq, case.hkv,
+               suite.D, case.page, q_data_type=torch.bfloat16)
 
     def call():
         q_c = chunks_op.gather_rows(x["q_d"], src)
-        with override(pod_apart_balance=0.0):
+        with override(**fused):
             (out_p, out_c), (_, lse_c) = w.run(x["q_p"], x["k_p"], x["v_p"], q_c, x["cache"],
                                                 causal_p=True, return_lse_d=True)
         out_d, _ = chunks_op.merge_chunks(out_c, lse_c, merge, case.decodes)
@@ -142,6 +151,10 @@ def main(argv=None):
             calls[f"apart fill {f}"] = lambda d_f=d_f: (single(), d_f())
         for n in cuts:
             calls[f"pod cut {n}"] = _pod(case, x, n)
+        # the wrapper as the launch policy has it, and its own apart path
+        calls["pod policy"] = _pod(case, x, pod_chunks="gluon")
+        calls["pod own apart"] = _pod(case, x, pod_apart_balance=float("inf"),
+                                      pod_apart_min_bytes=0.0)
         ref = calls["dec"]()
         diffs = {}
         for k, fn in calls.items():

@@ -467,6 +467,30 @@ def test_pod_decode_chunk_decision(qo, n_dec, kv_d, hq, page, chunks, cut, monke
         assert plan() is None
 
 
+@pytest.mark.parametrize("n_dec,kv_d,page", [(8, 32768, 16), (16, 32768, 16), (2, 4096, 1),
+                                            (4, 1000, 16), (8, 600, 16)])
+def test_pod_apart_decodes_cut_as_a_paged_call_of_them_alone(n_dec, kv_d, page, monkeypatch):
+    """Where POD's parts run apart, its decodes take the key chunks a paged plan of them alone
+    would (schedule.decode_chunk_count's own rule on a Hopper GPU: programs at most half the
+    SMs, one wave, chunks of 512 keys or more), planned as p["chunks_apart"] on their own
+    tile."""
+    from compiled_attn.ops import choose
+    from compiled_attn.ops.schedule import decode_chunk_count
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    pages = [-(-kv_d // page)] * n_dec
+    last = kv_d - (pages[0] - 1) * page
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+           torch.full((n_dec,), last, dtype=torch.int32), 32, 8, 128, page,
+           q_data_type=torch.bfloat16)
+    c = w._plan["chunks_apart"]
+    want = decode_chunk_count([1] * n_dec, [kv_d] * n_dec, 8, 132)
+    assert (0 if c is None else int(c["merge"][:, 2].max())) == want
+    if c is not None:
+        assert w._plan["block_m_d"] == 64 and c["work"].shape[0] == c["src"].shape[0]
+
+
 def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatch):
     """On page 1 the fused launch gathers both parts: POD's prefill alone reads contiguous
     k / v (faster), so a large prefill with small decodes goes apart; BatchPOD's prefill alone

@@ -140,7 +140,8 @@ def test_pod_wrapper_matches_reference(gluon_pods, pod_merges, launch, page):
     gathered, its four decodes (32 programs, the longest 4096 keys) cut into key chunks beside
     the 513-row prefill's 264 items; "uncut": the same launch with the policy's pod_chunks off;
     "apart": the launch policy's two launches, ops.choose.pod_apart, each part on its own
-    kernel) against the same wrapper on the CPU in float64 (the reference), within the bf16
+    kernel, the decodes in the key chunks a paged call of them alone takes) against the same
+    wrapper on the CPU in float64 (the reference), within the bf16
     bound of kernel_cases.check: twice the error of the same math in float32 with bf16
     products, plus rounding."""
     gpu = _pod_inputs("cuda", BF16, page=page)
@@ -148,7 +149,7 @@ def test_pod_wrapper_matches_reference(gluon_pods, pod_merges, launch, page):
     with override(**POD_LAUNCHES["apart" if launch == "apart" else "fused"], pod_chunks=chunks):
         (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
     assert bool(gluon_pods) == (launch != "apart")
-    assert bool(pod_merges) == (launch == "fused")
+    assert bool(pod_merges) == (launch != "uncut")
     ref64 = _pod_inputs("cpu", torch.float64, page=page)
     (r_p, r_d), (rl_p, rl_d) = _run_pod(ref64, "cpu")
     low = {k: (v.to(BF16).to(torch.float32) if torch.is_tensor(v) and v.is_floating_point()

@@ -316,19 +316,22 @@ def test_traced_apart_with_an_empty_part(kv_d, qo, kv):
         assert o.shape == e.shape and torch.equal(o, e)
 
 
-# POD's decode key chunks (POLICY.pod_chunks; compiled_attn/pod.py _plan_chunks): chunks of at
-# least 8 keys, and every launch asks for them (pod_chunk_long_keys 1), so that small mixes cut
-CHUNKS = dict(pod_chunks="always", pod_chunk_min_keys=8, pod_chunk_long_keys=1)
+# POD's decode key chunks (POLICY.pod_chunks for the fused launch, POLICY.decode_chunks for
+# the decodes' own launch apart; compiled_attn/pod.py _plan_chunks): chunks of at least 8 keys,
+# and every fused launch asks for them (pod_chunk_long_keys 1), so that small mixes cut
+CHUNKS = dict(pod_chunks="always", pod_chunk_min_keys=8, pod_chunk_long_keys=1,
+              decode_chunks="always", decode_chunk_min_keys=8)
 CHUNK_SEEDS = [s for s in SEEDS if s not in NO_DECODES][:6]
 
 
+@pytest.mark.parametrize("launch", ["fused", "apart"])
 @pytest.mark.parametrize("kind", ["pod", "batch_pod"])
 @pytest.mark.parametrize("seed", CHUNK_SEEDS)
-def test_pod_decode_chunks_mix(kind, seed, monkeypatch):
+def test_pod_decode_chunks_mix(kind, seed, launch, monkeypatch):
     """The seeded mixes without a decode window, planned and run with decode key chunks: the
-    fused launch runs the decodes as chunk requests (the recorded call merges them) and each
-    part matches the float64 reference; the bound replays of the same call give the same
-    bits."""
+    fused launch, or the decodes' own launch where the parts run apart, runs the decodes as
+    chunk requests (the recorded call merges them) and each part matches the float64
+    reference; the bound replays of the same call give the same bits."""
     from compiled_attn import pod as pod_mod
     from compiled_attn.ops.policy import override
 
@@ -348,7 +351,7 @@ def test_pod_decode_chunks_mix(kind, seed, monkeypatch):
     dec = _paged_case(q_d, cache_d, m.layout, [1] * b, kvi_d, idx_d, last_d)
     p_dec = params(ops.MASK_NONE, -1, sm_scale=m.sm_scale, head_dim=d)
     mask_p = ops.MASK_CAUSAL if m.causal else ops.MASK_NONE
-    with override(**CHUNKS, **POD_LAUNCHES["fused"]):
+    with override(**CHUNKS, **POD_LAUNCHES[launch]):
         if kind == "pod":
             (qo,), (kv,) = m.qo_p, m.kv_p
             q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt)
@@ -377,7 +380,7 @@ def test_pod_decode_chunks_mix(kind, seed, monkeypatch):
 
             def call():
                 return w.run(q_p, cache_p, q_d, cache_d, causal_p=m.causal, return_lse=True)
-        chunks = w._plan["chunks"]
+        chunks = w._plan["chunks" if launch == "fused" else "chunks_apart"]
         assert chunks is not None and int(chunks["merge"][:, 2].max()) > 1
         check_parts(pre, dec, p_pre, p_dec, lambda: _parts(call(), (True, True)))
         first = [t.clone() for pair in call() for t in pair]
