@@ -59,9 +59,10 @@ class Policy:
         self.pod_dense_apart_factor = 20.0
         # ...times this instead where the fused launch also gathers both parts (decodes on
         # pages of 1-7 keys): it reads the prefill by cp.async rows, ~1.4x its own launch
-        # (page 1: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x, 4.7 -> 1.13x and 1.06x, 9.4 ->
-        # 1.06x; benchmarks/NOTES.md, 2026-11-29).
-        self.pod_gather_apart_factor = 60.0
+        # (page 1: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x, 2.35 -> 1.04x and 1.05x, 4.7 ->
+        # 1.13x and 1.06x, 9.4 -> 1.06x; the boundary between 1.17 and 2.35, here 1.7;
+        # benchmarks/NOTES.md, 2026-11-29).
+        self.pod_gather_apart_factor = 34.0
         # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.
         self.pod_apart_min_bytes = 4e8
@@ -96,9 +97,10 @@ class Policy:
         self.pod_chunks = "gluon"
         # ...where the decodes' programs (a request and KV head each) fill at most this much of
         # one wave of resident 64-row programs (two a SM): 0.5, at most one a SM; into chunks
-        # for two such waves, each at least pod_chunk_min_keys keys of the longest request...
+        # for two such waves, each at least pod_chunk_min_keys keys of the longest request
+        # (p2048 + 16 x 2k: 115 us in two chunks against 110 uncut)...
         self.pod_chunk_fill = 0.5
-        self.pod_chunk_min_keys = 1024
+        self.pod_chunk_min_keys = 2048
         # ...and only where the launch's items exceed one wave (the prefill's tiles and the
         # uncut decodes), or the longest decode has at least this many keys: in one wave,
         # short decodes lose more to the gather and merge launches than the chunks gain

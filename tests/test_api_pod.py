@@ -372,8 +372,9 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
 # tiles, so decodes under about its time go apart (page 16: p8192 + 16 x 4k ran fused at 0.86x
 # of apart, + 128 x 4k 0.95x, + 256 x 4k 1.03x, + 128 x 32k 1.04x), and a small call stays
 # fused whatever its balance (p2048 + 16 x 1k). Page 1 takes the Gluon POD launch with both
-# parts gathered, its prefill slower still, by the same rule at three times that balance
-# (p8192 + 256 x 4k 0.84x, p2048 + 16 x 4k 0.90x; p2048 + 256 x 1k 1.13x); with pod_gather off
+# parts gathered, its prefill slower still, by the same rule at 1.7 times that balance
+# (fused: p8192 + 256 x 4k 0.84x, p2048 + 16 x 4k 0.90x; p2048 + 128 x 1k and GQA 64/8
+# p2048 + 256 x 1k 1.04-1.05x; p2048 + 256 x 1k 1.13x); with pod_gather off
 # it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart, 2026-11-28) and goes
 # apart.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
@@ -387,6 +388,7 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
     (8192, 128, 1024, 32, 1, True), (8192, 128, 1024, 32, 16, True),
     (2048, 128, 4096, 64, 1, False), (8192, 256, 4096, 32, 1, True),
     (2048, 16, 4096, 32, 1, True), (2048, 256, 1024, 32, 1, False),
+    (2048, 128, 1024, 32, 1, False), (2048, 256, 1024, 64, 1, False),
     (256, 16, 4096, 64, 1, False), (256, 128, 4096, 32, 1, False)])
 def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
@@ -429,18 +431,19 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
 # POD's decode key chunks at the pod suite's sizes (bf16, Hkv 8, D 128, causal prefill with
 # kv = qo) planned for a Hopper GPU: (prefill rows, decodes, decode keys, Hq, page, chunks a
 # request (0: none), whether a fused launch runs them). Few requests (at most one program a
-# SM) are cut for two waves, chunks of 1k keys or more; a launch of one wave (p256's 128 tiles
+# SM) are cut for two waves, chunks of 2k keys or more; a launch of one wave (p256's 128 tiles
 # beside 128 decode items) runs them only for decodes of 16k keys or more. H200 replays of the
 # fused launch, uncut / cut (benchmarks/NOTES.md, 2026-11-29): p2048 + 16 x 32k 636 / 547 us,
-# p256 + 16 x 32k 535 / 497, p2048 + 16 x 4k 151 / 134, p256 + 16 x 4k 78 / 82 (one wave,
-# not run), p256 + 8 x 32k 486 / 258 (4 chunks).
+# p256 + 16 x 32k 535 / 497, p2048 + 16 x 4k 151 / 136 (2 chunks), p256 + 16 x 4k 78 / 82
+# (one wave, not run), p256 + 8 x 32k 486 / 258 (4 chunks), p2048 + 16 x 2k 110 / 115 (not cut).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,chunks,cut", [
     (2048, 16, 32768, 32, 16, 4, True), (256, 16, 32768, 32, 16, 4, True),
-    (2048, 16, 4096, 32, 16, 4, True), (256, 16, 4096, 32, 16, 4, False),
+    (2048, 16, 4096, 32, 16, 2, True), (256, 16, 4096, 32, 16, 2, False),
+    (2048, 16, 2048, 32, 16, 0, False),
     (256, 16, 1024, 32, 16, 0, False), (256, 8, 32768, 32, 16, 8, True),
     (2048, 16, 8192, 32, 16, 4, True), (2048, 128, 4096, 32, 16, 0, False),
     (2048, 32, 4096, 32, 16, 0, False), (2048, 16, 32768, 64, 1, 4, True),
-    (256, 16, 16384, 64, 16, 4, True), (2048, 2, 4096, 32, 16, 4, True)])
+    (256, 16, 16384, 64, 16, 4, True), (2048, 2, 4096, 32, 16, 2, True)])
 def test_pod_decode_chunk_decision(qo, n_dec, kv_d, hq, page, chunks, cut, monkeypatch):
     from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
