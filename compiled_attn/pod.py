@@ -239,8 +239,8 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
     outputs run() merges (_call's cut). For the fused launch (apart False): where few one-row
     requests would leave most of its resident slots to the prefill (ops.choose.pod_chunk_sms,
-    schedule.decode_chunk_count over two waves), so that their items even out the prefill's
-    tail. For the decodes' own launch when the parts run apart (apart True): where a paged
+    schedule.decode_chunk_count over two waves; POLICY.pod_chunk_min_chunks or more), so that
+    their items even out the prefill's tail. For the decodes' own launch when the parts run apart (apart True): where a paged
     call of them alone would cut them (choose.decode_chunk_sms on their own tile, block_m_d;
     the paged plan's rule), so that apart runs each part as a call of it alone would. Only
     where the chunks compute the decodes exactly: no position encoding (a chunk request counts
@@ -267,7 +267,7 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
                     waves=2)
     n = sms and decode_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms,
                                    slots_per_sm=RESIDENT_PER_SM[64], **rule)
-    if not n:
+    if not n or (not apart and n < POLICY.pod_chunk_min_chunks):
         return None
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n)
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()

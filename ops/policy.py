@@ -97,10 +97,13 @@ class Policy:
         self.pod_chunks = "gluon"
         # ...where the decodes' programs (a request and KV head each) fill at most this much of
         # one wave of resident 64-row programs (two a SM): 0.5, at most one a SM; into chunks
-        # for two such waves, each at least pod_chunk_min_keys keys of the longest request
-        # (p2048 + 16 x 2k: 115 us in two chunks against 110 uncut)...
+        # for two such waves, each at least pod_chunk_min_keys keys of the longest request, and
+        # only where that makes pod_chunk_min_chunks chunks or more: two did not repay the
+        # gather and merge (p2048 + 16 x 2k: 115 us against 110 uncut; BatchPOD + 16 x 4k 3-6%
+        # slower in two chunks than in four)...
         self.pod_chunk_fill = 0.5
-        self.pod_chunk_min_keys = 2048
+        self.pod_chunk_min_keys = 1024
+        self.pod_chunk_min_chunks = 4
         # ...and only where the launch's items exceed one wave (the prefill's tiles and the
         # uncut decodes), or the longest decode has at least this many keys: in one wave,
         # short decodes lose more to the gather and merge launches than the chunks gain

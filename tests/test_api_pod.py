@@ -431,19 +431,20 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
 # POD's decode key chunks at the pod suite's sizes (bf16, Hkv 8, D 128, causal prefill with
 # kv = qo) planned for a Hopper GPU: (prefill rows, decodes, decode keys, Hq, page, chunks a
 # request (0: none), whether a fused launch runs them). Few requests (at most one program a
-# SM) are cut for two waves, chunks of 2k keys or more; a launch of one wave (p256's 128 tiles
+# SM) are cut for two waves, in four chunks or more of 1k keys or more; a launch of one wave
+# (p256's 128 tiles
 # beside 128 decode items) runs them only for decodes of 16k keys or more. H200 replays of the
 # fused launch, uncut / cut (benchmarks/NOTES.md, 2026-11-29): p2048 + 16 x 32k 636 / 547 us,
-# p256 + 16 x 32k 535 / 497, p2048 + 16 x 4k 151 / 136 (2 chunks), p256 + 16 x 4k 78 / 82
-# (one wave, not run), p256 + 8 x 32k 486 / 258 (4 chunks), p2048 + 16 x 2k 110 / 115 (not cut).
+# p256 + 16 x 32k 535 / 497, p2048 + 16 x 4k 151 / 134, p256 + 16 x 4k 78 / 82 (one wave,
+# not run), p256 + 8 x 32k 486 / 258 (4 chunks), p2048 + 16 x 2k 110 / 115 (2 chunks: not cut).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,chunks,cut", [
     (2048, 16, 32768, 32, 16, 4, True), (256, 16, 32768, 32, 16, 4, True),
-    (2048, 16, 4096, 32, 16, 2, True), (256, 16, 4096, 32, 16, 2, False),
-    (2048, 16, 2048, 32, 16, 0, False),
+    (2048, 16, 4096, 32, 16, 4, True), (256, 16, 4096, 32, 16, 4, False),
+    (2048, 16, 2048, 32, 16, 0, False), (2048, 16, 3072, 32, 16, 0, False),
     (256, 16, 1024, 32, 16, 0, False), (256, 8, 32768, 32, 16, 8, True),
     (2048, 16, 8192, 32, 16, 4, True), (2048, 128, 4096, 32, 16, 0, False),
     (2048, 32, 4096, 32, 16, 0, False), (2048, 16, 32768, 64, 1, 4, True),
-    (256, 16, 16384, 64, 16, 4, True), (2048, 2, 4096, 32, 16, 2, True)])
+    (256, 16, 16384, 64, 16, 4, True), (2048, 2, 4096, 32, 16, 4, True)])
 def test_pod_decode_chunk_decision(qo, n_dec, kv_d, hq, page, chunks, cut, monkeypatch):
     from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override

@@ -317,10 +317,11 @@ def test_traced_apart_with_an_empty_part(kv_d, qo, kv):
 
 
 # POD's decode key chunks (POLICY.pod_chunks for the fused launch, POLICY.decode_chunks for
-# the decodes' own launch apart; compiled_attn/pod.py _plan_chunks): chunks of at least 8 keys,
-# and every fused launch asks for them (pod_chunk_long_keys 1), so that small mixes cut
-CHUNKS = dict(pod_chunks="always", pod_chunk_min_keys=8, pod_chunk_long_keys=1,
-              decode_chunks="always", decode_chunk_min_keys=8)
+# the decodes' own launch apart; compiled_attn/pod.py _plan_chunks): two chunks or more of at
+# least 8 keys, and every fused launch asks for them (pod_chunk_long_keys 1), so that small
+# mixes cut
+CHUNKS = dict(pod_chunks="always", pod_chunk_min_keys=8, pod_chunk_min_chunks=2,
+              pod_chunk_long_keys=1, decode_chunks="always", decode_chunk_min_keys=8)
 CHUNK_SEEDS = [s for s in SEEDS if s not in NO_DECODES][:6]
 
 
