@@ -203,10 +203,12 @@ def test_eager_runs_after_a_compiled_run(page):
     Gluon POD launch on page 16, on page 1 with both parts gathered), then run eagerly
     three times: every eager run computes, bit for bit the compiled run's outputs (a wrapper
     that recorded a replay of the op-level bound call once replayed without that launch:
-    benchmarks/NOTES.md, 2026-11-28). Decode key chunks off: the eager call would cut these 16
-    decodes (policy pod_chunks), which a traced call never does, and differ within rounding."""
+    benchmarks/NOTES.md, 2026-11-28). Eager calls kept to the launch a traced one makes: fused
+    (page 1's decodes here are small enough for the eager rule to run the parts apart, which a
+    traced call never does) and uncut (the eager call would cut these 16 decodes, policy
+    pod_chunks); either would differ within rounding."""
     launch.DEFAULT.clear()
-    with policy.override(pod_chunks="off"):
+    with policy.override(pod_chunks="off", pod_apart_balance=0.0):
         f, (q_p, k_p, v_p, q_d, cache), w = _pod_call([4096] * 15 + [33], page, 2048)
         want, _ = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
         for _ in range(3):
