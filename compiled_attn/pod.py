@@ -13,7 +13,7 @@ prefill and decode options that would need two raise NotImplementedError.
 
 Where the decodes are too small to hide under the prefill (ops.choose.pod_apart: their bytes
 under 5% of the prefill's FLOPs counted at Hopper's rate for BatchPOD, under about the
-prefill's time for POD, whose prefill alone runs on contiguous k / v, and under 1.7 times it
+prefill's time for POD, whose prefill alone runs on contiguous k / v, and under three times it
 where the fused launch gathers both parts; on parts of ~100 us or more together), the fused
 launch would cost the prefill more than it saves, and run() launches the parts apart
 instead: the prefill through the single_prefill op (POD) or batch_paged_prefill (BatchPOD), the
