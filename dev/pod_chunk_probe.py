@@ -39,6 +39,7 @@ from benchmarks import pod as suite
 from compiled_attn.ops import decode_chunks as chunks_op
 from compiled_attn.ops.policy import override
 from compiled_attn.ops.schedule import build_decode_chunks
+from dev.pod_order import _time
 
 
 def _cases(only: str) -> list:
@@ -107,17 +108,6 @@ def _pod(case, x, cut: int = 0, **policy):
         out_d, _ = chunks_op.merge_chunks(out_c, lse_c, merge, case.decodes)
         return out_p, out_d
     return call
-
-
-def _time(replay, n=20):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay()
-    s.record()
-    for _ in range(n):
-        replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / n
 
 
 def _diff(a, b) -> float:

@@ -367,6 +367,26 @@ def test_batch_pod_empty_parts_page_1_gqa_7(qo_p, kv_p, kv_d):
     _check_part(o_d, l_d, q_d, [1] * len(kv_d), ks_d, vs_d, window_left=3)
 
 
+def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
+    """(a POD wrapper, its plan()): n_dec decodes of kv_d keys on pages of ``page`` (bf16,
+    Hkv 8, D 128: the pod suite's sizes) planned for a Hopper GPU (choose's plan device made
+    the H100); plan() returns the plan dict."""
+    from compiled_attn.ops import choose
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    pages = [-(-kv_d // page)] * n_dec
+    last = kv_d - (pages[0] - 1) * page if n_dec else page
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+
+    def plan():
+        w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
+               torch.full((n_dec,), last, dtype=torch.int32), hq, 8, 128, page,
+               q_data_type=torch.bfloat16)
+        return w._plan
+
+    return w, plan
+
+
 # (prefill tokens, decodes, keys each, Hq, page, apart): cases of the pod suite
 # (benchmarks/NOTES.md, 2026-11-29). POD's prefill alone runs on contiguous k / v and its own
 # tiles, so decodes under about its time go apart (page 16: p8192 + 16 x 4k ran fused at 0.86x
@@ -396,19 +416,10 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
     sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
     policy's balance 0 keeps every call fused."""
-    from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
     from compiled_attn.pod import _traced_apart
 
-    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
-    pages = [kv_d // page] * n_dec
-    w = fi.PODWithPagedKVCacheWrapper(WS)
-
-    def plan():
-        w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-               torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
-               q_data_type=torch.bfloat16)
-
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
     plan()
     assert w._launch_apart(qo, qo, True) is apart
     # the fused launch's tile and the decodes' own tile when apart: 64 rows, on boxes and on
@@ -451,15 +462,10 @@ def test_pod_decode_chunk_decision(qo, n_dec, kv_d, hq, page, chunks, cut, monke
     from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
 
-    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
-    pages = [kv_d // page] * n_dec
-    w = fi.PODWithPagedKVCacheWrapper(WS)
+    _, plan_dict = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
 
     def plan():
-        w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-               torch.full((n_dec,), page, dtype=torch.int32), hq, 8, 128, page,
-               q_data_type=torch.bfloat16)
-        return w._plan["chunks"]
+        return plan_dict()["chunks"]
 
     c = plan()
     assert (0 if c is None else int(c["merge"][:, 2].max())) == chunks
@@ -480,17 +486,10 @@ def test_pod_apart_decodes_cut_as_a_paged_call_of_them_alone(n_dec, kv_d, page, 
     would (schedule.decode_chunk_count's own rule on a Hopper GPU: programs at most half the
     SMs, one wave, chunks of 512 keys or more), planned as p["chunks_apart"] on their own
     tile."""
-    from compiled_attn.ops import choose
     from compiled_attn.ops.schedule import decode_chunk_count
 
-    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
-    pages = [-(-kv_d // page)] * n_dec
-    last = kv_d - (pages[0] - 1) * page
-    w = fi.PODWithPagedKVCacheWrapper(WS)
-    w.plan(indptr(pages), torch.arange(sum(pages), dtype=torch.int32),
-           torch.full((n_dec,), last, dtype=torch.int32), 32, 8, 128, page,
-           q_data_type=torch.bfloat16)
-    c = w._plan["chunks_apart"]
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, 32, page)
+    c = plan()["chunks_apart"]
     want = decode_chunk_count([1] * n_dec, [kv_d] * n_dec, 8, 132)
     assert (0 if c is None else int(c["merge"][:, 2].max())) == want
     if c is not None:
