@@ -136,18 +136,49 @@ def pick(cases: list[PodCase], only: str) -> list[PodCase]:
     return out
 
 
-def launch_choice(case: PodCase, device=None) -> str:
-    """How ours_pod runs the case under the launch policy: "fused" (one POD launch) or "apart"
-    (two launches, ops.choose.pod_apart: the decodes too small to hide under the prefill, or a
-    fused launch that would be the Triton kernel's). device: an ops.device.Device (default:
-    the current CUDA device)."""
-    from compiled_attn.ops import choose
+def launch_plan(case: PodCase) -> dict:
+    """How ours_pod runs the case under the launch policy, asked of the case's wrapper planned
+    on the CPU for the plan's device (the current CUDA device; ops.choose's): "launch",
+    "fused" (one POD launch) or "apart" (two launches, ops.choose.pod_apart: the decodes too
+    small to hide under the prefill, or a fused launch that would be the Triton kernel's); and
+    "decode_chunks", the key chunks a request its decodes run in (compiled_attn.pod's decode
+    key chunks; 0: uncut)."""
+    import torch
 
-    gluon = choose.pod_fused_gluon(D, case.page, device=device)
-    apart = choose.pod_apart(case.flops("prefill"), case.decode_bytes(), gluon=gluon,
-                             dense_prefill=case.kind == "pod",
-                             fused_gathers=choose.pod_fused_gathers(D, case.page))
-    return "apart" if apart else "fused"
+    import compiled_attn
+    from compiled_attn import pod as pod_mod
+
+    i32 = dict(dtype=torch.int32)
+
+    def table(lens):
+        pages = [case.pages(n) for n in lens]
+        return (torch.tensor([0, *itertools.accumulate(pages)], **i32),
+                torch.arange(sum(pages), **i32),
+                torch.tensor([n - (p - 1) * case.page for n, p in zip(lens, pages)], **i32))
+
+    kw = dict(q_data_type=torch.bfloat16)
+    dec = table([case.kv] * case.decodes)
+    if case.kind == "pod":
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        w.plan(*dec, case.hq, case.hkv, D, case.page, **kw)
+        qo = case.prefill_lens[0]
+        apart = w._launch_apart(qo, qo, True)
+        tiles = -(-qo * (case.hq // case.hkv) // w._plan["block_m"])
+    else:
+        qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
+        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+        w.plan(qo_p, *table(case.prefill_lens), torch.arange(case.decodes + 1, **i32), *dec,
+               case.hq, case.hkv, D, case.page, **kw)
+        apart = w._launch_apart(True)
+        tiles = w._plan["tiles_p"]
+    c = pod_mod._chunks_for(w._plan, apart, tiles)
+    return dict(launch="apart" if apart else "fused",
+                decode_chunks=0 if c is None else int(c["merge"][:, 2].max()))
+
+
+def launch_choice(case: PodCase) -> str:
+    """launch_plan's "launch"."""
+    return launch_plan(case)["launch"]
 
 
 def providers_for(case: PodCase) -> tuple:
@@ -199,7 +230,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["copy_bytes"] = copy_bytes
         if prov != "ours_pod":
             continue
-        row["launch"] = launch_choice(case)
+        row.update(launch_plan(case))
         if us.get(("ours_apart", mode)):
             row["ratio_vs_apart"] = us["ours_apart", mode] / t
         if us.get(("fi_pod", mode)):

@@ -286,23 +286,31 @@ def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, kv_lens: list, device) -> No
         p[key] = _plan_chunks(p, qo_h, ind_h, last_h, kv_lens, device, apart=apart)
 
 
-def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
-         tensors: tuple) -> dict | None:
-    """The decode key chunks (_plan_chunks) a call of plan p runs, or None: the plan's for the
-    launch the call makes (apart: the parts as two launches), where the call's options keep
-    them exact (pos: the launch's position encoding; window_d: the decodes' window), the call
-    is eager on plain tensors (``tensors``: q_p, q_d and the caches; the gather and merge are
-    direct launches) with q_d of unit stride in D, and, fused, the launch's items ask for them
-    (ops.choose.pod_cut; prefill_tiles: the prefill's work rows, each times the KV heads)."""
+def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
+                pos: int = POS_NONE) -> dict | None:
+    """The decode key chunks (_plan_chunks) that a launch of plan p runs, by the plan and the
+    options alone, or None: the plan's for the launch (apart: the parts as two launches),
+    where the call's options keep them exact (pos: the launch's position encoding; window_d:
+    the decodes' window) and, fused, the launch's items ask for them (ops.choose.pod_cut;
+    prefill_tiles: the prefill's work rows, each times the KV heads)."""
     c = p.get("chunks_apart" if apart else "chunks")
-    if c is None or window_d >= 0 or pos != POS_NONE or tensors[1].stride(-1) != 1:
-        return None
-    if not (untraced() and plain_tensors(tensors)):
+    if c is None or window_d >= 0 or pos != POS_NONE:
         return None
     if apart or choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["decode_items"],
                                c["longest"], c["sms"]):
         return c
     return None
+
+
+def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
+         tensors: tuple) -> dict | None:
+    """_chunks_for's chunks where the call can run them: eager on plain tensors (``tensors``:
+    q_p, q_d and the caches; the gather and merge are direct launches), q_d of unit stride in
+    D."""
+    c = _chunks_for(p, apart, prefill_tiles, window_d, pos)
+    if c is None or tensors[1].stride(-1) != 1 or not (untraced() and plain_tensors(tensors)):
+        return None
+    return c
 
 
 def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
@@ -804,8 +812,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
-        apart = _apart_works(p, traced, (p["work_p"], p["work_d_apart"]), lambda: _apart(
-            p, p["pairs_p"][mask_p == MASK_CAUSAL], p["decode_bytes"], dense_prefill=False))
+        apart = _apart_works(p, traced, (p["work_p"], p["work_d_apart"]),
+                             lambda: self._launch_apart(mask_p == MASK_CAUSAL))
         c = None if traced else _cut(p, apart is not None, p["tiles_p"], p["window_left"],
                                      p["pos"], (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
@@ -818,3 +826,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             cut=None if c is None else (c, c["work"] if apart else p["work_cut"]))
 
     run.__doc__ += _RETURN_DOC
+
+    def _launch_apart(self, causal: bool) -> bool:
+        """Whether an eager call with the plan's prefill runs the parts as two launches
+        (ops.choose.pod_apart; causal: the prefill's mask). Asked at every call, as POD's."""
+        p = self._plan
+        return _apart(p, p["pairs_p"][causal], p["decode_bytes"], dense_prefill=False)

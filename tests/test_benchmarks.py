@@ -807,6 +807,15 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
         ["fused", "apart", "fused", "fused", "fused", "fused"]
     with override(pod_gather=False):
         assert pod.launch_choice(pod.case_list(quick=True)[4]) == "apart"
+    # and the decode key chunks its plan gives the launch (compiled_attn/pod.py _chunks_for)
+    assert e["decode_chunks"] == 0
+    few = [pod.PodCase("pod", (2048,), 16, 32768, 32, 8, 16),
+           pod.PodCase("pod", (8192,), 8, 32768, 32, 8, 16),
+           pod.PodCase("pod", (256,), 16, 4096, 32, 8, 16),
+           pod.PodCase("batch_pod", pod.BATCH_PREFILLS, 16, 4096, 32, 8, 1)]
+    assert [pod.launch_plan(c) for c in few] == [
+        dict(launch="fused", decode_chunks=4), dict(launch="apart", decode_chunks=4),
+        dict(launch="fused", decode_chunks=0), dict(launch="fused", decode_chunks=4)]
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
     assert by["fi_pod", "graph"]["status"] == "failed"
