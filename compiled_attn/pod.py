@@ -249,7 +249,7 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     request. The dict holds the chunk requests' device arrays (qo_indptr, kv_indptr,
     last_page_len), src (the query row of each chunk row), merge
     (ops.decode_chunks.merge_chunks'), work (their work list on the launch's tile, int32 [W,
-    2]) and the numbers choose.pod_cut reads (sms, decode_items, longest)."""
+    2]) and the numbers choose.pod_cut reads (sms, longest)."""
     qo_l = (qo_h[1:] - qo_h[:-1]).tolist()
     if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
         return None
@@ -274,7 +274,6 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     to = dict(device=device, dtype=torch.int32)
     out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
     out.update(work=build_work(rows, p["group"], block_m, "cpu").to(**to), sms=sms,
-               decode_items=-(-p["group"] // block_m) * sum(qo_l) * p["num_kv_heads"],
                longest=max(kv_lens, default=0))
     return out
 
@@ -296,8 +295,7 @@ def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
     c = p.get("chunks_apart" if apart else "chunks")
     if c is None or window_d >= 0 or pos != POS_NONE:
         return None
-    if apart or choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["decode_items"],
-                               c["longest"], c["sms"]):
+    if apart or choose.pod_cut(prefill_tiles * p["num_kv_heads"], c["longest"], c["sms"]):
         return c
     return None
 

@@ -725,13 +725,14 @@ def pod_chunk_sms(fused_gluon: bool, device: Device | None = None) -> int:
     return dev.sm_count or H100.sm_count
 
 
-def pod_cut(prefill_items: int, decode_items: int, longest_keys: int, sms: int) -> bool:
+def pod_cut(prefill_items: int, longest_keys: int, sms: int) -> bool:
     """Whether a fused POD launch whose plan has decode key chunks (pod_chunk_sms) runs them:
-    where its work items, the prefill's tiles and the uncut decodes' (each times the KV heads),
-    exceed one wave of resident 64-row programs on ``sms`` SMs, or the longest decode has
-    POLICY.pod_chunk_long_keys keys or more (module policy: a launch of one wave of short
-    decodes loses more to the gather and merge launches than the chunks gain)."""
-    return (prefill_items + decode_items > RESIDENT_PER_SM[64] * sms
+    where the prefill's items (its tiles times the KV heads) fill one wave of resident 64-row
+    programs on ``sms`` SMs or more, so that the decodes start late and would finish unevenly,
+    or the longest decode has POLICY.pod_chunk_long_keys keys or more (two programs a SM then
+    read faster than one). Beside a smaller prefill, short decodes lose more to the gather and
+    merge launches than the chunks gain."""
+    return (prefill_items >= RESIDENT_PER_SM[64] * sms
             or longest_keys >= POLICY.pod_chunk_long_keys)
 
 

@@ -105,10 +105,10 @@ class Policy:
         self.pod_chunk_fill = 0.5
         self.pod_chunk_min_keys = 1024
         self.pod_chunk_min_chunks = 4
-        # ...and only where the launch's items exceed one wave (the prefill's tiles and the
-        # uncut decodes), or the longest decode has at least this many keys: in one wave,
-        # short decodes lose more to the gather and merge launches than the chunks gain
-        # (p256 + 16 x 4k: 82 against 78 us).
+        # ...and only where the prefill's tiles fill a wave of resident programs or more (the
+        # decodes then start late), or the longest decode has at least this many keys: beside
+        # a smaller prefill, short decodes lose more to the gather and merge launches than the
+        # chunks gain (p256 + 16 x 4k: 82 against 78 us).
         self.pod_chunk_long_keys = 16384
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
