@@ -240,9 +240,10 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     outputs run() merges (_call's cut). For the fused launch (apart False): where few one-row
     requests would leave most of its resident slots to the prefill (ops.choose.pod_chunk_sms,
     schedule.decode_chunk_count over two waves; POLICY.pod_chunk_min_chunks or more), so that
-    their items even out the prefill's tail. For the decodes' own launch when the parts run apart (apart True): where a paged
-    call of them alone would cut them (choose.decode_chunk_sms on their own tile, block_m_d;
-    the paged plan's rule), so that apart runs each part as a call of it alone would. Only
+    their items even out the prefill's tail. For the decodes' own launch when the parts run
+    apart (apart True): where a paged call of them alone would cut them
+    (choose.decode_chunk_sms on their own tile, block_m_d; the paged plan's rule), so that
+    apart runs each part as a call of it alone would. Only
     where the chunks compute the decodes exactly: no position encoding (a chunk request counts
     positions from its own last key), no window, q and K/V of one dtype. qo_h / ind_h /
     last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; kv_lens: its keys per

@@ -9,8 +9,8 @@ rounds (medians, microseconds):
 - ``dec``: the decodes through BatchPrefillWithPagedKVCacheWrapper (the launch policy as is);
   ``dec fill F``: planned with POLICY.decode_chunk_fill F (cut where the programs fill at most
   F of a wave of two a SM);
-- ``pod``: POD's fused launch, uncut (pod_apart_balance 0, pod_chunks off); ``apart``: the prefill's single prefill,
-  then ``dec``; ``apart fill F``: then ``dec fill F``;
+- ``pod``: POD's fused launch, uncut (pod_apart_balance 0, pod_chunks off); ``apart``: the
+  prefill's single prefill, then ``dec``; ``apart fill F``: then ``dec fill F``;
 - ``pod cut N``: POD's fused launch whose decode part is the batch cut into N key chunks a
   request (schedule.build_decode_chunks, over the same page table), with the chunk rows'
   gather and merge (ops.decode_chunks) in the graph;
@@ -170,7 +170,8 @@ def main(argv=None):
             rows.append(row)
         print(case.name, flush=True)
         for k, us in med.items():
-            extra = f"  over copy {dec_bytes / us / 1e6 / copy_tbs:.3f}" if k.startswith("dec") else ""
+            extra = (f"  over copy {dec_bytes / us / 1e6 / copy_tbs:.3f}"
+                     if k.startswith("dec") else "")
             print(f"  {k:16} {us:10.1f} us  diff {diffs.get(k, 0.0):.2e}"
                   f"{'  cut' if info.get(k) else ''}{extra}", flush=True)
         x = replays = calls = None
