@@ -392,10 +392,11 @@ def test_pod_decode_chunks_mix(kind, seed, launch, monkeypatch):
         assert torch.equal(a.nan_to_num(), b_.nan_to_num())
 
 
-def test_pod_decode_chunks_follow_the_options():
+def test_pod_decode_chunks_follow_the_options(monkeypatch):
     """Where the chunks would not compute the decodes exactly (a decode window passed to run(),
     a position encoding) or the policy has them off, run() launches the uncut decodes, and the
-    plan keeps no chunks where it cannot use them."""
+    plan keeps no chunks where it cannot use them; q_scale / k_scale / a v_scale tensor and a
+    q_d of strided rows cut and give the uncut launch's numbers."""
     from compiled_attn.ops.policy import override
 
     hq, hkv, d, dt = 4, 2, 16, torch.float32
@@ -410,11 +411,25 @@ def test_pod_decode_chunks_follow_the_options():
         assert w._plan["chunks"] is not None
         cut_d = w.run(q_p, k_p, v_p, q_d, cache)[1]
         win_d = w.run(q_p, k_p, v_p, q_d, cache, window_left_d=5)[1]
+        # scales (q_scale / k_scale into the logit scale, v_scale after the merge) and a q_d
+        # whose rows are strided
+        q_wide = torch.cat([q_d, q_d], dim=1)[:, :hq]
+        from compiled_attn import pod as pod_mod
+
+        merges = []
+        real = pod_mod._chunks.merge_chunks
+        monkeypatch.setattr(pod_mod._chunks, "merge_chunks",
+                            lambda *a, **k: merges.append(1) or real(*a, **k))
+        scaled = w.run(q_p, k_p, v_p, q_wide, cache, q_scale=0.5, k_scale=3.0,
+                       v_scale=torch.tensor(2.0), return_lse_d=True)
+        assert merges == [1]  # cut
         with override(pod_chunks="off"):
             w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
             assert w._plan["chunks"] is None
             plain_d = w.run(q_p, k_p, v_p, q_d, cache)[1]
             plain_win = w.run(q_p, k_p, v_p, q_d, cache, window_left_d=5)[1]
+            plain_scaled = w.run(q_p, k_p, v_p, q_wide, cache, q_scale=0.5, k_scale=3.0,
+                                 v_scale=torch.tensor(2.0), return_lse_d=True)
         w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt, pos_encoding_mode="ALIBI")
         assert w._plan["chunks"] is None
         w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt, window_left=3)
@@ -424,3 +439,7 @@ def test_pod_decode_chunks_follow_the_options():
     # a decode window: the uncut launch, bit for bit; no window: the chunks' merged rows
     assert torch.equal(win_d, plain_win)
     assert (cut_d.double() - plain_d.double()).abs().max() < 1e-5
+    (_, s_out), (_, s_lse) = scaled
+    (_, p_out), (_, p_lse) = plain_scaled
+    assert (s_out.double() - p_out.double()).abs().max() < 2e-5
+    assert torch.allclose(s_lse.nan_to_num(), p_lse.nan_to_num(), atol=1e-5)
