@@ -234,7 +234,8 @@ def _decode_bytes(p: dict, pages: int) -> int:
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
-                 kv_lens: list, device: torch.device, *, apart: bool) -> dict | None:
+                 qo_l: list, kv_lens: list, device: torch.device, *,
+                 apart: bool) -> dict | None:
     """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
     outputs run() merges (_call's cut). For the fused launch (apart False): where few one-row
@@ -246,12 +247,11 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     apart runs each part as a call of it alone would. Only
     where the chunks compute the decodes exactly: no position encoding (a chunk request counts
     positions from its own last key), no window, q and K/V of one dtype. qo_h / ind_h /
-    last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; kv_lens: its keys per
-    request. The dict holds the chunk requests' device arrays (qo_indptr, kv_indptr,
+    last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l / kv_lens: its
+    query rows and keys per request. The dict holds the chunk requests' device arrays (qo_indptr, kv_indptr,
     last_page_len), src (the query row of each chunk row), merge
     (ops.decode_chunks.merge_chunks'), work (their work list on the launch's tile, int32 [W,
     2]) and the numbers choose.pod_cut reads (sms, longest)."""
-    qo_l = (qo_h[1:] - qo_h[:-1]).tolist()
     if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
         return None
     # (the plan's device, as pod_tile's)
@@ -279,11 +279,12 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     return out
 
 
-def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, kv_lens: list, device) -> None:
+def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
+                      device) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
     decodes' own launch."""
     for key, apart in (("chunks", False), ("chunks_apart", True)):
-        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, kv_lens, device, apart=apart)
+        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart)
 
 
 def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
@@ -458,7 +459,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p["chunks"] = p["chunks_apart"] = None
         if not self._use_cuda_graph:
             _plan_both_chunks(p, torch.arange(b + 1, dtype=torch.int32), ind_h, last_h,
-                              kv_lens.tolist(), self.device)
+                              [1] * b, kv_lens.tolist(), self.device)
         self._set_plan(p)
 
     begin_forward = plan
@@ -738,7 +739,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-                _plan_both_chunks(p, qo_h, ind_h, last_h, kv_l, self.device)
+                _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device)
         p["work"] = _pod_work(*works).to(**to)
         p["tiles_p"] = works[0].shape[0]
         p["work_cut"] = (None if p["chunks"] is None
