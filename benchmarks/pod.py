@@ -382,10 +382,10 @@ def _triton_pod(pod_call):
     pod_apart_balance 0: one launch whatever the mix), for graph capture only: each override
     bumps the policy version, which sends every eager call after it (ours_pod's too) through a
     new bound-launch recording."""
-    from compiled_attn.ops.policy import override
+    from compiled_attn.ops.policy import POD_FUSED, override
 
     def call():
-        with override(pod_gluon=False, pod_apart_balance=0.0):
+        with override(pod_gluon=False, **POD_FUSED):
             return pod_call()
 
     call.graph_only = True

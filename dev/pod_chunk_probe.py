@@ -37,7 +37,7 @@ import torch
 import compiled_attn
 from benchmarks import pod as suite
 from compiled_attn.ops import decode_chunks as chunks_op
-from compiled_attn.ops.policy import override
+from compiled_attn.ops.policy import POD_APART, POD_FUSED, override
 from compiled_attn.ops.schedule import build_decode_chunks
 from dev.pod_order import _time
 
@@ -82,7 +82,7 @@ def _pod(case, x, cut: int = 0, **policy):
     di, dx, dl = x["dec"]
     w = compiled_attn.PODWithPagedKVCacheWrapper(_ws(), "NHD")
     if not cut:
-        settings = policy or dict(pod_apart_balance=0.0, pod_chunks="off")
+        settings = policy or dict(POD_FUSED, pod_chunks="off")
         with override(**settings):
             w.plan(di, dx, dl, case.hq, case.hkv, suite.D, case.page,
                    q_data_type=torch.bfloat16)
@@ -95,7 +95,7 @@ def _pod(case, x, cut: int = 0, **policy):
     c = build_decode_chunks(qo, di.tolist(), dl.tolist(), case.page, cut)
     dev = x["q_d"].device
     src, merge = c["src"].to(dev), c["merge"].to(dev)
-    fused = dict(pod_apart_balance=0.0, pod_chunks="off")
+    fused = dict(POD_FUSED, pod_chunks="off")
     with override(**fused):
         w.plan(c["kv_indptr"].to(dev), dx, c["last_page_len"].to(dev), case.hq, case.hkv,
                suite.D, case.page, q_data_type=torch.bfloat16)
@@ -143,8 +143,7 @@ def main(argv=None):
             calls[f"pod cut {n}"] = _pod(case, x, n)
         # the wrapper as the launch policy has it, and its own apart path
         calls["pod policy"] = _pod(case, x, pod_chunks="gluon")
-        calls["pod own apart"] = _pod(case, x, pod_apart_balance=float("inf"),
-                                      pod_apart_min_bytes=0.0)
+        calls["pod own apart"] = _pod(case, x, **POD_APART)
         ref = calls["dec"]()
         diffs = {}
         for k, fn in calls.items():

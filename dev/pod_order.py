@@ -17,6 +17,7 @@ import torch
 import compiled_attn
 from benchmarks import pod as suite
 from compiled_attn import pod as pod_mod
+from compiled_attn.ops.policy import POD_APART, POD_FUSED
 
 CASES = [suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
          suite.PodCase("pod", (8192,), 16, 1024, 32, 8, 16),
@@ -86,9 +87,8 @@ def main(argv=None):
     print(f"{'case':40} " + " ".join(f"{k:>14}" for k in names), flush=True)
     for case in cases:
         x = suite.make_inputs(case, torch.device("cuda"))
-        replays = {k: _replay(case, x, o, pod_apart_balance=0.0) for k, o in ORDERS.items()}
-        replays["apart"] = _replay(case, x, ORDERS["prefill_first"],
-                                   pod_apart_balance=float("inf"), pod_apart_min_bytes=0.0)
+        replays = {k: _replay(case, x, o, **POD_FUSED) for k, o in ORDERS.items()}
+        replays["apart"] = _replay(case, x, ORDERS["prefill_first"], **POD_APART)
         times = {k: [] for k in names}
         for _ in range(args.rounds):
             for k, r in replays.items():

@@ -18,6 +18,7 @@ import contextlib
 import torch
 
 from benchmarks import pod as suite
+from compiled_attn.ops.policy import POD_APART, POD_FUSED
 from benchmarks.providers import medians_us
 from tests.kernel_cases import capture_graph
 
@@ -88,8 +89,7 @@ def main(argv=None) -> None:
             "decode": lambda: wd.run(x["q_d"], x["cache"]),
         }
         calls["apart (parts)"] = lambda: (calls["prefill"](), calls["decode"]())
-        settings = {"fused": dict(pod_apart_balance=0.0),
-                    "pod apart": dict(pod_apart_balance=1e30, pod_apart_min_bytes=0.0)}
+        settings = {"fused": POD_FUSED, "pod apart": POD_APART}
         graphs, outs, keep = {}, {}, []
         for name, fn in calls.items():
             graphs[name], outs[name] = capture_graph(fn)

@@ -125,6 +125,11 @@ class Policy:
 
 POLICY = Policy()
 
+# Settings that fix a POD call's launch whatever its sizes, for tests, probes and benchmark
+# variants (``override(**POD_FUSED)``): one fused launch, or the two parts apart.
+POD_FUSED = {"pod_apart_balance": 0.0}
+POD_APART = {"pod_apart_balance": float("inf"), "pod_apart_min_bytes": 0.0}
+
 
 def version() -> int:
     """Bumped by every change of a setting."""

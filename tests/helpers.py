@@ -26,6 +26,7 @@ import compiled_attn
 from compiled_attn import fx_passes
 import compiled_attn as fi
 from compiled_attn.ops import contracts
+from compiled_attn.ops.policy import POD_APART, POD_FUSED
 import datetime
 import socket
 import traceback
@@ -742,10 +743,9 @@ class KernelRecorder:
         return self.args[self.arg_names.index(name)]
 
 
-# The launch policy's settings that send every POD call with two non-empty parts to two launches
-# (ops.choose.pod_apart), or keep it in one.
-POD_LAUNCHES = {"fused": dict(pod_apart_balance=0.0),
-                "apart": dict(pod_apart_balance=float("inf"), pod_apart_min_bytes=0)}
+# The launch policy's settings that keep every POD call in one launch, or send every call with
+# two non-empty parts to two launches (ops.choose.pod_apart), by name.
+POD_LAUNCHES = {"fused": POD_FUSED, "apart": POD_APART}
 
 
 def check_pod_launch(pod_launch, both_parts: bool) -> None:

@@ -416,7 +416,7 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
     sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
     policy's balance 0 keeps every call fused."""
-    from compiled_attn.ops.policy import override
+    from compiled_attn.ops.policy import POD_FUSED, override
     from compiled_attn.pod import _traced_apart
 
     w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
@@ -427,7 +427,7 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     assert (w._plan["block_m"], w._plan["block_m_d"]) == (64, 64)
     # a call traced by torch.compile: apart only where that needs no sizes, never exported
     assert _traced_apart(w._plan) is False
-    with override(pod_apart_balance=0.0):
+    with override(**POD_FUSED):
         assert w._launch_apart(qo, qo, True) is False
         assert _traced_apart(w._plan) is False
     if page == 1:  # without the gathered Gluon POD launch: the Triton kernel's 128-row tile,

@@ -186,7 +186,7 @@ def test_compiled_pod_runs_gluon(monkeypatch, page):
     monkeypatch.setattr(pk._gluon, "launch_pod", lambda *a, **k: launches.append(1) or real(
         *a, **k))
     f, (q_p, k_p, v_p, q_d, cache), _ = _pod_call([900, 1, 4096, 33], page, 300)
-    with policy.override(bound_launches=False, pod_apart_balance=0.0):
+    with policy.override(bound_launches=False, **policy.POD_FUSED):
         eager = f(q_p, k_p, v_p, q_d, cache)
         assert len(launches) == 1
         out, code = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
@@ -208,7 +208,7 @@ def test_eager_runs_after_a_compiled_run(page):
     traced call never does) and uncut (the eager call would cut these 16 decodes, policy
     pod_chunks); either would differ within rounding."""
     launch.DEFAULT.clear()
-    with policy.override(pod_chunks="off", pod_apart_balance=0.0):
+    with policy.override(pod_chunks="off", **policy.POD_FUSED):
         f, (q_p, k_p, v_p, q_d, cache), w = _pod_call([4096] * 15 + [33], page, 2048)
         want, _ = run_compiled(torch.compile(f, fullgraph=True), q_p, k_p, v_p, q_d, cache)
         for _ in range(3):
