@@ -136,6 +136,21 @@ def pick(cases: list[PodCase], only: str) -> list[PodCase]:
     return out
 
 
+def page_table(case: PodCase, lens, first_page: int = 0, generator=None) -> tuple:
+    """(indptr [R + 1], page indices, last page lengths [R]), int32 on the CPU, of requests of
+    ``lens`` keys on the case's pages, numbered from first_page: in order, or shuffled by the
+    CPU generator."""
+    import torch
+
+    pages = [case.pages(n) for n in lens]
+    idx = (torch.randperm(sum(pages), generator=generator) if generator is not None
+           else torch.arange(sum(pages)))
+    return (torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32),
+            (first_page + idx).to(torch.int32),
+            torch.tensor([n - (p - 1) * case.page for n, p in zip(lens, pages)],
+                         dtype=torch.int32))
+
+
 def launch_plan(case: PodCase) -> dict:
     """How ours_pod runs the case under the launch policy, asked of the case's wrapper planned
     on the CPU for the plan's device (the current CUDA device; ops.choose's): "launch",
@@ -149,25 +164,19 @@ def launch_plan(case: PodCase) -> dict:
     from compiled_attn import pod as pod_mod
 
     i32 = dict(dtype=torch.int32)
-
-    def table(lens):
-        pages = [case.pages(n) for n in lens]
-        return (torch.tensor([0, *itertools.accumulate(pages)], **i32),
-                torch.arange(sum(pages), **i32),
-                torch.tensor([n - (p - 1) * case.page for n, p in zip(lens, pages)], **i32))
-
     kw = dict(q_data_type=torch.bfloat16)
-    dec = table([case.kv] * case.decodes)
+    dec = page_table(case, [case.kv] * case.decodes)
     if case.kind == "pod":
         w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
         w.plan(*dec, case.hq, case.hkv, D, case.page, **kw)
         qo = case.prefill_lens[0]
         apart = w._launch_apart(qo, qo, True)
-        tiles = -(-qo * (case.hq // case.hkv) // w._plan["block_m"])
+        tiles = pod_mod._prefill_tiles(w._plan, qo)
     else:
         qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
         w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
-        w.plan(qo_p, *table(case.prefill_lens), torch.arange(case.decodes + 1, **i32), *dec,
+        w.plan(qo_p, *page_table(case, case.prefill_lens), torch.arange(case.decodes + 1, **i32),
+               *dec,
                case.hq, case.hkv, D, case.page, **kw)
         apart = w._launch_apart(True)
         tiles = w._plan["tiles_p"]
@@ -300,12 +309,7 @@ def make_inputs(case: PodCase, dev, seed: int = 0) -> dict:
     i32 = dict(dtype=torch.int32, device=dev)
 
     def table(lens, first_page):
-        npg = [case.pages(n) for n in lens]
-        idx = first_page + torch.randperm(sum(npg), generator=gcpu).to(torch.int32)
-        indptr = torch.tensor([0, *itertools.accumulate(npg)], dtype=torch.int32)
-        last = torch.tensor([n - (p - 1) * case.page for n, p in zip(lens, npg)],
-                            dtype=torch.int32)
-        return indptr.to(dev), idx.to(dev), last.to(dev)
+        return tuple(t.to(dev) for t in page_table(case, lens, first_page, gcpu))
 
     dec_lens = [case.kv] * case.decodes
     n_dec = case.decodes * case.pages(case.kv)

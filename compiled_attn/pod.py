@@ -38,11 +38,9 @@ from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
 from .ops import choose
 from .ops import decode_chunks as _chunks
-from .ops.choose import RESIDENT_PER_SM
 from .ops.launch import Memo, adopt_scratch, plain_tensors, untraced
-from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
-from .ops.schedule import (block_m_for, build_decode_chunks, build_work, decode_chunk_count,
+from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
 from .prefill import _split_v_scale, _WrapperBase
 from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
@@ -238,37 +236,28 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
                  apart: bool) -> dict | None:
     """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
-    outputs run() merges (_call's cut). For the fused launch (apart False): where few one-row
-    requests would leave most of its resident slots to the prefill (ops.choose.pod_chunk_sms,
-    schedule.decode_chunk_count over two waves; POLICY.pod_chunk_min_chunks or more), so that
-    their items even out the prefill's tail. For the decodes' own launch when the parts run
-    apart (apart True): where a paged call of them alone would cut them
-    (choose.decode_chunk_sms on their own tile, block_m_d; the paged plan's rule), so that
-    apart runs each part as a call of it alone would. Only
-    where the chunks compute the decodes exactly: no position encoding (a chunk request counts
-    positions from its own last key), no window, q and K/V of one dtype. qo_h / ind_h /
-    last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l / kv_lens: its
-    query rows and keys per request. The dict holds the chunk requests' device arrays (qo_indptr, kv_indptr,
-    last_page_len), src (the query row of each chunk row), merge
+    outputs run() merges (_call's cut), in as many chunks as schedule.planned_chunk_count
+    gives. For the fused launch (apart False): where few one-row requests would leave most of
+    its resident slots to the prefill (ops.choose.pod_chunk_sms), so that their items even out
+    the prefill's tail. For the decodes' own launch when the parts run apart (apart True):
+    where a paged call of them alone would cut them (choose.decode_chunk_sms on their own
+    tile, block_m_d; the paged plan's rule), so that apart runs each part as a call of it
+    alone would. Only where the chunks compute the decodes exactly: no position encoding (a
+    chunk request counts positions from its own last key), no window, q and K/V of one dtype.
+    qo_h / ind_h / last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l /
+    kv_lens: its query rows and keys per request. The dict holds the chunk requests' device
+    arrays (qo_indptr, kv_indptr, last_page_len), src (the query row of each chunk row), merge
     (ops.decode_chunks.merge_chunks'), work (their work list on the launch's tile, int32 [W,
     2]) and the numbers choose.pod_cut reads (sms, longest)."""
     if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
         return None
     # (the plan's device, as pod_tile's)
-    if apart:
-        block_m = p["block_m_d"]
-        sms = choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
-                                      p["kv_dtype"], plain=True)
-        rule = dict(min_keys_per_chunk=POLICY.decode_chunk_min_keys,
-                    fill=POLICY.decode_chunk_fill, waves=1)
-    else:
-        block_m = p["block_m"]
-        sms = choose.pod_chunk_sms(p["fused_gluon"])
-        rule = dict(min_keys_per_chunk=POLICY.pod_chunk_min_keys, fill=POLICY.pod_chunk_fill,
-                    waves=2)
-    n = sms and decode_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms,
-                                   slots_per_sm=RESIDENT_PER_SM[64], **rule)
-    if not n or (not apart and n < POLICY.pod_chunk_min_chunks):
+    block_m = p["block_m_d"] if apart else p["block_m"]
+    sms = (choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
+                                   p["kv_dtype"], plain=True) if apart
+           else choose.pod_chunk_sms(p["fused_gluon"]))
+    n = sms and planned_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms, pod_fused=not apart)
+    if not n:
         return None
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n)
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
@@ -285,6 +274,11 @@ def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
     decodes' own launch."""
     for key, apart in (("chunks", False), ("chunks_apart", True)):
         p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart)
+
+
+def _prefill_tiles(p: dict, qo_len: int) -> int:
+    """The fused launch's work rows for POD's prefill request of qo_len rows (one KV head's)."""
+    return -(-qo_len * p["group"] // p["block_m"])
 
 
 def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
@@ -607,9 +601,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                positive=False))
         apart = _apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
             qo_len, kv_len, mask_p == MASK_CAUSAL))
-        c = None if traced else _cut(p, apart is not None,
-                                     -(-qo_len * p["group"] // p["block_m"]), window_d, pos_p,
-                                     (q_p, q_d, k_p, v_p, k_d, v_d))
+        c = None if traced else _cut(p, apart is not None, _prefill_tiles(p, qo_len), window_d,
+                                     pos_p, (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
             p, (q_p, kn.unsqueeze(0), vn.unsqueeze(0), *part["table"]),
             (q_d, k_d, v_d, p["qo_indptr"], p["kv_indptr"], p["kv_indices"], p["last_page_len"]),

@@ -37,7 +37,7 @@ from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE
 from .ops.device import sm_count
 from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
                             build_work, chunks_wanted, decode_chunk_capacity,
-                            decode_chunk_count, split_capacity)
+                            planned_chunk_count, split_capacity)
 from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -894,11 +894,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
                                    p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
                                    device=device_of(self.device))
-            n = sms and decode_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(),
-                                           p.num_kv_heads, sms,
-                                           min_keys_per_chunk=POLICY.decode_chunk_min_keys,
-                                           slots_per_sm=RESIDENT_PER_SM[64],
-                                           fill=POLICY.decode_chunk_fill)
+            n = sms and planned_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(),
+                                            p.num_kv_heads, sms)
         if graph and self._chunk_bufs is None:  # the first plan
             self._chunk_bufs = self._chunk_buffers(p, sms) if n else False
         if not (n or graph and self._chunk_bufs):

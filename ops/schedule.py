@@ -15,6 +15,7 @@ import torch
 
 from . import choose
 from .device import sm_count
+from .policy import POLICY
 
 
 def block_m_for(*args, **kwargs) -> int:
@@ -161,6 +162,23 @@ def decode_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_he
     n = min(waves * slots_per_sm * num_sms // programs, MAX_CHUNKS,
             longest // max(min_keys_per_chunk, 1))
     return n if n > 1 else 0
+
+
+def planned_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_heads: int,
+                        num_sms: int, *, pod_fused: bool = False) -> int:
+    """decode_chunk_count under the launch policy (0: not cut): for a decode batch's own paged
+    launch (POLICY.decode_chunk_fill, decode_chunk_min_keys; one wave), or for POD's fused
+    launch (POLICY.pod_chunk_fill, pod_chunk_min_keys; two waves, and only where that makes
+    POLICY.pod_chunk_min_chunks chunks or more). Two resident 64-row programs a SM."""
+    slots = choose.RESIDENT_PER_SM[64]
+    if not pod_fused:
+        return decode_chunk_count(qo_lens, kv_lens, num_kv_heads, num_sms,
+                                  min_keys_per_chunk=POLICY.decode_chunk_min_keys,
+                                  slots_per_sm=slots, fill=POLICY.decode_chunk_fill)
+    n = decode_chunk_count(qo_lens, kv_lens, num_kv_heads, num_sms,
+                           min_keys_per_chunk=POLICY.pod_chunk_min_keys, slots_per_sm=slots,
+                           fill=POLICY.pod_chunk_fill, waves=2)
+    return n if n >= POLICY.pod_chunk_min_chunks else 0
 
 
 def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],

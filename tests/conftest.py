@@ -126,6 +126,20 @@ def pod_calls(monkeypatch):
     return called
 
 
+@pytest.fixture
+def pod_merges(monkeypatch):
+    """The calls of the merge of POD's decode key chunks (a spy on compiled_attn.pod's
+    decode_chunks.merge_chunks: one per call that cut its decodes, as it ran or was recorded;
+    a bound replay launches the recorded merge without it)."""
+    import compiled_attn.pod as pod_mod
+
+    calls = []
+    real = pod_mod._chunks.merge_chunks
+    monkeypatch.setattr(pod_mod._chunks, "merge_chunks",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 @pytest.fixture(params=["apart", "fused"])
 def pod_launch(request, pod_calls):
     """(launch choice, the names of the ops the POD wrapper called): tests/helpers.py's

@@ -121,18 +121,6 @@ def _run_pod(x, dev):
                  return_lse_p=True, return_lse_d=True)
 
 
-@pytest.fixture
-def pod_merges(monkeypatch):
-    """The calls of the merge of POD's decode key chunks (compiled_attn/pod.py _call's cut)."""
-    from compiled_attn import pod
-
-    calls = []
-    real = pod._chunks.merge_chunks
-    monkeypatch.setattr(pod._chunks, "merge_chunks",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
-
-
 @pytest.mark.parametrize("launch,page", [("fused", 16), ("uncut", 16), ("apart", 16),
                                          ("fused", 1), ("uncut", 1), ("apart", 1)])
 def test_pod_wrapper_matches_reference(gluon_pods, pod_merges, launch, page):

@@ -328,18 +328,13 @@ CHUNK_SEEDS = [s for s in SEEDS if s not in NO_DECODES][:6]
 @pytest.mark.parametrize("launch", ["fused", "apart"])
 @pytest.mark.parametrize("kind", ["pod", "batch_pod"])
 @pytest.mark.parametrize("seed", CHUNK_SEEDS)
-def test_pod_decode_chunks_mix(kind, seed, launch, monkeypatch):
+def test_pod_decode_chunks_mix(kind, seed, launch, pod_merges):
     """The seeded mixes without a decode window, planned and run with decode key chunks: the
     fused launch, or the decodes' own launch where the parts run apart, runs the decodes as
     chunk requests (the recorded call merges them) and each part matches the float64
     reference; the bound replays of the same call give the same bits."""
-    from compiled_attn import pod as pod_mod
     from compiled_attn.ops.policy import override
 
-    merges = []
-    real = pod_mod._chunks.merge_chunks
-    monkeypatch.setattr(pod_mod._chunks, "merge_chunks",
-                        lambda *a, **k: merges.append(1) or real(*a, **k))
     m = _mix(kind, seed)
     m.window, m.graph_bufs = -1, False
     # at least two chunks of 8 keys (a request without keys kept where there is one)
@@ -387,12 +382,12 @@ def test_pod_decode_chunks_mix(kind, seed, launch, monkeypatch):
         first = [t.clone() for pair in call() for t in pair]
         again = [t for pair in call() for t in pair]
     # the first call cut and was recorded; the later ones replay its launches, merge included
-    assert len(merges) == 1
+    assert len(pod_merges) == 1
     for a, b_ in zip(first, again):
         assert torch.equal(a.nan_to_num(), b_.nan_to_num())
 
 
-def test_pod_decode_chunks_follow_the_options(monkeypatch):
+def test_pod_decode_chunks_follow_the_options(pod_merges):
     """Where the chunks would not compute the decodes exactly (a decode window passed to run(),
     a position encoding) or the policy has them off, run() launches the uncut decodes, and the
     plan keeps no chunks where it cannot use them; q_scale / k_scale / a v_scale tensor and a
@@ -414,15 +409,10 @@ def test_pod_decode_chunks_follow_the_options(monkeypatch):
         # scales (q_scale / k_scale into the logit scale, v_scale after the merge) and a q_d
         # whose rows are strided
         q_wide = torch.cat([q_d, q_d], dim=1)[:, :hq]
-        from compiled_attn import pod as pod_mod
-
-        merges = []
-        real = pod_mod._chunks.merge_chunks
-        monkeypatch.setattr(pod_mod._chunks, "merge_chunks",
-                            lambda *a, **k: merges.append(1) or real(*a, **k))
+        merges_before = len(pod_merges)
         scaled = w.run(q_p, k_p, v_p, q_wide, cache, q_scale=0.5, k_scale=3.0,
                        v_scale=torch.tensor(2.0), return_lse_d=True)
-        assert merges == [1]  # cut
+        assert len(pod_merges) == merges_before + 1  # cut
         with override(pod_chunks="off"):
             w.plan(kvi, idx, last, hq, hkv, d, 4, q_data_type=dt)
             assert w._plan["chunks"] is None
