@@ -224,6 +224,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
         rows.append(row)
     us = {(r["provider"], r["mode"]): r["median_us"] for r in rows}
     copy_bytes = min(case.decode_bytes(), COPY_CAP)
+    launch = launch_plan(case)  # (one CPU plan for both modes' rows)
     for row in rows:
         mode, prov, t = row["mode"], row["provider"], row["median_us"]
         if t is None:
@@ -239,7 +240,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["copy_bytes"] = copy_bytes
         if prov != "ours_pod":
             continue
-        row.update(launch_plan(case))
+        row.update(launch)
         if us.get(("ours_apart", mode)):
             row["ratio_vs_apart"] = us["ours_apart", mode] / t
         if us.get(("fi_pod", mode)):
