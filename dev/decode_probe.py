@@ -36,7 +36,10 @@ CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
          (32, 16384, 3, 32, 8), (8, 4096, 16, 32, 8), (48, 1024, 16, 32, 8),
          # few requests (decode key chunks): page 1, GQA 1, short keys
          (1, 32768, 1, 32, 8), (4, 16384, 16, 32, 8), (1, 4096, 16, 32, 8),
-         (2, 32768, 16, 8, 8), (1, 2048, 16, 32, 8), (8, 8192, 1, 32, 8)]
+         (2, 32768, 16, 8, 8), (1, 2048, 16, 32, 8), (8, 8192, 1, 32, 8),
+         # a program a SM or fewer (16 x 4k), and short keys over several waves (128 x 1k)
+         (16, 4096, 16, 32, 8), (16, 4096, 1, 32, 8), (16, 4096, 16, 64, 8),
+         (128, 1024, 16, 32, 8), (128, 1024, 16, 64, 8)]
 VARIANT_CASES = 2  # the first cases also run the tile variants
 
 
@@ -49,6 +52,10 @@ def _variants():
         "tile128": "tile128",  # decode rows on the 128-row ping-pong tile (before 2026-11-28)
         "tile128 st3": ("tile128", {(128, 128): t._replace(stages=3)}),
         "tile64 st3": {(64, 128): g.TILES[64, 128]._replace(stages=3)},
+        # deeper K / V rings on the 64-row tile (one program a SM fits their shared memory)
+        "tile64 st4": {(64, 128): g.TILES[64, 128]._replace(stages=4)},
+        "tile64 n128": {(64, 128): g.TILES[64, 128]._replace(block_n=128)},
+        "tile64 n128 st3": {(64, 128): g.TILES[64, 128]._replace(block_n=128, stages=3)},
         # use_cuda_graph=True plans, with the launch policy's graph_decode_tile off / on
         "graph plan": ("graph", False),
         "graph plan decode tile": ("graph", True),
@@ -61,6 +68,8 @@ def _variants():
         # the plan's decode key chunks (POLICY.decode_chunks) off, or of at least 1024 keys
         "no chunks": ("policy", dict(decode_chunks="off")),
         "chunks 1024": ("policy", dict(decode_chunk_min_keys=1024)),
+        # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages)
+        "ring off": ("policy", dict(few_programs_stages=0)),
     }
 
 

@@ -455,6 +455,11 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
             and g.gather_short(pages, page, requests, causal)):
         t = g.GATHER_SHORT_TILE
     t = g.Tile(*t)
+    # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring
+    if (paged and block_m == 64 and d == 128 and POLICY.few_programs_stages
+            and requests is not None and known(items <= requests)
+            and known(items * hkv <= dev.sm_count)):
+        t = t._replace(stages=POLICY.few_programs_stages)
     block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
     gather = paged and g.page_gathered(page, block_n, d)
     boxes = block_n // page if 0 < page < block_n and not gather else 1

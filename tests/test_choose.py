@@ -150,3 +150,24 @@ def test_split_capacity_bounds_every_split_plan(hkv, sms):
              if t * min(16, chunks_wanted(t * hkv, sms)) == split_capacity(cap, hkv, sms))
     work, _ = build_split_work([1] * t, [64 * 1024] * t, 1, 64, hkv, num_sms=sms)  # t tiles
     assert work.shape[0] == split_capacity(cap, hkv, sms) >= worst
+
+
+@pytest.mark.parametrize("requests,hkv,items,page,block_m,setting,stages", [
+    (16, 8, 16, 16, 64, 3, 3),    # 128 programs on 132 SMs: the deeper ring
+    (16, 8, 16, 1, 64, 3, 3),     # gathered pages alike
+    (33, 4, 33, 16, 64, 3, 3),    # 132 programs: one a SM
+    (34, 4, 34, 16, 64, 3, 2),    # 136 programs: the tile's own
+    (16, 8, 16, 16, 64, 0, 2),    # the setting off
+    (4, 8, 12, 16, 64, 3, 2),     # requests of several tiles (a prefill): the tile's own
+    (16, 8, 16, 16, 128, 3, 2),   # the 128-row tile keeps its own
+])
+def test_few_decode_programs_ring_deeper(requests, hkv, items, page, block_m, setting, stages):
+    """Paged requests of one 64-row tile each (decode rows) in at most one program a SM take
+    POLICY.few_programs_stages K/V slots (0: the tile's own two)."""
+    from compiled_attn.ops.policy import override
+
+    with override(few_programs_stages=setting):
+        got = choose._gluon_launch(choose.KV_PAGED, 128, block_m, page, items, hkv, requests,
+                                   requests * 64, False, 1, choose.H100)
+    assert got.kernel == "gluon" and got.stages == stages
+    assert got.gluon_tile[2] == got.stages
