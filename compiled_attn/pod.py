@@ -24,7 +24,8 @@ apart only in that second case, which needs no sizes; torch.export keeps one POD
 Few long decode requests run as key chunks (one-row chunk requests over the same page table,
 their outputs merged by LSE; _plan_chunks): inside the fused launch where they would leave it a
 few long items that finish unevenly (ops.choose.pod_cut), and apart where a paged call of them
-alone would cut them.
+alone would cut them. In CUDA-graph mode the first plan decides the chunk counts and every
+re-plan writes into its tensors (_plan_graph_chunks), so that a captured run() serves them.
 """
 
 from __future__ import annotations
@@ -231,6 +232,41 @@ def _decode_bytes(p: dict, pages: int) -> int:
     return pages * p["page_size"] * per_key
 
 
+def _chunks_exact(p: dict) -> bool:
+    """Whether decode key chunks compute plan p's decodes exactly: no position encoding (a
+    chunk request counts positions from its own last key), no window, q and K/V of one dtype."""
+    return p["pos"] == POS_NONE and p["window_left"] < 0 and p["q_dtype"] == p["kv_dtype"]
+
+
+def _chunk_count(p: dict, qo_l: list, kv_lens: list, apart: bool) -> tuple[int, int, int]:
+    """(chunks a request, the SMs they are planned for, the launch's tile height) for plan p's
+    decodes, 0 chunks where they are not cut (_plan_chunks says when)."""
+    block_m = p["block_m_d"] if apart else p["block_m"]
+    if not _chunks_exact(p):
+        return 0, 0, block_m
+    # (the plan's device, as pod_tile's)
+    sms = (choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
+                                   p["kv_dtype"], plain=True) if apart
+           else choose.pod_chunk_sms(p["fused_gluon"]))
+    n = sms and planned_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms, pod_fused=not apart)
+    return n, sms, block_m
+
+
+def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
+                   device: torch.device, *, pad: bool = False) -> dict:
+    """The chunk requests of plan p's decodes cut into n chunks a request
+    (schedule.build_decode_chunks; pad: exactly n each) as device tensors: qo_indptr,
+    kv_indptr, last_page_len, src, merge, and work (their work list on the launch's tile
+    block_m, int32 [W, 2])."""
+    c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n,
+                            pad=pad)
+    rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
+    to = dict(device=device, dtype=torch.int32)
+    out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
+    out["work"] = build_work(rows, p["group"], block_m, "cpu").to(**to)
+    return out
+
+
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
                  qo_l: list, kv_lens: list, device: torch.device, *,
                  apart: bool) -> dict | None:
@@ -242,30 +278,15 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     the prefill's tail. For the decodes' own launch when the parts run apart (apart True):
     where a paged call of them alone would cut them (choose.decode_chunk_sms on their own
     tile, block_m_d; the paged plan's rule), so that apart runs each part as a call of it
-    alone would. Only where the chunks compute the decodes exactly: no position encoding (a
-    chunk request counts positions from its own last key), no window, q and K/V of one dtype.
+    alone would. Only where the chunks compute the decodes exactly (_chunks_exact).
     qo_h / ind_h / last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l /
-    kv_lens: its query rows and keys per request. The dict holds the chunk requests' device
-    arrays (qo_indptr, kv_indptr, last_page_len), src (the query row of each chunk row), merge
-    (ops.decode_chunks.merge_chunks'), work (their work list on the launch's tile, int32 [W,
-    2]) and the numbers choose.pod_cut reads (sms, longest)."""
-    if p["pos"] != POS_NONE or p["window_left"] >= 0 or p["q_dtype"] != p["kv_dtype"]:
-        return None
-    # (the plan's device, as pod_tile's)
-    block_m = p["block_m_d"] if apart else p["block_m"]
-    sms = (choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
-                                   p["kv_dtype"], plain=True) if apart
-           else choose.pod_chunk_sms(p["fused_gluon"]))
-    n = sms and planned_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms, pod_fused=not apart)
+    kv_lens: its query rows and keys per request. The dict holds _chunk_tensors' device
+    arrays and the numbers choose.pod_cut reads (sms, longest)."""
+    n, sms, block_m = _chunk_count(p, qo_l, kv_lens, apart)
     if not n:
         return None
-    c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n)
-    rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
-    to = dict(device=device, dtype=torch.int32)
-    out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
-    out.update(work=build_work(rows, p["group"], block_m, "cpu").to(**to), sms=sms,
-               longest=max(kv_lens, default=0))
-    return out
+    return dict(_chunk_tensors(p, qo_h, ind_h, last_h, n, block_m, device), sms=sms,
+                longest=max(kv_lens, default=0))
 
 
 def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
@@ -385,6 +406,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._init_common(float_workspace_buffer, kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
         self._bufs = None
+        # CUDA-graph mode: {"chunks" / "chunks_apart": (chunks a request, SMs, tile, the
+        # chunk tensors every re-plan writes)}, decided at the first plan (_plan_graph_chunks)
+        self._graph_chunks = None
         # device tensors of our own that a captured CUDA graph reads at every replay (see
         # _prefill_part): kept for the wrapper's life, past re-plans
         self._captured = []
@@ -449,12 +473,43 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                                 p["block_m"], p["kv_dtype"])
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
             b, 1, p["group"], p["block_m_d"], self.device)
-        # (CUDA-graph mode: a re-plan must keep the captured launches' shapes; no chunks)
         p["chunks"] = p["chunks_apart"] = None
-        if not self._use_cuda_graph:
-            _plan_both_chunks(p, torch.arange(b + 1, dtype=torch.int32), ind_h, last_h,
-                              [1] * b, kv_lens.tolist(), self.device)
+        qo_h = torch.arange(b + 1, dtype=torch.int32)
+        if self._use_cuda_graph:
+            self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens.tolist(), non_blocking)
+        else:
+            _plan_both_chunks(p, qo_h, ind_h, last_h, [1] * b, kv_lens.tolist(), self.device)
         self._set_plan(p)
+
+    def _plan_graph_chunks(self, p: dict, qo_h, ind_h, last_h, kv_lens: list,
+                           non_blocking: bool) -> None:
+        """CUDA-graph mode's decode key chunks (p["chunks"], p["chunks_apart"]). The first plan
+        decides for the wrapper, by _plan_chunks' rule on its lengths, into how many chunks
+        each request is cut for the fused launch and for the decodes' own; every later plan
+        cuts each request into exactly as many (schedule.build_decode_chunks' pad: the
+        trailing chunks without pages) and writes the chunk requests' kv_indptr and
+        last_page_len into the first plan's tensors. Their rows, source rows, merge rows and
+        work lists depend on the batch size and the chunk count alone, so a captured run()
+        reads every re-plan's chunks. A plan whose options the chunks do not compute exactly
+        (_chunks_exact), or whose tile differs from the first plan's, runs uncut."""
+        b = p["batch_size"]
+        first = self._graph_chunks is None
+        if first:
+            self._graph_chunks = {}
+            for key, apart in (("chunks", False), ("chunks_apart", True)):
+                n, sms, block_m = _chunk_count(p, [1] * b, kv_lens, apart)
+                if n:
+                    self._graph_chunks[key] = (n, sms, block_m, _chunk_tensors(
+                        p, qo_h, ind_h, last_h, n, block_m, self.device, pad=True))
+        for key, (n, sms, block_m, bufs) in self._graph_chunks.items():
+            if not first:
+                c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(),
+                                        p["page_size"], n, pad=True)
+                for name in ("kv_indptr", "last_page_len"):
+                    bufs[name].copy_(c[name], non_blocking=non_blocking)
+            tile = p["block_m_d"] if key == "chunks_apart" else p["block_m"]
+            if _chunks_exact(p) and tile == block_m:
+                p[key] = dict(bufs, sms=sms, longest=max(kv_lens, default=0))
 
     begin_forward = plan
 

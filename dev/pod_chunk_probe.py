@@ -16,7 +16,8 @@ rounds (medians, microseconds):
   gather and merge (ops.decode_chunks) in the graph;
 - ``pod policy``: the POD wrapper's call as the launch policy decides it (POLICY.pod_chunks
   included); ``pod own apart``: the wrapper's own two launches (its decodes cut as a paged call
-  of them alone would be);
+  of them alone would be); ``pod graph plan``: ``pod policy`` in CUDA-graph mode
+  (use_cuda_graph=True: the first plan's chunk counts, padded chunk tensors);
 - ``copy``: a device copy of the decodes' K/V bytes (eager), the ceiling.
 
 Each variant's decode output is checked against ``dec``'s (max abs difference printed).
@@ -75,12 +76,20 @@ def _decoder(case, x, **policy):
     return call, cut
 
 
-def _pod(case, x, cut: int = 0, **policy):
+def _pod(case, x, cut: int = 0, graph: bool = False, **policy):
     """POD's fused launch (or, with ``policy``, the wrapper's call under those settings); cut >
     0: its decode part cut into ``cut`` chunks a request, the chunk rows gathered before and
-    merged after. Returns a call giving (out_p, out_d)."""
+    merged after; graph: the wrapper in CUDA-graph mode (use_cuda_graph=True, its plan in
+    buffers). Returns a call giving (out_p, out_d)."""
     di, dx, dl = x["dec"]
-    w = compiled_attn.PODWithPagedKVCacheWrapper(_ws(), "NHD")
+    bufs = {}
+    if graph:
+        i32 = dict(dtype=torch.int32, device=x["q_d"].device)
+        bufs = dict(use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.empty(case.decodes + 1, **i32),
+                    paged_kv_indices_buffer=torch.empty(dx.numel(), **i32),
+                    paged_kv_last_page_len_buffer=torch.empty(case.decodes, **i32))
+    w = compiled_attn.PODWithPagedKVCacheWrapper(_ws(), "NHD", **bufs)
     if not cut:
         settings = policy or dict(POD_FUSED, pod_chunks="off")
         with override(**settings):
@@ -144,6 +153,7 @@ def main(argv=None):
         # the wrapper as the launch policy has it, and its own apart path
         calls["pod policy"] = _pod(case, x, pod_chunks="gluon")
         calls["pod own apart"] = _pod(case, x, **POD_APART)
+        calls["pod graph plan"] = _pod(case, x, graph=True, pod_chunks="gluon")
         ref = calls["dec"]()
         diffs = {}
         for k, fn in calls.items():

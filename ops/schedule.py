@@ -183,7 +183,7 @@ def planned_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_h
 
 def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
                         last_page_len: Sequence[int], page_size: int, chunks: int, *,
-                        align_keys: int = 128) -> dict:
+                        align_keys: int = 128, pad: bool = False) -> dict:
     """A batch as chunk requests (host tensors): each one-row request's keys cut into chunks.
 
     Request b's pages (kv_indptr[b] to kv_indptr[b + 1] of the page table) are cut into at
@@ -193,7 +193,11 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
     pages (the chunks' kv_indptr stays contiguous); a row's request without keys has one chunk
     without pages (its output 0, LSE -inf); a request of several rows stays whole, one chunk
     request with its rows (a CUDA-graph plan re-planned with such a batch: the captured launches
-    serve it). Returns int32 tensors:
+    serve it). pad: every one-row request takes exactly ``chunks`` chunk requests, those past
+    its pages without pages (output 0, LSE -inf: weight 0 in the merge), so that for a batch
+    of one-row requests everything but kv_indptr and last_page_len depends on the batch size
+    and ``chunks`` alone (a CUDA-graph POD plan re-planned into the same buffers). Returns
+    int32 tensors:
     - qo_indptr [C + 1] (a chunk's rows), kv_indptr [C + 1] (offsets into the page table),
       last_page_len [C]: the chunk requests' index arrays;
     - src [R]: the query row each chunk row reads;
@@ -217,11 +221,12 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
         per = -(-max(pages, 1) // max(chunks, 1))
         per = -(-per // align) * align if per > align else per
         n = max(1, -(-pages // per))
-        merge.append((qo[b], len(src), n))
-        for j in range(n):
-            take = min(per, pages - j * per)
+        total = max(n, chunks) if pad else n
+        merge.append((qo[b], len(src), total))
+        for j in range(total):
+            take = max(0, min(per, pages - j * per))
             c_qo.append(c_qo[-1] + 1)
-            c_kv.append(kv[b] + j * per + take)
+            c_kv.append(kv[b] + min(j * per + take, pages))
             c_last.append(int(last_page_len[b]) if j == n - 1 and pages else
                           page_size if take else 0)
             c_keys.append((take - 1) * page_size + c_last[-1] if take else 0)

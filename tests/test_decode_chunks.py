@@ -88,6 +88,31 @@ def test_build_decode_chunks_covers_each_request_in_order(qo, kv, page, chunks):
     assert j == c_last.numel()
 
 
+@pytest.mark.parametrize("kv,page,chunks", [([637, 80, 0, 4001], 16, 4),
+                                             ([5, 300, 129, 1], 1, 16), ([33, 7], 4, 3)])
+def test_build_decode_chunks_padded(kv, page, chunks):
+    """pad: exactly ``chunks`` chunk requests a one-row request, the same pages and keys as
+    without padding, then chunks without pages (last_page_len 0); the rows, source rows and
+    merge rows follow from the batch size and ``chunks`` alone."""
+    _, kvi, idx, last, *_ = make_paged(kv, 1, 8, 8, page)
+    qo = indptr([1] * len(kv))
+    plain = build_decode_chunks(qo, kvi, last, page, chunks)
+    c = build_decode_chunks(qo, kvi, last, page, chunks, pad=True)
+    b = len(kv)
+    assert c["qo_indptr"].tolist() == list(range(b * chunks + 1))
+    assert c["src"].tolist() == [r for r in range(b) for _ in range(chunks)]
+    assert c["merge"].tolist() == [[r, r * chunks, chunks] for r in range(b)]
+    j = 0
+    for first, n in plain["merge"][:, 1:].tolist():
+        assert c["kv_lens"][j:j + n] == plain["kv_lens"][first:first + n]
+        assert c["last_page_len"][j:j + n].tolist() == plain["last_page_len"][
+            first:first + n].tolist()
+        assert c["kv_lens"][j + n:j + chunks] == [0] * (chunks - n)
+        assert c["last_page_len"][j + n:j + chunks].tolist() == [0] * (chunks - n)
+        j += chunks
+    assert c["kv_indptr"][-1] == kvi[-1] and bool((c["kv_indptr"].diff() >= 0).all())
+
+
 def test_build_decode_chunks_keeps_multi_row_requests_whole():
     c = build_decode_chunks([0, 1, 4, 4], [0, 40, 48, 50], [16, 5, 9], 16, 4)
     assert c["qo_indptr"].tolist() == [0, 1, 2, 3, 6, 6]  # 3 chunks, the 3 rows whole, none

@@ -223,3 +223,50 @@ def test_pod_decode_chunks_replay_exactly(gluon_pods, pod_merges, kind):
     for a, b in zip(again[1:4:2], uncut[1:4:2]):
         assert (a.float() - b.float()).nan_to_num().abs().max().item() < 2e-2
     assert not any(torch.isnan(t).any() for t in eager[:2])
+
+
+def test_pod_decode_chunks_in_cuda_graph_mode(gluon_pods, pod_merges):
+    """PODWithPagedKVCacheWrapper(use_cuda_graph=True) whose first plan cuts the decodes into
+    key chunks: run() captured after that plan, then a re-plan with other lengths (a request
+    without keys, one shorter than its chunks) into the same buffers. The replay gives the bits
+    of an eager call of the re-planned wrapper, and its decodes match an uncut plan of the new
+    lengths within bf16 rounding."""
+    from tests.kernel_cases import capture_graph
+
+    x = _pod_inputs("cuda", BF16, seed=3, qo=777, kv_d=(5000, 0, 1, 2049, 3001), hq=28, hkv=4)
+    # the second plan's page table over the first's cache (its 430 pages, indices under 633)
+    y = _pod_inputs("cpu", BF16, seed=4, qo=1, kv_d=(300, 4000, 17, 0, 2500), hq=28, hkv=4)
+    i32 = dict(dtype=torch.int32, device="cuda")
+    bufs = dict(paged_kv_indptr_buffer=torch.empty(6, **i32),
+                paged_kv_indices_buffer=torch.empty(700, **i32),
+                paged_kv_last_page_len_buffer=torch.empty(5, **i32))
+
+    def plan(w, t):
+        w.plan(t["indptr"], t["indices"], t["last"], 28, 4, D, 16, q_data_type=BF16)
+
+    def run(w):
+        (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
+                                       causal_p=True, return_lse_p=True, return_lse_d=True)
+        return o_p, o_d, l_p, l_d
+
+    with override(**POD_LAUNCHES["fused"]):
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD",
+                                                     use_cuda_graph=True, **bufs)
+        plan(w, x)
+        assert w._plan["chunks"] is not None
+        graph, outs = capture_graph(lambda: run(w))
+        plan(w, y)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in outs]
+        eager = run(w)
+        for a, b in zip(replayed, eager):
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        u = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        with override(pod_chunks="off", decode_chunks="off"):
+            plan(u, y)
+            uncut = run(u)
+    assert pod_merges and gluon_pods
+    assert not torch.isnan(replayed[1]).any()
+    assert (replayed[1].float() - uncut[1].float()).abs().max().item() < 2e-2
+    assert (replayed[3] - uncut[3]).nan_to_num().abs().max().item() < 2e-2

@@ -387,6 +387,53 @@ def test_pod_decode_chunks_mix(kind, seed, launch, pod_merges):
         assert torch.equal(a.nan_to_num(), b_.nan_to_num())
 
 
+@pytest.mark.parametrize("launch", ["fused", "apart"])
+def test_pod_decode_chunks_in_cuda_graph_mode(launch, pod_merges):
+    """use_cuda_graph=True: the first plan decides the chunk count; a re-plan with other
+    lengths (a request now shorter than its chunks: trailing chunks without pages; one without
+    keys, then with) writes the new chunks into the first plan's tensors, keeps every tensor
+    but their kv_indptr and last_page_len as it was (what a captured run() reads), and both
+    plans' runs match the float64 reference."""
+    from compiled_attn.ops.policy import override
+
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 4
+    plans = ([40, 29, 0], [13, 57, 5])
+    g = torch.Generator().manual_seed(11)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((9, hq), (12, hkv), (12, hkv)))
+    q_d = _randn(g, 3, hq, d, dtype=dt)
+    pages = max(sum(-(-k // page) for k in kv) for kv in plans)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(pages + 3, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(3, dtype=torch.int32))
+    key = "chunks" if launch == "fused" else "chunks_apart"
+    with override(**CHUNKS, **POD_LAUNCHES[launch]):
+        w = fi.PODWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+        seen = []
+        for i, kv_d in enumerate(plans):
+            cache, kvi, idx, last, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt, seed=i)
+            w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+            c = w._plan[key]
+            assert c is not None
+            seen.append({k: (t, t.clone()) for k, t in c.items() if torch.is_tensor(t)})
+            pre = Case("ragged", q=q_p, k=k_p, v=v_p, qo_indptr=indptr([9]),
+                       kv_indptr=indptr([12]))
+            dec = _paged_case(q_d, cache, "NHD", [1] * 3, kvi, idx, last)
+            merges = len(pod_merges)
+            check_parts(pre, dec, params(ops.MASK_CAUSAL, head_dim=d),
+                        params(ops.MASK_NONE, head_dim=d), lambda: _parts(w.run(
+                            q_p, k_p, v_p, q_d, cache, causal_p=True, return_lse_p=True,
+                            return_lse_d=True), (True, True)))
+            assert len(pod_merges) == merges + 1  # the call cut its decodes
+    (first, second) = seen
+    n = int(first["merge"][1][0, 2])
+    assert n > 1 and first["merge"][1][:, 2].tolist() == [n] * 3  # exactly n chunks a request
+    for k, (t, before) in second.items():
+        assert t is first[k][0]  # the first plan's tensors, written in place
+        same = torch.equal(before, first[k][1])
+        assert same == (k not in ("kv_indptr", "last_page_len")), k
+    assert 0 in second["last_page_len"][1].tolist()  # trailing chunks without pages
+
+
 def test_pod_decode_chunks_follow_the_options(pod_merges):
     """Where the chunks would not compute the decodes exactly (a decode window passed to run(),
     a position encoding) or the policy has them off, run() launches the uncut decodes, and the
