@@ -89,10 +89,11 @@ class Policy:
         # one wave of resident 64-row programs (two a SM): 0.25, at most half the SMs.
         self.decode_chunk_fill = 0.25
         # Gluon launches of paged K/V on the 64-row D 128 tile whose requests take a tile each
-        # (decode rows), in at most one program a SM (few requests), ring their K / V slots this many deep instead of the tile's two
-        # (0: the tile's own): 16 x 4k decodes replayed in 70.5 us instead of 74.0 (page 16),
-        # 73.5 instead of 75.3 (page 1); four deep 72.0, 128-key slots 71.0; 128 x 1k (two
-        # programs a SM) lost 1% three deep (H200, benchmarks/NOTES.md, 2026-11-29).
+        # (decode rows), in at most one program a SM (few requests), ring their K / V slots
+        # this many deep instead of the tile's two (0: the tile's own): 16 x 4k decodes
+        # replayed in 70.5 us instead of 74.0 (page 16), 73.5 instead of 75.3 (page 1); four
+        # deep 72.0, 128-key slots 71.0; 128 x 1k (two programs a SM) lost 1% three deep
+        # (H200, benchmarks/NOTES.md, 2026-11-29).
         self.few_programs_stages = 3
         # POD's decodes, where few requests leave most of the fused launch's resident slots to
         # the prefill, cut into key chunks (one-row chunk requests, then a merge) so that their
