@@ -434,6 +434,54 @@ def test_pod_decode_chunks_in_cuda_graph_mode(launch, pod_merges):
     assert 0 in second["last_page_len"][1].tolist()  # trailing chunks without pages
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pod_decode_chunks_graph_replans(seed, pod_merges):
+    """CUDA-graph mode over three re-plans of random lengths (requests without keys, shorter
+    than their chunks, longer than the first plan's longest) on random GQA, page size and
+    layout, fused or apart: every plan's run matches the float64 reference, and the chunk
+    tensors stay the first plan's."""
+    from compiled_attn.ops.policy import override
+
+    r = random.Random(f"graph-replans-{seed}")
+    hq, hkv = GQA[seed % 3]
+    page, layout = PAGES[seed % 3], r.choice(["NHD", "HND"])
+    d, dt, b = 16, (torch.float16, torch.float32)[seed % 2], r.randint(1, 4)
+    first = [r.randint(24, 60)] + [r.randint(0, 60) for _ in range(b - 1)]
+    plans = [first] + [[0 if r.random() < 0.2 else r.randint(1, 90) for _ in range(b)]
+                       for _ in range(2)]
+    g = torch.Generator().manual_seed(7000 + seed)
+    qo, kv = _odd_or_one(r, 30), r.randint(31, 45)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((qo, hq), (kv, hkv), (kv, hkv)))
+    q_d = _randn(g, b, hq, d, dtype=dt)
+    pages = max(sum(-(-k // page) for k in lens) for lens in plans)
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(pages + 5, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32))
+    launch = r.choice(["fused", "apart"])
+    key = "chunks" if launch == "fused" else "chunks_apart"
+    with override(**CHUNKS, **POD_LAUNCHES[launch]):
+        w = fi.PODWithPagedKVCacheWrapper(WS, layout, True, **bufs)
+        tensors = None
+        for i, kv_d in enumerate(plans):
+            cache, kvi, idx, last, _, _ = make_paged(kv_d, hkv, d, d, page, layout=layout,
+                                                     dtype=dt, seed=100 * seed + i)
+            w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+            c = w._plan[key]
+            assert c is not None
+            now = [c[k] for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge",
+                                  "work")]
+            assert tensors is None or all(a is b_ for a, b_ in zip(now, tensors))
+            tensors = now
+            pre = Case("ragged", q=q_p, k=k_p, v=v_p, qo_indptr=indptr([qo]),
+                       kv_indptr=indptr([kv]))
+            dec = _paged_case(q_d, cache, layout, [1] * b, kvi, idx, last)
+            check_parts(pre, dec, params(ops.MASK_CAUSAL, head_dim=d),
+                        params(ops.MASK_NONE, head_dim=d), lambda: _parts(w.run(
+                            q_p, k_p, v_p, q_d, cache, causal_p=True, return_lse_p=True,
+                            return_lse_d=True), (True, True)))
+    assert len(pod_merges) == len(plans)  # every call cut its decodes
+
+
 def test_pod_decode_chunks_follow_the_options(pod_merges):
     """Where the chunks would not compute the decodes exactly (a decode window passed to run(),
     a position encoding) or the policy has them off, run() launches the uncut decodes, and the
