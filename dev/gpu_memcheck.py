@@ -9,7 +9,9 @@ custom masks, padded work items, empty requests and split-KV with its merge kern
 CUDA-graph plans pad both lists), head dims 80 / 112 / 160 / 512, and POD (the Gluon POD launch
 on a one-page and a paged prefill, with pages read by boxes and gathered; the Triton POD launch
 on the one-page cache's fixed page-size constexpr and on page-1 decodes), at small sizes; each
-result is also checked against the float64 reference.
+result is also checked against the float64 reference. Section ``wrappers`` runs the GPU tests
+of the paths that live in the wrappers' run() (POD's decode key chunks, eager and in CUDA-graph
+mode; decode rows of few requests), in this process.
 Exits non-zero on a mismatch."""
 
 import sys
@@ -226,8 +228,27 @@ def pod():
                   pod_decodes(dec_kv, 8, 2, 1, seed=65), p, p)
 
 
+# The GPU tests whose paths live in the wrappers' run() rather than in one kernel launch:
+# POD's decode key chunks (the row gather, the chunked launch and the merge; fused, uncut and
+# apart, page 16 and 1; CUDA-graph replays of eager plans and of a use_cuda_graph=True plan
+# re-planned) and decode rows on the 64-row tile (few requests: the three-slot K/V ring).
+WRAPPER_TESTS = ["tests/test_pod_gluon_gpu.py::test_pod_wrapper_matches_reference",
+                 "tests/test_pod_gluon_gpu.py::test_pod_decode_chunks_replay_exactly",
+                 "tests/test_pod_gluon_gpu.py::test_pod_decode_chunks_in_cuda_graph_mode",
+                 "tests/test_prefill_kernel_gpu.py::test_decode_rows_64_row_tiles"]
+
+
+def wrappers():
+    """WRAPPER_TESTS through pytest, in this process (so under compute-sanitizer when it runs
+    this script); a failing test fails the section."""
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-m", "gpu", *WRAPPER_TESTS])
+    if rc != 0:
+        raise SystemExit(f"section wrappers: pytest exited {rc}")
+    _DONE[0] += 1
+
+
 SECTIONS = {"addressing": addressing, "descriptors": descriptors, "head_dims": head_dims,
-            "pod": pod}
+            "pod": pod, "wrappers": wrappers}
 
 
 def main(argv=None) -> int:
