@@ -238,10 +238,20 @@ def _chunks_exact(p: dict) -> bool:
     return p["pos"] == POS_NONE and p["window_left"] < 0 and p["q_dtype"] == p["kv_dtype"]
 
 
+# The plan's key-chunk entries: (key, for the decodes' own launch apart)
+_CHUNK_KEYS = (("chunks", False), ("chunks_apart", True))
+
+
+def _chunk_tile(p: dict, apart: bool) -> int:
+    """The tile height of the launch that runs plan p's decode chunks: the decodes' own
+    (block_m_d) apart, the fused launch's (block_m) else."""
+    return p["block_m_d"] if apart else p["block_m"]
+
+
 def _chunk_count(p: dict, qo_l: list, kv_lens: list, apart: bool) -> tuple[int, int, int]:
     """(chunks a request, the SMs they are planned for, the launch's tile height) for plan p's
     decodes, 0 chunks where they are not cut (_plan_chunks says when)."""
-    block_m = p["block_m_d"] if apart else p["block_m"]
+    block_m = _chunk_tile(p, apart)
     if not _chunks_exact(p):
         return 0, 0, block_m
     # (the plan's device, as pod_tile's)
@@ -293,7 +303,7 @@ def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
                       device) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
     decodes' own launch."""
-    for key, apart in (("chunks", False), ("chunks_apart", True)):
+    for key, apart in _CHUNK_KEYS:
         p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart)
 
 
@@ -406,7 +416,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._init_common(float_workspace_buffer, kv_layout)
         self._use_cuda_graph = bool(use_cuda_graph)
         self._bufs = None
-        # CUDA-graph mode: {"chunks" / "chunks_apart": (chunks a request, SMs, tile, the
+        # CUDA-graph mode: {"chunks" / "chunks_apart": (apart, chunks a request, SMs, tile, the
         # chunk tensors every re-plan writes)}, decided at the first plan (_plan_graph_chunks)
         self._graph_chunks = None
         # device tensors of our own that a captured CUDA graph reads at every replay (see
@@ -496,19 +506,18 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         first = self._graph_chunks is None
         if first:
             self._graph_chunks = {}
-            for key, apart in (("chunks", False), ("chunks_apart", True)):
+            for key, apart in _CHUNK_KEYS:
                 n, sms, block_m = _chunk_count(p, [1] * b, kv_lens, apart)
                 if n:
-                    self._graph_chunks[key] = (n, sms, block_m, _chunk_tensors(
+                    self._graph_chunks[key] = (apart, n, sms, block_m, _chunk_tensors(
                         p, qo_h, ind_h, last_h, n, block_m, self.device, pad=True))
-        for key, (n, sms, block_m, bufs) in self._graph_chunks.items():
+        for key, (apart, n, sms, block_m, bufs) in self._graph_chunks.items():
             if not first:
                 c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(),
                                         p["page_size"], n, pad=True)
                 for name in ("kv_indptr", "last_page_len"):
                     bufs[name].copy_(c[name], non_blocking=non_blocking)
-            tile = p["block_m_d"] if key == "chunks_apart" else p["block_m"]
-            if _chunks_exact(p) and tile == block_m:
+            if _chunks_exact(p) and _chunk_tile(p, apart) == block_m:
                 p[key] = dict(bufs, sms=sms, longest=max(kv_lens, default=0))
 
     begin_forward = plan

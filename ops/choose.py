@@ -164,6 +164,15 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
     return 64 if max_kv_len <= (short if causal else short // 2) else 128
 
 
+def _chunk_mode(name: str) -> str:
+    """The policy's key-chunk setting ``name`` (decode_chunks, pod_chunks), checked: "gluon",
+    "always" or "off"."""
+    mode = getattr(POLICY, name)
+    if mode not in ("gluon", "always", "off"):
+        raise ValueError(f"POLICY.{name}: got {mode!r}; one of 'gluon', 'always', 'off'")
+    return mode
+
+
 def decode_chunk_sms(page_size: int, dqk: int, dvo: int, block_m: int,
                      kv_dtype: torch.dtype | None, *, plain: bool,
                      device: Device | None = None) -> int:
@@ -173,9 +182,7 @@ def decode_chunk_sms(page_size: int, dqk: int, dvo: int, block_m: int,
     on any device (an SM count of 132 where the device has none), "off" never. plain: the
     plan's options leave the chunks' launch exact and in the Gluon kernel's scope (no custom
     mask, window, position encoding, soft cap; q, K/V and output of one 16-bit dtype)."""
-    mode = POLICY.decode_chunks
-    if mode not in ("gluon", "always", "off"):
-        raise ValueError(f"POLICY.decode_chunks: got {mode!r}; one of 'gluon', 'always', 'off'")
+    mode = _chunk_mode("decode_chunks")
     if mode == "off" or not plain:
         return 0
     dev = _plan_device() if device is None else device
@@ -721,9 +728,7 @@ def pod_chunk_sms(fused_gluon: bool, device: Device | None = None) -> int:
     with POLICY.pod_chunk_fill over two waves; 0: no chunks), by POLICY.pod_chunks: "gluon"
     where the plan's fused launch is the Gluon kernel's (fused_gluon: pod_fused_gluon),
     "always" on any device (132 SMs where the device has none), "off" never."""
-    mode = POLICY.pod_chunks
-    if mode not in ("gluon", "always", "off"):
-        raise ValueError(f"POLICY.pod_chunks: got {mode!r}; one of 'gluon', 'always', 'off'")
+    mode = _chunk_mode("pod_chunks")
     if mode == "off" or (mode == "gluon" and not fused_gluon):
         return 0
     dev = _plan_device() if device is None else device
