@@ -56,16 +56,18 @@ def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwar
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
 
 
-def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full):
+def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: tuple = ()):
     """An entry point's call as a bound launch: ``full()`` runs the entry point's whole path
     (checks, views, the op) and returns its outputs (a tuple of tensors); a later plain eager
     call with the same inputs' metadata and options replays what that call launched, skipping
     the checks it passed (a call that differs in any checked property has another key and takes
     the whole path, which raises what it raises). inputs: the call's tensors (tuples allowed);
-    options: every other argument that the path reads, as plain values."""
+    options: every other argument that the path reads, as plain values; discard: positions of
+    outputs the caller drops (an LSE not asked for), which a replay writes into one kept
+    tensor instead of allocating them (launch.Bound)."""
     if not (POLICY.bound_launches and POLICY.direct and plain_eager(())):
         return full()
-    kt = memo.eager_key(inputs, options)
+    kt = memo.eager_key(inputs, (options, discard))
     if kt is None:
         return full()
     key, tensors = kt
@@ -77,4 +79,4 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full):
         return out
     if memo.known_unbound(key):
         return full()
-    return memo.record(key, tensors, full)
+    return memo.record(key, tensors, full, discard=discard)

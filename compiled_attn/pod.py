@@ -108,8 +108,9 @@ class _PODBase(_WrapperBase):
         full() returns ((out_p, out_d), (lse_p, lse_d))."""
         if self._plan is None:
             return full()  # (raises: run() before plan())
-        out_p, out_d, l_p, l_d = bound_run(self._memo, inputs, options,
-                                           lambda: tuple(x for pair in full() for x in pair))
+        out_p, out_d, l_p, l_d = bound_run(
+            self._memo, inputs, options, lambda: tuple(x for pair in full() for x in pair),
+            discard=(() if lse_p else (2,)) + (() if lse_d else (3,)))
         if lse_p or lse_d:
             return (out_p, out_d), (l_p if lse_p else None, l_d if lse_d else None)
         return out_p, out_d

@@ -171,7 +171,8 @@ def single_prefill_with_kv_cache(
             and not torch.is_tensor(k_scale) and not torch.is_tensor(v_scale)):
         # a bound launch (op_call.bound_run): a repeated call replays what the first launched
         out, lse = bound_run(_SINGLE_MEMO, (q, k, v, custom_mask, packed_custom_mask),
-                             args[3:4] + args[6:], lambda: _single_prefill(*args, True))
+                             args[3:4] + args[6:], lambda: _single_prefill(*args, True),
+                             discard=() if return_lse else (1,))
         return (out, lse) if return_lse else out
     for name, val in (("scale_q", scale_q), ("scale_k", scale_k), ("scale_v", scale_v)):
         V.reject_if_set(name, val, "per-head fp8-q quantisation scales are not supported; "
@@ -683,7 +684,7 @@ class _BatchPrefillBase(_WrapperBase):
         (out, lse)."""
         if self._plan is None:
             return full()[0]  # (raises: run() before plan())
-        out, lse = bound_run(self._memo, inputs, (), full)
+        out, lse = bound_run(self._memo, inputs, (), full, discard=() if return_lse else (1,))
         return (out, lse) if return_lse else out
 
     # ---- run -----------------------------------------------------------------------------

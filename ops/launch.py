@@ -362,7 +362,7 @@ class Bound:
     caller keeps alive and unchanged (a plan's); with the view geometry (size, stride, dtype)
     the interpreter's replay rebuilds."""
 
-    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=()):
+    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=(), discard=()):
         if rec.problem:
             raise _Unbindable(rec.problem)
         self._ptrs = [t.data_ptr() for t in tensors]
@@ -378,6 +378,12 @@ class Bound:
             self.outputs.append((tuple(o.shape), o.stride(), o.dtype))
         if not self.outputs:
             raise _Unbindable("no outputs")
+        # Outputs the caller drops (an LSE not asked for): every replay writes them into the
+        # recorded call's own tensor, kept here, instead of a fresh allocation. Nothing reads
+        # them: a launch path never reads an output it wrote (what a later launch of the call
+        # reads is scratch, adopt_scratch), so replays sharing the tensor, on one stream or
+        # several, cannot change what the caller gets.
+        self.held = {j: outputs[j] for j in discard}
         self.device = outputs[0].device
         self.scratch = []
         self._tmp = {}
@@ -435,7 +441,9 @@ class Bound:
         """Launch for a call with this key (tensors: its tensors in order); returns the
         outputs."""
         dev = self.device
-        outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in self.outputs]
+        held = self.held
+        outs = [held[j] if j in held else torch.empty_strided(s, st, dtype=dt, device=dev)
+                for j, (s, st, dt) in enumerate(self.outputs)]
         if INTERPRET:
             tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
                     else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
@@ -609,9 +617,12 @@ class Memo:
     def known_unbound(self, key) -> bool:
         return self._bound.get(key) is _UNBOUND
 
-    def record(self, key, tensors, fn, *args, **kwargs):
+    def record(self, key, tensors, fn, args=(), kwargs=None, discard=()):
         """fn(*args, **kwargs) (eager, wrap_triton off) with its launches recorded and bound
-        under key; returns fn's result, whose tensors (a tuple, or one) are the outputs."""
+        under key; returns fn's result, whose tensors (a tuple, or one) are the outputs.
+        discard: the positions of outputs the caller drops (Bound keeps one tensor for each;
+        the key must say which)."""
+        kwargs = kwargs or {}
         if _recorder() is not None or not _replayable(tensors[0].device):
             with set_wrap_triton_enabled(False):
                 return fn(*args, **kwargs)
@@ -624,7 +635,7 @@ class Memo:
             _TLS.rec = None
         outputs = result if isinstance(result, tuple) else (result,)
         try:
-            bound = Bound(rec, tensors, outputs, self._static_refs)
+            bound = Bound(rec, tensors, outputs, self._static_refs, discard)
             self.records += 1
         except _Unbindable:
             bound = _UNBOUND
@@ -653,7 +664,7 @@ class LaunchCache(Memo):
         if self.known_unbound(key) or _recorder() is not None:
             with set_wrap_triton_enabled(False):
                 return impl(*args, **kwargs)
-        return self.record(key, tensors, impl, *args, **kwargs)
+        return self.record(key, tensors, impl, args, kwargs)
 
 
 def _idle(hook) -> bool:

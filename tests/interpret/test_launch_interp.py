@@ -293,3 +293,72 @@ def test_direct_op_call_replays(case):
     assert launch.DEFAULT.hits == hits + 1
     assert not got[0].isnan().any()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _entry_calls(kind, return_lse):
+    """Two calls of an entry point on fresh inputs of one metadata (the LSE asked for or not),
+    and its bound-call memo."""
+    if kind == "single":
+        qkv = [[rand(n, h, D, seed=s + i, dtype=F32) for i, (n, h) in
+                enumerate(((9, HQ), (13, HKV), (13, HKV)))] for s in (20, 30)]
+        return fi.prefill._SINGLE_MEMO, [
+            lambda x=x: fi.single_prefill_with_kv_cache(*x, causal=True, return_lse=return_lse)
+            for x in qkv]
+    if kind == "pod":
+        caches = [make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s)[0] for s in (7, 9)]
+        _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi, idx, last, HQ, HKV, D, 4, q_data_type=F32)
+        xs = [(rand(9, HQ, D, seed=s, dtype=F32), rand(11, HKV, D, seed=s + 1, dtype=F32),
+               rand(len(KV), HQ, D, seed=s + 2, dtype=F32)) for s in (40, 50)]
+        return w._memo, [lambda i=i: w.run(xs[i][0], xs[i][1], xs[i][1], xs[i][2], caches[i],
+                                           causal_p=True, return_lse_p=return_lse,
+                                           return_lse_d=return_lse) for i in (0, 1)]
+    q = [rand(sum(QO), HQ, D, seed=s, dtype=F32) for s in (60, 70)]
+    kv = [(rand(sum(KV), HKV, D, seed=s, dtype=F32), rand(sum(KV), HKV, D, seed=s + 1,
+                                                          dtype=F32)) for s in (61, 71)]
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    w.plan(indptr(QO), indptr(KV), HQ, HKV, D, causal=True, q_data_type=F32)
+    return w._memo, [lambda i=i: w.run(q[i], *kv[i], return_lse=return_lse) for i in (0, 1)]
+
+
+def _flat_outs(res):
+    res = res if isinstance(res, tuple) else (res,)
+    return [t for x in res for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["single", "ragged", "pod"])
+def test_dropped_lse_written_into_one_kept_tensor(kind):
+    # An LSE the caller does not ask for is written, at every replay, into the recorded call's
+    # own tensor (Bound.held) instead of a new allocation; the outputs returned are the full
+    # path's, and a call asking for the LSE is another key that returns its own.
+    memo, runs = _entry_calls(kind, return_lse=False)
+    memo.clear()
+    records, hits = memo.records, memo.hits
+    runs[0]()
+    (bound,) = [b for b in memo._bound.values() if b is not launch._UNBOUND]
+    assert sorted(bound.held) == ([2, 3] if kind == "pod" else [1])
+    held = [t.data_ptr() for t in bound.held.values()]
+    replayed = []
+    replay = bound.replay
+    bound.replay = lambda tensors: replayed.append(replay(tensors)) or replayed[-1]
+    got = _flat_outs(runs[1]())
+    assert (memo.records, memo.hits) == (records + 1, hits + 1), "the second call did not replay"
+    assert [replayed[0][j].data_ptr() for j in sorted(bound.held)] == held
+    assert all(t.data_ptr() not in held for t in got)
+    with policy.override(bound_launches=False):
+        want = _flat_outs(runs[1]())
+    assert len(got) == len(want) == (2 if kind == "pod" else 1)
+    for g, r in zip(got, want):
+        assert not g.isnan().any() and torch.equal(g, r)
+    # the same calls asking for the LSE: recorded under another key, nothing held
+    memo, runs = _entry_calls(kind, return_lse=True)
+    runs[0]()
+    got = _flat_outs(runs[1]())
+    with_lse = [b for b in memo._bound.values() if b is not launch._UNBOUND and not b.held]
+    assert len(with_lse) == 1
+    with policy.override(bound_launches=False):
+        want = _flat_outs(runs[1]())
+    assert len(got) == len(want) == (4 if kind == "pod" else 2)
+    for g, r in zip(got, want):
+        assert not g.isnan().any() and torch.equal(g, r)
