@@ -8,10 +8,12 @@
 - On a machine with several GPUs, each pytest-xdist worker makes a different GPU its current
   device (worker i takes GPU i mod count), so the GPU tier spreads over all of them; tests that
   start their own ranks (tests/test_cp_gpu.py) name their devices themselves.
-- Each pytest-xdist worker keeps its share of the CPU cores for torch's intra-op threads
-  (cores / workers, at least one): with every worker at torch's default (all cores) the float64
-  oracles' many small CPU ops wait on oversubscribed thread pools (the GPU tier's
-  row-by-row oracles of a few hundred rows did not finish in 280 s with 4 workers on 16 cores).
+- On a CUDA machine each pytest-xdist worker keeps its share of the CPU cores for torch's
+  intra-op threads (cores / workers, at least one): with every worker at torch's default (all
+  cores) the GPU tier's float64 oracles, many small CPU ops, wait on oversubscribed thread
+  pools (row-by-row oracles of a few hundred rows did not finish in 280 s with 4 workers on 16
+  cores). The CPU suite keeps the default: there its compile-heavy tests ran faster with it
+  (311 s against 362 s for make test's first part on 2 cores, 2026-11-29).
 - ``--shard I/N`` keeps the I-th of N parts of the selection (by a hash of each test's id), for
   a GPU tier that must be split over several machine calls.
 - The ``pod_calls`` fixture records the ops the POD wrappers call; ``pod_launch`` runs a POD
@@ -40,8 +42,9 @@ def pytest_configure(config):
     if worker.startswith("gw"):
         import torch
 
-        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
+        if torch.cuda.is_available():
+            workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
             torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
