@@ -709,7 +709,8 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
     (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where that prefill's
     fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers; BatchPOD's
-    prefill alone gathers the same pages). gluon: the fused launch would be the Gluon kernel's
+    prefill alone gathers the same pages), and always where that gathered prefill computes more
+    than POLICY.pod_gather_max_prefill_flops. gluon: the fused launch would be the Gluon kernel's
     (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
     (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
     POLICY.pod_apart_balance is 0 (always fused)."""
@@ -717,10 +718,14 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
-    factor = ((POLICY.pod_gather_apart_factor if fused_gathers
+    if p + decode_bytes < POLICY.pod_apart_min_bytes:
+        return False
+    gathered = dense_prefill and fused_gathers
+    if gathered and 0 < POLICY.pod_gather_max_prefill_flops < prefill_flops:
+        return True
+    factor = ((POLICY.pod_gather_apart_factor if gathered
                else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
-    return (p + decode_bytes >= POLICY.pod_apart_min_bytes
-            and decode_bytes < POLICY.pod_apart_balance * factor * p)
+    return decode_bytes < POLICY.pod_apart_balance * factor * p
 
 
 def pod_chunk_sms(fused_gluon: bool, device: Device | None = None) -> int:

@@ -59,11 +59,15 @@ class Policy:
         self.pod_dense_apart_factor = 20.0
         # ...times this instead where the fused launch also gathers both parts (decodes on
         # pages of 1-7 keys): it reads the prefill by cp.async rows, ~1.4x its own launch
-        # (page 1: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x, 4.7 -> 1.13x and 1.06x, 9.4 ->
-        # 1.06x; p2048 at 2.35 won fused, 1.04-1.06x, but p8192 page-1 rows lose fused even at
-        # 4.7 (0.955x), so the ratio alone does not place the boundary; benchmarks/NOTES.md,
-        # 2026-11-29).
-        self.pod_gather_apart_factor = 60.0
+        # (page 1, fused over apart at the ratio: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x,
+        # p2048 at 2.35 -> 1.04-1.06x, 4.7 -> 1.13x and 1.06x, 9.4 -> 1.06x; benchmarks/NOTES.md,
+        # 2026-11-29) ...
+        self.pod_gather_apart_factor = 34.0
+        # ...and apart whatever the ratio where that gathered prefill computes more than this
+        # many FLOPs: the gathered read costs more the larger the prefill (every fused p8192
+        # page-1 row, 5.5e11 FLOPs and up, lost at ratios 4.7-9.4: 0.955-0.994x; the p2048
+        # rows, up to 6.9e10, won). 0: no such limit.
+        self.pod_gather_max_prefill_flops = 2e11
         # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.
         self.pod_apart_min_bytes = 4e8

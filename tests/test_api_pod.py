@@ -392,12 +392,12 @@ def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
 # tiles, so decodes under about its time go apart (page 16: p8192 + 16 x 4k ran fused at 0.86x
 # of apart, + 128 x 4k 0.95x, + 256 x 4k 1.03x, + 128 x 32k 1.04x), and a small call stays
 # fused whatever its balance (p2048 + 16 x 1k). Page 1 takes the Gluon POD launch with both
-# parts gathered, its prefill slower still, by the same rule at three times that balance
-# (fused: p8192 + 256 x 4k 0.84x, p2048 + 16 x 4k 0.90x; p2048 + 256 x 1k 1.13x; p2048 +
-# 128 x 1k and GQA 64/8 p2048 + 256 x 1k won fused at 1.04-1.06x but stay apart: p8192 GQA 64/8
-# + 128 x 32k has their ratio, and p8192's fused page-1 rows lose); with pod_gather off
-# it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart, 2026-11-28) and goes
-# apart.
+# parts gathered, its prefill slower still, by the same rule at 1.7 times that balance
+# (fused: p8192 + 256 x 4k 0.84x, p2048 + 16 x 4k 0.90x; p2048 + 256 x 1k 1.13x, p2048 + 128 x
+# 1k and GQA 64/8 p2048 + 256 x 1k 1.04-1.06x), and apart whatever the balance for a prefill
+# of more than 2e11 FLOPs (p8192: its fused rows + 128 / 256 x 32k lost, 0.955-0.994x); with
+# pod_gather off it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart,
+# 2026-11-28) and goes apart.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
     (8192, 16, 1024, 32, 16, True), (8192, 16, 4096, 64, 16, True),
     (8192, 16, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
@@ -409,8 +409,10 @@ def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
     (8192, 128, 1024, 32, 1, True), (8192, 128, 1024, 32, 16, True),
     (2048, 128, 4096, 64, 1, False), (8192, 256, 4096, 32, 1, True),
     (2048, 16, 4096, 32, 1, True), (2048, 256, 1024, 32, 1, False),
-    (2048, 128, 1024, 32, 1, True), (2048, 256, 1024, 64, 1, True),
-    (8192, 128, 32768, 64, 1, True),
+    (2048, 128, 1024, 32, 1, False), (2048, 256, 1024, 64, 1, False),
+    (2048, 64, 1024, 32, 1, True), (8192, 128, 32768, 64, 1, True),
+    (8192, 128, 32768, 32, 1, True), (8192, 256, 32768, 32, 1, True),
+    (8192, 256, 32768, 64, 1, True), (2048, 256, 32768, 64, 1, False),
     (256, 16, 4096, 64, 1, False), (256, 128, 4096, 32, 1, False)])
 def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
