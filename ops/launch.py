@@ -353,6 +353,10 @@ def _pool_ptr(device: torch.device) -> _Ptr:
     return _Ptr(t.data_ptr() + 4 * i)
 
 
+# The largest dropped output a bound call keeps (Bound.held): an LSE of 2048 rows x 32 heads
+HELD_MAX_BYTES = 256 << 10
+
+
 class Bound:
     """One recorded call, replayable for calls with the same key.
 
@@ -382,8 +386,11 @@ class Bound:
         # recorded call's own tensor, kept here, instead of a fresh allocation. Nothing reads
         # them: a launch path never reads an output it wrote (what a later launch of the call
         # reads is scratch, adopt_scratch), so replays sharing the tensor, on one stream or
-        # several, cannot change what the caller gets.
-        self.held = {j: outputs[j] for j in discard}
+        # several, cannot change what the caller gets. Only small ones (HELD_MAX_BYTES): a
+        # memo of MAX keys then holds at most MAX times that, and a call large enough to
+        # hold more waits on its kernel, not on one allocation's host time.
+        self.held = {j: outputs[j] for j in discard
+                     if outputs[j].numel() * outputs[j].element_size() <= HELD_MAX_BYTES}
         self.device = outputs[0].device
         self.scratch = []
         self._tmp = {}

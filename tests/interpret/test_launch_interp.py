@@ -351,8 +351,20 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
     assert len(got) == len(want) == (2 if kind == "pod" else 1)
     for g, r in zip(got, want):
         assert not g.isnan().any() and torch.equal(g, r)
+    # a dropped output over launch.HELD_MAX_BYTES is allocated at each replay, as a kept one
+    # would be: nothing held, the same bits
+    memo.clear()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(launch, "HELD_MAX_BYTES", 0)
+        runs[0]()
+    (bound,) = [b for b in memo._bound.values() if b is not launch._UNBOUND]
+    assert not bound.held
+    got = _flat_outs(runs[1]())
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
     # the same calls asking for the LSE: recorded under another key, nothing held
     memo, runs = _entry_calls(kind, return_lse=True)
+    memo.clear()
     runs[0]()
     got = _flat_outs(runs[1]())
     with_lse = [b for b in memo._bound.values() if b is not launch._UNBOUND and not b.held]
