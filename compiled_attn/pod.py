@@ -234,9 +234,11 @@ def _decode_bytes(p: dict, pages: int) -> int:
 
 
 def _chunks_exact(p: dict) -> bool:
-    """Whether decode key chunks compute plan p's decodes exactly: no position encoding (a
-    chunk request counts positions from its own last key), no window, q and K/V of one dtype."""
-    return p["pos"] == POS_NONE and p["window_left"] < 0 and p["q_dtype"] == p["kv_dtype"]
+    """Whether decode key chunks compute plan p's decodes exactly (ops.decode_chunks.exact;
+    POD's decode part takes no custom mask, soft cap or sinks)."""
+    return _chunks.exact(custom_mask=False, window_left=p["window_left"],
+                         pos_encoding_mode=p["pos"], logits_soft_cap=0.0, sinks=None,
+                         dtypes=(p["q_dtype"], p["kv_dtype"]))
 
 
 # The plan's key-chunk entries: (key, for the decodes' own launch apart)

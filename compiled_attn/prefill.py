@@ -33,7 +33,7 @@ from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
 from .ops.launch import (LaunchCache, Memo, adopt_scratch, kernel_device, plain_tensors,
                          untraced)
 from .ops.policy import POLICY
-from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE
+from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .ops.device import sm_count
 from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
                             build_work, chunks_wanted, decode_chunk_capacity,
@@ -368,13 +368,11 @@ _CHUNK_FIELDS = ("chunk_qo_indptr", "chunk_kv_indptr", "chunk_last_page_len", "c
 
 def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
     """Whether a decode batch cut into key chunks computes plan p's attention exactly, on the
-    Gluon kernel where it reads the pages: no custom mask, window, position encoding (a chunk
-    request counts RoPE positions and ALiBi distances from its own last key), soft cap or sinks
-    (the merge takes none), and q, K/V and the output of one dtype. (A causal row of a
-    one-row request sees every key, as it does in each of its chunks.)"""
-    return (p.mask_mode != MASK_CUSTOM and window_left < 0 and sinks is None
-            and p.pos_encoding_mode == POS_NONE and not p.logits_soft_cap
-            and p.q_dtype == p.kv_dtype == p.o_dtype)
+    Gluon kernel where it reads the pages (ops.decode_chunks.exact)."""
+    return _chunks.exact(custom_mask=p.mask_mode == MASK_CUSTOM, window_left=window_left,
+                         pos_encoding_mode=p.pos_encoding_mode,
+                         logits_soft_cap=p.logits_soft_cap, sinks=sinks,
+                         dtypes=(p.q_dtype, p.kv_dtype, p.o_dtype))
 
 
 class _WrapperBase:

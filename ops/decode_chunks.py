@@ -20,7 +20,20 @@ import triton
 import triton.language as tl
 
 from . import launch
+from .modes import POS_NONE
 from .schedule import MAX_CHUNKS
+
+
+def exact(*, custom_mask: bool, window_left: int, pos_encoding_mode: int,
+          logits_soft_cap: float, sinks, dtypes: tuple) -> bool:
+    """Whether decode requests cut into key chunks and merged compute the attention of the
+    uncut requests exactly: no custom mask, window or position encoding (a chunk request counts
+    positions, RoPE's and ALiBi's, from its own last key), no soft cap or sinks (the merge
+    takes none), and one dtype for all of ``dtypes`` (q, K/V, and the output where it has its
+    own). A causal row of a one-row request sees every key, as it does in each of its
+    chunks."""
+    return (not custom_mask and window_left < 0 and pos_encoding_mode == POS_NONE
+            and not logits_soft_cap and sinks is None and len(set(dtypes)) == 1)
 
 
 @triton.jit

@@ -159,3 +159,20 @@ def test_cpu_plans_are_not_cut():
     with override(decode_chunks="always", decode_chunk_min_keys=8):
         w.plan(indptr([1, 1]), kvi, idx, last, 4, 2, 16, 4, q_data_type=torch.float64)
     assert not choose.INTERPRET and w._plan.chunk_work is None
+
+
+def test_exact_says_which_options_chunks_compute_exactly():
+    # ops.decode_chunks.exact: the one rule for the paged wrapper's and POD's key chunks
+    from compiled_attn.ops import POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
+    from compiled_attn.ops.decode_chunks import exact
+
+    bf, f16 = torch.bfloat16, torch.float16
+    base = dict(custom_mask=False, window_left=-1, pos_encoding_mode=POS_NONE,
+                logits_soft_cap=0.0, sinks=None, dtypes=(bf, bf, bf))
+    assert exact(**base)
+    for change in (dict(custom_mask=True), dict(window_left=0), dict(window_left=100),
+                   dict(pos_encoding_mode=POS_ROPE_LLAMA), dict(pos_encoding_mode=POS_ALIBI),
+                   dict(logits_soft_cap=30.0), dict(sinks=torch.zeros(4)),
+                   dict(dtypes=(bf, bf, f16)), dict(dtypes=(bf, torch.float8_e4m3fn))):
+        assert not exact(**{**base, **change}), change
+    assert exact(**{**base, "dtypes": (f16, f16)})
