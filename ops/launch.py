@@ -388,10 +388,15 @@ class Bound:
         # reads is scratch, adopt_scratch), so replays sharing the tensor, on one stream or
         # several, cannot change what the caller gets. Only small ones (HELD_MAX_BYTES): a
         # memo of MAX keys then holds at most MAX times that, and a call large enough to
-        # hold more waits on its kernel, not on one allocation's host time.
+        # hold more waits on its kernel, not on one allocation's host time. Only on the stream
+        # that recorded them (their allocation stream): when the memo lets one go, the caching
+        # allocator reuses its memory in that stream's order, after every launch that wrote it
+        # there; a replay on another stream allocates its own.
         self.held = {j: outputs[j] for j in discard
                      if outputs[j].numel() * outputs[j].element_size() <= HELD_MAX_BYTES}
         self.device = outputs[0].device
+        self._held_stream = (torch._C._cuda_getCurrentRawStream(self.device.index)
+                             if self.device.type == "cuda" else None)
         self.scratch = []
         self._tmp = {}
         for p, spec in rec.scratch.items():
@@ -448,7 +453,8 @@ class Bound:
         """Launch for a call with this key (tensors: its tensors in order); returns the
         outputs."""
         dev = self.device
-        held = self.held
+        stream = torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else None
+        held = self.held if stream == self._held_stream else {}
         outs = [held[j] if j in held else torch.empty_strided(s, st, dtype=dt, device=dev)
                 for j, (s, st, dt) in enumerate(self.outputs)]
         if INTERPRET:
@@ -459,7 +465,6 @@ class Bound:
         tmps = [_pool_ptr(dev) if kind == "zeros" else torch.empty(s, dtype=dt, device=dev)
                 for kind, s, dt in self.scratch]
         pools = {"in": tensors, "out": outs, "tmp": tmps}
-        stream = torch._C._cuda_getCurrentRawStream(dev.index)
         for fn, g, template, patches, _, compiled, direct in self.launches:
             if direct is not None:
                 direct(g, stream, compiled, patches, pools)
