@@ -68,32 +68,34 @@ def rotate_half_rope(x: torch.Tensor, positions, rope_scale: float, rope_theta: 
 
 def visibility(qo_len: int, kv_len: int, *, causal: bool, window_left: int = -1,
                mask: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-    """bool [qo_len, kv_len]: which keys each query row sees (spec.md, bottom-right aligned)."""
-    vis = torch.zeros(qo_len, kv_len, dtype=torch.bool)
-    for i in range(qo_len):
-        p = kv_len - qo_len + i
-        for j in range(kv_len):
-            if mask is not None:
-                ok = bool(mask[i, j])
-            else:
-                ok = (j <= p) if causal else True
-            if window_left >= 0 and j < p - window_left:
-                ok = False
-            if chunk > 0 and not ((p // chunk) * chunk <= j <= p):
-                ok = False
-            vis[i, j] = ok
+    """bool [qo_len, kv_len]: which keys each query row sees (spec.md, bottom-right aligned:
+    row i sits at key position p = kv_len - qo_len + i)."""
+    p = torch.arange(qo_len)[:, None] + (kv_len - qo_len)
+    j = torch.arange(kv_len)[None, :]
+    if mask is not None:
+        vis = mask[:qo_len, :kv_len].to(torch.bool).clone()
+    elif causal:
+        vis = j <= p
+    else:
+        vis = torch.ones(qo_len, kv_len, dtype=torch.bool)
+    if window_left >= 0:
+        vis &= j >= p - window_left
+    if chunk > 0:
+        vis &= (j >= torch.div(p, chunk, rounding_mode="floor") * chunk) & (j <= p)
     return vis
 
 
 def dense_request(q, k, v, *, sm_scale, causal=False, window_left=-1, mask=None, chunk=0,
                   soft_cap=0.0, alibi_slopes=None, rope=None, sinks=None, v_scale=1.0):
-    """One request, densely in float64.
+    """One request, densely in float64, a head at a time.
 
-    q [qo, Hq, Dqk], k [kv, Hkv, Dqk], v [kv, Hkv, Dvo] (any dtype, upcast to float64).
-    rope: None or (rope_scale, rope_theta). Returns out [qo, Hq, Dvo] float64 and the base-2
-    LSE [qo, Hq] float64 (-inf for rows that see nothing; their output is 0).
+    q [qo, Hq, Dqk], k [kv, Hkv, Dqk], v [kv, Hkv, Dvo] (any dtype, upcast to float64; v
+    finite: a key a row does not see weighs exactly 0). rope: None or (rope_scale,
+    rope_theta). Returns out [qo, Hq, Dvo] float64 and the base-2 LSE [qo, Hq] float64 (-inf
+    for rows that see nothing; their output is 0).
     """
     q, k, v = q.double(), k.double(), v.double()
+    assert torch.isfinite(v).all(), "dense_request: v must be finite"
     qo, hq, _ = q.shape
     kv, hkv, dvo = v.shape
     group = hq // hkv
@@ -101,30 +103,31 @@ def dense_request(q, k, v, *, sm_scale, causal=False, window_left=-1, mask=None,
         q = rotate_half_rope(q, [kv - qo + i for i in range(qo)], *rope)
         k = rotate_half_rope(k, list(range(kv)), *rope)
     vis = visibility(qo, kv, causal=causal, window_left=window_left, mask=mask, chunk=chunk)
+    rows = vis.any(1)  # rows that see a key; the others keep output 0 and LSE -inf
+    # key position minus the row's position (ALiBi's distance)
+    dist = (torch.arange(kv, dtype=torch.float64)[None, :]
+            - torch.arange(kv - qo, kv, dtype=torch.float64)[:, None])
     out = torch.zeros(qo, hq, dvo, dtype=torch.float64)
     lse = torch.full((qo, hq), float("-inf"), dtype=torch.float64)
+    if not bool(rows.any()):
+        return out, lse
     for h in range(hq):
         kh = h // group
         s = (q[:, h, :] @ k[:, kh, :].T) * sm_scale
         if soft_cap > 0:
             s = soft_cap * torch.tanh(s / soft_cap)
         if alibi_slopes is not None:
-            for i in range(qo):
-                p = kv - qo + i
-                s[i] += float(alibi_slopes[h]) * (torch.arange(kv, dtype=torch.float64) - p)
-        for i in range(qo):
-            seen = vis[i]
-            if not bool(seen.any()):
-                continue
-            row = s[i][seen]
-            lse[i, h] = torch.logsumexp(row, dim=0) / LN2
-            if sinks is None:
-                w = torch.softmax(row, dim=0)
-            else:
-                m = torch.maximum(row.max(), torch.tensor(float(sinks[h]), dtype=torch.float64))
-                e = torch.exp(row - m)
-                w = e / (e.sum() + torch.exp(float(sinks[h]) - m))
-            out[i, h] = (w[:, None] * v[seen, kh, :]).sum(0) * v_scale
+            s = s + float(alibi_slopes[h]) * dist
+        s = s.masked_fill(~vis, float("-inf"))[rows]
+        lse[rows, h] = torch.logsumexp(s, dim=1) / LN2
+        if sinks is None:
+            w = torch.softmax(s, dim=1)
+        else:
+            sink = torch.tensor(float(sinks[h]), dtype=torch.float64)
+            m = torch.maximum(s.amax(dim=1, keepdim=True), sink)
+            e = torch.exp(s - m)
+            w = e / (e.sum(dim=1, keepdim=True) + torch.exp(sink - m))
+        out[rows, h] = (w @ v[:, kh, :]) * v_scale
     return out, lse
 
 
