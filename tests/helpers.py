@@ -30,9 +30,6 @@ from compiled_attn.ops.policy import POD_APART, POD_FUSED
 import datetime
 import socket
 import traceback
-import zlib
-from compiled_attn import cp
-from compiled_attn.ops import reference
 
 LN2 = math.log(2.0)
 D64 = torch.float64
