@@ -514,10 +514,13 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 if n:
                     self._graph_chunks[key] = (apart, n, sms, block_m, _chunk_tensors(
                         p, qo_h, ind_h, last_h, n, block_m, self.device, pad=True))
+        cut = {}  # chunk count -> this plan's chunk requests (both launches may share one)
         for key, (apart, n, sms, block_m, bufs) in self._graph_chunks.items():
             if not first:
-                c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(),
-                                        p["page_size"], n, pad=True)
+                if n not in cut:
+                    cut[n] = build_decode_chunks(qo_h.tolist(), ind_h.tolist(),
+                                                 last_h.tolist(), p["page_size"], n, pad=True)
+                c = cut[n]
                 for name in ("kv_indptr", "last_page_len"):
                     bufs[name].copy_(c[name], non_blocking=non_blocking)
             if _chunks_exact(p) and _chunk_tile(p, apart) == block_m:

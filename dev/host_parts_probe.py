@@ -74,19 +74,7 @@ def _launches_only(bound, tensors):
             for kind, s, dt in bound.scratch]
     pools = {"in": tensors, "out": outs, "tmp": tmps}
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
-
-    def go():
-        for _fn, g, template, patches, _o, compiled, direct in bound.launches:
-            if direct is not None:
-                direct(g, stream, compiled, patches, pools)
-            else:
-                a = template.copy()
-                for pos, desc, (kind, j, delta, _g) in patches:
-                    ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
-                    a[pos] = launch._rebased(a[pos], ptr) if desc else ptr
-                compiled.run(g[0], g[1], g[2], stream, compiled.function,
-                             compiled.packed_metadata, None, None, None, *a)
-    return go
+    return lambda: bound.launch(pools, stream)
 
 
 def main(argv=None) -> None:

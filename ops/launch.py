@@ -464,7 +464,12 @@ class Bound:
             return tuple(outs)
         tmps = [_pool_ptr(dev) if kind == "zeros" else torch.empty(s, dtype=dt, device=dev)
                 for kind, s, dt in self.scratch]
-        pools = {"in": tensors, "out": outs, "tmp": tmps}
+        self.launch({"in": tensors, "out": outs, "tmp": tmps}, stream)
+        return tuple(outs)
+
+    def launch(self, pools: dict, stream: int) -> None:
+        """The recorded launches on CUDA stream ``stream`` with the pointers of pools: "in"
+        (the call's tensors), "out" (its outputs) and "tmp" (its scratch), each in order."""
         for fn, g, template, patches, _, compiled, direct in self.launches:
             if direct is not None:
                 direct(g, stream, compiled, patches, pools)
@@ -478,7 +483,6 @@ class Bound:
                     a[pos] = ptr
             compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
                          None, None, None, *a)
-        return tuple(outs)
 
     def _replay_interpreted(self, tensors, outs, tmps):
         pools = {"in": tensors, "out": outs, "tmp": tmps}

@@ -45,8 +45,8 @@ def pytest_configure(config):
         if torch.cuda.is_available():
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, workers)))
-        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
-            torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
+            if torch.cuda.device_count() > 1:
+                torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
 
 
 def pytest_addoption(parser):

@@ -101,9 +101,9 @@ def dense_request(q, k, v, *, sm_scale, causal=False, window_left=-1, mask=None,
         k = rotate_half_rope(k, list(range(kv)), *rope)
     vis = visibility(qo, kv, causal=causal, window_left=window_left, mask=mask, chunk=chunk)
     rows = vis.any(1)  # rows that see a key; the others keep output 0 and LSE -inf
-    # key position minus the row's position (ALiBi's distance)
-    dist = (torch.arange(kv, dtype=torch.float64)[None, :]
-            - torch.arange(kv - qo, kv, dtype=torch.float64)[:, None])
+    if alibi_slopes is not None:  # key position minus the row's position
+        dist = (torch.arange(kv, dtype=torch.float64)[None, :]
+                - torch.arange(kv - qo, kv, dtype=torch.float64)[:, None])
     out = torch.zeros(qo, hq, dvo, dtype=torch.float64)
     lse = torch.full((qo, hq), float("-inf"), dtype=torch.float64)
     if not bool(rows.any()):
