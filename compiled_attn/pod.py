@@ -265,6 +265,11 @@ def _chunk_count(p: dict, qo_l: list, kv_lens: list, apart: bool) -> tuple[int, 
     return n, sms, block_m
 
 
+# A CUDA-graph POD plan's chunk arrays that depend on its batch size and chunk count alone
+# (build_decode_chunks' pad over one-row requests): every re-plan checks them on the host.
+_GRAPH_FIXED = ("qo_indptr", "src", "merge")
+
+
 def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
                    device: torch.device, *, pad: bool = False) -> dict:
     """The chunk requests of plan p's decodes cut into n chunks a request
@@ -273,6 +278,11 @@ def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
     block_m, int32 [W, 2])."""
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n,
                             pad=pad)
+    return _chunk_device(p, c, block_m, device)
+
+
+def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device) -> dict:
+    """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks)."""
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
     to = dict(device=device, dtype=torch.int32)
     out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
@@ -420,7 +430,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         self._use_cuda_graph = bool(use_cuda_graph)
         self._bufs = None
         # CUDA-graph mode: {"chunks" / "chunks_apart": (apart, chunks a request, SMs, tile, the
-        # chunk tensors every re-plan writes)}, decided at the first plan (_plan_graph_chunks)
+        # chunk tensors every re-plan writes, the host arrays every re-plan must equal)},
+        # decided at the first plan (_plan_graph_chunks)
         self._graph_chunks = None
         # device tensors of our own that a captured CUDA graph reads at every replay (see
         # _prefill_part): kept for the wrapper's life, past re-plans
@@ -502,25 +513,33 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         cuts each request into exactly as many (schedule.build_decode_chunks' pad: the
         trailing chunks without pages) and writes the chunk requests' kv_indptr and
         last_page_len into the first plan's tensors. Their rows, source rows, merge rows and
-        work lists depend on the batch size and the chunk count alone, so a captured run()
-        reads every re-plan's chunks. A plan whose options the chunks do not compute exactly
+        work lists depend on the batch size and the chunk count alone (each re-plan checks the
+        first three on the host), so a captured run() reads every re-plan's chunks. A plan whose options the chunks do not compute exactly
         (_chunks_exact), or whose tile differs from the first plan's, runs uncut."""
         b = p["batch_size"]
         first = self._graph_chunks is None
+        cut = {}  # chunk count -> this plan's chunk requests (both launches may share one)
+
+        def chunks(n: int) -> dict:
+            if n not in cut:
+                cut[n] = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(),
+                                             p["page_size"], n, pad=True)
+            return cut[n]
+
         if first:
             self._graph_chunks = {}
             for key, apart in _CHUNK_KEYS:
                 n, sms, block_m = _chunk_count(p, [1] * b, kv_lens, apart)
                 if n:
-                    self._graph_chunks[key] = (apart, n, sms, block_m, _chunk_tensors(
-                        p, qo_h, ind_h, last_h, n, block_m, self.device, pad=True))
-        cut = {}  # chunk count -> this plan's chunk requests (both launches may share one)
-        for key, (apart, n, sms, block_m, bufs) in self._graph_chunks.items():
+                    self._graph_chunks[key] = (apart, n, sms, block_m, _chunk_device(
+                        p, chunks(n), block_m, self.device), chunks(n))
+        for key, (apart, n, sms, block_m, bufs, fixed) in self._graph_chunks.items():
             if not first:
-                if n not in cut:
-                    cut[n] = build_decode_chunks(qo_h.tolist(), ind_h.tolist(),
-                                                 last_h.tolist(), p["page_size"], n, pad=True)
-                c = cut[n]
+                c = chunks(n)
+                for name in _GRAPH_FIXED:  # (host tensors: the invariant the captured run reads)
+                    if not torch.equal(c[name], fixed[name]):
+                        raise RuntimeError(f"POD CUDA-graph re-plan: the decode chunks' {name} "
+                                           "differs from the first plan's (internal error)")
                 for name in ("kv_indptr", "last_page_len"):
                     bufs[name].copy_(c[name], non_blocking=non_blocking)
             if _chunks_exact(p) and _chunk_tile(p, apart) == block_m:

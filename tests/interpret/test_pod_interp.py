@@ -528,3 +528,31 @@ def test_pod_decode_chunks_follow_the_options(pod_merges):
     (_, p_out), (_, p_lse) = plain_scaled
     assert (s_out.double() - p_out.double()).abs().max() < 2e-5
     assert torch.allclose(s_lse.nan_to_num(), p_lse.nan_to_num(), atol=1e-5)
+
+
+def test_pod_graph_replan_checks_fixed_chunk_arrays(monkeypatch):
+    """A CUDA-graph re-plan whose chunk requests would differ from the first plan's in what the
+    captured run() reads without a copy (rows, source rows, merge rows) raises instead of
+    replaying stale arrays."""
+    from compiled_attn import pod
+    from compiled_attn.ops.policy import override
+
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 4
+    bufs = dict(paged_kv_indptr_buffer=torch.zeros(4, dtype=torch.int32),
+                paged_kv_indices_buffer=torch.zeros(40, dtype=torch.int32),
+                paged_kv_last_page_len_buffer=torch.zeros(3, dtype=torch.int32))
+    with override(**CHUNKS, **POD_LAUNCHES["fused"]):
+        w = fi.PODWithPagedKVCacheWrapper(WS, "NHD", True, **bufs)
+        for i, kv_d in enumerate(([40, 29, 0], [13, 57, 5])):
+            _, kvi, idx, last, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt, seed=i)
+            w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+        assert w._plan["chunks"] is not None
+        real = pod.build_decode_chunks
+
+        def shifted(*args, **kwargs):
+            c = real(*args, **kwargs)
+            return dict(c, src=c["src"].flip(0))
+
+        monkeypatch.setattr(pod, "build_decode_chunks", shifted)
+        with pytest.raises(RuntimeError, match="decode chunks' src differs"):
+            w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
