@@ -351,6 +351,17 @@ def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
     return c
 
 
+def _decode_ring(p: dict, requests: int) -> bool:
+    """Whether the decode part's own launch (apart: work_d_apart over its ``requests``, or the
+    chunk requests of chunks_apart) takes the few-programs K / V ring
+    (ops.choose.few_programs_ring), for choose.pod_apart."""
+    c = p["chunks_apart"]
+    items, requests = ((c["work"].shape[0], c["qo_indptr"].shape[0] - 1) if c is not None
+                       else (p["work_d_apart"].shape[0], requests))
+    return choose.few_programs_ring(p["block_m_d"], p["head_dim"], items, p["num_kv_heads"],
+                                    requests)
+
+
 def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
@@ -363,7 +374,7 @@ def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"], dense_prefill=dense_prefill,
-                            fused_gathers=p["fused_gathers"])
+                            fused_gathers=p["fused_gathers"], decode_ring=p["decode_ring"])
 
 
 def _traced_apart(p: dict) -> bool:
@@ -503,6 +514,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens.tolist(), non_blocking)
         else:
             _plan_both_chunks(p, qo_h, ind_h, last_h, [1] * b, kv_lens.tolist(), self.device)
+        p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p)
 
     def _plan_graph_chunks(self, p: dict, qo_h, ind_h, last_h, kv_lens: list,
@@ -827,6 +839,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         p["work_cut"] = (None if p["chunks"] is None
                          else _pod_work(works[0].to(**to), p["chunks"]["work"]))
         p["work_p"], p["work_d_apart"] = work_p.to(**to), work_d.to(**to)
+        p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
         self._set_plan(p)
 
     begin_forward = plan

@@ -449,6 +449,19 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
                   persistent=tma == 3, programs=programs, split=split, group=group)
 
 
+def few_programs_ring(block_m: int, d: int, items, hkv: int, requests,
+                      dev: Device | None = None) -> bool:
+    """Whether a Gluon launch of paged K/V with these work rows (items, each times the hkv KV
+    heads; requests: the launch's requests, or None where unknown) rings its K / V slots
+    POLICY.few_programs_stages deep: requests of one tile each (decode rows) on the 64-row
+    D 128 tile, in at most one program a SM (the SM count of dev, default the plan's device;
+    an H100's where it has none)."""
+    dev = _plan_device() if dev is None else dev
+    return (block_m == 64 and d == 128 and POLICY.few_programs_stages > 0
+            and requests is not None and known(items <= requests)
+            and known(items * hkv <= (dev.sm_count or H100.sm_count)))
+
+
 def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal, group,
                   dev: Device) -> Launch:
     """The Gluon kernel's launch (prefill_gluon.launch carries it out with this tile): TILES
@@ -463,9 +476,7 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
         t = g.GATHER_SHORT_TILE
     t = g.Tile(*t)
     # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring
-    if (paged and block_m == 64 and d == 128 and POLICY.few_programs_stages
-            and requests is not None and known(items <= requests)
-            and known(items * hkv <= dev.sm_count)):
+    if paged and few_programs_ring(block_m, d, items, hkv, requests, dev):
         t = t._replace(stages=POLICY.few_programs_stages)
     block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
     gather = paged and g.page_gathered(page, block_n, d)
@@ -694,7 +705,8 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
-              dense_prefill: bool = False, fused_gathers: bool = False) -> bool:
+              dense_prefill: bool = False, fused_gathers: bool = False,
+              decode_ring: bool = False) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, slower than the prefill's own launch, and wins that
@@ -710,10 +722,15 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where that prefill's
     fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers; BatchPOD's
     prefill alone gathers the same pages), and always where that gathered prefill computes more
-    than POLICY.pod_gather_max_prefill_flops. gluon: the fused launch would be the Gluon kernel's
-    (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
-    (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
-    POLICY.pod_apart_balance is 0 (always fused)."""
+    than POLICY.pod_gather_max_prefill_flops. decode_ring: the decodes alone would take the
+    few-programs K / V ring (few_programs_ring), which the fused launch's decode items do not:
+    then a launch whose K / V the fused launch reads by boxes (not fused_gathers) goes apart
+    where the prefill counted as bytes is under POLICY.pod_ring_apart_share of the decodes'
+    bytes (a prefill that small costs the second launch less than the ring gains). gluon: the
+    fused launch would be the Gluon kernel's (pod_fused_gluon); the Triton kernel's fused
+    launch ran 0.38-0.8x of the parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so
+    without it the parts always go apart, unless POLICY.pod_apart_balance is 0 (always
+    fused)."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed
@@ -722,6 +739,8 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
         return False
     gathered = dense_prefill and fused_gathers
     if gathered and 0 < POLICY.pod_gather_max_prefill_flops < prefill_flops:
+        return True
+    if decode_ring and not fused_gathers and p < POLICY.pod_ring_apart_share * decode_bytes:
         return True
     factor = ((POLICY.pod_gather_apart_factor if gathered
                else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)

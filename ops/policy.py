@@ -68,6 +68,13 @@ class Policy:
         # page-1 row, 5.5e11 FLOPs and up, lost at ratios 4.7-9.4: 0.955-0.994x; the p2048
         # rows, up to 6.9e10, won). 0: no such limit.
         self.pod_gather_max_prefill_flops = 2e11
+        # ...and apart where the decodes alone would take the few-programs ring
+        # (few_programs_stages, below; the fused launch's decode items do not) and the prefill
+        # counted as bytes is under this share of the decodes' bytes (page 16, POD over apart,
+        # graph: p256 + 16 x 32k at shares 0.0017 / 0.0033 (GQA 32/8 / 64/8) 0.975x / 0.96x;
+        # p256 + 16 x 4k at 0.013 / 0.027 1.02x / 0.98x; p2048 + 16 x 32k at 0.11 1.02x;
+        # benchmarks/NOTES.md, 2026-11-29). 0: no such rule.
+        self.pod_ring_apart_share = 0.006
         # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.
         self.pod_apart_min_bytes = 4e8

@@ -397,7 +397,10 @@ def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
 # 1k and GQA 64/8 p2048 + 256 x 1k 1.04-1.06x), and apart whatever the balance for a prefill
 # of more than 2e11 FLOPs (p8192: its fused rows + 128 / 256 x 32k lost, 0.955-0.994x); with
 # pod_gather off it has no Gluon POD launch (the Triton fused launch ran 0.6x of apart,
-# 2026-11-28) and goes apart.
+# 2026-11-28) and goes apart. Few long decodes that alone take the few-programs K / V ring go
+# apart beside a prefill under pod_ring_apart_share of their bytes on page 16 (p256 + 16 x 32k
+# fused ran 0.96-0.975x of apart), not beside p2048 (1.02x), nor on page 1 (fused gathers,
+# 1.00-1.02x).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,apart", [
     (8192, 16, 1024, 32, 16, True), (8192, 16, 4096, 64, 16, True),
     (8192, 16, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
@@ -413,7 +416,10 @@ def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
     (2048, 64, 1024, 32, 1, True), (8192, 128, 32768, 64, 1, True),
     (8192, 128, 32768, 32, 1, True), (8192, 256, 32768, 32, 1, True),
     (8192, 256, 32768, 64, 1, True), (2048, 256, 32768, 64, 1, False),
-    (256, 16, 4096, 64, 1, False), (256, 128, 4096, 32, 1, False)])
+    (256, 16, 4096, 64, 1, False), (256, 128, 4096, 32, 1, False),
+    (256, 16, 32768, 32, 16, True), (256, 16, 32768, 64, 16, True),
+    (2048, 16, 32768, 32, 16, False), (256, 16, 32768, 32, 1, False),
+    (256, 16, 32768, 64, 1, False), (256, 32, 32768, 32, 16, False)])
 def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
     """The launch choice (ops.choose.pod_apart) of PODWithPagedKVCacheWrapper at the suite's
     sizes (bf16, Hkv 8, D 128, causal prefill with kv = qo) planned for a Hopper GPU; the
