@@ -526,8 +526,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         trailing chunks without pages) and writes the chunk requests' kv_indptr and
         last_page_len into the first plan's tensors. Their rows, source rows, merge rows and
         work lists depend on the batch size and the chunk count alone (each re-plan checks the
-        first three on the host), so a captured run() reads every re-plan's chunks. A plan whose options the chunks do not compute exactly
-        (_chunks_exact), or whose tile differs from the first plan's, runs uncut."""
+        first three on the host), so a captured run() reads every re-plan's chunks. A plan
+        whose options the chunks do not compute exactly (_chunks_exact), or whose tile differs
+        from the first plan's, runs uncut."""
         b = p["batch_size"]
         first = self._graph_chunks is None
         cut = {}  # chunk count -> this plan's chunk requests (both launches may share one)
