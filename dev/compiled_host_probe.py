@@ -4,12 +4,14 @@ call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton la
 Inductor's graph, the default for a call the Gluon kernel does not take), the same compiled
 with Inductor's static launcher for user-defined Triton kernels
 (static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
-graph calls the op, whose front kernel replays a bound launch).
+graph calls the op, whose front kernel replays a bound launch). With --cpp-wrapper, also
+compiled SDPA and the inlined op compiled with Inductor's C++ wrapper (cpp_wrapper: the graph's
+launches issued from C++, as an AOTInductor package issues them; each compile takes longer).
 With --dump DIR, then a cProfile of each compiled form and Inductor's generated wrapper code
-under DIR (eleven files: kept out of a device call's $OUT unless asked, which returns only so
+under DIR (eleven files, fifteen with --cpp-wrapper: kept out of a device call's $OUT unless asked, which returns only so
 many files).
 
-    python -m dev.compiled_host_probe [--rounds 5] [--calls 200] [--dump DIR]
+    python -m dev.compiled_host_probe [--rounds 5] [--calls 200] [--cpp-wrapper] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--dump", default=None, help="folder for the profiles and the wrapper code")
+    ap.add_argument("--cpp-wrapper", action="store_true",
+                    help="also compiled SDPA and the inlined op under Inductor's cpp_wrapper")
     a = ap.parse_args()
     out_dir = a.dump
 
@@ -75,6 +79,9 @@ def main():
 
     def ours_static(q, k, v):  # (the same, compiled with Inductor's static launcher for
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)  # user-defined kernels)
+
+    def ours_cpp(q, k, v):  # (the same, compiled with Inductor's C++ wrapper)
+        return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
     q4, k4, v4 = (t.unsqueeze(0) for t in (q1, k1, v1))
     op = torch.ops.compiled_attn.single_prefill
@@ -125,6 +132,13 @@ def main():
         code_of("ours_static")
     else:
         print("compiled_ours_static: this torch has no static_launch_user_defined_triton_kernels")
+    if a.cpp_wrapper:
+        with torch._inductor.config.patch(cpp_wrapper=True):
+            calls["compiled_sdpa_cpp"] = _compiled(
+                lambda q, k, v: f(q, k, v, is_causal=True), qs, ks, vs)
+            code_of("sdpa_cpp")
+            calls["compiled_ours_cpp"] = _compiled(ours_cpp, q1, k1, v1)
+            code_of("ours_cpp")
     keep = dispatch.keep_opaque
     dispatch.keep_opaque = lambda name, args, kwargs=None: not dispatch.ahead_of_time()
     try:
@@ -147,7 +161,8 @@ def main():
         for name, fn in calls.items():
             res[name].append(host_us(fn, a.calls))
     profiled = ("compiled_ours_inlined", "compiled_ours_static", "compiled_ours_opaque",
-                "compiled_sdpa", "op_direct") if out_dir is not None else ()
+                "compiled_sdpa", "compiled_ours_cpp", "compiled_sdpa_cpp",
+                "op_direct") if out_dir is not None else ()
     for name in profiled:
         if name not in calls:
             continue
