@@ -8,8 +8,8 @@ graph calls the op, whose front kernel replays a bound launch). With --cpp-wrapp
 compiled SDPA and the inlined op compiled with Inductor's C++ wrapper (cpp_wrapper: the graph's
 launches issued from C++, as an AOTInductor package issues them; each compile takes longer).
 With --dump DIR, then a cProfile of each compiled form and Inductor's generated wrapper code
-under DIR (eleven files, fifteen with --cpp-wrapper: kept out of a device call's $OUT unless asked, which returns only so
-many files).
+under DIR (eleven files, fifteen with --cpp-wrapper: kept out of a device call's $OUT unless
+asked, which returns only so many files).
 
     python -m dev.compiled_host_probe [--rounds 5] [--calls 200] [--cpp-wrapper] [--dump DIR]
 """
