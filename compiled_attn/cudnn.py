@@ -18,7 +18,7 @@ import math
 import torch
 
 from . import _validate as V
-from .op_call import call_op
+from .op_call import call_op, write_rows
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE, schedule
 from .utils import LN2
 
@@ -236,7 +236,8 @@ def cudnn_batch_prefill_with_kv_cache(
             ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h]. A request
             whose rows would fall outside the B * max_token_per_sequence * Hq buffer raises
             (a device assert under is_cuda_graph_compatible).
-        out: optional [Nq, Hq, Dvo] output buffer (written in place).
+        out: optional [Nq, Hq, Dvo] output buffer (its rows of the requests written in place;
+            rows past sum(actual_seq_lens_q) keep their values, as FlashInfer leaves them).
         lse: optional float32 [B, max_token_per_sequence, Hq] buffer on q's device
             (return_lse=True only).
         is_cuda_graph_compatible: no host reads (capturable): uniform work list, offsets
@@ -278,10 +279,7 @@ def cudnn_batch_prefill_with_kv_cache(
               _scale_value("v_scale", v_scale, graph_mode), out_dtype)
     o, lse_tok = _call(q, k_cache, v_cache, block_tables, qo_indptr, kv_indptr, kv_lens, work,
                        bm, params)
-    if out is None:
-        out = o
-    else:
-        out.copy_(o)
+    out = o if out is None else write_rows(out, o, qo_indptr[-1:])
     if not return_lse:
         return out, None
     padded = _lse_in_cudnn_layout(lse_tok, qo_indptr, offs_stats, bsz, max_token_per_sequence,

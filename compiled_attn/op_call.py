@@ -56,6 +56,20 @@ def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwar
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
 
 
+def write_rows(dst: torch.Tensor, src: torch.Tensor, end: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """src copied into a caller's buffer dst (out= / lse=; src's shape), which is returned.
+    end: None (every row), or a one-element int tensor on dst's device (an indptr's last
+    entry): only rows (dim 0) before it belong to requests, and the rest keep dst's values,
+    as FlashInfer's kernels leave a caller's rows of no request unwritten. No host read, so a
+    CUDA graph may capture it."""
+    if end is None:
+        return dst.copy_(src)
+    rows = torch.arange(dst.shape[0], device=dst.device)
+    keep = (rows < end.reshape(())).reshape(-1, *[1] * (dst.dim() - 1))
+    return dst.copy_(torch.where(keep, src, dst))
+
+
 def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: tuple = ()):
     """An entry point's call as a bound launch: ``full()`` runs the entry point's whole path
     (checks, views, the op) and returns its outputs (a tuple of tensors); a later plain eager

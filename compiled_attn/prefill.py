@@ -27,7 +27,7 @@ import torch
 
 from . import _validate as V
 from ._plan_options import PlanOptions, scalar_options
-from .op_call import bound_run, call_op
+from .op_call import bound_run, call_op, write_rows
 from .ops import decode_chunks as _chunks
 from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
 from .ops.launch import (LaunchCache, Memo, adopt_scratch, kernel_device, plain_tensors,
@@ -92,20 +92,21 @@ def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
 
 
 def _deliver(res_out, res_lse, out, lse, return_lse, lse_base: str = "log2",
-             lse_layout: str = "NH"):
+             lse_layout: str = "NH", end: torch.Tensor | None = None):
     """Copy the op's results into caller buffers (out=, lse=) and shape the return value.
     res_lse is the op's base-2 ``[tokens, Hq]``; lse_base "ln" scales it by ln 2, lse_layout
-    "HN" returns its contiguous transpose ``[Hq, tokens]`` (FlashInfer's run() options)."""
+    "HN" returns its contiguous transpose ``[Hq, tokens]`` (FlashInfer's run() options).
+    end: op_call.write_rows' (the plan's rows end where a CUDA-graph run's q has more rows:
+    the caller's buffers keep theirs past it)."""
     if lse_base == "ln":
         res_lse = res_lse * LN2
-    if lse_layout == "HN":
-        res_lse = res_lse.t().contiguous()
     if out is not None:
-        out.copy_(res_out)
-        res_out = out
+        res_out = write_rows(out, res_out, end)
     if lse is not None:
-        lse.copy_(res_lse)
+        write_rows(lse.t() if lse_layout == "HN" else lse, res_lse, end)
         res_lse = lse
+    elif lse_layout == "HN":
+        res_lse = res_lse.t().contiguous()
     return (res_out, res_lse) if return_lse else res_out
 
 
@@ -695,6 +696,12 @@ class _BatchPrefillBase(_WrapperBase):
                             None if V.traced() else getattr(p, total),
                             at_least=self._use_cuda_graph)
 
+    def _rows_end(self) -> torch.Tensor | None:
+        """_deliver's end: the plan's qo_indptr[-1] with use_cuda_graph=True (q may have more
+        rows than the plan, which the kernel leaves unwritten), else None (q has exactly its
+        rows)."""
+        return self._plan.qo_indptr[-1:] if self._use_cuda_graph else None
+
     def _check_q(self, q: torch.Tensor) -> _Plan:
         p = self._plan
         if p is None:
@@ -1022,7 +1029,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             adopt_scratch(lse_c)
             res_out, res_lse = _chunks.merge_chunks(o_c, lse_c, p.chunk_merge, q.shape[0])
             return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse,
-                            return_lse, lse_base, lse_layout)
+                            return_lse, lse_base, lse_layout, self._rows_end())
         res_out, res_lse = call_op(
             "batch_paged_prefill",
             q, k_cache, v_cache, p.qo_indptr, p.kv_indptr, p.kv_indices, p.last_page_len,
@@ -1030,7 +1037,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             sm, p.logits_soft_cap, p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f,
             p.o_dtype, merge=p.merge, launches=self._memo)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
-                        lse_base, lse_layout)
+                        lse_base, lse_layout, self._rows_end())
 
     run.__doc__ += _RUN_DOC
     run_return_lse = functools.partialmethod(run, return_lse=True)
@@ -1162,7 +1169,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype, merge=p.merge,
             launches=self._memo)
         return _deliver(_apply_v_scale_tensor(res_out, v_t), res_lse, out, lse, return_lse,
-                        lse_base, lse_layout)
+                        lse_base, lse_layout, self._rows_end())
 
     run.__doc__ += _RUN_DOC
     run_return_lse = functools.partialmethod(run, return_lse=True)

@@ -21,7 +21,7 @@ import math
 import torch
 
 from . import _validate as V
-from .op_call import call_op
+from .op_call import call_op, write_rows
 from .cudnn import _compact_block_tables, _pages_used
 from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE, schedule
 from .utils import get_alibi_slopes
@@ -136,16 +136,19 @@ def trtllm_fmha_v2_prefill(
             Any strides. q fp16/bf16/fp32 (fp8 is upcast exactly to bf16); K/V also fp8 (fold
             its scales into bmm1_scale / bmm2_scale).
         workspace_buffer: accepted for compatibility; our kernel needs no workspace.
-        seq_lens: int32 [B], KV length of each request.
+        seq_lens: int32 [B], KV length of each request (must match cum_seq_lens_kv, whose
+            differences FlashInfer's kernel reads; checked on the device).
         max_q_len: bound on each request's query length: the work list covers this many rows
             per request (rows past a request's length are skipped by the kernel).
         max_kv_len: bound on each KV length (asserted on the device).
-        bmm1_scale: multiplies q.k (the softmax scale, with any fp8 q/k scales folded in).
-        bmm2_scale: multiplies the output (e.g. the fp8 v scale); not the LSE.
+        bmm1_scale: multiplies q.k (the softmax scale, with any fp8 q/k scales folded in); 0
+            means 1 / sqrt(D_qk), as in FlashInfer.
+        bmm2_scale: multiplies the output (e.g. the fp8 v scale; any finite float); not the
+            LSE.
         batch_size: B.
         cum_seq_lens_q: int32 [B+1] query indptr into q's tokens.
-        cum_seq_lens_kv: int32 [B+1] KV indptr (ragged layouts: into k/v's tokens; must match
-            seq_lens).
+        cum_seq_lens_kv: int32 [B+1] KV indptr: its differences must be seq_lens (every layout;
+            ragged layouts: offsets into k/v's tokens).
         block_tables: int32 [B, max_pages] (paged layouts): request b's token t is in page
             ``block_tables[b, t // page]``, slot ``t % page``. With (k_cache, v_cache) pools:
             [B, 2, max_pages], K page offsets then V page offsets, both counted in pages from
@@ -153,17 +156,24 @@ def trtllm_fmha_v2_prefill(
             as FlashInfer's own test builds them; other V orders fail a device-side check).
             Columns past a request's ceil(seq_len / page) pages are never read (the table may
             be wider than needed, and hold anything there).
-        out: optional [T, Hq, Dvo] output buffer (written in place, returned).
+        out: optional [T, Hq, Dvo] output buffer (its rows of the requests written in place;
+            rows past cum_seq_lens_q[-1] keep their values, as FlashInfer's kernel leaves them;
+            returned).
         out_dtype: output dtype (torch dtype or name); default out's dtype, else q's.
         sinks: float32 [Hq] attention sink logits (natural units; a list/tuple holding one such
             tensor is accepted): out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink_h)).
         pos_encoding_mode: None or "alibi" (slopes of get_alibi_slopes(Hq), bias
-            slope * (j - p_i)).
+            slope * (j - p_i)); with mask_mode="padding" ALiBi makes the mask causal, as
+            FlashInfer's kernel does.
         logits_soft_cap_scale: None/0 or c > 0: s = c * tanh(s / c) on the scaled logits.
-        mask_mode: "padding" (no mask), "causal" (bottom-right), "sliding_window" (causal and
-            keys j >= p_i - window_left) or "chunked" (keys in [floor(p_i / C) * C, p_i]).
-        window_left: >= 0 with mask_mode="sliding_window" only; -1 otherwise.
-        chunked_attention_size: C, a power of two, with mask_mode="chunked" only; 0 otherwise.
+        mask_mode: "padding" (no mask), "causal" (bottom-right), "sliding_window" or "chunked";
+            the last three are causal, narrowed as FlashInfer's kernel resolves them: by
+            window_left (keys j >= p_i - window_left) where mask_mode is "sliding_window" or
+            "chunked" and window_left >= 0, or it is "causal" and 0 < window_left < max_kv_len;
+            by chunked_attention_size C > 0 (keys in [floor(p_i / C) * C, p_i]). "padding"
+            takes neither (ValueError), nor do a window and a chunk together.
+        window_left: -1 (no window) or >= 0 (above).
+        chunked_attention_size: 0 (no chunks) or C, a power of two (above).
         save_softmax_stats: also return float32 [T, Hq, 2] softmax statistics (below).
         skip_softmax_threshold_scale_factor: None / 0 (exact attention) or a factor f > 0:
             skip-softmax sparsity, FlashInfer's rule: a row leaves out a key tile whose
@@ -177,7 +187,7 @@ def trtllm_fmha_v2_prefill(
     Returns:
         out [T, Hq, Dvo]; with save_softmax_stats, (out, stats). Rows that see no key are 0.
         Rows past cum_seq_lens_q[-1] belong to no request: the kernel does not write them (as
-        FlashInfer; the CPU reference writes 0); slice them off.
+        FlashInfer; the CPU reference writes 0; out= keeps its values there); slice them off.
 
     stats (FlashInfer's Hopper encoding, tests/attention/test_fmha_v2_prefill.py): per row,
     stats[..., 1] = sum_j exp(s_j - m) over the final logits s_j (natural units: scale, soft
@@ -206,6 +216,8 @@ def trtllm_fmha_v2_prefill(
     V.check_kv_dtype("k/v", k.dtype, dev.type)
     V.check_qkv_dtypes(q.dtype, k.dtype, v.dtype, names=("q", "k", "v"))
     o_dtype = _out_dtype(q, v, out, out_dtype)
+    if sm_scale == 0.0:  # (FlashInfer: bmm1_scale 0 is the default scale)
+        sm_scale = 1.0 / math.sqrt(q.shape[2])
     kv_lens, cq, ckv = _lengths(q, k, seq_lens, cum_seq_lens_q, cum_seq_lens_kv, batch_size,
                                 max_q_len, max_kv_len, paged)
 
@@ -219,9 +231,7 @@ def trtllm_fmha_v2_prefill(
     sinks = _sinks(sinks, hq, dev)
     qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
     mask_code = MASK_NONE if mode == "padding" else MASK_CAUSAL
-    params = (mask_code, window_left if mode == "sliding_window" else -1,
-              chunk if mode == "chunked" else 0, sm_scale, cap, pos, 1.0, 1e4, out_scale,
-              o_dtype)
+    params = (mask_code, window_left, chunk, sm_scale, cap, pos, 1.0, 1e4, out_scale, o_dtype)
     cq32 = cq.to(torch.int32)
     if paged:
         pind, pidx, last = _page_table(block_tables, input_layout, kv_lens, k, v_delta,
@@ -239,8 +249,7 @@ def trtllm_fmha_v2_prefill(
             qx, k, v, cq32, ckv.to(torch.int32), work, None, None, slopes, sinks, bm, *params,
             row_max=stats, skip_softmax=skip)
     if out is not None:
-        out.copy_(o)
-        o = out
+        o = write_rows(out, o, cq[-1:])
     return (o, _softmax_stats(lse, q.shape[2], sm_scale, cap)) if stats else o
 
 
@@ -249,8 +258,10 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
              logits_soft_cap_scale, pos_encoding_mode, save_softmax_stats,
              skip_softmax_threshold_scale_factor, bmm1_scale, bmm2_scale, batch_size,
              max_q_len, max_kv_len):
-    """The call's options, checked: (mask mode, window_left, chunk size, soft cap, position
-    encoding code, sm_scale, output scale, save_softmax_stats, skip-softmax factor)."""
+    """The call's options, checked: (mask mode ("padding" or a causal one), window_left and
+    chunk size as they take effect, soft cap, position encoding code, sm_scale (bmm1_scale; 0:
+    1 / sqrt(D_qk), which the caller fills in), output scale, save_softmax_stats,
+    skip-softmax factor)."""
     if input_layout not in LAYOUTS:
         _fail("input_layout", f"= {input_layout!r} is not a layout", f"use one of {LAYOUTS}")
     mode = mask_mode.lower() if isinstance(mask_mode, str) else mask_mode
@@ -260,20 +271,28 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     chunk = 0 if chunked_attention_size is None else chunked_attention_size
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         _fail("chunked_attention_size", f"= {chunk!r}", "use 0 or a power of two")
-    if window_left >= 0 and mode != "sliding_window":
-        _fail("window_left", f"= {window_left} needs mask_mode='sliding_window' (got "
-                             f"{mask_mode!r})", "pass mask_mode='sliding_window' or window_left=-1")
-    if chunk and mode != "chunked":
-        _fail("chunked_attention_size", f"= {chunk} needs mask_mode='chunked' (got "
-                                        f"{mask_mode!r})", "pass mask_mode='chunked' or 0")
-    if mode == "chunked" and (chunk <= 0 or chunk & (chunk - 1)):
-        _fail("chunked_attention_size", f"= {chunk} with mask_mode='chunked'",
-              "pass a power of two > 0")
+    if chunk & (chunk - 1):
+        _fail("chunked_attention_size", f"= {chunk}", "pass 0 or a power of two")
+    if mode == "padding" and (window_left >= 0 or chunk):
+        arg, val = ("window_left", window_left) if window_left >= 0 else (
+            "chunked_attention_size", chunk)
+        _fail(arg, f"= {val} with mask_mode='padding' (no mask to narrow)",
+              "pass mask_mode='sliding_window', 'chunked' or 'causal', or drop it")
+    # FlashInfer's kernel (fmha_v2_run.cu): "sliding_window" and "chunked" are one causal mode
+    # narrowed by whichever of window_left / chunked_attention_size is set; "causal" becomes
+    # it where 0 < window_left < max_kv_len (a wider window hides no key) or a chunk is set.
+    narrowed = mode in ("sliding_window", "chunked") or 0 < window_left < max_kv_len or chunk > 0
+    window_left = window_left if narrowed else -1
+    if window_left >= 0 and chunk:
+        _fail("window_left", f"= {window_left} with chunked_attention_size = {chunk}",
+              "pass one of them (-1 or 0 for the other)")
     cap = V.check_soft_cap(logits_soft_cap_scale, "logits_soft_cap_scale")
     if pos_encoding_mode is None or str(pos_encoding_mode).lower() == "none":
         pos = POS_NONE
     elif str(pos_encoding_mode).lower() == "alibi":
         pos = POS_ALIBI
+        if mode == "padding":  # (FlashInfer's kernel: ALiBi is defined for causal masks)
+            mode = "causal"
     else:
         _fail("pos_encoding_mode", f"= {pos_encoding_mode!r} is not supported",
               "use None or 'alibi' (apply RoPE to q/k before the call)", NotImplementedError)
@@ -289,8 +308,8 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
         if torch.is_tensor(val):
             _fail(arg, "is a tensor", "pass a Python float (the kernel takes it as a scalar)",
                   NotImplementedError)
-    sm_scale = V.check_scale("bmm1_scale", bmm1_scale, 1.0)
-    out_scale = V.check_scale("bmm2_scale", bmm2_scale, 1.0)
+    sm_scale = V.check_scale("bmm1_scale", bmm1_scale, 1.0, positive=False)
+    out_scale = V.check_scale("bmm2_scale", bmm2_scale, 1.0, positive=False)
     for arg, val in (("batch_size", batch_size), ("max_q_len", max_q_len),
                      ("max_kv_len", max_kv_len)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 0:
@@ -380,11 +399,12 @@ def _lengths(q, k, seq_lens, cum_seq_lens_q, cum_seq_lens_kv, bsz: int, max_q_le
     _device_check(qo_lens <= max_q_len, "a query length exceeds max_q_len")
     _device_check((kv_lens >= 0) & (kv_lens <= max_kv_len),
                   "seq_lens must be in [0, max_kv_len]")
+    # (FlashInfer's kernel reads each request's KV length from cum_seq_lens_kv, every layout)
+    ok = (ckv[:1] == 0) & (ckv[1:] - ckv[:-1] == kv_lens).all()
     if not paged:
-        _device_check((ckv[:1] == 0) & (ckv[1:] - ckv[:-1] == kv_lens).all()
-                      & (ckv[-1:] <= k.shape[0]),
-                      "cum_seq_lens_kv must be the cumulative sum of seq_lens (starting at 0) "
-                      "and end at most at K/V's token count")
+        ok = ok & (ckv[-1:] <= k.shape[0])
+    _device_check(ok, "cum_seq_lens_kv must be the cumulative sum of seq_lens (starting at 0)"
+                  + ("" if paged else " and end at most at K/V's token count"))
     return kv_lens, cq, ckv
 
 

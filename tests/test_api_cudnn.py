@@ -132,20 +132,23 @@ def test_ragged_lengths_from_token_offsets_and_stats_offsets():
 
 
 def test_rows_past_the_requests_and_qo_gt_kv():
-    """q holds more tokens than the requests use (those rows are written 0); a request with
-    qo_len > kv_len under causal has rows that see nothing: output 0, LSE -inf."""
+    """q holds more tokens than the requests use (out's rows there keep the caller's values,
+    as FlashInfer writes only the requests' rows); a request with qo_len > kv_len under causal
+    has rows that see nothing: output 0, LSE -inf."""
     torch.manual_seed(13)
     qo_lens, kv_lens, hq, hkv, d = [6, 2], [3, 5], 2, 2, 8
     qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, d, d)
     q = torch.cat(qs + [torch.randn(3, hq, d, dtype=torch.float64)])
     kc, vc, table = _paged(ks, vs, 4, 2, seed=3)
     out = torch.full((q.shape[0], hq, d), float("nan"), dtype=torch.float64)
+    out[8:] = 7.0
     o, l = fn(q, kc, vc, 0.4, WS, max_token_per_sequence=6, max_sequence_kv=5,
               actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
               block_tables=table, causal=True, return_lse=True, out=out)
     outs, lses = _oracle(qs, ks, vs, 0.4, True)
+    assert o is out
     _check(o, l, outs, lses, qo_lens, 6)
-    assert torch.equal(o[8:], torch.zeros_like(o[8:]))
+    assert (o[8:] == 7.0).all()
     assert torch.equal(o[:3], torch.zeros_like(o[:3])) and torch.isneginf(l[0, :3]).all()
 
 

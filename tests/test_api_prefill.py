@@ -380,6 +380,26 @@ def test_ragged_fp8_scales_take_effect_and_replan_drops_mask():
     check(out, lse, *ref, tol=dict(atol=1e-5, rtol=1e-5))
 
 
+@pytest.mark.parametrize("lse_layout", ["NH", "HN"])
+def test_cuda_graph_run_keeps_caller_rows_past_the_plan(lse_layout):
+    """use_cuda_graph=True and q with more rows than the plan (a captured buffer): out= and
+    lse= take the plan's rows, and their rows past qo_indptr[-1] keep the caller's values, as
+    FlashInfer's kernel leaves them."""
+    page, hq, hkv, d, b = 4, 4, 2, 8, 3
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(b, 32))
+    qo, kv = [2, 0, 4], [5, 1, 4]
+    cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=33)
+    w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+    q = rand(10, hq, d, seed=34)
+    out = torch.full((10, hq, d), 7.0, dtype=D64)
+    lse = torch.full((10, hq) if lse_layout == "NH" else (hq, 10), 7.0, dtype=torch.float32)
+    got, got_lse = w.run(q, cache, out=out, lse=lse, return_lse=True, lse_layout=lse_layout)
+    assert got is out and got_lse is lse
+    rows = lse if lse_layout == "NH" else lse.t()
+    check(out[:6], rows[:6], *dense_batch(q[:6], qo, ks, vs, causal=True))
+    assert (out[6:] == 7.0).all() and (rows[6:] == 7.0).all()
+
+
 def test_ragged_cuda_graph_buffers_path_with_mask():
     hq, hkv, d, b = 2, 1, 8, 2
     bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),

@@ -91,6 +91,70 @@ def test_features(layout, feature):
     torch.testing.assert_close(got, ref)
 
 
+# (mask_mode, window_left, chunked_attention_size) -> the oracle's window and chunk: FlashInfer's
+# kernel (fmha_v2_run.cu) makes "sliding_window" and "chunked" one causal mode narrowed by
+# whichever is set, and "causal" that mode where 0 < window_left < max_kv_len or a chunk is set
+@pytest.mark.parametrize("mask_mode,window_left,chunk,ref", [
+    ("causal", 3, 0, dict(window_left=3)), ("causal", 0, 0, dict()),
+    ("causal", 13, 0, dict()), ("causal", -1, 4, dict(chunk=4)),
+    ("chunked", -1, 0, dict()), ("chunked", 2, 0, dict(window_left=2)),
+    ("sliding_window", -1, 4, dict(chunk=4)), ("sliding_window", -1, 0, dict()),
+    ("sliding_window", 0, 0, dict(window_left=0))])
+def test_causal_modes_narrowed_as_flashinfer(mask_mode, window_left, chunk, ref):
+    torch.manual_seed(window_left * 7 + chunk + len(mask_mode))
+    qo, kv = [6, 4, 9], [13, 4, 9]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 16, 16)
+    qkv, table = _build("Q_PAGED_KV_NHD", qs, ks, vs, seed=2, page=4)
+    got = _call(qkv, "Q_PAGED_KV_NHD", table, qo, kv, mask_mode=mask_mode,
+                window_left=window_left, chunked_attention_size=chunk)
+    torch.testing.assert_close(got, _oracle(qs, ks, vs, sm_scale=0.3, causal=True, **ref))
+
+
+def test_alibi_makes_padding_causal_as_flashinfer():
+    """FlashInfer's kernel turns a padding mask causal with ALiBi (fmha_v2_run.cu: ALiBi is
+    defined for causal masks)."""
+    torch.manual_seed(12)
+    qo, kv = [5, 3], [9, 3]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 16, 16)
+    qkv, table = _build("SEPARATE_Q_K_V", qs, ks, vs)
+    got = _call(qkv, "SEPARATE_Q_K_V", table, qo, kv, mask_mode="padding",
+                pos_encoding_mode="alibi")
+    ref = _oracle(qs, ks, vs, sm_scale=0.3, causal=True, alibi_slopes=alibi_slopes_spec(4))
+    torch.testing.assert_close(got, ref)
+    assert not torch.allclose(got, _oracle(qs, ks, vs, sm_scale=0.3, causal=False,
+                                           alibi_slopes=alibi_slopes_spec(4)))
+
+
+@pytest.mark.parametrize("bmm1,bmm2", [(0.0, 1.0), (0.3, 0.0), (0.3, -0.5), (-0.2, 1.0)])
+def test_scales_as_flashinfer(bmm1, bmm2):
+    """bmm1_scale 0 is the default 1 / sqrt(D_qk) (fmha_v2_run.cu); bmm2_scale any float."""
+    torch.manual_seed(13)
+    qo, kv = [5, 3], [9, 3]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 16, 16)
+    qkv, table = _build("CONTIGUOUS_Q_KV", qs, ks, vs)
+    got = _call(qkv, "CONTIGUOUS_Q_KV", table, qo, kv, bmm1_scale=bmm1, bmm2_scale=bmm2)
+    ref = _oracle(qs, ks, vs, sm_scale=bmm1 or 16 ** -0.5, causal=True, v_scale=bmm2)
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("layout", ["SEPARATE_Q_K_V", "Q_PAGED_KV_HND"])
+def test_out_rows_past_requests_keep_their_values(layout):
+    """out= with more rows than cum_seq_lens_q[-1]: FlashInfer's kernel writes the requests'
+    rows only, the rest keep the caller's values."""
+    torch.manual_seed(14)
+    qo, kv = [3, 2], [4, 5]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 8, 8)
+    (q, *rest), table = _build(layout, qs, ks, vs)
+    q = torch.cat([q, torch.randn(3, 4, 8, dtype=q.dtype)])  # 3 rows of no request
+    kv_part = tuple(rest) if layout == "SEPARATE_Q_K_V" else rest[0]
+    qkv = (q, *kv_part) if layout == "SEPARATE_Q_K_V" else (q, kv_part)
+    out = torch.full((8, 4, 8), 7.0, dtype=torch.float64)
+    got = _call(qkv, layout, table, qo, kv, out=out)
+    assert got is out
+    torch.testing.assert_close(out[:5], _oracle(qs, ks, vs, sm_scale=0.3, causal=True))
+    assert (out[5:] == 7.0).all()
+
+
 def test_chunked_differs_from_causal():
     """The chunked case above is not trivially causal: the chunk boundary hides keys."""
     torch.manual_seed(1)
@@ -151,13 +215,16 @@ def test_bad_base_runs():
      "skip_softmax_threshold_scale_factor.*finite"),
     ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor="0.5"), ValueError,
      "skip_softmax_threshold_scale_factor"),
-    ("SEPARATE_Q_K_V", dict(window_left=4), ValueError, "window_left.*sliding_window"),
     ("SEPARATE_Q_K_V", dict(mask_mode="padding", window_left=2), ValueError,
-     "window_left.*sliding_window"),
-    ("SEPARATE_Q_K_V", dict(chunked_attention_size=8), ValueError,
-     "chunked_attention_size.*mask_mode='chunked'"),
+     "window_left.*mask_mode='padding'"),
+    ("SEPARATE_Q_K_V", dict(mask_mode="padding", chunked_attention_size=8), ValueError,
+     "chunked_attention_size.*mask_mode='padding'"),
     ("SEPARATE_Q_K_V", dict(mask_mode="chunked", chunked_attention_size=6), ValueError,
      "power of two"),
+    ("SEPARATE_Q_K_V", dict(chunked_attention_size=6), ValueError, "power of two"),
+    ("SEPARATE_Q_K_V", dict(mask_mode="sliding_window", window_left=2, chunked_attention_size=4),
+     ValueError, "window_left.*chunked_attention_size.*pass one"),
+    ("SEPARATE_Q_K_V", dict(bmm2_scale=float("nan")), ValueError, "bmm2_scale.*finite"),
     ("SEPARATE_Q_K_V", dict(mask_mode="bidirectional"), ValueError, "mask_mode.*use one of"),
     ("PACKED_KV", dict(), ValueError, "input_layout.*use one of"),
     ("SEPARATE_Q_K_V", dict(pos_encoding_mode="rope"), NotImplementedError, "pos_encoding_mode"),
@@ -254,16 +321,17 @@ def test_block_tables_wider_than_needed(layout):
     torch.testing.assert_close(got, _oracle(qs, ks, vs, sm_scale=0.3, causal=True))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(kv_lens=[4, 4]), "cum_seq_lens_kv must be the cumulative sum of seq_lens"),
-])
-def test_inconsistent_lengths_caught_on_device(kw, match):
+@pytest.mark.parametrize("layout", ["SEPARATE_Q_K_V", "Q_PAGED_KV_NHD"])
+def test_inconsistent_lengths_caught_on_device(layout):
+    """seq_lens against cum_seq_lens_kv, whose differences FlashInfer's kernel reads as the KV
+    lengths (paged layouts too)."""
     torch.manual_seed(10)
     qs, ks, vs = _seqs([3, 2], [4, 5], 4, 2, 8, 8)
-    qkv = (torch.cat(qs), torch.cat(ks), torch.cat(vs))
-    with pytest.raises(RuntimeError, match=match):
-        fn(qkv, "SEPARATE_Q_K_V", WS, torch.tensor([4, 4], dtype=torch.int32), 3, 5, 0.3, 1.0,
-           2, _cum([3, 2]), _cum([4, 5]))
+    qkv, table = _build(layout, qs, ks, vs)
+    with pytest.raises(RuntimeError, match="cum_seq_lens_kv must be the cumulative sum of "
+                                           "seq_lens"):
+        fn(qkv, layout, WS, torch.tensor([4, 4], dtype=torch.int32), 3, 5, 0.3, 1.0,
+           2, _cum([3, 2]), _cum([4, 5]), block_tables=table)
 
 
 def test_max_q_len_too_small_caught_on_device():
