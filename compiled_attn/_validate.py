@@ -483,7 +483,9 @@ def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
                          f"({what}); a mask of another length would be read out of bounds")
 
 
-def mask_packed_length(name: str, packed, expected_bytes: int, what: str) -> None:
+def mask_packed_length(name: str, packed, expected_bytes: int, what: str) -> torch.Tensor:
+    """The packed mask, checked (uint8 [expected_bytes]), contiguous: the kernels read it by a
+    bare pointer, so a strided view is copied."""
     check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,))
     if packed.numel() != expected_bytes:
         raise ValueError(f"{name}: has {packed.numel()} bytes but the plan needs "
@@ -491,3 +493,4 @@ def mask_packed_length(name: str, packed, expected_bytes: int, what: str) -> Non
                          "compiled_attn.segment_packbits(mask, indptr, bitorder='little') "
                          "(per-request segments, whole bytes each) or packbits(..., "
                          "bitorder='little') for a single request")
+    return packed.contiguous()

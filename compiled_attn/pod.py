@@ -115,6 +115,20 @@ class _PODBase(_WrapperBase):
             return (out_p, out_d), (l_p if lse_p else None, l_d if lse_d else None)
         return out_p, out_d
 
+    def _alibi(self, p: dict, pos: int):
+        """The ALiBi slopes [Hq] float32 that a launch of position encoding ``pos`` passes:
+        the plan's (None where it has none and pos is not ALiBi). A run() that asks for ALiBi
+        on a plan without it (POD's pos_encoding_mode_p / _d) makes them then, kept with the
+        plan and its memo (keyed by identity, held for CUDA-graph replays as the plan's are);
+        a traced call's stay its own."""
+        if pos != POS_ALIBI or p["alibi"] is not None:
+            return p["alibi"]
+        slopes = get_alibi_slopes(p["num_qo_heads"], self.device)
+        if not V.traced():
+            p["alibi"] = slopes
+            self._memo.add_static([slopes])
+        return slopes
+
     def _check_plan(self):
         if self._plan is None:
             raise RuntimeError("run() before plan(): call plan(...) with the page table first")
@@ -173,6 +187,7 @@ class _PODBase(_WrapperBase):
         requests (_plan_chunks; q_d's rows gathered per chunk), fused or apart, and their
         outputs are merged per request (_cut says when)."""
         v_f, v_t = _split_v_scale(v_scale)
+        alibi = self._alibi(p, rope[0])
         if cut is not None:
             chunks, cut_work = cut
             q_d = part_d[0]
@@ -186,21 +201,21 @@ class _PODBase(_WrapperBase):
         if apart is None:
             out_p, lse_p, out_d, lse_d = call_op(
                 "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p,
-                p["alibi"], p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
+                alibi, p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype)
         else:
             tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
             work_p, work_d = apart
             if work_p is None:
                 q, k, v = part_p[:3]
                 out_p, lse_p = call_op("single_prefill", q.unsqueeze(0), k, v, packed_p,
-                                       p["alibi"], None, opt_p[0], opt_p[1], 0, opt_p[2], *tail)
+                                       alibi, None, opt_p[0], opt_p[1], 0, opt_p[2], *tail)
                 out_p, lse_p = out_p[0], lse_p[0]
             else:
                 out_p, lse_p = call_op("batch_paged_prefill", *part_p, work_p, packed_p,
-                                       mask_indptr_p, p["alibi"], None, p["block_m_p"],
+                                       mask_indptr_p, alibi, None, p["block_m_p"],
                                        opt_p[0], opt_p[1], 0, opt_p[2], *tail)
             out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
-                                   p["alibi"], None, p["block_m_d"], opt_d[0], opt_d[1], 0,
+                                   alibi, None, p["block_m_d"], opt_d[0], opt_d[1], 0,
                                    opt_d[2], *tail)
         if cut is not None:  # the chunks' outputs, merged per request
             adopt_scratch(out_d)
@@ -640,6 +655,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             V.unsupported("pos_encoding_mode_p", f"{pos_encoding_mode_p!r} differs from the decode "
                           "part's mode (plan's pos_encoding_mode / pos_encoding_mode_d); one "
                           "launch applies one position encoding: pass the same mode to both")
+        self._alibi(p, pos_p)  # (made before _prefill_part, whose capture keeps them alive)
         rs_p = V.check_scale("rope_scale_p", rope_scale_p, 1.0)
         rt_p = V.check_scale("rope_theta_p", rope_theta_p, 1e4)
         rs_d = V.check_scale("rope_scale_d", rope_scale_d, p["rope_scale"])
@@ -670,8 +686,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         nbits = qo_len * kv_len
         packed_p = None
         if packed_custom_mask_p is not None:
-            V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p, (nbits + 7) // 8,
-                                 f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
+            packed_custom_mask_p = V.mask_packed_length(
+                "packed_custom_mask_p", packed_custom_mask_p, (nbits + 7) // 8,
+                f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
             V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=dev)
             packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
         elif custom_mask_p is not None:
@@ -889,9 +906,10 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, "_d")
         packed_p = mask_indptr_p = None
         if packed_custom_mask_p is not None:
-            V.mask_packed_length("packed_custom_mask_p", packed_custom_mask_p,
-                                 sum((n + 7) // 8 for n in p["mask_bits_p"]),
-                                 "sum over prefill requests of ceil(qo_len * kv_len / 8)")
+            packed_custom_mask_p = V.mask_packed_length(
+                "packed_custom_mask_p", packed_custom_mask_p,
+                sum((n + 7) // 8 for n in p["mask_bits_p"]),
+                "sum over prefill requests of ceil(qo_len * kv_len / 8)")
             V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=self.device)
             packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
         elif custom_mask_p is not None:

@@ -224,8 +224,9 @@ def _single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, k
 
     nbits = qo_len * kv_len
     if packed_custom_mask is not None:
-        V.mask_packed_length("packed_custom_mask", packed_custom_mask, (nbits + 7) // 8,
-                             f"ceil(qo_len * kv_len / 8) with qo_len={qo_len}, kv_len={kv_len}")
+        packed_custom_mask = V.mask_packed_length(
+            "packed_custom_mask", packed_custom_mask, (nbits + 7) // 8,
+            f"ceil(qo_len * kv_len / 8) with qo_len={qo_len}, kv_len={kv_len}")
         V.check_tensor("packed_custom_mask", packed_custom_mask, device=q.device)
         packed, mask_mode = packed_custom_mask, MASK_CUSTOM
     elif custom_mask is not None:
@@ -340,11 +341,10 @@ def _plan_mask(args: dict, qo_lens: torch.Tensor, kv_lens: torch.Tensor):
         byte_ptr = [0]
         for n in mask_bits:
             byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
-        V.mask_packed_length(
+        packed = V.mask_packed_length(
             "packed_custom_mask", packed_custom_mask, byte_ptr[-1],
             "sum over requests of ceil(qo_len * kv_len / 8): each request's bits start "
             "on a new byte")
-        packed = packed_custom_mask
     else:
         V.mask_bool_length("custom_mask", custom_mask, sum(mask_bits),
                            "sum over requests of qo_len * kv_len, each request's "

@@ -835,6 +835,9 @@ def _flags(q, alibi_slopes, sinks, mask_mode, window_left, chunk_size, sm_scale,
     skip_softmax (ragged and paged ops only) add STATS / SKIP, SKIP_LOG2 when set (POD's
     kernel has neither; _launch_prefill passes their off values explicitly: torch's tracing of
     a Triton launch fills no defaults)."""
+    if pos_encoding_mode == POS_ALIBI and alibi_slopes is None:  # (else a stand-in is read)
+        raise ValueError("alibi_slopes: the position encoding is ALiBi but no slopes were "
+                         "given; pass float32 [Hq] slopes (get_alibi_slopes)")
     scalars = dict(
         qk_scale=float(sm_scale) * (1.0 if logits_soft_cap > 0 else LOG2E),
         soft_cap=float(logits_soft_cap) if logits_soft_cap > 0 else 1.0,

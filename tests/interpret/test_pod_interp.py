@@ -556,3 +556,66 @@ def test_pod_graph_replan_checks_fixed_chunk_arrays(monkeypatch):
         monkeypatch.setattr(pod, "build_decode_chunks", shifted)
         with pytest.raises(RuntimeError, match="decode chunks' src differs"):
             w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+
+
+@pytest.mark.parametrize("launch", ["fused", "apart"])
+def test_pod_alibi_asked_at_run_on_a_plan_without_it(launch):
+    """pos_encoding_mode_p / _d "ALIBI" at run() on a plan of "NONE" (FlashInfer's POD gives
+    its prefill slopes whatever the plan): the slopes are made at the call, and both parts
+    match the ALiBi reference, at the first call and at its replay."""
+    from compiled_attn.ops.policy import override
+
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 3
+    cache, kvi, idx, last, _, _ = make_paged([7, 4], hkv, d, d, page, dtype=dt, seed=3)
+    g = torch.Generator().manual_seed(5)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((5, hq), (9, hkv), (9, hkv)))
+    q_d = _randn(g, 2, hq, d, dtype=dt)
+    slopes = fi.get_alibi_slopes(hq, torch.device("cpu"))
+    pre = Case("ragged", q=q_p, k=k_p, v=v_p, qo_indptr=indptr([5]), kv_indptr=indptr([9]),
+               alibi=slopes)
+    dec = _paged_case(q_d, cache, "NHD", [1, 1], kvi, idx, last)
+    dec.alibi = slopes
+    p_pre = params(ops.MASK_CAUSAL, pos_encoding_mode=ops.POS_ALIBI, head_dim=d)
+    p_dec = params(ops.MASK_NONE, pos_encoding_mode=ops.POS_ALIBI, head_dim=d)
+    with override(**POD_LAUNCHES[launch]):
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt, pos_encoding_mode="NONE")
+        for _ in range(2):
+            check_parts(pre, dec, p_pre, p_dec, lambda: _parts(w.run(
+                q_p, k_p, v_p, q_d, cache, causal_p=True, pos_encoding_mode_p="ALIBI",
+                pos_encoding_mode_d="ALIBI", return_lse_p=True, return_lse_d=True),
+                (True, True)))
+
+
+def test_alibi_mode_without_slopes_raises():
+    """An op call whose position encoding is ALiBi but passes no slopes raises (the launch
+    would read a stand-in tensor as slopes)."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (_randn(g, 1, n, 2, 16, dtype=torch.float32) for n in (3, 5, 5))
+    with pytest.raises(ValueError, match="alibi_slopes: the position encoding is ALiBi"):
+        ops.single_prefill(q, k, v, None, None, None, ops.MASK_NONE, -1, 0, 0.25, 0.0,
+                           ops.POS_ALIBI, 1.0, 1e4, 1.0, None)
+
+
+def test_strided_packed_masks_read_as_their_values():
+    """A packed custom mask that is a strided view (here every other byte of a buffer) gives
+    the contiguous mask's result, through POD's run() and single_prefill_with_kv_cache (the
+    kernels read a mask by a bare pointer: the entry points pass a contiguous one)."""
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 3
+    cache, kvi, idx, last, _, _ = make_paged([7, 4], hkv, d, d, page, dtype=dt, seed=3)
+    g = torch.Generator().manual_seed(8)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((5, hq), (9, hkv), (9, hkv)))
+    q_d = _randn(g, 2, hq, d, dtype=dt)
+    packed = fi.packbits(torch.rand(5, 9, generator=g) > 0.5, bitorder="little")
+    buf = torch.zeros(2 * packed.numel(), dtype=torch.uint8)
+    buf[::2] = packed
+    strided = buf[::2]
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=dt)
+    want = w.run(q_p, k_p, v_p, q_d, cache, packed_custom_mask_p=packed)
+    got = w.run(q_p, k_p, v_p, q_d, cache, packed_custom_mask_p=strided)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert torch.equal(
+        fi.single_prefill_with_kv_cache(q_p, k_p, v_p, packed_custom_mask=packed),
+        fi.single_prefill_with_kv_cache(q_p, k_p, v_p, packed_custom_mask=strided))
