@@ -344,9 +344,11 @@ def host_copy(name: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> t
     return check_readable(name, t).detach().to("cpu", dtype)
 
 
-def host_indptr(name: str, t, *, length: int | None = None) -> torch.Tensor:
+def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = True
+                ) -> torch.Tensor:
     """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
-    0, non-decreasing, and of length `length` when given (batch size + 1)."""
+    0 (start_zero; else at 0 or more), non-decreasing, and of length `length` when given
+    (batch size + 1)."""
     if not torch.is_tensor(t):
         raise TypeError(f"{name}: expected a 1-D integer tensor [batch_size + 1]; got "
                         f"{type(t).__name__}")
@@ -358,8 +360,9 @@ def host_indptr(name: str, t, *, length: int | None = None) -> torch.Tensor:
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
                          "needed (one offset per request plus the end)")
     h = host_copy(name, t)
-    if int(h[0]) != 0:
-        raise ValueError(f"{name}: must start at 0; got {name}[0] = {int(h[0])}")
+    if int(h[0]) != 0 and (start_zero or int(h[0]) < 0):
+        raise ValueError(f"{name}: must start at 0{'' if start_zero else ' or more'}; got "
+                         f"{name}[0] = {int(h[0])}")
     d = h[1:] - h[:-1]
     if (d < 0).any():
         i = int(torch.nonzero(d < 0)[0, 0])

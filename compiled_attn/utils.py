@@ -109,19 +109,22 @@ def segment_packbits(x: torch.Tensor, indptr: torch.Tensor, bitorder: str = "big
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack each segment ``x[indptr[i]:indptr[i+1]]`` into its own whole bytes.
 
-    x: 1-D binary-valued tensor, shape ``[indptr[-1]]``. indptr: integer ``[B+1]``, starting at 0,
-    non-decreasing. Returns ``(packed, new_indptr)``: packed uint8 ``[new_indptr[-1]]`` where
+    x: binary-valued tensor of at least ``indptr[-1]`` elements (read flattened; FlashInfer's
+    kernel reads it from indptr[0] to indptr[-1] too). indptr: integer ``[B+1]``, from 0 or
+    more, non-decreasing. Returns ``(packed, new_indptr)``: packed uint8 ``[new_indptr[-1]]`` where
     ``packed[new_indptr[i]:new_indptr[i+1]]`` holds segment i's bits, zero-padded to a whole
     byte, and new_indptr int32 ``[B+1]`` (byte offsets, on indptr's device). This is the layout
     of a batch's ``packed_custom_mask`` with ``bitorder="little"``. The output size depends on
     indptr's values, so indptr is read on the host (a device sync when it lives on a GPU).
     """
     V.check_tensor("x", x)
-    ind = V.host_indptr("indptr", indptr)
-    V.check_total("indptr", ind, x.reshape(-1).numel(), "x.numel()")
+    ind = V.host_indptr("indptr", indptr, start_zero=False)
+    if int(ind[-1]) > x.numel():
+        raise ValueError(f"indptr: ends at {int(ind[-1])} but x.numel() is {x.numel()}; "
+                         "indptr[-1] must be at most x.numel()")
     lens = (ind[1:] - ind[:-1]).tolist()
     src, byte_ptr = _segment_bit_sources(lens, x.device)
-    packed = _pack_from_sources(x, src, bitorder)
+    packed = _pack_from_sources(x.reshape(-1)[int(ind[0]):int(ind[-1])], src, bitorder)
     return packed, torch.tensor(byte_ptr, dtype=torch.int32, device=indptr.device)
 
 

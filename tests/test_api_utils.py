@@ -45,6 +45,13 @@ def test_segment_packbits_per_segment_bytes():
         fi.segment_packbits(x[:-1], ind)
     with pytest.raises(ValueError, match="bitorder"):
         fi.segment_packbits(x, ind, bitorder="middle")
+    # as FlashInfer's kernel reads it: x past indptr[-1] and before indptr[0] are not packed
+    longer, _ = fi.segment_packbits(torch.cat([x, ~x]), ind, bitorder="little")
+    shifted, shifted_ind = fi.segment_packbits(torch.cat([~x[:5], x]), ind + 5, bitorder="little")
+    assert longer.tolist() == want and shifted.tolist() == want
+    assert shifted_ind.tolist() == ptr
+    with pytest.raises(ValueError, match="indptr: must start at 0 or more"):
+        fi.segment_packbits(x, ind - 1)
 
 
 def test_get_seq_lens():
