@@ -166,7 +166,7 @@ def host_scale(name: str, x) -> float:
 def check_backend(backend, name: str = "backend") -> str:
     if backend in BACKENDS:
         return backend
-    if backend in ("cudnn", "trtllm-gen", "cute-dsl", "trtllm"):
+    if backend in ("cudnn", "trtllm-gen", "cute-dsl", "trtllm", "cutlass", "fmha_v2"):
         raise NotImplementedError(
             f"{name}={backend!r}: compiled_attn runs its own Triton kernel for every backend "
             f"name in {BACKENDS}; for the cuDNN / TRT-LLM entry points call "
@@ -344,11 +344,11 @@ def host_copy(name: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> t
     return check_readable(name, t).detach().to("cpu", dtype)
 
 
-def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = True
-                ) -> torch.Tensor:
+def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = True,
+                length_from: str | None = None) -> torch.Tensor:
     """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
     0 (start_zero; else at 0 or more), non-decreasing, and of length `length` when given
-    (batch size + 1)."""
+    (batch size + 1; length_from: the argument that set it, named in the error)."""
     if not torch.is_tensor(t):
         raise TypeError(f"{name}: expected a 1-D integer tensor [batch_size + 1]; got "
                         f"{type(t).__name__}")
@@ -357,8 +357,9 @@ def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = T
                          f"{tuple(t.shape)}")
     check_int(name, t)
     if length is not None and t.numel() != length:
+        given = f" (from {length_from}, which has {length})" if length_from else ""
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
-                         "needed (one offset per request plus the end)")
+                         f"needed{given}: one offset per request plus the end")
     h = host_copy(name, t)
     if int(h[0]) != 0 and (start_zero or int(h[0]) < 0):
         raise ValueError(f"{name}: must start at 0{'' if start_zero else ' or more'}; got "
@@ -479,8 +480,9 @@ def check_rope_dim(head_dim_qk: int, pos_code: int) -> None:
 
 
 def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
-    """A bool custom mask holds exactly `expected` entries (any shape; read flattened)."""
-    check_tensor(name, mask, dtypes=(torch.bool,))
+    """A custom mask holds exactly `expected` entries (any shape; read flattened): bool, or
+    a 1-byte integer type whose nonzero entries attend (FlashInfer reads its bytes as bool)."""
+    check_tensor(name, mask, dtypes=(torch.bool, torch.uint8, torch.int8))
     if mask.numel() != expected:
         raise ValueError(f"{name}: has {mask.numel()} entries but the plan needs {expected} "
                          f"({what}); a mask of another length would be read out of bounds")

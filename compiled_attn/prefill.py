@@ -145,8 +145,8 @@ def single_prefill_with_kv_cache(
     (query head h reads KV head h // (Hq / Hkv)). k/v may be fp8 (e4m3/e5m2) with k_scale
     (multiplies sm_scale) and v_scale (multiplies the output, not the LSE); a float, a
     one-element CPU tensor, or (v_scale only) a one-element device tensor.
-    custom_mask: bool ``[qo_len, kv_len]`` (True = attend; any shape with qo_len * kv_len
-    entries, read row-major) or packed_custom_mask: uint8 ``[ceil(qo_len * kv_len / 8)]``,
+    custom_mask: bool ``[qo_len, kv_len]`` (True = attend; uint8 / int8: nonzero; any shape
+    with qo_len * kv_len entries, read row-major) or packed_custom_mask: uint8 ``[ceil(qo_len * kv_len / 8)]``,
     little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
     the window still applies. causal: key j visible to row i when ``j <= kv_len - qo_len + i``
     (bottom-right aligned); raises when kv_len < qo_len (as FlashInfer's single prefill).
@@ -758,8 +758,9 @@ _RUN_DOC = """
 _PLAN_COMMON_DOC = """
         num_qo_heads, num_kv_heads: Hq % Hkv == 0 (GQA groups of any size). head_dim_qk,
         head_dim_vo (default head_dim_qk): on CUDA each a multiple of 8 from 16 to 256, or 512
-        (any pair of them), on CPU any. custom_mask: bool, each request's ``[qo_len, kv_len]``
-        mask flattened row-major and concatenated (``sum(qo_len * kv_len)`` entries); or
+        (any pair of them), on CPU any. custom_mask: bool (uint8 / int8: nonzero attends),
+        each request's ``[qo_len, kv_len]`` mask flattened row-major and concatenated
+        (``sum(qo_len * kv_len)`` entries); or
         packed_custom_mask: uint8, the same bits packed per request with
         ``segment_packbits(mask, indptr, bitorder="little")`` (each request starts on a new
         byte; ``sum(ceil(qo_len * kv_len / 8))`` bytes). A mask replaces causal; the window
@@ -862,7 +863,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
-        kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1)
+        kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1,
+                             length_from="qo_indptr")
         idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
                                                     paged_kv_last_page_len, page_size)
         p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size)
@@ -1103,7 +1105,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
-        kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1)
+        kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1, length_from="qo_indptr")
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
             if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "

@@ -59,8 +59,8 @@ PLAN_ERRORS = [
     (dict(rope_theta=0.0), ValueError, "rope_theta: got 0.0"),
     (dict(custom_mask=torch.ones(3 * 5 + 4 * 9 - 1, dtype=torch.bool)), ValueError,
      "custom_mask: has 50 entries but the plan needs 51"),
-    (dict(custom_mask=torch.ones(51, dtype=torch.uint8)), TypeError,
-     "custom_mask: expected dtype torch.bool"),
+    (dict(custom_mask=torch.ones(51, dtype=torch.float32)), TypeError,
+     "custom_mask: expected dtype torch.bool or torch.uint8 or torch.int8; got torch.float32"),
     (dict(packed_custom_mask=torch.zeros(8, dtype=torch.uint8)), ValueError,
      r"packed_custom_mask: has 8 bytes but the plan needs 7 .*segment_packbits"),
     (dict(seq_lens=torch.tensor([5, 8])), ValueError, r"seq_lens: \[5, 8\] disagrees"),
@@ -153,6 +153,9 @@ def test_constructor_errors():
         fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NDH")
     with pytest.raises(NotImplementedError, match="trtllm_fmha_v2_prefill"):
         fi.BatchPrefillWithPagedKVCacheWrapper(WS, backend="trtllm-gen")
+    for backend in ("cutlass", "fmha_v2"):  # FlashInfer's ragged backends without a kernel here
+        with pytest.raises(NotImplementedError, match=f"backend={backend!r}"):
+            fi.BatchPrefillWithRaggedKVCacheWrapper(WS, backend=backend)
     with pytest.raises(ValueError, match="backend: got 'fast'"):
         fi.BatchPrefillWithRaggedKVCacheWrapper(WS, backend="fast")
     with pytest.raises(NotImplementedError, match="jit_args"):
