@@ -205,7 +205,8 @@ def rows_match(what: str, n, indptr_name: str, indptr: torch.Tensor, total: int 
         rows = indptr[-1]
         device_check(rows <= n if at_least else rows == n,
                      f"{what}: rows do not match the plan's {indptr_name}[-1] (at least that "
-                     "many with use_cuda_graph=True); re-plan for new shapes")
+                     "many for ragged k / v and with use_cuda_graph=True); re-plan for new "
+                     "shapes")
         return True
     return n >= total if at_least else n == total
 

@@ -687,14 +687,15 @@ class _BatchPrefillBase(_WrapperBase):
         return (out, lse) if return_lse else out
 
     # ---- run -----------------------------------------------------------------------------
-    def _rows_ok(self, what: str, n: int, indptr: str, total: str) -> bool:
+    def _rows_ok(self, what: str, n: int, indptr: str, total: str,
+                 at_least: bool = False) -> bool:
         """Whether the n rows of argument ``what`` hold the plan's ``indptr``[-1] (its host
-        count ``total``): exactly, or at least with use_cuda_graph=True (V.rows_match: traced,
-        a device assert)."""
+        count ``total``): exactly, or at least with use_cuda_graph=True or ``at_least``
+        (V.rows_match: traced, a device assert)."""
         p = self._plan  # (traced, the host count is not read: it would be a guard)
         return V.rows_match(what, n, indptr, getattr(p, indptr),
                             None if V.traced() else getattr(p, total),
-                            at_least=self._use_cuda_graph)
+                            at_least=at_least or self._use_cuda_graph)
 
     def _rows_end(self) -> torch.Tensor | None:
         """_deliver's end: the plan's qo_indptr[-1] with use_cuda_graph=True (q may have more
@@ -1097,7 +1098,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
              max_sequence_kv=None, v_indptr=None, o_indptr=None,
              uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` and kv_indptr ``[B+1]`` (rows of q and of k/v per
-        request), integer, on CPU or GPU (read on the host here). Note FlashInfer's ragged
+        request; kv_indptr may start past 0, an offset into k / v as in FlashInfer), integer,
+        on CPU or GPU (read on the host here). Note FlashInfer's ragged
         plan orders window_left, logits_soft_cap, sm_scale differently from the paged one; so
         does this. v_indptr / o_indptr (cuDNN inputs), if given, must equal kv_indptr /
         qo_indptr (separate value / output offsets raise NotImplementedError).
@@ -1105,7 +1107,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
-        kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1, length_from="qo_indptr")
+        kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1, length_from="qo_indptr",
+                             start_zero=False)  # (offsets into k / v, as FlashInfer's)
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
             if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
@@ -1123,8 +1126,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             k_scale=None, v_scale=None, o_scale=None, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False, lse_base: str = "log2",
             lse_layout: str = "NH", enable_pdl: bool | None = None, kv_cache_sf=None):
-        """Attention of q ``[qo_indptr[-1], Hq, D_qk]`` against k ``[kv_indptr[-1], Hkv, D_qk]``
-        and v ``[kv_indptr[-1], Hkv, D_vo]`` (HND: ``[Hkv, kv_indptr[-1], D]``; any strides).
+        """Attention of q ``[qo_indptr[-1], Hq, D_qk]`` against k ``[>= kv_indptr[-1], Hkv,
+        D_qk]`` and v ``[>= kv_indptr[-1], Hkv, D_vo]`` (HND: ``[Hkv, >= kv_indptr[-1], D]``;
+        any strides; rows kv_indptr[0] to kv_indptr[-1] are read, as in FlashInfer).
         o_scale other than None/1.0, kv_cache_sf and extra positional args raise
         NotImplementedError. fp8 k/v scales take effect here too (FlashInfer ignores them on
         this path).
@@ -1154,12 +1158,13 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         self._check_kv_dtype("k", k, p)
         self._check_kv_dtype("v", v, p)
         kn, vn = (k, v) if self._kv_layout == "NHD" else (k.transpose(0, 1), v.transpose(0, 1))
-        rows_ok = self._rows_ok("k / v", kn.shape[0], "kv_indptr", "total_kv")
+        # (at least: the kernel reads rows kv_indptr[0] to kv_indptr[-1], as FlashInfer's)
+        rows_ok = self._rows_ok("k / v", kn.shape[0], "kv_indptr", "total_kv", at_least=True)
         if not rows_ok or tuple(kn.shape[1:]) != (p.num_kv_heads, p.head_dim_qk) or \
                 tuple(vn.shape) != (kn.shape[0], p.num_kv_heads, p.head_dim_vo):
             raise ValueError(
                 f"k / v: shapes {tuple(k.shape)} / {tuple(v.shape)} do not match the plan: "
-                f"{'kv_indptr[-1]' if V.traced() else p.total_kv} rows (kv_indptr[-1]), "
+                f">= {'kv_indptr[-1]' if V.traced() else p.total_kv} rows (kv_indptr[-1]), "
                 f"{p.num_kv_heads} KV heads, head dims "
                 f"{p.head_dim_qk} / {p.head_dim_vo} (kv_layout={self._kv_layout!r})")
         _check_out_lse(out, lse, q.shape[0], p.num_qo_heads, p.head_dim_vo, p.o_dtype,

@@ -426,6 +426,24 @@ def test_one_byte_integer_custom_masks_read_as_bool():
         w.plan(indptr([4]), indptr(kv), hq, hkv, d, q_data_type=D64)
 
 
+def test_ragged_kv_offsets_into_a_larger_buffer():
+    """As FlashInfer's ragged kernel: kv_indptr may start past 0 and k / v may hold rows past
+    kv_indptr[-1] (a slice of a larger buffer); only rows kv_indptr[0] to kv_indptr[-1] are
+    read. Fewer rows than kv_indptr[-1] still raise."""
+    hq, hkv, d = 2, 1, 8
+    qo, kv = [4, 3], [6, 11]
+    k, v, ks, vs = ragged_kv(kv, hkv, d, d, seed=90)
+    q = rand(7, hq, d, seed=91)
+    pad = lambda t, a, b: torch.cat([rand(a, hkv, d, seed=92), t, rand(b, hkv, d, seed=93)])  # noqa: E731
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD")
+    w.plan(indptr(qo), indptr(kv) + 5, hq, hkv, d, causal=True, q_data_type=D64)
+    out, lse = w.run(q, pad(k, 5, 4), pad(v, 5, 4), return_lse=True)
+    check(out, lse, *dense_batch(q, qo, ks, vs, causal=True))
+    with pytest.raises(ValueError, match=r"k / v: shapes \(21, 1, 8\) / \(21, 1, 8\) do not "
+                                         r"match the plan: >= 22 rows"):
+        w.run(q, pad(k, 4, 0), pad(v, 4, 0))
+
+
 def test_ragged_cuda_graph_buffers_path_with_mask():
     hq, hkv, d, b = 2, 1, 8, 2
     bufs = dict(qo_indptr_buf=torch.zeros(b + 1, dtype=torch.int32),
