@@ -293,3 +293,24 @@ def test_unaligned_kv_runs_pointer_loads():
     c.k = torch.cat([c.k, torch.randn(c.k.shape[0], 2, 1, dtype=c.k.dtype)], -1)[..., :64]
     c.v = torch.cat([c.v, torch.randn(c.v.shape[0], 2, 1, dtype=c.v.dtype)], -1)[..., :64]
     check(c, MODES["causal"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_ragged_kv_offsets_into_a_larger_buffer(dtype):
+    """The ragged wrapper's kv_indptr starting past 0 over k / v with rows past kv_indptr[-1]
+    (FlashInfer's slices of a larger buffer): the kernel reads rows kv_indptr[0] to
+    kv_indptr[-1] only, at the first call and at its replay (the project's error bound)."""
+    import compiled_attn as fi
+    from tests.helpers import WS, indptr
+    from tests.kernel_cases import Case
+
+    hq, hkv, d, qo, kv = 4, 2, 16, [4, 3, 9], [6, 11, 40]
+    g = torch.Generator().manual_seed(90)
+    q = torch.randn(16, hq, d, generator=g).to(dtype)
+    k, v = (torch.randn(5 + sum(kv) + 4, hkv, d, generator=g).to(dtype) for _ in range(2))
+    c = Case("ragged", q=q, k=k, v=v, qo_indptr=indptr(qo), kv_indptr=indptr(kv) + 5)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD")
+    w.plan(c.qo_indptr, c.kv_indptr, hq, hkv, d, causal=True, q_data_type=dtype)
+    for _ in range(2):
+        check(c, params(ops.MASK_CAUSAL, head_dim=d),
+              runner=lambda c, p, out_dtype: w.run(c.q, c.k, c.v, return_lse=True))
