@@ -100,15 +100,22 @@ def is_noop_dropout(n: Node) -> bool:
     return False
 
 
+def _float_to_float(n: Node, src: Node) -> bool:
+    dn, ds = dtype(n), dtype(src)
+    return dn is not None and ds is not None and dn.is_floating_point and ds.is_floating_point
+
+
 def strip_identity(n: Node, allow_casts: bool = True) -> Node:
     """See through ops whose output equals their input elementwise (same shape): copies, no-op
-    views/expands/slices, eval-mode dropout, and (when allow_casts) dtype casts."""
+    views/expands/slices, eval-mode dropout, and (when allow_casts) casts from one floating
+    dtype to another (values kept up to rounding; a cast to bool or an integer is not)."""
     while isinstance(n, Node) and n.op == "call_function":
         t = n.target
         src = n.args[0] if n.args else None
         if not isinstance(src, Node):
             return n
-        if t in COPY_OPS or is_noop_dropout(n) or (allow_casts and t in CAST_OPS):
+        if t in COPY_OPS or is_noop_dropout(n) or (allow_casts and t in CAST_OPS
+                                                   and _float_to_float(n, src)):
             n = src
         elif t in RESHAPE_OPS and not same_shape(shape(n), shape(src)):
             # A chain of reshapes back to an earlier shape is that earlier tensor (reshapes keep

@@ -85,13 +85,19 @@ class NotProven(Exception):
     """An additive mask whose values are not provably in {0} and NEG; .reason says why."""
 
 
-def zero_or_neg(n, logit_dtype: torch.dtype | None, depth: int = 0) -> bool:
+def zero_or_neg(n, logit_dtype: torch.dtype | None) -> bool:
     """Prove n's values are all 0 or NEG (is_neg_value for logits of logit_dtype, the dtype
     the mask is added in). Returns whether some NEG value is finite (then a fully masked row
     gives eager softmax's uniform weights, not 0). Raises NotProven."""
+    return neg_kinds(n, logit_dtype)[0]
+
+
+def neg_kinds(n, logit_dtype: torch.dtype | None, depth: int = 0) -> tuple[bool, bool]:
+    """zero_or_neg's proof, returning (some NEG value may be finite, some may be -inf): a
+    finite NEG added to another may overflow to -inf. Raises NotProven."""
     if not isinstance(n, Node):
         if isinstance(n, (int, float)) and _scalar_in_set(n, logit_dtype):
-            return not (float(n) == -math.inf or float(n) == 0)
+            return (not (float(n) == -math.inf or float(n) == 0), float(n) == -math.inf)
         raise NotProven(f"mask constant {n!r} is not 0/-inf/dtype-min for {logit_dtype} logits")
     if depth > 64:
         raise NotProven("mask expression too deep to analyse")
@@ -112,13 +118,17 @@ def zero_or_neg(n, logit_dtype: torch.dtype | None, depth: int = 0) -> bool:
                     neg |= const <= torch.finfo(torch.float16).min
                 zero_or_neg_only = bool(((const == 0) | neg).all())
                 finite_neg = bool((neg & torch.isfinite(const)).any())
+                inf_neg = bool((const == -math.inf).any())
             if zero_or_neg_only:
-                return finite_neg
+                return finite_neg, inf_neg
             raise NotProven(f"additive bias constant {n.target} holds values other than 0 and "
                             f"-inf/dtype-min for {logit_dtype} logits")
 
-    def sub(x) -> bool:  # an operand, in the same logits
-        return zero_or_neg(x, logit_dtype, depth + 1)
+    def sub(x) -> tuple[bool, bool]:  # an operand, in the same logits
+        return neg_kinds(x, logit_dtype, depth + 1)
+
+    def either(*kinds) -> tuple[bool, bool]:
+        return any(f for f, _ in kinds), any(i for _, i in kinds)
 
     if n.op != "call_function":
         raise NotProven(f"additive bias from {n.op} {n.target} (a model input or constant, "
@@ -126,30 +136,28 @@ def zero_or_neg(n, logit_dtype: torch.dtype | None, depth: int = 0) -> bool:
     t = n.target
     if t in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar):
         a, b = n.args[1], n.args[2]
-        return sub(a) | sub(b)
+        return either(sub(a), sub(b))
     if t in (aten.masked_fill.Scalar, aten.masked_fill.Tensor):
-        return sub(n.args[0]) | sub(n.args[2])
+        return either(sub(n.args[0]), sub(n.args[2]))
     if t is aten.add.Tensor:
         alpha = n.kwargs.get("alpha", 1)
         if not (isinstance(alpha, (int, float)) and alpha > 0):
             raise NotProven("mask add with a non-positive alpha")
         # 0+0 = 0, 0+NEG = NEG, NEG+NEG <= NEG (or -inf): the set is closed under add.
-        return sub(n.args[0]) | sub(n.args[1])
+        (fa, ia), (fb, ib) = sub(n.args[0]), sub(n.args[1])
+        return fa or fb, ia or ib or (fa and fb)
     if t in (aten.full.default, aten.full_like.default, aten.new_full.default):
         return sub(n.args[-1] if t is not aten.full.default else n.args[1])
     if t in (aten.scalar_tensor.default,):
         return sub(n.args[0])
     if t in (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default):
-        return False
+        return False, False
     if t in (aten.triu.default, aten.tril.default):
         return sub(n.args[0])  # keeps values, writes zeros elsewhere
     if t is aten.constant_pad_nd.default:
-        return sub(n.args[0]) | sub(arg(n, 2, "value", 0))
+        return either(sub(n.args[0]), sub(arg(n, 2, "value", 0)))
     if t is aten.cat.default:
-        out = False
-        for x in n.args[0]:
-            out |= sub(x)
-        return out
+        return either(*(sub(x) for x in n.args[0]))
     if t in _STRUCTURAL:
         src = n.args[0]
         if not isinstance(src, Node) or not (dtype(src) is not None
@@ -200,9 +208,15 @@ def head_invariant(n, out_rank: int = 4, depth: int = 0) -> bool:
     return False
 
 
+def _nondeterministic(t) -> bool:
+    """An op whose result is random (rand, bernoulli, dropout, ...): torch tags them."""
+    return torch.Tag.nondeterministic_seeded in getattr(t, "tags", ())
+
+
 def constant_ancestors(n: Node) -> list[Node] | None:
-    """n and its ancestors in topological order when every one is a call_function with static
-    shapes (no graph input, parameter or SymInt feeds it); else None."""
+    """n and its ancestors in topological order when every one is a deterministic
+    call_function with static shapes (no graph input, parameter, SymInt or random op feeds
+    it); else None."""
     seen: dict[Node, None] = {}
     order: list[Node] = []
     stack = [(n, False)]
@@ -214,8 +228,8 @@ def constant_ancestors(n: Node) -> list[Node] | None:
         if x in seen:
             continue
         seen[x] = None
-        if x.op != "call_function":
-            return None
+        if x.op != "call_function" or _nondeterministic(x.target):
+            return None  # (a random op's value differs at every call: not a constant)
         v = val(x)
         if isinstance(v, torch.Tensor):
             if any(static_int(d) is None for d in v.shape):

@@ -87,6 +87,7 @@ class Site:
     add_masks: list = field(default_factory=list)
     hide_masks: list = field(default_factory=list)  # bool, True = masked (masked_fill/where)
     hide_finite: bool = False  # some hide mask fills a finite NEG (eager: uniform row)
+    hide_inf: bool = False  # some hide mask fills -inf
     causal_top_left: bool = False
     enable_gqa: bool = False
     drop: list = field(default_factory=list)  # nodes to erase with the site (e.g. asserts)
@@ -458,6 +459,7 @@ def match_matmul_softmax(n: Node) -> Site | None:
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
+        site.hide_inf |= float(fill) == -math.inf
     return site
 
 
@@ -706,12 +708,14 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         scale = 1.0 / math.sqrt(d)
 
     # Masks -> (mask_mode, window_left, bool mask nodes).
-    finite_adds = 0
+    finite_adds = inf_adds = 0
     for m, dt in site.add_masks:
         try:
-            finite_adds += M.zero_or_neg(m, dt)
+            finite, inf = M.neg_kinds(m, dt)
         except M.NotProven as e:
             raise Skip(f"additive bias: {e}") from None
+        finite_adds += finite
+        inf_adds += inf
     if finite_adds > 1 or (finite_adds and site.hide_finite):
         # A key two finite masks both hide sums to -inf in eager (min + min overflows), one
         # they hide once stays finite: a fully masked row then averages v over the keys
@@ -719,6 +723,11 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         # known here.
         raise Skip("two finite masks add up (a key hidden by both becomes -inf in eager)")
     finite_neg = bool(finite_adds) or site.hide_finite
+    if finite_neg and (inf_adds or site.hide_inf or site.bool_masks or site.causal_top_left):
+        # Likewise where -inf hides some keys beside a finite NEG (a bool or causal mask, a
+        # -inf fill or bias): a fully masked row averages v over the keys -inf leaves.
+        raise Skip("a finite-NEG mask beside -inf masking (a fully masked row's eager average "
+                   "depends on which keys -inf hides)")
     hide_nodes = [h[1] if isinstance(h, tuple) else h for h in site.hide_masks]
     for m in site.bool_masks + [m for m, _ in site.add_masks] + hide_nodes:
         if isinstance(m, Node) and not M.head_invariant(m):
@@ -735,25 +744,26 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         [(h[1], "bool") if isinstance(h, tuple) else (h, "hide") for h in site.hide_masks]
     top_left = False
     if site.causal_top_left:
-        if same_size(sq, skv):  # top-left == bottom-right alignment
+        if same_size(sq, skv) and not need_mask:  # top-left == bottom-right alignment
             mask_mode, kind = MASK_CAUSAL, "causal"
-        else:
-            need_mask = top_left = True  # built as a custom mask below
-    if need_mask and not top_left and sq_i is not None and skv_i is not None:
+        else:  # built as a custom mask below, ANDed with the other masks (SDPA's is_causal
+            need_mask = top_left = True  # with an attn_mask: both apply)
+    if need_mask and sq_i is not None and skv_i is not None:
         # Constant masks (no input feeds them, static shapes) are classified at compile time.
         visible = None
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
         with unset_fake_temporarily():  # the pass may run inside Inductor's fake mode
-            for m, how in all_masks:
-                c = M.evaluate(m)
-                if c is None:
-                    visible = None
-                    break
-                c = (c == 0) if how == "add" else (~c.to(torch.bool)) if how == "hide" \
-                    else c.to(torch.bool)
-                c = _to_b_sq_skv(c)
-                visible = c if visible is None else (visible & c)
+            consts = [M.evaluate(m) for m, _ in all_masks]
+            if all(c is not None for c in consts) and (consts or top_left):
+                for c, (_, how) in zip(consts, all_masks):
+                    c = (c == 0) if how == "add" else (~c.to(torch.bool)) if how == "hide" \
+                        else c.to(torch.bool)
+                    c = _to_b_sq_skv(c)
+                    visible = c if visible is None else (visible & c)
+                if top_left:  # key j visible from row i where j <= i
+                    tl = torch.ones(sq_i, skv_i, dtype=torch.bool).tril()[None]
+                    visible = tl if visible is None else (visible & tl)
             cls, w = M.classify(visible, sq_i, skv_i) if visible is not None else ("", -1)
         if visible is not None:
             if cls == "none":

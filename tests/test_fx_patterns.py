@@ -421,3 +421,116 @@ def test_export_save_load_with_attention_as_output(case, tmp_path):
         assert o.shape == r.shape and not torch.isnan(o).any()
         err, eager_err = ((t.double() - r).abs().max().item() for t in (o, e))
         assert err <= 4 * eager_err + 1e-6 * r.abs().max().item(), (err, eager_err)
+
+
+def _export_counts(fn, args):
+    """(eager output, exported-and-rewritten output, the pass's counters) of fn(*args)."""
+    model = Wrap(fn).eval()
+    with torch.no_grad():
+        ref = model(*args)
+        fx_passes.counters.clear()
+        out = compiled_attn.export(model, tuple(args)).module()(*args)
+    return ref, out, dict(fx_passes.counters)
+
+
+def _sdpa_mask_and_causal(q, k, v, keep):
+    # SDPA with both attn_mask and is_causal (torch applies both: mask & tril)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                            is_causal=True)
+
+
+def test_sdpa_mask_with_is_causal_keeps_both():
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    keep = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+    keep[0, ..., 4:] = False  # padding at the end: every row still sees key 0
+    ref, out, c = _export_counts(_sdpa_mask_and_causal, [q, k, v, keep])
+    assert c == {"rewritten": 1, "pattern:sdpa": 1, "mask:custom": 1}, c
+    close(out, ref)
+
+
+class _ConstMaskAndCausal(torch.nn.Module):
+    """is_causal with a constant mask: all True (then plain causal) or a band of 3 keys (then
+    causal with window_left 2)."""
+
+    def __init__(self, band: bool):
+        super().__init__()
+        self.band = band
+
+    def forward(self, q, k, v):
+        s = q.shape[2]
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        keep = (j >= i - 2) if self.band else torch.ones(s, s, dtype=torch.bool)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                                is_causal=True)
+
+
+@pytest.mark.parametrize("band,kind", [(False, "mask:causal"), (True, "mask:causal_window")])
+def test_sdpa_constant_mask_with_is_causal_classified_with_it(band, kind):
+    g = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    model = _ConstMaskAndCausal(band).eval()
+    with torch.no_grad():
+        ref = model(q, k, v)
+        fx_passes.counters.clear()
+        out = compiled_attn.export(model, (q, k, v)).module()(q, k, v)
+    assert dict(fx_passes.counters) == {"rewritten": 1, "pattern:sdpa": 1, kind: 1}
+    close(out, ref)
+
+
+class _RandomMask(torch.nn.Module):
+    """A mask drawn by torch.rand at every call: never a compile-time constant."""
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, q, k, v):
+        keep = torch.rand(q.shape[2], k.shape[2]) > self.threshold
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.3])
+def test_random_mask_stays_a_run_time_mask(threshold):
+    """Not evaluated (nor removed) at rewrite time, even where every draw keeps every key
+    (threshold -1); the rewritten graph draws at each call as eager does."""
+    g = torch.Generator().manual_seed(14)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=g) for _ in range(3))
+    model = _RandomMask(threshold).eval()
+    with torch.no_grad():
+        fx_passes.counters.clear()
+        mod = compiled_attn.export(model, (q, k, v)).module()
+        assert dict(fx_passes.counters) == {"rewritten": 1, "pattern:sdpa": 1, "mask:custom": 1}
+        torch.manual_seed(1)
+        got = mod(q, k, v)
+        torch.manual_seed(1)
+        close(got, model(q, k, v))
+
+
+def _inf_beside_finite(q, k, v, keep_pad):
+    # nanoGPT's -inf causal mask beside a finfo.min padding mask: a fully masked row averages v
+    # over the keys only the padding hides
+    s = q.shape[2]
+    att = q @ k.transpose(-2, -1) * 0.25 + torch.triu(torch.full((s, s), float("-inf")), 1)
+    att = att + torch.where(keep_pad[:, None, None, :], 0.0, torch.finfo(q.dtype).min)
+    return torch.softmax(att, -1) @ v
+
+
+def _probs_to_bool(q, k, v):
+    # not attention: the probabilities cast to bool and back
+    return torch.softmax(q @ k.transpose(-2, -1) * 0.25, -1).to(torch.bool).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("case", ["inf_beside_finite", "probs_to_bool"])
+def test_look_alikes_left_alone_by_export(case):
+    g = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(2, 4, 6, 8, generator=g) for _ in range(3))
+    if case == "inf_beside_finite":
+        keep = torch.ones(2, 6, dtype=torch.bool)
+        keep[0, :3] = False  # rows 0-2 of batch 0 see no key
+        fn, args, want = _inf_beside_finite, [q, k, v, keep], "skipped:a finite-NEG mask"
+    else:
+        fn, args, want = _probs_to_bool, [q, k, v], "unmatched:softmax @ v"
+    ref, out, c = _export_counts(fn, args)
+    assert c.get("rewritten", 0) == 0 and any(key.startswith(want) for key in c), c
+    torch.testing.assert_close(out, ref)
