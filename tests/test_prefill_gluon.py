@@ -108,7 +108,8 @@ def _scope(monkeypatch, kv_mode=K.KV_RAGGED, dtype=torch.bfloat16, d=128, dv=Non
                   rope_theta=1e4, v_scale=1.0)
     sinks = torch.zeros(8) if flags.pop("sinks", False) else None
     params.update(flags)
-    scalars, consts = K._flags(q, None, sinks, **params)
+    slopes = torch.ones(8) if params["pos_encoding_mode"] == ops.POS_ALIBI else None
+    scalars, consts = K._flags(q, slopes, sinks, **params)
     choice = choose.choose(kv_mode, q, k, v, consts, scalars, out.dtype, block_m=block_m,
                            requests=1, items=1, pages=k.shape[0])
     if choice.kernel != "gluon":
