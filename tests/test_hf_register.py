@@ -153,3 +153,61 @@ def test_hf_packbits_no_guard_on_padding():
         m = torch.rand(2, s, s, generator=g) > 0.5
         assert torch.equal(f(m), _packbits_rows(m))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_hf_sparse_attention_indices_raise():
+    """DeepSeek-V3.2-style sparse attention passes the keys each query attends as ``indices``
+    to any implementation but eager / sdpa: the op has no such input, so it raises (it was
+    dropped: dense attention)."""
+    from compiled_attn.hf import attention_forward
+
+    class Module(torch.nn.Module):
+        is_causal = True
+
+    q = k = v = torch.randn(1, 2, 4, 8)
+    for name in ("indices", "block_indices", "sinks"):
+        with pytest.raises(NotImplementedError, match=name):
+            attention_forward(Module(), q, k, v, None, **{name: torch.zeros(1, 4, 2)})
+
+
+def test_hf_model_computing_attention_itself_raises():
+    """Bloom computes its attention itself and adds the mask it asks for as a float mask: with
+    attn_implementation="compiled_attn" its mask function raises instead of handing it a bool
+    mask (future keys and padding stayed visible)."""
+    cfg = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4,
+                                   attn_implementation="compiled_attn")
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="bloom computes its "
+                                                                   "attention itself"):
+        model(torch.randint(0, 128, (1, 6)))
+
+
+def test_hf_gemma4_logits_to_keep_with_kv_shared_layers():
+    """Gemma 4 keeps only the last queries before its KV-shared layers, with the masks it built:
+    every mask is built for it (a None mask, causal top-left, is wrong for those queries);
+    logits_to_keep and a static-cache generate() match eager."""
+    if not hasattr(transformers, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma 4")
+    import copy
+
+    cfg = transformers.Gemma4TextConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
+        max_position_embeddings=128, sliding_window=8, hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=100, num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2)
+    models = {}
+    for impl in ("compiled_attn", "eager"):
+        torch.manual_seed(0)
+        models[impl] = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(cfg), attn_implementation=impl).eval()
+    models["compiled_attn"].load_state_dict(models["eager"].state_dict())
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = {n: m(ids, logits_to_keep=4).logits for n, m in models.items()}
+        assert_close_rel(out["compiled_attn"], out["eager"])
+        gen = {n: torch.stack(m.generate(ids, max_new_tokens=3, do_sample=False,
+                                         cache_implementation="static", output_logits=True,
+                                         return_dict_in_generate=True).logits, 1)
+               for n, m in models.items()}
+        assert_close_rel(gen["compiled_attn"], gen["eager"])
