@@ -264,6 +264,10 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     skip-softmax factor)."""
     if input_layout not in LAYOUTS:
         _fail("input_layout", f"= {input_layout!r} is not a layout", f"use one of {LAYOUTS}")
+    for arg, val in (("batch_size", batch_size), ("max_q_len", max_q_len),
+                     ("max_kv_len", max_kv_len)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+            _fail(arg, f"must be a non-negative int, got {val!r}", "pass an int")
     mode = mask_mode.lower() if isinstance(mask_mode, str) else mask_mode
     if mode not in MASK_MODES:
         _fail("mask_mode", f"= {mask_mode!r} is not a mask mode", f"use one of {MASK_MODES}")
@@ -310,10 +314,6 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
                   NotImplementedError)
     sm_scale = V.check_scale("bmm1_scale", bmm1_scale, 1.0, positive=False)
     out_scale = V.check_scale("bmm2_scale", bmm2_scale, 1.0, positive=False)
-    for arg, val in (("batch_size", batch_size), ("max_q_len", max_q_len),
-                     ("max_kv_len", max_kv_len)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < 0:
-            _fail(arg, f"must be a non-negative int, got {val!r}", "pass an int")
     return mode, window_left, chunk, cap, pos, sm_scale, out_scale, stats, skip
 
 
