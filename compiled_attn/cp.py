@@ -93,7 +93,16 @@ class Layout:
         if torch.is_tensor(indptr):
             ind = V.host_indptr("indptr", indptr).tolist()
         else:
-            ind = [int(x) for x in indptr]
+            # operator.index: ints only (a float entry is an error, not truncated); traced, a
+            # symbolic entry becomes a constant of the graph, guarded (new lengths compile
+            # again), as prefill's sizes
+            if any(isinstance(x, bool) for x in indptr):
+                raise TypeError(f"indptr: got {list(indptr)!r}; pass ints")
+            try:
+                ind = [operator.index(x) for x in indptr]
+            except TypeError:
+                raise TypeError(f"indptr: got {list(indptr)!r}; pass ints (document "
+                                "boundaries in tokens)") from None
             if not ind or ind[0] != 0 or any(b < a for a, b in zip(ind, ind[1:])):
                 raise ValueError(f"indptr: got {list(indptr)!r}; pass the document boundaries "
                                  "[0, end of doc 0, end of doc 1, ...], non-decreasing from 0")
@@ -148,7 +157,7 @@ def shard(x: torch.Tensor, world_size: int, rank: int, *, indptr=None,
     chunk then its tail chunk, each of ceil(L / 2N) tokens, padding rows zero.
     """
     lay = _seq_layout(x, world_size, indptr, dim)
-    if not 0 <= rank < lay.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < lay.world_size:
         raise ValueError(f"rank: got {rank}; use 0 <= rank < world_size = {lay.world_size}")
     if indptr is not None and x.shape[dim] != lay.total:
         raise ValueError(f"x: {x.shape[dim]} tokens along dim {dim} but indptr[-1] = "
@@ -458,7 +467,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     this rank's part in the head-tail layout (``shard``; module docstring), the same on every
     rank of ``group`` (a torch.distributed ProcessGroup). indptr: document boundaries of the
     whole packed sequence (host ints or a CPU tensor [docs + 1]; under torch.compile pass a
-    list), without padding; default one document of world_size * local_len tokens.
+    list), without padding; default one document of world_size * local_len tokens (a
+    document shard()ed without indptr whose length L is not a multiple of 2 * world_size
+    needs indptr=[0, L] here: without it its padding rows count as keys when causal=False).
     method: "all_gather" (K/V gathered, one launch per head slice, exact: each row's result is
     the single-GPU op's on the same tiles), "ring" (K/V passed around the ring, partial results
     merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv) and windows, ring for
@@ -506,6 +517,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
         raise ValueError(f"q: {q.shape[0]} local rows, but the documents {list(lay.lengths)} "
                          f"over {world} ranks give {lay.local_len} per rank (each document "
                          "padded to a multiple of 2 * world_size); pass shard()'s output")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: got {causal!r}; pass a bool")
     opts = dict(
         sm_scale=V.check_scale("sm_scale", sm_scale, 1.0 / math.sqrt(q.shape[2]),
                                positive=False),

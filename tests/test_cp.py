@@ -196,6 +196,8 @@ def _errors(rank, world, group):
         cp.prefill(x, x, x, group=None)
     with pytest.raises(TypeError, match="as_op"):
         cp.prefill(x, x, x, group=group, as_op="yes")
+    with pytest.raises(TypeError, match="causal: got 'no'"):  # (it was read as truthy)
+        cp.prefill(x, x, x, group=group, causal="no")
 
 
 def _new_lengths(rank, world, group):
@@ -213,6 +215,19 @@ def _new_lengths(rank, world, group):
                           for _ in range(3))
             (o, lse), (r, rlse) = f(ql, kl, vl), run(ql, kl, vl)
             assert torch.equal(o, r) and torch.equal(lse, rlse), (dynamic, n)
+
+    def run_docs(a, b, c, indptr):  # new document lengths in the list, same local rows
+        return cp.prefill(a, b, c, group=group, indptr=indptr, causal=True, method="ring")
+
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        f = torch.compile(run_docs, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+        for indptr in ([0, 10, 24], [0, 14, 24], [0, 3, 24]):
+            g = torch.Generator().manual_seed(indptr[1])
+            ql, kl, vl = (cp.shard(torch.randn(24, 2, D, generator=g), world, rank,
+                                   indptr=indptr) for _ in range(3))
+            (o, lse), (r, rlse) = f(ql, kl, vl, indptr), run_docs(ql, kl, vl, indptr)
+            assert torch.equal(o, r) and torch.equal(lse, rlse), (dynamic, indptr)
 
 
 def _cpu_cases(rank, world, attempt):
@@ -299,6 +314,11 @@ def test_shard_along_dim_and_packed_doc_order():
 def test_layout_errors():
     with pytest.raises(ValueError, match="indptr"):
         cp.Layout.of(2, indptr=[0, 5, 3])
+    for bad in ([0, 4.7, 10], [0, True, 10]):  # (a float entry was truncated)
+        with pytest.raises(TypeError, match="indptr: got .*; pass ints"):
+            cp.Layout.of(2, indptr=bad)
+    with pytest.raises(ValueError, match="rank: got True"):
+        cp.shard(torch.zeros(8), 2, True)
     with pytest.raises(ValueError, match="rank"):
         cp.shard(torch.zeros(8), 2, 2)
     with pytest.raises(ValueError, match="x"):
