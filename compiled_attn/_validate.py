@@ -430,9 +430,10 @@ def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_p
     device. Traced (traced()), the host number would be a guard, so the device table is
     checked by a device assert instead."""
     if traced():
+        # (the message names no size: formatting a symbolic one would guard on it)
         device_check((indices >= 0) & (indices < num_pages),
-                     f"{idx_name}: an entry is outside {cache_name}'s {num_pages} pages; pass "
-                     "the cache the plan's page table indexes, or re-plan with indices inside it")
+                     f"{idx_name}: an entry is outside {cache_name}'s pages; pass the cache the "
+                     "plan's page table indexes, or re-plan with indices inside it")
         return
     if max_entry is not None and max_entry[1] >= num_pages:
         pos, val = max_entry

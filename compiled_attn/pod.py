@@ -706,8 +706,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                   (nbits + 7) // 8 if packed_p is not None else None, traced)
 
         # ---- decode part ----------------------------------------------------------------------
-        b = p["batch_size"]
-        self._check_q("q_d", q_d, b, p, "batch size")
+        # (traced: the plan's decode qo_indptr checked on the device, so that the batch size is
+        # no guard: a re-plan with another batch size reuses the graph)
+        self._check_q("q_d", q_d, None if traced else p["batch_size"], p, "batch size",
+                      indptr="qo_indptr")
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p)
         sm_d = V.check_scale("sm_scale_d", sm_scale_d, p["sm_scale"], positive=False)
         sm_d = V.fits_float32("sm_scale_d * q_scale * k_scale", sm_d * V.host_scale(

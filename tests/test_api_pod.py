@@ -559,3 +559,33 @@ def test_pod_pairs_count_what_the_mask_keeps():
     for qo, kv in ((0, 5), (5, 0), (1, 1), (7, 3), (3, 7), (9, 9), (16, 40)):
         assert _pairs(qo, kv, False) == qo * kv
         assert _pairs(qo, kv, True) == sum(min(kv, max(0, kv - qo + 1 + i)) for i in range(qo))
+
+
+def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
+    """torch.compile(dynamic=True, fullgraph=True) of POD run(): re-plans with new decode batch
+    sizes and caches of new page counts reuse the graph (the batch size and the cache's page
+    count were guards: a recompile each, a failure past the recompile limit), and each
+    compiled call gives the eager call's numbers."""
+    from torch._dynamo.utils import counters
+
+    dt = torch.float64
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    g = torch.Generator().manual_seed(3)
+    q_p, k_p, v_p = (torch.randn(n, h, 16, generator=g, dtype=dt)
+                     for n, h in ((5, 4), (9, 2), (9, 2)))
+
+    def attend(q_p, k_p, v_p, q_d, cache):
+        return w.run(q_p, k_p, v_p, q_d, cache, causal_p=True)
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(attend, fullgraph=True, dynamic=True, backend="eager")
+    for b, pages in ((2, 64), (3, 64), (5, 70), (7, 80), (4, 90)):
+        w.plan(torch.arange(b + 1, dtype=torch.int32) * 2, torch.arange(2 * b, dtype=torch.int32),
+               torch.full((b,), 3, dtype=torch.int32), 4, 2, 16, 4, q_data_type=dt,
+               kv_data_type=dt)
+        q_d = torch.randn(b, 4, 16, generator=g, dtype=dt)
+        cache = tuple(torch.randn(pages, 4, 2, 16, generator=g, dtype=dt) for _ in range(2))
+        for got, want in zip(f(q_p, k_p, v_p, q_d, cache), attend(q_p, k_p, v_p, q_d, cache)):
+            torch.testing.assert_close(got, want)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
