@@ -240,8 +240,9 @@ def cudnn_batch_prefill_with_kv_cache(
             rows past sum(actual_seq_lens_q) keep their values, as FlashInfer leaves them).
         lse: optional float32 [B, max_token_per_sequence, Hq] buffer on q's device
             (return_lse=True only).
-        is_cuda_graph_compatible: no host reads (capturable): uniform work list, offsets
-            checked on the device; tensor fp8 scales then raise.
+        is_cuda_graph_compatible: no host reads (capturable; a call traced by torch.compile
+            takes this path too): uniform work list, offsets checked on the device; tensor
+            fp8 scales then raise.
         backend: None, "cudnn" or "cubin": all run our kernel (same numbers).
         o_data_type: output dtype (default: out's dtype, else q's).
         lse_base: "log2" (default) returns the LSE in base 2, as every FlashInfer backend;
@@ -254,7 +255,9 @@ def cudnn_batch_prefill_with_kv_cache(
         Output rows past sum(actual_seq_lens_q) belong to no request: the kernel does not
         write them (as FlashInfer; the CPU reference writes 0); slice them off.
     """
-    graph_mode = bool(is_cuda_graph_compatible)
+    # traced by torch.compile: the host-read-free path too (a host read would be a
+    # data-dependent guard), which computes the same numbers
+    graph_mode = bool(is_cuda_graph_compatible) or V.traced()
     _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
                      max_sequence_kv, block_tables, return_lse, lse, batch_offsets_units,
                      backend, lse_base)

@@ -327,3 +327,22 @@ def test_graph_mode_checks_offsets_on_device():
     with pytest.raises(RuntimeError, match="batch_offsets_q"):
         fn(**_base(batch_offsets_q=bad, batch_offsets_units="tokens",
                    is_cuda_graph_compatible=True))
+
+
+def test_compiled_default_call_takes_the_host_read_free_path():
+    """torch.compile(fullgraph=True) of a call with is_cuda_graph_compatible=False (the
+    default): traced, it takes the path without host reads (the lengths' host reads were
+    data-dependent guards: the compile failed) and gives the eager numbers."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(8, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(16, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    lq, lk = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([7, 9], dtype=torch.int32)
+
+    def attend(q, k, v, lq, lk):
+        return fn(q, k, v, 0.25, WS, max_token_per_sequence=8, max_sequence_kv=16,
+                  actual_seq_lens_q=lq, actual_seq_lens_kv=lk, causal=True, return_lse=True)
+
+    torch._dynamo.reset()
+    got = torch.compile(attend, fullgraph=True, backend="eager")(q, k, v, lq, lk)
+    for a, b in zip(got, attend(q, k, v, lq, lk)):  # (every row of q is a request's)
+        torch.testing.assert_close(a, b)

@@ -589,3 +589,4 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
         for got, want in zip(f(q_p, k_p, v_p, q_d, cache), attend(q_p, k_p, v_p, q_d, cache)):
             torch.testing.assert_close(got, want)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
