@@ -490,10 +490,17 @@ def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
                          f"({what}); a mask of another length would be read out of bounds")
 
 
-def mask_packed_length(name: str, packed, expected_bytes: int, what: str) -> torch.Tensor:
+def mask_packed_length(name: str, packed, expected_bytes: int | None, what: str,
+                       device_total: torch.Tensor | None = None) -> torch.Tensor:
     """The packed mask, checked (uint8 [expected_bytes]), contiguous: the kernels read it by a
-    bare pointer, so a strided view is copied."""
+    bare pointer, so a strided view is copied. Traced (traced()) with device_total (a
+    one-element device tensor of the plan's byte count; expected_bytes may then be None), a
+    device assert checks the length: the host count would be a guard."""
     check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,))
+    if device_total is not None and traced():
+        device_check(device_total == packed.shape[0], f"{name}: its bytes are not the plan's "
+                     f"{what}")
+        return packed.contiguous()
     if packed.numel() != expected_bytes:
         raise ValueError(f"{name}: has {packed.numel()} bytes but the plan needs "
                          f"{expected_bytes} ({what}); pack the bool mask with "

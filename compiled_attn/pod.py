@@ -907,19 +907,13 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         k_p, v_p = self._check_cache("paged_kv_cache_p", paged_kv_cache_p, p, "_p")
         k_d, v_d = self._check_cache("paged_kv_cache_d", paged_kv_cache_d, p, "_d")
         packed_p = mask_indptr_p = None
-        if packed_custom_mask_p is not None and traced:
-            # (the plan's host byte count would be a guard: its device byte offsets instead)
-            V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, ndim=1,
-                           dtypes=(torch.uint8,), device=self.device)
-            V.device_check(p["mask_indptr_p"][-1:] == packed_custom_mask_p.shape[0],
-                           "packed_custom_mask_p: its bytes are not the plan's sum over prefill "
-                           "requests of ceil(qo_len * kv_len / 8)")
-            packed_p, mask_p = packed_custom_mask_p.contiguous(), MASK_CUSTOM
-        elif packed_custom_mask_p is not None:
+        if packed_custom_mask_p is not None:
+            # (traced: the plan's device byte offsets, the host count would be a guard)
             packed_custom_mask_p = V.mask_packed_length(
                 "packed_custom_mask_p", packed_custom_mask_p,
-                sum((n + 7) // 8 for n in p["mask_bits_p"]),
-                "sum over prefill requests of ceil(qo_len * kv_len / 8)")
+                None if traced else sum((n + 7) // 8 for n in p["mask_bits_p"]),
+                "sum over prefill requests of ceil(qo_len * kv_len / 8)",
+                device_total=p["mask_indptr_p"][-1:] if traced else None)
             V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=self.device)
             packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
         elif custom_mask_p is not None:

@@ -146,8 +146,8 @@ def single_prefill_with_kv_cache(
     (multiplies sm_scale) and v_scale (multiplies the output, not the LSE); a float, a
     one-element CPU tensor, or (v_scale only) a one-element device tensor.
     custom_mask: bool ``[qo_len, kv_len]`` (True = attend; uint8 / int8: nonzero; any shape
-    with qo_len * kv_len entries, read row-major) or packed_custom_mask: uint8 ``[ceil(qo_len * kv_len / 8)]``,
-    little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
+    with qo_len * kv_len entries, read row-major) or packed_custom_mask: uint8
+    ``[ceil(qo_len * kv_len / 8)]``, little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
     the window still applies. causal: key j visible to row i when ``j <= kv_len - qo_len + i``
     (bottom-right aligned); raises when kv_len < qo_len (as FlashInfer's single prefill).
     window_left >= 0: also ``j >= kv_len - qo_len + i - window_left``. logits_soft_cap > 0:
