@@ -10,7 +10,7 @@ import torch
 import compiled_attn as fi
 
 from .helpers import (D64, WS, check, check_pod_launch, dense, dense_batch, indptr, make_paged,
-                      poisoned_tail, rand)
+                      pack_segments, poisoned_tail, rand)
 
 KV_D = [13, 1, 8, 0]  # decode KV lengths, an empty one included
 
@@ -241,14 +241,17 @@ def test_pod_cuda_graph_replans_keep_one_traced_graph():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dynamic", [True, None])
-def test_batch_pod_replans_keep_one_traced_graph(dynamic):
+def test_batch_pod_replans_keep_one_traced_graph(dynamic, masked):
     """BatchPOD under torch.compile(dynamic=True, fullgraph=True) on two fixed caches (as a
     serving engine allocates them), re-planned with new prefill and decode lengths (row
     counts, page tables and their largest index change): one graph, each plan's numbers; a q
     whose rows miss the plan trips the traced row check. run() read the plan's row counts
     (guards: a recompile per re-plan). Duck sizing is off: sizes that happen to match in one
-    plan (dynamo's guess that they always do) are not what is tested."""
+    plan (dynamo's guess that they always do) are not what is tested. masked: the prefill
+    part takes a packed custom mask, whose length run() checks against the plan's byte count
+    (a host count there would be a guard)."""
     from torch._dynamo.utils import counters
     from torch.fx.experimental import _config as shape_config
 
@@ -258,8 +261,9 @@ def test_batch_pod_replans_keep_one_traced_graph(dynamic):
     w = fi.BatchPODWithPagedKVCacheWrapper(WS)
     torch._dynamo.reset()
     counters.clear()
-    f = torch.compile(lambda qp, cp, qd, cd: w.run(qp, cp, qd, cd, causal_p=True),
-                      fullgraph=True, dynamic=dynamic, backend="eager")
+    f = torch.compile(lambda qp, cp, qd, cd, m=None: w.run(
+        qp, cp, qd, cd, packed_custom_mask_p=m, causal_p=m is None),
+        fullgraph=True, dynamic=dynamic, backend="eager")
     g = torch.Generator().manual_seed(32)
 
     def table(kv, cache):
@@ -280,15 +284,23 @@ def test_batch_pod_replans_keep_one_traced_graph(dynamic):
         q_p, q_d = rand(sum(qo_p), hq, d, seed=50 + step), rand(len(kv_d), hq, d, seed=60)
         w.plan(indptr(qo_p), *t_p, indptr([1] * len(kv_d)), *t_d, hq, hkv, d, page,
                data_type=D64)
+        masks = packed = None
+        if masked:
+            masks = [torch.rand(m, n, generator=g) < 0.7 for m, n in zip(qo_p, kv_p)]
+            packed, _ = pack_segments(masks)
         with shape_config.patch(use_duck_shape=False):
-            o_p, o_d = f(q_p, caches[0], q_d, caches[1])
-        check(o_p, None, *dense_batch(q_p, qo_p, ks_p, vs_p, causal=True))
+            o_p, o_d = f(q_p, caches[0], q_d, caches[1], packed)
+        check(o_p, None, *dense_batch(q_p, qo_p, ks_p, vs_p, masks=masks, causal=not masked))
         check(o_d, None, *dense_batch(q_d, [1] * len(kv_d), ks_d, vs_d))
     # dynamic=None: the first plan's static graph, then one with the changing sizes dynamic
     assert counters["stats"]["unique_graphs"] == (1 if dynamic else 2), dict(counters["stats"])
     with pytest.raises(RuntimeError, match="q_p: rows do not match the plan's qo_indptr_p"), \
             shape_config.patch(use_duck_shape=False):
-        f(q_p[1:], caches[0], q_d, caches[1])
+        f(q_p[1:], caches[0], q_d, caches[1], packed)
+    if masked:
+        with pytest.raises(RuntimeError, match="packed_custom_mask_p: its bytes are not the "
+                                               "plan's"), shape_config.patch(use_duck_shape=False):
+            f(q_p, caches[0], q_d, caches[1], packed[1:])
 
 
 def test_pod_page_indices_longer_than_indptr():
