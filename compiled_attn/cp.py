@@ -482,6 +482,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     its name), which a traced graph holds as one opaque node whose body is the eager call;
     default False: the functional collectives and the attention ops enter the graph apiece
     (module docstring).
+    Every argument but the local tensors must be the same on every rank of ``group``, as a
+    collective's are: they are not compared across ranks (that would cost a collective per
+    call), and ranks that disagree about indptr get wrong numbers, or wait on each other
+    forever where their local_len differs.
     Under torch.compile the plan of each step is built from the lengths and head counts while
     tracing, so they are specialised: a new length or head count compiles the call again
     (symbolic sizes, as torch's automatic dynamic shapes make them, are made constants).
