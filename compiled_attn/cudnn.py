@@ -207,8 +207,11 @@ def cudnn_batch_prefill_with_kv_cache(
         q: [Nq, Hq, Dqk] packed query tokens, requests back to back (fp16/bf16/fp32, or fp8
             which is upcast exactly to bf16).
         k_cache, v_cache: paged: [P, Hkv, page, Dqk] / [P, Hkv, page, Dvo] (any strides) with
-            ``block_tables``; ragged: [Nk, Hkv, Dqk] / [Nk, Hkv, Dvo], requests back to back.
-            fp8 (e4m3/e5m2) is upcast; pass its scales as k_scale/v_scale.
+            ``block_tables``; ragged: [Nk, Hkv, Dqk] / [Nk, Hkv, Dvo], requests back to back
+            at ``batch_offsets_k`` / ``batch_offsets_v``, or, without both (B > 1), padded as
+            FlashInfer's cuDNN graph reads them: request b's keys from row
+            b * max_sequence_kv (Nk >= B * max_sequence_kv). fp8 (e4m3/e5m2) is upcast; pass
+            its scales as k_scale/v_scale.
         scale: softmax scale on q.k.
         workspace_buffer: accepted for compatibility; our kernel needs no workspace.
         max_token_per_sequence: bound on each request's query length; the LSE's middle dim.
@@ -230,7 +233,10 @@ def cudnn_batch_prefill_with_kv_cache(
             offsets of each request in q / out / k / v, in
             ``batch_offsets_units`` ("elements": token offset * the tensor's token stride;
             "tokens": plain indptrs). Requests must be packed back to back (the offsets equal
-            the cumulative lengths); other layouts raise NotImplementedError.
+            the cumulative lengths); other layouts raise NotImplementedError, as do ragged
+            K/V with only one of batch_offsets_k / batch_offsets_v (B > 1; in token units
+            batch_offsets_v defaults to batch_offsets_k, and batch_offsets_o to
+            batch_offsets_q).
         batch_offsets_stats: [B+1] start offsets into the LSE buffer (elements: token offset *
             Hq); request b's row i, head h is written at flat element
             ``offset[b] + i * Hq + h``. Without it the LSE is padded: [b, i, h]. A request
@@ -265,6 +271,9 @@ def cudnn_batch_prefill_with_kv_cache(
     offsets = dict(q=batch_offsets_q, o=batch_offsets_o, k=batch_offsets_k, v=batch_offsets_v)
     bsz, qo_lens, kv_lens = _lengths(q, k_cache, actual_seq_lens_q, actual_seq_lens_kv, offsets,
                                      batch_offsets_units, paged, graph_mode)
+    if _padded_kv(paged, bsz, offsets, max_sequence_kv):
+        k_cache, v_cache, block_tables = _padded_as_pages(k_cache, v_cache, bsz, max_sequence_kv)
+        paged = True
     qo_indptr = _exclusive_cumsum(qo_lens)
     kv_indptr = _exclusive_cumsum(kv_lens)
     out_dtype = _out_dtype(q, v_cache, out, o_data_type)
@@ -384,6 +393,42 @@ def _lengths(q, k_cache, actual_seq_lens_q, actual_seq_lens_kv, offsets: dict, u
         _fail("actual_seq_lens_kv", f"has {kv_lens.shape[0]} entries, actual_seq_lens_q {bsz}",
               "pass one length per request to both")
     return bsz, qo_lens, kv_lens
+
+
+def _padded_kv(paged: bool, bsz: int, offsets: dict, max_sequence_kv: int) -> bool:
+    """Whether ragged K / V are read padded: without batch_offsets_k and batch_offsets_v,
+    FlashInfer's cuDNN graph reads request b's keys and values from row b * max_sequence_kv
+    (its K / V tensors declared [B, Hkv, max_sequence_kv, D]); with one of the two only, one
+    would be packed and the other padded, which one launch cannot read."""
+    if paged or bsz <= 1 or max_sequence_kv == 0:
+        return False  # (one request, or no keys: packed and padded are the same rows)
+    given = [offsets[x] is not None for x in ("k", "v")]
+    if given == [True, True]:
+        return False
+    if any(given):
+        _fail("batch_offsets_k / batch_offsets_v", "given one without the other: K would be read "
+              "at its offsets and V padded (request b at row b * max_sequence_kv), or the "
+              "other way round, which is not implemented",
+              "pass both (packed requests) or neither (padded)", exc=NotImplementedError)
+    return True
+
+
+def _padded_as_pages(k_cache, v_cache, bsz: int, max_sequence_kv: int):
+    """Ragged K / V in FlashInfer's padded layout (request b at row b * max_sequence_kv) as a
+    paged cache of one max_sequence_kv-key page per request: (k [B, Hkv, M, Dqk],
+    v [B, Hkv, M, Dvo], block_tables int32 [B, 1] = b)."""
+    rows = bsz * max_sequence_kv
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[0] < rows:
+            _fail(arg, f"has {t.shape[0]} rows; without batch_offsets_k / batch_offsets_v "
+                  f"request b's keys are read from row b * max_sequence_kv (FlashInfer's "
+                  f"padded layout), so {bsz} requests need {rows}",
+                  "pass batch_offsets_k and batch_offsets_v for requests packed back to "
+                  "back, or a [B * max_sequence_kv, Hkv, D] tensor")
+    pages = [t[:rows].unflatten(0, (bsz, max_sequence_kv)).transpose(1, 2)
+             for t in (k_cache, v_cache)]
+    table = torch.arange(bsz, device=k_cache.device, dtype=torch.int32)[:, None]
+    return pages[0], pages[1], table
 
 
 def _out_dtype(q, v_cache, out, o_data_type) -> torch.dtype:

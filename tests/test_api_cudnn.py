@@ -113,6 +113,49 @@ def test_ragged_with_offsets(units, graph):
     _check(o, l, *_oracle(qs, ks, vs, 0.3, True), qo_lens, 6)
 
 
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ragged_without_kv_offsets_reads_padded_rows(causal, graph):
+    """Ragged K / V without batch_offsets_k / _v: request b's keys and values from row
+    b * max_sequence_kv, as FlashInfer's cuDNN graph declares them ([B, Hkv, max_sequence_kv,
+    D]); an empty request and a short one between full ones; rows between the requests hold
+    NaN, which no request may read. (They were read packed: the later requests attended the
+    wrong keys.)"""
+    torch.manual_seed(13 + graph)
+    qo_lens, kv_lens, hq, hkv, dqk, dvo, m = [3, 2, 4, 1], [5, 0, 12, 7], 6, 2, 16, 8, 12
+    qs, ks, vs = _seqs(qo_lens, kv_lens, hq, hkv, dqk, dvo)
+    k = torch.full((len(kv_lens) * m + 3, hkv, dqk), float("nan"), dtype=torch.float64)
+    v = torch.full((len(kv_lens) * m + 3, hkv, dvo), float("nan"), dtype=torch.float64)
+    for b, (kb, vb) in enumerate(zip(ks, vs)):
+        k[b * m: b * m + kb.shape[0]], v[b * m: b * m + vb.shape[0]] = kb, vb
+    qi = torch.tensor([0, 3, 5, 9, 10], dtype=torch.int32)
+    o, l = fn(torch.cat(qs), k, v, 0.4, WS, max_token_per_sequence=4, max_sequence_kv=m,
+              actual_seq_lens_q=_lens(qo_lens), actual_seq_lens_kv=_lens(kv_lens),
+              causal=causal, return_lse=True, batch_offsets_q=qi * hq * dqk,
+              batch_offsets_o=qi * hq * dvo, is_cuda_graph_compatible=graph)
+    _check(o, l, *_oracle(qs, ks, vs, 0.4, causal), qo_lens, 4)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(k_cache=torch.randn(11, 2, 8, dtype=torch.float64)), ValueError,
+     r"k_cache has 11 rows; without batch_offsets_k / batch_offsets_v request b's keys are "
+     r"read from row b \* max_sequence_kv .* 2 requests need 12"),
+    (dict(batch_offsets_k=torch.tensor([0, 6 * 16, 10 * 16])), NotImplementedError,
+     "batch_offsets_k / batch_offsets_v given one without the other"),
+    (dict(batch_offsets_v=torch.tensor([0, 6 * 16, 10 * 16])), NotImplementedError,
+     "batch_offsets_k / batch_offsets_v given one without the other"),
+])
+def test_ragged_padded_rows_bad_inputs(over, exc, match):
+    """Padded ragged K / V need B * max_sequence_kv rows; one of the two K / V offsets alone
+    (K packed and V padded) is not implemented."""
+    k = torch.randn(12, 2, 8, dtype=torch.float64)
+    args = _base(block_tables=None, k_cache=k, v_cache=k.clone())
+    args.update(over)
+    args["v_cache"] = args["v_cache"][: args["k_cache"].shape[0]]
+    with pytest.raises(exc, match=match):
+        fn(**args)
+
+
 def test_ragged_lengths_from_token_offsets_and_stats_offsets():
     """actual_seq_lens_* omitted (token indptrs give them); batch_offsets_stats puts the LSE
     packed by token: request b row i head h at offset[b] + i * Hq + h."""
@@ -276,7 +319,9 @@ def test_bad_inputs(over, exc, match):
     (dict(actual_seq_lens_q=_lens([4, 1])), r"actual_seq_lens_q must be in \[0, max_token"),
     (dict(q=torch.randn(4, 4, 8, dtype=torch.float64)), "q has fewer tokens"),
     (dict(k_cache=torch.randn(7, 2, 8, dtype=torch.float64),
-          v_cache=torch.randn(7, 2, 8, dtype=torch.float64), block_tables=None),
+          v_cache=torch.randn(7, 2, 8, dtype=torch.float64), block_tables=None,
+          batch_offsets_k=torch.tensor([0, 6, 10]), batch_offsets_units="tokens",
+          batch_offsets_q=torch.tensor([0, 3, 5])),
      "k_cache has fewer tokens than sum"),
     (dict(batch_offsets_stats=torch.tensor([0, 20, 32], dtype=torch.int32)),
      "batch_offsets_stats puts a request's LSE rows outside the lse buffer's 24 elements"),
@@ -335,7 +380,8 @@ def test_compiled_default_call_takes_the_host_read_free_path():
     data-dependent guards: the compile failed) and gives the eager numbers."""
     g = torch.Generator().manual_seed(21)
     q = torch.randn(8, 4, 16, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(16, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    # (no K / V offsets: request b's keys from row b * max_sequence_kv, padded)
+    k, v = (torch.randn(32, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
     lq, lk = torch.tensor([3, 5], dtype=torch.int32), torch.tensor([7, 9], dtype=torch.int32)
 
     def attend(q, k, v, lq, lk):

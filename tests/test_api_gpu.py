@@ -166,6 +166,35 @@ def test_cudnn_graph_mode_captures_and_replays_new_lengths():
         _close(out[:sum(qo)], ref[:sum(qo)])
 
 
+@pytest.mark.parametrize("m", [1000, 4096])
+@pytest.mark.parametrize("graph", [False, True])
+def test_cudnn_ragged_padded_kv(m, graph):
+    """Ragged K / V without batch_offsets_k / _v, read padded as FlashInfer's cuDNN graph
+    reads them (request b from row b * max_sequence_kv: one page of m keys a request on the
+    paged kernel), against the CPU float64 call."""
+    g = torch.Generator().manual_seed(m + graph)
+    hq, hkv, d = 8, 2, 128
+    qo, kv = [64, 1, 200], [m, 0, m // 2 + 7]
+    q = torch.randn(sum(qo), hq, d, generator=g)
+    k, v = (torch.randn(3 * m, hkv, d, generator=g) for _ in range(2))
+    qi = _indptr(qo)
+
+    def call(q, k, v, dev):
+        return compiled_attn.cudnn_batch_prefill_with_kv_cache(
+            q, k, v, 0.1, torch.empty(1, device=dev), max_token_per_sequence=200,
+            max_sequence_kv=m, actual_seq_lens_q=torch.tensor(qo, device=dev),
+            actual_seq_lens_kv=torch.tensor(kv, device=dev), causal=True, return_lse=True,
+            batch_offsets_q=(qi * hq * d).to(dev), batch_offsets_o=(qi * hq * d).to(dev),
+            is_cuda_graph_compatible=graph and dev == "cuda")
+
+    out, lse = call(*(x.to("cuda", torch.bfloat16) for x in (q, k, v)), "cuda")
+    ref_out, ref_lse = call(q.double(), k.double(), v.double(), "cpu")
+    _close(out, ref_out)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), fin)
+    _close(lse.cpu()[fin], ref_lse[fin])
+
+
 def _poisoned(indices, n_pages):
     """indices followed by entries no kernel may read (a buffer sized for a larger batch)."""
     tail = torch.tensor([-1, n_pages, 2 ** 31 - 1] * 5, dtype=torch.int32)
