@@ -260,9 +260,10 @@ single_prefill_with_kv_cache.__doc__ += "\n    " + _LSE_DOC + "\n"
 
 
 def single_prefill_with_kv_cache_return_lse(*args, **kwargs):
-    """:func:`single_prefill_with_kv_cache` with ``return_lse=True``: returns (out
-    ``[qo_len, Hq, D_vo]``, lse float32 ``[qo_len, Hq]``). """
-    kwargs["return_lse"] = True
+    """:func:`single_prefill_with_kv_cache` with ``return_lse=True`` by default: returns (out
+    ``[qo_len, Hq, D_vo]``, lse float32 ``[qo_len, Hq]``); a ``return_lse=False`` keyword
+    wins, as over FlashInfer's ``functools.partial`` (out only). """
+    kwargs.setdefault("return_lse", True)
     return single_prefill_with_kv_cache(*args, **kwargs)
 
 

@@ -3,12 +3,12 @@
 These are FlashInfer's helper functions with its signatures: bit packing of custom masks
 (``packbits``, ``segment_packbits``), paged-KV bookkeeping (``append_paged_kv_cache``,
 ``get_batch_indices_positions``, ``get_seq_lens``), merging of partial attention results by
-their LSE (``merge_state``, ``merge_states``; LSE in base 2, as every compiled_attn entry point
-returns it) and the ALiBi slopes (``get_alibi_slopes``). None of them loops over tokens in
-Python; they run on any device. The few that must size an output from tensor values
-(``segment_packbits``) read those values on the host, as FlashInfer's do, and say so. The
-private helpers at the bottom (page-cache views, segment bit sources) are shared with the
-wrappers in ``prefill.py`` and ``pod.py``.
+their LSE (``merge_state``, ``merge_states``, ``merge_state_in_place``; LSE in base 2, as every
+compiled_attn entry point returns it) and the ALiBi slopes (``get_alibi_slopes``). None of
+them loops over tokens in Python; they run on any device. The few that must size an output
+from tensor values (``segment_packbits``) read those values on the host, as FlashInfer's do,
+and say so. The private helpers at the bottom (page-cache views, segment bit sources) are
+shared with the wrappers in ``prefill.py`` and ``pod.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ __all__ = [
     "get_seq_lens",
     "merge_state",
     "merge_states",
+    "merge_state_in_place",
     "get_alibi_slopes",
 ]
 
@@ -295,13 +296,46 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
     LSEs are -inf (no key seen) merges to output 0, LSE -inf; a NaN LSE gives NaN (output and
     LSE). v_a / v_b are floating point (TypeError otherwise).
     """
-    V.check_tensor("v_a", v_a, ndim=3, what="[N, H, D]")
-    V.check_tensor("v_b", v_b, shape=v_a.shape, device=v_a.device, what="[N, H, D] as v_a")
-    for name, s in (("s_a", s_a), ("s_b", s_b)):
-        V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device, what="[N, H] of v_a")
-    _check_floating(("v_a", v_a), ("v_b", v_b), ("s_a", s_a), ("s_b", s_b))
+    _check_two_states(("v_a", v_a), ("s_a", s_a), ("v_b", v_b), ("s_b", s_b))
     v, s = merge_states(torch.stack([v_a, v_b], dim=1), torch.stack([s_a, s_b], dim=1))
     return v, s
+
+
+def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor,
+                         s_other: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """merge_state of (v, s) and (v_other, s_other), written into v and s.
+
+    v, v_other: ``[N, H, D]``; s, s_other: float ``[N, H]``, base-2 LSEs (s float32, as
+    FlashInfer expects; another floating dtype is written rounded). mask: optional bool (or
+    integer, nonzero = merge) ``[N]``: rows where it is False keep v and s unchanged (a CUDA
+    graph captures one merge for a batch of any size up to N). The rule and its -inf / NaN
+    rows are merge_state's. Returns None.
+    """
+    _check_two_states(("v", v), ("s", s), ("v_other", v_other), ("s_other", s_other))
+    if mask is not None:
+        V.check_tensor("mask", mask, shape=(v.shape[0],), device=v.device, what="[N]")
+        if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            raise TypeError(f"mask: expected a bool (or integer) [N] tensor; got {mask.dtype}")
+    out, lse = merge_states(torch.stack([v, v_other], dim=1), torch.stack([s, s_other], dim=1))
+    if mask is not None:
+        keep = mask != 0
+        out = torch.where(keep[:, None, None], out, v)
+        lse = torch.where(keep[:, None], lse, s.to(lse.dtype))
+    v.copy_(out)
+    s.copy_(lse)
+
+
+def _check_two_states(*named: tuple[str, torch.Tensor]) -> None:
+    """(v_a, s_a, v_b, s_b) by name: v_a [N, H, D], v_b as v_a, both LSEs [N, H], one device,
+    all floating point."""
+    (va_name, v_a), (sa_name, s_a), (vb_name, v_b), (sb_name, s_b) = named
+    V.check_tensor(va_name, v_a, ndim=3, what="[N, H, D]")
+    V.check_tensor(vb_name, v_b, shape=v_a.shape, device=v_a.device,
+                   what=f"[N, H, D] as {va_name}")
+    for name, s in ((sa_name, s_a), (sb_name, s_b)):
+        V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device,
+                       what=f"[N, H] of {va_name}")
+    _check_floating(*named)
 
 
 def _check_floating(*named: tuple[str, torch.Tensor]) -> None:

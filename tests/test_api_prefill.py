@@ -41,6 +41,10 @@ def test_single_prefill_grid(qo, kv, hq, hkv, dqk, dvo, causal, layout):
     out2, lse2 = fi.single_prefill_with_kv_cache_return_lse(q, kk, vv, causal=causal,
                                                             kv_layout=layout)
     assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    # return_lse=False wins over the default, as over FlashInfer's functools.partial
+    out3 = fi.single_prefill_with_kv_cache_return_lse(q, kk, vv, causal=causal,
+                                                      kv_layout=layout, return_lse=False)
+    assert torch.is_tensor(out3) and torch.equal(out, out3)
 
 
 @pytest.mark.parametrize("feature", ["window", "window_noncausal", "soft_cap", "alibi", "rope",

@@ -127,6 +127,30 @@ def test_merge_state_empty_rows_give_zero_and_minus_inf():
     assert torch.all(l == 0)
 
 
+def test_merge_state_in_place_writes_merge_state_and_skips_masked_rows():
+    """FlashInfer's merge_state_in_place: merge_state's result written into v and s; rows
+    whose mask entry is False (or 0) keep their values; a -inf side leaves the other one."""
+    v, v_o = rand(5, 3, 8, seed=8), rand(5, 3, 8, seed=9)
+    s, s_o = rand(5, 3, seed=10).float(), rand(5, 3, seed=11).float()
+    s_o[1] = -math.inf
+    want_v, want_s = fi.merge_state(v, s, v_o, s_o)
+    for mask in (None, torch.tensor([True, False, True, True, False]),
+                 torch.tensor([1, 0, 1, 1, 0], dtype=torch.int32)):
+        got_v, got_s = v.clone(), s.clone()
+        assert fi.merge_state_in_place(got_v, got_s, v_o, s_o, mask) is None
+        rows = torch.ones(5, dtype=torch.bool) if mask is None else mask != 0
+        torch.testing.assert_close(got_v[rows], want_v[rows], atol=0, rtol=0)
+        torch.testing.assert_close(got_s[rows], want_s[rows], atol=0, rtol=0)
+        assert torch.equal(got_v[~rows], v[~rows]) and torch.equal(got_s[~rows], s[~rows])
+    torch.testing.assert_close(want_v[1], v[1])  # (the -inf side merged away)
+    with pytest.raises(ValueError, match=r"mask: expected shape \(5,\)"):
+        fi.merge_state_in_place(v.clone(), s.clone(), v_o, s_o, torch.ones(4, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask: expected a bool"):
+        fi.merge_state_in_place(v.clone(), s.clone(), v_o, s_o, torch.ones(5))
+    with pytest.raises(ValueError, match=r"s_other: expected shape \(5, 3\)"):
+        fi.merge_state_in_place(v.clone(), s.clone(), v_o, s_o[:4])
+
+
 @pytest.mark.parametrize("h", [1, 7, 8, 12, 32])
 def test_get_alibi_slopes(h):
     got = fi.get_alibi_slopes(h)

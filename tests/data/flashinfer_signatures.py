@@ -24,7 +24,7 @@ TARGETS = {
                    "trtllm_fmha_v2_prefill"],
     "pod.py": ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"],
     "cudnn/prefill.py": ["cudnn_batch_prefill_with_kv_cache"],
-    "cascade.py": ["merge_state", "merge_states"],
+    "cascade.py": ["merge_state", "merge_states", "merge_state_in_place"],
     "page.py": ["get_batch_indices_positions", "get_seq_lens", "append_paged_kv_cache"],
     "utils.py": ["get_alibi_slopes"],
     "quantization/packbits.py": ["packbits", "segment_packbits"],
