@@ -37,14 +37,14 @@ def exact(*, custom_mask: bool, window_left: int, pos_encoding_mode: int,
 
 
 @triton.jit
-def _gather_rows(src_ptr, q_ptr, out_ptr, stride_qn, stride_qh, HQ: tl.constexpr,
+def _gather_rows(src_ptr, q_ptr, out_ptr, stride_qn, stride_qh, stride_qd, HQ: tl.constexpr,
                  D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Grid (chunk rows, HQ): out [R, HQ, D] (contiguous) row r, head h = q[src[r], h]."""
     r = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     s = tl.load(src_ptr + r).to(tl.int64)
-    x = tl.load(q_ptr + s * stride_qn + h * stride_qh + d, mask=d < D)
+    x = tl.load(q_ptr + s * stride_qn + h * stride_qh + d * stride_qd, mask=d < D)
     tl.store(out_ptr + (r.to(tl.int64) * HQ + h) * D + d, x, mask=d < D)
 
 
@@ -85,13 +85,14 @@ def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, st
 
 
 def gather_rows(q: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """q [N, Hq, D] (unit stride in D), src int32 [R] (rows of q) -> contiguous [R, Hq, D]: a
+    """q [N, Hq, D] (any strides), src int32 [R] (rows of q) -> contiguous [R, Hq, D]: a
     scratch buffer (launch.scratch) that a bound run allocates again per call."""
     r, (_, hq, d) = src.shape[0], q.shape
     rows = launch.scratch((r, hq, d), q.dtype, q.device)
     if r:
         launch.run_direct(_gather_rows, (r, hq), src, q, rows, q.stride(0), q.stride(1),
-                          HQ=hq, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
+                          q.stride(2), HQ=hq, D=d, BLOCK_D=triton.next_power_of_2(d),
+                          num_warps=1)
     return rows
 
 

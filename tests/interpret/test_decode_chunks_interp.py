@@ -206,3 +206,22 @@ def test_gather_rows():
     src = torch.tensor([4, 4, 0, 2], dtype=torch.int32)
     got = decode_chunks.gather_rows(q, src)
     assert got.is_contiguous() and torch.equal(got, q[src.long()])
+    # a head dim of stride 2 (it was read as unit stride: a decode batch's q sliced every
+    # other element gave wrong numbers through the chunks, and only there)
+    q2 = rand(5, 3, 40, seed=3, dtype=F32)[:, :, ::2]
+    assert torch.equal(decode_chunks.gather_rows(q2, src), q2[src.long()])
+
+
+def test_chunked_decode_takes_a_strided_head_dim():
+    """A decode batch whose q has a head-dim stride of 2, through the chunks: the numbers of
+    the contiguous q."""
+    qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
+    w, cache, ks, vs = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=5)
+    assert w._plan.chunk_work is not None
+    q = rand(sum(qo), hq, 16, seed=6, dtype=dt)
+    q2 = torch.full((sum(qo), hq, 32), float("nan"), dtype=dt)[:, :, ::2]
+    q2.copy_(q)
+    assert q2.stride(-1) == 2
+    o1, l1 = w.run(q, cache, return_lse=True)
+    o2, l2 = w.run(q2, cache, return_lse=True)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
