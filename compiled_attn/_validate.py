@@ -71,27 +71,28 @@ WINDOW_ALL = 2 ** 31 - 1  # key positions are int32: a window this wide sees eve
 
 def check_window_left(w, name: str = "window_left") -> int:
     """Any integer type (a numpy integer too, by operator.index; not bool) -> a Python int. A
+    negative window is no window (-1), as FlashInfer turns it on for window_left >= 0 only. A
     window of WINDOW_ALL (2^31 - 1) keys or more reaches every key position (positions are
-    int32), so it is no window: -1 (the kernels then never see an integer past int32)."""
+    int32), so it is no window either (the kernels then never see an integer past int32)."""
     try:
         wi = None if isinstance(w, bool) else operator.index(w)
     except TypeError:
         wi = None
-    if wi is None or wi < -1:
+    if wi is None:
         raise ValueError(f"{name}: got {w!r}; use an int >= 0 (keys j >= position - window_left "
                          "are seen) or -1 to disable the window")
-    return -1 if wi >= WINDOW_ALL else int(wi)
+    return -1 if wi < 0 or wi >= WINDOW_ALL else int(wi)
 
 
 def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
-    """None -> 0.0 (disabled)."""
+    """None, 0 or a negative value -> 0.0 (disabled: FlashInfer caps for a value > 0 only)."""
     if c is None:
         return 0.0
     c = _number(name, c)
-    if not math.isfinite(c) or c < 0:
+    if not math.isfinite(c):
         raise ValueError(f"{name}: got {c!r}; use a finite value > 0 to cap the logits at "
                          "c * tanh(s / c), or 0 / None to disable")
-    return fits_float32(name, c)
+    return fits_float32(name, c) if c > 0 else 0.0
 
 
 def is_number(x) -> bool:
@@ -483,8 +484,16 @@ def check_rope_dim(head_dim_qk: int, pos_code: int) -> None:
 
 def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
     """A custom mask holds exactly `expected` entries (any shape; read flattened): bool, or
-    a 1-byte integer type whose nonzero entries attend (FlashInfer reads its bytes as bool)."""
-    check_tensor(name, mask, dtypes=(torch.bool, torch.uint8, torch.int8))
+    an integer type whose nonzero entries attend (FlashInfer packs ``mask.to(torch.bool)``). A
+    floating mask raises: FlashInfer would read its nonzero entries as attend, which inverts
+    an additive mask (0 attend, -inf masked)."""
+    check_tensor(name, mask)
+    if mask.dtype.is_floating_point or mask.dtype.is_complex:
+        raise TypeError(f"{name}: expected a bool (or integer) mask, True / nonzero = attend; "
+                        f"got {mask.dtype}. A floating mask is not taken: read as FlashInfer "
+                        "reads it (nonzero = attend) an additive mask (0 = attend, -inf = "
+                        "masked) would be inverted; pass mask.bool() for a 0/1 mask, or "
+                        "mask == 0 for an additive one")
     if mask.numel() != expected:
         raise ValueError(f"{name}: has {mask.numel()} entries but the plan needs {expected} "
                          f"({what}); a mask of another length would be read out of bounds")

@@ -274,15 +274,15 @@ single_prefill_with_kv_cache_return_lse.__doc__ += _LSE_DOC
 # batch wrappers: shared plan / run machinery
 # --------------------------------------------------------------------------------------------
 def _check_fixed_split_size(fixed_split_size) -> int | None:
-    """FlashInfer's fixed_split_size: None or -1 (off) or a positive int (pages per KV chunk;
-    ragged: keys)."""
-    if fixed_split_size is None or (type(fixed_split_size) is int and fixed_split_size == -1):
+    """FlashInfer's fixed_split_size: a positive int (pages per KV chunk; ragged: keys), or
+    None, 0 or a negative int (off: FlashInfer plans ``fixed_split_size or -1`` and splits for
+    a value > 0 only)."""
+    if fixed_split_size is None:
         return None
-    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, int) \
-            or fixed_split_size <= 0:
+    if isinstance(fixed_split_size, bool) or not isinstance(fixed_split_size, int):
         raise ValueError(f"fixed_split_size: got {fixed_split_size!r}; pass a positive int "
                          "(pages per KV chunk; ragged: keys), or None / -1 for the default plan")
-    return fixed_split_size
+    return fixed_split_size if fixed_split_size > 0 else None
 
 
 def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:

@@ -404,10 +404,10 @@ def test_cuda_graph_run_keeps_caller_rows_past_the_plan(lse_layout):
     assert (out[6:] == 7.0).all() and (rows[6:] == 7.0).all()
 
 
-def test_one_byte_integer_custom_masks_read_as_bool():
-    """A uint8 / int8 custom mask (nonzero attends, as FlashInfer's packbits reads its bytes)
-    gives the bool mask's result: single prefill and a ragged plan; a qo_indptr and kv_indptr
-    of different lengths name both."""
+def test_integer_custom_masks_read_as_bool():
+    """An integer custom mask (nonzero attends, as FlashInfer packs mask.to(torch.bool)) gives
+    the bool mask's result: single prefill and a ragged plan; a qo_indptr and kv_indptr of
+    different lengths name both."""
     hq, hkv, d = 2, 1, 8
     qo, kv = [4, 3], [6, 11]
     k, v, ks, vs = ragged_kv(kv, hkv, d, d, seed=80)
@@ -417,11 +417,12 @@ def test_one_byte_integer_custom_masks_read_as_bool():
     q = rand(7, hq, d, seed=82)
     w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS, "NHD")
     outs = []
-    for mask in (flat, flat.to(torch.uint8) * 3, flat.to(torch.int8) * -1):
+    for mask in (flat, flat.to(torch.uint8) * 3, flat.to(torch.int8) * -1,
+                 flat.to(torch.int32) * 7, flat.to(torch.int64) * -2):
         w.plan(indptr(qo), indptr(kv), hq, hkv, d, custom_mask=mask, q_data_type=D64)
         outs.append(w.run(q, k, v))
     check(outs[0], None, *dense_batch(q, qo, ks, vs, masks=masks))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
     one = fi.single_prefill_with_kv_cache(q[:4], ks[0], vs[0], custom_mask=masks[0])
     assert torch.equal(one, fi.single_prefill_with_kv_cache(
         q[:4], ks[0], vs[0], custom_mask=masks[0].to(torch.uint8)))

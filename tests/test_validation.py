@@ -52,20 +52,17 @@ PLAN_ERRORS = [
     (dict(page_size=0), ValueError, "page_size: got 0"),
     (dict(num_qo_heads=6, num_kv_heads=4), ValueError,
      "num_qo_heads = 6 is not a multiple of num_kv_heads = 4"),
-    (dict(window_left=-2), ValueError, "window_left: got -2"),
-    (dict(logits_soft_cap=-1.0), ValueError, "logits_soft_cap: got -1.0"),
     (dict(pos_encoding_mode="ROPE"), ValueError, "pos_encoding_mode: got 'ROPE'; use one of"),
     (dict(pos_encoding_mode="ROPE_LLAMA", head_dim_qk=7), ValueError, "even head_dim_qk"),
     (dict(rope_theta=0.0), ValueError, "rope_theta: got 0.0"),
     (dict(custom_mask=torch.ones(3 * 5 + 4 * 9 - 1, dtype=torch.bool)), ValueError,
      "custom_mask: has 50 entries but the plan needs 51"),
     (dict(custom_mask=torch.ones(51, dtype=torch.float32)), TypeError,
-     "custom_mask: expected dtype torch.bool or torch.uint8 or torch.int8; got torch.float32"),
+     "custom_mask: expected a bool .* got torch.float32.*mask == 0 for an additive one"),
     (dict(packed_custom_mask=torch.zeros(8, dtype=torch.uint8)), ValueError,
      r"packed_custom_mask: has 8 bytes but the plan needs 7 .*segment_packbits"),
     (dict(seq_lens=torch.tensor([5, 8])), ValueError, r"seq_lens: \[5, 8\] disagrees"),
     (dict(max_sequence_kv=8), ValueError, "max_sequence_kv = 8 is below"),
-    (dict(fixed_split_size=0), ValueError, "fixed_split_size: got 0; pass a positive int"),
     (dict(fixed_split_size=2.5), ValueError, "fixed_split_size: got 2.5"),
     (dict(fixed_split_size=True), ValueError, "fixed_split_size: got True"),
     (dict(prefix_len_ptr=torch.zeros(2)), NotImplementedError, "prefix_len_ptr: multi-item"),
@@ -116,7 +113,6 @@ def test_paged_run_errors(paged):
          r"k_scale: got a meta tensor.*pass float\(k_scale\)"),
         (lambda: w.run(q, cache, v_scale=torch.ones(2, device="meta")), NotImplementedError,
          "v_scale: got a tensor of shape"),
-        (lambda: w.run(q, cache, window_left=-3), ValueError, "window_left: got -3"),
         (lambda: w.run(q, cache, lse_base="e"), ValueError,
          r"lse_base: got 'e'; use 'log2' .* or 'ln'"),
         (lambda: w.run(q, cache, lse_layout="TN"), ValueError,
@@ -235,6 +231,23 @@ def test_pod_plan_errors():
         fi.PODWithPagedKVCacheWrapper(WS, jit_args=[1])
     with pytest.raises(ValueError, match="head_dim"):
         p.plan(kvi, idx, last, HQ, HKV, 0, PAGE)
+
+
+def test_values_flashinfer_reads_as_off(paged):
+    """FlashInfer turns a window on for window_left >= 0, a soft cap for logits_soft_cap > 0
+    and fixed-size KV chunks for fixed_split_size > 0 (it plans ``fixed_split_size or -1``):
+    any other value is the feature off, with the numbers of the plain call (they raised)."""
+    q = rand(sum(QO), HQ, D, seed=9)
+    want = plan_paged(paged, causal=True).run(q, paged[0])
+    for kw in (dict(window_left=-2), dict(logits_soft_cap=-1.0), dict(fixed_split_size=0),
+               dict(fixed_split_size=-5)):
+        assert torch.equal(plan_paged(paged, causal=True, **kw).run(q, paged[0]), want), kw
+    w = plan_paged(paged, causal=True)
+    assert torch.equal(w.run(q, paged[0], window_left=-3), want)
+    qs, k, v = rand(5, HQ, D, seed=1), rand(9, HKV, D, seed=2), rand(9, HKV, D, seed=3)
+    assert torch.equal(fi.single_prefill_with_kv_cache(qs, k, v, window_left=-7,
+                                                       logits_soft_cap=-2.0),
+                       fi.single_prefill_with_kv_cache(qs, k, v))
 
 
 def test_window_left_takes_any_integer_type():
