@@ -385,16 +385,18 @@ def check_total(name: str, host: torch.Tensor, total: int, what: str) -> None:
 
 def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: int, *,
                      names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Checks a page table (indptr [B+1] already through host_indptr, in pages).
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Checks a page table (indptr [B+1] already through host_indptr(start_zero=False), in
+    pages).
 
-    indices: integer [>= indptr[-1]]: a pre-allocated buffer may be longer (as in FlashInfer,
-    whose kernels read entries indptr[b]..indptr[b+1]-1 only); entries past indptr[-1] are
-    neither read nor checked, and the returned copy ends at indptr[-1]. The entries used are
+    indices: integer [>= indptr[-1]]: a pre-allocated buffer may be longer, and indptr may
+    start past 0 (as in FlashInfer, whose kernels read entries indptr[b]..indptr[b+1]-1 only);
+    entries outside indptr[0]..indptr[-1] are neither read nor checked. The entries used are
     >= 0 (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
     last_page_len: integer [B], in [1, page_size] for a request with pages, [0, page_size] for
-    one without (its kv_len is 0 either way). Returns host int64 copies (indices[:indptr[-1]],
-    last_page_len) and kv_len [B] = (pages - 1) * page_size + last_page_len (0 without pages).
+    one without (its kv_len is 0 either way). Returns host int64 copies of the same table
+    from 0 (indptr - indptr[0], indices[indptr[0]:indptr[-1]]), last_page_len, and kv_len [B]
+    = (pages - 1) * page_size + last_page_len (0 without pages).
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -407,10 +409,12 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                          f"entries; {idx_n} needs at least {ind_n}[-1] entries (entries past "
                          "it are ignored)")
     check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
-    idx_h = host_copy(idx_n, indices[:used])
+    start = int(indptr[0])
+    idx_h = host_copy(idx_n, indices[start:used])
     if idx_h.numel() and int(idx_h.min()) < 0:
         i = int(torch.nonzero(idx_h < 0)[0, 0])
-        raise ValueError(f"{idx_n}: entry {i} is {int(idx_h[i])}; page indices must be >= 0")
+        raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "
+                         "be >= 0")
     last_h = host_copy(last_n, last_page_len)
     npages = indptr[1:] - indptr[:-1]
     lo = torch.where(npages > 0, torch.ones_like(last_h), torch.zeros_like(last_h))
@@ -421,7 +425,7 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
         raise ValueError(f"{last_n}: entry {r} is {int(last_h[r])} but must be in {rng} with "
                          f"page_size = {page_size}; it counts the tokens in the request's last page")
     kv_len = torch.where(npages > 0, (npages - 1) * page_size + last_h, torch.zeros_like(last_h))
-    return idx_h, last_h, kv_len
+    return indptr - start, idx_h, last_h, kv_len
 
 
 def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_pages: int,
@@ -443,11 +447,13 @@ def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_p
                          "page table indexes, or re-plan with indices inside it")
 
 
-def max_entry(idx_host: torch.Tensor) -> tuple[int, int] | None:
+def max_entry(idx_host: torch.Tensor, start: int = 0) -> tuple[int, int] | None:
+    """(position, value) of the largest page index of idx_host, the table's entries from
+    position ``start`` of the caller's indices (check_page_table's copy); None if empty."""
     if idx_host.numel() == 0:
         return None
     pos = int(torch.argmax(idx_host))
-    return pos, int(idx_host[pos])
+    return start + pos, int(idx_host[pos])
 
 
 def check_heads(num_qo_heads, num_kv_heads, names=("num_qo_heads", "num_kv_heads")) -> int:

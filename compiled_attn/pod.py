@@ -58,11 +58,13 @@ _RETURN_DOC = """
 
 
 def _page_table(names, indptr, indices, last_page_len, page_size, b=None):
-    """Checked host copies of a page table: (indptr, indices, last_page_len, kv_lens)."""
-    ind_h = V.host_indptr(names[0], indptr, length=None if b is None else b + 1)
-    idx_h, last_h, kv_lens = V.check_page_table(ind_h, indices, last_page_len, page_size,
-                                                 names=names)
-    return ind_h, idx_h, last_h, kv_lens
+    """Checked host copies of a page table from 0 (V.check_page_table: an indptr may start
+    past 0, as FlashInfer's): (indptr, indices, last_page_len, kv_lens, the largest index's
+    (position in the caller's indices, value) or None)."""
+    ind_h = V.host_indptr(names[0], indptr, length=None if b is None else b + 1,
+                          start_zero=False)
+    table = V.check_page_table(ind_h, indices, last_page_len, page_size, names=names)
+    return (*table, V.max_entry(table[1], int(ind_h[0])))
 
 
 class _PODBase(_WrapperBase):
@@ -491,8 +493,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_options
         b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
-        ind_h, idx_h, last_h, kv_lens = _page_table(("indptr", "indices", "last_page_len"),
-                                                    indptr, indices, last_page_len, page_size, b)
+        ind_h, idx_h, last_h, kv_lens, max_page = _page_table(
+            ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size, b)
         b = ind_h.numel() - 1
         p = self._plan_options(args)
         if self._use_cuda_graph:
@@ -513,7 +515,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
             p.update(kv_indptr=ind_h.to(**to), kv_indices=idx_h.to(**to),
                      last_page_len=last_h.to(**to))
-        p.update(batch_size=b, max_page=V.max_entry(idx_h),
+        p.update(batch_size=b, max_page=max_page,
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], self.device)
@@ -816,7 +818,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                   "d": (qo_indptr_d, kv_indptr_d, kv_indices_d,
                                         last_page_len_d)}[x]
             qo_h = V.host_indptr(f"qo_indptr_{x}", qo)
-            ind_h, idx_h, last_h, kv_lens = _page_table(
+            ind_h, idx_h, last_h, kv_lens, max_page = _page_table(
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
                 page_size, qo_h.numel() - 1)
             qo_lens = qo_h[1:] - qo_h[:-1]
@@ -832,7 +834,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     qo_l, p["group"], p["block_m_p"], "cpu", kv_lens=kv_l)
             p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
                       f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
-                      f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": V.max_entry(idx_h)})
+                      f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": max_page})
             if x == "d":
                 p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
                 # the decodes' own tile when they run apart (as the prefill's above)

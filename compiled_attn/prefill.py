@@ -851,14 +851,14 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
              max_token_per_sequence=None, max_sequence_kv=None, fixed_split_size=None,
              disable_split_kv: bool = False, uniform_q_len: int | None = None) -> None:
         """Plan a batch: qo_indptr ``[B+1]`` (query rows per request), paged_kv_indptr ``[B+1]``
-        (pages per request), paged_kv_indices ``[>= paged_kv_indptr[-1]]`` (a pre-allocated
-        buffer may be longer, as in FlashInfer: entries past paged_kv_indptr[-1] are neither
-        read nor checked, so a sub-batch can be planned with the whole batch's buffer),
-        paged_kv_last_page_len ``[B]``, all integer, on CPU or GPU (read on the host here).
-        page_size >= 1. block_tables (cuDNN layout) raises NotImplementedError. With
-        use_cuda_graph=True the first paged_kv_indptr[-1] entries are copied into
-        paged_kv_indices_buf, which needs room for those only (FlashInfer's needs room for
-        the whole argument).
+        (pages per request; it may start past 0), paged_kv_indices ``[>= paged_kv_indptr[-1]]``
+        (a pre-allocated buffer may be longer, as in FlashInfer: only entries
+        paged_kv_indptr[0] to paged_kv_indptr[-1] are read and checked, so a sub-batch can be
+        planned with the whole batch's buffer), paged_kv_last_page_len ``[B]``, all integer,
+        on CPU or GPU (read on the host here). page_size >= 1. block_tables (cuDNN layout)
+        raises NotImplementedError. With use_cuda_graph=True the entries used are copied to
+        the start of paged_kv_indices_buf, which needs room for those only (FlashInfer's
+        needs room for the whole argument).
         """
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
@@ -866,9 +866,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
         kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1,
-                             length_from="qo_indptr")
-        idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
-                                                    paged_kv_last_page_len, page_size)
+                             length_from="qo_indptr", start_zero=False)
+        start = int(kv_h[0])  # (FlashInfer reads indices[indptr[b]:]: the table from 0)
+        kv_h, idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
+                                                          paged_kv_last_page_len, page_size)
         p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size)
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
@@ -879,7 +880,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.kv_indices = self._to_dev(idx_h, non_blocking)
             p.last_page_len = self._to_dev(last_h, non_blocking)
         p.page_size = page_size
-        p.max_page = V.max_entry(idx_h)
+        p.max_page = V.max_entry(idx_h, start)
         p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h, kv_lens))
         self._set_plan(p)
 

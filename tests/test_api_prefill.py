@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import compiled_attn as fi
-from compiled_attn.ops import contracts
 
 from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, paged_graph_bufs, rand
 from tests.helpers import batch_invariance, check_fixed_split_plan, poisoned_tail, ragged_kv  # noqa: F401
@@ -447,6 +446,42 @@ def test_ragged_kv_offsets_into_a_larger_buffer():
     with pytest.raises(ValueError, match=r"k / v: shapes \(21, 1, 8\) / \(21, 1, 8\) do not "
                                          r"match the plan: >= 22 rows"):
         w.run(q, pad(k, 4, 0), pad(v, 4, 0))
+
+
+def test_paged_kv_indptr_may_start_past_zero():
+    """As FlashInfer's kernels (pages at indices[indptr[b] + j]): a page table whose indptr
+    starts past 0 over a longer indices buffer, the entries before it poisoned; the numbers of
+    the same table from 0, for the paged wrapper and both POD wrappers (they raised). A bad
+    entry is named at its position in the caller's buffer."""
+    hq, hkv, d, page, qo, kv = 4, 2, 8, 4, [3, 4], [5, 9]
+    cache, kvi, idx, last, _, _ = make_paged(kv, hkv, d, d, page, seed=95)
+    head = torch.tensor([-1, 2 ** 30, -7], dtype=torch.int32)
+    shifted = (kvi + 3, torch.cat([head, idx]), last)
+    q = rand(sum(qo), hq, d, seed=96)
+    outs = []
+    for table in ((kvi, idx, last), shifted):
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
+        w.plan(indptr(qo), *table, hq, hkv, d, page, causal=True, q_data_type=D64)
+        outs.append(w.run(q, cache, return_lse=True))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    q_d = rand(len(kv), hq, d, seed=97)
+    k_p, v_p = rand(6, hkv, d, seed=98), rand(6, hkv, d, seed=99)
+    pods = []
+    for table in ((kvi, idx, last), shifted):
+        pod = fi.PODWithPagedKVCacheWrapper(WS, "NHD")
+        pod.plan(*table, hq, hkv, d, page, q_data_type=D64)
+        batch = fi.BatchPODWithPagedKVCacheWrapper(WS, "NHD")
+        batch.plan(indptr(qo), *table, indptr([1] * len(kv)), *table, hq, hkv, d, page,
+                   q_data_type=D64)
+        pods.append((pod.run(q[:6], k_p, v_p, q_d, cache, causal_p=True),
+                     batch.run(q, cache, q_d, cache, causal_p=True)))
+    for a, b in zip(*pods):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    bad = torch.cat([head, idx.clone()])
+    bad[3 + 2] = -4
+    with pytest.raises(ValueError, match="paged_kv_indices: entry 5 is -4"):
+        fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD").plan(
+            indptr(qo), kvi + 3, bad, last, hq, hkv, d, page, q_data_type=D64)
 
 
 def test_ragged_cuda_graph_buffers_path_with_mask():
