@@ -526,7 +526,7 @@ class _BatchPrefillBase(_WrapperBase):
         b = qo_h.numel() - 1
         max_kv = None if self._use_cuda_graph or fixed or b == 0 else int(kv_lens.max())
         qo_list = qo_lens.tolist()
-        shape_key = (opts.group, opts.head_dim_qk, opts.head_dim_vo)
+        shape_key = (opts.group, opts.head_dim_qk, opts.head_dim_vo, opts.num_kv_heads)
         if self._use_cuda_graph and self._graph_tile and self._graph_tile[0] == shape_key:
             block_m = self._graph_tile[1]
         else:
@@ -562,7 +562,7 @@ class _BatchPrefillBase(_WrapperBase):
                        disable_split_kv: bool) -> dict:
         """The plan's device tensors in CUDA-graph mode: copies into the constructor's buffers
         and into a work buffer sized at the first plan (padding rows are request -1).
-        shape_key: (group, D_qk, D_vo). Where the first plan's tiles (at most, for its rows)
+        shape_key: (group, D_qk, D_vo, Hkv). Where the first plan's tiles (at most, for its rows)
         leave most SMs idle (schedule.chunks_wanted) and it does not pass disable_split_kv,
         every plan of the wrapper splits KV as an eager plan would (build_split_work) into
         buffers sized for any plan within that capacity (schedule.split_capacity), its merge
@@ -593,7 +593,7 @@ class _BatchPrefillBase(_WrapperBase):
             raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
                              f"{self._max_total_rows} of the first plan, which fixed the "
                              "CUDA-graph capacity; make the first plan() the largest batch")
-        if (group, block_m) != (self._graph_tile[0][0], self._graph_tile[1]):
+        if (shape_key, block_m) != self._graph_tile:
             raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
                              "plan in CUDA-graph mode; create a new wrapper for new shapes")
         mb, wb = self._merge_buf, self._work_buf

@@ -448,6 +448,24 @@ def test_ragged_kv_offsets_into_a_larger_buffer():
         w.run(q, pad(k, 4, 0), pad(v, 4, 0))
 
 
+def test_cuda_graph_replan_refuses_new_head_counts_and_dims():
+    """A CUDA-graph wrapper's re-plan with other head counts (the same group: it was let
+    through) or head dims raises, naming what changed; the same shapes re-plan."""
+    page, qo, kv = 4, [3, 4], [5, 9]
+    _, kvi, idx, last, _, _ = make_paged(kv, 2, 8, 8, page, seed=100)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(2, 16))
+
+    def plan(hq, hkv, d):
+        w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+
+    plan(4, 2, 8)
+    plan(4, 2, 8)
+    for shapes in ((8, 4, 8), (2, 1, 8), (4, 2, 16)):
+        with pytest.raises(ValueError, match="num_qo_heads / num_kv_heads / head dims changed "
+                                             "since the first plan in CUDA-graph mode"):
+            plan(*shapes)
+
+
 def test_paged_kv_indptr_may_start_past_zero():
     """As FlashInfer's kernels (pages at indices[indptr[b] + j]): a page table whose indptr
     starts past 0 over a longer indices buffer, the entries before it poisoned; the numbers of
