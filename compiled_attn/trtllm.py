@@ -165,7 +165,8 @@ def trtllm_fmha_v2_prefill(
         pos_encoding_mode: None or "alibi" (slopes of get_alibi_slopes(Hq), bias
             slope * (j - p_i)); with mask_mode="padding" ALiBi makes the mask causal, as
             FlashInfer's kernel does.
-        logits_soft_cap_scale: None/0 or c > 0: s = c * tanh(s / c) on the scaled logits.
+        logits_soft_cap_scale: c > 0: s = c * tanh(s / c) on the scaled logits; None, 0 or less:
+            no cap.
         mask_mode: "padding" (no mask), "causal" (bottom-right), "sliding_window" or "chunked";
             the last three are causal, narrowed as FlashInfer's kernel resolves them: by
             window_left (keys j >= p_i - window_left) where mask_mode is "sliding_window" or

@@ -137,9 +137,11 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     """KV length of each request of a page table: ``(pages - 1) * page_size + last_page_len``,
     and 0 for a request with no pages.
 
-    kv_indptr: ``[B+1]`` (in pages); kv_last_page_len: ``[B]``. Returns ``[B]`` in
-    kv_last_page_len's dtype. FlashInfer returns last_page_len for a request with no pages (it
-    clamps pages - 1 at 0); a request without pages holds no token, so this returns 0.
+    kv_indptr: ``[B+1]`` (in pages); kv_last_page_len: ``[B]`` (0 to page_size; 0 for a
+    request with pages counts none in its last page, as FlashInfer computes it). Returns ``[B]``
+    in the two dtypes' promotion (FlashInfer's arithmetic). FlashInfer returns last_page_len for
+    a request with no pages (it clamps pages - 1 at 0); a request without pages holds no
+    token, so this returns 0.
     """
     V.check_int("kv_indptr", V.check_tensor("kv_indptr", kv_indptr, ndim=1,
                                              what="[B+1] (pages per request, cumulated)"))
@@ -151,11 +153,11 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
     V.device_check(npages >= 0, "get_seq_lens: kv_indptr decreases; pass cumulated page "
                    "counts (non-decreasing)")
     last = kv_last_page_len.to(npages.device)
-    V.device_check((npages == 0) | ((last >= 1) & (last <= page_size)),
-                   f"get_seq_lens: kv_last_page_len holds an entry outside [1, page_size="
+    V.device_check((npages == 0) | ((last >= 0) & (last <= page_size)),
+                   f"get_seq_lens: kv_last_page_len holds an entry outside [0, page_size="
                    f"{page_size}] for a request with pages")
     lens = (npages - 1) * page_size + last
-    return torch.where(npages > 0, lens, torch.zeros_like(lens)).to(kv_last_page_len.dtype)
+    return torch.where(npages > 0, lens, torch.zeros_like(lens))
 
 
 def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor, nnz: int,
@@ -170,9 +172,11 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     ``position = seq_lens[b] - append_len[b] + (i - append_indptr[b])``. nnz: number of
     entries to produce (usually ``append_indptr[-1]``); entries outside
     ``[append_indptr[0], append_indptr[-1])`` (past the last request, or before the first when
-    append_indptr does not start at 0) belong to no request: batch index -1 and position 0.
-    batch_indices, positions: optional int32 ``[nnz]`` outputs, written in place. Returns
-    (batch_indices, positions), int32 ``[nnz]``, on append_indptr's device. No host reads.
+    append_indptr does not start at 0) belong to no request: batch index -1 and position 0
+    (a caller's positions buffer keeps its values there, as FlashInfer's). append_indptr[-1]
+    past nnz fails a device-side check. batch_indices, positions: optional int32 ``[nnz]``
+    outputs, written in place. Returns (batch_indices, positions), int32 ``[nnz]``, on
+    append_indptr's device. No host reads.
     """
     V.check_int("append_indptr", V.check_tensor("append_indptr", append_indptr, ndim=1,
                                                  what="[B+1]"))
@@ -187,7 +191,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     i = torch.arange(nnz, dtype=torch.int64, device=dev)
     if ind.numel() == 1:  # no request: every entry is past append_indptr[-1]
         return _write_outputs(nnz, dev, torch.full_like(i, -1).to(torch.int32),
-                              torch.zeros_like(i).to(torch.int32), batch_indices, positions)
+                              torch.zeros_like(i).to(torch.int32),
+                              torch.zeros_like(i, dtype=torch.bool), batch_indices, positions)
     b = torch.bucketize(i, ind[1:], right=True)
     inside = (i >= ind[0]) & (i < ind[-1])
     bs = b.clamp(max=ind.numel() - 2)
@@ -197,18 +202,24 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
                    "get_batch_indices_positions: append_indptr decreases or starts below 0, or "
                    "a seq_lens entry is shorter than its request's appended tokens (seq_lens "
                    "is each KV length after the append)")
+    V.device_check(ind[-1:] <= nnz, "get_batch_indices_positions: append_indptr[-1] is past "
+                   "nnz; pass nnz >= append_indptr[-1] (the appended tokens)")
     pos = lens[bs] - app_len[bs] + (i - ind[bs])
     b_out = torch.where(inside, b, torch.full_like(b, -1)).to(torch.int32)
     p_out = torch.where(inside, pos, torch.zeros_like(pos)).to(torch.int32)
-    return _write_outputs(nnz, dev, b_out, p_out, batch_indices, positions)
+    return _write_outputs(nnz, dev, b_out, p_out, inside, batch_indices, positions)
 
 
-def _write_outputs(nnz, dev, b_out, p_out, batch_indices, positions):
-    """get_batch_indices_positions' results, written into the caller's buffers if given."""
-    for name, buf, val in (("batch_indices", batch_indices, b_out), ("positions", positions, p_out)):
+def _write_outputs(nnz, dev, b_out, p_out, inside, batch_indices, positions):
+    """get_batch_indices_positions' results, written into the caller's buffers if given (a
+    positions buffer only where ``inside``: FlashInfer leaves the rest)."""
+    for name, buf in (("batch_indices", batch_indices), ("positions", positions)):
         if buf is not None:
             V.check_tensor(name, buf, shape=(nnz,), dtypes=(torch.int32,), device=dev)
-            buf.copy_(val)
+    if batch_indices is not None:
+        batch_indices.copy_(b_out)
+    if positions is not None:
+        positions.copy_(torch.where(inside, p_out, positions))
     return (batch_indices if batch_indices is not None else b_out,
             positions if positions is not None else p_out)
 
@@ -239,15 +250,18 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     dev = k_cache.device
     V.check_tensor("paged_kv_cache (v)", v_cache, device=dev)
     page = k_cache.shape[1]
+    if v_cache.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(f"paged_kv_cache: the V cache has {v_cache.shape[0]} pages of "
+                         f"{v_cache.shape[1]} slots, the K cache {k_cache.shape[0]} of "
+                         f"{k_cache.shape[1]}; pass K and V caches of the same pages")
     V.check_tensor("append_key", append_key, ndim=3, what="[nnz, Hkv, D_qk]")
     nnz = append_key.shape[0]
     V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]),
                    device=dev)
     V.check_tensor("append_value", append_value,
                    shape=(nnz, v_cache.shape[2], v_cache.shape[3]), device=dev)
-    ints = (torch.int32, torch.int64)
-    V.check_tensor("batch_indices", batch_indices, shape=(nnz,), dtypes=ints, device=dev)
-    V.check_tensor("positions", positions, shape=(nnz,), dtypes=ints, device=dev)
+    for name, t in (("batch_indices", batch_indices), ("positions", positions)):
+        V.check_int(name, V.check_tensor(name, t, shape=(nnz,), device=dev))
     for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
         V.check_int(name, V.check_tensor(name, t, ndim=1, device=dev))
     V.check_int("kv_last_page_len", V.check_tensor(
@@ -265,6 +279,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     entry = ind[b] + torch.div(pos, page, rounding_mode="floor")
     V.device_check((pos >= 0) & (entry < ind[b + 1]), "append_paged_kv_cache: positions holds "
                    "a position outside its request's pages (kv_indptr / kv_indices)")
+    V.device_check(entry >= 0, "append_paged_kv_cache: kv_indptr holds a negative entry; "
+                   "pass cumulated page counts from 0 or more")
     V.device_check(entry < kv_indices.shape[0], f"append_paged_kv_cache: kv_indptr points past "
                    f"kv_indices' {kv_indices.shape[0]} entries; kv_indptr[-1] must not exceed "
                    "len(kv_indices)")

@@ -228,7 +228,6 @@ def test_bad_base_runs():
     ("SEPARATE_Q_K_V", dict(mask_mode="bidirectional"), ValueError, "mask_mode.*use one of"),
     ("PACKED_KV", dict(), ValueError, "input_layout.*use one of"),
     ("SEPARATE_Q_K_V", dict(pos_encoding_mode="rope"), NotImplementedError, "pos_encoding_mode"),
-    ("SEPARATE_Q_K_V", dict(logits_soft_cap_scale=-1.0), ValueError, "logits_soft_cap_scale"),
     ("SEPARATE_Q_K_V", dict(bmm1_scale=torch.tensor(0.3)), NotImplementedError, "bmm1_scale"),
     ("SEPARATE_Q_K_V", dict(sinks=torch.zeros(3)), ValueError, "sinks"),
     ("SEPARATE_Q_K_V", dict(out=torch.empty(5, 4, 7, dtype=torch.float64)), ValueError, "out"),

@@ -58,6 +58,13 @@ def test_get_seq_lens():
     kv_indptr = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
     last = torch.tensor([3, 0, 16], dtype=torch.int32)
     assert fi.get_seq_lens(kv_indptr, last, 16).tolist() == [19, 0, 48]
+    # FlashInfer's arithmetic: the dtypes' promotion (it was last's dtype: 2^20 pages of 4096
+    # wrapped in int32), and a last page of 0 counted as such (it raised)
+    big = fi.get_seq_lens(torch.tensor([0, 2 ** 20]), torch.tensor([4096], dtype=torch.int32),
+                          4096)
+    assert big.dtype == torch.int64 and big.tolist() == [2 ** 32]
+    assert fi.get_seq_lens(torch.tensor([0, 1, 3], dtype=torch.int32),
+                           torch.tensor([0, 0], dtype=torch.int32), 4).tolist() == [0, 4]
 
 
 def test_get_batch_indices_positions():
@@ -70,6 +77,12 @@ def test_get_batch_indices_positions():
     bi, pi = torch.empty(12, dtype=torch.int32), torch.empty(12, dtype=torch.int32)
     rb, rp = fi.get_batch_indices_positions(append_indptr, seq_lens, 12, bi, pi)
     assert rb is bi and rp is pi and bi.tolist() == b.tolist()
+    # a caller's positions buffer keeps its padding entries, as FlashInfer's kernel leaves them
+    pi = torch.full((12,), 77, dtype=torch.int32)
+    fi.get_batch_indices_positions(append_indptr, seq_lens, 12, bi, pi)
+    assert pi.tolist() == p.tolist()[:10] + [77, 77]
+    with pytest.raises(RuntimeError, match=r"append_indptr\[-1\] is past nnz"):
+        fi.get_batch_indices_positions(append_indptr, seq_lens, 9)
 
 
 @pytest.mark.parametrize("layout,fmt", [("NHD", "5d"), ("HND", "tuple")])
@@ -194,6 +207,18 @@ def test_helpers_bad_inputs():
             fi.append_paged_kv_cache(k, k, torch.tensor(b, dtype=torch.int32),
                                      torch.tensor(p, dtype=torch.int32), cache, kv_indices, ind,
                                      last)
+    # a negative kv_indptr entry (it wrote into page kv_indices[0], another request's)
+    with pytest.raises(RuntimeError, match="kv_indptr holds a negative entry"):
+        fi.append_paged_kv_cache(k, k, torch.tensor([0, 0], dtype=torch.int32),
+                                 torch.tensor([0, 1], dtype=torch.int32), cache, kv_indices,
+                                 torch.tensor([-1, 0, 2], dtype=torch.int32), last)
+    # a V cache of other pages than K's (an IndexError after K was written)
+    for v_cache in (cache[:3, 1], cache[:, 1, :2]):
+        with pytest.raises(ValueError, match="paged_kv_cache: the V cache has"):
+            fi.append_paged_kv_cache(k, k, torch.tensor([0, 0], dtype=torch.int32),
+                                     torch.tensor([0, 1], dtype=torch.int32),
+                                     (cache[:, 0], v_cache), kv_indices, ind, last)
+    assert not cache.any()
     # a page index outside the cache (a negative one once wrapped to another page and wrote
     # there), and a kv_indptr past kv_indices' end
     bad_pages = (([3, 0, -1, 1, 2], 0, "holds a page index outside the cache's 6 pages"),
@@ -264,6 +289,11 @@ def test_append_paged_kv_cache_checks_devices_before_writing():
         fi.append_paged_kv_cache(**dict(args, paged_kv_cache=(cache[:, 0], cache[:, 1].to("meta"))))
     assert not cache.any()
     fi.append_paged_kv_cache(**args)  # the same call on one device writes K and V
+    assert torch.equal(cache[2, 0, 1], k[0]) and torch.equal(cache[2, 1, 1], k[0])
+    # any integer index dtype (FlashInfer converts with .int())
+    cache.zero_()
+    fi.append_paged_kv_cache(**dict(args, batch_indices=args["batch_indices"].to(torch.int8),
+                                    positions=args["positions"].to(torch.int16)))
     assert torch.equal(cache[2, 0, 1], k[0]) and torch.equal(cache[2, 1, 1], k[0])
 
 

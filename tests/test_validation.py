@@ -303,7 +303,7 @@ def test_helpers_check_values():
     # (an audit: these returned lengths of 13 for two pages of 4, a position of -1, took
     # float indices, or failed inside torch)
     i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    with pytest.raises(RuntimeError, match=r"kv_last_page_len holds an entry outside \[1, "):
+    with pytest.raises(RuntimeError, match=r"kv_last_page_len holds an entry outside \[0, "):
         fi.get_seq_lens(i32(0, 2), i32(9), 4)
     with pytest.raises(RuntimeError, match="kv_indptr decreases"):
         fi.get_seq_lens(i32(0, 2, 1), i32(1, 1), 4)
@@ -314,7 +314,7 @@ def test_helpers_check_values():
     assert b.tolist() == [-1] * 3 and p.tolist() == [0] * 3
     b, p = fi.get_batch_indices_positions(i32(0, 2, 5), i32(4, 3), 6)
     assert b.tolist() == [0, 0, 1, 1, 1, -1] and p.tolist() == [2, 3, 0, 1, 2, 0]
-    with pytest.raises(TypeError, match="batch_indices: expected dtype"):
+    with pytest.raises(TypeError, match="batch_indices: expected an integer dtype"):
         fi.append_paged_kv_cache(rand(2, 2, 4), rand(2, 2, 4), torch.tensor([0., 0.]),
                                  torch.tensor([0.5, 1.5]), torch.zeros(1, 2, 2, 2, 4), i32(0),
                                  i32(0, 1), i32(2))
