@@ -128,6 +128,10 @@ class Policy:
         # a smaller prefill, short decodes lose more to the gather and merge launches than the
         # chunks gain (p256 + 16 x 4k: 82 against 78 us).
         self.pod_chunk_long_keys = 16384
+        # ...there, chunks of at most this many keys (0: the waves alone decide): beside p2048,
+        # 16 x 32k in 8 chunks ran 1.5-3.6% faster than in the waves' 4 (four grid cases; p256
+        # + 16 x 32k on page 1 0.7% slower; benchmarks/NOTES.md, 2026-11-29).
+        self.pod_chunk_long_size = 4096
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

@@ -169,7 +169,9 @@ def planned_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_h
     """decode_chunk_count under the launch policy (0: not cut): for a decode batch's own paged
     launch (POLICY.decode_chunk_fill, decode_chunk_min_keys; one wave), or for POD's fused
     launch (POLICY.pod_chunk_fill, pod_chunk_min_keys; two waves, and only where that makes
-    POLICY.pod_chunk_min_chunks chunks or more). Two resident 64-row programs a SM."""
+    POLICY.pod_chunk_min_chunks chunks or more; where the longest decode has
+    POLICY.pod_chunk_long_keys keys or more, chunks of at most POLICY.pod_chunk_long_size keys
+    where the waves would make them longer). Two resident 64-row programs a SM."""
     slots = choose.RESIDENT_PER_SM[64]
     if not pod_fused:
         return decode_chunk_count(qo_lens, kv_lens, num_kv_heads, num_sms,
@@ -178,6 +180,10 @@ def planned_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_h
     n = decode_chunk_count(qo_lens, kv_lens, num_kv_heads, num_sms,
                            min_keys_per_chunk=POLICY.pod_chunk_min_keys, slots_per_sm=slots,
                            fill=POLICY.pod_chunk_fill, waves=2)
+    if n and POLICY.pod_chunk_long_size > 0:
+        longest = max(int(k) for k, r in zip(kv_lens, qo_lens) if int(r))
+        if longest >= POLICY.pod_chunk_long_keys:
+            n = max(n, min(MAX_CHUNKS, -(-longest // POLICY.pod_chunk_long_size)))
     return n if n >= POLICY.pod_chunk_min_chunks else 0
 
 

@@ -466,19 +466,21 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
 # request (0: none), whether a fused launch runs them). Few requests (at most one program a
 # SM) are cut for two waves, in four chunks or more of 1k keys or more; beside a prefill of
 # less than a wave of tiles (p256: 128, at GQA 64/8 256, of 264) a launch runs them only for
-# decodes of 16k keys or more. H200 replays of the fused launch, uncut / cut
-# (benchmarks/NOTES.md, 2026-11-29): p2048 + 16 x 32k 636 / 547 us, p256 + 16 x 32k 535 / 497,
-# p2048 + 16 x 4k 151 / 134, p256 + 16 x 4k 78 / 82 (not run), p256 + 8 x 32k 486 / 258,
-# p2048 + 16 x 2k 110 / 115 (2 chunks: not cut).
+# decodes of 16k keys or more, whose chunks hold at most 4k keys. H200 replays of the fused
+# launch, uncut / cut (benchmarks/NOTES.md, 2026-11-29): p2048 + 16 x 32k 636 / 547 us (in 4
+# chunks; 8: 548 against 561 in a later run), p256 + 16 x 32k 535 / 497, p2048 + 16 x 4k 151 /
+# 134, p256 + 16 x 4k 78 / 82 (not run), p256 + 8 x 32k 486 / 258, p2048 + 16 x 2k 110 / 115
+# (2 chunks: not cut).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,chunks,cut", [
-    (2048, 16, 32768, 32, 16, 4, True), (256, 16, 32768, 32, 16, 4, True),
+    (2048, 16, 32768, 32, 16, 8, True), (256, 16, 32768, 32, 16, 8, True),
     (2048, 16, 4096, 32, 16, 4, True), (256, 16, 4096, 32, 16, 4, False),
     (2048, 16, 2048, 32, 16, 0, False), (2048, 16, 3072, 32, 16, 0, False),
     (256, 16, 1024, 32, 16, 0, False), (256, 8, 32768, 32, 16, 8, True),
     (2048, 16, 8192, 32, 16, 4, True), (2048, 128, 4096, 32, 16, 0, False),
-    (2048, 32, 4096, 32, 16, 0, False), (2048, 16, 32768, 64, 1, 4, True),
+    (2048, 32, 4096, 32, 16, 0, False), (2048, 16, 32768, 64, 1, 8, True),
     (256, 16, 16384, 64, 16, 4, True), (2048, 2, 4096, 32, 16, 4, True),
-    (256, 16, 4096, 64, 16, 4, False), (256, 16, 4096, 64, 1, 4, False)])
+    (256, 16, 4096, 64, 16, 4, False), (256, 16, 4096, 64, 1, 4, False),
+    (2048, 4, 16384, 32, 16, 16, True), (2048, 16, 24576, 32, 16, 6, True)])
 def test_pod_decode_chunk_decision(qo, n_dec, kv_d, hq, page, chunks, cut, monkeypatch):
     from compiled_attn.ops import choose
     from compiled_attn.ops.policy import override
