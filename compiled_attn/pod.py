@@ -461,6 +461,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # chunk tensors every re-plan writes, the host arrays every re-plan must equal)},
         # decided at the first plan (_plan_graph_chunks)
         self._graph_chunks = None
+        self._graph_shapes = None  # (Hq, Hkv, D) of the first CUDA-graph plan
         # device tensors of our own that a captured CUDA graph reads at every replay (see
         # _prefill_part): kept for the wrapper's life, past re-plans
         self._captured = []
@@ -501,6 +502,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
                                  f"{self._fixed_batch_size} the CUDA-graph buffers were made for")
+            shapes = (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"])
+            if self._graph_shapes not in (None, shapes):
+                raise ValueError("num_qo_heads / num_kv_heads / head_dim changed since the first "
+                                 "plan in CUDA-graph mode (its decode chunks and captured "
+                                 "launches are for those); create a new wrapper for new shapes")
+            self._graph_shapes = shapes
             nb = self._bufs["paged_kv_indices_buffer"]
             if idx_h.numel() > nb.numel():
                 raise ValueError(f"paged_kv_indices_buffer: holds {nb.numel()} entries but this "
@@ -657,6 +664,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             V.unsupported("pos_encoding_mode_p", f"{pos_encoding_mode_p!r} differs from the decode "
                           "part's mode (plan's pos_encoding_mode / pos_encoding_mode_d); one "
                           "launch applies one position encoding: pass the same mode to both")
+        V.check_rope_dim(p["head_dim"], pos_p)  # (a plan without RoPE did not check it)
         self._alibi(p, pos_p)  # (made before _prefill_part, whose capture keeps them alive)
         rs_p = V.check_scale("rope_scale_p", rope_scale_p, 1.0)
         rt_p = V.check_scale("rope_theta_p", rope_theta_p, 1e4)

@@ -100,6 +100,22 @@ def test_pod_cuda_graph_buffers_and_errors():
         w.run(q_p, k_p, k_p, q_d[:2], cache)
     with pytest.raises(ValueError, match="custom_mask_p: has 14 entries but the plan needs 15"):
         w.run(q_p, k_p, k_p, q_d, cache, custom_mask_p=torch.ones(14, dtype=torch.bool))
+    # RoPE asked in run() on a plan without it: the head dim is checked there too (an odd one
+    # failed inside the reference's rotation)
+    odd = fi.PODWithPagedKVCacheWrapper(WS, "NHD")
+    cache3, kvi3, idx3, last3, _, _ = make_paged(KV_D, hkv, 3, 3, page, seed=16)
+    odd.plan(kvi3, idx3, last3, hq, hkv, 3, page, q_data_type=D64)
+    with pytest.raises(ValueError, match="ROPE_LLAMA' needs an even head_dim_qk; got 3"):
+        odd.run(rand(3, hq, 3), rand(5, hkv, 3), rand(5, hkv, 3), rand(b, hq, 3), cache3,
+                pos_encoding_mode_p="ROPE_LLAMA", pos_encoding_mode_d="ROPE_LLAMA")
+    # a CUDA-graph re-plan with other head counts (the same group) or head dim raises, as the
+    # batch wrappers' (it went through; a cut plan's decodes then came out wrong)
+    w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+    cache2, kvi2, idx2, last2, _, _ = make_paged(KV_D, 2 * hkv, d, d, page, seed=17)
+    for shapes in ((2 * hq, 2 * hkv, d), (hq, hkv, 2 * d)):
+        with pytest.raises(ValueError, match="num_qo_heads / num_kv_heads / head_dim changed "
+                                             "since the first plan in CUDA-graph mode"):
+            w.plan(kvi2, idx2, last2, *shapes, page, q_data_type=D64)
 
 
 def test_batch_pod(pod_launch):
