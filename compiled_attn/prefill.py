@@ -22,6 +22,7 @@ relative error) with float32 accumulation and softmax.
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -309,8 +310,10 @@ def _check_plan_args(args: dict, qo_h: torch.Tensor) -> None:
     if args["token_pos_in_items_len"] != 0:
         V.unsupported("token_pos_in_items_len", f"{multi} is not supported; leave it 0")
     disable_split_kv = args["disable_split_kv"]
-    if not isinstance(disable_split_kv, bool):
-        raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool")
+    try:  # a bool, or an integer taken as one (FlashInfer hands it to its C++ plan as a bool)
+        args["disable_split_kv"] = bool(operator.index(disable_split_kv))
+    except TypeError:
+        raise TypeError(f"disable_split_kv: got {disable_split_kv!r}; pass a bool") from None
     _check_uniform_q_len(args["uniform_q_len"], qo_h)
 
 

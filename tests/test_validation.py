@@ -244,6 +244,13 @@ def test_values_flashinfer_reads_as_off(paged):
         assert torch.equal(plan_paged(paged, causal=True, **kw).run(q, paged[0]), want), kw
     w = plan_paged(paged, causal=True)
     assert torch.equal(w.run(q, paged[0], window_left=-3), want)
+    # an integer disable_split_kv is a bool, as FlashInfer's C++ plan takes it (it raised)
+    for flag in (1, 0):
+        assert torch.equal(plan_paged(paged, causal=True, disable_split_kv=flag).run(q, paged[0]),
+                           want)
+    for bad in ("yes", 1.0):
+        with pytest.raises(TypeError, match="disable_split_kv: got"):
+            plan_paged(paged, causal=True, disable_split_kv=bad)
     qs, k, v = rand(5, HQ, D, seed=1), rand(9, HKV, D, seed=2), rand(9, HKV, D, seed=3)
     assert torch.equal(fi.single_prefill_with_kv_cache(qs, k, v, window_left=-7,
                                                        logits_soft_cap=-2.0),
