@@ -165,18 +165,22 @@ def trtllm_fmha_v2_prefill(
         pos_encoding_mode: None or "alibi" (slopes of get_alibi_slopes(Hq), bias
             slope * (j - p_i)); with mask_mode="padding" ALiBi makes the mask causal, as
             FlashInfer's kernel does.
-        logits_soft_cap_scale: c > 0: s = c * tanh(s / c) on the scaled logits; None, 0 or less:
-            no cap.
+        logits_soft_cap_scale: c != 0: s = |c| tanh(s / |c|) on the scaled logits (c tanh(s /
+            c) is even in c, and FlashInfer's kernel caps for c != 0); None or 0: no cap.
         mask_mode: "padding" (no mask), "causal" (bottom-right), "sliding_window" or "chunked";
             the last three are causal, narrowed as FlashInfer's kernel resolves them: by
             window_left (keys j >= p_i - window_left) where mask_mode is "sliding_window" or
             "chunked" and window_left >= 0, or it is "causal" and 0 < window_left < max_kv_len;
             by chunked_attention_size C > 0 (keys in [floor(p_i / C) * C, p_i]). "padding"
-            takes neither (ValueError), nor do a window and a chunk together.
+            takes neither (ValueError), nor do a window and a chunk together (FlashInfer
+            asserts against them, in debug builds only). ALiBi with sinks raises
+            NotImplementedError (FlashInfer biases key j by slope * j: next to a sink that
+            differs from the ops' slope * (j - p_i) by more than a constant).
         window_left: -1 (no window) or >= 0 (above).
-        chunked_attention_size: 0 (no chunks) or C, a power of two (above).
+        chunked_attention_size: C, a power of two (above); 0, 1 or less: no chunks (FlashInfer's
+            kernel chunks by log2(C)).
         save_softmax_stats: also return float32 [T, Hq, 2] softmax statistics (below).
-        skip_softmax_threshold_scale_factor: None / 0 (exact attention) or a factor f > 0:
+        skip_softmax_threshold_scale_factor: None, 0 or less (exact attention) or f > 0:
             skip-softmax sparsity, FlashInfer's rule: a row leaves out a key tile whose
             largest logit m_t has exp(m_t - m) < f / kv_len, m the row's running max over the
             tiles before it (in key order) and kv_len the request's (tiles of the kernel's
@@ -195,7 +199,9 @@ def trtllm_fmha_v2_prefill(
     cap and ALiBi applied; m their max) and stats[..., 0] the max as Hopper's FMHAv2 stores
     it: m / (sqrt(D_qk) * bmm1_scale) (the raw q.k max over sqrt(D_qk)) without a soft cap,
     m / sqrt(D_qk) with one. So LSE = stats[..., 0] * sqrt(D_qk) * bmm1_scale +
-    ln(stats[..., 1]) (soft cap: stats[..., 0] * sqrt(D_qk) + ln(stats[..., 1])). A row that
+    ln(stats[..., 1]) (soft cap: stats[..., 0] * sqrt(D_qk) + ln(stats[..., 1])). With ALiBi,
+    as FlashInfer's ALiBi kernels store it: (m + slope * p_i) / sqrt(D_qk), the max of its own
+    logits (bias slope * j) over sqrt(D_qk) alone, and the sum relative to m. A row that
     sees no key has (-inf, 0). Differences: FlashInfer writes stats for CONTIGUOUS_Q_KV only
     (and SEPARATE_Q_K_V in MLA shapes); here every layout has them. A sink is not part of
     the sum (as the ops' LSE); Blackwell's FMHAv2 stores m itself, not reproduced.
@@ -230,6 +236,11 @@ def trtllm_fmha_v2_prefill(
     work = schedule.uniform_work(batch_size, max_q_len, group, bm, dev)
     slopes = get_alibi_slopes(hq, dev) if pos == POS_ALIBI else None
     sinks = _sinks(sinks, hq, dev)
+    if slopes is not None and sinks is not None:
+        _fail("sinks", "with pos_encoding_mode='alibi' are not supported: FlashInfer's kernel "
+              "biases key j by slope * j, against which a sink's weight changes with the "
+              "row's position (the ops' bias, slope * (j - p_i), gives other numbers)",
+              "drop the sinks or ALiBi", NotImplementedError)
     qx = q.to(torch.bfloat16) if q.dtype in _FP8 else q
     mask_code = MASK_NONE if mode == "padding" else MASK_CAUSAL
     params = (mask_code, window_left, chunk, sm_scale, cap, pos, 1.0, 1e4, out_scale, o_dtype)
@@ -251,7 +262,10 @@ def trtllm_fmha_v2_prefill(
             row_max=stats, skip_softmax=skip)
     if out is not None:
         o = write_rows(out, o, cq[-1:])
-    return (o, _softmax_stats(lse, q.shape[2], sm_scale, cap)) if stats else o
+    if not stats:
+        return o
+    offset = None if slopes is None else _alibi_offsets(slopes, cq, kv_lens, lse.shape[0])
+    return o, _softmax_stats(lse, q.shape[2], sm_scale, cap, offset)
 
 
 # ---- the sections of trtllm_fmha_v2_prefill, in call order
@@ -274,8 +288,10 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
         _fail("mask_mode", f"= {mask_mode!r} is not a mask mode", f"use one of {MASK_MODES}")
     window_left = V.check_window_left(-1 if window_left is None else window_left)
     chunk = 0 if chunked_attention_size is None else chunked_attention_size
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
         _fail("chunked_attention_size", f"= {chunk!r}", "use 0 or a power of two")
+    if chunk <= 1:  # FlashInfer's kernel chunks by log2(size): 0 (a size of 1) or less is none
+        chunk = 0
     if chunk & (chunk - 1):
         _fail("chunked_attention_size", f"= {chunk}", "pass 0 or a power of two")
     if mode == "padding" and (window_left >= 0 or chunk):
@@ -291,7 +307,10 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     if window_left >= 0 and chunk:
         _fail("window_left", f"= {window_left} with chunked_attention_size = {chunk}",
               "pass one of them (-1 or 0 for the other)")
-    cap = V.check_soft_cap(logits_soft_cap_scale, "logits_soft_cap_scale")
+    cap = logits_soft_cap_scale
+    if V.is_number(cap):  # FlashInfer's kernel caps for c != 0, and c * tanh(s / c) is even in c
+        cap = abs(float(cap))
+    cap = V.check_soft_cap(cap, "logits_soft_cap_scale")
     if pos_encoding_mode is None or str(pos_encoding_mode).lower() == "none":
         pos = POS_NONE
     elif str(pos_encoding_mode).lower() == "alibi":
@@ -305,10 +324,11 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     skip = skip_softmax_threshold_scale_factor
     if skip is None:
         skip = 0.0
-    elif not V.is_number(skip) or not (0.0 <= float(skip) < math.inf):
+    elif not V.is_number(skip) or not float(skip) < math.inf:
         _fail("skip_softmax_threshold_scale_factor", f"= {skip!r}",
-              "pass a finite number >= 0 (0 or None: exact attention)")
-    skip = V.fits_float32("skip_softmax_threshold_scale_factor", float(skip))
+              "pass a finite number (0, a negative one or None: exact attention)")
+    # (FlashInfer's kernel skips for a factor > 0 only)
+    skip = V.fits_float32("skip_softmax_threshold_scale_factor", max(float(skip), 0.0))
     for arg, val in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if torch.is_tensor(val):
             _fail(arg, "is a tensor", "pass a Python float (the kernel takes it as a scalar)",
@@ -461,11 +481,33 @@ def _page_table(block_tables, input_layout: str, kv_lens, k, v_delta, bsz: int):
     return pind, pidx, last
 
 
-def _softmax_stats(lse: torch.Tensor, dqk: int, bmm1_scale: float, cap: float) -> torch.Tensor:
+def _softmax_stats(lse: torch.Tensor, dqk: int, bmm1_scale: float, cap: float,
+                   alibi_offset: torch.Tensor | None = None) -> torch.Tensor:
     """FlashInfer's (max, sum) stats float32 [T, Hq, 2] from the op's float32 [T, Hq, 2] =
-    (LSE, row max), both base 2 (the encoding: trtllm_fmha_v2_prefill's docstring)."""
+    (LSE, row max), both base 2 (the encoding: trtllm_fmha_v2_prefill's docstring). With
+    ALiBi (alibi_offset [T, Hq], _alibi_offsets) FlashInfer's max is of its own biased logits,
+    over sqrt(D) alone."""
     lse2, m2 = lse[..., 0], lse[..., 1]
     seen = m2 > float("-inf")
     total = torch.where(seen, torch.exp2(lse2 - torch.where(seen, m2, 0.0)), 0.0)
-    stored = m2 * (math.log(2.0) / (math.sqrt(dqk) * (1.0 if cap > 0 else bmm1_scale)))
+    if alibi_offset is not None:
+        stored = (m2 * math.log(2.0) + alibi_offset) / math.sqrt(dqk)
+    else:
+        stored = m2 * (math.log(2.0) / (math.sqrt(dqk) * (1.0 if cap > 0 else bmm1_scale)))
     return torch.stack([stored, total], dim=-1)
+
+
+def _alibi_offsets(slopes: torch.Tensor, cq: torch.Tensor, kv_lens: torch.Tensor,
+                   rows: int) -> torch.Tensor:
+    """slope_h * p_i, float32 [rows, Hq]: FlashInfer's ALiBi logits (bias slope * j) less the
+    ops' (slope * (j - p_i), p_i = kv_len - qo_len + i the row's position). slopes [Hq];
+    cq: the requests' cumulative query rows [B + 1] (int64, device); kv_lens [B]. Rows past
+    cq[-1] belong to no request (0)."""
+    tok = torch.arange(rows, device=cq.device, dtype=torch.int64)
+    bsz = kv_lens.shape[0]
+    req = torch.bucketize(tok, cq[1:], right=True).clamp(max=max(bsz - 1, 0))
+    if bsz == 0:
+        return torch.zeros(rows, slopes.shape[0], device=cq.device)
+    pos = kv_lens.to(torch.int64)[req] - (cq[req + 1] - cq[req]) + (tok - cq[req])
+    pos = torch.where(tok < cq[-1], pos, torch.zeros_like(pos))
+    return pos.to(torch.float32)[:, None] * slopes[None, :]

@@ -99,7 +99,10 @@ def test_features(layout, feature):
     ("causal", 13, 0, dict()), ("causal", -1, 4, dict(chunk=4)),
     ("chunked", -1, 0, dict()), ("chunked", 2, 0, dict(window_left=2)),
     ("sliding_window", -1, 4, dict(chunk=4)), ("sliding_window", -1, 0, dict()),
-    ("sliding_window", 0, 0, dict(window_left=0))])
+    ("sliding_window", 0, 0, dict(window_left=0)),
+    # a chunk of 1 key (log2 0) or a negative one chunks nothing in FlashInfer's kernel
+    ("causal", -1, 1, dict()), ("chunked", -1, 1, dict()), ("causal", -1, -4, dict()),
+    ("sliding_window", 2, 1, dict(window_left=2))])
 def test_causal_modes_narrowed_as_flashinfer(mask_mode, window_left, chunk, ref):
     torch.manual_seed(window_left * 7 + chunk + len(mask_mode))
     qo, kv = [6, 4, 9], [13, 4, 9]
@@ -209,8 +212,6 @@ def test_bad_base_runs():
 
 
 @pytest.mark.parametrize("layout,kw,exc,match", [
-    ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor=-0.5), ValueError,
-     "skip_softmax_threshold_scale_factor.*>= 0"),
     ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor=float("inf")), ValueError,
      "skip_softmax_threshold_scale_factor.*finite"),
     ("SEPARATE_Q_K_V", dict(skip_softmax_threshold_scale_factor="0.5"), ValueError,
@@ -346,6 +347,57 @@ def test_max_q_len_too_small_caught_on_device():
 
 
 
+
+
+def test_values_flashinfer_reads_as_off_or_even():
+    """FlashInfer's kernel caps the logits for a soft cap != 0 (c * tanh(s / c) is even in c:
+    -1.5 caps as 1.5; it was taken as no cap) and skips softmax tiles for a factor > 0 only (a
+    negative one raised)."""
+    torch.manual_seed(31)
+    qo, kv = [5, 3], [9, 3]
+    qs, ks, vs = _seqs(qo, kv, 4, 2, 16, 16)
+    qkv, table = _build("Q_PAGED_KV_NHD", qs, ks, vs, seed=4)
+    capped = _call(qkv, "Q_PAGED_KV_NHD", table, qo, kv, logits_soft_cap_scale=1.5)
+    torch.testing.assert_close(
+        _call(qkv, "Q_PAGED_KV_NHD", table, qo, kv, logits_soft_cap_scale=-1.5), capped,
+        rtol=0, atol=0)
+    torch.testing.assert_close(capped, _oracle(qs, ks, vs, sm_scale=0.3, causal=True,
+                                               soft_cap=1.5))
+    torch.testing.assert_close(
+        _call(qkv, "Q_PAGED_KV_NHD", table, qo, kv, skip_softmax_threshold_scale_factor=-0.5),
+        _call(qkv, "Q_PAGED_KV_NHD", table, qo, kv), rtol=0, atol=0)
+
+
+def test_alibi_with_sinks_is_not_implemented():
+    """FlashInfer biases key j by slope * j: beside a sink the per-row constant the ops' bias
+    leaves out (slope * p_i) no longer cancels, so the two together raise."""
+    with pytest.raises(NotImplementedError, match="sinks with pos_encoding_mode='alibi'"):
+        _bad(pos_encoding_mode="alibi", sinks=torch.zeros(4))
+
+
+@pytest.mark.parametrize("layout", ["SEPARATE_Q_K_V", "Q_PAGED_KV_HND"])
+def test_save_softmax_stats_with_alibi_as_flashinfer(layout):
+    """With ALiBi FlashInfer's stored max is of its own logits, bmm1 * q.k + slope * j, over
+    sqrt(D) alone (its ALiBi kernels scale the logits before the max); the sum is relative to
+    it (it was over sqrt(D) * bmm1 and without the slope * p_i the ops' bias leaves out)."""
+    torch.manual_seed(33)
+    qo, kv = [5, 0, 3], [9, 4, 3]
+    hq, hkv, d = 4, 2, 16
+    qs, ks, vs = _seqs(qo, kv, hq, hkv, d, d)
+    qkv, table = _build(layout, qs, ks, vs, seed=5)
+    _, stats = _call(qkv, layout, table, qo, kv, pos_encoding_mode="alibi",
+                     save_softmax_stats=True)
+    slopes = alibi_slopes_spec(hq).double()
+    want = []
+    for q, k in zip(qs, ks):
+        s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(2, 1)) * 0.3
+        s = s + slopes[:, None, None] * torch.arange(k.shape[0], dtype=torch.float64)
+        vis = visibility(q.shape[0], k.shape[0], causal=True)
+        s = s.masked_fill(~vis[None], float("-inf"))
+        m = s.amax(-1)
+        want.append(torch.stack([m / d ** 0.5, torch.exp(s - m[..., None]).sum(-1)], -1)
+                    .transpose(0, 1))
+    torch.testing.assert_close(stats.double(), torch.cat(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
