@@ -180,10 +180,17 @@ def _number(x) -> float | None:
 
 def _private_inplace(n: Node) -> bool:
     """n is an in-place op (export's training IR keeps them) on a temporary that nothing else
-    reads: its result is then a plain function of its arguments (Falcon's `scores /= ...`)."""
+    reads and that is no view of another tensor (the op would write through to it): its
+    result is then a plain function of its arguments (Falcon's `scores /= ...`)."""
     src = n.args[0] if n.args else None
     return (isinstance(src, Node) and src.op == "call_function" and len(src.users) == 1
-            and _functional_op(src.target))
+            and _functional_op(src.target) and not _aliasing_op(src.target))
+
+
+def _aliasing_op(t) -> bool:
+    """An aten op whose result may share storage with an input (a view: view, transpose,
+    expand, ...), by its schema's alias annotations."""
+    return any(r.alias_info is not None for r in t._schema.returns)
 
 
 _INPLACE_SCALES = {aten.mul_.Tensor: aten.mul.Tensor, aten.mul_.Scalar: aten.mul.Scalar,
@@ -887,7 +894,7 @@ def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
     inductor: the graph is Inductor's (post-decomposition; emit only directly-lowered ops)."""
     if _is_training_graph(graph):
         n_sites = sum(1 for n in graph.nodes if n.op == "call_function"
-                      and (n.target in SDPA_OPS))
+                      and (n.target in SDPA_OPS or match_matmul_softmax(n) is not None))
         if n_sites:
             counters["skipped:training graph (ops are inference-only)"] += n_sites
         return 0

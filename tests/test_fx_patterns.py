@@ -534,3 +534,37 @@ def test_look_alikes_left_alone_by_export(case):
     ref, out, c = _export_counts(fn, args)
     assert c.get("rewritten", 0) == 0 and any(key.startswith(want) for key in c), c
     torch.testing.assert_close(out, ref)
+
+
+def _scale_through_a_view(q, k, v):
+    # the scores scaled in place through a view of them, and the scores read afterwards
+    s = q @ k.transpose(-1, -2)
+    sv = s.view(s.shape)
+    sv.div_(4.0)
+    return torch.softmax(sv, -1) @ v, s.sum(-1)
+
+
+def test_inplace_scale_through_a_view_is_not_erased():
+    """An in-place scale on a view writes through to the viewed tensor: the site is skipped
+    (its div_ was erased as private, and the other reader of the scores got them unscaled)."""
+    g = torch.Generator().manual_seed(40)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g) for _ in range(3))
+    ref, out, counts = _export_counts(_scale_through_a_view, (q, k, v))
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b, a)
+    assert counts == {"skipped:unsupported op div_.Tensor between q @ k^T and softmax": 1}
+
+
+def test_training_graph_counts_hand_written_sites():
+    """With grad enabled the graph is a training graph: the pass rewrites nothing and counts
+    every site, hand-written ones too (they were not counted)."""
+    g = torch.Generator().manual_seed(41)
+    q, k, v = (torch.randn(2, 4, 8, 16, generator=g, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.25, -1) @ v
+
+    fx_passes.counters.clear()
+    out = compiled_attn.compile(attend)(q, k, v)
+    torch.testing.assert_close(out, attend(q, k, v))
+    assert dict(fx_passes.counters) == {"skipped:training graph (ops are inference-only)": 1}
