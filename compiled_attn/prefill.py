@@ -494,15 +494,21 @@ class _BatchPrefillBase(_WrapperBase):
     def _into_buf(self, name: str, src: torch.Tensor, non_blocking: bool, fill: int = 0):
         """Copy src into the caller's CUDA-graph buffer `name` (size checked); the tail past
         src is filled with `fill` (a valid value: page 0, no mask bit) so nothing reads junk."""
-        buf = self._bufs[name]
-        if buf is None:
-            raise ValueError(f"{name}: the plan uses a custom mask, so use_cuda_graph=True needs "
-                             f"{name} passed to the constructor")
-        n = src.numel()
-        if n > buf.numel():
-            raise ValueError(f"{name}: holds {buf.numel()} entries but this plan needs {n}; "
-                             "allocate a larger buffer when constructing the wrapper")
-        return _copy_padded(buf, src, fill, non_blocking)
+        self._check_bufs({name: src.numel()})
+        return _copy_padded(self._bufs[name], src, fill, non_blocking)
+
+    def _check_bufs(self, needs: dict) -> None:
+        """Each CUDA-graph buffer of ``needs`` ({name: entries}) exists and holds that many.
+        A plan checks them all before it writes any buffer: a plan that fails leaves the
+        wrapper's last plan (whose tensors are these buffers) as it was."""
+        for name, n in needs.items():
+            buf = self._bufs[name]
+            if buf is None:
+                raise ValueError(f"{name}: the plan uses a custom mask, so use_cuda_graph=True "
+                                 f"needs {name} passed to the constructor")
+            if n > buf.numel():
+                raise ValueError(f"{name}: holds {buf.numel()} entries but this plan needs "
+                                 f"{n}; allocate a larger buffer when constructing the wrapper")
 
     def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_lens: torch.Tensor, *,
                      paged: bool, page_size: int = 0) -> _Plan:
@@ -577,6 +583,16 @@ class _BatchPrefillBase(_WrapperBase):
             raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
                              "the CUDA-graph buffers were made for; the batch size is fixed "
                              "with use_cuda_graph=True (pad with empty requests)")
+        self._check_bufs({"qo_indptr_buf": qo_h.numel()} if packed is None else {
+            "qo_indptr_buf": qo_h.numel(), "custom_mask_buf": packed.numel(),
+            "mask_indptr_buf": mask_indptr.numel()})
+        if self._max_total_rows is not None and total_rows > self._max_total_rows:
+            raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
+                             f"{self._max_total_rows} of the first plan, which fixed the "
+                             "CUDA-graph capacity; make the first plan() the largest batch")
+        if self._graph_tile is not None and (shape_key, block_m) != self._graph_tile:
+            raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
+                             "plan in CUDA-graph mode; create a new wrapper for new shapes")
         if self._max_total_rows is None:
             # The first plan fixes the row capacity (as in FlashInfer); the work buffer is
             # sized for any plan within it: sum_b ceil(x_b / m) <= (X + B (m - 1)) // m.
@@ -592,13 +608,6 @@ class _BatchPrefillBase(_WrapperBase):
             self._work_buf = torch.empty((max(rows, 1), 2 if self._merge_buf is None else 4),
                                          dtype=torch.int32, device=self.device)
             self._graph_tile = (shape_key, block_m)
-        elif total_rows > self._max_total_rows:
-            raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
-                             f"{self._max_total_rows} of the first plan, which fixed the "
-                             "CUDA-graph capacity; make the first plan() the largest batch")
-        if (shape_key, block_m) != self._graph_tile:
-            raise ValueError("num_qo_heads / num_kv_heads / head dims changed since the first "
-                             "plan in CUDA-graph mode; create a new wrapper for new shapes")
         mb, wb = self._merge_buf, self._work_buf
         if mb is not None:
             # (disable_split_kv: one chunk a tile, chunk columns kept for the captured launch)
@@ -873,6 +882,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         start = int(kv_h[0])  # (FlashInfer reads indices[indptr[b]:]: the table from 0)
         kv_h, idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
                                                           paged_kv_last_page_len, page_size)
+        if self._use_cuda_graph:  # (before _plan_common writes any buffer)
+            self._check_bufs({"paged_kv_indptr_buf": kv_h.numel(),
+                              "paged_kv_indices_buf": idx_h.numel(),
+                              "paged_kv_last_page_len_buf": last_h.numel()})
         p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size)
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
@@ -1118,6 +1131,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
             if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")
+        if self._use_cuda_graph:  # (before _plan_common writes any buffer)
+            self._check_bufs({"kv_indptr_buf": kv_h.numel()})
         p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False)
         p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
                        if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))

@@ -466,6 +466,32 @@ def test_cuda_graph_replan_refuses_new_head_counts_and_dims():
             plan(*shapes)
 
 
+def test_cuda_graph_plan_that_fails_writes_no_buffer():
+    """A CUDA-graph plan checks every buffer before it writes any: a re-plan that fails (its
+    page table or mask does not fit the buffers) leaves the last plan's run() as it was (its
+    qo_indptr, kv_indptr and work buffers were already overwritten: wrong numbers), and a
+    first plan that fails fixes no capacity."""
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    cache = rand(7, 2, 4, 2, 16, seed=110)
+    q = rand(7, 4, 16, seed=111)
+    idx, ind, last = i32(3, 0, 5, 1, 6), i32(0, 2, 5), i32(1, 1)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(2, 5))
+    w.plan(i32(0, 3, 7), ind, idx, last, 4, 2, 16, 4, causal=True, q_data_type=D64)
+    good = w.run(q, cache)
+    with pytest.raises(ValueError, match="paged_kv_indices_buf: holds 5 entries but this plan "
+                                         "needs 6"):
+        w.plan(i32(0, 1, 7), i32(0, 2, 6), torch.cat([idx, i32(2)]), last, 4, 2, 16, 4,
+               causal=True, q_data_type=D64)
+    with pytest.raises(ValueError, match="custom_mask_buf: the plan uses a custom mask"):
+        w.plan(i32(0, 1, 7), ind, idx, last, 4, 2, 16, 4,
+               custom_mask=torch.ones(5 + 6 * 9, dtype=torch.bool), q_data_type=D64)
+    assert torch.equal(w.run(q, cache), good)
+    fresh = fi.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD", True, **paged_graph_bufs(2, 3))
+    with pytest.raises(ValueError, match="paged_kv_indices_buf: holds 3"):
+        fresh.plan(i32(0, 1, 2), ind, idx, last, 4, 2, 16, 4, q_data_type=D64)
+    fresh.plan(i32(0, 3, 7), i32(0, 1, 2), idx[:2], i32(3, 4), 8, 4, 16, 4, q_data_type=D64)
+
+
 def test_paged_kv_indptr_may_start_past_zero():
     """As FlashInfer's kernels (pages at indices[indptr[b] + j]): a page table whose indptr
     starts past 0 over a longer indices buffer, the entries before it poisoned; the numbers of
