@@ -96,8 +96,9 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
 
 
 def is_number(x) -> bool:
-    """A real number: anything float() takes but a string or a bool."""
-    return not isinstance(x, (str, bytes, bool)) and hasattr(x, "__float__")
+    """A real number: anything float() takes but a string, a bool or a complex number."""
+    return (not isinstance(x, (str, bytes, bool, complex)) and hasattr(x, "__float__")
+            and not (torch.is_tensor(x) and (x.dtype.is_complex or x.dtype == torch.bool)))
 
 
 def _number(name: str, x) -> float:
@@ -157,7 +158,7 @@ def host_scale(name: str, x) -> float:
                 f"{name}: got a {x.device.type} tensor; the kernel takes this scale as a host "
                 f"float and run() never reads device values: pass float({name}) (or a CPU "
                 "tensor) instead")
-        x = float(check_readable(name, x).item())
+        x = check_readable(name, x).item()
     x = _number(name, x)
     if not math.isfinite(x):
         raise ValueError(f"{name}: got {x!r}; use a finite float")
@@ -341,6 +342,16 @@ def check_readable(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def check_writable(name: str, t: torch.Tensor) -> torch.Tensor:
+    """t (an output buffer: out=, lse=) has distinct elements: an expanded view (stride 0 along
+    a dimension of size > 1) would have several results written to one element."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name}: is an expanded view (stride 0 along a dimension of size > 1, "
+                         f"strides {tuple(t.stride())}), so results would overwrite each other; "
+                         "pass a buffer with one element per result, e.g. torch.empty(...)")
+    return t
+
+
 def host_copy(name: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A host copy of argument ``name`` in ``dtype`` (a device sync when it lives on a GPU)."""
     return check_readable(name, t).detach().to("cpu", dtype)
@@ -493,7 +504,7 @@ def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
     an integer type whose nonzero entries attend (FlashInfer packs ``mask.to(torch.bool)``). A
     floating mask raises: FlashInfer would read its nonzero entries as attend, which inverts
     an additive mask (0 attend, -inf masked)."""
-    check_tensor(name, mask)
+    check_readable(name, check_tensor(name, mask))
     if mask.dtype.is_floating_point or mask.dtype.is_complex:
         raise TypeError(f"{name}: expected a bool (or integer) mask, True / nonzero = attend; "
                         f"got {mask.dtype}. A floating mask is not taken: read as FlashInfer "
@@ -511,7 +522,7 @@ def mask_packed_length(name: str, packed, expected_bytes: int | None, what: str,
     bare pointer, so a strided view is copied. Traced (traced()) with device_total (a
     one-element device tensor of the plan's byte count; expected_bytes may then be None), a
     device assert checks the length: the host count would be a guard."""
-    check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,))
+    check_readable(name, check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,)))
     if device_total is not None and traced():
         device_check(device_total == packed.shape[0], f"{name}: its bytes are not the plan's "
                      f"{what}")

@@ -446,6 +446,7 @@ def _out_dtype(q, v_cache, out, o_data_type) -> torch.dtype:
         if tuple(out.shape) != (nq, hq, dvo) or out.dtype != out_dtype or out.device != q.device:
             _fail("out", f"is {tuple(out.shape)} {out.dtype} on {out.device}",
                   f"pass a [{nq}, {hq}, {dvo}] {out_dtype} tensor on {q.device}")
+        V.check_writable(f"{_NAME}: out", out)
     return out_dtype
 
 
@@ -556,6 +557,7 @@ def _check_lse_buffer(q, lse, qo_lens, offs_stats, max_token_per_sequence: int,
     bsz, hq = qo_lens.shape[0], q.shape[1]
     if lse is not None:
         _check_tensor("lse", lse, 3)
+        V.check_writable(f"{_NAME}: lse", lse)
         if tuple(lse.shape) != (bsz, max_token_per_sequence, hq) or \
                 lse.dtype != torch.float32 or lse.device != q.device:
             _fail("lse", f"is {tuple(lse.shape)} {lse.dtype} on {lse.device}",

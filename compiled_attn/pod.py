@@ -493,7 +493,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         options (pos_encoding_mode, window_left, sm_scale, rope_*) are the decode part's;
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_options
-        b = last_page_len.shape[0] if torch.is_tensor(last_page_len) else None
+        b = (last_page_len.shape[0] if torch.is_tensor(last_page_len)
+             and last_page_len.dim() == 1 else None)  # (else _page_table names its shape)
         ind_h, idx_h, last_h, kv_lens, max_page = _page_table(
             ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size, b)
         b = ind_h.numel() - 1

@@ -63,6 +63,9 @@ def _split_v_scale(v_scale) -> tuple[float, torch.Tensor | None]:
         if v_scale.numel() != 1:
             V.unsupported("v_scale", f"got a tensor of shape {tuple(v_scale.shape)}; only a "
                           "scalar scale is supported (per-head scales are not)")
+        V.check_readable("v_scale", v_scale)
+        if v_scale.dtype.is_complex or v_scale.dtype == torch.bool:
+            raise TypeError(f"v_scale: got a {v_scale.dtype} tensor; pass a real scale")
         return 1.0, v_scale.reshape(())
     return V.host_scale("v_scale", v_scale), None
 
@@ -79,7 +82,9 @@ def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
     if out is not None:
         V.check_tensor("out", out, shape=(rows, hq, dvo), dtypes=(o_dtype,), device=device,
                        what="[tokens, Hq, D_vo] in the plan's output dtype")
+        V.check_writable("out", out)
     if lse is not None:
+        V.check_writable("lse", lse)
         if lse_layout == "NH":
             V.check_tensor("lse", lse, shape=(rows, hq), dtypes=(torch.float32,), device=device,
                            what="[tokens, Hq] float32 (lse_layout='NH')")
@@ -517,6 +522,10 @@ class _BatchPrefillBase(_WrapperBase):
         host int64 [B]; page_size: the paged cache's (0: ragged)."""
         _check_plan_args(args, qo_h)
         opts = PlanOptions.of_batch(args, self.device.type)
+        if int(qo_h[-1]) * opts.group >= 2 ** 31:  # (the work list's rows are int32)
+            raise ValueError(f"qo_indptr: {int(qo_h[-1])} query rows of {opts.group} heads a "
+                             "KV head exceed the int32 row range of the kernels' work list; "
+                             "split the batch")
         split_size = _check_fixed_split_size(args["fixed_split_size"])
         # FlashInfer: disable_split_kv=True wins over a fixed split size.
         fixed = split_size is not None and not args["disable_split_kv"]
@@ -1128,6 +1137,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1, length_from="qo_indptr",
                              start_zero=False)  # (offsets into k / v, as FlashInfer's)
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
+            if given is not None:
+                V.check_int(name, V.check_tensor(name, given, what="[batch_size + 1]"))
             if given is not None and not torch.equal(V.host_copy(name, given).reshape(-1), same):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")

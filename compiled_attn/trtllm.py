@@ -393,6 +393,7 @@ def _out_dtype(q, v, out, out_dtype) -> torch.dtype:
     if out is not None:
         V.check_tensor("out", out, shape=(q.shape[0], q.shape[1], v.shape[-1]), device=dev,
                        what="[tokens, Hq, D_vo]")
+        V.check_writable("out", out)
         if out_dtype is not None and V.canonical_dtype("out_dtype", out_dtype) != out.dtype:
             _fail("out_dtype", f"= {out_dtype} but out is {out.dtype}", "pass one of them")
         o_dtype = out.dtype
@@ -475,10 +476,11 @@ def _page_table(block_tables, input_layout: str, kv_lens, k, v_delta, bsz: int):
                       f"block_tables[:, 1] must be block_tables[:, 0] + {v_delta} (v_cache "
                       "starts that many pages after k_cache) for every page in use: V "
                       "pages ordered apart from their K pages are not supported")
-    pind, pidx, last = _compact_block_tables(k_table, kv_lens, page)
-    _device_check((pidx >= 0) & (pidx < k.shape[0]),
+    _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
+    # (checked before the int32 compaction, where an int64 index past 2^31 would wrap)
+    _device_check(~used | ((k_table >= 0) & (k_table < k.shape[0])),
                   "block_tables holds page indices outside the cache")
-    return pind, pidx, last
+    return _compact_block_tables(k_table, kv_lens, page)
 
 
 def _softmax_stats(lse: torch.Tensor, dqk: int, bmm1_scale: float, cap: float,

@@ -328,6 +328,8 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     rows are merge_state's. Returns None.
     """
     _check_two_states(("v", v), ("s", s), ("v_other", v_other), ("s_other", s_other))
+    V.check_writable("v", v)
+    V.check_writable("s", s)
     if mask is not None:
         V.check_tensor("mask", mask, shape=(v.shape[0],), device=v.device, what="[N]")
         if mask.dtype.is_floating_point or mask.dtype.is_complex:

@@ -463,3 +463,21 @@ def test_skip_softmax_zero_is_exact():
     skipped = _call(qkv, "SEPARATE_Q_K_V", None, [40, 3], [200, 150],
                     skip_softmax_threshold_scale_factor=4.0)
     assert not torch.equal(skipped, base)
+
+
+def test_int64_block_table_entry_past_int32_is_caught():
+    """An int64 page index of 2^32 + 6 was compacted to int32 before the range check and read
+    as page 6; it is checked first now (a device-side check, as the other page checks)."""
+    torch.manual_seed(35)
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(7, 4, 16, dtype=torch.float64)
+    cache = torch.randn(8, 2, 4, 2, 16, dtype=torch.float64)
+
+    def call(table):
+        return compiled_attn.trtllm_fmha_v2_prefill(
+            (q, cache), "Q_PAGED_KV_NHD", torch.empty(1), i32(5, 9), 4, 9, 0.25, 1.0, 2,
+            i32(0, 3, 7), i32(0, 5, 14), block_tables=table)
+
+    assert not torch.isnan(call(torch.tensor([[3, 0, 0], [1, 5, 6]]))).any()
+    with pytest.raises(RuntimeError, match="block_tables holds page indices outside the cache"):
+        call(torch.tensor([[3, 0, 0], [1, 5, 2 ** 32 + 6]]))

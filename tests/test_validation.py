@@ -113,6 +113,15 @@ def test_paged_run_errors(paged):
          r"k_scale: got a meta tensor.*pass float\(k_scale\)"),
         (lambda: w.run(q, cache, v_scale=torch.ones(2, device="meta")), NotImplementedError,
          "v_scale: got a tensor of shape"),
+        # (a fuzz: these failed inside torch, naming nothing)
+        (lambda: w.run(q, cache, v_scale=torch.tensor(1.0, device="meta")), ValueError,
+         "v_scale: is on the meta device"),
+        (lambda: w.run(q, cache, v_scale=torch.tensor(1 + 0j)), TypeError, "v_scale: got"),
+        (lambda: w.run(q, cache, k_scale=torch.tensor(True)), TypeError, "k_scale: got True"),
+        (lambda: w.run(q, cache, out=torch.empty(1, 4, 8, dtype=D64).expand(7, 4, 8)),
+         ValueError, r"out: is an expanded view \(stride 0"),
+        (lambda: w.run(q, cache, return_lse=True, lse=torch.empty(1, 4).expand(7, 4)),
+         ValueError, "lse: is an expanded view"),
         (lambda: w.run(q, cache, lse_base="e"), ValueError,
          r"lse_base: got 'e'; use 'log2' .* or 'ln'"),
         (lambda: w.run(q, cache, lse_layout="TN"), ValueError,
@@ -231,6 +240,31 @@ def test_pod_plan_errors():
         fi.PODWithPagedKVCacheWrapper(WS, jit_args=[1])
     with pytest.raises(ValueError, match="head_dim"):
         p.plan(kvi, idx, last, HQ, HKV, 0, PAGE)
+
+
+def test_plan_inputs_named_when_malformed(paged):
+    """(A fuzz: each of these failed inside torch or took too long.) A mask on the meta device,
+    POD's last_page_len of another rank, a ragged v_indptr as a list, and more query rows
+    than the kernels' int32 work list holds name the argument."""
+    cache, kvi, idx, last = paged
+    n = sum(q * k for q, k in zip(QO, KV))
+    with pytest.raises(ValueError, match="custom_mask: is on the meta device"):
+        plan_paged(paged, custom_mask=torch.ones(n, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match="packed_custom_mask: is on the meta device"):
+        plan_paged(paged, packed_custom_mask=torch.ones(8, dtype=torch.uint8, device="meta"))
+    pod = fi.PODWithPagedKVCacheWrapper(WS)
+    for bad in (last[0], last[None]):
+        with pytest.raises(ValueError, match=r"last_page_len: expected shape \(2,\)"):
+            pod.plan(kvi, idx, bad, HQ, HKV, D, PAGE, q_data_type=D64)
+    rag = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+    with pytest.raises(TypeError, match="v_indptr: expected a tensor"):
+        rag.plan(indptr(QO), indptr(KV), HQ, HKV, D, v_indptr=[0, 5, 14], q_data_type=D64)
+    with pytest.raises(TypeError, match="o_indptr: expected an integer dtype"):
+        rag.plan(indptr(QO), indptr(KV), HQ, HKV, D, o_indptr=indptr(QO).float(),
+                 q_data_type=D64)
+    with pytest.raises(ValueError, match="qo_indptr: .* query rows of 2 heads a KV head "
+                                         "exceed the int32 row range"):
+        plan_paged(paged, qo_indptr=torch.tensor([0, 3, 2 ** 31 - 1], dtype=torch.int32))
 
 
 def test_values_flashinfer_reads_as_off(paged):
