@@ -151,7 +151,7 @@ def single_prefill_with_kv_cache(
     (query head h reads KV head h // (Hq / Hkv)). k/v may be fp8 (e4m3/e5m2) with k_scale
     (multiplies sm_scale) and v_scale (multiplies the output, not the LSE); a float, a
     one-element CPU tensor, or (v_scale only) a one-element device tensor.
-    custom_mask: bool ``[qo_len, kv_len]`` (True = attend; uint8 / int8: nonzero; any shape
+    custom_mask: bool ``[qo_len, kv_len]`` (True = attend; an integer type: nonzero; any shape
     with qo_len * kv_len entries, read row-major) or packed_custom_mask: uint8
     ``[ceil(qo_len * kv_len / 8)]``, little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
     the window still applies. causal: key j visible to row i when ``j <= kv_len - qo_len + i``
@@ -781,7 +781,7 @@ _RUN_DOC = """
 _PLAN_COMMON_DOC = """
         num_qo_heads, num_kv_heads: Hq % Hkv == 0 (GQA groups of any size). head_dim_qk,
         head_dim_vo (default head_dim_qk): on CUDA each a multiple of 8 from 16 to 256, or 512
-        (any pair of them), on CPU any. custom_mask: bool (uint8 / int8: nonzero attends),
+        (any pair of them), on CPU any. custom_mask: bool (an integer type: nonzero attends),
         each request's ``[qo_len, kv_len]`` mask flattened row-major and concatenated
         (``sum(qo_len * kv_len)`` entries); or
         packed_custom_mask: uint8, the same bits packed per request with
