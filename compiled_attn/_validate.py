@@ -109,9 +109,11 @@ def _number(name: str, x) -> float:
 
 
 def check_count(name: str, n, least: int) -> None:
-    """n is an integer (anything with __index__, a traced size included; not a bool) >= least."""
+    """n is an integer (anything with __index__, a traced size included; not a bool) >= least.
+    A traced symbolic size is compared as it is (operator.index would make it a constant)."""
     try:
-        ok = not isinstance(n, bool) and operator.index(n) >= least
+        ok = not isinstance(n, bool) and (n if isinstance(n, (int, torch.SymInt))
+                                          else operator.index(n)) >= least
     except TypeError:
         ok = False
     if not ok:
@@ -309,7 +311,8 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape: Sequence | Non
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor{desc}; got shape {tuple(t.shape)}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and int(s) != d
+        # (sizes compared as they are: int() of a traced symbolic size would specialise it)
+        if t.dim() != len(shape) or any(s is not None and s != d
                                         for s, d in zip(shape, t.shape)):
             want = tuple("*" if s is None else int(s) for s in shape)
             raise ValueError(f"{name}: expected shape {want}{desc}; got {tuple(t.shape)}")
@@ -499,7 +502,14 @@ def check_rope_dim(head_dim_qk: int, pos_code: int) -> None:
                          f"{head_dim_qk}")
 
 
-def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
+def _words(what) -> str:
+    """An error message's part given as a string, or as a callable building it only when the
+    check fails (a traced call's symbolic sizes formatted into a string would be
+    specialised: a recompile for every length)."""
+    return what() if callable(what) else what
+
+
+def mask_bool_length(name: str, mask, expected: int, what) -> None:
     """A custom mask holds exactly `expected` entries (any shape; read flattened): bool, or
     an integer type whose nonzero entries attend (FlashInfer packs ``mask.to(torch.bool)``). A
     floating mask raises: FlashInfer would read its nonzero entries as attend, which inverts
@@ -513,10 +523,11 @@ def mask_bool_length(name: str, mask, expected: int, what: str) -> None:
                         "mask == 0 for an additive one")
     if mask.numel() != expected:
         raise ValueError(f"{name}: has {mask.numel()} entries but the plan needs {expected} "
-                         f"({what}); a mask of another length would be read out of bounds")
+                         f"({_words(what)}); a mask of another length would be read out of "
+                         "bounds")
 
 
-def mask_packed_length(name: str, packed, expected_bytes: int | None, what: str,
+def mask_packed_length(name: str, packed, expected_bytes: int | None, what,
                        device_total: torch.Tensor | None = None) -> torch.Tensor:
     """The packed mask, checked (uint8 [expected_bytes]), contiguous: the kernels read it by a
     bare pointer, so a strided view is copied. Traced (traced()) with device_total (a
@@ -525,11 +536,11 @@ def mask_packed_length(name: str, packed, expected_bytes: int | None, what: str,
     check_readable(name, check_tensor(name, packed, ndim=1, dtypes=(torch.uint8,)))
     if device_total is not None and traced():
         device_check(device_total == packed.shape[0], f"{name}: its bytes are not the plan's "
-                     f"{what}")
+                     f"{_words(what)}")
         return packed.contiguous()
     if packed.numel() != expected_bytes:
         raise ValueError(f"{name}: has {packed.numel()} bytes but the plan needs "
-                         f"{expected_bytes} ({what}); pack the bool mask with "
+                         f"{expected_bytes} ({_words(what)}); pack the bool mask with "
                          "compiled_attn.segment_packbits(mask, indptr, bitorder='little') "
                          "(per-request segments, whole bytes each) or packbits(..., "
                          "bitorder='little') for a single request")

@@ -699,12 +699,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if packed_custom_mask_p is not None:
             packed_custom_mask_p = V.mask_packed_length(
                 "packed_custom_mask_p", packed_custom_mask_p, (nbits + 7) // 8,
-                f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
+                lambda: f"ceil(qo_len * kv_len / 8), qo_len={qo_len}, kv_len={kv_len}")
             V.check_tensor("packed_custom_mask_p", packed_custom_mask_p, device=dev)
             packed_p, mask_p = packed_custom_mask_p, MASK_CUSTOM
         elif custom_mask_p is not None:
             V.mask_bool_length("custom_mask_p", custom_mask_p, nbits,
-                               f"qo_len * kv_len = {qo_len} * {kv_len}")
+                               lambda: f"qo_len * kv_len = {qo_len} * {kv_len}")
             V.check_tensor("custom_mask_p", custom_mask_p, device=dev)
             packed_p, mask_p = packbits(custom_mask_p, bitorder="little"), MASK_CUSTOM
         else:

@@ -232,12 +232,12 @@ def _single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, k
     if packed_custom_mask is not None:
         packed_custom_mask = V.mask_packed_length(
             "packed_custom_mask", packed_custom_mask, (nbits + 7) // 8,
-            f"ceil(qo_len * kv_len / 8) with qo_len={qo_len}, kv_len={kv_len}")
+            lambda: f"ceil(qo_len * kv_len / 8) with qo_len={qo_len}, kv_len={kv_len}")
         V.check_tensor("packed_custom_mask", packed_custom_mask, device=q.device)
         packed, mask_mode = packed_custom_mask, MASK_CUSTOM
     elif custom_mask is not None:
         V.mask_bool_length("custom_mask", custom_mask, nbits,
-                           f"qo_len * kv_len = {qo_len} * {kv_len}")
+                           lambda: f"qo_len * kv_len = {qo_len} * {kv_len}")
         V.check_tensor("custom_mask", custom_mask, device=q.device)
         packed, mask_mode = packbits(custom_mask, bitorder="little"), MASK_CUSTOM
     else:

@@ -274,7 +274,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     ind = kv_indptr.to(torch.int64)
     bsz = ind.shape[0] - 1
     V.device_check(b < bsz, f"append_paged_kv_cache: batch_indices has entries >= the page "
-                            f"table's {bsz} requests (kv_indptr)")
+                            f"table's {_count(bsz)}requests (kv_indptr)")
     b = b.clamp(max=max(bsz - 1, 0))
     entry = ind[b] + torch.div(pos, page, rounding_mode="floor")
     V.device_check((pos >= 0) & (entry < ind[b + 1]), "append_paged_kv_cache: positions holds "
@@ -282,15 +282,15 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     V.device_check(entry >= 0, "append_paged_kv_cache: kv_indptr holds a negative entry; "
                    "pass cumulated page counts from 0 or more")
     V.device_check(entry < kv_indices.shape[0], f"append_paged_kv_cache: kv_indptr points past "
-                   f"kv_indices' {kv_indices.shape[0]} entries; kv_indptr[-1] must not exceed "
-                   "len(kv_indices)")
+                   f"kv_indices' {_count(kv_indices.shape[0])}entries; kv_indptr[-1] must not "
+                   "exceed len(kv_indices)")
     # Clamped after the checks: a failed one surfaces later on a GPU, never as a wild write.
     entry = entry.clamp(0, max(kv_indices.shape[0] - 1, 0))
     page_idx = kv_indices.to(torch.int64)[entry]
     n_pages = k_cache.shape[0]
     V.device_check((page_idx >= 0) & (page_idx < n_pages), f"append_paged_kv_cache: kv_indices "
-                   f"holds a page index outside the cache's {n_pages} pages; use indices in "
-                   f"[0, {n_pages})")
+                   f"holds a page index outside the cache's {_count(n_pages)}pages; use indices "
+                   "in [0, pages)")
     page_idx = page_idx.clamp(0, max(n_pages - 1, 0))
     slot = pos % page
     k_new, v_new = append_key[keep].to(k_cache.dtype), append_value[keep].to(v_cache.dtype)
@@ -301,6 +301,12 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
 # --------------------------------------------------------------------------------------------
 # merging partial attention states
 # --------------------------------------------------------------------------------------------
+def _count(n) -> str:
+    """A size (with a space) for an error message, or nothing in a traced call: formatting a
+    symbolic size would specialise it (a recompile for every size)."""
+    return "" if V.traced() else f"{n} "
+
+
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention outputs of two disjoint KV segments by their LSEs.

@@ -316,3 +316,42 @@ def test_merge_state_passes_nan_through_and_refuses_integer_values():
         fi.merge_states(ones.float(), torch.zeros(1, 2, 1, dtype=torch.int32))
     with pytest.raises(TypeError, match="^v_a: expected a floating dtype"):
         fi.merge_state(ones[:, 0], torch.zeros(1, 1), ones[:, 0], torch.zeros(1, 1))
+
+
+def test_page_helpers_compile_once_over_lengths():
+    """torch.compile(dynamic=True, fullgraph=True) of get_batch_indices_positions and of an
+    append over growing batches: one graph each (nnz, the batch size and the page counts were
+    specialised by operator.index, int() of shapes and formatted error messages: a recompile
+    for every length); the cache as the eager append writes it."""
+    from torch._dynamo.utils import counters
+
+    def indptr_of(lens):
+        return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda ai, sl, n: fi.get_batch_indices_positions(ai, sl, n),
+                      fullgraph=True, dynamic=True, backend="eager")
+    for lens in ([3, 5], [4, 8], [6, 11], [7, 13]):
+        ai, sl = indptr_of(lens), torch.tensor(lens, dtype=torch.int32) + 2
+        got = f(ai, sl, sum(lens))
+        want = fi.get_batch_indices_positions(ai, sl, sum(lens))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_single_prefill_with_a_mask_compiles_once_over_lengths():
+    """A custom (or packed) mask's length check formatted the traced lengths into its message
+    before checking: a recompile for every (qo_len, kv_len)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda q, k, v, m: fi.single_prefill_with_kv_cache(q, k, v, custom_mask=m),
+                      fullgraph=True, dynamic=True, backend="eager")
+    for qo, kv in ((5, 9), (7, 13), (11, 20)):
+        q, k, v = rand(qo, 4, 16, seed=qo), rand(kv, 2, 16, seed=kv), rand(kv, 2, 16, seed=3)
+        m = torch.rand(qo, kv, generator=torch.Generator().manual_seed(qo)) > 0.3
+        torch.testing.assert_close(f(q, k, v, m),
+                                   fi.single_prefill_with_kv_cache(q, k, v, custom_mask=m))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
