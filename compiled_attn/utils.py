@@ -224,6 +224,12 @@ def _write_outputs(nnz, dev, b_out, p_out, inside, batch_indices, positions):
             positions if positions is not None else p_out)
 
 
+def _count(n) -> str:
+    """A size (with a space) for an error message, or nothing in a traced call: formatting a
+    symbolic size would specialise it (a recompile for every size)."""
+    return "" if V.traced() else f"{n} "
+
+
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                           batch_indices: torch.Tensor, positions: torch.Tensor,
                           paged_kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
@@ -301,12 +307,6 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
 # --------------------------------------------------------------------------------------------
 # merging partial attention states
 # --------------------------------------------------------------------------------------------
-def _count(n) -> str:
-    """A size (with a space) for an error message, or nothing in a traced call: formatting a
-    symbolic size would specialise it (a recompile for every size)."""
-    return "" if V.traced() else f"{n} "
-
-
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge attention outputs of two disjoint KV segments by their LSEs.
