@@ -442,6 +442,19 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
     return indptr - start, idx_h, last_h, kv_len
 
 
+def page_table(names, indptr, indices, last_page_len, page_size: int, *,
+               length: int | None = None, length_from: str | None = None) -> tuple:
+    """A page table's checked host copies from 0, its indptr possibly starting past 0 (as
+    FlashInfer's): host_indptr (start_zero=False) and check_page_table, with max_entry's
+    (position in the caller's indices, value) of the largest page index. names: the indptr,
+    indices and last_page_len arguments' names; length / length_from: host_indptr's. Returns
+    (indptr, indices, last_page_len, kv_lens, max_page)."""
+    ind = host_indptr(names[0], indptr, length=length, start_zero=False,
+                      length_from=length_from)
+    table = check_page_table(ind, indices, last_page_len, page_size, names=names)
+    return (*table, max_entry(table[1], int(ind[0])))
+
+
 def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_pages: int,
                          cache_name: str, indices: torch.Tensor) -> None:
     """Every page index of a plan inside a cache of num_pages pages. max_entry = (position,

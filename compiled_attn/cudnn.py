@@ -587,6 +587,15 @@ def _call(q, k_cache, v_cache, block_tables, qo_indptr, kv_indptr, kv_lens, work
         qx, k_cache, v_cache, qo_i32, kv_i32, work, None, None, None, None, bm, *params)
 
 
+def _token_requests(indptr: torch.Tensor, rows: int):
+    """For each of ``rows`` tokens of requests packed back to back by indptr (int64 [B+1]
+    from 0, on the device): (its request [rows], clamped into the batch (0 without requests),
+    its row in that request, whether a request holds it (token < indptr[-1])). No host read."""
+    tok = torch.arange(rows, device=indptr.device, dtype=torch.int64)
+    req = torch.bucketize(tok, indptr[1:], right=True).clamp(max=max(indptr.shape[0] - 2, 0))
+    return req, tok - indptr[req], tok < indptr[-1]
+
+
 def _lse_in_cudnn_layout(lse_tok, qo_indptr, offs_stats, bsz: int, max_token_per_sequence: int,
                          lse_base: str) -> torch.Tensor:
     """The op's LSE [tokens, Hq] as cuDNN's float32 [B, max_token_per_sequence, Hq]: padded
@@ -594,10 +603,8 @@ def _lse_in_cudnn_layout(lse_tok, qo_indptr, offs_stats, bsz: int, max_token_per
     nq, hq = lse_tok.shape
     dev = lse_tok.device
     size = bsz * max_token_per_sequence * hq
-    tok = torch.arange(nq, device=dev, dtype=torch.int64)
-    req = torch.bucketize(tok, qo_indptr[1:], right=True).clamp(max=max(bsz - 1, 0))
-    row = tok - qo_indptr[req] if bsz else tok
-    inside = (tok < qo_indptr[-1]) & (row < max_token_per_sequence)
+    req, row, inside = _token_requests(qo_indptr, nq)
+    inside = inside & (row < max_token_per_sequence)
     if offs_stats is None:
         base = req * (max_token_per_sequence * hq) + row * hq
     else:

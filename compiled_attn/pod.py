@@ -57,16 +57,6 @@ _RETURN_DOC = """
         """
 
 
-def _page_table(names, indptr, indices, last_page_len, page_size, b=None):
-    """Checked host copies of a page table from 0 (V.check_page_table: an indptr may start
-    past 0, as FlashInfer's): (indptr, indices, last_page_len, kv_lens, the largest index's
-    (position in the caller's indices, value) or None)."""
-    ind_h = V.host_indptr(names[0], indptr, length=None if b is None else b + 1,
-                          start_zero=False)
-    table = V.check_page_table(ind_h, indices, last_page_len, page_size, names=names)
-    return (*table, V.max_entry(table[1], int(ind_h[0])))
-
-
 class _PODBase(_WrapperBase):
     """Plan options and the op call shared by both POD wrappers."""
 
@@ -494,9 +484,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         data_type is FlashInfer's deprecated alias for q_data_type and kv_data_type."""
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_options
         b = (last_page_len.shape[0] if torch.is_tensor(last_page_len)
-             and last_page_len.dim() == 1 else None)  # (else _page_table names its shape)
-        ind_h, idx_h, last_h, kv_lens, max_page = _page_table(
-            ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size, b)
+             and last_page_len.dim() == 1 else None)  # (else V.page_table names its shape)
+        ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
+            ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size,
+            length=None if b is None else b + 1)
         b = ind_h.numel() - 1
         p = self._plan_options(args)
         if self._use_cuda_graph:
@@ -827,9 +818,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                   "d": (qo_indptr_d, kv_indptr_d, kv_indices_d,
                                         last_page_len_d)}[x]
             qo_h = V.host_indptr(f"qo_indptr_{x}", qo)
-            ind_h, idx_h, last_h, kv_lens, max_page = _page_table(
+            ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
-                page_size, qo_h.numel() - 1)
+                page_size, length=qo_h.numel())
             qo_lens = qo_h[1:] - qo_h[:-1]
             qo_l, kv_l = qo_lens.tolist(), kv_lens.tolist()
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))

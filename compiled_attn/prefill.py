@@ -592,9 +592,10 @@ class _BatchPrefillBase(_WrapperBase):
             raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
                              "the CUDA-graph buffers were made for; the batch size is fixed "
                              "with use_cuda_graph=True (pad with empty requests)")
-        self._check_bufs({"qo_indptr_buf": qo_h.numel()} if packed is None else {
-            "qo_indptr_buf": qo_h.numel(), "custom_mask_buf": packed.numel(),
-            "mask_indptr_buf": mask_indptr.numel()})
+        needs = {"qo_indptr_buf": qo_h.numel()}
+        if packed is not None:
+            needs.update(custom_mask_buf=packed.numel(), mask_indptr_buf=mask_indptr.numel())
+        self._check_bufs(needs)
         if self._max_total_rows is not None and total_rows > self._max_total_rows:
             raise ValueError(f"qo_indptr: {total_rows} query rows exceed the "
                              f"{self._max_total_rows} of the first plan, which fixed the "
@@ -886,11 +887,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")
         qo_h = V.host_indptr("qo_indptr", qo_indptr)
         b = qo_h.numel() - 1
-        kv_h = V.host_indptr("paged_kv_indptr", paged_kv_indptr, length=b + 1,
-                             length_from="qo_indptr", start_zero=False)
-        start = int(kv_h[0])  # (FlashInfer reads indices[indptr[b]:]: the table from 0)
-        kv_h, idx_h, last_h, kv_lens = V.check_page_table(kv_h, paged_kv_indices,
-                                                          paged_kv_last_page_len, page_size)
+        kv_h, idx_h, last_h, kv_lens, max_page = V.page_table(
+            ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"), paged_kv_indptr,
+            paged_kv_indices, paged_kv_last_page_len, page_size, length=b + 1,
+            length_from="qo_indptr")
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_bufs({"paged_kv_indptr_buf": kv_h.numel(),
                               "paged_kv_indices_buf": idx_h.numel(),
@@ -905,7 +905,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.kv_indices = self._to_dev(idx_h, non_blocking)
             p.last_page_len = self._to_dev(last_h, non_blocking)
         p.page_size = page_size
-        p.max_page = V.max_entry(idx_h, start)
+        p.max_page = max_page
         p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h, kv_lens))
         self._set_plan(p)
 

@@ -22,7 +22,7 @@ import torch
 
 from . import _validate as V
 from .op_call import call_op, write_rows
-from .cudnn import _compact_block_tables, _pages_used
+from .cudnn import _compact_block_tables, _pages_used, _token_requests
 from .ops import MASK_CAUSAL, MASK_NONE, POS_ALIBI, POS_NONE, schedule
 from .utils import get_alibi_slopes
 
@@ -470,13 +470,12 @@ def _page_table(block_tables, input_layout: str, kv_lens, k, v_delta, bsz: int):
     _device_check(kv_lens <= block_tables.shape[-1] * page,
                   "block_tables has too few columns for seq_lens")
     k_table = block_tables if v_delta is None else block_tables[:, 0]
+    _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
     if v_delta is not None:
-        _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
         _device_check(~used | (block_tables[:, 1] == k_table + v_delta),
                       f"block_tables[:, 1] must be block_tables[:, 0] + {v_delta} (v_cache "
                       "starts that many pages after k_cache) for every page in use: V "
                       "pages ordered apart from their K pages are not supported")
-    _, used = _pages_used(kv_lens, page, block_tables.shape[-1])
     # (checked before the int32 compaction, where an int64 index past 2^31 would wrap)
     _device_check(~used | ((k_table >= 0) & (k_table < k.shape[0])),
                   "block_tables holds page indices outside the cache")
@@ -505,11 +504,9 @@ def _alibi_offsets(slopes: torch.Tensor, cq: torch.Tensor, kv_lens: torch.Tensor
     ops' (slope * (j - p_i), p_i = kv_len - qo_len + i the row's position). slopes [Hq];
     cq: the requests' cumulative query rows [B + 1] (int64, device); kv_lens [B]. Rows past
     cq[-1] belong to no request (0)."""
-    tok = torch.arange(rows, device=cq.device, dtype=torch.int64)
-    bsz = kv_lens.shape[0]
-    req = torch.bucketize(tok, cq[1:], right=True).clamp(max=max(bsz - 1, 0))
-    if bsz == 0:
+    if kv_lens.shape[0] == 0:
         return torch.zeros(rows, slopes.shape[0], device=cq.device)
-    pos = kv_lens.to(torch.int64)[req] - (cq[req + 1] - cq[req]) + (tok - cq[req])
-    pos = torch.where(tok < cq[-1], pos, torch.zeros_like(pos))
+    req, row, inside = _token_requests(cq, rows)
+    pos = kv_lens.to(torch.int64)[req] - (cq[req + 1] - cq[req]) + row
+    pos = torch.where(inside, pos, torch.zeros_like(pos))
     return pos.to(torch.float32)[:, None] * slopes[None, :]

@@ -26,7 +26,7 @@ import torch
 from torch.fx import Node
 from torch.fx.node import map_arg
 
-from .graph_utils import aten, arg, dtype, is_call, prims, rank, shape, static_int, val
+from .graph_utils import aten, arg, dtype, prims, rank, shape, static_int, val
 
 # Ops that move or copy elements without creating new values (the output's values are a
 # subset of the input's): a value-set property of the input holds for the output.

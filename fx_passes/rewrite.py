@@ -43,8 +43,8 @@ from torch.fx import Graph, Node
 
 from . import masks as M
 from .graph_utils import (
-    CAST_OPS, COPY_OPS, RESHAPE_OPS, Emitter, aten, arg, dtype, fake_mode_of, is_call,
-    is_noop_dropout, prims, rank, same_shape, same_size, shape, static_int, strip_identity, val,
+    CAST_OPS, COPY_OPS, RESHAPE_OPS, Emitter, aten, arg, dtype, fake_mode_of, is_call, rank,
+    same_shape, same_size, shape, static_int, strip_identity, val,
 )
 
 #: Rewrite statistics: "rewritten", "pattern:<name>", feature keys ("gqa:<how>",
