@@ -499,11 +499,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 raise ValueError("num_qo_heads / num_kv_heads / head_dim changed since the first "
                                  "plan in CUDA-graph mode (its decode chunks and captured "
                                  "launches are for those); create a new wrapper for new shapes")
-            self._graph_shapes = shapes
             nb = self._bufs["paged_kv_indices_buffer"]
             if idx_h.numel() > nb.numel():
                 raise ValueError(f"paged_kv_indices_buffer: holds {nb.numel()} entries but this "
                                  f"plan needs {idx_h.numel()}; allocate a larger buffer")
+            self._graph_shapes = shapes  # (after the checks: a failed first plan fixes none)
             self._bufs["paged_kv_indptr_buffer"].copy_(ind_h, non_blocking=non_blocking)
             self._bufs["paged_kv_last_page_len_buffer"].copy_(last_h, non_blocking=non_blocking)
             nb[:idx_h.numel()].copy_(idx_h, non_blocking=non_blocking)
