@@ -151,9 +151,10 @@ def page_table(case: PodCase, lens, first_page: int = 0, generator=None) -> tupl
                          dtype=torch.int32))
 
 
-def launch_plan(case: PodCase) -> dict:
+def launch_plan(case: PodCase, captured: bool = False) -> dict:
     """How ours_pod runs the case under the launch policy, asked of the case's wrapper planned
-    on the CPU for the plan's device (the current CUDA device; ops.choose's): "launch",
+    on the CPU for the plan's device (the current CUDA device; ops.choose's), eagerly or
+    (captured) under CUDA-graph capture: "launch",
     "fused" (one POD launch) or "apart" (two launches, ops.choose.pod_apart: the decodes too
     small to hide under the prefill, or a fused launch that would be the Triton kernel's); and
     "decode_chunks", the key chunks a request its decodes run in (compiled_attn.pod's decode
@@ -170,7 +171,8 @@ def launch_plan(case: PodCase) -> dict:
         w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
         w.plan(*dec, case.hq, case.hkv, D, case.page, **kw)
         qo = case.prefill_lens[0]
-        apart = w._launch_apart(qo, qo, True)
+        apart = pod_mod._apart(w._plan, pod_mod._pairs(qo, qo, True), w._plan["decode_bytes"],
+                               dense_prefill=True, captured=captured)
         tiles = pod_mod._prefill_tiles(w._plan, qo)
     else:
         qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
@@ -224,7 +226,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
         rows.append(row)
     us = {(r["provider"], r["mode"]): r["median_us"] for r in rows}
     copy_bytes = min(case.decode_bytes(), COPY_CAP)
-    launch = launch_plan(case)  # (one CPU plan for both modes' rows)
+    launch = {m: launch_plan(case, captured=m == "graph") for m in MODES}
     for row in rows:
         mode, prov, t = row["mode"], row["provider"], row["median_us"]
         if t is None:
@@ -240,7 +242,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
             row["copy_bytes"] = copy_bytes
         if prov != "ours_pod":
             continue
-        row.update(launch)
+        row.update(launch[mode])
         if us.get(("ours_apart", mode)):
             row["ratio_vs_apart"] = us["ours_apart", mode] / t
         if us.get(("fi_pod", mode)):

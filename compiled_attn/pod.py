@@ -369,19 +369,22 @@ def _decode_ring(p: dict, requests: int) -> bool:
                                     requests)
 
 
-def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool) -> bool:
+def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool = False
+           ) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
     it costs nothing. dense_prefill: the prefill alone reads contiguous k / v on its own tiles
     (POD's), so the fused launch slows it, more where it gathers both parts
     (p["fused_gathers"]); BatchPOD's prefill alone reads the same pages as the fused launch.
+    captured: a CUDA graph captures the call.
     (Traced calls ask _traced_apart instead: the plan's numbers would be guards, a recompile
     per re-plan, and a trace's sizes may be symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
         return False
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"], dense_prefill=dense_prefill,
-                            fused_gathers=p["fused_gathers"], decode_ring=p["decode_ring"])
+                            fused_gathers=p["fused_gathers"], decode_ring=p["decode_ring"],
+                            captured=captured)
 
 
 def _traced_apart(p: dict) -> bool:
@@ -742,8 +745,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         (ops.choose.pod_apart). Asked at every call, never kept with the part: it reads the
         launch policy, which a scoped override may change between calls."""
         p = self._plan
-        return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"],
-                      dense_prefill=True)
+        return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], dense_prefill=True,
+                      captured=(self.device.type == "cuda"
+                                and torch.cuda.is_current_stream_capturing()))
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)

@@ -706,7 +706,7 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
               dense_prefill: bool = False, fused_gathers: bool = False,
-              decode_ring: bool = False) -> bool:
+              decode_ring: bool = False, captured: bool = False) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, slower than the prefill's own launch, and wins that
@@ -716,7 +716,9 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes the decode part
     reads. Apart when the decodes' bytes are under a balance times the prefill's FLOPs counted
     as bytes at POLICY.pod_flop_per_byte, and the two parts together at least
-    POLICY.pod_apart_min_bytes of them. The balance is POLICY.pod_apart_balance where the
+    POLICY.pod_apart_min_bytes of them (POLICY.pod_gather_graph_min_bytes for a gathered
+    launch of POD's that a CUDA graph captures: captured, where a second launch costs its
+    replays no host time). The balance is POLICY.pod_apart_balance where the
     prefill alone reads the pages the fused launch reads (BatchPOD); times
     POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
     (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where that prefill's
@@ -735,9 +737,11 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
-    if p + decode_bytes < POLICY.pod_apart_min_bytes:
-        return False
     gathered = dense_prefill and fused_gathers
+    floor = (POLICY.pod_gather_graph_min_bytes if captured and gathered
+             else POLICY.pod_apart_min_bytes)
+    if p + decode_bytes < floor:
+        return False
     if gathered and 0 < POLICY.pod_gather_max_prefill_flops < prefill_flops:
         return True
     if decode_ring and not fused_gathers and p < POLICY.pod_ring_apart_share * decode_bytes:

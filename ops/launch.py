@@ -581,6 +581,12 @@ class Memo:
         keyed by identity; others by shape, strides, dtype, device, storage offset and pointer
         alignment. (The aliasing pattern is added only where
         two tensors share a pointer: the two kinds of key differ in length.)"""
+        for a in values:  # a (k, v) cache: its tensors in line (once, before any work)
+            if type(a) in (tuple, list):
+                if not a:
+                    return None
+                values = _flatten(values, [])
+                break
         sig = [Policy._version, extra]
         tensors = []
         ptrs = []
@@ -607,7 +613,7 @@ class Memo:
                            (a.shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
             elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
                 return None
-            elif isinstance(a, (tuple, list)):
+            elif isinstance(a, (tuple, list)):  # (a subclass of one: flattened as one)
                 return self.eager_key(_flatten(values, []), extra) if a else None
             else:
                 sig.append(a)

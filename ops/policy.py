@@ -78,6 +78,12 @@ class Policy:
         # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.
         self.pod_apart_min_bytes = 4e8
+        # ...but this where a CUDA graph captures the call (its replays pay no host time for a
+        # second launch) and the fused launch would gather both parts (page 1: its prefill
+        # ~1.4x its own launch): p2048 + 16 x 1k replayed in 120.5 us fused against 110.0 us
+        # apart (GQA 32/8; eager, fused won 1.09x). Captured launches on boxes keep the floor:
+        # there p2048 + 16 x 1k ran 2.6% faster fused (benchmarks/NOTES.md, 2026-11-29).
+        self.pod_gather_graph_min_bytes = 0.0
         # The prefill's FLOPs per decode byte in equal time: Hopper's attained D128 attention
         # rate over its copy bandwidth (~600 TFLOP/s / ~4 TB/s).
         self.pod_flop_per_byte = 150.0

@@ -535,6 +535,34 @@ def test_pod_apart_decodes_cut_as_a_paged_call_of_them_alone(n_dec, kv_d, page, 
         assert w._plan["block_m_d"] == 64 and c["work"].shape[0] == c["src"].shape[0]
 
 
+# (prefill tokens, decodes, keys each, Hq, page, apart eagerly, apart under capture): small
+# calls (the two parts under pod_apart_min_bytes) stay fused eagerly, where a second launch's
+# host time shows; under CUDA-graph capture a page-1 call, whose fused launch gathers its
+# prefill, goes apart by the balance alone (p2048 + 16 x 1k replayed 120.5 us fused, 110.0
+# apart), and a page-16 one keeps the floor (fused 2.6% faster there; benchmarks/NOTES.md,
+# 2026-11-29). Larger calls decide alike.
+@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,eager,captured", [
+    (2048, 16, 1024, 32, 1, False, True), (2048, 16, 1024, 32, 16, False, False),
+    (256, 16, 1024, 32, 1, False, False), (64, 4, 64, 32, 1, False, False),
+    (8192, 16, 1024, 32, 1, True, True), (2048, 128, 4096, 32, 1, False, False)])
+def test_pod_apart_under_capture(qo, n_dec, kv_d, hq, page, eager, captured, monkeypatch):
+    from compiled_attn.ops.policy import override
+    from compiled_attn.pod import _apart, _pairs
+
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
+    p = plan()
+    pairs = _pairs(qo, qo, True)
+    assert w._launch_apart(qo, qo, True) is eager  # (a CPU wrapper: never capturing)
+    for c, want in ((False, eager), (True, captured)):
+        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=c) is want
+    # the setting is the floor under capture: the eager floor there keeps the eager choice
+    with override(pod_gather_graph_min_bytes=4e8):
+        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=True) is eager
+    # BatchPOD's prefill alone reads the fused launch's pages: no captured exception
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False, captured=True) is _apart(
+        p, pairs, p["decode_bytes"], dense_prefill=False)
+
+
 def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatch):
     """On page 1 the fused launch gathers both parts: POD's prefill alone reads contiguous
     k / v (faster), so a large prefill with small decodes goes apart; BatchPOD's prefill alone

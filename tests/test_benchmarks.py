@@ -807,6 +807,13 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
         ["fused", "apart", "fused", "fused", "fused", "fused"]
     with override(pod_gather=False):
         assert pod.launch_choice(pod.case_list(quick=True)[4]) == "apart"
+    # rows under CUDA graphs take the captured choice: a small page-1 call goes apart there
+    small = pod.PodCase("pod", (2048,), 16, 1024, 32, 8, 1)
+    assert [pod.launch_plan(small, captured=c)["launch"] for c in (False, True)] == \
+        ["fused", "apart"]
+    g = {(r["provider"], r["mode"]): r for r in pod.assemble(small, res, diff=None)}
+    assert (g["ours_pod", "eager"]["launch"], g["ours_pod", "graph"]["launch"]) == \
+        ("fused", "apart")
     # and the decode key chunks its plan gives the launch (compiled_attn/pod.py _chunks_for)
     assert e["decode_chunks"] == 0
     few = [pod.PodCase("pod", (2048,), 16, 32768, 32, 8, 16),

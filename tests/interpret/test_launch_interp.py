@@ -233,6 +233,20 @@ def test_aliasing_is_part_of_the_key():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_a_kv_tuple_keys_as_its_tensors_in_line():
+    """A (k, v) cache keys as its two tensors in line (flattened once, before any tensor is
+    keyed); an empty tuple, or no tensor at all, has no key."""
+    memo = launch.Memo()
+    q, k, v = rand(5, HQ, D, seed=1), rand(7, HKV, D, seed=2), rand(7, HKV, D, seed=3)
+    flat = memo.eager_key((q, k, v, None, 3), ("x",))
+    assert memo.eager_key((q, (k, v), None, 3), ("x",)) == flat
+    assert memo.eager_key((q, [k, v], None, 3), ("x",)) == flat
+    assert memo.eager_key((q, (k, v), None, 3), ("y",))[0] != flat[0]
+    assert memo.eager_key((q, (), None), ()) is None and memo.eager_key((None, 3), ()) is None
+    # the same tensor twice: the aliasing is in the key
+    assert memo.eager_key((q, (k, k), None, 3), ("x",))[0] != flat[0]
+
+
 def test_strides_and_policy_are_part_of_the_key():
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
