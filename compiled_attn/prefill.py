@@ -84,7 +84,6 @@ def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
                        what="[tokens, Hq, D_vo] in the plan's output dtype")
         V.check_writable("out", out)
     if lse is not None:
-        V.check_writable("lse", lse)
         if lse_layout == "NH":
             V.check_tensor("lse", lse, shape=(rows, hq), dtypes=(torch.float32,), device=device,
                            what="[tokens, Hq] float32 (lse_layout='NH')")
@@ -95,6 +94,7 @@ def _check_out_lse(out, lse, rows: int, hq: int, dvo: int, o_dtype, device,
                 raise ValueError("lse: with lse_layout='HN' it must be contiguous (a [Hq, tokens] "
                                  "buffer, not a transposed view of [tokens, Hq]); pass "
                                  "lse.contiguous() or let run() allocate it")
+        V.check_writable("lse", lse)
 
 
 def _deliver(res_out, res_lse, out, lse, return_lse, lse_base: str = "log2",
@@ -502,6 +502,14 @@ class _BatchPrefillBase(_WrapperBase):
         self._check_bufs({name: src.numel()})
         return _copy_padded(self._bufs[name], src, fill, non_blocking)
 
+    def _check_batch(self, b: int) -> None:
+        """A CUDA-graph plan's batch size is the buffers' (checked before any buffer's size:
+        the indptr buffers hold exactly that many entries, so no larger buffer would do)."""
+        if b != self._fixed_batch_size:
+            raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
+                             "the CUDA-graph buffers were made for; the batch size is fixed "
+                             "with use_cuda_graph=True (pad with empty requests)")
+
     def _check_bufs(self, needs: dict) -> None:
         """Each CUDA-graph buffer of ``needs`` ({name: entries}) exists and holds that many.
         A plan checks them all before it writes any buffer: a plan that fails leaves the
@@ -588,10 +596,7 @@ class _BatchPrefillBase(_WrapperBase):
         every SM."""
         group = shape_key[0]
         b, total_rows = qo_h.numel() - 1, int(qo_h[-1])
-        if b != self._fixed_batch_size:
-            raise ValueError(f"qo_indptr: batch size {b} differs from the {self._fixed_batch_size} "
-                             "the CUDA-graph buffers were made for; the batch size is fixed "
-                             "with use_cuda_graph=True (pad with empty requests)")
+        self._check_batch(b)
         needs = {"qo_indptr_buf": qo_h.numel()}
         if packed is not None:
             needs.update(custom_mask_buf=packed.numel(), mask_indptr_buf=mask_indptr.numel())
@@ -892,6 +897,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             paged_kv_indices, paged_kv_last_page_len, page_size, length=b + 1,
             length_from="qo_indptr")
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
+            self._check_batch(b)
             self._check_bufs({"paged_kv_indptr_buf": kv_h.numel(),
                               "paged_kv_indices_buf": idx_h.numel(),
                               "paged_kv_last_page_len_buf": last_h.numel()})
@@ -1143,6 +1149,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
                 V.unsupported(name, "separate value / output offsets are not supported; pass "
                               "None (k and v share kv_indptr, out follows qo_indptr)")
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
+            self._check_batch(b)
             self._check_bufs({"kv_indptr_buf": kv_h.numel()})
         p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False)
         p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)

@@ -290,19 +290,22 @@ def _options(input_layout, mask_mode, window_left, chunked_attention_size,
     chunk = 0 if chunked_attention_size is None else chunked_attention_size
     if isinstance(chunk, bool) or not isinstance(chunk, int):
         _fail("chunked_attention_size", f"= {chunk!r}", "use 0 or a power of two")
+    # a size > 0 selects FlashInfer's narrowed causal mode even where it then chunks nothing
+    chunked = chunk > 0
     if chunk <= 1:  # FlashInfer's kernel chunks by log2(size): 0 (a size of 1) or less is none
         chunk = 0
     if chunk & (chunk - 1):
         _fail("chunked_attention_size", f"= {chunk}", "pass 0 or a power of two")
-    if mode == "padding" and (window_left >= 0 or chunk):
+    if mode == "padding" and (window_left >= 0 or chunked):
         arg, val = ("window_left", window_left) if window_left >= 0 else (
-            "chunked_attention_size", chunk)
+            "chunked_attention_size", chunked_attention_size)
         _fail(arg, f"= {val} with mask_mode='padding' (no mask to narrow)",
               "pass mask_mode='sliding_window', 'chunked' or 'causal', or drop it")
     # FlashInfer's kernel (fmha_v2_run.cu): "sliding_window" and "chunked" are one causal mode
     # narrowed by whichever of window_left / chunked_attention_size is set; "causal" becomes
-    # it where 0 < window_left < max_kv_len (a wider window hides no key) or a chunk is set.
-    narrowed = mode in ("sliding_window", "chunked") or 0 < window_left < max_kv_len or chunk > 0
+    # it where 0 < window_left < max_kv_len (a wider window hides no key) or a chunk size > 0
+    # is given (a size of 1 too: then window_left = 0 keeps the diagonal alone).
+    narrowed = mode in ("sliding_window", "chunked") or 0 < window_left < max_kv_len or chunked
     window_left = window_left if narrowed else -1
     if window_left >= 0 and chunk:
         _fail("window_left", f"= {window_left} with chunked_attention_size = {chunk}",

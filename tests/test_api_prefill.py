@@ -251,6 +251,10 @@ def test_paged_cuda_graph_buffers_path():
     with pytest.raises(ValueError, match="batch size 2 differs"):
         w.plan(indptr([1, 1]), kvi[:3], idx[:int(kvi[2])], last[:2], hq, hkv, d, page,
                q_data_type=D64)
+    # a larger batch: the batch size named, not the indptr buffers (which hold exactly B + 1)
+    more = make_paged([9, 3, 4, 2], hkv, d, d, page)
+    with pytest.raises(ValueError, match="batch size 4 differs"):
+        w.plan(indptr([1, 1, 1, 1]), *more[1:4], hq, hkv, d, page, q_data_type=D64)
     with pytest.raises(ValueError, match="paged_kv_indices_buf: holds 32 entries"):
         big = make_paged([40, 40, 60], hkv, d, d, page)
         w.plan(indptr([1, 1, 1]), big[1], big[2], big[3], hq, hkv, d, page, q_data_type=D64)
@@ -549,6 +553,8 @@ def test_ragged_cuda_graph_buffers_path_with_mask():
     with pytest.raises(ValueError, match="custom_mask_buf: holds 40 entries but this plan needs"):
         w.plan(indptr([4, 3]), indptr([60, 60]), hq, hkv, d,
                custom_mask=torch.ones(420, dtype=torch.bool), q_data_type=D64)
+    with pytest.raises(ValueError, match="batch size 3 differs"):  # (not kv_indptr_buf)
+        w.plan(indptr([1, 1, 1]), indptr([2, 2, 2]), hq, hkv, d, q_data_type=D64)
 
 
 def test_run_traces_fullgraph_without_host_reads():

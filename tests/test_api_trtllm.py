@@ -7,15 +7,13 @@ messages that say how to fix them. Output buffers are poisoned with NaN before e
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import compiled_attn
-from tests.helpers import (alibi_slopes_spec, dense_request, shuffled_block_table,
-                           visibility)
-from tests.helpers import _build, _call, _cum, _paged, _seqs, check_skip, check_stats, fn, oracle_stats, peaked_seqs, skip_oracle  # noqa: F401
+from tests.helpers import alibi_slopes_spec, dense_request, visibility
+from tests.helpers import (_build, _call, _cum, _seqs, check_skip, check_stats, fn,
+                           peaked_seqs)
 
 WS = torch.empty(16, dtype=torch.uint8)
 QO, KV = [5, 0, 3, 8], [9, 4, 3, 8]
@@ -102,7 +100,10 @@ def test_features(layout, feature):
     ("sliding_window", 0, 0, dict(window_left=0)),
     # a chunk of 1 key (log2 0) or a negative one chunks nothing in FlashInfer's kernel
     ("causal", -1, 1, dict()), ("chunked", -1, 1, dict()), ("causal", -1, -4, dict()),
-    ("sliding_window", 2, 1, dict(window_left=2))])
+    ("sliding_window", 2, 1, dict(window_left=2)),
+    # ...but a size of 1 still makes "causal" the narrowed mode: window_left 0 then keeps the
+    # diagonal alone (FlashInfer's sliding window of window_left + 1 keys)
+    ("causal", 0, 1, dict(window_left=0))])
 def test_causal_modes_narrowed_as_flashinfer(mask_mode, window_left, chunk, ref):
     torch.manual_seed(window_left * 7 + chunk + len(mask_mode))
     qo, kv = [6, 4, 9], [13, 4, 9]

@@ -102,6 +102,8 @@ def test_paged_run_errors(paged):
         (lambda: w.run(q, cache, out=torch.empty(7, 4, 7, dtype=D64)), ValueError,
          r"out: expected shape \(7, 4, 8\)"),
         (lambda: w.run(q, cache, lse=torch.empty(7, 3)), ValueError, r"lse: expected shape"),
+        (lambda: w.run(q, cache, lse=[0.0] * 7), TypeError, "lse: expected a tensor"),
+        (lambda: w.run(q, cache, out=[0.0] * 7), TypeError, "out: expected a tensor"),
         (lambda: w.run(q, cache, sinks=torch.zeros(3)), ValueError, r"sinks: expected shape \(4,\)"),
         (lambda: w.run(q, cache, enable_pdl=True), NotImplementedError, "enable_pdl"),
         (lambda: w.run(q, cache, skip_softmax_threshold_scale_factor=1.0), NotImplementedError,
