@@ -68,6 +68,10 @@ def _variants():
         # the plan's decode key chunks (POLICY.decode_chunks) off, or of at least 1024 keys
         "no chunks": ("policy", dict(decode_chunks="off")),
         "chunks 1024": ("policy", dict(decode_chunk_min_keys=1024)),
+        # ...and for batches filling more of a wave (the policy's 0.25): 16 x 4k's 128 programs
+        # fill 0.48 of a wave of two a SM
+        "chunks fill 0.5": ("policy", dict(decode_chunk_fill=0.5)),
+        "chunks fill 1.0": ("policy", dict(decode_chunk_fill=1.0)),
         # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages)
         "ring off": ("policy", dict(few_programs_stages=0)),
     }

@@ -221,6 +221,8 @@ def test_bad_base_runs():
      "window_left.*mask_mode='padding'"),
     ("SEPARATE_Q_K_V", dict(mask_mode="padding", chunked_attention_size=8), ValueError,
      "chunked_attention_size.*mask_mode='padding'"),
+    ("SEPARATE_Q_K_V", dict(mask_mode="padding", chunked_attention_size=1), ValueError,
+     "chunked_attention_size = 1 with mask_mode='padding'"),
     ("SEPARATE_Q_K_V", dict(mask_mode="chunked", chunked_attention_size=6), ValueError,
      "power of two"),
     ("SEPARATE_Q_K_V", dict(chunked_attention_size=6), ValueError, "power of two"),
