@@ -2,7 +2,8 @@
 SDPA in the same process.
 
 Inputs are tiny (4 requests x 64 tokens, Hq 32 / Hkv 8, D 128, bf16, page 16: a few
-microseconds of GPU work), and each timing queues CALLS calls behind a sleeping GPU
+microseconds of GPU work); the *_layers cases (paged and POD run()) take LAYERS layers' tensors
+in turn, each layer its own K / V cache, as a model's layers call one plan. Each timing queues CALLS calls behind a sleeping GPU
 (torch.cuda._sleep), so the host never waits on the device: the time per call is the host's
 alone. Providers are timed in interleaved rounds; each row keeps the median over rounds. The
 torch.compile'd forms (fullgraph) are timed the same way. Rows: suite "host", case = the entry
@@ -36,6 +37,10 @@ from benchmarks.results import environment
 
 NREQ, LEN, HQ, HKV, D, PAGE = 4, 64, 32, 8, 128, 16
 DT = torch.bfloat16
+# the *_layers cases: a model's layers take turns, each call on the next layer's own K / V cache
+# (and its own q, k, v), as a serving step issues them; the other cases call on one set of
+# tensors, so any per-pointer host work (descriptors) is paid once there
+LAYERS = 8
 
 
 def _cpu_model() -> str:
@@ -65,7 +70,21 @@ def _inputs(dev):
         kvi=torch.arange(NREQ + 1, dtype=torch.int32, device=dev) * (LEN // PAGE),
         idx=perm.to(dev), last=torch.full((NREQ,), PAGE, dtype=torch.int32, device=dev),
         qd=rnd(NREQ, HQ, D), qo_d=torch.arange(NREQ + 1, dtype=torch.int32, device=dev),
+        layers=[dict(q=rnd(n, HQ, D), cache=rnd(pages, 2, PAGE, HKV, D), q1=rnd(LEN, HQ, D),
+                     k1=rnd(LEN, HKV, D), v1=rnd(LEN, HKV, D), qd=rnd(NREQ, HQ, D))
+                for _ in range(LAYERS)],
     )
+
+
+def _turns(call, layers):
+    """A zero-argument call of call(layer) that takes the layers in turn."""
+    state = [0]
+
+    def step():
+        i = state[0]
+        state[0] = (i + 1) % len(layers)
+        return call(layers[i])
+    return step
 
 
 def _wrappers(mod, x, dev, name, single_backend="auto"):
@@ -83,6 +102,7 @@ def _wrappers(mod, x, dev, name, single_backend="auto"):
     pw.plan(x["qo"], x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, causal=True,
             q_data_type=DT)
     calls["paged_run"] = lambda: pw.run(x["q"], x["cache"])
+    calls["paged_run_layers"] = _turns(lambda t: pw.run(t["q"], t["cache"]), x["layers"])
     return calls
 
 
@@ -91,6 +111,14 @@ def _pod(mod, x, dev):
     w = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
     w.plan(x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
     return lambda: w.run(x["q1"], x["k1"], x["v1"], x["qd"], x["cache"], causal_p=True)
+
+
+def _pod_layers(mod, x, dev):
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    w = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+    return _turns(lambda t: w.run(t["q1"], t["k1"], t["v1"], t["qd"], t["cache"],
+                                  causal_p=True), x["layers"])
 
 
 def _batch_pod(mod, x, dev):
@@ -119,6 +147,7 @@ def providers(args) -> dict:
     for case, fn in _wrappers(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
+    add("pod_run_layers", "compiled_attn", lambda: _pod_layers(ca, x, dev))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
     if not args.no_flashinfer:
         try:
@@ -129,8 +158,9 @@ def providers(args) -> dict:
                 add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
+                add("pod_run_layers", "flashinfer", lambda: _pod_layers(flashinfer, x, dev))
         except Exception as e:  # noqa: BLE001
-            for case in ("single_prefill", "ragged_run", "paged_run"):
+            for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers"):
                 out[case, "flashinfer"] = f"{type(e).__name__}: {e}"
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention

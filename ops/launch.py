@@ -265,11 +265,19 @@ def _rebased(desc, ptr: int):
     return d
 
 
+# Base pointers a bound launch keeps a descriptor's expansion for, per descriptor argument: a
+# model's layers' caches (each its own allocation) and the few addresses the caching allocator
+# cycles q through. A tensor map is 128 bytes.
+DESC_BASES = 64
+
+
 class _Direct:
     """A compiled kernel's C launcher called directly, with its tensor descriptors expanded
     ahead (Triton's own wrapper expands every descriptor argument and re-encodes its tensor map
-    at every call): the expansion of a descriptor is kept while its base pointer stays the same
-    (the map is copied into the launch's parameters, so one encoding serves many launches).
+    at every call): the expansion of a descriptor is kept by base pointer, up to DESC_BASES
+    bases a position (the map is copied into the launch's parameters, so one encoding serves
+    many launches; a serving engine's layers each pass their own K / V cache, so one call
+    after another the base changes and comes back a step later).
     Built only where the launcher has triton 3.6's shape (CudaLauncher(gridX, gridY, gridZ,
     stream, function, *args) over a launcher taking 13 base arguments, descriptors expanded by
     make_tensordesc_arg(arg, metadata)) and needs no scratch; else None and the replay calls
@@ -314,7 +322,7 @@ class _Direct:
         self.desc = {}      # bound position -> its recorded descriptor
         self.meta = {}      # bound position -> its descriptor's metadata
         self.at = []        # bound position -> (first expanded position, length)
-        self.cache = {}     # bound position -> (base pointer, expansion)
+        self.cache = {}     # bound position -> {base pointer: expansion}
         expanded = []
         k = 0
         for i, a in enumerate(template):
@@ -323,7 +331,7 @@ class _Direct:
                 self.meta[i] = metas[k] if k < len(metas) else None
                 k += 1
                 e = list(self.make(a, self.meta[i]))
-                self.cache[i] = (a.base.data_ptr(), e)
+                self.cache[i] = {a.base.data_ptr(): e}
                 self.at.append((len(expanded), len(e)))
                 expanded.extend(e)
             else:
@@ -337,10 +345,13 @@ class _Direct:
             ptr = (j if kind == "static" else pools[kind][j]).data_ptr() + delta
             e, n = self.at[pos]
             if desc:
-                base, exp = self.cache[pos]
-                if base != ptr:
-                    exp = list(self.make(_rebased(self.desc[pos], ptr), self.meta[pos]))
-                    self.cache[pos] = (ptr, exp)
+                known = self.cache[pos]
+                exp = known.get(ptr)
+                if exp is None:
+                    if len(known) >= DESC_BASES:
+                        known.clear()
+                    exp = known[ptr] = list(self.make(_rebased(self.desc[pos], ptr),
+                                                      self.meta[pos]))
                 f[e:e + n] = exp
             else:
                 f[e] = ptr

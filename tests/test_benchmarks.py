@@ -1012,6 +1012,12 @@ def test_host_suite_rows_and_ratios_from_fake_timings():
     assert not any(k.startswith("ratio_vs_") for k in by["paged_run", "compiled_attn"])
     text = host.table(rows)
     assert "flashinfer=0.81 (0.80)" in text and "RuntimeError: no JIT cache" in text
+    # the *_layers cases' calls take the layers' tensors in turn
+    seen = []
+    step = host._turns(seen.append, ["a", "b", "c"])
+    for _ in range(7):
+        step()
+    assert seen == ["a", "b", "c", "a", "b", "c", "a"]
 
 
 def test_medians_us_times_each_call_and_raises_a_failure():

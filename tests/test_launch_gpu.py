@@ -3,12 +3,14 @@ full path's bits for every entry point and kernel (the Gluon kernel with its hos
 persistent counter, the Triton kernel's K/V paths, split-KV with its merge, POD), and CUDA-graph
 capture after replays stays exact."""
 
+from unittest import mock
+
 import pytest
 import torch
 
 from compiled_attn.ops import choose
 import compiled_attn as fi
-from compiled_attn.ops import policy
+from compiled_attn.ops import launch, policy
 from tests.helpers import indptr, make_paged
 
 pytestmark = [pytest.mark.gpu,
@@ -142,6 +144,21 @@ def test_replay_new_pointers_reencode_descriptors():
         want = w.run(qs[1], caches[1], return_lse=True)
     for g, r in zip(got, want):
         assert torch.equal(g, r)
+    # back to the first cache and on, as a model's layers take turns: each replay on its own
+    # cache's descriptors (kept by base pointer; launch.DESC_BASES of them, 1 clears at every
+    # change)
+    with policy.override(bound_launches=False):
+        wants = [w.run(qs[i], caches[i], return_lse=True) for i in (0, 1)]
+    for bases in (launch.DESC_BASES, 1):
+        with mock.patch.object(launch, "DESC_BASES", bases):
+            policy.touch()  # (a fresh record, its descriptor cache holding one base)
+            w.run(qs[0], caches[0], return_lse=True)
+            hits = w._memo.hits
+            for i in (1, 0, 1, 0):
+                got = w.run(qs[i], caches[i], return_lse=True)
+                for g, r in zip(got, wants[i]):
+                    assert torch.equal(g, r)
+            assert w._memo.hits == hits + 4
     with policy.override(host_tma_min_flop=0):
         calls = [_entry("single", 128, seed=s) for s in (43, 44)]
         calls[0]()
