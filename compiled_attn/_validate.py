@@ -97,6 +97,8 @@ def check_soft_cap(c, name: str = "logits_soft_cap") -> float:
 
 def is_number(x) -> bool:
     """A real number: anything float() takes but a string, a bool or a complex number."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):  # (a traced size: hasattr would break)
+        return True
     return (not isinstance(x, (str, bytes, bool, complex)) and hasattr(x, "__float__")
             and not (torch.is_tensor(x) and (x.dtype.is_complex or x.dtype == torch.bool)))
 

@@ -157,7 +157,10 @@ def shard(x: torch.Tensor, world_size: int, rank: int, *, indptr=None,
     chunk then its tail chunk, each of ceil(L / 2N) tokens, padding rows zero.
     """
     lay = _seq_layout(x, world_size, indptr, dim)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < lay.world_size:
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise TypeError(f"rank: got {rank!r} ({type(rank).__name__}); pass an int "
+                        "(dist.get_rank())")
+    if not 0 <= rank < lay.world_size:
         raise ValueError(f"rank: got {rank}; use 0 <= rank < world_size = {lay.world_size}")
     if indptr is not None and x.shape[dim] != lay.total:
         raise ValueError(f"x: {x.shape[dim]} tokens along dim {dim} but indptr[-1] = "

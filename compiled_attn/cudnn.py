@@ -40,7 +40,12 @@ def _check_tensor(arg: str, t, dims: int | None = None):
               "see the docstring for the expected shape")
 
 
-def _lens(arg: str, t: torch.Tensor, q: torch.Tensor, graph_mode: bool) -> torch.Tensor:
+# graph_mode: the host path, or the host-read-free path (taken where a host read cannot be:
+# traced by torch.compile, or is_cuda_graph_compatible=True; truthy both)
+_HOST, _TRACED, _CAPTURED = 0, 1, 2
+
+
+def _lens(arg: str, t: torch.Tensor, q: torch.Tensor, graph_mode: int) -> torch.Tensor:
     """Per-request lengths, shape [B] or [B, 1, 1, 1], as int64 on q's device."""
     _check_tensor(arg, t)
     V.check_readable(f"{_NAME}: {arg}", t)
@@ -49,7 +54,7 @@ def _lens(arg: str, t: torch.Tensor, q: torch.Tensor, graph_mode: bool) -> torch
     if t.dim() == 0 or t.numel() != t.shape[0]:
         _fail(arg, f"must have shape [B] or [B, 1, 1, 1], got {tuple(t.shape)}",
               "pass one length per request")
-    if graph_mode and t.device != q.device:
+    if graph_mode == _CAPTURED and t.device != q.device:  # (a traced copy is a graph op)
         _fail(arg, f"is on {t.device} but q is on {q.device}",
               "with is_cuda_graph_compatible=True keep the lengths on q's device "
               "(a host copy cannot be captured)")
@@ -75,7 +80,7 @@ def _offsets_in_tokens(arg: str, offs: torch.Tensor, batch: int, units: str, row
 
 
 def _check_packed(arg: str, offs_tok: torch.Tensor, indptr: torch.Tensor, units: str,
-                  row_elems: int, raw: torch.Tensor, graph_mode: bool):
+                  row_elems: int, raw: torch.Tensor, graph_mode: int):
     """Our ops read requests back to back: the offsets must be the exclusive cumsum of the
     lengths (what every FlashInfer caller passes). Checked on the host, or on the device
     (torch._assert_async) under is_cuda_graph_compatible."""
@@ -97,14 +102,14 @@ def _check_packed(arg: str, offs_tok: torch.Tensor, indptr: torch.Tensor, units:
 
 
 def _check_stats_offsets(starts: torch.Tensor, extents: torch.Tensor, size: int,
-                         graph_mode: bool) -> None:
+                         graph_mode: int) -> None:
     """Each request's LSE rows (``extents[b]`` elements from ``starts[b]``, both [B] int64)
     lie inside the lse buffer of ``size`` elements; a request without rows may point anywhere.
     Checked on the host, or on the device under is_cuda_graph_compatible."""
     ok = (extents == 0) | ((starts >= 0) & (starts + extents <= size))
     if graph_mode:
         V.device_check(ok, f"{_NAME}: batch_offsets_stats puts a request's LSE rows outside "
-                           f"the lse buffer's {size} elements")
+                           "the lse buffer (B * max_token_per_sequence * Hq elements)")
     elif not bool(ok.all()):
         b = int(torch.nonzero(~ok)[0, 0])
         _fail("batch_offsets_stats", f"entry {b} ({int(starts[b])} elements) puts request {b}'s "
@@ -142,7 +147,7 @@ def _compact_block_tables(block_tables: torch.Tensor, kv_lens: torch.Tensor, pag
     return indptr.to(torch.int32), indices.to(torch.int32), last.to(torch.int32)
 
 
-def _scale_value(arg: str, s, graph_mode: bool) -> float:
+def _scale_value(arg: str, s, graph_mode: int) -> float:
     """A per-tensor scale given as a number or a one-element tensor, as a finite float."""
     if s is None:
         return 1.0
@@ -153,12 +158,18 @@ def _scale_value(arg: str, s, graph_mode: bool) -> float:
     if s.numel() != 1:
         _fail(arg, f"must hold one value (shape [1, 1, 1, 1]), got shape {tuple(s.shape)}",
               "pass a per-tensor scale")
-    if graph_mode:
+    if graph_mode == _CAPTURED:
         _fail(arg, "is a tensor, and folding it into the kernel's scales needs a host read, "
                    "which is not allowed with is_cuda_graph_compatible=True",
               "fold the fp8 scales into `scale` (q_scale * k_scale) and scale the output by "
               "v_scale yourself, or call with is_cuda_graph_compatible=False",
               NotImplementedError)
+    if graph_mode:
+        _fail(arg, "is a tensor, and folding it into the kernel's scales needs a host read, "
+                   "which torch.compile would make a data-dependent guard",
+              "pass the scale as a Python float (float(scale) outside the compiled region), "
+              "or fold the fp8 scales into `scale` (q_scale * k_scale) and scale the output "
+              "by v_scale yourself", NotImplementedError)
     return _finite(arg, s.reshape(()).item())
 
 
@@ -263,7 +274,8 @@ def cudnn_batch_prefill_with_kv_cache(
     """
     # traced by torch.compile: the host-read-free path too (a host read would be a
     # data-dependent guard), which computes the same numbers
-    graph_mode = bool(is_cuda_graph_compatible) or V.traced()
+    graph_mode = (_CAPTURED if is_cuda_graph_compatible else _TRACED if V.traced()
+                  else _HOST)
     _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per_sequence,
                      max_sequence_kv, block_tables, return_lse, lse, batch_offsets_units,
                      backend, lse_base)
@@ -355,7 +367,7 @@ def _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per
 
 
 def _lengths(q, k_cache, actual_seq_lens_q, actual_seq_lens_kv, offsets: dict, units: str,
-             paged: bool, graph_mode: bool):
+             paged: bool, graph_mode: int):
     """(batch size, qo_lens, kv_lens) from the length arrays, or from token offsets.
     offsets: batch_offsets_q / _o / _k / _v by letter; in token units the output's and V's
     default to q's and K's (set here, in place)."""
@@ -451,7 +463,7 @@ def _out_dtype(q, v_cache, out, o_data_type) -> torch.dtype:
 
 
 def _packed_offsets(q, k_cache, v_cache, out, offsets: dict, batch_offsets_stats, units: str,
-                    qo_indptr, kv_indptr, paged: bool, graph_mode: bool):
+                    qo_indptr, kv_indptr, paged: bool, graph_mode: int):
     """Checks that the q / o / k / v offsets describe packed requests; returns the LSE
     offsets in elements (None without batch_offsets_stats)."""
     bsz, hq, dvo = qo_indptr.shape[0] - 1, q.shape[1], v_cache.shape[-1]
@@ -474,7 +486,7 @@ def _packed_offsets(q, k_cache, v_cache, out, offsets: dict, batch_offsets_stats
 
 def _work_list(q, k_cache, v_cache, block_tables, qo_lens, kv_lens, qo_indptr, kv_indptr,
                max_token_per_sequence: int, max_sequence_kv: int, causal: bool,
-               graph_mode: bool):
+               graph_mode: int):
     """(tile height, work list). graph_mode: the uniform list over max_token_per_sequence,
     the lengths and page table checked on the device (no host read: capturable); else the
     lengths' own list, checked on the host."""
@@ -511,9 +523,10 @@ def _work_list(q, k_cache, v_cache, block_tables, qo_lens, kv_lens, qo_indptr, k
             V.device_check(npages <= block_tables.shape[1], f"{_NAME}: block_tables has too "
                            "few columns for actual_seq_lens_kv")
             bt = block_tables.to(q.device)
+            # (no size in the message: a traced one would be a guard, a graph per page count)
             V.device_check(~used | ((bt >= 0) & (bt < k_cache.shape[0])),
-                           f"{_NAME}: block_tables holds page indices outside "
-                           f"[0, {k_cache.shape[0]}) for pages the KV lengths use")
+                           f"{_NAME}: block_tables holds page indices outside the cache's "
+                           "pages for pages the KV lengths use")
         else:
             V.device_check(kv_indptr[-1:] <= k_cache.shape[0], f"{_NAME}: k_cache has fewer "
                            "tokens than sum(actual_seq_lens_kv)")
@@ -551,7 +564,7 @@ def _work_list(q, k_cache, v_cache, block_tables, qo_lens, kv_lens, qo_indptr, k
 
 
 def _check_lse_buffer(q, lse, qo_lens, offs_stats, max_token_per_sequence: int,
-                      graph_mode: bool) -> None:
+                      graph_mode: int) -> None:
     """The LSE buffer and where each request's rows go in it, checked before anything is
     written."""
     bsz, hq = qo_lens.shape[0], q.shape[1]

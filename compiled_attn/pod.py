@@ -86,7 +86,8 @@ class _PODBase(_WrapperBase):
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
                     alibi=(get_alibi_slopes(o.num_qo_heads, self.device)
-                           if o.pos_encoding_mode == POS_ALIBI else None))
+                           if o.pos_encoding_mode == POS_ALIBI else None),
+                    alibi_run=_run_slopes(o.num_qo_heads, self.device))
 
     def _set_plan(self, p: dict) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
@@ -110,16 +111,12 @@ class _PODBase(_WrapperBase):
     def _alibi(self, p: dict, pos: int):
         """The ALiBi slopes [Hq] float32 that a launch of position encoding ``pos`` passes:
         the plan's (None where it has none and pos is not ALiBi). A run() that asks for ALiBi
-        on a plan without it (POD's pos_encoding_mode_p / _d) makes them then, kept with the
-        plan and its memo (keyed by identity, held for CUDA-graph replays as the plan's are);
-        a traced call's stay its own."""
+        on a plan without it (POD's pos_encoding_mode_p / _d) takes the plan's alibi_run,
+        made when it planned (_run_slopes): a run() may be captured by a CUDA graph, where a
+        copy from the host would not run (and the graph would keep a host buffer)."""
         if pos != POS_ALIBI or p["alibi"] is not None:
             return p["alibi"]
-        slopes = get_alibi_slopes(p["num_qo_heads"], self.device)
-        if not V.traced():
-            p["alibi"] = slopes
-            self._memo.add_static([slopes])
-        return slopes
+        return p["alibi_run"]
 
     def _check_plan(self):
         if self._plan is None:
@@ -221,6 +218,19 @@ class _PODBase(_WrapperBase):
         if want_lse_p or want_lse_d:
             return (out_p, out_d), (lse_p if want_lse_p else None, lse_d if want_lse_d else None)
         return out_p, out_d
+
+
+# ALiBi slopes by (heads, device), made at plan time for run()s that ask ALiBi of a plan
+# without it (_PODBase._alibi); read only, kept for the process (a few floats each).
+_RUN_SLOPES: dict = {}
+
+
+def _run_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    key = (num_heads, device)
+    t = _RUN_SLOPES.get(key)
+    if t is None:
+        t = _RUN_SLOPES[key] = get_alibi_slopes(num_heads, device)
+    return t
 
 
 def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:

@@ -79,7 +79,7 @@ def _separate_pools(pools, nhd: bool):
 
 
 def _int_vector(arg: str, t, n: int, device) -> torch.Tensor:
-    V.check_tensor(arg, t, what=f"[{n}] integers")
+    V.check_tensor(arg, t, what="[batch_size] integers")  # (n may be traced: no f-string)
     if t.dtype not in (torch.int32, torch.int64):
         _fail(arg, f"must be int32, got {t.dtype}", "pass int32 lengths/offsets")
     if t.numel() != n:

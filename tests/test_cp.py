@@ -317,8 +317,9 @@ def test_layout_errors():
     for bad in ([0, 4.7, 10], [0, True, 10]):  # (a float entry was truncated)
         with pytest.raises(TypeError, match="indptr: got .*; pass ints"):
             cp.Layout.of(2, indptr=bad)
-    with pytest.raises(ValueError, match="rank: got True"):
-        cp.shard(torch.zeros(8), 2, True)
+    for bad in (True, 1.0, torch.tensor(1)):  # (a type, not a range: ValueError said 0 <= rank)
+        with pytest.raises(TypeError, match=r"rank: got .*\(\w+\); pass an int"):
+            cp.shard(torch.zeros(8), 2, bad)
     with pytest.raises(ValueError, match="rank"):
         cp.shard(torch.zeros(8), 2, 2)
     with pytest.raises(ValueError, match="x"):
