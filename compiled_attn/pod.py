@@ -360,10 +360,10 @@ def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
 def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
          tensors: tuple) -> dict | None:
     """_chunks_for's chunks where the call can run them: eager on plain tensors (``tensors``:
-    q_p, q_d and the caches; the gather and merge are direct launches), q_d of unit stride in
-    D."""
+    q_p, q_d and the caches; the gather and merge are direct launches; the gather takes q_d's
+    strides)."""
     c = _chunks_for(p, apart, prefill_tiles, window_d, pos)
-    if c is None or tensors[1].stride(-1) != 1 or not (untraced() and plain_tensors(tensors)):
+    if c is None or not (untraced() and plain_tensors(tensors)):
         return None
     return c
 

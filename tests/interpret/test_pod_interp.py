@@ -388,6 +388,32 @@ def test_pod_decode_chunks_mix(kind, seed, launch, pod_merges):
 
 
 @pytest.mark.parametrize("launch", ["fused", "apart"])
+def test_pod_decode_chunks_take_a_strided_q(launch, pod_merges):
+    """q_d with a head-dim stride of 2 (sliced from a wider tensor) runs the decode key chunks
+    too (their row gather takes q's strides; it ran uncut) and gives the contiguous q_d's
+    bits."""
+    from compiled_attn.ops.policy import override
+
+    hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 4
+    kv_d = [40, 29, 0]
+    cache_d, kvi_d, idx_d, last_d, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt, seed=8)
+    g = torch.Generator().manual_seed(9)
+    q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((5, hq), (9, hkv), (9, hkv)))
+    wide = _randn(g, len(kv_d), hq, 2 * d, dtype=dt)
+    outs = []
+    with override(**CHUNKS, **POD_LAUNCHES[launch]):
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi_d, idx_d, last_d, hq, hkv, d, page, q_data_type=dt)
+        for q_d in (wide[..., ::2], wide[..., ::2].contiguous()):
+            outs.append(w.run(q_p, k_p, v_p, q_d, cache_d, causal_p=True, return_lse_d=True))
+    assert len(pod_merges) == 2  # both calls cut their decodes
+    (o_p, o_d), (_, lse_d) = outs[0]
+    (r_p, r_d), (_, r_lse) = outs[1]
+    for x, y in ((o_p, r_p), (o_d, r_d), (lse_d, r_lse)):
+        assert torch.equal(x.nan_to_num(), y.nan_to_num())
+
+
+@pytest.mark.parametrize("launch", ["fused", "apart"])
 def test_pod_decode_chunks_in_cuda_graph_mode(launch, pod_merges):
     """use_cuda_graph=True: the first plan decides the chunk count; a re-plan with other
     lengths (a request now shorter than its chunks: trailing chunks without pages; one without
