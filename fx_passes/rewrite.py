@@ -96,6 +96,9 @@ class Site:
     # Per-head sink logits (GPT-OSS): a [1, Hq, 1, 1] node joining each row's softmax
     # denominator, as the op's sinks.
     sinks: Node | None = None
+    # The q @ k^T node of a matmul site (None: SDPA, whose op reads q, k and v where the
+    # rewrite's op will): the rewrite's op reads q, k and the masks at ``out`` instead.
+    scores: Node | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +465,7 @@ def match_matmul_softmax(n: Node) -> Site | None:
     q, kt = match_matmul(qk)
     site = Site(pattern="matmul_softmax" if sinks is None else "matmul_softmax_sinks", out=n,
                 q=q, k=_untranspose(kt), v=v, scale=scale, soft_cap=cap, add_masks=add_masks,
-                scale_nodes=scale_nodes, sinks=sinks)
+                scale_nodes=scale_nodes, sinks=sinks, scores=qk)
     for hide, fill in hides:
         site.hide_masks.append(hide)
         site.hide_finite |= not (float(fill) == -math.inf)
@@ -660,9 +663,48 @@ def _check_kernel_head_dims(q, dqk: int | None, dvo: int | None) -> None:
         raise Skip(f"head dims ({dqk}, {dvo}) have no kernel on {q.device.type}") from None
 
 
+def _base(n):
+    """The tensor n views (through view ops, by their schemas' alias annotations), or n."""
+    while (isinstance(n, Node) and n.op == "call_function"
+           and isinstance(n.target, torch._ops.OpOverload) and _aliasing_op(n.target)
+           and n.args and isinstance(n.args[0], Node)):
+        n = n.args[0]
+    return n
+
+
+def _written_after_scores(site: Site) -> bool:
+    """Whether an in-place op (export's IR keeps them) between a matmul site's q @ k^T and its
+    output writes q, k, a mask, a scale or the sinks, or a tensor one of them views: the
+    rewrite's op, placed at the output, would read the written values where the original read
+    the earlier ones."""
+    if site.scores is None:
+        return False
+    read = [site.sinks, *site.bool_masks, *(m for m, _ in site.add_masks),
+            *(h[1] if isinstance(h, tuple) else h for h in site.hide_masks),
+            *(m for m, _ in site.scale_nodes)]
+    for x in (site.q, site.k[1] if isinstance(site.k, tuple) else site.k, site.v):
+        # and what the op is given instead: x before copies and casts, and before a repeat
+        x0 = strip_identity(x, allow_casts=False)
+        read += [x, x0, unrepeat(x0)[0]]
+    bases = {_base(x) for x in read if isinstance(x, Node)}
+    n = site.scores.next
+    while n is not site.out and n.op != "root":
+        t = n.target
+        if n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and \
+                t._schema.is_mutable:
+            for a, x in zip(t._schema.arguments, n.args):
+                if a.alias_info is not None and a.alias_info.is_write and _base(x) in bases:
+                    return True
+        n = n.next
+    return False
+
+
 def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
     """Replace one matched site. Returns the mask kind used; raises Skip before any change."""
     from compiled_attn.ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
+
+    if _written_after_scores(site):
+        raise Skip("q, k or a mask written in place between the scores and the output")
 
     q, v = strip_identity(site.q, allow_casts=False), strip_identity(site.v, allow_casts=False)
     k_in = site.k if isinstance(site.k, tuple) else strip_identity(site.k, allow_casts=False)
