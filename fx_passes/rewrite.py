@@ -717,9 +717,20 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
         raise Skip("k is not 4-D")
     bsz, hq, sq, dqk = qs
     skv = k_shape[2]
-    if not (same_size(k_shape[0], bsz) and same_size(vs[0], bsz) and same_size(vs[2], skv)
-            and same_size(k_shape[3], dqk)):
-        raise Skip("q/k/v batch or length mismatch (broadcast batch)")
+    # sizes the op takes as equal: (node, dim) pairs, k's by its own dims (a ("T", kt) k is
+    # kt transposed); dims a trace made symbols each, not provably equal, are checked at run
+    # time where the site is SDPA, whose own checks require them equal (a symbol is never 1,
+    # so no broadcast hides there); elsewhere they are skipped
+    k_node, k_dims = (k_in[1], (0, 1, 3, 2)) if isinstance(k_in, tuple) else (k_in, (0, 1, 2, 3))
+    checks = []
+    for (a, da), (b, db) in (((k_node, k_dims[0]), (q, 0)), ((v, 0), (q, 0)),
+                             ((v, 2), (k_node, k_dims[2])), ((k_node, k_dims[3]), (q, 3))):
+        sa, sb = shape(a)[da], shape(b)[db]
+        if same_size(sa, sb):
+            continue
+        if site.scores is not None or static_int(sa) is not None or static_int(sb) is not None:
+            raise Skip("q/k/v batch or length mismatch (broadcast batch)")
+        checks.append(((a, da), (b, db)))
     if dtype(q) not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise Skip(f"q dtype {dtype(q)}")
     _check_kernel_head_dims(val(q), static_int(dqk), static_int(vs[3]))
@@ -822,6 +833,11 @@ def rewrite_site(graph: Graph, site: Site, fake_mode, inductor: bool) -> str:
                 kind = "causal" if w < 0 else "causal_window"
 
     em = Emitter(graph, site.out, fake_mode, inductor)
+    for (a, da), (b, db) in checks:
+        em(aten._assert_scalar.default,
+           em(operator.eq, em.size(a, da), em.size(b, db)),
+           "scaled_dot_product_attention's q, k and v disagree in batch, key length or head "
+           "dim")
     packed = None
     mask3 = None
     if need_mask:

@@ -151,3 +151,32 @@ def test_compile_dynamic_runtime_soft_cap(cap):
     else:
         assert c["rewritten"] == 0, dict(c)
         assert c["skipped:soft cap by a runtime value (an unspecialized float)"] >= 1, dict(c)
+
+
+def _sdpa_of_three_inputs(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_compile_automatic_dynamic_sdpa_of_separate_inputs():
+    """A function of q, k and v as three inputs, compiled (Dynamo's automatic dynamic: its
+    second length makes each length a symbol of its own): the SDPA site is rewritten at every
+    length (it was skipped from the second on, k's and v's lengths not provably equal), with a
+    run-time check that they are; q and k of unprovably equal length take the causal mask as
+    packed bits (top-left, as SDPA's is_causal); batch and lengths changing together too."""
+    torch._dynamo.reset()
+    compiled = compiled_attn.compile(_sdpa_of_three_inputs, fullgraph=True)
+    g = torch.Generator().manual_seed(3)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        for b, sq, skv, want in ((2, 8, 8, "mask:causal"), (2, 13, 13, "mask:custom"),
+                                 (3, 11, 17, "mask:custom")):
+            q = torch.randn(b, 4, sq, 16, generator=g)
+            k, v = (torch.randn(b, 4, skv, 16, generator=g) for _ in range(2))
+            fx_passes.counters.clear()
+            assert_close_rel(compiled(q, k, v), _sdpa_of_three_inputs(q, k, v))
+            c = dict(fx_passes.counters)
+            if c:  # (a call the last graph serves adds nothing)
+                assert c == {"rewritten": 1, "pattern:sdpa": 1, want: 1}, c
+        # k and v of other lengths: SDPA's precondition, checked where the graph is built
+        q, k = torch.randn(2, 4, 13, 16), torch.randn(2, 4, 13, 16)
+        with pytest.raises(Exception, match="q, k and v disagree in batch, key length"):
+            compiled(q, k, torch.randn(2, 4, 15, 16))
