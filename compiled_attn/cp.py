@@ -73,6 +73,8 @@ class Layout:
     def __init__(self, world_size: int, lengths: Sequence[int]):
         V.check_count("world_size", world_size, 1)
         self.world_size = n = int(world_size)
+        for x in lengths:
+            V.check_count("lengths", x, 0)
         self.lengths = tuple(int(x) for x in lengths)
         self.chunks = tuple(-(-length // (2 * n)) for length in self.lengths)
         self.local_len = 2 * sum(self.chunks)
@@ -141,8 +143,16 @@ def _cumsum(xs):
     return out
 
 
-def _seq_layout(x: torch.Tensor, world_size: int, indptr, dim: int) -> Layout:
+def _check_x(x: torch.Tensor, dim: int) -> None:
+    """x is a tensor with a dim ``dim`` (its tokens')."""
     V.check_tensor("x", x)
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim: got {dim!r} for x of {x.dim()} dims; pass the tokens' dim "
+                         f"(an int in [-{x.dim()}, {x.dim()}))")
+
+
+def _seq_layout(x: torch.Tensor, world_size: int, indptr, dim: int) -> Layout:
+    _check_x(x, dim)
     return Layout.of(world_size, indptr=indptr, seq_len=None if indptr is not None
                      else x.shape[dim])
 
@@ -157,9 +167,10 @@ def shard(x: torch.Tensor, world_size: int, rank: int, *, indptr=None,
     chunk then its tail chunk, each of ceil(L / 2N) tokens, padding rows zero.
     """
     lay = _seq_layout(x, world_size, indptr, dim)
-    if isinstance(rank, bool) or not isinstance(rank, int):
+    if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
         raise TypeError(f"rank: got {rank!r} ({type(rank).__name__}); pass an int "
                         "(dist.get_rank())")
+    rank = rank.__index__()  # (an integer type: a numpy int, as world_size takes)
     if not 0 <= rank < lay.world_size:
         raise ValueError(f"rank: got {rank}; use 0 <= rank < world_size = {lay.world_size}")
     if indptr is not None and x.shape[dim] != lay.total:
@@ -191,7 +202,7 @@ def unshard(x: torch.Tensor, world_size: int, *, indptr=None, seq_len: int | Non
     documents (as for shard; one of them, since padding hides the true length). Returns
     ``[S, ...]`` without the padding rows.
     """
-    V.check_tensor("x", x)
+    _check_x(x, dim)
     lay = Layout.of(world_size, indptr=indptr, seq_len=seq_len)
     if x.shape[dim] != lay.world_size * lay.local_len:
         raise ValueError(f"x: {x.shape[dim]} rows along dim {dim}, but {lay.world_size} ranks "
@@ -214,11 +225,11 @@ def unshard(x: torch.Tensor, world_size: int, *, indptr=None, seq_len: int | Non
 # --------------------------------------------------------------------------------------------
 # one ragged launch over a list of (query rows, key rows) requests
 # --------------------------------------------------------------------------------------------
-def _attend(q, k, v, reqs, causal: bool, opts: dict):
+def _attend(q, k, v, reqs, causal: bool, opts: dict, out_dtype: torch.dtype | None = None):
     """The ragged op over consecutive requests ``reqs`` = [(qo_len, kv_len), ...] that tile q's
     rows and k's rows in order (a request of qo_len 0 skips keys; one of kv_len 0 gives its
     rows output 0, LSE -inf). q: [Nq, Hq, Dqk]; k / v: [Nk, Hkv, D] with Nk >= the keys
-    listed. Returns out [Nq, Hq, Dvo] (q's dtype), lse float32 [Nq, Hq], base 2."""
+    listed. Returns out [Nq, Hq, Dvo] (out_dtype, default q's), lse float32 [Nq, Hq], base 2."""
     reqs = [r for r in reqs if r[0] or r[1]]
     qo = [r[0] for r in reqs]
     kv = [r[1] for r in reqs]
@@ -230,7 +241,7 @@ def _attend(q, k, v, reqs, causal: bool, opts: dict):
     return call_op("batch_ragged_prefill", q, k, v, qo_indptr, kv_indptr, work, None, None,
                    None, None, block_m, MASK_CAUSAL if causal else MASK_NONE,
                    opts["window_left"], 0, opts["sm_scale"], opts["logits_soft_cap"], POS_NONE,
-                   1.0, 1e4, 1.0, q.dtype)
+                   1.0, 1e4, 1.0, out_dtype or q.dtype)
 
 
 # (device, stream, qo lengths, kv lengths, group, block_m) -> (qo_indptr, kv_indptr, work).
@@ -404,7 +415,9 @@ def _ring(q, k, v, lay: Layout, rank: int, group, causal: bool, opts: dict):
         if s < n - 1:  # the next step's K/V is in flight during this step's launch
             nxt = (_pass_on(kc, group, n), _pass_on(vc, group, n))
         reqs, step_causal = _ring_plan(lay, rank, (rank - s) % n, causal)
-        o, lse = _attend(q, kc, vc, reqs, step_causal, opts)
+        # float32 partials where steps are merged: the output is rounded to q's dtype once
+        o, lse = _attend(q, kc, vc, reqs, step_causal, opts,
+                         torch.float32 if n > 1 else None)
         acc = (o, lse) if acc is None else _merge_step(acc[0], acc[1], o, lse)
         if nxt is not None:
             kc = _wait(nxt[0]).reshape(k.shape)
@@ -416,8 +429,8 @@ def _merge_step(acc: torch.Tensor, s_acc: torch.Tensor, o: torch.Tensor, s_o: to
     """merge_state of the running (acc, s_acc) and a step's (o, s_o) into a float32 acc, in
     two passes over the [N, H, D] tensors (merge_state stacks both states first and casts
     them: ~4x the memory traffic, a cost per ring step); the weights by merge_state's rule
-    (utils._lse_weights, on the small [N, 2, H] LSEs). acc: float32, or the first step's output
-    in q's dtype."""
+    (utils._lse_weights, on the small [N, 2, H] LSEs). acc: float32 (the first step's output,
+    the ring asks its steps for float32, or an earlier result of this function)."""
     w, denom, lse = _lse_weights(torch.stack([s_acc, s_o], dim=1).float())
     a, b = (w[:, 0] / denom).unsqueeze(-1), (w[:, 1] / denom).unsqueeze(-1)
     if acc.dtype == torch.float32:
@@ -472,7 +485,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     whole packed sequence (host ints or a CPU tensor [docs + 1]; under torch.compile pass a
     list), without padding; default one document of world_size * local_len tokens (a
     document shard()ed without indptr whose length L is not a multiple of 2 * world_size
-    needs indptr=[0, L] here: without it its padding rows count as keys when causal=False).
+    needs indptr=[0, L] here: without it its padding rows are taken as tokens, which count as
+    keys when causal=False and get outputs of their own either way).
     method: "all_gather" (K/V gathered, one launch per head slice, exact: each row's result is
     the single-GPU op's on the same tiles), "ring" (K/V passed around the ring, partial results
     merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv) and windows, ring for
@@ -495,7 +509,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
 
     Returns out ``[local_len, Hq, D_vo]`` (q's dtype) and lse float32 ``[local_len, Hq]``,
     base 2 (natural logsumexp / ln 2) over the final logits, for the local rows in the same
-    layout; padding rows and rows that see no key: output 0, LSE -inf.
+    layout; padding rows (those indptr says are padding) and rows that see no key: output 0,
+    LSE -inf.
     """
     V.check_tensor("q", q, ndim=3, what="[local_len, Hq, D_qk]")
     V.check_tensor("k", k, ndim=3, device=q.device, what="[local_len, Hkv, D_qk]")

@@ -230,6 +230,30 @@ def _new_lengths(rank, world, group):
             assert torch.equal(o, r) and torch.equal(lse, rlse), (dynamic, indptr)
 
 
+def _ring_partials(rank, world, group):
+    """The ring's steps ask the op for float32 outputs, merged in float32 and rounded to q's
+    dtype once (they were rounded each step: a larger error than the one-launch op's); the
+    all-gather's one launch writes q's dtype."""
+    seen = []
+    real = cp._attend
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out[0].dtype)
+        return out
+
+    cp._attend = spy
+    try:
+        x = cp.shard(torch.randn(24, 2, D, generator=torch.Generator().manual_seed(5),
+                                 dtype=torch.float16), world, rank)
+        for method, want in (("ring", torch.float32), ("all_gather", torch.float16)):
+            seen.clear()
+            o, _ = cp.prefill(x, x, x, group=group, causal=True, method=method)
+            assert o.dtype == torch.float16 and seen and set(seen) == {want}, (method, seen)
+    finally:
+        cp._attend = real
+
+
 def _cpu_cases(rank, world, attempt):
     """Every CPU case on this rank of a gloo group of ``world`` ranks."""
     import torch.distributed as dist
@@ -243,6 +267,7 @@ def _cpu_cases(rank, world, attempt):
     attempt(f"{name}@compiled",
             lambda: _run_case(name, CASES[name], rank, world, dist.group.WORLD, True))
     attempt("errors", lambda: _errors(rank, world, dist.group.WORLD))
+    attempt("ring_partials_float32", lambda: _ring_partials(rank, world, dist.group.WORLD))
     if world == 2:
         attempt("new_lengths_compiled", lambda: _new_lengths(rank, world, dist.group.WORLD))
 
@@ -258,8 +283,8 @@ def _results(world: int) -> dict:
 
 
 KEYS = (list(CASES) + [f"{n}@1" for n in SINGLETON]
-        + [f"{n}@compiled" for n in sorted(set(COMPILED.values()))] + ["errors",
-                                                                        "new_lengths_compiled"])
+        + [f"{n}@compiled" for n in sorted(set(COMPILED.values()))]
+        + ["errors", "ring_partials_float32", "new_lengths_compiled"])
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -317,13 +342,23 @@ def test_layout_errors():
     for bad in ([0, 4.7, 10], [0, True, 10]):  # (a float entry was truncated)
         with pytest.raises(TypeError, match="indptr: got .*; pass ints"):
             cp.Layout.of(2, indptr=bad)
-    for bad in (True, 1.0, torch.tensor(1)):  # (a type, not a range: ValueError said 0 <= rank)
+    for bad in (True, 1.0, "1"):  # (a type, not a range: ValueError said 0 <= rank)
         with pytest.raises(TypeError, match=r"rank: got .*\(\w+\); pass an int"):
             cp.shard(torch.zeros(8), 2, bad)
+    # an integer type is an int (world_size takes them too)
+    assert torch.equal(cp.shard(torch.arange(8.0), 2, torch.tensor(1)),
+                       cp.shard(torch.arange(8.0), 2, 1))
     with pytest.raises(ValueError, match="rank"):
         cp.shard(torch.zeros(8), 2, 2)
     with pytest.raises(ValueError, match="x"):
         cp.shard(torch.zeros(8), 2, 0, indptr=[0, 9])
+    for fn in (lambda x, d: cp.shard(x, 2, 0, dim=d), lambda x, d: cp.unshard(x, 2, dim=d,
+                                                                               seq_len=8)):
+        for x, d in ((torch.zeros(8), 1), (torch.zeros(8, 2), -3), (torch.tensor(1.0), 0)):
+            with pytest.raises(ValueError, match=r"dim: got -?\d for x of \d dims"):
+                fn(x, d)  # (an IndexError named nothing)
+    with pytest.raises(ValueError, match="lengths: got -3"):
+        cp.Layout(2, [-3])
     with pytest.raises(ValueError, match="rank order"):
         cp.unshard(torch.zeros(7), 2, seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
