@@ -458,11 +458,14 @@ def _group_coords(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _method(method, hq: int, hkv: int, causal: bool, window_left: int) -> str:
+def _method(method, hq: int, hkv: int, causal: bool, window_left: int,
+            sliced: bool = False) -> str:
+    """The method "auto" stands for (all_gather for GQA, windows and head slices), checked
+    against the options."""
     if method not in METHODS:
         raise ValueError(f"method: got {method!r}; use one of {list(METHODS)}")
     if method == "auto":
-        method = "all_gather" if hq > hkv or window_left >= 0 else "ring"
+        method = "all_gather" if hq > hkv or window_left >= 0 or sliced else "ring"
     if method == "ring" and window_left >= 0:
         V.unsupported("window_left", "the ring method has no sliding window (a window's keys "
                       "are mostly on the query's own rank); use method='all_gather'")
@@ -489,8 +492,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     keys when causal=False and get outputs of their own either way).
     method: "all_gather" (K/V gathered, one launch per head slice, exact: each row's result is
     the single-GPU op's on the same tiles), "ring" (K/V passed around the ring, partial results
-    merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv) and windows, ring for
-    MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left (causal only; all_gather only),
+    merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv), windows and
+    head_slices > 1, ring for MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left (causal only; all_gather only),
     logits_soft_cap: as single_prefill_with_kv_cache, over global positions. head_slices
     (all_gather): the gathers issued per slice of the KV heads, each slice's attention
     launched when its own gather lands (a divisor of Hkv; default 1, one gather and one launch:
@@ -546,7 +549,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
                                positive=False),
         window_left=V.check_window_left(window_left),
         logits_soft_cap=V.check_soft_cap(logits_soft_cap))
-    method = _method(method, hq, hkv, bool(causal), opts["window_left"])
+    method = _method(method, hq, hkv, bool(causal), opts["window_left"],
+                     head_slices not in (None, 1))
     if method == "ring" and head_slices not in (None, 1):
         V.unsupported("head_slices", "the ring method passes whole K/V; leave it None")
     if head_slices is None:

@@ -314,6 +314,14 @@ def test_shard_unshard_round_trip(world, indptr):
     assert sum(int((p != 0).any(1).sum()) for p in parts) == indptr[-1]
 
 
+def test_auto_method_takes_the_all_gather_for_head_slices():
+    """head_slices apply to the all-gather only: "auto" takes it for MHA where they are asked
+    (it took the ring, which then refused them, naming a method the caller had not chosen)."""
+    assert cp._method("auto", 4, 4, True, -1) == "ring"
+    assert cp._method("auto", 4, 4, True, -1, sliced=True) == "all_gather"
+    assert cp._method("auto", 8, 2, True, -1) == "all_gather"
+
+
 def test_shard_matches_torch_head_tail_order():
     lb = pytest.importorskip(
         "torch.distributed.tensor.experimental._context_parallel._load_balancer")
