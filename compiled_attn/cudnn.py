@@ -353,7 +353,8 @@ def _check_arguments(q, k_cache, v_cache, scale, workspace_buffer, max_token_per
         _fail("v_cache", f"shape {tuple(v_cache.shape)} does not match k_cache "
                          f"{tuple(k_cache.shape)} except in the last dim", "pass matching caches")
     V.check_heads(hq, hkv, names=("q.shape[1] (query heads)", "k_cache.shape[1] (KV heads)"))
-    V.check_head_dims(dqk, dvo, q.device.type, names=("head_dim_qk", "head_dim_vo"))
+    V.check_head_dims(dqk, dvo, q.device.type,
+                      names=("head_dim_qk (q.shape[-1])", "head_dim_vo (v_cache.shape[-1])"))
     if q.dtype not in _FP8:
         V.check_q_dtype("q", q.dtype, q.device.type)
     else:  # computed as bfloat16

@@ -81,7 +81,8 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: t
     tensor instead of allocating them (launch.Bound)."""
     if not (POLICY.bound_launches and POLICY.direct and plain_eager(())):
         return full()
-    kt = memo.eager_key(inputs, (options, discard))
+    # (the options' types too: True == 1 == 1.0, and the checks a replay skips tell them apart)
+    kt = memo.eager_key(inputs, (options, tuple(map(type, options)), discard))
     if kt is None:
         return full()
     key, tensors = kt

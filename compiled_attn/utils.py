@@ -185,6 +185,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     V.check_int("seq_lens", V.check_tensor(
         "seq_lens", seq_lens, shape=(append_indptr.shape[0] - 1,),
         what="[B], one KV length per request of append_indptr"))
+    for name, t in (("append_indptr", append_indptr), ("seq_lens", seq_lens)):
+        V.check_readable(name, t)
     V.check_count("nnz", nnz, 0)
     dev = append_indptr.device
     ind = append_indptr.to(torch.int64)
@@ -256,6 +258,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     dev = k_cache.device
     V.check_tensor("paged_kv_cache (v)", v_cache, device=dev)
     page = k_cache.shape[1]
+    if page == 0:
+        raise ValueError("paged_kv_cache: has pages of 0 slots (its page axis is empty); pass "
+                         f"a cache of pages of 1 or more tokens in kv_layout={layout!r}")
     if v_cache.shape[:2] != k_cache.shape[:2]:
         raise ValueError(f"paged_kv_cache: the V cache has {v_cache.shape[0]} pages of "
                          f"{v_cache.shape[1]} slots, the K cache {k_cache.shape[0]} of "

@@ -590,7 +590,7 @@ class Memo:
         (unobserved's per-tensor half: plain tensors on a device the kernels run, none
         requiring grad while grad is on) or has no tensor. A tensor the memo holds as static is
         keyed by identity; others by shape, strides, dtype, device, storage offset and pointer
-        alignment. (The aliasing pattern is added only where
+        alignment; plain values with their types. (The aliasing pattern is added only where
         two tensors share a pointer: the two kinds of key differ in length.)"""
         for a in values:  # a (k, v) cache: its tensors in line (once, before any work)
             if type(a) in (tuple, list):
@@ -606,8 +606,8 @@ class Memo:
         cuda = False
         for a in values:
             kind = type(a)
-            if kind in _PLAIN_VALUES:  # most arguments: options and flags
-                sig.append(a)
+            if kind in _PLAIN_VALUES:  # most arguments: options and flags (by type too:
+                sig.append((kind, a))  # True == 1 == 1.0, and the checks tell them apart)
             elif kind is torch.Tensor:
                 if grad and a.requires_grad:
                     return None

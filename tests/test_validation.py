@@ -3,6 +3,8 @@ says how to fix it."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -432,3 +434,19 @@ def test_window_wider_than_any_position_is_no_window(paged):
     assert torch.equal(got, want)
     got = plan_paged(paged, causal=True, window_left=1).run(qb, paged[0], window_left=2 ** 64)
     assert torch.equal(got, want)
+
+
+def test_utils_and_cudnn_name_more_bad_inputs():
+    """From a fuzz of bad inputs: each raised inside torch or named another argument."""
+    i = functools.partial(torch.tensor, dtype=torch.int32)
+    with pytest.raises(ValueError, match="seq_lens: is on the meta device"):
+        fi.get_batch_indices_positions(i([0, 2]), i([4]).to("meta"), 2)
+    with pytest.raises(ValueError, match="paged_kv_cache: has pages of 0 slots"):  # (ZeroDivision)
+        fi.append_paged_kv_cache(torch.randn(1, 2, 8), torch.randn(1, 2, 8), i([0]), i([0]),
+                                 torch.zeros(2, 2, 0, 2, 8), i([0]), i([0, 1]), i([1]))
+    q = torch.randn(3, 4, 16)
+    with pytest.raises(ValueError, match=r"head_dim_vo \(v_cache.shape\[-1\]\)"):
+        fi.cudnn_batch_prefill_with_kv_cache(
+            q, torch.randn(3, 2, 2, 16), torch.randn(3, 2, 2, 0), 0.3, WS,
+            max_token_per_sequence=3, max_sequence_kv=4, actual_seq_lens_q=i([3]),
+            actual_seq_lens_kv=i([4]), block_tables=i([[0, 1]]), causal=True, return_lse=True)

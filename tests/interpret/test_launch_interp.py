@@ -247,6 +247,19 @@ def test_a_kv_tuple_keys_as_its_tensors_in_line():
     assert memo.eager_key((q, (k, k), None, 3), ("x",))[0] != flat[0]
 
 
+def test_option_types_are_part_of_the_key():
+    """True == 1 == 1.0: a call whose option has the wrong type is not a replay of one with the
+    right type (the replay skips the checks), so it raises as it does first."""
+    q, k, v = rand(3, HQ, D, seed=1).float(), rand(5, HKV, D, seed=2).float(), \
+        rand(5, HKV, D, seed=3).float()
+    for good, bad, exc in ((dict(sm_scale=1.0), dict(sm_scale=True), TypeError),
+                           (dict(window_left=2), dict(window_left=2.0), ValueError)):
+        fi.single_prefill_with_kv_cache(q, k, v, **good)
+        fi.single_prefill_with_kv_cache(q, k, v, **good)  # (a replay)
+        with pytest.raises(exc, match=next(iter(bad))):
+            fi.single_prefill_with_kv_cache(q, k, v, **bad)
+
+
 def test_strides_and_policy_are_part_of_the_key():
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
