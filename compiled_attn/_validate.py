@@ -366,7 +366,8 @@ def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = T
                 length_from: str | None = None) -> torch.Tensor:
     """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
     0 (start_zero; else at 0 or more), non-decreasing, and of length `length` when given
-    (batch size + 1; length_from: the argument that set it, named in the error)."""
+    (batch size + 1; length_from: what set it, named in the error: "qo_indptr",
+    "last_page_len's 3 entries")."""
     if not torch.is_tensor(t):
         raise TypeError(f"{name}: expected a 1-D integer tensor [batch_size + 1]; got "
                         f"{type(t).__name__}")
@@ -375,7 +376,7 @@ def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = T
                          f"{tuple(t.shape)}")
     check_int(name, t)
     if length is not None and t.numel() != length:
-        given = f" (from {length_from}, which has {length})" if length_from else ""
+        given = f" (the batch size of {length_from})" if length_from else ""
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
                          f"needed{given}: one offset per request plus the end")
     h = host_copy(name, t)

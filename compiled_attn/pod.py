@@ -500,7 +500,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
              and last_page_len.dim() == 1 else None)  # (else V.page_table names its shape)
         ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
             ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size,
-            length=None if b is None else b + 1)
+            length=None if b is None else b + 1,
+            length_from=None if b is None else f"last_page_len's {b} entries")
         b = ind_h.numel() - 1
         p = self._plan_options(args)
         if self._use_cuda_graph:
@@ -834,7 +835,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             qo_h = V.host_indptr(f"qo_indptr_{x}", qo)
             ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
-                page_size, length=qo_h.numel())
+                page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}")
             qo_lens = qo_h[1:] - qo_h[:-1]
             qo_l, kv_l = qo_lens.tolist(), kv_lens.tolist()
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))

@@ -450,3 +450,17 @@ def test_utils_and_cudnn_name_more_bad_inputs():
             q, torch.randn(3, 2, 2, 16), torch.randn(3, 2, 2, 0), 0.3, WS,
             max_token_per_sequence=3, max_sequence_kv=4, actual_seq_lens_q=i([3]),
             actual_seq_lens_kv=i([4]), block_tables=i([[0, 1]]), causal=True, return_lse=True)
+
+
+def test_pod_plans_say_where_the_batch_size_comes_from():
+    """A page table's indptr of the wrong length: the error says which argument set the batch
+    size (it named indptr / kv_indptr alone)."""
+    i = functools.partial(torch.tensor, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"indptr: has 3 entries but batch_size \+ 1 = 4 are "
+                                         r"needed \(the batch size of last_page_len's 3 entries\)"):
+        fi.PODWithPagedKVCacheWrapper(WS).plan(i([0, 1, 2]), i([0, 1]), i([1, 1, 1]), 4, 2, 16,
+                                               2)
+    with pytest.raises(ValueError, match=r"kv_indptr_p: .*\(the batch size of qo_indptr_p\)"):
+        fi.BatchPODWithPagedKVCacheWrapper(WS).plan(
+            i([0, 2]), i([0, 1, 2]), i([0, 1]), i([1, 1]), i([0, 1]), i([0, 1]), i([0]), i([1]),
+            4, 2, 16, 2)
