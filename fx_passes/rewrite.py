@@ -942,6 +942,15 @@ def _erase_dead(graph: Graph) -> None:
             changed = True
 
 
+def _matmul_site_found(n: Node) -> bool:
+    """A matmul-softmax site at n, matched or skipped with a reason (Skip: as the inference
+    path counts it)."""
+    try:
+        return match_matmul_softmax(n) is not None
+    except Skip:
+        return True
+
+
 def _is_training_graph(graph: Graph) -> bool:
     return any(n.op == "placeholder" and "tangents" in str(n.target) for n in graph.nodes)
 
@@ -952,7 +961,7 @@ def rewrite_graph(graph: Graph, inductor: bool = False) -> int:
     inductor: the graph is Inductor's (post-decomposition; emit only directly-lowered ops)."""
     if _is_training_graph(graph):
         n_sites = sum(1 for n in graph.nodes if n.op == "call_function"
-                      and (n.target in SDPA_OPS or match_matmul_softmax(n) is not None))
+                      and (n.target in SDPA_OPS or _matmul_site_found(n)))
         if n_sites:
             counters["skipped:training graph (ops are inference-only)"] += n_sites
         return 0

@@ -569,6 +569,15 @@ def test_training_graph_counts_hand_written_sites():
     torch.testing.assert_close(out, attend(q, k, v))
     assert dict(fx_passes.counters) == {"skipped:training graph (ops are inference-only)": 1}
 
+    def attend_sin(q, k, v):  # a site the inference path skips with a reason (the count raised)
+        return torch.softmax(torch.sin(q @ k.transpose(-1, -2)), -1) @ v
+
+    torch._dynamo.reset()
+    fx_passes.counters.clear()
+    out = compiled_attn.compile(attend_sin)(q, k, v)
+    torch.testing.assert_close(out, attend_sin(q, k, v))
+    assert dict(fx_passes.counters) == {"skipped:training graph (ops are inference-only)": 1}
+
 
 class _CacheAfterScores(torch.nn.Module):
     """A K buffer read by the scores, then written (copy_) before P @ V; or written before the
