@@ -170,7 +170,7 @@ def shard(x: torch.Tensor, world_size: int, rank: int, *, indptr=None,
     if isinstance(rank, bool) or not hasattr(type(rank), "__index__"):
         raise TypeError(f"rank: got {rank!r} ({type(rank).__name__}); pass an int "
                         "(dist.get_rank())")
-    rank = rank.__index__()  # (an integer type: a numpy int, as world_size takes)
+    rank = operator.index(rank)  # (an integer type: a numpy int, as world_size takes)
     if not 0 <= rank < lay.world_size:
         raise ValueError(f"rank: got {rank}; use 0 <= rank < world_size = {lay.world_size}")
     if indptr is not None and x.shape[dim] != lay.total:
@@ -493,7 +493,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     method: "all_gather" (K/V gathered, one launch per head slice, exact: each row's result is
     the single-GPU op's on the same tiles), "ring" (K/V passed around the ring, partial results
     merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv), windows and
-    head_slices > 1, ring for MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left (causal only; all_gather only),
+    head_slices > 1, ring for MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left
+    (causal only; all_gather only),
     logits_soft_cap: as single_prefill_with_kv_cache, over global positions. head_slices
     (all_gather): the gathers issued per slice of the KV heads, each slice's attention
     launched when its own gather lands (a divisor of Hkv; default 1, one gather and one launch:

@@ -71,10 +71,13 @@ class _PODBase(_WrapperBase):
 
     def _plan_options(self, args: dict) -> dict:
         """The plan dict's options, from a POD plan()'s arguments by FlashInfer name
-        (PlanOptions.of_pod), with the tile height and the ALiBi slopes."""
+        (PlanOptions.of_pod), with the tile height and the ALiBi slopes (alibi: the plan's
+        ALiBi, or None; alibi_run: the same slopes whatever the mode, for a run() that asks
+        ALiBi of a plan without it)."""
         o = PlanOptions.of_pod(args, self.device.type)
         plain = o.pos_encoding_mode == POS_NONE and o.window_left < 0
         fused = choose.pod_fused_gluon(o.head_dim_qk, args["page_size"], o.kv_dtype, plain=plain)
+        slopes = _run_slopes(o.num_qo_heads, self.device)  # (read only: one per heads count)
         return dict(num_qo_heads=o.num_qo_heads, num_kv_heads=o.num_kv_heads,
                     head_dim=o.head_dim_qk, group=o.group,
                     block_m=choose.pod_tile(o.head_dim_qk, o.group, args["page_size"],
@@ -85,9 +88,8 @@ class _PODBase(_WrapperBase):
                     page_size=args["page_size"], pos=o.pos_encoding_mode,
                     window_left=o.window_left, sm_scale=o.sm_scale, rope_scale=o.rope_scale,
                     rope_theta=o.rope_theta, q_dtype=o.q_dtype, kv_dtype=o.kv_dtype,
-                    alibi=(get_alibi_slopes(o.num_qo_heads, self.device)
-                           if o.pos_encoding_mode == POS_ALIBI else None),
-                    alibi_run=_run_slopes(o.num_qo_heads, self.device))
+                    alibi=slopes if o.pos_encoding_mode == POS_ALIBI else None,
+                    alibi_run=slopes)
 
     def _set_plan(self, p: dict) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
@@ -220,8 +222,9 @@ class _PODBase(_WrapperBase):
         return out_p, out_d
 
 
-# ALiBi slopes by (heads, device), made at plan time for run()s that ask ALiBi of a plan
-# without it (_PODBase._alibi); read only, kept for the process (a few floats each).
+# ALiBi slopes by (heads, device), made at plan time (a run() may be captured by a CUDA graph,
+# where a copy from the host would not run); read only, kept for the process (a few floats
+# each).
 _RUN_SLOPES: dict = {}
 
 
@@ -757,8 +760,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         launch policy, which a scoped override may change between calls."""
         p = self._plan
         return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], dense_prefill=True,
-                      captured=(self.device.type == "cuda"
-                                and torch.cuda.is_current_stream_capturing()))
+                      captured=self._capturing())
+
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph captures this (eager) call."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
@@ -767,8 +773,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         last page length), "mask_indptr" (or None) and "work" (the POD work list with the
         plan's decodes, p["work_d"]). traced: V.traced() (a traced graph holds its own; the
         dict would be a guard)."""
-        capturing = (not traced and self.device.type == "cuda"
-                     and torch.cuda.is_current_stream_capturing())
+        capturing = not traced and self._capturing()
         key = (qo_len, kv_len, mask_bytes)
         part = None if traced else self._parts.get(key)
         if part is None:

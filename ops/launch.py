@@ -593,7 +593,7 @@ class Memo:
         alignment; plain values with their types. (The aliasing pattern is added only where
         two tensors share a pointer: the two kinds of key differ in length.)"""
         for a in values:  # a (k, v) cache: its tensors in line (once, before any work)
-            if type(a) in (tuple, list):
+            if isinstance(a, (tuple, list)):
                 if not a:
                     return None
                 values = _flatten(values, [])
@@ -624,8 +624,6 @@ class Memo:
                            (a.shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
             elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
                 return None
-            elif isinstance(a, (tuple, list)):  # (a subclass of one: flattened as one)
-                return self.eager_key(_flatten(values, []), extra) if a else None
             else:
                 sig.append(a)
         if not tensors:
