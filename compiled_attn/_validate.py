@@ -184,8 +184,11 @@ def traced() -> bool:
     """Whether torch.compile is tracing this call. A wrapper's run() then reads no host number
     of its plan that changes with the lengths (row counts, the largest page index): each would
     become a guard, one recompile per re-plan (past the recompile limit, a failure under
-    fullgraph=True). It checks the plan's device tensors by device asserts instead."""
-    return torch.compiler.is_compiling()
+    fullgraph=True). It checks the plan's device tensors by device asserts instead. Also True
+    under a FakeTensorMode: an entry point in the graph as one call (op_call.graph_leaf) runs on
+    fake tensors outside Dynamo's trace, where torch 2.11 answers is_compiling() False."""
+    return (torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
 
 
 def exporting() -> bool:
@@ -486,12 +489,17 @@ def max_entry(idx_host: torch.Tensor, start: int = 0) -> tuple[int, int] | None:
     return start + pos, int(idx_host[pos])
 
 
+def _positive_int(name: str, v) -> None:
+    """v a Python int >= 1 (a shape's symbolic int in a traced call)."""
+    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or v < 1:
+        raise ValueError(f"{name}: got {v!r}; use a Python int >= 1")
+
+
 def check_heads(num_qo_heads, num_kv_heads, names=("num_qo_heads", "num_kv_heads")) -> int:
     """Returns the group size Hq / Hkv."""
     qn, kn = names
     for n, v in ((qn, num_qo_heads), (kn, num_kv_heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{n}: got {v!r}; use a Python int >= 1")
+        _positive_int(n, v)
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"{qn} = {num_qo_heads} is not a multiple of {kn} = {num_kv_heads}; "
                          "each KV head serves a whole group of query heads (GQA), so use a head "
@@ -506,8 +514,7 @@ def check_head_dims(head_dim_qk, head_dim_vo, device_type: str,
     512; any pair of them); on CPU any."""
     qn, vn = names
     for n, v in ((qn, head_dim_qk), (vn, head_dim_vo)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{n}: got {v!r}; use a Python int >= 1")
+        _positive_int(n, v)
     if device_type == "cuda" or (INTERPRET and device_type == "cpu"):
         check_kernel_head_dims(head_dim_qk, head_dim_vo, names)
 

@@ -56,6 +56,20 @@ def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwar
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
 
 
+def graph_leaf(fn):
+    """fn as one call in torch.compile's graph (``torch._dynamo.allow_in_graph``): Dynamo does
+    not trace fn's Python body; it runs fn on fake tensors for the output (an error fn raises
+    there reaches the user with its message) and AOTAutograd traces through it to the op it
+    calls. The compiled call then guards on fn's arguments, not on every global, default and
+    function the body reads: the single prefill's checks made 163 guards against compiled
+    SDPA's 22, and their evaluation was most of the compiled call's extra host time. fn itself
+    is returned (no eager cost); its non-tensor arguments must be constants, dtypes or None,
+    each call site specialised on them as Dynamo does. (``nonstrict_trace`` would do the same
+    but on torch 2.13 replaces fn's errors by "unsupported output type" and fails a strict
+    torch.export.)"""
+    return torch._dynamo.allow_in_graph(fn)
+
+
 def write_rows(dst: torch.Tensor, src: torch.Tensor, end: torch.Tensor | None = None
                ) -> torch.Tensor:
     """src copied into a caller's buffer dst (out= / lse=; src's shape), which is returned.

@@ -28,7 +28,7 @@ import torch
 
 from . import _validate as V
 from ._plan_options import PlanOptions, scalar_options
-from .op_call import bound_run, call_op, write_rows
+from .op_call import bound_run, call_op, graph_leaf, write_rows
 from .ops import decode_chunks as _chunks
 from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
 from .ops.launch import (LaunchCache, Memo, adopt_scratch, kernel_device, plain_tensors,
@@ -263,6 +263,7 @@ def _single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, k
 
 _SINGLE_MEMO = Memo()
 single_prefill_with_kv_cache.__doc__ += "\n    " + _LSE_DOC + "\n"
+single_prefill_with_kv_cache = graph_leaf(single_prefill_with_kv_cache)
 
 
 def single_prefill_with_kv_cache_return_lse(*args, **kwargs):

@@ -3,7 +3,9 @@
 call, in interleaved rounds behind a sleeping GPU; the op inlined (its Triton launch in
 Inductor's graph, the default for a call the Gluon kernel does not take), the same compiled
 with Inductor's static launcher for user-defined Triton kernels
-(static_launch_user_defined_triton_kernels, where this torch has it), and kept opaque (the
+(static_launch_user_defined_triton_kernels, where this torch has it), the entry point traced
+by Dynamo as it was before it became one graph call (compiled_ours_traced: its checks' guards
+evaluated at every call), and kept opaque (the
 graph calls the op, whose front kernel replays a bound launch). With --cpp-wrapper, also
 compiled SDPA and the inlined op compiled with Inductor's C++ wrapper (cpp_wrapper: the graph's
 launches issued from C++, as an AOTInductor package issues them; each compile takes longer).
@@ -23,6 +25,7 @@ import logging
 import os
 import pstats
 import statistics
+import types
 
 import torch
 
@@ -83,6 +86,16 @@ def main():
     def ours_cpp(q, k, v):  # (the same, compiled with Inductor's C++ wrapper)
         return ca.single_prefill_with_kv_cache(q, k, v, causal=True)
 
+    # the entry point as Dynamo traced it before it became one graph call (op_call.graph_leaf):
+    # a copy of the function, which allow_in_graph does not name
+    entry = ca.single_prefill_with_kv_cache
+    traced_entry = types.FunctionType(entry.__code__, entry.__globals__, entry.__name__,
+                                      entry.__defaults__, entry.__closure__)
+    traced_entry.__kwdefaults__ = entry.__kwdefaults__
+
+    def ours_traced(q, k, v):
+        return traced_entry(q, k, v, causal=True)
+
     q4, k4, v4 = (t.unsqueeze(0) for t in (q1, k1, v1))
     op = torch.ops.compiled_attn.single_prefill
     calls = {"eager_ours": lambda: ours(q1, k1, v1),
@@ -109,6 +122,8 @@ def main():
     code_of("sdpa")
     calls["compiled_ours_inlined"] = _compiled(ours, q1, k1, v1)
     code_of("ours_inlined")
+    calls["compiled_ours_traced"] = _compiled(ours_traced, q1, k1, v1)
+    code_of("ours_traced")
     # Inductor's static CUDA launcher for user-defined Triton kernels (the inlined op's launch):
     # off by default in torch 2.11-2.13 (config static_launch_user_defined_triton_kernels)
     if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):

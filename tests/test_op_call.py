@@ -81,3 +81,73 @@ def test_cpu_tensors_take_the_op_and_modes_see_it():
     with _Record() as rec:
         fi.single_prefill_with_kv_cache(q, k, v, causal=True)
     assert "compiled_attn.single_prefill.default" in rec.ops
+
+
+def _dynamo_graph(fn, *args):
+    """The FX graph Dynamo hands its backend for fn(*args), and fn's compiled output."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return graphs, out
+
+
+def _single_inputs(qo=9, kv=13, d=16):
+    g = torch.Generator().manual_seed(qo * kv)
+    return (torch.randn(qo, 4, d, generator=g), torch.randn(kv, 2, d, generator=g),
+            torch.randn(kv, 2, d, generator=g))
+
+
+def test_single_prefill_is_one_call_in_the_compiled_graph():
+    """Dynamo puts the single prefill in its graph as one call (op_call.graph_leaf) instead of
+    tracing its checks: the compiled call then guards on the arguments alone. A POLICY read or
+    a check's function would each be a guard evaluated at every compiled call."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    q, k, v = _single_inputs()
+
+    def f(q, k, v):
+        return fi.single_prefill_with_kv_cache(q, k, v, causal=True, window_left=5)
+
+    graphs, out = _dynamo_graph(f, q, k, v)
+    calls = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n.target for n in calls] == [fi.single_prefill_with_kv_cache]
+    assert calls[0].kwargs == {"causal": True, "window_left": 5}
+    torch.testing.assert_close(out, fi.single_prefill_with_kv_cache(q, k, v, causal=True,
+                                                                    window_left=5))
+    guards = str(_debug_get_cache_entry_list(f.__code__)[0].guard_manager)
+    assert "POLICY" not in guards and "_validate" not in guards
+
+
+def test_single_prefill_errors_keep_their_message_under_compile():
+    """A bad argument found while torch.compile runs the call on fake tensors reaches the user
+    with the eager call's message."""
+    q, k, v = _single_inputs()
+    k = k[..., :8]
+    msg = "k: head dim 8 differs from q's 16"
+    with pytest.raises(ValueError, match=msg):
+        fi.single_prefill_with_kv_cache(q, k, v)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=msg):
+        torch.compile(lambda q, k, v: fi.single_prefill_with_kv_cache(q, k, v),
+                      fullgraph=True, backend="eager")(q, k, v)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_single_prefill_exports(strict):
+    """torch.export (strict: through Dynamo, where the call is one graph node; non-strict)
+    records the op, and the exported program computes the eager call's numbers."""
+    q, k, v = _single_inputs()
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, v):
+            return fi.single_prefill_with_kv_cache(q, k, v, causal=True)
+
+    ep = torch.export.export(M(), (q, k, v), strict=strict)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.compiled_attn.single_prefill.default in targets
+    torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
