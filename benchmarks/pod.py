@@ -22,7 +22,8 @@ parts as two launches: ops.choose.pod_apart), ratio_vs_apart = our apart's time 
 the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
 (below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
-(target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone). On the
+(target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone); on
+fi_pod, max_abs_diff_vs_ours (FlashInfer POD's eager outputs against ours). On the
 decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the
 copy's rate (bytes read plus bytes written per second; target: 0.95 or more).
 
@@ -204,10 +205,12 @@ def _work(provider: str) -> str:
     return "none" if provider == "copy" else "all"
 
 
-def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[dict]:
+def assemble(case: PodCase, results: dict, diff: float | None = None,
+             fi_diff: float | None = None) -> list[dict]:
     """The case's rows from results: (provider, mode) -> median microseconds (float) or the
     reason it has none (str; "unavailable: ..." or "skipped: ..." mark a row unavailable, other
-    text a failure). diff: POD's eager max abs difference from the parts alone."""
+    text a failure). diff: POD's eager max abs difference from the parts alone; fi_diff:
+    FlashInfer POD's outputs against ours (eager)."""
     rows = []
     fields = dict(kind=case.kind, prefill_lens=list(case.prefill_lens), decodes=case.decodes,
                   kv=case.kv, Hq=case.hq, Hkv=case.hkv, D=D, page_size=case.page,
@@ -240,6 +243,8 @@ def assemble(case: PodCase, results: dict, diff: float | None = None) -> list[di
                 row["decode_over_copy"] = row["decode_tbs"] / row["copy_tbs"]
         if prov == "copy":
             row["copy_bytes"] = copy_bytes
+        if prov == "fi_pod" and fi_diff is not None:
+            row["max_abs_diff_vs_ours"] = fi_diff
         if prov != "ours_pod":
             continue
         row.update(launch[mode])
@@ -426,13 +431,15 @@ def _graph(fn):
     return capture(fn).replay
 
 
-def _max_diff(calls: dict) -> float | None:
-    """POD's eager outputs against the parts alone (max abs difference, NaN kept as nan)."""
+def _max_diff(calls: dict, ref: str = "parts") -> float | None:
+    """POD's eager outputs against the parts alone (ref "parts"), or FlashInfer POD's against
+    ours (ref "fi_pod"): max abs difference, NaN kept as nan."""
     import torch
 
     try:
         out_p, out_d = calls["ours_pod"]()
-        ref_p, ref_d = calls["ours_prefill"](), calls["ours_decode"]()
+        ref_p, ref_d = ((calls["ours_prefill"](), calls["ours_decode"]()) if ref == "parts"
+                        else calls[ref]())
         diffs = [(a.float() - b.float()).abs().max() for a, b in ((out_p, ref_p),
                                                                   (out_d, ref_d)) if a.numel()]
         return float(torch.stack(diffs).max()) if diffs else 0.0
@@ -487,7 +494,9 @@ def run_case(case: PodCase, args) -> list[dict]:
         say("FlashInfer's plans built")
     calls["copy"] = lambda: x["copy_dst"].copy_(x["copy_src"])
     diff = _max_diff(calls) if callable(calls.get("ours_pod")) else None
-    say("POD checked against its parts")
+    fi_diff = (_max_diff(calls, "fi_pod") if callable(calls.get("ours_pod"))
+               and callable(calls.get("fi_pod")) else None)
+    say("POD checked against its parts and FlashInfer's POD")
     runners, keys = [], []
     for prov in providers_for(case):
         fn = calls.get(prov, "unavailable: not built")
@@ -518,7 +527,7 @@ def run_case(case: PodCase, args) -> list[dict]:
         # calls (bound launches replayed many times) it must give the bits it gave before them
         res["ours_pod", "eager"] = (f"failed: after the timed calls POD's eager output differs "
                                     f"from its parts by {after} (before them: {diff})")
-    return assemble(case, uncaptured(res, providers_for(case)), diff)
+    return assemble(case, uncaptured(res, providers_for(case)), diff, fi_diff)
 
 
 def uncaptured(res: dict, providers) -> dict:

@@ -789,9 +789,11 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     res.update({(p, "graph"): v * 0.9 for p, v in t.items()})
     res["fi_pod", "graph"] = "RuntimeError: capture refused"
     res["copy", "graph"] = "skipped: --no-flashinfer"
-    rows = pod.assemble(case, res, diff=0.01)
+    rows = pod.assemble(case, res, diff=0.01, fi_diff=0.02)
     assert len(rows) == len(pod.PROVIDERS) * 2
     by = {(r["provider"], r["mode"]): r for r in rows}
+    assert by["fi_pod", "eager"]["max_abs_diff_vs_ours"] == 0.02
+    assert "max_abs_diff_vs_ours" not in by["ours_pod", "eager"]
     e = by["ours_pod", "eager"]
     assert e["ratio_vs_apart"] == pytest.approx(600 / 500)
     assert e["ratio_vs_fi_pod"] == pytest.approx(550 / 500)
