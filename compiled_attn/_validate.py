@@ -148,8 +148,8 @@ def fits_float32(name: str, x: float) -> float:
 
 def host_scale(name: str, x) -> float:
     """A calibration scale (q_scale, k_scale) given as a float or a one-element tensor. A CPU
-    tensor is read on the host; a device tensor would need a device read (run() must not do
-    one), so it raises."""
+    tensor is read on the host (not in a traced call, where it raises); a device tensor would
+    need a device read (run() must not do one), so it raises."""
     if x is None:
         return 1.0
     if torch.is_tensor(x):
@@ -162,6 +162,11 @@ def host_scale(name: str, x) -> float:
                 f"{name}: got a {x.device.type} tensor; the kernel takes this scale as a host "
                 f"float and run() never reads device values: pass float({name}) (or a CPU "
                 "tensor) instead")
+        if traced():
+            raise NotImplementedError(
+                f"{name}: got a tensor, which is read on the host, and torch.compile / "
+                f"torch.export would make that read a data-dependent guard: pass float({name}) "
+                "(read outside the compiled region)")
         x = check_readable(name, x).item()
     x = _number(name, x)
     if not math.isfinite(x):

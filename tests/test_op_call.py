@@ -151,3 +151,17 @@ def test_single_prefill_exports(strict):
     targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
     assert torch.ops.compiled_attn.single_prefill.default in targets
     torch.testing.assert_close(ep.module()(q, k, v), M()(q, k, v))
+
+
+@pytest.mark.parametrize("arg", ["k_scale", "v_scale"])
+def test_single_prefill_tensor_scale_under_compile_names_the_argument(arg):
+    """A one-element CPU tensor scale is read on the host eagerly; a traced call cannot read it
+    (a data-dependent guard) and says so, naming the argument."""
+    q, k, v = _single_inputs()
+    s = torch.tensor([0.5])
+    eager = fi.single_prefill_with_kv_cache(q, k, v, **{arg: s})
+    torch.testing.assert_close(eager, fi.single_prefill_with_kv_cache(q, k, v, **{arg: 0.5}))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=f"{arg}: got a tensor, which is read on the host"):
+        torch.compile(lambda q, k, v, s: fi.single_prefill_with_kv_cache(q, k, v, **{arg: s}),
+                      fullgraph=True, backend="eager")(q, k, v, s)
