@@ -12,8 +12,9 @@ ours_decode (BatchPrefillWithPagedKVCacheWrapper, one row per request), ours_apa
 to back), ours_mixed (the whole batch as one paged prefill plan); fi_pod, fi_prefill, fi_decode
 (BatchDecodeWithPagedKVCacheWrapper), fi_apart when FlashInfer imports; copy (the decode's K/V
 bytes, at most COPY_CAP, copied on the device). Each provider is timed eager and as the replay of
-a CUDA graph that captured one call, all interleaved in one bench() per case (the project's
-harness: CUDA events, medians over rounds).
+a CUDA graph that captured one call (checked first: the replay must rewrite the call's outputs
+with the eager call's values), all interleaved in one bench() per case (the project's harness:
+CUDA events, medians over rounds).
 
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
 the results schema). On ours_pod: launch ("fused", or "apart" where the launch policy runs the
@@ -431,6 +432,48 @@ def _graph(fn):
     return capture(fn).replay
 
 
+REPLAY_TOL = 0.05  # a replay against the eager call: bf16 rounding, a captured launch choice
+
+
+def _tensors(out) -> list:
+    """The tensors of a call's output (a tensor, or tuples / lists of them)."""
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return [out] if hasattr(out, "is_floating_point") else []
+
+
+def checked_graph(fn, perturb=None):
+    """_graph(fn), checked once: after the capture, perturb() (if given) rewrites the call's
+    inputs in place and the eager call gives the reference; the captured call's outputs are
+    poisoned (NaN), the graph replayed, and its outputs must then hold the reference (within
+    REPLAY_TOL; NaN fails). A capture that recorded only part of the work, or that replays
+    results left in a workspace from before (perturb), fails (RuntimeError) instead of timing
+    a replay that computes less."""
+    import torch
+
+    held = []
+    g = capture(lambda: held.append(fn()))
+    if perturb is not None:
+        perturb()
+    ref = [t.clone() for t in _tensors(fn())]
+    outs = _tensors(held[-1])
+    for t in outs:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+    g.replay()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if len(outs) != len(ref):
+        raise RuntimeError(f"the replay returned {len(outs)} tensors, the eager call {len(ref)}")
+    diffs = [(a.float() - b.float()).abs().max().item() for a, b in zip(outs, ref) if a.numel()]
+    worst = next((d for d in diffs if not d <= REPLAY_TOL), None)  # NaN included
+    if worst is not None:
+        raise RuntimeError(f"the replay's outputs differ from the eager call's on the same "
+                           f"inputs by {worst}: the capture did not record all of the call's "
+                           "work")
+    return g.replay
+
+
 def _max_diff(calls: dict, ref: str = "parts") -> float | None:
     """POD's eager outputs against the parts alone (ref "parts"), or FlashInfer POD's against
     ours (ref "fi_pod"): max abs difference, NaN kept as nan."""
@@ -493,6 +536,12 @@ def run_case(case: PodCase, args) -> list[dict]:
             calls.update({p: text for p in PROVIDERS if p.startswith("fi_")})
         say("FlashInfer's plans built")
     calls["copy"] = lambda: x["copy_dst"].copy_(x["copy_src"])
+
+    def perturb():  # new queries (the graph checks: a replay computes from its inputs)
+        for k in ("q_p", "q_d", "q_mixed"):
+            if k in x:
+                x[k].normal_()
+
     diff = _max_diff(calls) if callable(calls.get("ours_pod")) else None
     fi_diff = (_max_diff(calls, "fi_pod") if callable(calls.get("ours_pod"))
                and callable(calls.get("fi_pod")) else None)
@@ -509,7 +558,7 @@ def run_case(case: PodCase, args) -> list[dict]:
                 res[prov, mode] = "skipped: timed as CUDA graph replays only"
                 continue
             try:
-                f = fn if mode == "eager" else _graph(fn)
+                f = fn if mode == "eager" else checked_graph(fn, perturb)
                 f()
                 torch.cuda.synchronize()
                 runners.append(([f], contextlib.nullcontext))

@@ -948,7 +948,7 @@ def test_pod_suite_fails_an_eager_row_whose_output_changed(monkeypatch, after):
     monkeypatch.setattr(pod, "_calls", lambda *a: {k: (lambda: None) for k in
                                                     ("pod", "prefill", "decode", "apart")})
     monkeypatch.setattr(pod, "_max_diff", lambda calls: next(diffs))
-    monkeypatch.setattr(pod, "_graph", lambda fn: fn)
+    monkeypatch.setattr(pod, "checked_graph", lambda fn, perturb=None: fn)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr("benchmarks.providers.bench",
                         lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
@@ -1069,3 +1069,55 @@ def test_pod_uncaptured_marks_graphs_that_recorded_nothing():
     assert out["fi_apart", "graph"].startswith("failed:") and "600.0 us eager" in \
         out["fi_apart", "graph"]
     assert out["ours_pod", "graph"] == 28.9 and res["fi_pod", "graph"] == 10.3
+
+
+def test_pod_checked_graph_fails_a_replay_that_skips_work(monkeypatch):
+    """checked_graph poisons the captured call's outputs and replays once: a replay that
+    rewrites them with the eager call's values on the current inputs passes; one that leaves
+    any of them, or rewrites them from values kept since the capture (seen once the inputs are
+    perturbed), fails instead of being timed."""
+    import torch
+
+    from benchmarks import pod
+
+    class Graph:  # a stand-in for capture(): its replay rewrites the captured call's outputs
+        def __init__(self, fn):
+            fn()
+            out = list(held)
+            self.replay = lambda: replay_parts(out)
+
+    held = []
+    x = torch.randn(5, 3)
+
+    def call():
+        out = (x * 2, x + 1)
+        held[:] = [out]
+        return out
+
+    monkeypatch.setattr(pod, "capture", lambda fn: Graph(fn))
+
+    def full(h):
+        h[0][0].copy_(x * 2)
+        h[0][1].copy_(x + 1)
+
+    replay_parts = full
+    assert callable(pod.checked_graph(call))
+    assert callable(pod.checked_graph(call, perturb=lambda: x.add_(1)))
+
+    def partial(h):  # the second output not rewritten: it keeps the poison
+        h[0][0].copy_(x * 2)
+
+    replay_parts = partial
+    with pytest.raises(RuntimeError, match="did not record all of the call's work"):
+        pod.checked_graph(call)
+
+    def stale(h):  # the outputs rewritten from values kept since the capture
+        h[0][0].copy_(kept[0])
+        h[0][1].copy_(kept[1])
+
+    kept = call()
+    kept = [t.clone() for t in kept]
+    replay_parts = stale
+    assert callable(pod.checked_graph(call))  # inputs unchanged: indistinguishable
+    with pytest.raises(RuntimeError, match="on the same inputs by"):
+        pod.checked_graph(call, perturb=lambda: x.mul_(3))
