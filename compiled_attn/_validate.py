@@ -312,9 +312,11 @@ def check_out_dtype(name: str, dt: torch.dtype, device_type: str) -> None:
 # --------------------------------------------------------------------------------------------
 def check_tensor(name: str, t, *, ndim: int | None = None, shape: Sequence | None = None,
                  dtypes: Sequence[torch.dtype] | None = None, device=None,
-                 what: str = "") -> torch.Tensor:
+                 what: str = "", device_of: str = "the wrapper's workspace buffer / of q"
+                 ) -> torch.Tensor:
     """t is a tensor with this ndim / exact shape (None entries are free) / dtype / device.
-    what: the expected layout in words, e.g. '[tokens, Hq, D_qk]'."""
+    what: the expected layout in words, e.g. '[tokens, Hq, D_qk]'; device_of: what sets the
+    device (named in the message)."""
     desc = f" {what}" if what else ""
     if not torch.is_tensor(t):
         raise TypeError(f"{name}: expected a tensor{desc}; got {type(t).__name__}")
@@ -330,7 +332,7 @@ def check_tensor(name: str, t, *, ndim: int | None = None, shape: Sequence | Non
         raise TypeError(f"{name}: expected dtype {' or '.join(map(str, dtypes))}; got {t.dtype}")
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{name}: is on {t.device} but must be on {torch.device(device)} "
-                         "(the device of the wrapper's workspace buffer / of q); move it with .to()")
+                         f"(the device of {device_of}); move it with .to()")
     return t
 
 

@@ -59,7 +59,8 @@ def _separate_pools(pools, nhd: bool):
               f"each {what}")
     k, v = pools
     V.check_tensor("qkv[1][0] (k_cache)", k, ndim=4, what=what)
-    V.check_tensor("qkv[1][1] (v_cache)", v, ndim=4, device=k.device, what=what)
+    V.check_tensor("qkv[1][1] (v_cache)", v, ndim=4, device=k.device,
+                   device_of="qkv[1][0] (k_cache)", what=what)
     if k.shape != v.shape or k.dtype != v.dtype:
         _fail("qkv[1]", f"holds k_cache {tuple(k.shape)} {k.dtype} and v_cache "
               f"{tuple(v.shape)} {v.dtype}", "pass two caches of one shape and dtype")

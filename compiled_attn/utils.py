@@ -147,7 +147,8 @@ def get_seq_lens(kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, page_s
                                              what="[B+1] (pages per request, cumulated)"))
     V.check_int("kv_last_page_len", V.check_tensor(
         "kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,),
-        device=kv_indptr.device, what="[B], one entry per request of kv_indptr"))
+        device=kv_indptr.device, device_of="kv_indptr",
+        what="[B], one entry per request of kv_indptr"))
     V.check_count("page_size", page_size, 1)
     npages = kv_indptr[1:] - kv_indptr[:-1]
     V.device_check(npages >= 0, "get_seq_lens: kv_indptr decreases; pass cumulated page "
@@ -217,7 +218,8 @@ def _write_outputs(nnz, dev, b_out, p_out, inside, batch_indices, positions):
     positions buffer only where ``inside``: FlashInfer leaves the rest)."""
     for name, buf in (("batch_indices", batch_indices), ("positions", positions)):
         if buf is not None:
-            V.check_tensor(name, buf, shape=(nnz,), dtypes=(torch.int32,), device=dev)
+            V.check_tensor(name, buf, shape=(nnz,), dtypes=(torch.int32,), device=dev,
+                           device_of="append_indptr")
     if batch_indices is not None:
         batch_indices.copy_(b_out)
     if positions is not None:
@@ -256,7 +258,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     layout = V.check_kv_layout(kv_layout)
     k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
     dev = k_cache.device
-    V.check_tensor("paged_kv_cache (v)", v_cache, device=dev)
+    on = dict(device=dev, device_of="paged_kv_cache (its K cache)")
+    V.check_tensor("paged_kv_cache (v)", v_cache, **on)
     page = k_cache.shape[1]
     if page == 0:
         raise ValueError("paged_kv_cache: has pages of 0 slots (its page axis is empty); pass "
@@ -268,15 +271,15 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     V.check_tensor("append_key", append_key, ndim=3, what="[nnz, Hkv, D_qk]")
     nnz = append_key.shape[0]
     V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]),
-                   device=dev)
+                   **on)
     V.check_tensor("append_value", append_value,
-                   shape=(nnz, v_cache.shape[2], v_cache.shape[3]), device=dev)
+                   shape=(nnz, v_cache.shape[2], v_cache.shape[3]), **on)
     for name, t in (("batch_indices", batch_indices), ("positions", positions)):
-        V.check_int(name, V.check_tensor(name, t, shape=(nnz,), device=dev))
+        V.check_int(name, V.check_tensor(name, t, shape=(nnz,), **on))
     for name, t in (("kv_indices", kv_indices), ("kv_indptr", kv_indptr)):
-        V.check_int(name, V.check_tensor(name, t, ndim=1, device=dev))
+        V.check_int(name, V.check_tensor(name, t, ndim=1, **on))
     V.check_int("kv_last_page_len", V.check_tensor(
-        "kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,), device=dev))
+        "kv_last_page_len", kv_last_page_len, shape=(kv_indptr.shape[0] - 1,), **on))
     # Tokens with batch index < 0 (padding past append_indptr[-1]) are dropped by a boolean
     # selection: one device sync on a GPU, but no write can alias a real token's slot.
     keep = batch_indices >= 0
@@ -342,7 +345,8 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     V.check_writable("v", v)
     V.check_writable("s", s)
     if mask is not None:
-        V.check_tensor("mask", mask, shape=(v.shape[0],), device=v.device, what="[N]")
+        V.check_tensor("mask", mask, shape=(v.shape[0],), device=v.device, device_of="v",
+                       what="[N]")
         if mask.dtype.is_floating_point or mask.dtype.is_complex:
             raise TypeError(f"mask: expected a bool (or integer) [N] tensor; got {mask.dtype}")
     out, lse = merge_states(torch.stack([v, v_other], dim=1), torch.stack([s, s_other], dim=1))
@@ -359,10 +363,10 @@ def _check_two_states(*named: tuple[str, torch.Tensor]) -> None:
     all floating point."""
     (va_name, v_a), (sa_name, s_a), (vb_name, v_b), (sb_name, s_b) = named
     V.check_tensor(va_name, v_a, ndim=3, what="[N, H, D]")
-    V.check_tensor(vb_name, v_b, shape=v_a.shape, device=v_a.device,
+    V.check_tensor(vb_name, v_b, shape=v_a.shape, device=v_a.device, device_of=va_name,
                    what=f"[N, H, D] as {va_name}")
     for name, s in ((sa_name, s_a), (sb_name, s_b)):
-        V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device,
+        V.check_tensor(name, s, shape=v_a.shape[:2], device=v_a.device, device_of=va_name,
                        what=f"[N, H] of {va_name}")
     _check_floating(*named)
 
@@ -384,7 +388,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     a NaN among a row's LSEs gives NaN output and LSE (never -inf, "no key seen").
     """
     V.check_tensor("v", v, ndim=4, what="[N, S, H, D]")
-    V.check_tensor("s", s, shape=v.shape[:3], device=v.device, what="[N, S, H] of v")
+    V.check_tensor("s", s, shape=v.shape[:3], device=v.device, device_of="v",
+                   what="[N, S, H] of v")
     _check_floating(("v", v), ("s", s))
     if v.shape[1] == 0:  # no state: as if every state had LSE -inf
         n, _, h, d = v.shape

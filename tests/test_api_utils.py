@@ -4,6 +4,7 @@ slopes) against numpy / straightforward computations written here."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -355,3 +356,40 @@ def test_single_prefill_with_a_mask_compiles_once_over_lengths():
         torch.testing.assert_close(f(q, k, v, m),
                                    fi.single_prefill_with_kv_cache(q, k, v, custom_mask=m))
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def _on_meta(t):
+    return torch.empty_like(t, device="meta")
+
+
+@pytest.mark.parametrize("case", ["get_seq_lens", "merge_state", "merge_states",
+                                  "merge_state_in_place", "append_paged_kv_cache"])
+def test_device_errors_name_what_sets_the_device(case):
+    """A tensor on another device than its partner is named, with the argument whose device it
+    must share (not a wrapper's workspace buffer these functions do not have)."""
+    v, s = torch.randn(3, 2, 4), torch.randn(3, 2)
+    i32 = dict(dtype=torch.int32)
+    if case == "get_seq_lens":
+        call = lambda: fi.get_seq_lens(torch.tensor([0, 1, 3], **i32),  # noqa: E731
+                                       _on_meta(torch.tensor([1, 2], **i32)), 16)
+        want = "kv_last_page_len: is on meta but must be on cpu (the device of kv_indptr)"
+    elif case == "merge_state":
+        call = lambda: fi.merge_state(v, s, _on_meta(v), s)  # noqa: E731
+        want = "v_b: is on meta but must be on cpu (the device of v_a)"
+    elif case == "merge_states":
+        call = lambda: fi.merge_states(v[:, None], _on_meta(s[:, None]))  # noqa: E731
+        want = "s: is on meta but must be on cpu (the device of v)"
+    elif case == "merge_state_in_place":
+        call = lambda: fi.merge_state_in_place(  # noqa: E731
+            v.clone(), s.clone(), v, s, mask=_on_meta(torch.ones(3, dtype=torch.bool)))
+        want = "mask: is on meta but must be on cpu (the device of v)"
+    else:
+        cache = torch.zeros(4, 2, 16, 2, 4)  # [pages, 2, page, Hkv, D]
+        k = torch.randn(3, 2, 4)
+        call = lambda: fi.append_paged_kv_cache(  # noqa: E731
+            k, _on_meta(k), torch.zeros(3, **i32), torch.arange(3, **i32), cache,
+            torch.tensor([0], **i32), torch.tensor([0, 1], **i32), torch.tensor([3], **i32))
+        want = ("append_value: is on meta but must be on cpu (the device of paged_kv_cache "
+                "(its K cache))")
+    with pytest.raises(ValueError, match=re.escape(want)):
+        call()
