@@ -192,8 +192,14 @@ def traced() -> bool:
     fullgraph=True). It checks the plan's device tensors by device asserts instead. Also True
     under a FakeTensorMode: an entry point in the graph as one call (op_call.graph_leaf) runs on
     fake tensors outside Dynamo's trace, where torch 2.11 answers is_compiling() False."""
-    return (torch.compiler.is_compiling()
-            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+    return torch.compiler.is_compiling() or on_fake_tensors()
+
+
+def on_fake_tensors(_mode=torch._C._get_dispatch_mode,
+                    _fake=torch._C._TorchDispatchModeKey.FAKE) -> bool:
+    """Whether a FakeTensorMode is active (torch.compile or torch.export running a call on fake
+    tensors, or a caller's own mode)."""
+    return _mode(_fake) is not None
 
 
 def exporting() -> bool:

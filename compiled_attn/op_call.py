@@ -23,8 +23,13 @@ paths run the same code and give the same bits.
 
 from __future__ import annotations
 
-import torch
+import functools
+import inspect
 
+import torch
+from torch._dynamo.exc import Unsupported
+
+from compiled_attn import _validate as V
 from compiled_attn.ops import contracts, launch
 from compiled_attn.ops.policy import POLICY
 
@@ -56,18 +61,40 @@ def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwar
     return getattr(torch.ops.compiled_attn, name)(*args, **kwargs)
 
 
-def graph_leaf(fn):
+def graph_leaf(fn, scalars: tuple[str, ...] = ()):
     """fn as one call in torch.compile's graph (``torch._dynamo.allow_in_graph``): Dynamo does
-    not trace fn's Python body; it runs fn on fake tensors for the output (an error fn raises
-    there reaches the user with its message) and AOTAutograd traces through it to the op it
-    calls. The compiled call then guards on fn's arguments, not on every global, default and
-    function the body reads: the single prefill's checks made 163 guards against compiled
-    SDPA's 22, and their evaluation was most of the compiled call's extra host time. fn itself
-    is returned (no eager cost); its non-tensor arguments must be constants, dtypes or None,
-    each call site specialised on them as Dynamo does. (``nonstrict_trace`` would do the same
-    but on torch 2.13 replaces fn's errors by "unsupported output type" and fails a strict
-    torch.export.)"""
-    return torch._dynamo.allow_in_graph(fn)
+    not trace fn's Python body; it runs fn on fake tensors for the output and AOTAutograd traces
+    through it to the op it calls. The compiled call then guards on fn's arguments, not on
+    every global, default and function the body reads: the single prefill's checks made 163
+    guards against compiled SDPA's 22, and their evaluation was most of the compiled call's
+    extra host time. An error fn raises on the fake tensors (a bad argument) becomes a graph
+    break with its message: under fullgraph=True Dynamo raises it so; otherwise the call runs
+    eagerly and raises the eager error itself, as when Dynamo traced fn. So does a tensor for
+    one of ``scalars`` (fn's number arguments: Dynamo passes a numpy scalar as a 0-d tensor,
+    whose value a graph cannot read on the host), where eager takes the number. Eager, the
+    wrapper is one more Python frame. (``nonstrict_trace`` would do the same but on torch
+    2.13 replaces fn's errors by "unsupported output type" and fails a strict torch.export.)"""
+    sig = inspect.signature(fn)
+    fake = V.on_fake_tensors
+
+    @functools.wraps(fn)
+    def leaf(*args, **kwargs):
+        try:
+            if scalars and fake():
+                bound = sig.bind(*args, **kwargs).arguments
+                for name in scalars:
+                    if torch.is_tensor(bound.get(name)):
+                        raise TypeError(f"{name}: got a tensor (a numpy scalar becomes one "
+                                        "under torch.compile) where a Python number is taken")
+            return fn(*args, **kwargs)
+        except Unsupported:
+            raise
+        except Exception as e:
+            if not fake():  # eager, or Dynamo tracing this frame itself
+                raise
+            raise Unsupported(f"{fn.__name__}: {type(e).__name__}: {e}") from e
+
+    return torch._dynamo.allow_in_graph(leaf)
 
 
 def write_rows(dst: torch.Tensor, src: torch.Tensor, end: torch.Tensor | None = None

@@ -263,7 +263,9 @@ def _single_prefill(q, k, v, o_dtype, custom_mask, packed_custom_mask, causal, k
 
 _SINGLE_MEMO = Memo()
 single_prefill_with_kv_cache.__doc__ += "\n    " + _LSE_DOC + "\n"
-single_prefill_with_kv_cache = graph_leaf(single_prefill_with_kv_cache)
+single_prefill_with_kv_cache = graph_leaf(
+    single_prefill_with_kv_cache, scalars=("sm_scale", "window_left", "logits_soft_cap",
+                                           "rope_scale", "rope_theta"))
 
 
 def single_prefill_with_kv_cache_return_lse(*args, **kwargs):

@@ -88,7 +88,7 @@ def main():
 
     # the entry point as Dynamo traced it before it became one graph call (op_call.graph_leaf):
     # a copy of the function, which allow_in_graph does not name
-    entry = ca.single_prefill_with_kv_cache
+    entry = ca.single_prefill_with_kv_cache.__wrapped__
     traced_entry = types.FunctionType(entry.__code__, entry.__globals__, entry.__name__,
                                       entry.__defaults__, entry.__closure__)
     traced_entry.__kwdefaults__ = entry.__kwdefaults__

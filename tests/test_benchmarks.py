@@ -1121,3 +1121,36 @@ def test_pod_checked_graph_fails_a_replay_that_skips_work(monkeypatch):
     assert callable(pod.checked_graph(call))  # inputs unchanged: indistinguishable
     with pytest.raises(RuntimeError, match="on the same inputs by"):
         pod.checked_graph(call, perturb=lambda: x.mul_(3))
+
+
+def test_pod_suite_compares_pod_with_its_parts_on_the_same_inputs(monkeypatch):
+    """The graph checks perturb the queries; POD's difference from its parts is taken after
+    them, so the check after the timed calls compares on the same inputs (a deterministic
+    row stays ok)."""
+    import argparse
+
+    import torch
+
+    from benchmarks import pod
+
+    case = pod.case_list(quick=True)[0]
+    checks = {"n": 0}
+
+    def checked(fn, perturb=None):  # each graph check perturbs the inputs
+        checks["n"] += 1
+        return fn
+
+    monkeypatch.setattr(pod, "make_inputs", lambda case, dev: {"copy_dst": None, "copy_src": None})
+    monkeypatch.setattr(pod, "_calls", lambda *a: {k: (lambda: None) for k in
+                                                    ("pod", "prefill", "decode", "apart")})
+    monkeypatch.setattr(pod, "_max_diff", lambda calls, ref="parts": 0.5 + checks["n"])
+    monkeypatch.setattr(pod, "checked_graph", checked)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr("benchmarks.providers.bench",
+                        lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
+                                             for _ in runners])
+    args = argparse.Namespace(no_flashinfer=True, compiled=False, warmup_ms=1, rep_ms=1,
+                              rounds=1)
+    by = {(r["provider"], r["mode"]): r for r in pod.run_case(case, args)}
+    assert checks["n"] > 0
+    assert by["ours_pod", "eager"]["status"] == "ok"

@@ -165,3 +165,27 @@ def test_single_prefill_tensor_scale_under_compile_names_the_argument(arg):
     with pytest.raises(Exception, match=f"{arg}: got a tensor, which is read on the host"):
         torch.compile(lambda q, k, v, s: fi.single_prefill_with_kv_cache(q, k, v, **{arg: s}),
                       fullgraph=True, backend="eager")(q, k, v, s)
+
+
+def test_single_prefill_errors_keep_their_type_without_fullgraph():
+    """Without fullgraph a bad argument found on the fake tensors is a graph break: the call
+    runs eagerly and raises the eager error (its type too, as when Dynamo traced the checks)."""
+    q, k, v = _single_inputs(qo=13, kv=9)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="causal=True needs kv_len >= qo_len"):
+        torch.compile(lambda q, k, v: fi.single_prefill_with_kv_cache(q, k, v, causal=True),
+                      backend="eager")(q, k, v)
+
+
+def test_single_prefill_numpy_scalars_under_compile():
+    """Dynamo passes a numpy scalar as a 0-d tensor: the number arguments graph-break on it
+    and the call runs eagerly with the scalar, as it does uncompiled."""
+    np = pytest.importorskip("numpy")
+    q, k, v = _single_inputs()
+    kw = dict(sm_scale=np.float64(0.3), window_left=np.int64(3), causal=True)
+    want = fi.single_prefill_with_kv_cache(q, k, v, **kw)
+    torch._dynamo.reset()
+    got = torch.compile(lambda q, k, v, s, w: fi.single_prefill_with_kv_cache(
+        q, k, v, sm_scale=s, window_left=w, causal=True), backend="eager")(
+        q, k, v, kw["sm_scale"], kw["window_left"])
+    torch.testing.assert_close(got, want)
