@@ -931,31 +931,39 @@ def test_pod_suite_keeps_timed_cases_when_stopped(tmp_path, monkeypatch, capsys)
     assert f"{first.name} ..." in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("after", [0.5, 7.0])
-def test_pod_suite_fails_an_eager_row_whose_output_changed(monkeypatch, after):
-    """run_case checks POD's eager output against its parts again after the timed calls: the
-    same difference as before them keeps the row; another (a launch that stopped computing
-    between, as a bound call without its launches once did) fails the eager row, with both."""
+def _stub_run_case(monkeypatch, max_diff, checked_graph) -> dict:
+    """pod.run_case on the quick grid's first case with its GPU parts stubbed (inputs, calls,
+    synchronisation, timing: 100 us a row) and these _max_diff / checked_graph; its rows by
+    (provider, mode)."""
     import argparse
 
     import torch
 
     from benchmarks import pod
 
-    case = pod.case_list(quick=True)[0]
-    diffs = iter([0.5, after])
     monkeypatch.setattr(pod, "make_inputs", lambda case, dev: {"copy_dst": None, "copy_src": None})
     monkeypatch.setattr(pod, "_calls", lambda *a: {k: (lambda: None) for k in
                                                     ("pod", "prefill", "decode", "apart")})
-    monkeypatch.setattr(pod, "_max_diff", lambda calls: next(diffs))
-    monkeypatch.setattr(pod, "checked_graph", lambda fn, perturb=None: fn)
+    monkeypatch.setattr(pod, "_max_diff", max_diff)
+    monkeypatch.setattr(pod, "checked_graph", checked_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr("benchmarks.providers.bench",
                         lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
                                              for _ in runners])
     args = argparse.Namespace(no_flashinfer=True, compiled=False, warmup_ms=1, rep_ms=1,
                               rounds=1)
-    by = {(r["provider"], r["mode"]): r for r in pod.run_case(case, args)}
+    return {(r["provider"], r["mode"]): r
+            for r in pod.run_case(pod.case_list(quick=True)[0], args)}
+
+
+@pytest.mark.parametrize("after", [0.5, 7.0])
+def test_pod_suite_fails_an_eager_row_whose_output_changed(monkeypatch, after):
+    """run_case checks POD's eager output against its parts again after the timed calls: the
+    same difference as before them keeps the row; another (a launch that stopped computing
+    between, as a bound call without its launches once did) fails the eager row, with both."""
+    diffs = iter([0.5, after])
+    by = _stub_run_case(monkeypatch, lambda calls, ref="parts": next(diffs),
+                        lambda fn, perturb=None: fn)
     eager, graph = by["ours_pod", "eager"], by["ours_pod", "graph"]
     assert graph["status"] == "ok"
     if after == 0.5:
@@ -1127,30 +1135,12 @@ def test_pod_suite_compares_pod_with_its_parts_on_the_same_inputs(monkeypatch):
     """The graph checks perturb the queries; POD's difference from its parts is taken after
     them, so the check after the timed calls compares on the same inputs (a deterministic
     row stays ok)."""
-    import argparse
-
-    import torch
-
-    from benchmarks import pod
-
-    case = pod.case_list(quick=True)[0]
     checks = {"n": 0}
 
     def checked(fn, perturb=None):  # each graph check perturbs the inputs
         checks["n"] += 1
         return fn
 
-    monkeypatch.setattr(pod, "make_inputs", lambda case, dev: {"copy_dst": None, "copy_src": None})
-    monkeypatch.setattr(pod, "_calls", lambda *a: {k: (lambda: None) for k in
-                                                    ("pod", "prefill", "decode", "apart")})
-    monkeypatch.setattr(pod, "_max_diff", lambda calls, ref="parts": 0.5 + checks["n"])
-    monkeypatch.setattr(pod, "checked_graph", checked)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr("benchmarks.providers.bench",
-                        lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
-                                             for _ in runners])
-    args = argparse.Namespace(no_flashinfer=True, compiled=False, warmup_ms=1, rep_ms=1,
-                              rounds=1)
-    by = {(r["provider"], r["mode"]): r for r in pod.run_case(case, args)}
+    by = _stub_run_case(monkeypatch, lambda calls, ref="parts": 0.5 + checks["n"], checked)
     assert checks["n"] > 0
     assert by["ours_pod", "eager"]["status"] == "ok"
