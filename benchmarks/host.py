@@ -106,19 +106,15 @@ def _wrappers(mod, x, dev, name, single_backend="auto"):
     return calls
 
 
-def _pod(mod, x, dev):
+def _pod(mod, x, dev, layers: bool = False):
+    """POD run() on x's tensors, or (layers) on x's layers' in turn."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     w = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
     w.plan(x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
-    return lambda: w.run(x["q1"], x["k1"], x["v1"], x["qd"], x["cache"], causal_p=True)
 
-
-def _pod_layers(mod, x, dev):
-    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
-    w = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
-    w.plan(x["kvi"], x["idx"], x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
-    return _turns(lambda t: w.run(t["q1"], t["k1"], t["v1"], t["qd"], t["cache"],
-                                  causal_p=True), x["layers"])
+    def run(t):
+        return w.run(t["q1"], t["k1"], t["v1"], t["qd"], t["cache"], causal_p=True)
+    return _turns(run, x["layers"]) if layers else lambda: run(x)
 
 
 def _batch_pod(mod, x, dev):
@@ -147,7 +143,7 @@ def providers(args) -> dict:
     for case, fn in _wrappers(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
-    add("pod_run_layers", "compiled_attn", lambda: _pod_layers(ca, x, dev))
+    add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
     if not args.no_flashinfer:
         try:
@@ -158,7 +154,8 @@ def providers(args) -> dict:
                 add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
-                add("pod_run_layers", "flashinfer", lambda: _pod_layers(flashinfer, x, dev))
+                add("pod_run_layers", "flashinfer",
+                    lambda: _pod(flashinfer, x, dev, layers=True))
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers"):
                 out[case, "flashinfer"] = f"{type(e).__name__}: {e}"

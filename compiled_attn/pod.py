@@ -30,6 +30,7 @@ re-plan writes into its tensors (_plan_graph_chunks), so that a captured run() s
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -225,15 +226,7 @@ class _PODBase(_WrapperBase):
 # ALiBi slopes by (heads, device), made at plan time (a run() may be captured by a CUDA graph,
 # where a copy from the host would not run); read only, kept for the process (a few floats
 # each).
-_RUN_SLOPES: dict = {}
-
-
-def _run_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
-    key = (num_heads, device)
-    t = _RUN_SLOPES.get(key)
-    if t is None:
-        t = _RUN_SLOPES[key] = get_alibi_slopes(num_heads, device)
-    return t
+_run_slopes = functools.cache(get_alibi_slopes)
 
 
 def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:
