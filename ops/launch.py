@@ -97,7 +97,7 @@ def adopt_scratch(t: torch.Tensor) -> None:
 # Work counters of eager launches come from a zeroed pool per (device, stream): a slot a launch,
 # the whole pool zeroed again (one memset, ordered after every launch that used it) when spent.
 # A launch being captured into a CUDA graph takes a fresh zeroed tensor instead (the graph's
-# memset re-zeroes it at every replay).
+# memset re-zeroes it at every replay), unless its kernel leaves the counter 0 (below).
 POOL_SLOTS = 4096
 _POOLS: dict = {}
 
@@ -115,22 +115,44 @@ def _pool_slot(device: torch.device) -> tuple[torch.Tensor, int]:
     return t, i
 
 
-def _eager_real() -> bool:
-    """Whether the launch path runs eagerly on real tensors: no trace (Dynamo, wrap_triton's
-    tracing, a dispatch mode such as FakeTensorMode / FunctionalTensorMode) and no capture. Only
-    then may it take a pool slot (a traced graph must own its counter)."""
-    return (not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
-            and not (is_wrap_triton_enabled is not None and is_wrap_triton_enabled())
-            and not torch.cuda.is_current_stream_capturing())
+# Counters of captured launches whose kernel puts its counter back to 0 when it ends
+# (counter(resets=True): the Gluon kernel's persistent programs): slots of a buffer per device,
+# zeroed outside any capture, one slot per captured launch and never handed out again (so
+# graphs replayed at once, on any streams, never share one), and the graph holds no memset
+# before the launch (about 1.5-2 us a replay of a small decode batch, benchmarks/NOTES.md,
+# 2026-11-29). Made by the device's first eager launch; a capture before any, or past
+# GRAPH_SLOTS captured launches, takes a fresh zeroed tensor, as other kernels' do.
+GRAPH_SLOTS = 1 << 16
+_GRAPH_POOLS: dict = {}
 
 
-def counter(device) -> torch.Tensor:
-    """A zeroed int32 [1] work counter (persistent grids claim items from it)."""
+def _launch_real() -> bool:
+    """Whether the launch path runs on real tensors (untraced, and not wrap_triton's tracing):
+    only then may a launch's counter come from a pool (a traced graph must own its counter)."""
+    return untraced() and not (is_wrap_triton_enabled is not None and is_wrap_triton_enabled())
+
+
+def counter(device, resets: bool = False) -> torch.Tensor:
+    """A zeroed int32 [1] work counter (persistent grids claim items from it). resets: the
+    launch leaves it 0 again, so a CUDA graph capturing it may take a slot zeroed once
+    (_GRAPH_POOLS) instead of a tensor its every replay zeroes."""
     device = torch.device(device)
-    if device.type == "cuda" and _eager_real():
-        t, i = _pool_slot(device)
-        t = t[i:i + 1]
-    else:
+    t = None
+    if device.type == "cuda" and _launch_real():
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if not torch.cuda.is_current_stream_capturing():
+            if index not in _GRAPH_POOLS:
+                _GRAPH_POOLS[index] = [torch.zeros(GRAPH_SLOTS, dtype=torch.int32,
+                                                   device=device), 0]
+                # (zeroed before any capture can take a slot, whatever stream replays it)
+                torch.cuda.current_stream(device).synchronize()
+            t, i = _pool_slot(device)
+            t = t[i:i + 1]
+        elif resets and _GRAPH_POOLS.get(index, (None, GRAPH_SLOTS))[1] < GRAPH_SLOTS:
+            pool = _GRAPH_POOLS[index]
+            t = pool[0][pool[1]:pool[1] + 1]
+            pool[1] += 1
+    if t is None:
         t = torch.zeros(1, dtype=torch.int32, device=device)
     rec = _recorder()
     if rec is not None:

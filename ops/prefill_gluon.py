@@ -874,15 +874,21 @@ def _rec_layout(num_warps):
 
 
 @gluon.jit
-def _next_item(sched_ptr, NW: gl.constexpr):
+def _next_item(sched_ptr, total, NW: gl.constexpr):
     """The load partition's (NW warps') next work item: num_programs + a global counter's old
-    value (every program starts on item program_id; the counter, zeroed per launch, hands out
-    the rest in order, so each item goes to the first program free for it, as the hardware
-    hands out programs, and concurrent items stay neighbours in the work list, their K / V
-    shared in L2). One thread's atomic, summed over the partition."""
+    value (every program starts on item program_id; the counter, 0 when the launch starts,
+    hands out the rest in order, so each item goes to the first program free for it, as the
+    hardware hands out programs, and concurrent items stay neighbours in the work list, their
+    K / V shared in L2). One thread's atomic, summed over the partition.
+    The launch claims exactly ``total`` times (the items past the first num_programs, then one
+    claim past the end by each program that had an item), so the claim that finds total - 1
+    is the last one: it puts the counter back to 0, and the next launch given this counter (a
+    CUDA graph's replay: launch.counter) needs no zeroing."""
     idx = gl.arange(0, 32 * NW, layout=gl.BlockedLayout([1], [32], [NW], [0]))
-    old = gl.atomic_add(sched_ptr + idx * 0, idx * 0 + 1, mask=idx == 0)
-    return gl.num_programs(0) + gl.sum(gl.where(idx == 0, old, 0), 0)
+    first = idx == 0
+    old = gl.atomic_add(sched_ptr + idx * 0, idx * 0 + 1, mask=first)
+    gl.atomic_xchg(sched_ptr + idx * 0, idx * 0, mask=first & (old == total - 1))
+    return gl.num_programs(0) + gl.sum(gl.where(first, old, 0), 0)
 
 
 @gluon.jit
@@ -1053,7 +1059,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
         k += 1
-        lin = _next_item(h.sched_ptr, LOAD_WARPS)
+        lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
                   gl.full([32], lin, gl.int32, layout=_lane_layout(LOAD_WARPS)))
 
@@ -1159,7 +1165,7 @@ def _gluon_fwd(
     SOURCE.PAGED, n_items work_sizes.n_items). Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
     grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
     from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
-    zeroed per launch) until none is left, a 1D grid of at most the programs the GPU holds at
+    0 at the start, 0 again at the end: _next_item) until none is left, a 1D grid of at most the programs the GPU holds at
     once. Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA
     through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
     q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request, first
@@ -1589,8 +1595,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps])), )
     else:
         grid = (n_items, hkv)
-    # the persistent programs' item counter (never read otherwise)
-    sched = _launch.counter(q.device) if persistent else work_arg
+    # the persistent programs' item counter (never read otherwise; the launch leaves it 0)
+    sched = _launch.counter(q.device, resets=True) if persistent else work_arg
     # Q by the load warp's TMA (persistent, one query head per KV head, Q's rows a 2D view;
     # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
     # slot)
@@ -1697,7 +1703,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
 
     group_regs, producer_regs = partition_regs(gather)
     _launch.run_direct(
-        _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device),
+        _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device, resets=True),
         *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
         CONFIG=PodConfig(
             SOURCE=Source(PAGED=paged if page_p else 0, PAGE=page_p, BOXES=boxes[0], WIDE=wide),

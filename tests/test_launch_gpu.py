@@ -212,3 +212,56 @@ def test_pod_prefill_part_made_in_a_capture_is_not_kept():
     torch.cuda.synchronize()
     for g, c, r in zip(got, captured, want):
         assert torch.equal(g, r) and torch.equal(c, r)
+
+
+def _big_call(kind, seed):
+    """(call, q) for a persistent Gluon launch of more work items than resident programs (the
+    counter hands out the rest): a paged prefill batch, or POD with a long prefill."""
+    d, page, qo, kv = 128, 16, [2048, 1500], [2048, 3000]
+    cache, kvi, idx, last, _, _ = make_paged(kv, HKV, d, d, page, dtype=BF16, seed=seed)
+    cache = cache.cuda()
+    if kind == "paged":
+        q = _rand(sum(qo), HQ, d, seed=seed + 1)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(_ws())
+        w.plan(indptr(qo).cuda(), kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page,
+               causal=True, q_data_type=BF16)
+        return (lambda: w.run(q, cache, return_lse=True)), q
+    w = fi.PODWithPagedKVCacheWrapper(_ws())
+    w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+    qp, kp, vp = (_rand(2048, h, d, seed=seed + i) for i, h in ((2, HQ), (3, HKV), (4, HKV)))
+    qd = _rand(len(kv), HQ, d, seed=seed + 5)
+
+    def call():  # one fused launch (no decode key chunks: their gather and merge launches)
+        with policy.override(pod_chunks="off", **policy.POD_FUSED):
+            return _flat(w.run(qp, kp, vp, qd, cache, causal_p=True, return_lse_p=True,
+                               return_lse_d=True))
+    return call, qp
+
+
+@pytest.mark.parametrize("kind", ["paged", "pod"])
+def test_captured_persistent_launch_needs_no_zeroing(kind):
+    # the persistent programs leave their counter 0 (prefill_gluon._next_item), so a CUDA
+    # graph takes a counter slot zeroed once (launch._GRAPH_POOLS): its replay runs the kernel
+    # alone, and every replay hands out every item again
+    call, q = _big_call(kind, seed=70)
+    call()  # eager first: compiles, and makes the device's graph counters
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = call()
+    for seed in (71, 72, 73):
+        q.copy_(_rand(*q.shape, seed=seed))
+        for g in got:
+            g.fill_(float("nan"))
+        graph.replay()
+        with policy.override(bound_launches=False):
+            want = call()
+        torch.cuda.synchronize()
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1 and "_gluon" in kernels[0], kernels
