@@ -582,26 +582,25 @@ def run_case(case: PodCase, args) -> list[dict]:
 
 
 def uncaptured(res: dict, providers) -> dict:
-    """res with the graph rows of captures that recorded no kernel marked failed (FlashInfer's
-    POD wrapper captures nothing this way, 2026-11-28): a replay under a fifth of the eager
-    call's time where that is over 50 us, or a POD replay under half the time of its longer
-    part replayed alone (p256 + 16 x 1k: 10.3 us, its parts 11.4 and 34.2; 2026-11-29)."""
+    """res with the POD graph rows of captures that recorded no kernel marked failed
+    (FlashInfer's POD wrapper captures nothing this way, 2026-11-28): a POD replay under half
+    the time of its longer part replayed alone (p256 + 16 x 1k: 10.3 us, its parts 11.4 and
+    34.2; 2026-11-29), which no replay that computes both parts reaches. Other rows are left
+    to checked_graph, which fails every replay that does not recompute its outputs; a replay
+    time far under the eager call's is no sign by itself (a host-bound eager call: our
+    single prefill of p256 replayed in 11.7 us against 67.4 us eager, 2026-11-29)."""
     parts = {"ours_pod": ("ours_prefill", "ours_decode"), "fi_pod": ("fi_prefill", "fi_decode")}
     out = dict(res)
     for prov in providers:
-        e, g = res.get((prov, "eager")), res.get((prov, "graph"))
-        if not isinstance(g, float):
+        g = res.get((prov, "graph"))
+        if not isinstance(g, float) or prov not in parts:
             continue
-        alone = [res.get((p, "graph")) for p in parts.get(prov, ())]
-        longest = max(alone) if alone and all(isinstance(a, float) for a in alone) else None
-        if isinstance(e, float) and e > 50 and g < 0.2 * e:
-            why = f"{e:.1f} us eager"
-        elif longest is not None and g < 0.5 * longest:
-            why = f"{longest:.1f} us for its longer part alone"
-        else:
+        alone = [res.get((p, "graph")) for p in parts[prov]]
+        if not all(isinstance(a, float) for a in alone) or g >= 0.5 * max(alone):
             continue
-        out[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {why}: the capture "
-                              "recorded no kernel (not capturable this way)")
+        out[prov, "graph"] = (f"failed: the replay took {g:.1f} us against {max(alone):.1f} us "
+                              "for its longer part alone: the capture recorded no kernel (not "
+                              "capturable this way)")
     return out
 
 

@@ -9,7 +9,8 @@ key lengths at 16 requests gives the decode launch's fixed cost (time = fixed + 
 with the kernel's own time from torch.profiler; a one-element add alone and behind a
 memset gives the node's cost on its own.
 
-    python -m dev.counter_probe [--rounds 5]
+    python -m dev.counter_probe [--rounds 5] [--cases "pod p256 d16x1024 g32/8 page1,..."]
+        [--no-sweep]
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def kernel_us(replay, n: int = 30) -> list:
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-sweep", action="store_true", help="the listed cases only")
     ap.add_argument("--cases", default="pod p256 d16x1024 g32/8 page16,pod p256 d16x1024 g32/8 "
                     "page1,pod p256 d16x4096 g32/8 page16,pod p256 d16x1024 g64/8 page16,"
                     "pod p2048 d16x1024 g32/8 page16")
@@ -130,7 +132,7 @@ def main(argv=None):
                         calls[name] = replay
     # the decode launch's fixed cost: 16 requests at several key lengths (page 16, GQA 32/8)
     sweep = {}
-    for kv in (64, 256, 1024, 4096):
+    for kv in () if a.no_sweep else (64, 256, 1024, 4096):
         case = (16, kv, 16, 32, 8)
         xin = dp._inputs(case, dev)
         for variant in ("memset", "slot"):
