@@ -173,17 +173,20 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
         w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
         w.plan(*dec, case.hq, case.hkv, D, case.page, **kw)
         qo = case.prefill_lens[0]
-        apart = pod_mod._apart(w._plan, pod_mod._pairs(qo, qo, True), w._plan["decode_bytes"],
-                               dense_prefill=True, captured=captured)
         tiles = pod_mod._prefill_tiles(w._plan, qo)
+        apart = pod_mod._apart(w._plan, pod_mod._pairs(qo, qo, True), w._plan["decode_bytes"],
+                               dense_prefill=True, captured=captured,
+                               fused_rows=tiles + w._plan["work_d"].shape[0])
     else:
         qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
         w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
         w.plan(qo_p, *page_table(case, case.prefill_lens), torch.arange(case.decodes + 1, **i32),
                *dec,
                case.hq, case.hkv, D, case.page, **kw)
-        apart = w._launch_apart(True)
         tiles = w._plan["tiles_p"]
+        apart = pod_mod._apart(w._plan, w._plan["pairs_p"][True], w._plan["decode_bytes"],
+                               dense_prefill=False, captured=captured,
+                               fused_rows=w._plan["work"].shape[0])
     c = pod_mod._chunks_for(w._plan, apart, tiles)
     return dict(launch="apart" if apart else "fused",
                 decode_chunks=0 if c is None else int(c["merge"][:, 2].max()))

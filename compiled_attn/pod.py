@@ -121,6 +121,10 @@ class _PODBase(_WrapperBase):
             return p["alibi"]
         return p["alibi_run"]
 
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph captures this (eager) call."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _check_plan(self):
         if self._plan is None:
             raise RuntimeError("run() before plan(): call plan(...) with the page table first")
@@ -375,14 +379,15 @@ def _decode_ring(p: dict, requests: int) -> bool:
                                     requests)
 
 
-def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool = False
-           ) -> bool:
+def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool = False,
+           fused_rows: int = 0) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
     it costs nothing. dense_prefill: the prefill alone reads contiguous k / v on its own tiles
     (POD's), so the fused launch slows it, more where it gathers both parts
     (p["fused_gathers"]); BatchPOD's prefill alone reads the same pages as the fused launch.
-    captured: a CUDA graph captures the call.
+    captured: a CUDA graph captures the call; fused_rows: the fused launch's work rows (both
+    parts', each times the KV heads).
     (Traced calls ask _traced_apart instead: the plan's numbers would be guards, a recompile
     per re-plan, and a trace's sizes may be symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
@@ -390,7 +395,8 @@ def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool 
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"], dense_prefill=dense_prefill,
                             fused_gathers=p["fused_gathers"], decode_ring=p["decode_ring"],
-                            captured=captured)
+                            captured=captured, over_wave=choose.pod_over_wave(
+                                fused_rows * p["num_kv_heads"], p["block_m"]))
 
 
 def _traced_apart(p: dict) -> bool:
@@ -753,11 +759,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         launch policy, which a scoped override may change between calls."""
         p = self._plan
         return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], dense_prefill=True,
-                      captured=self._capturing())
-
-    def _capturing(self) -> bool:
-        """Whether a CUDA graph captures this (eager) call."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+                      captured=self._capturing(),
+                      fused_rows=_prefill_tiles(p, qo_len) + p["work_d"].shape[0])
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
@@ -964,4 +967,5 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         """Whether an eager call with the plan's prefill runs the parts as two launches
         (ops.choose.pod_apart; causal: the prefill's mask). Asked at every call, as POD's."""
         p = self._plan
-        return _apart(p, p["pairs_p"][causal], p["decode_bytes"], dense_prefill=False)
+        return _apart(p, p["pairs_p"][causal], p["decode_bytes"], dense_prefill=False,
+                      captured=self._capturing(), fused_rows=p["work"].shape[0])

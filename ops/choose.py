@@ -706,7 +706,8 @@ def pod_fused_gluon(head_dim: int, page_size: int, kv_dtype: torch.dtype | None 
 
 def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
               dense_prefill: bool = False, fused_gathers: bool = False,
-              decode_ring: bool = False, captured: bool = False) -> bool:
+              decode_ring: bool = False, captured: bool = False, over_wave: bool = False
+              ) -> bool:
     """Whether a POD call runs its prefill and decode parts as two launches (each on the path
     a call of that part alone takes) instead of one fused launch. The fused launch runs the
     prefill on its persistent programs, slower than the prefill's own launch, and wins that
@@ -728,7 +729,10 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     few-programs K / V ring (few_programs_ring), which the fused launch's decode items do not:
     then a launch whose K / V the fused launch reads by boxes (not fused_gathers) goes apart
     where the prefill counted as bytes is under POLICY.pod_ring_apart_share of the decodes'
-    bytes (a prefill that small costs the second launch less than the ring gains). gluon: the
+    bytes (a prefill that small costs the second launch less than the ring gains); and
+    captured, where the fused launch's items exceed one wave of resident programs (over_wave:
+    pod_over_wave), apart where the prefill counted as bytes is under
+    POLICY.pod_ring_graph_apart_share of the decodes' bytes, whatever the sizes. gluon: the
     fused launch would be the Gluon kernel's (pod_fused_gluon); the Triton kernel's fused
     launch ran 0.38-0.8x of the parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so
     without it the parts always go apart, unless POLICY.pod_apart_balance is 0 (always
@@ -737,6 +741,9 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     if fixed is not None:
         return fixed
     p = prefill_flops / POLICY.pod_flop_per_byte
+    if (captured and decode_ring and over_wave
+            and p < POLICY.pod_ring_graph_apart_share * decode_bytes):
+        return True
     gathered = dense_prefill and fused_gathers
     floor = (POLICY.pod_gather_graph_min_bytes if captured and gathered
              else POLICY.pod_apart_min_bytes)
@@ -749,6 +756,13 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     factor = ((POLICY.pod_gather_apart_factor if gathered
                else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
     return decode_bytes < POLICY.pod_apart_balance * factor * p
+
+
+def pod_over_wave(items: int, block_m: int, device: Device | None = None) -> bool:
+    """Whether a fused POD launch of ``items`` work items (rows of both parts, times the KV
+    heads) on tiles of block_m rows holds more than one wave of the device's resident
+    programs (the plan's device by default), so that some items start only as others end."""
+    return items > _resident_tiles(_plan_device() if device is None else device, block_m)
 
 
 def pod_chunk_sms(fused_gluon: bool, device: Device | None = None) -> int:

@@ -477,6 +477,34 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
                 assert _traced_apart(w._plan) is False
 
 
+# Under CUDA-graph capture, where a second launch costs the replays no host time: few long
+# decodes that alone take the few-programs K / V ring go apart beside a prefill under
+# pod_ring_graph_apart_share of their bytes where the fused launch's items exceed one wave of
+# resident programs (GQA 64/8 p256 + 16 x 4k, 384 items on 264 programs: fused ran
+# 0.956-0.968x of apart on page 16 and 1; p256 + 16 x 32k page 1 level), on any page and
+# whatever the sizes; the one-wave GQA 32/8 rows (fused 1.01-1.02x), p256 + 16 x 1k (1.04-1.11x)
+# and the rows beside p2048 keep their eager launch (benchmarks/NOTES.md, 2026-11-29).
+@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,eager,graph", [
+    (256, 16, 4096, 64, 16, False, True), (256, 16, 4096, 64, 1, False, True),
+    (256, 16, 32768, 64, 1, False, True), (256, 16, 32768, 64, 16, True, True),
+    (256, 16, 4096, 32, 16, False, False), (256, 16, 4096, 32, 1, False, False),
+    (256, 16, 1024, 64, 16, False, False), (256, 16, 1024, 64, 1, False, False),
+    (256, 16, 32768, 32, 1, False, False), (2048, 16, 4096, 64, 16, True, True),
+    (2048, 16, 32768, 64, 16, False, False), (256, 128, 4096, 64, 16, False, False)])
+def test_pod_apart_decision_captured(qo, n_dec, kv_d, hq, page, eager, graph, monkeypatch):
+    """The launch choice of a captured call (ops.choose.pod_apart's captured rules) beside the
+    eager one, at the suite's sizes planned for a Hopper GPU; the rule's share 0 turns it off."""
+    from compiled_attn.ops.policy import override
+
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
+    plan()
+    assert w._launch_apart(qo, qo, True) is eager
+    monkeypatch.setattr(type(w), "_capturing", lambda self: True)
+    assert w._launch_apart(qo, qo, True) is graph
+    with override(pod_ring_graph_apart_share=0.0):
+        assert w._launch_apart(qo, qo, True) is eager
+
+
 # POD's decode key chunks at the pod suite's sizes (bf16, Hkv 8, D 128, causal prefill with
 # kv = qo) planned for a Hopper GPU: (prefill rows, decodes, decode keys, Hq, page, chunks a
 # request (0: none), whether a fused launch runs them). Few requests (at most one program a
