@@ -231,8 +231,10 @@ def pod():
 # The GPU tests whose paths live in the wrappers' run() rather than in one kernel launch:
 # POD's decode key chunks (the row gather, the chunked launch and the merge; fused, uncut and
 # apart, page 16 and 1; CUDA-graph replays of eager plans and of a use_cuda_graph=True plan
-# re-planned) and decode rows on the 64-row tile (few requests: the three-slot K/V ring).
-WRAPPER_TESTS = ["tests/test_pod_gluon_gpu.py::test_pod_wrapper_matches_reference",
+# re-planned), decode rows on the 64-row tile (few requests: the three-slot K/V ring), and
+# captured persistent launches on a counter slot zeroed once (replayed on new inputs).
+WRAPPER_TESTS = ["tests/test_launch_gpu.py::test_captured_persistent_launch_needs_no_zeroing",
+                 "tests/test_pod_gluon_gpu.py::test_pod_wrapper_matches_reference",
                  "tests/test_pod_gluon_gpu.py::test_pod_decode_chunks_replay_exactly",
                  "tests/test_pod_gluon_gpu.py::test_pod_decode_chunks_in_cuda_graph_mode",
                  "tests/test_prefill_kernel_gpu.py::test_decode_rows_64_row_tiles"]
