@@ -260,8 +260,12 @@ def test_captured_persistent_launch_needs_no_zeroing(kind):
         for g, w in zip(got, want):
             assert torch.equal(g, w)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(1000)  # a kernel the profiler must see: its "spin_kernel"
+        torch.cuda.synchronize()
         graph.replay()
         torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not any("spin" in n for n in names):  # (compute-sanitizer holds CUPTI: no events)
+        pytest.skip("the profiler records no kernels in this process; replays checked above")
+    kernels = [n for n in names if "spin" not in n]
     assert len(kernels) == 1 and "_gluon" in kernels[0], kernels
