@@ -379,15 +379,15 @@ def _decode_ring(p: dict, requests: int) -> bool:
                                     requests)
 
 
-def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool = False,
-           fused_rows: int = 0) -> bool:
+def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, fused_rows: int,
+           captured: bool = False) -> bool:
     """ops.choose.pod_apart for a prefill part of ``pairs`` query-key pairs (4 Hq D FLOPs
     each) and decodes reading ``decode_bytes``; an empty part stays in the fused launch, where
     it costs nothing. dense_prefill: the prefill alone reads contiguous k / v on its own tiles
     (POD's), so the fused launch slows it, more where it gathers both parts
     (p["fused_gathers"]); BatchPOD's prefill alone reads the same pages as the fused launch.
-    captured: a CUDA graph captures the call; fused_rows: the fused launch's work rows (both
-    parts', each times the KV heads).
+    captured: a CUDA graph captures the call; fused_rows: the fused launch's work rows before
+    any decode key chunks (both parts', each times the KV heads).
     (Traced calls ask _traced_apart instead: the plan's numbers would be guards, a recompile
     per re-plan, and a trace's sizes may be symbolic.)"""
     if pairs <= 0 or decode_bytes <= 0:
@@ -395,7 +395,7 @@ def _apart(p: dict, pairs, decode_bytes, *, dense_prefill: bool, captured: bool 
     return choose.pod_apart(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
                             gluon=p["fused_gluon"], dense_prefill=dense_prefill,
                             fused_gathers=p["fused_gathers"], decode_ring=p["decode_ring"],
-                            captured=captured, over_wave=choose.pod_over_wave(
+                            captured=captured, over_wave=captured and choose.pod_over_wave(
                                 fused_rows * p["num_kv_heads"], p["block_m"]))
 
 

@@ -120,16 +120,30 @@ def _pool_slot(device: torch.device) -> tuple[torch.Tensor, int]:
 # zeroed outside any capture, one slot per captured launch and never handed out again (so
 # graphs replayed at once, on any streams, never share one), and the graph holds no memset
 # before the launch (about 1.5-2 us a replay of a small decode batch, benchmarks/NOTES.md,
-# 2026-11-29). Made by the device's first eager launch; a capture before any, or past
-# GRAPH_SLOTS captured launches, takes a fresh zeroed tensor, as other kernels' do.
+# 2026-11-29). Made by the device's first eager launch of such a kernel (torch.cuda.graph
+# synchronizes the device before it captures, so the zeroing has run by then); a capture before
+# any, or past GRAPH_SLOTS captured launches, takes a fresh zeroed tensor, as other kernels' do.
 GRAPH_SLOTS = 1 << 16
 _GRAPH_POOLS: dict = {}
+_GRAPH_LOCK = threading.Lock()  # (two threads capturing on one device take distinct slots)
 
 
 def _launch_real() -> bool:
     """Whether the launch path runs on real tensors (untraced, and not wrap_triton's tracing):
     only then may a launch's counter come from a pool (a traced graph must own its counter)."""
     return untraced() and not (is_wrap_triton_enabled is not None and is_wrap_triton_enabled())
+
+
+def _graph_slot(index: int) -> torch.Tensor | None:
+    """A slot of the device's graph counters never handed out before, or None (no buffer yet,
+    or every slot taken)."""
+    with _GRAPH_LOCK:
+        pool = _GRAPH_POOLS.get(index)
+        if pool is None or pool[1] >= GRAPH_SLOTS:
+            return None
+        i = pool[1]
+        pool[1] = i + 1
+    return pool[0][i:i + 1]
 
 
 def counter(device, resets: bool = False) -> torch.Tensor:
@@ -140,18 +154,16 @@ def counter(device, resets: bool = False) -> torch.Tensor:
     t = None
     if device.type == "cuda" and _launch_real():
         index = torch.cuda.current_device() if device.index is None else device.index
+        device = torch.device("cuda", index)
         if not torch.cuda.is_current_stream_capturing():
-            if index not in _GRAPH_POOLS:
-                _GRAPH_POOLS[index] = [torch.zeros(GRAPH_SLOTS, dtype=torch.int32,
-                                                   device=device), 0]
-                # (zeroed before any capture can take a slot, whatever stream replays it)
-                torch.cuda.current_stream(device).synchronize()
+            if resets and index not in _GRAPH_POOLS:
+                with _GRAPH_LOCK:
+                    _GRAPH_POOLS.setdefault(index, [torch.zeros(
+                        GRAPH_SLOTS, dtype=torch.int32, device=device), 0])
             t, i = _pool_slot(device)
             t = t[i:i + 1]
-        elif resets and _GRAPH_POOLS.get(index, (None, GRAPH_SLOTS))[1] < GRAPH_SLOTS:
-            pool = _GRAPH_POOLS[index]
-            t = pool[0][pool[1]:pool[1] + 1]
-            pool[1] += 1
+        elif resets:
+            t = _graph_slot(index)
     if t is None:
         t = torch.zeros(1, dtype=torch.int32, device=device)
     rec = _recorder()

@@ -77,7 +77,8 @@ class Policy:
         self.pod_ring_apart_share = 0.006
         # ...and, where a CUDA graph captures the call (a second launch costs its replays no
         # host time), apart where the decodes alone would take that ring, the fused launch's
-        # items exceed one wave of resident programs, and the prefill counted as bytes is under
+        # items (before any decode key chunks) exceed one wave of resident programs, and the
+        # prefill counted as bytes is under
         # this share of the decodes' bytes, whatever the sizes and pages (graph, POD over
         # apart: GQA 64/8 p256 + 16 x 4k at 0.027, 384 items on 264 programs, 0.956-0.968x on
         # page 16 and 1 in four runs; the one-wave GQA 32/8 rows at 0.013 1.01-1.02x, GQA 64/8

@@ -480,10 +480,11 @@ def test_pod_apart_decision(qo, n_dec, kv_d, hq, page, apart, monkeypatch):
 # Under CUDA-graph capture, where a second launch costs the replays no host time: few long
 # decodes that alone take the few-programs K / V ring go apart beside a prefill under
 # pod_ring_graph_apart_share of their bytes where the fused launch's items exceed one wave of
-# resident programs (GQA 64/8 p256 + 16 x 4k, 384 items on 264 programs: fused ran
-# 0.956-0.968x of apart on page 16 and 1; p256 + 16 x 32k page 1 level), on any page and
-# whatever the sizes; the one-wave GQA 32/8 rows (fused 1.01-1.02x), p256 + 16 x 1k (1.04-1.11x)
-# and the rows beside p2048 keep their eager launch (benchmarks/NOTES.md, 2026-11-29).
+# resident programs, counted before any decode key chunks (GQA 64/8 p256 + 16 x 4k, 384 items
+# on 264 programs: fused ran 0.956-0.968x of apart on page 16 and 1; p256 + 16 x 32k page 1
+# level), on any page and whatever the sizes; GQA 32/8 (256 items: fused 1.01-1.02x),
+# p256 + 16 x 1k (1.04-1.11x) and the rows beside p2048 keep their eager launch
+# (benchmarks/NOTES.md, 2026-11-29).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,eager,graph", [
     (256, 16, 4096, 64, 16, False, True), (256, 16, 4096, 64, 1, False, True),
     (256, 16, 32768, 64, 1, False, True), (256, 16, 32768, 64, 16, True, True),
@@ -503,6 +504,27 @@ def test_pod_apart_decision_captured(qo, n_dec, kv_d, hq, page, eager, graph, mo
     assert w._launch_apart(qo, qo, True) is graph
     with override(pod_ring_graph_apart_share=0.0):
         assert w._launch_apart(qo, qo, True) is eager
+
+
+@pytest.mark.parametrize("hq,apart", [(64, True), (32, False)])
+def test_batch_pod_apart_decision_captured(hq, apart, monkeypatch):
+    """BatchPOD asks the captured rule too: a 256-token prefill request beside 16 x 4k decodes
+    (page 16) goes apart under capture at GQA 64/8 (the fused launch's 384 items exceed a wave
+    of 264 programs), not at GQA 32/8 (256 items), and never eagerly."""
+    from compiled_attn.ops import choose
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    qo, n_dec, kv_d, page = 256, 16, 4096, 16
+    dec = [kv_d // page] * n_dec
+    w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+    w.plan(indptr([qo]), indptr([qo // page]), torch.arange(qo // page, dtype=torch.int32),
+           torch.full((1,), page, dtype=torch.int32), indptr([1] * n_dec), indptr(dec),
+           torch.arange(sum(dec), dtype=torch.int32), torch.full((n_dec,), page,
+                                                                  dtype=torch.int32),
+           hq, 8, 128, page, q_data_type=torch.bfloat16)
+    assert w._launch_apart(True) is False
+    monkeypatch.setattr(type(w), "_capturing", lambda self: True)
+    assert w._launch_apart(True) is apart
 
 
 # POD's decode key chunks at the pod suite's sizes (bf16, Hkv 8, D 128, causal prefill with
@@ -577,18 +599,22 @@ def test_pod_apart_under_capture(qo, n_dec, kv_d, hq, page, eager, captured, mon
     from compiled_attn.ops.policy import override
     from compiled_attn.pod import _apart, _pairs
 
+    from compiled_attn.pod import _prefill_tiles
+
     w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
     p = plan()
     pairs = _pairs(qo, qo, True)
+    kw = dict(fused_rows=_prefill_tiles(p, qo) + p["work_d"].shape[0])
     assert w._launch_apart(qo, qo, True) is eager  # (a CPU wrapper: never capturing)
     for c, want in ((False, eager), (True, captured)):
-        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=c) is want
+        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=c, **kw) is want
     # the setting is the floor under capture: the eager floor there keeps the eager choice
     with override(pod_gather_graph_min_bytes=4e8):
-        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=True) is eager
+        assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, captured=True,
+                      **kw) is eager
     # BatchPOD's prefill alone reads the fused launch's pages: no captured exception
-    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False, captured=True) is _apart(
-        p, pairs, p["decode_bytes"], dense_prefill=False)
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False, captured=True,
+                  **kw) is _apart(p, pairs, p["decode_bytes"], dense_prefill=False, **kw)
 
 
 def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatch):
@@ -609,8 +635,9 @@ def test_gathered_penalty_only_where_the_prefill_alone_reads_dense_kv(monkeypatc
     p = w._plan
     assert p["fused_gluon"] and p["fused_gathers"]
     pairs = _pairs(qo, qo, True)
-    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True) is True  # as POD decides
-    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False) is False  # as BatchPOD decides
+    kw = dict(fused_rows=p["work"].shape[0])
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=True, **kw) is True  # as POD
+    assert _apart(p, pairs, p["decode_bytes"], dense_prefill=False, **kw) is False  # BatchPOD
 
 
 def test_pod_launch_choice_follows_a_later_policy_override(pod_calls):

@@ -227,12 +227,14 @@ def _big_call(kind, seed):
                causal=True, q_data_type=BF16)
         return (lambda: w.run(q, cache, return_lse=True)), q
     w = fi.PODWithPagedKVCacheWrapper(_ws())
-    w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+    # planned without decode key chunks (their gather and merge are launches of their own)
+    with policy.override(pod_chunks="off"):
+        w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
     qp, kp, vp = (_rand(2048, h, d, seed=seed + i) for i, h in ((2, HQ), (3, HKV), (4, HKV)))
     qd = _rand(len(kv), HQ, d, seed=seed + 5)
 
-    def call():  # one fused launch (no decode key chunks: their gather and merge launches)
-        with policy.override(pod_chunks="off", **policy.POD_FUSED):
+    def call():  # one fused launch
+        with policy.override(**policy.POD_FUSED):
             return _flat(w.run(qp, kp, vp, qd, cache, causal_p=True, return_lse_p=True,
                                return_lse_d=True))
     return call, qp
@@ -246,9 +248,12 @@ def test_captured_persistent_launch_needs_no_zeroing(kind):
     call, q = _big_call(kind, seed=70)
     call()  # eager first: compiles, and makes the device's graph counters
     torch.cuda.synchronize()
+    dev = torch.cuda.current_device()
+    slot = launch._GRAPH_POOLS[dev][1]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = call()
+    assert launch._GRAPH_POOLS[dev][1] == slot + 1  # the launch's counter: one graph slot
     for seed in (71, 72, 73):
         q.copy_(_rand(*q.shape, seed=seed))
         for g in got:
@@ -259,6 +264,7 @@ def test_captured_persistent_launch_needs_no_zeroing(kind):
         torch.cuda.synchronize()
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+        assert int(launch._GRAPH_POOLS[dev][0][slot]) == 0  # left 0 by every replay
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(1000)  # a kernel the profiler must see: its "spin_kernel"
         torch.cuda.synchronize()
