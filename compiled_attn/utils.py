@@ -175,7 +175,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     ``[append_indptr[0], append_indptr[-1])`` (past the last request, or before the first when
     append_indptr does not start at 0) belong to no request: batch index -1 and position 0
     (a caller's positions buffer keeps its values there, as FlashInfer's). append_indptr[-1]
-    past nnz fails a device-side check. batch_indices, positions: optional int32 ``[nnz]``
+    past nnz fails a device-side check, as does a seq_lens entry of 2^31 or more (positions
+    are int32). batch_indices, positions: optional int32 ``[nnz]``
     outputs, written in place. Returns (batch_indices, positions), int32 ``[nnz]``, on
     append_indptr's device. No host reads.
     """
@@ -201,6 +202,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     bs = b.clamp(max=ind.numel() - 2)
     app_len = ind[1:] - ind[:-1]
     lens = seq_lens.to(torch.int64).to(dev)
+    V.device_check(lens < 2 ** 31, "get_batch_indices_positions: a seq_lens entry is 2^31 or "
+                   "more; positions are int32, so KV lengths must fit int32")
     V.device_check((app_len >= 0) & (lens >= app_len) & (ind[0] >= 0),
                    "get_batch_indices_positions: append_indptr decreases or starts below 0, or "
                    "a seq_lens entry is shorter than its request's appended tokens (seq_lens "
@@ -253,7 +256,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
     device-side check (no host read; on CPU it raises at once). Every tensor is on the cache's
     device (else a ValueError naming it) and every check runs before the first write, so an
     append is written whole or not at all. kv_indices may be longer than kv_indptr[-1] (a
-    pre-allocated buffer); entries past it are not read.
+    pre-allocated buffer); entries past it are not read. The keys, values and caches are of
+    floating dtypes (float16, bfloat16, float32, float8; else a TypeError), the appended ones
+    converted to the cache's.
     """
     layout = V.check_kv_layout(kv_layout)
     k_cache, v_cache = _paged_kv_views(paged_kv_cache, layout, "paged_kv_cache")
@@ -269,6 +274,12 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor,
                          f"{v_cache.shape[1]} slots, the K cache {k_cache.shape[0]} of "
                          f"{k_cache.shape[1]}; pass K and V caches of the same pages")
     V.check_tensor("append_key", append_key, ndim=3, what="[nnz, Hkv, D_qk]")
+    for name, t in (("paged_kv_cache (k)", k_cache), ("paged_kv_cache (v)", v_cache),
+                    ("append_key", append_key), ("append_value", append_value)):
+        if not t.dtype.is_floating_point:  # (FlashInfer's kernel refuses such a cache too)
+            raise TypeError(f"{name}: dtype {t.dtype} is not a key / value dtype; pass float16, "
+                            "bfloat16, float32 or float8 (an integer cache would hold the keys "
+                            "and values truncated)")
     nnz = append_key.shape[0]
     V.check_tensor("append_key", append_key, shape=(nnz, k_cache.shape[2], k_cache.shape[3]),
                    **on)

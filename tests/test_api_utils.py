@@ -298,6 +298,41 @@ def test_append_paged_kv_cache_checks_devices_before_writing():
     assert torch.equal(cache[2, 0, 1], k[0]) and torch.equal(cache[2, 1, 1], k[0])
 
 
+def test_append_paged_kv_cache_refuses_integer_caches_and_keys():
+    # Keys appended into an int32 cache were truncated, into a uint8 one wrapped (-1.5 became
+    # 255); FlashInfer's kernel refuses a cache of no key / value dtype. Nothing is written.
+    i32 = lambda *x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    k = rand(1, 1, 4, seed=4) * 3
+    for dt in (torch.int32, torch.uint8, torch.bool):
+        cache = torch.zeros(3, 2, 2, 1, 4, dtype=dt)
+        with pytest.raises(TypeError, match=rf"^paged_kv_cache \(k\): dtype {dt} is not"):
+            fi.append_paged_kv_cache(k, k, i32(0), i32(1), cache, i32(2), i32(0, 1), i32(2))
+        assert not cache.any()
+    cache = torch.zeros(3, 2, 2, 1, 4, dtype=D64)
+    for name in ("append_key", "append_value"):
+        args = [k, k]
+        args[name == "append_value"] = k.to(torch.int32)
+        with pytest.raises(TypeError, match=f"^{name}: dtype torch.int32 is not"):
+            fi.append_paged_kv_cache(*args, i32(0), i32(1), cache, i32(2), i32(0, 1), i32(2))
+    assert not cache.any()
+    for dt in (torch.float16, torch.bfloat16, torch.float8_e4m3fn):  # converted, as before
+        cache = torch.zeros(3, 2, 2, 1, 4, dtype=dt)
+        fi.append_paged_kv_cache(k, k, i32(0), i32(1), cache, i32(2), i32(0, 1), i32(2))
+        assert torch.equal(cache[2, 0, 1], k[0].to(dt))
+
+
+def test_get_batch_indices_positions_refuses_lengths_past_int32():
+    # An int64 seq_lens entry of 2^32 + 3 gave the positions of a 3-key request (int32 wrap)
+    i64 = lambda *x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    ai = torch.tensor([0, 2, 5], dtype=torch.int32)
+    for lens in (i64(2 ** 32 + 3, 4), i64(3, 2 ** 31)):
+        with pytest.raises(RuntimeError, match="seq_lens entry is 2\\^31 or more"):
+            fi.get_batch_indices_positions(ai, lens, 5)
+    b, p = fi.get_batch_indices_positions(ai, i64(3, 2 ** 31 - 1), 5)
+    assert b.tolist() == [0, 0, 1, 1, 1] and p.tolist() == [1, 2, 2 ** 31 - 4, 2 ** 31 - 3,
+                                                             2 ** 31 - 2]
+
+
 def test_merge_state_passes_nan_through_and_refuses_integer_values():
     # A NaN LSE merged to -inf ("saw no key") beside a NaN output; int32 values merged to
     # int32 (1 and 2 gave 1).
