@@ -78,11 +78,11 @@ class Policy:
         # ...and, where a CUDA graph captures the call (a second launch costs its replays no
         # host time), apart where the decodes alone would take that ring, the fused launch's
         # items (before any decode key chunks) exceed one wave of resident programs, and the
-        # prefill counted as bytes is under
-        # this share of the decodes' bytes, whatever the sizes and pages (graph, POD over
-        # apart: GQA 64/8 p256 + 16 x 4k at 0.027, 384 items on 264 programs, 0.956-0.968x on
-        # page 16 and 1 in four runs; the one-wave GQA 32/8 rows at 0.013 1.01-1.02x, GQA 64/8
-        # p256 + 16 x 1k at 0.108 1.04-1.11x; benchmarks/NOTES.md, 2026-11-29). 0: no such rule.
+        # prefill counted as bytes is under this share of the decodes' bytes, whatever the
+        # sizes and pages (graph, POD over apart: GQA 64/8 p256 + 16 x 4k at 0.027, 384 items
+        # on 264 programs, 0.956-0.968x on page 16 and 1 in four runs; GQA 32/8 at 0.013, 256
+        # items, 1.01-1.02x; GQA 64/8 p256 + 16 x 1k at 0.108 1.04-1.11x; benchmarks/NOTES.md,
+        # 2026-11-29). 0: no such rule.
         self.pod_ring_graph_apart_share = 0.05
         # ...and only where the two parts compute at least this many bytes' worth (about 100 us
         # at 4 TB/s), so that the second launch's host cost stays hidden.

@@ -1162,12 +1162,13 @@ def _gluon_fwd(
     """Scalars and constexprs come in bundles (the named tuples above): page_rows a PageRows,
     row_strides a RowStrides, work_sizes a WorkSizes, gather_strides a GatherStrides; SOURCE a
     Source, SHAPE a Shape, SCHEDULE a Schedule. Below, a field goes by its own name (PAGED is
-    SOURCE.PAGED, n_items work_sizes.n_items). Work items: n_items per KV head, item lin = x + head * n_items. Without PERSISTENT the
-    grid is (n_items, KV heads), a program per item; PERSISTENT programs (WS) take their items
-    from the load warp (_ws_loader): program_id first, then the next from sched_ptr (int32 [1],
-    0 at the start, 0 again at the end: _next_item) until none is left, a 1D grid of at most the programs the GPU holds at
-    once. Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA
-    through q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
+    SOURCE.PAGED, n_items work_sizes.n_items). Work items: n_items per KV head, item lin = x +
+    head * n_items. Without PERSISTENT the grid is (n_items, KV heads), a program per item;
+    PERSISTENT programs (WS) take their items from the load warp (_ws_loader): program_id
+    first, then the next from sched_ptr (int32 [1], 0 at the start, 0 again at the end:
+    _next_item) until none is left, a 1D grid of at most the programs the GPU holds at once.
+    Q_TMA (PERSISTENT, GROUP 1): the load warp also brings each item's Q rows by TMA through
+    q_desc (Q seen as [rows, Hq * D], blocks [BLOCK_M, D]; request b's rows from b *
     q_req_rows), an item ahead. Ragged (DENSE off): work_ptr int32 [W, 2] of (request, first
     packed row) as plan.build_work makes it, indptrs int32 [R + 1], q [N, Hq, D], o [N, Hq, D],
     lse float32 [N, Hq] (batch strides 0). Dense: n_items = n_req * dense_tiles items derived by
