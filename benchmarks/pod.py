@@ -174,9 +174,7 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
         w.plan(*dec, case.hq, case.hkv, D, case.page, **kw)
         qo = case.prefill_lens[0]
         tiles = pod_mod._prefill_tiles(w._plan, qo)
-        apart = pod_mod._apart(w._plan, pod_mod._pairs(qo, qo, True), w._plan["decode_bytes"],
-                               dense_prefill=True, captured=captured,
-                               fused_rows=tiles + w._plan["work_d"].shape[0])
+        apart = w._launch_apart(qo, qo, True, captured=captured)
     else:
         qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
         w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
@@ -184,9 +182,7 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
                *dec,
                case.hq, case.hkv, D, case.page, **kw)
         tiles = w._plan["tiles_p"]
-        apart = pod_mod._apart(w._plan, w._plan["pairs_p"][True], w._plan["decode_bytes"],
-                               dense_prefill=False, captured=captured,
-                               fused_rows=w._plan["work"].shape[0])
+        apart = w._launch_apart(True, captured=captured)
     c = pod_mod._chunks_for(w._plan, apart, tiles)
     return dict(launch="apart" if apart else "fused",
                 decode_chunks=0 if c is None else int(c["merge"][:, 2].max()))
@@ -445,13 +441,14 @@ def _tensors(out) -> list:
     return [out] if hasattr(out, "is_floating_point") else []
 
 
-def checked_graph(fn, perturb=None):
+def checked_graph(fn, perturb=None, replays: int = 1):
     """_graph(fn), checked once: after the capture, perturb() (if given) rewrites the call's
     inputs in place and the eager call gives the reference; the captured call's outputs are
-    poisoned (NaN), the graph replayed, and its outputs must then hold the reference (within
-    REPLAY_TOL; NaN fails). A capture that recorded only part of the work, or that replays
-    results left in a workspace from before (perturb), fails (RuntimeError) instead of timing
-    a replay that computes less."""
+    poisoned (NaN), the graph replayed ``replays`` times, and its outputs must then hold the
+    reference (within REPLAY_TOL; NaN fails). A capture that recorded only part of the work, or
+    that replays results left in a workspace from before (perturb), or state a replay leaves
+    for the next (replays > 1), fails (RuntimeError) instead of timing a replay that computes
+    less."""
     import torch
 
     held = []
@@ -463,7 +460,8 @@ def checked_graph(fn, perturb=None):
     for t in outs:
         if t.is_floating_point():
             t.fill_(float("nan"))
-    g.replay()
+    for _ in range(replays):
+        g.replay()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     if len(outs) != len(ref):

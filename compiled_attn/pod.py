@@ -753,13 +753,15 @@ class PODWithPagedKVCacheWrapper(_PODBase):
 
     run.__doc__ += _RETURN_DOC
 
-    def _launch_apart(self, qo_len: int, kv_len: int, causal: bool) -> bool:
+    def _launch_apart(self, qo_len: int, kv_len: int, causal: bool,
+                      captured: bool | None = None) -> bool:
         """Whether an eager call with this prefill request runs the parts as two launches
-        (ops.choose.pod_apart). Asked at every call, never kept with the part: it reads the
+        (ops.choose.pod_apart; captured: whether a CUDA graph captures it, by default asked of
+        the current stream). Asked at every call, never kept with the part: it reads the
         launch policy, which a scoped override may change between calls."""
         p = self._plan
         return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], dense_prefill=True,
-                      captured=self._capturing(),
+                      captured=self._capturing() if captured is None else captured,
                       fused_rows=_prefill_tiles(p, qo_len) + p["work_d"].shape[0])
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
@@ -963,9 +965,11 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
 
     run.__doc__ += _RETURN_DOC
 
-    def _launch_apart(self, causal: bool) -> bool:
+    def _launch_apart(self, causal: bool, captured: bool | None = None) -> bool:
         """Whether an eager call with the plan's prefill runs the parts as two launches
-        (ops.choose.pod_apart; causal: the prefill's mask). Asked at every call, as POD's."""
+        (ops.choose.pod_apart; causal: the prefill's mask; captured as POD's). Asked at every
+        call, as POD's."""
         p = self._plan
         return _apart(p, p["pairs_p"][causal], p["decode_bytes"], dense_prefill=False,
-                      captured=self._capturing(), fused_rows=p["work"].shape[0])
+                      captured=self._capturing() if captured is None else captured,
+                      fused_rows=p["work"].shape[0])

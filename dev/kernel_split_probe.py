@@ -15,33 +15,38 @@ import collections
 import torch
 
 
-def _kernels(fn, replays: int):
-    """(us per replay, [(kernel name, mean us per replay, launches per replay)]) of fn's
-    CUDA-graph replays."""
-    from benchmarks.pod import capture
-
-    g = capture(fn)
+def kernel_times(replay, replays: int) -> list:
+    """[(kernel name, mean us per replay, launches per replay)] of ``replays`` calls of a CUDA
+    graph's replay (torch.profiler; after 5 untimed), longest first."""
     for _ in range(5):
-        g.replay()
+        replay()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
-            g.replay()
+            replay()
         torch.cuda.synchronize()
+    tot, cnt = collections.defaultdict(float), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name] += e.device_time
+            cnt[e.name] += 1
+    return sorted(((n[:70], t / replays, cnt[n] // replays) for n, t in tot.items()),
+                  key=lambda r: -r[1])
+
+
+def _kernels(fn, replays: int):
+    """(us per replay, kernel_times) of fn's CUDA-graph replays."""
+    from benchmarks.pod import capture
+
+    g = capture(fn)
+    rows = kernel_times(g.replay, replays)
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(replays):
         g.replay()
     b.record()
     torch.cuda.synchronize()
-    wall = a.elapsed_time(b) * 1e3 / replays
-    tot, cnt = collections.defaultdict(float), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            tot[e.name] += e.device_time
-            cnt[e.name] += 1
-    return wall, sorted(((n[:70], t / replays, cnt[n] // replays) for n, t in tot.items()),
-                        key=lambda r: -r[1])
+    return a.elapsed_time(b) * 1e3 / replays, rows
 
 
 def main():
