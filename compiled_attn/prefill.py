@@ -1058,12 +1058,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             # decode key chunks (_plan_chunks): q's rows gathered per chunk, one paged launch
             # of the chunk requests, their outputs merged per request
             q_c = _chunks.gather_rows(q, p.chunk_src)
-            o_c, lse_c = call_op(
-                "batch_paged_prefill", q_c, k_cache, v_cache, p.chunk_qo_indptr,
-                p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,
-                None, None, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
-                p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype,
-                launches=self._memo)
+            with _chunks.after_gather(q):  # (the paged launch reads q_c after the gather ends)
+                o_c, lse_c = call_op(
+                    "batch_paged_prefill", q_c, k_cache, v_cache, p.chunk_qo_indptr,
+                    p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,
+                    None, None, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
+                    p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype,
+                    launches=self._memo)
             adopt_scratch(o_c)
             adopt_scratch(lse_c)
             res_out, res_lse = _chunks.merge_chunks(o_c, lse_c, p.chunk_merge, q.shape[0])

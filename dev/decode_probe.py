@@ -74,6 +74,20 @@ def _variants():
         "chunks fill 1.0": ("policy", dict(decode_chunk_fill=1.0)),
         # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages)
         "ring off": ("policy", dict(few_programs_stages=0)),
+        # up to this many key chunks a request (schedule.MAX_CHUNKS, 16), and the merge
+        # launch's warps (decode_chunks.MERGE_WARPS, 4)
+        "chunks max 32": ("module", dict(max_chunks=32)),
+        "graph plan chunks max 32": ("graph", True, {}, dict(max_chunks=32)),
+        "merge warps 1": ("module", dict(merge_warps=1)),
+        "merge warps 2": ("module", dict(merge_warps=2)),
+        # the merge launch as a launch of its own, not a programmatic dependent of the paged one
+        # (decode_chunks.MERGE_PDL)
+        "merge no pdl": ("module", dict(merge_pdl=False)),
+        "graph plan merge no pdl": ("graph", True, {}, dict(merge_pdl=False)),
+        # ...and the paged launch not a programmatic dependent of the gather either
+        # (decode_chunks.GATHER_PDL)
+        "no pdl": ("module", dict(merge_pdl=False, gather_pdl=False)),
+        "graph plan no pdl": ("graph", True, {}, dict(merge_pdl=False, gather_pdl=False)),
     }
 
 
@@ -86,15 +100,25 @@ def _variant(v):
     from compiled_attn import prefill
     from compiled_attn.ops import schedule
 
+    from compiled_attn.ops import decode_chunks
+
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
+    saved_module = (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
+                    decode_chunks.GATHER_PDL)
     split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and v[0] == "graph"
     settings = (v[1] if isinstance(v, tuple) and v[0] == "policy" else
                 v[2] if graph and len(v) > 2 else {})
-    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple)
-                                           and v[0] not in ("graph", "split", "policy") else {})
+    module = (v[1] if isinstance(v, tuple) and v[0] == "module" else
+              v[3] if graph and len(v) > 3 else {})
+    tiles = v if isinstance(v, dict) else (v[1] if isinstance(v, tuple) and v[0] not in (
+        "graph", "split", "policy", "module") else {})
     try:
         g.TILES.update(tiles)
+        schedule.MAX_CHUNKS = module.get("max_chunks", schedule.MAX_CHUNKS)
+        decode_chunks.MERGE_WARPS = module.get("merge_warps", decode_chunks.MERGE_WARPS)
+        decode_chunks.MERGE_PDL = module.get("merge_pdl", decode_chunks.MERGE_PDL)
+        decode_chunks.GATHER_PDL = module.get("gather_pdl", decode_chunks.GATHER_PDL)
         if split:
             min_keys, slots = v[1], v[2]
 
@@ -109,6 +133,8 @@ def _variant(v):
             yield
     finally:
         prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
+        (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
+         decode_chunks.GATHER_PDL) = saved_module
         g.TILES.clear()
         g.TILES.update(saved_tiles)
         choose.DECODE_ROWS = saved_rows

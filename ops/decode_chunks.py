@@ -15,13 +15,27 @@ run() replays the three launches together.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from . import launch
+from . import launch, schedule
+from .device import capability
 from .modes import POS_NONE
-from .schedule import MAX_CHUNKS
+
+# The merge launch's warps a program (one merge row, one query head: at most MAX_CHUNKS x D
+# values)
+MERGE_WARPS = 4
+# Whether the merge launches as a programmatic dependent launch of the paged one (PDL: its
+# programs start, and read their merge rows, while the paged launch ends, then wait for its
+# grid to complete before they read the chunks' outputs)
+MERGE_PDL = True
+# Whether the paged launch after the gather is a programmatic dependent launch of it
+# (after_gather)
+GATHER_PDL = True
 
 
 def exact(*, custom_mask: bool, window_left: int, pos_encoding_mode: int,
@@ -51,12 +65,15 @@ def _gather_rows(src_ptr, q_ptr, out_ptr, stride_qn, stride_qh, stride_qd, HQ: t
 @triton.jit
 def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, stride_oh,
                   stride_ln, stride_lh, HQ: tl.constexpr, D: tl.constexpr,
-                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr):
+                  BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (merge rows, HQ): merge row (out row, first chunk row, chunks) of chunk outputs o
     [R, HQ, D] and base-2 LSEs lse [R, HQ] (contiguous) into out [N, HQ, D] and out_lse [N, HQ]
     (strides given): the chunks' outputs weighted by 2^(lse - max) over the weights' sum; LSE
     max + log2(sum). Chunks of LSE -inf weigh 0; a row of only such chunks writes 0 / -inf. A
-    merge row of out row -1 is padding (a CUDA-graph plan's buffer past its rows): no store."""
+    merge row of out row -1 is padding (a CUDA-graph plan's buffer past its rows): no store.
+    PDL: launched as a programmatic dependent of the launch writing o / lse, whose completion
+    it waits for (griddepcontrol.wait) after reading its merge row (the plan's, not written
+    by that launch)."""
     m_row = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(merge_ptr + m_row * 3).to(tl.int64)
@@ -64,6 +81,8 @@ def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, st
     row = tl.maximum(row, 0)
     first = tl.load(merge_ptr + m_row * 3 + 1)
     n = tl.load(merge_ptr + m_row * 3 + 2)
+    if PDL:
+        gdc_wait()
     c = tl.arange(0, BLOCK_C)
     d = tl.arange(0, BLOCK_D)
     rows = (first + c).to(tl.int64)
@@ -96,6 +115,30 @@ def gather_rows(q: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return rows
 
 
+def _pdl_ok(device: torch.device) -> bool:
+    """Whether launches on device may be programmatic dependent launches: CUDA on Hopper or
+    later (the interpreter runs no launch dependencies)."""
+    return (device.type == "cuda" and not launch.INTERPRET
+            and capability(device.index)[0] >= 9)
+
+
+def _pdl(device: torch.device) -> dict:
+    """The merge launch's PDL arguments (MERGE_PDL, _pdl_ok)."""
+    return dict(PDL=True, launch_pdl=True) if MERGE_PDL and _pdl_ok(device) else {}
+
+
+def after_gather(q: torch.Tensor):
+    """The scope of the paged launch after gather_rows (q: the rows' source): on a device that
+    takes them (GATHER_PDL, _pdl_ok), the Gluon kernel's launch there is a programmatic
+    dependent of the gather's (prefill_gluon.after_q_writer: it starts under the gather's tail
+    and waits for it before reading the gathered rows); else nothing."""
+    if not (GATHER_PDL and _pdl_ok(q.device)):
+        return contextlib.nullcontext()
+    from . import prefill_gluon
+
+    return prefill_gluon.after_q_writer()
+
+
 def merge_chunks(o: torch.Tensor, lse: torch.Tensor, merge: torch.Tensor, rows: int,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk outputs o [R, Hq, D] and base-2 LSEs lse float32 [R, Hq] (contiguous), merge int32
@@ -108,7 +151,8 @@ def merge_chunks(o: torch.Tensor, lse: torch.Tensor, merge: torch.Tensor, rows: 
     if merge.shape[0]:
         launch.run_direct(_merge_chunks, (merge.shape[0], hq), merge, o, lse, out, out_lse,
                           out.stride(0), out.stride(1), out_lse.stride(0), out_lse.stride(1),
-                          HQ=hq, D=d, BLOCK_C=MAX_CHUNKS, BLOCK_D=triton.next_power_of_2(d),
-                          num_warps=4)
+                          HQ=hq, D=d, BLOCK_C=schedule.MAX_CHUNKS,
+                          BLOCK_D=triton.next_power_of_2(d), num_warps=MERGE_WARPS,
+                          **_pdl(o.device))
     return out, out_lse
 

@@ -32,7 +32,9 @@ element offsets are int64.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 from collections import namedtuple
 from typing import NamedTuple
 
@@ -178,11 +180,12 @@ Shape.__doc__ = """\
 
 
 Schedule = namedtuple("Schedule", "DENSE Q_TMA P_SMEM WS PERSISTENT PINGPONG PRODUCER_REGS "
-                      "GROUP_REGS")
+                      "GROUP_REGS PDL", defaults=(False,))
 Schedule.__doc__ = """\
     _gluon_fwd's constexprs of the work and its schedule: dense work items, Q by TMA, P through
-    shared memory, warp specialization, persistent programs, ping-pong groups, and the load and
-    second compute partitions' registers."""
+    shared memory, warp specialization, persistent programs, ping-pong groups, the load and
+    second compute partitions' registers, and PDL (a programmatic dependent launch whose Q the
+    launch before it wrote: after_q_writer)."""
 
 
 PodConfig = namedtuple("PodConfig", "SOURCE SOURCE_D SHAPE PINGPONG GROUP_REGS PRODUCER_REGS")
@@ -725,16 +728,25 @@ def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride
 
 
 @gluon.jit
+def _gdc_wait():
+    """griddepcontrol.wait: a programmatic dependent launch (PDL) waits here until the launch
+    before it has completed and its writes are visible (at once where there is none)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: gl.constexpr,
            PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
            GROUP: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr):
+           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr = False):
     """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
     [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
     returns nothing, so each group writes its own rows). ctx: the launch's Ctx (_gluon_fwd
     builds it); item: the work Item (_item_of); it: the ring position of its first key tile.
     q_buf [BLOCK_M, D]: the Q buffer whose ROWS-row slice is the group's (Q_TMA: filled
-    already; else the group stores its Q there), then its O's staging."""
+    already; else the group stores its Q there), then its O's staging. PDL: Q's loads wait
+    for the launch before (_gdc_wait)."""
     io = ctx.io
     st = ctx.st
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
@@ -744,6 +756,8 @@ def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: 
     if Q_TMA:  # q_buf holds Q already (the load warp's TMA)
         q = p_row  # (a stand-in)
     else:
+        if PDL:
+            _gdc_wait()
         q = _load_q(io.q_ptr, item.req.to(gl.int64) * st.qb, item.qo_start, item.qo_len,
                     item.hkv, r0, st.qt, st.qh, GROUP, ROWS, D, NW)
     acc, m_i, l_i = _consume(
@@ -936,12 +950,14 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr,
               PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False):
+              STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False,
+              PDL: gl.constexpr = False):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
     goes back to the load warp once the item's O, staged through it, is written. POD: an item
-    of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx)."""
+    of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx). PDL:
+    as _group's."""
     h = ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
@@ -963,7 +979,7 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             else:
                 q_buf = ctx.ring.q_ring.index(0)
             _group(WG, c, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
-                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
+                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW, PDL)
             if Q_TMA:  # the slot (its O written through it) back to the load warp
                 fence_async_shared()
                 _arrive_slot(h.q_empty, qk, 2)
@@ -1013,7 +1029,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr, pod=None,
                POD: gl.constexpr = False, PAGED_D: gl.constexpr = 0, PAGE_D: gl.constexpr = 0,
-               BOXES_D: gl.constexpr = 1):
+               BOXES_D: gl.constexpr = 1, PDL: gl.constexpr = False):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
@@ -1021,7 +1037,9 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     on into the next item while the groups finish this one; a last index past the items stops
     them. POD: the items of POD's work rows (_pod_item), part 0's K / V from ctx's Keys
     (PAGED 0: the one-page prefill, read as contiguous rows), part 1's from pod's (PAGED_D,
-    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part."""
+    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part. PDL: Q's TMA and the
+    counter's claims wait for the launch before (_gdc_wait); the first item's decoding and K /
+    V copies do not."""
     ring, keys, h = ctx.ring, ctx.keys, ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
@@ -1042,6 +1060,8 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         n_tiles = item.n_tiles
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
+                if PDL:
+                    _gdc_wait()
                 qs = _wait_empty(h.q_empty, qk, 2)
                 mbarrier.expect(h.q_full.index(qs),
                                 BLOCK_M * D * h.q_desc.dtype.primitive_bitwidth // 8)
@@ -1059,6 +1079,8 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
         k += 1
+        if PDL:  # (a launch between the q writer and this one may have zeroed the counter)
+            _gdc_wait()
         lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
                   gl.full([32], lin, gl.int32, layout=_lane_layout(LOAD_WARPS)))
@@ -1182,7 +1204,9 @@ def _gluon_fwd(
     through k_ptr / v_ptr (the same 2D views, rows stride_kr / stride_vr elements apart) instead
     of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
-    the second a worker partition at GROUP_REGS registers."""
+    the second a worker partition at GROUP_REGS registers. PDL (PERSISTENT): a programmatic
+    dependent launch (after_q_writer) whose Q the launch before it wrote: Q's loads wait for it
+    (_gdc_wait); everything else it reads was written before that launch started."""
     PAGED: gl.constexpr = SOURCE.PAGED
     PAGE: gl.constexpr = SOURCE.PAGE
     BOXES: gl.constexpr = SOURCE.BOXES
@@ -1201,6 +1225,7 @@ def _gluon_fwd(
     PINGPONG: gl.constexpr = SCHEDULE.PINGPONG
     PRODUCER_REGS: gl.constexpr = SCHEDULE.PRODUCER_REGS
     GROUP_REGS: gl.constexpr = SCHEDULE.GROUP_REGS
+    PDL: gl.constexpr = SCHEDULE.PDL
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
@@ -1228,18 +1253,18 @@ def _gluon_fwd(
         if PINGPONG:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
                 (_ws_group, (1, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES, WIDE)),
+                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1, PDL)),
             ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES, WIDE)),
+                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1, PDL)),
             ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * work_sizes.n_items, ctx, DENSE,
@@ -1598,6 +1623,9 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         grid = (n_items, hkv)
     # the persistent programs' item counter (never read otherwise; the launch leaves it 0)
     sched = _launch.counter(q.device, resets=True) if persistent else work_arg
+    pdl = persistent and getattr(_TLS, "after_q_writer", False)
+    if pdl:
+        opts["launch_pdl"] = True
     # Q by the load warp's TMA (persistent, one query head per KV head, Q's rows a 2D view;
     # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
     # slot)
@@ -1627,9 +1655,31 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                     STAGES=stages),
         SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
                           PERSISTENT=persistent, PINGPONG=pingpong,
-                          PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs),
+                          PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs, PDL=pdl),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
+
+
+_TLS = threading.local()
+
+
+@contextlib.contextmanager
+def after_q_writer():
+    """Persistent launches of this kernel in this scope (this thread) are programmatic dependent
+    launches (PDL, launch_pdl) of the launch just before them, which wrote their q and nothing
+    else they read: their programs start, decode their work items and copy K / V under that
+    launch's tail, and wait for it to complete before they read Q or claim items from their
+    counter (Schedule.PDL; a launch in between, zeroing the counter's pool, completes before
+    then too). For a q
+    written by our own launch right before (the decode key chunks' gathered rows,
+    ops/decode_chunks.py): their work list, indptrs, page table and K / V were written before
+    that launch started, as every launch waits for all earlier work on its stream."""
+    prev = getattr(_TLS, "after_q_writer", False)
+    _TLS.after_q_writer = True
+    try:
+        yield
+    finally:
+        _TLS.after_q_writer = prev
 
 
 class PodPart(NamedTuple):

@@ -157,11 +157,12 @@ def compile_triton(fn, args, kw):
 
 
 # ---- the Gluon kernel ---------------------------------------------------------------------
-def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
+def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False):
     """The Gluon kernel's compile for sm_90 as launch() would set it up: tile TILES[block_m, d]
     (short: GATHER_SHORT_TILE) with ws / pp (warp-specialized, ping-pong) as given, page size
     page (0: contiguous K / V; dense: a dense batch), bf16. Returns (source, options, facts):
-    facts holds what the launch derives (block_n, box, gather, persistent, regs, paged)."""
+    facts holds what the launch derives (block_n, box, gather, persistent, regs, paged). pdl:
+    a programmatic dependent launch (Schedule.PDL)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -192,7 +193,7 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short):
                                 BLOCK_N=block_n, D=d, STAGES=stages),
                   SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent, P_SMEM=p_smem, WS=ws,
                                       PERSISTENT=persistent, PINGPONG=pp,
-                                      PRODUCER_REGS=regs[1], GROUP_REGS=regs[0]),
+                                      PRODUCER_REGS=regs[1], GROUP_REGS=regs[0], PDL=pdl),
                   num_warps=warps // 2 if pp else warps)
     # the bundles' field types as the launch's specialization names them (named tuples: the
     # kernel reads their fields by name); a page of one row: the launch specializes

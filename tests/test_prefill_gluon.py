@@ -64,6 +64,23 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     assert (regs[0] in raised) == pp
 
 
+@pytest.mark.parametrize("page,block_m", [(16, 64), (1, 64), (16, 128)])
+def test_dependent_launch_compiles_for_sm90(page, block_m):
+    """A persistent launch as a programmatic dependent of the one before it (Schedule.PDL:
+    prefill_gluon.after_q_writer) waits for it (griddepcontrol.wait) before its Q loads or TMA
+    and its counter's claims; without PDL it never waits."""
+    import triton
+
+    from .sm90 import gluon_source, target
+
+    for pdl in (True, False):
+        src, opts, facts = gluon_source(False, page, block_m, 128, True, True, block_m == 128,
+                                        False, pdl=pdl)
+        assert facts["persistent"]
+        ptx = triton.compile(src, target=target(), options=opts).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == pdl
+
+
 def test_kv_2d_views():
     k = torch.randn(10, 4, 64, dtype=torch.bfloat16)
     v2 = gluon_mod.kv_2d(k, "ragged")
