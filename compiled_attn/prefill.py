@@ -1058,7 +1058,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             # decode key chunks (_plan_chunks): q's rows gathered per chunk, one paged launch
             # of the chunk requests, their outputs merged per request
             q_c = _chunks.gather_rows(q, p.chunk_src)
-            with _chunks.after_gather(q):  # (the paged launch reads q_c after the gather ends)
+            with _chunks.after_gather(q_c):  # (the paged launch reads q_c after the gather)
                 o_c, lse_c = call_op(
                     "batch_paged_prefill", q_c, k_cache, v_cache, p.chunk_qo_indptr,
                     p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,

@@ -31,7 +31,8 @@ from .modes import POS_NONE
 MERGE_WARPS = 4
 # Whether the merge launches as a programmatic dependent launch of the paged one (PDL: its
 # programs start, and read their merge rows, while the paged launch ends, then wait for its
-# grid to complete before they read the chunks' outputs)
+# grid to complete before they read the chunks' outputs). These settings are read when a call
+# is recorded: bound calls replay what they recorded (policy.touch() drops them).
 MERGE_PDL = True
 # Whether the paged launch after the gather is a programmatic dependent launch of it
 # (after_gather)
@@ -127,12 +128,13 @@ def _pdl(device: torch.device) -> dict:
     return dict(PDL=True, launch_pdl=True) if MERGE_PDL and _pdl_ok(device) else {}
 
 
-def after_gather(q: torch.Tensor):
-    """The scope of the paged launch after gather_rows (q: the rows' source): on a device that
-    takes them (GATHER_PDL, _pdl_ok), the Gluon kernel's launch there is a programmatic
-    dependent of the gather's (prefill_gluon.after_q_writer: it starts under the gather's tail
-    and waits for it before reading the gathered rows); else nothing."""
-    if not (GATHER_PDL and _pdl_ok(q.device)):
+def after_gather(rows: torch.Tensor):
+    """The scope of the paged launch after gather_rows (rows: its result): on a device that
+    takes them (GATHER_PDL, _pdl_ok), where the gather launched (rows to gather), the Gluon
+    kernel's launch there is a programmatic dependent of the gather's
+    (prefill_gluon.after_q_writer: it starts under the gather's tail and waits for it before
+    reading the gathered rows); else nothing."""
+    if not (GATHER_PDL and rows.shape[0] and _pdl_ok(rows.device)):
         return contextlib.nullcontext()
     from . import prefill_gluon
 

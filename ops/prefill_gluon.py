@@ -1205,8 +1205,10 @@ def _gluon_fwd(
     of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
     the second a worker partition at GROUP_REGS registers. PDL (PERSISTENT): a programmatic
-    dependent launch (after_q_writer) whose Q the launch before it wrote: Q's loads wait for it
-    (_gdc_wait); everything else it reads was written before that launch started."""
+    dependent launch (after_q_writer) whose Q the launch before it wrote: Q's loads and the
+    counter's claims wait for it (_gdc_wait); everything else it reads was written before that
+    launch started, and rows that see no key store 0 / -inf without waiting (into outputs no
+    launch before it touches)."""
     PAGED: gl.constexpr = SOURCE.PAGED
     PAGE: gl.constexpr = SOURCE.PAGE
     BOXES: gl.constexpr = SOURCE.BOXES
@@ -1667,13 +1669,16 @@ _TLS = threading.local()
 def after_q_writer():
     """Persistent launches of this kernel in this scope (this thread) are programmatic dependent
     launches (PDL, launch_pdl) of the launch just before them, which wrote their q and nothing
-    else they read: their programs start, decode their work items and copy K / V under that
-    launch's tail, and wait for it to complete before they read Q or claim items from their
-    counter (Schedule.PDL; a launch in between, zeroing the counter's pool, completes before
-    then too). For a q
+    else they read: their programs start, decode their first work item and copy its K / V under
+    that launch's tail, and wait for it to complete before they read Q or claim items from
+    their counter (Schedule.PDL; a launch in between, zeroing the counter's pool, completes
+    before then too). Rows that see no key store 0 / -inf without waiting: their outputs must
+    be memory no launch before touches (fresh outputs), and the launch before must start no
+    dependent early (no launch_dependents), so that all its programs have ended first. For a q
     written by our own launch right before (the decode key chunks' gathered rows,
-    ops/decode_chunks.py): their work list, indptrs, page table and K / V were written before
-    that launch started, as every launch waits for all earlier work on its stream."""
+    ops/decode_chunks.py), with that launch really made: their work list, indptrs, page table
+    and K / V were written before that launch started, as every launch waits for all earlier
+    work on its stream."""
     prev = getattr(_TLS, "after_q_writer", False)
     _TLS.after_q_writer = True
     try:

@@ -157,12 +157,13 @@ def compile_triton(fn, args, kw):
 
 
 # ---- the Gluon kernel ---------------------------------------------------------------------
-def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False):
+def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False, q_tma=True):
     """The Gluon kernel's compile for sm_90 as launch() would set it up: tile TILES[block_m, d]
     (short: GATHER_SHORT_TILE) with ws / pp (warp-specialized, ping-pong) as given, page size
     page (0: contiguous K / V; dense: a dense batch), bf16. Returns (source, options, facts):
     facts holds what the launch derives (block_n, box, gather, persistent, regs, paged). pdl:
-    a programmatic dependent launch (Schedule.PDL)."""
+    a programmatic dependent launch (Schedule.PDL). q_tma False: a persistent launch takes Q
+    through registers (GQA 4:1) instead of the load warp's TMA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -189,9 +190,9 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False):
     # them, page 1 the int32 ones)
     consts = dict(SOURCE=G.Source(PAGED=paged_mode, PAGE=page, BOXES=block_n // box,
                                   WIDE=page == 3),
-                  SHAPE=G.Shape(GROUP=1 if persistent else 4, CAUSAL=causal, BLOCK_M=block_m,
-                                BLOCK_N=block_n, D=d, STAGES=stages),
-                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent, P_SMEM=p_smem, WS=ws,
+                  SHAPE=G.Shape(GROUP=1 if persistent and q_tma else 4, CAUSAL=causal,
+                                BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages),
+                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent and q_tma, P_SMEM=p_smem, WS=ws,
                                       PERSISTENT=persistent, PINGPONG=pp,
                                       PRODUCER_REGS=regs[1], GROUP_REGS=regs[0], PDL=pdl),
                   num_warps=warps // 2 if pp else warps)

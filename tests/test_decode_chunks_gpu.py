@@ -162,22 +162,23 @@ def test_dependent_launches_give_the_same_bits(name, monkeypatch):
     """The paged launch as a programmatic dependent of the gather, and the merge of the paged
     launch (decode_chunks.GATHER_PDL / MERGE_PDL, Hopper): each reads what the launch before it
     wrote only after that launch completes, so the output equals the plain launches' bit for
-    bit, eagerly and replayed from a CUDA graph. Q by registers (GQA), gathered pages (page 1)
-    and Q by the load warp's TMA (one query head a KV head)."""
-    from compiled_attn.ops import decode_chunks
-    from compiled_attn.ops import prefill_gluon as G
+    bit: the recording call, its bound replay and a CUDA graph's replay. Q by registers (GQA),
+    gathered pages (page 1) and Q by the load warp's TMA (one query head a KV head)."""
+    from compiled_attn.ops import decode_chunks, launch
 
     assert decode_chunks._pdl(torch.device("cuda")) == dict(PDL=True, launch_pdl=True)
     qo, kv, page, hq, hkv = CASES[name]
     q, cache, kvi, idx, last = _case(qo, kv, page, hq, hkv, seed=7)
     got, seen = {}, []
-    orig = G.launch
+    orig = launch.run_direct
 
-    def spy(*a, **kw):
-        seen.append(getattr(G._TLS, "after_q_writer", False))
-        return orig(*a, **kw)
+    def spy(fn, grid, *a, **kw):  # (kernel, launched as a dependent, its PDL constexpr)
+        sched = kw.get("SCHEDULE")
+        seen.append((fn.fn.__name__, kw.get("launch_pdl", False),
+                     bool(sched.PDL) if sched is not None else kw.get("PDL", False)))
+        return orig(fn, grid, *a, **kw)
 
-    monkeypatch.setattr(G, "launch", spy)
+    monkeypatch.setattr(launch, "run_direct", spy)
     for pdl in (True, False):
         monkeypatch.setattr(decode_chunks, "MERGE_PDL", pdl)
         monkeypatch.setattr(decode_chunks, "GATHER_PDL", pdl)
@@ -186,13 +187,16 @@ def test_dependent_launches_give_the_same_bits(name, monkeypatch):
         w.plan(indptr(qo), kvi, idx, last, hq, hkv, D, page, causal=True,
                q_data_type=torch.bfloat16)
         assert w._plan.chunk_work is not None
-        eager = w.run(q, cache, return_lse=True)
-        assert seen == [pdl]
+        recorded = w.run(q, cache, return_lse=True)
+        assert seen == [("_gather_rows", False, False), ("_gluon_fwd", pdl, pdl),
+                        ("_merge_chunks", pdl, pdl)]
+        replayed = w.run(q, cache, return_lse=True)  # (the bound call: no new launch path)
+        assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(replayed, recorded))
         graph, g_out = capture_graph(lambda: w.run(q, cache, return_lse=True))
         for t in g_out:
             t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(g_out, eager))
-        got[pdl] = eager
+        assert all(torch.equal(a, b) for a, b in zip(g_out, recorded))
+        got[pdl] = recorded
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))

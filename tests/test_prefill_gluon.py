@@ -64,21 +64,26 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     assert (regs[0] in raised) == pp
 
 
-@pytest.mark.parametrize("page,block_m", [(16, 64), (1, 64), (16, 128)])
-def test_dependent_launch_compiles_for_sm90(page, block_m):
+@pytest.mark.parametrize("page,block_m,q_tma", [(16, 64, True), (16, 64, False), (1, 64, False),
+                                                (16, 128, True)])
+def test_dependent_launch_compiles_for_sm90(page, block_m, q_tma):
     """A persistent launch as a programmatic dependent of the one before it (Schedule.PDL:
-    prefill_gluon.after_q_writer) waits for it (griddepcontrol.wait) before its Q loads or TMA
-    and its counter's claims; without PDL it never waits."""
+    prefill_gluon.after_q_writer) waits for it (griddepcontrol.wait) in its load warp (before
+    Q's TMA and its counter's claims) and, with Q through registers, its compute groups (before
+    Q's loads); without PDL it never waits."""
     import triton
 
     from .sm90 import gluon_source, target
 
     for pdl in (True, False):
         src, opts, facts = gluon_source(False, page, block_m, 128, True, True, block_m == 128,
-                                        False, pdl=pdl)
+                                        False, pdl=pdl, q_tma=q_tma)
         assert facts["persistent"]
         ptx = triton.compile(src, target=target(), options=opts).asm["ptx"]
-        assert ("griddepcontrol.wait" in ptx) == pdl
+        # (load warp: before the claims and Q's TMA; or before the claims, and the compute
+        # group before Q's loads)
+        assert ptx.count("griddepcontrol.wait") >= (2 if pdl else 0) and \
+            ("griddepcontrol.wait" in ptx) == pdl
 
 
 def test_kv_2d_views():
