@@ -495,10 +495,10 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, indptr=
     merged by LSE in float32), or "auto": all_gather for GQA (Hq > Hkv), windows and
     head_slices > 1, ring for MHA. causal, sm_scale (default 1/sqrt(D_qk)), window_left
     (causal only; all_gather only), logits_soft_cap: as single_prefill_with_kv_cache, over
-    global positions. head_slices
-    (all_gather): the gathers issued per slice of the KV heads, each slice's attention
-    launched when its own gather lands (a divisor of Hkv; default 1, one gather and one launch:
-    on two H200s the overlap cost more than the gather it hid, docs/context-parallel.md).
+    global positions. head_slices (all_gather): the gathers issued per slice of the KV heads,
+    each slice's attention launched when its own gather lands (a divisor of Hkv; default 1, one
+    gather and one launch: on two H200s the overlap cost more than the gather it hid,
+    docs/context-parallel.md).
     as_op: run the call as the one custom op ``compiled_attn::cp_prefill`` (the group passed by
     its name), which a traced graph holds as one opaque node whose body is the eager call;
     default False: the functional collectives and the attention ops enter the graph apiece

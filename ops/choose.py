@@ -732,8 +732,7 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     bytes (a prefill that small costs the second launch less than the ring gains); and
     captured, where the fused launch's items (before any decode key chunks) exceed one wave of
     resident programs (over_wave: pod_over_wave), apart where the prefill counted as bytes is
-    under POLICY.pod_ring_graph_apart_share of the decodes' bytes, whatever the sizes. gluon:
-    the
+    under POLICY.pod_ring_graph_apart_share of the decodes' bytes, whatever the sizes. gluon: the
     fused launch would be the Gluon kernel's (pod_fused_gluon); the Triton kernel's fused
     launch ran 0.38-0.8x of the parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so
     without it the parts always go apart, unless POLICY.pod_apart_balance is 0 (always

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from . import launch, schedule
-from .device import capability
+from . import choose, launch, schedule
 from .modes import POS_NONE
 
 # The merge launch's warps a program (one merge row, one query head: at most MAX_CHUNKS x D
@@ -120,7 +119,7 @@ def _pdl_ok(device: torch.device) -> bool:
     """Whether launches on device may be programmatic dependent launches: CUDA on Hopper or
     later (the interpreter runs no launch dependencies)."""
     return (device.type == "cuda" and not launch.INTERPRET
-            and capability(device.index)[0] >= 9)
+            and choose.device_of(device).major >= 9)
 
 
 def _pdl(device: torch.device) -> dict:

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-__all__ = ["capability", "sm_count"]
+__all__ = ["sm_count"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -26,9 +26,3 @@ def _props(index: int | None):
 def sm_count(index: int | None = None) -> int:
     """Multiprocessors of CUDA device ``index`` (default: the current one), queried once."""
     return _props(index).multi_processor_count
-
-
-def capability(index: int | None = None) -> tuple[int, int]:
-    """CUDA device ``index``'s compute capability (default: the current one), queried once."""
-    p = _props(index)
-    return p.major, p.minor
