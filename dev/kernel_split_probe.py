@@ -1,10 +1,12 @@
 """Where a small decode batch's CUDA-graph replay spends its GPU time, kernel by kernel
 (torch.profiler over graph replays): ours through BatchPrefillWithPagedKVCacheWrapper as the
 launch policy has it and with its decode key chunks forced (decode_chunk_fill 1.0: gather,
-chunked launch, merge), ours POD, and FlashInfer's POD and BatchDecode where it imports, on the
-pod suite's inputs of the cases named.
+chunked launch, merge; --no-chunked leaves it out), ours POD, FlashInfer's POD and BatchDecode
+where it imports, and the pod suite's copy of the decode's K / V bytes (the decode rows'
+ceiling: its kernel's time beside its replay's), on the pod suite's inputs of the cases named.
 
     python -m dev.kernel_split_probe [--only "pod p256 d16x1024 g32/8 page1,..."] [--replays 50]
+        [--no-chunked]
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="pod p256 d16x1024 g32/8 page1,pod p256 d16x1024 g32/8 page16")
     ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--no-chunked", action="store_true", help="without the forced-chunks form")
     a = ap.parse_args()
     import compiled_attn as ca
     from benchmarks import pod
@@ -67,9 +70,12 @@ def main():
         x = pod.make_inputs(case, dev)
         ours = pod._calls(ca, case, x, dev, False)
         forms = {"ours decode": ours["decode"], "ours pod": ours["pod"]}
-        with override(decode_chunk_fill=1.0):
-            chunked = pod._calls(ca, case, x, dev, False)["decode"]
-            forms["ours decode, chunks fill 1.0"] = chunked
+        if not a.no_chunked:
+            with override(decode_chunk_fill=1.0):
+                chunked = pod._calls(ca, case, x, dev, False)["decode"]
+                forms["ours decode, chunks fill 1.0"] = chunked
+        # the decode rows' ceiling: a device copy of the decode's K / V bytes (read + write)
+        forms["copy of the decode bytes"] = lambda: x["copy_dst"].copy_(x["copy_src"])
         if flashinfer is not None:
             fi = pod._calls(flashinfer, case, x, dev, True)
             forms["fi pod"], forms["fi decode"] = fi["pod"], fi["decode"]
