@@ -374,7 +374,8 @@ class _Plan:
 
 
 # A paged plan's decode key chunks (BatchPrefillWithPagedKVCacheWrapper._plan_chunks): the
-# chunk requests' index arrays and work list, each chunk row's query row, the merge rows.
+# chunk requests' index arrays and work list, each chunk row's query row (the op's row map),
+# the merge rows.
 _CHUNK_FIELDS = ("chunk_qo_indptr", "chunk_kv_indptr", "chunk_last_page_len", "chunk_work",
                  "chunk_src", "chunk_merge")
 
@@ -924,8 +925,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         fixed_split_size), with options the chunks compute exactly (_chunks_exact), on a device
         and tile the launch policy cuts for (choose.decode_chunk_sms), cuts each request's pages
         into chunk requests (schedule.build_decode_chunks) that run() launches instead of the
-        split plan: the chunks' rows gathered from q, one paged launch, a merge
-        (ops/decode_chunks.py). In CUDA-graph mode the first plan decides for the wrapper: if
+        split plan: one paged launch whose chunk rows read their query rows of q in place (the
+        op's row map, chunk_src), then a merge (ops/decode_chunks.py). In CUDA-graph mode the first plan decides for the wrapper: if
         it is cut, every re-plan is (into buffers sized at the first plan, padded; one chunk a
         request where the batch would not be cut), so that a captured run() serves it."""
         none = dict.fromkeys(_CHUNK_FIELDS)
@@ -955,8 +956,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                       chunk_src=c["src"], chunk_merge=c["merge"])
         if not graph:
             return {k: self._to_dev(t, nb) for k, t in fields.items()}
-        # padding: chunk requests without rows or pages, work rows of request -1, chunk rows
-        # reading q's row 0 (gathered, never read), merge rows of out row -1 (no store)
+        # padding: chunk requests without rows or pages, work rows of request -1, row-map
+        # entries of q's row 0 (rows of no request: never read), merge rows of out row -1 (no
+        # store)
         fill = dict(chunk_qo_indptr=int(c["qo_indptr"][-1]),
                     chunk_kv_indptr=int(c["kv_indptr"][-1]), chunk_last_page_len=0,
                     chunk_work=(-1, 0), chunk_src=0, chunk_merge=(-1, 0, 0))
@@ -1055,16 +1057,15 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         # grad takes the op, whose autograd kernel refuses the backward)
         if (p.chunk_work is not None and _chunks_exact(p, w, sinks) and untraced()
                 and plain_tensors((q, k_cache, v_cache))):
-            # decode key chunks (_plan_chunks): q's rows gathered per chunk, one paged launch
-            # of the chunk requests, their outputs merged per request
-            q_c = _chunks.gather_rows(q, p.chunk_src)
-            with _chunks.after_gather(q_c):  # (the paged launch reads q_c after the gather)
-                o_c, lse_c = call_op(
-                    "batch_paged_prefill", q_c, k_cache, v_cache, p.chunk_qo_indptr,
-                    p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,
-                    None, None, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
-                    p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype,
-                    launches=self._memo)
+            # decode key chunks (_plan_chunks): one paged launch of the chunk requests, each
+            # chunk row reading its request's row of q in place (the op's row map), then
+            # their outputs merged per request
+            o_c, lse_c = call_op(
+                "batch_paged_prefill", q, k_cache, v_cache, p.chunk_qo_indptr,
+                p.chunk_kv_indptr, p.kv_indices, p.chunk_last_page_len, p.chunk_work, None,
+                None, None, None, p.block_m, p.mask_mode, w, 0, sm, p.logits_soft_cap,
+                p.pos_encoding_mode, p.rope_scale, p.rope_theta, v_f, p.o_dtype,
+                q_rows=p.chunk_src, launches=self._memo)
             adopt_scratch(o_c)
             adopt_scratch(lse_c)
             res_out, res_lse = _chunks.merge_chunks(o_c, lse_c, p.chunk_merge, q.shape[0])

@@ -84,11 +84,39 @@ def _variants():
         # (decode_chunks.MERGE_PDL)
         "merge no pdl": ("module", dict(merge_pdl=False)),
         "graph plan merge no pdl": ("graph", True, {}, dict(merge_pdl=False)),
-        # ...and the paged launch not a programmatic dependent of the gather either
-        # (decode_chunks.GATHER_PDL)
-        "no pdl": ("module", dict(merge_pdl=False, gather_pdl=False)),
-        "graph plan no pdl": ("graph", True, {}, dict(merge_pdl=False, gather_pdl=False)),
+        # the chunk rows' query rows gathered by a launch of their own before the paged one
+        # (as before the ops' row map: decode_chunks.gather_rows), not read in place
+        "gathered": ("module", dict(gathered=True)),
+        "graph plan gathered": ("graph", True, {}, dict(gathered=True)),
     }
+
+
+@contextlib.contextmanager
+def gathered_rows():
+    """The ops' row maps (batch_paged_prefill's q_rows, pod_prefill_decode's q_rows_d) replaced
+    by the mapped rows gathered first by a launch of their own (decode_chunks.gather_rows), as
+    decode key chunks ran before the map: prefill_kernel.launch_paged / launch_pod wrapped (the
+    ops call them with every argument by position)."""
+    from compiled_attn.ops import decode_chunks
+    from compiled_attn.ops import prefill_kernel as pk
+
+    def gathering(launch, q_at: int, map_at: int):
+        @functools.wraps(launch)
+        def run(*args, **kwargs):
+            args = list(args)
+            if len(args) > map_at and args[map_at] is not None:
+                args[q_at] = decode_chunks.gather_rows(args[q_at], args[map_at])
+                args[map_at] = None
+            return launch(*args, **kwargs)
+        return run
+
+    saved = pk.launch_paged, pk.launch_pod
+    pk.launch_paged = gathering(saved[0], 0, 14)  # (q, ..., merge, q_rows)
+    pk.launch_pod = gathering(saved[1], 7, 21)  # (q_p, ..., q_d at 7, ..., q_rows_d)
+    try:
+        yield
+    finally:
+        pk.launch_paged, pk.launch_pod = saved
 
 
 @contextlib.contextmanager
@@ -103,8 +131,8 @@ def _variant(v):
     from compiled_attn.ops import decode_chunks
 
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
-    saved_module = (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
-                    decode_chunks.GATHER_PDL)
+    saved_module = (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL)
+    stack = contextlib.ExitStack()
     split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and v[0] == "graph"
     settings = (v[1] if isinstance(v, tuple) and v[0] == "policy" else
@@ -118,7 +146,8 @@ def _variant(v):
         schedule.MAX_CHUNKS = module.get("max_chunks", schedule.MAX_CHUNKS)
         decode_chunks.MERGE_WARPS = module.get("merge_warps", decode_chunks.MERGE_WARPS)
         decode_chunks.MERGE_PDL = module.get("merge_pdl", decode_chunks.MERGE_PDL)
-        decode_chunks.GATHER_PDL = module.get("gather_pdl", decode_chunks.GATHER_PDL)
+        if module.get("gathered"):
+            stack.enter_context(gathered_rows())
         if split:
             min_keys, slots = v[1], v[2]
 
@@ -133,8 +162,8 @@ def _variant(v):
             yield
     finally:
         prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
-        (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
-         decode_chunks.GATHER_PDL) = saved_module
+        (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL) = saved_module
+        stack.close()
         g.TILES.clear()
         g.TILES.update(saved_tiles)
         choose.DECODE_ROWS = saved_rows

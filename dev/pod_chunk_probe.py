@@ -17,7 +17,9 @@ rounds (medians, microseconds):
 - ``pod policy``: the POD wrapper's call as the launch policy decides it (POLICY.pod_chunks
   included); ``pod own apart``: the wrapper's own two launches (its decodes cut as a paged call
   of them alone would be); ``pod graph plan``: ``pod policy`` in CUDA-graph mode
-  (use_cuda_graph=True: the first plan's chunk counts, padded chunk tensors);
+  (use_cuda_graph=True: the first plan's chunk counts, padded chunk tensors); ``pod policy
+  gathered`` / ``pod own apart gathered``: the same with the decode chunks' query rows gathered
+  by a launch of their own instead of read in place (dev.decode_probe.gathered_rows);
 - ``copy``: a device copy of the decodes' K/V bytes (eager), the ceiling.
 
 Each variant's decode output is checked against ``dec``'s (max abs difference printed).
@@ -40,6 +42,7 @@ from benchmarks import pod as suite
 from compiled_attn.ops import decode_chunks as chunks_op
 from compiled_attn.ops.policy import POD_APART, POD_FUSED, override
 from compiled_attn.ops.schedule import build_decode_chunks
+from dev.decode_probe import gathered_rows
 from dev.pod_order import _time
 
 
@@ -119,6 +122,14 @@ def _pod(case, x, cut: int = 0, graph: bool = False, **policy):
     return call
 
 
+def _within(context, fn):
+    """fn called inside a fresh context() each time (a CUDA graph captures it there)."""
+    def call():
+        with context():
+            return fn()
+    return call
+
+
 def _diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
 
@@ -154,6 +165,9 @@ def main(argv=None):
         calls["pod policy"] = _pod(case, x, pod_chunks="gluon")
         calls["pod own apart"] = _pod(case, x, **POD_APART)
         calls["pod graph plan"] = _pod(case, x, graph=True, pod_chunks="gluon")
+        # (wrappers of their own: a bound call replays what its first call recorded)
+        calls["pod policy gathered"] = _within(gathered_rows, _pod(case, x, pod_chunks="gluon"))
+        calls["pod own apart gathered"] = _within(gathered_rows, _pod(case, x, **POD_APART))
         ref = calls["dec"]()
         diffs = {}
         for k, fn in calls.items():

@@ -332,7 +332,7 @@ def _batch_paged_prefill(
     mask_mode: int, window_left: int, chunk_size: int, sm_scale: float, logits_soft_cap: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
     out_dtype: torch.dtype | None, merge: Tensor | None = None, row_max: bool = False,
-    skip_softmax: float = 0.0,
+    skip_softmax: float = 0.0, q_rows: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Paged-KV batch prefill.
 
@@ -340,8 +340,11 @@ def _batch_paged_prefill(
     [P, page, Hkv, Dvo] in logical NHD order with any strides (HND caches and 5-D caches come in
     as views). kv_page_indptr int32 [B+1] (in pages), kv_page_indices int32 [npages],
     kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr, merge,
-    row_max, skip_softmax: as batch_ragged_prefill. Returns out [Nq, Hq, Dvo], lse [Nq, Hq]
-    (row_max: [Nq, Hq, 2]).
+    row_max, skip_softmax: as batch_ragged_prefill. q_rows: None, or int32 [R]: the op's
+    rows are q's rows q_rows (q[q_rows], read in place where the kernel takes a row map: decode
+    key chunks, each chunk a request of its own over its request's query row); qo_indptr then
+    splits those R rows. Returns out [Nq, Hq, Dvo], lse [Nq, Hq] (row_max: [Nq, Hq, 2]); with
+    q_rows, R rows each.
     """
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
@@ -351,8 +354,10 @@ def _batch_paged_prefill(
         return prefill_kernel.launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                            kv_page_indices, kv_last_page_len, work, packed_mask,
                                            mask_indptr, alibi_slopes, sinks, block_m, merge,
-                                           out_dtype=out_dtype or q.dtype, **params,
+                                           q_rows, out_dtype=out_dtype or q.dtype, **params,
                                            **_stats_skip(row_max, skip_softmax))
+    if q_rows is not None:
+        q = q.index_select(0, q_rows.long())
     return reference.batch_paged_prefill(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
                                          kv_page_indices, kv_last_page_len, packed_mask,
                                          mask_indptr, alibi_slopes, sinks,
@@ -364,8 +369,10 @@ def _batch_paged_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv
                               kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes,
                               sinks, block_m, mask_mode, window_left, chunk_size, sm_scale,
                               logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta,
-                              v_scale, out_dtype, merge=None, row_max=False, skip_softmax=0.0):
-    return _out_pair(q, (q.shape[0],), v_cache.shape[-1], out_dtype, row_max)
+                              v_scale, out_dtype, merge=None, row_max=False, skip_softmax=0.0,
+                              q_rows=None):
+    rows = q.shape[0] if q_rows is None else q_rows.shape[0]
+    return _out_pair(q, (rows,), v_cache.shape[-1], out_dtype, row_max)
 
 
 batch_paged_prefill = _register("batch_paged_prefill", _batch_paged_prefill,
@@ -399,15 +406,16 @@ def _pod_prefill_decode(
     mask_mode_p: int, window_left_p: int, sm_scale_p: float, logits_soft_cap_p: float,
     mask_mode_d: int, window_left_d: int, sm_scale_d: float, logits_soft_cap_d: float,
     pos_encoding_mode: int, rope_scale: float, rope_theta: float, v_scale: float,
-    out_dtype: torch.dtype | None,
+    out_dtype: torch.dtype | None, q_rows_d: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Prefill and decode batches, each against its own paged cache, in one launch.
 
     The prefill part (suffix _p) and the decode part (suffix _d) each take the arguments of
     batch_paged_prefill (q [N, Hq, Dqk], caches [P, page, Hkv, D], qo_indptr, page table). A
     single-request prefill with contiguous k/v comes in as a one-page cache. work: int32 [W, 3]
-    = (part: 0 prefill / 1 decode, request, first packed row). Returns (out_p, lse_p, out_d,
-    lse_d).
+    = (part: 0 prefill / 1 decode, request, first packed row). q_rows_d: the decode part's
+    row map, as batch_paged_prefill's q_rows (decode key chunks). Returns (out_p, lse_p,
+    out_d, lse_d).
     """
     p_params, d_params = pod_part_params(
         mask_mode_p, window_left_p, sm_scale_p, logits_soft_cap_p, mask_mode_d, window_left_d,
@@ -420,7 +428,9 @@ def _pod_prefill_decode(
             q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
             kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
             kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
-            alibi_slopes, block_m, p_params, d_params)
+            alibi_slopes, block_m, p_params, d_params, q_rows_d)
+    if q_rows_d is not None:
+        q_d = q_d.index_select(0, q_rows_d.long())
     out_p, lse_p = reference.batch_paged_prefill(
         q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
         kv_last_page_len_p, packed_mask_p, mask_indptr_p, alibi_slopes, None, **p_params)
@@ -437,9 +447,10 @@ def _pod_prefill_decode_fake(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_ind
                              alibi_slopes, block_m, mask_mode_p, window_left_p, sm_scale_p,
                              logits_soft_cap_p, mask_mode_d, window_left_d, sm_scale_d,
                              logits_soft_cap_d, pos_encoding_mode, rope_scale, rope_theta,
-                             v_scale, out_dtype):
+                             v_scale, out_dtype, q_rows_d=None):
+    rows_d = q_d.shape[0] if q_rows_d is None else q_rows_d.shape[0]
     out_p, lse_p = _out_pair(q_p, (q_p.shape[0],), v_cache_p.shape[-1], out_dtype or q_p.dtype)
-    out_d, lse_d = _out_pair(q_d, (q_d.shape[0],), v_cache_d.shape[-1], out_dtype or q_p.dtype)
+    out_d, lse_d = _out_pair(q_d, (rows_d,), v_cache_d.shape[-1], out_dtype or q_p.dtype)
     return out_p, lse_p, out_d, lse_d
 
 

@@ -1,21 +1,22 @@
-"""Decode key chunks: the two small launches around a decode batch cut into chunk requests.
+"""Decode key chunks: the launches beside a decode batch cut into chunk requests.
 
 A decode batch of few requests (one query row each) over long keys gives the paged launch too
 few programs to fill the GPU. Its plan (compiled_attn/prefill.py) may then cut each request's
 pages into chunks (schedule.build_decode_chunks), each a one-row request of its own over the
 same page table, so that the paged launch runs on the Gluon kernel with enough programs instead
-of a split plan on the Triton kernel (which the Gluon kernel does not take). Around that launch:
-- ``gather_rows``: each chunk row's query row, copied from q (chunks of one request share it);
+of a split plan on the Triton kernel (which the Gluon kernel does not take). That launch reads
+each chunk row's query row in place through the ops' row map (batch_paged_prefill's q_rows,
+pod_prefill_decode's q_rows_d: the plan's ``src``); then
 - ``merge_chunks``: each request's chunk outputs combined by their base-2 LSEs into its output
   row and LSE, as compiled_attn.utils.merge_states combines states (a chunk that saw no key has
-  LSE -inf and weight 0; a row none of whose chunks saw a key gets output 0 and LSE -inf).
-Both launch through launch.run_direct (eager only; a recording call notes them), so a bound
-run() replays the three launches together.
+  LSE -inf and weight 0; a row none of whose chunks saw a key gets output 0 and LSE -inf),
+  through launch.run_direct (eager only; a recording call notes it), so a bound run() replays
+  both launches together;
+- ``gather_rows``: the map's rows copied from q, for a launch that takes no row map (the Triton
+  kernel's).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import triton
@@ -33,9 +34,6 @@ MERGE_WARPS = 4
 # grid to complete before they read the chunks' outputs). These settings are read when a call
 # is recorded: bound calls replay what they recorded (policy.touch() drops them).
 MERGE_PDL = True
-# Whether the paged launch after the gather is a programmatic dependent launch of it
-# (after_gather)
-GATHER_PDL = True
 
 
 def exact(*, custom_mask: bool, window_left: int, pos_encoding_mode: int,
@@ -105,13 +103,14 @@ def _merge_chunks(merge_ptr, o_ptr, lse_ptr, out_ptr, out_lse_ptr, stride_on, st
 
 def gather_rows(q: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """q [N, Hq, D] (any strides), src int32 [R] (rows of q) -> contiguous [R, Hq, D]: a
-    scratch buffer (launch.scratch) that a bound run allocates again per call."""
+    scratch buffer (launch.scratch) that a bound run allocates again per call. For launches
+    that take no row map (the ops' q_rows on the Triton kernel); launch.run, so a traced call
+    takes it too."""
     r, (_, hq, d) = src.shape[0], q.shape
     rows = launch.scratch((r, hq, d), q.dtype, q.device)
     if r:
-        launch.run_direct(_gather_rows, (r, hq), src, q, rows, q.stride(0), q.stride(1),
-                          q.stride(2), HQ=hq, D=d, BLOCK_D=triton.next_power_of_2(d),
-                          num_warps=1)
+        launch.run(_gather_rows, (r, hq), src, q, rows, q.stride(0), q.stride(1), q.stride(2),
+                   HQ=hq, D=d, BLOCK_D=triton.next_power_of_2(d), num_warps=1)
     return rows
 
 
@@ -125,19 +124,6 @@ def _pdl_ok(device: torch.device) -> bool:
 def _pdl(device: torch.device) -> dict:
     """The merge launch's PDL arguments (MERGE_PDL, _pdl_ok)."""
     return dict(PDL=True, launch_pdl=True) if MERGE_PDL and _pdl_ok(device) else {}
-
-
-def after_gather(rows: torch.Tensor):
-    """The scope of the paged launch after gather_rows (rows: its result): on a device that
-    takes them (GATHER_PDL, _pdl_ok), where the gather launched (rows to gather), the Gluon
-    kernel's launch there is a programmatic dependent of the gather's
-    (prefill_gluon.after_q_writer: it starts under the gather's tail and waits for it before
-    reading the gathered rows); else nothing."""
-    if not (GATHER_PDL and rows.shape[0] and _pdl_ok(rows.device)):
-        return contextlib.nullcontext()
-    from . import prefill_gluon
-
-    return prefill_gluon.after_q_writer()
 
 
 def merge_chunks(o: torch.Tensor, lse: torch.Tensor, merge: torch.Tensor, rows: int,

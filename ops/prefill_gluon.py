@@ -32,9 +32,7 @@ element offsets are int64.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 from collections import namedtuple
 from typing import NamedTuple
 
@@ -76,7 +74,7 @@ GATHER_TPW = gl.constexpr(4)
 # take (Gluon passes a tuple's fields like separate arguments; a tuple assigned to a name holds
 # runtime values, so constexprs stay separate arguments). Ctx's fields flatten in the order the
 # warp-specialized partitions receive them.
-Io = namedtuple("Io", "q_ptr o_ptr lse_ptr")
+Io = namedtuple("Io", "q_ptr o_ptr lse_ptr q_rows_ptr")
 Io.__doc__ = """\
     Q, O and LSE."""
 
@@ -180,18 +178,25 @@ Shape.__doc__ = """\
 
 
 Schedule = namedtuple("Schedule", "DENSE Q_TMA P_SMEM WS PERSISTENT PINGPONG PRODUCER_REGS "
-                      "GROUP_REGS PDL", defaults=(False,))
+                      "GROUP_REGS Q_ROWS", defaults=(False,))
 Schedule.__doc__ = """\
     _gluon_fwd's constexprs of the work and its schedule: dense work items, Q by TMA, P through
     shared memory, warp specialization, persistent programs, ping-pong groups, the load and
-    second compute partitions' registers, and PDL (a programmatic dependent launch whose Q the
-    launch before it wrote: after_q_writer)."""
+    second compute partitions' registers, and Q_ROWS (Q's rows through a row map: launch's
+    q_rows)."""
 
 
-PodConfig = namedtuple("PodConfig", "SOURCE SOURCE_D SHAPE PINGPONG GROUP_REGS PRODUCER_REGS")
+PodSizes = namedtuple("PodSizes", "n_items n_hkv")
+PodSizes.__doc__ = """\
+    _gluon_pod_fwd's work items per KV head (work rows) and KV heads."""
+
+
+PodConfig = namedtuple("PodConfig", "SOURCE SOURCE_D SHAPE PINGPONG GROUP_REGS PRODUCER_REGS "
+                       "Q_ROWS_D", defaults=(False,))
 PodConfig.__doc__ = """\
     _gluon_pod_fwd's constexprs: each part's K / V Source (prefill, decodes), the tile's Shape,
-    ping-pong groups, and the second compute and the load partitions' registers."""
+    ping-pong groups, the second compute and the load partitions' registers, and whether the
+    decodes' Q rows go through a row map."""
 
 
 @constexpr_function
@@ -661,12 +666,19 @@ def _row_map(r0, qo_len, hkv, GROUP: gl.constexpr, ROWS: gl.constexpr, layout: g
 
 
 @gluon.jit
-def _load_q(q_ptr, q_base, qo_start, qo_len, hkv, r0, stride_qt, stride_qh,
-            GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
-    """Q of packed rows [r0, r0 + ROWS) [ROWS, D] through registers (rows past qo_len read 0)."""
+def _load_q(q_ptr, q_base, qo_start, qo_len, hkv, r0, stride_qt, stride_qh, q_rows_ptr, map_on,
+            GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr, NW: gl.constexpr,
+            Q_ROWS: gl.constexpr):
+    """Q of packed rows [r0, r0 + ROWS) [ROWS, D] through registers (rows past qo_len read 0).
+    Q_ROWS, where map_on (a POD launch: the part's items with a map): the launch's row t reads
+    q's row q_rows_ptr[t] (int32); else row t."""
     blk: gl.constexpr = _row_layout(D, NW)
     tok, head, ok = _row_map(r0, qo_len, hkv, GROUP, ROWS, gl.SliceLayout(1, blk))
-    rows = q_base + (qo_start + tok).to(gl.int64) * stride_qt + head.to(gl.int64) * stride_qh
+    src = (qo_start + tok).to(gl.int64)
+    if Q_ROWS:
+        mapped = ok & map_on
+        src = gl.where(mapped, gl.load(q_rows_ptr + qo_start + tok, mask=mapped, other=0), src)
+    rows = q_base + src * stride_qt + head.to(gl.int64) * stride_qh
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     return gl.load(q_ptr + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0)
 
@@ -728,25 +740,18 @@ def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride
 
 
 @gluon.jit
-def _gdc_wait():
-    """griddepcontrol.wait: a programmatic dependent launch (PDL) waits here until the launch
-    before it has completed and its writes are visible (at once where there is none)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
 def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: gl.constexpr,
            PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
            GROUP: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr, PDL: gl.constexpr = False):
+           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
+           Q_ROWS: gl.constexpr = False, map_on=True):
     """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
     [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
     returns nothing, so each group writes its own rows). ctx: the launch's Ctx (_gluon_fwd
     builds it); item: the work Item (_item_of); it: the ring position of its first key tile.
     q_buf [BLOCK_M, D]: the Q buffer whose ROWS-row slice is the group's (Q_TMA: filled
-    already; else the group stores its Q there), then its O's staging. PDL: Q's loads wait
-    for the launch before (_gdc_wait)."""
+    already; else the group stores its Q there), then its O's staging. Q_ROWS: Q's rows
+    through ctx's row map where map_on (_load_q)."""
     io = ctx.io
     st = ctx.st
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
@@ -756,10 +761,9 @@ def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: 
     if Q_TMA:  # q_buf holds Q already (the load warp's TMA)
         q = p_row  # (a stand-in)
     else:
-        if PDL:
-            _gdc_wait()
         q = _load_q(io.q_ptr, item.req.to(gl.int64) * st.qb, item.qo_start, item.qo_len,
-                    item.hkv, r0, st.qt, st.qh, GROUP, ROWS, D, NW)
+                    item.hkv, r0, st.qt, st.qh, io.q_rows_ptr, map_on, GROUP, ROWS, D, NW,
+                    Q_ROWS)
     acc, m_i, l_i = _consume(
         gl.zeros([ROWS, D], gl.float32, layout=_mma_layout(D, NW)),
         gl.full([ROWS], float("-inf"), gl.float32, layout=row_s),
@@ -951,13 +955,13 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False,
-              PDL: gl.constexpr = False):
+              Q_ROWS: gl.constexpr = False):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
     goes back to the load warp once the item's O, staged through it, is written. POD: an item
-    of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx). PDL:
-    as _group's."""
+    of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx).
+    Q_ROWS: as _group's (POD: part 1's rows through pod's row map)."""
     h = ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
@@ -970,16 +974,19 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
                     _field(rec, 5), _field(rec, 6), _field(rec, 7), _field(rec, 8),
                     _field(rec, 9), _field(rec, 10), _field(rec, 11), _field(rec, 12) != 0)
         if POD:
-            c = _part_ctx(ctx, pod, _field(rec, POD_PART_LANE))
+            part = _field(rec, POD_PART_LANE)
+            c = _part_ctx(ctx, pod, part)
+            map_on = part != 0  # (Q_ROWS: the decodes' row map)
         else:
             c = ctx
+            map_on = True
         if item.n_tiles > 0:
             if Q_TMA:
                 q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
             else:
                 q_buf = ctx.ring.q_ring.index(0)
             _group(WG, c, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
-                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW, PDL)
+                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
             if Q_TMA:  # the slot (its O written through it) back to the load warp
                 fence_async_shared()
                 _arrive_slot(h.q_empty, qk, 2)
@@ -1029,7 +1036,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr, pod=None,
                POD: gl.constexpr = False, PAGED_D: gl.constexpr = 0, PAGE_D: gl.constexpr = 0,
-               BOXES_D: gl.constexpr = 1, PDL: gl.constexpr = False):
+               BOXES_D: gl.constexpr = 1):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
@@ -1037,9 +1044,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     on into the next item while the groups finish this one; a last index past the items stops
     them. POD: the items of POD's work rows (_pod_item), part 0's K / V from ctx's Keys
     (PAGED 0: the one-page prefill, read as contiguous rows), part 1's from pod's (PAGED_D,
-    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part. PDL: Q's TMA and the
-    counter's claims wait for the launch before (_gdc_wait); the first item's decoding and K /
-    V copies do not."""
+    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part."""
     ring, keys, h = ctx.ring, ctx.keys, ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
@@ -1060,8 +1065,6 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         n_tiles = item.n_tiles
         if Q_TMA:
             if n_tiles > 0:  # the item's Q rows (GROUP 1: packed row = token) into slot qk % 2
-                if PDL:
-                    _gdc_wait()
                 qs = _wait_empty(h.q_empty, qk, 2)
                 mbarrier.expect(h.q_full.index(qs),
                                 BLOCK_M * D * h.q_desc.dtype.primitive_bitwidth // 8)
@@ -1079,8 +1082,6 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
         k += 1
-        if PDL:  # (a launch between the q writer and this one may have zeroed the counter)
-            _gdc_wait()
         lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
                   gl.full([32], lin, gl.int32, layout=_lane_layout(LOAD_WARPS)))
@@ -1178,7 +1179,7 @@ def _release_state(ring, item_bars, STAGES: gl.constexpr):
 def _gluon_fwd(
     work_ptr, q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr,
     page_idx_ptr, last_page_len_ptr, page_rows, row_strides, qk_scale, work_sizes, sched_ptr,
-    q_desc, q_req_rows, k_ptr, v_ptr, gather_strides,
+    q_desc, q_req_rows, k_ptr, v_ptr, gather_strides, q_rows_ptr,
     SOURCE: gl.constexpr, SHAPE: gl.constexpr, SCHEDULE: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Scalars and constexprs come in bundles (the named tuples above): page_rows a PageRows,
@@ -1204,11 +1205,9 @@ def _gluon_fwd(
     through k_ptr / v_ptr (the same 2D views, rows stride_kr / stride_vr elements apart) instead
     of the descriptors, whose layout then only shapes the rings. Unit dim strides; the LSE is
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
-    the second a worker partition at GROUP_REGS registers. PDL (PERSISTENT): a programmatic
-    dependent launch (after_q_writer) whose Q the launch before it wrote: Q's loads and the
-    counter's claims wait for it (_gdc_wait); everything else it reads was written before that
-    launch started, and rows that see no key store 0 / -inf without waiting (into outputs no
-    launch before it touches)."""
+    the second a worker partition at GROUP_REGS registers. Q_ROWS (not with Q_TMA): row t of
+    the work's rows (o's and the LSE's row t) reads q's row q_rows_ptr[t], int32 [rows],
+    instead of q's row t."""
     PAGED: gl.constexpr = SOURCE.PAGED
     PAGE: gl.constexpr = SOURCE.PAGE
     BOXES: gl.constexpr = SOURCE.BOXES
@@ -1227,7 +1226,7 @@ def _gluon_fwd(
     PINGPONG: gl.constexpr = SCHEDULE.PINGPONG
     PRODUCER_REGS: gl.constexpr = SCHEDULE.PRODUCER_REGS
     GROUP_REGS: gl.constexpr = SCHEDULE.GROUP_REGS
-    PDL: gl.constexpr = SCHEDULE.PDL
+    Q_ROWS: gl.constexpr = SCHEDULE.Q_ROWS
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
@@ -1237,7 +1236,7 @@ def _gluon_fwd(
     q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty = (
         ring.q_ring, ring.k_ring, ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty)
     # the launch's runtime values (Ctx)
-    ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr),
+    ctx = Ctx(Io(q_ptr, o_ptr, lse_ptr, q_rows_ptr),
               ring,
               Keys(k_desc, v_desc, qk_scale, page_idx_ptr, page_rows.k_page_rows,
                    page_rows.v_page_rows),
@@ -1255,18 +1254,21 @@ def _gluon_fwd(
         if PINGPONG:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False,
+                             Q_ROWS)),
                 (_ws_group, (1, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False,
+                             Q_ROWS)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1, PDL)),
+                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1)),
             ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
         else:
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False, PDL)),
+                             BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False,
+                             Q_ROWS)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1, PDL)),
+                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1)),
             ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * work_sizes.n_items, ctx, DENSE,
@@ -1280,9 +1282,9 @@ def _gluon_fwd(
             if PINGPONG:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps, Q_ROWS)),
                     (_group, (1, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps, Q_ROWS)),
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
                                       k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
                                       item.hkv, page_idx_ptr, item.page_base, item.npages,
@@ -1293,7 +1295,7 @@ def _gluon_fwd(
             elif WS:
                 gl.warp_specialize([
                     (_group, (0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG,
-                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)),
+                              GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps, Q_ROWS)),
                     (_item_producer, (k_desc, v_desc, k_ptr, v_ptr, k_ring, v_ring, k_bar, v_bar,
                                       k_empty, v_empty, n_tiles, 0, item.kv_start, item.kv_len,
                                       item.hkv, page_idx_ptr, item.page_base, item.npages,
@@ -1310,7 +1312,7 @@ def _gluon_fwd(
                     _load_kv(v_desc, v_ring, v_bar, i, item.kv_start, item.hkv, i < n_tiles, page,
                              page_rows.v_page_rows, PAGED, PAGE, BLOCK_N, D, STAGES)
                 _group(0, ctx, item, 0, q_smem, False, P_SMEM, PAGED, PAGE, WS, PINGPONG, GROUP,
-                       CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps)
+                       CAUSAL, ROWS, BLOCK_N, D, STAGES, num_warps, Q_ROWS)
         elif item.valid:  # no key for any row of the tile: 0 and LSE -inf
             _zero_rows(o_ptr, lse_ptr, item.req.to(gl.int64) * row_strides.ob,
                        item.req.to(gl.int64) * row_strides.lb, item.qo_start, item.qo_len,
@@ -1336,32 +1338,33 @@ def _pod_part_ctx(io, keys, strides, indptrs, gather, shared):
 
 @gluon.jit
 def _gluon_pod_fwd(
-    work_ptr, n_items, n_hkv, sched_ptr,
+    work_ptr, sizes, sched_ptr,
     q_ptr, k_desc, v_desc, o_ptr, lse_ptr, qo_indptr_ptr, kv_indptr_ptr, page_idx_ptr,
     last_page_len_ptr, k_ptr, v_ptr, scalars,
     q_ptr_d, k_desc_d, v_desc_d, o_ptr_d, lse_ptr_d, qo_indptr_ptr_d, kv_indptr_ptr_d,
-    page_idx_ptr_d, last_page_len_ptr_d, k_ptr_d, v_ptr_d, scalars_d,
+    page_idx_ptr_d, last_page_len_ptr_d, k_ptr_d, v_ptr_d, scalars_d, q_rows_ptr_d,
     CONFIG: gl.constexpr, num_warps: gl.constexpr,
 ):
     """POD on the persistent warp-specialized kernel: one launch whose work items are a
     prefill's tiles (part 0: the arguments without suffix) and a decode batch's items (part 1:
-    suffix _d) in one list, work_ptr int32 [W, 3] of (part, request, first packed row), item
-    lin = x + head * W (n_items = W), taken by resident programs from sched_ptr as in
-    _gluon_fwd. The parts share the tile, the K / V rings and the mask (CAUSAL: a decode row,
-    its request's last position, sees every key either way); each has its own Q, O and LSE
-    ([N, Hq, D], [N, Hq]; ragged row strides), indptrs, logit scale and K / V source: part 0 a
-    paged cache (PAGED_BOXES, PAGE, BOXES) or a one-page cache whose request reads that page's
-    first last_page_len rows (PAGED 0: PODWithPagedKVCacheWrapper's contiguous k_p / v_p),
-    part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Or both parts' caches gathered
-    (PAGED_GATHER, pages of 1-7 keys; a one-page prefill cache gathered as one page of PAGE
-    keys or more) through k_ptr / v_ptr (_d), the load partition then a warp group at
-    PRODUCER_REGS registers: the ring barriers' arrivals, the consumers' fences and tails
-    depend on how slots are filled, so the parts fill them alike (the launcher checks).
-    Descriptors and page rows as in _gluon_fwd; both parts' boxes fill slots of one shared
-    layout (the launcher checks; a gathered part's descriptor only shapes the rings).
-    Bundles: each part's scalars a PartScalars (scalars, scalars_d); the constexprs a
-    PodConfig (CONFIG): each part's K / V source a Source (SOURCE, SOURCE_D: PAGED, PAGE, BOXES,
-    WIDE), the tile a Shape (SHAPE), PINGPONG, GROUP_REGS and PRODUCER_REGS."""
+    suffix _d) in one list, work_ptr int32 [W, 3] of (part, request, first packed row), item lin
+    = x + head * W (sizes a PodSizes: n_items = W, n_hkv KV heads), taken by resident programs
+    from sched_ptr as in _gluon_fwd. The parts share the tile, the K / V rings and the mask
+    (CAUSAL: a decode row, its request's last position, sees every key either way); each has its
+    own Q, O and LSE ([N, Hq, D], [N, Hq]; ragged row strides), indptrs, logit scale and K / V
+    source: part 0 a paged cache (PAGED_BOXES, PAGE, BOXES) or a one-page cache whose request
+    reads that page's first last_page_len rows (PAGED 0: PODWithPagedKVCacheWrapper's contiguous
+    k_p / v_p), part 1 a paged cache (PAGED_D, PAGE_D, BOXES_D). Or both parts' caches gathered
+    (PAGED_GATHER, pages of 1-7 keys; a one-page prefill cache gathered as one page of PAGE keys
+    or more) through k_ptr / v_ptr (_d), the load partition then a warp group at PRODUCER_REGS
+    registers: the ring barriers' arrivals, the consumers' fences and tails depend on how slots
+    are filled, so the parts fill them alike (the launcher checks). Descriptors and page rows as
+    in _gluon_fwd; both parts' boxes fill slots of one shared layout (the launcher checks; a
+    gathered part's descriptor only shapes the rings). Bundles: each part's scalars a
+    PartScalars (scalars, scalars_d); the constexprs a PodConfig (CONFIG): each part's K / V
+    source a Source (SOURCE, SOURCE_D: PAGED, PAGE, BOXES, WIDE), the tile a Shape (SHAPE),
+    PINGPONG, GROUP_REGS, PRODUCER_REGS and Q_ROWS_D: the decodes' row t reads q_d's row
+    q_rows_ptr_d[t] (int32; decode key chunks), else row t."""
     PAGED: gl.constexpr = CONFIG.SOURCE.PAGED
     PAGE: gl.constexpr = CONFIG.SOURCE.PAGE
     BOXES: gl.constexpr = CONFIG.SOURCE.BOXES
@@ -1378,6 +1381,7 @@ def _gluon_pod_fwd(
     PINGPONG: gl.constexpr = CONFIG.PINGPONG
     GROUP_REGS: gl.constexpr = CONFIG.GROUP_REGS
     PRODUCER_REGS: gl.constexpr = CONFIG.PRODUCER_REGS
+    Q_ROWS_D: gl.constexpr = CONFIG.Q_ROWS_D
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
@@ -1386,16 +1390,16 @@ def _gluon_pod_fwd(
     items, item_full, item_empty, q_full, q_empty = item_bars
     handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
     # what both parts' Ctx share: the work list, the rings and the item hand-off
-    shared = (work_ptr, n_items, n_hkv, ring, handoff)
+    shared = (work_ptr, sizes.n_items, sizes.n_hkv, ring, handoff)
     ctx = _pod_part_ctx(
-        Io(q_ptr, o_ptr, lse_ptr),
+        Io(q_ptr, o_ptr, lse_ptr, q_rows_ptr_d),  # (the decodes' map: never read for part 0)
         Keys(k_desc, v_desc, scalars.qk_scale, page_idx_ptr, scalars.k_page_rows,
              scalars.v_page_rows),
         (scalars.qt, scalars.qh, scalars.ot, scalars.oh, scalars.lt, scalars.lh),
         (qo_indptr_ptr, kv_indptr_ptr, last_page_len_ptr),
         Gather(k_ptr, v_ptr, scalars.stride_kr, scalars.stride_vr), shared)
     pod = _pod_part_ctx(
-        Io(q_ptr_d, o_ptr_d, lse_ptr_d),
+        Io(q_ptr_d, o_ptr_d, lse_ptr_d, q_rows_ptr_d),
         Keys(k_desc_d, v_desc_d, scalars_d.qk_scale, page_idx_ptr_d, scalars_d.k_page_rows,
              scalars_d.v_page_rows),
         (scalars_d.qt, scalars_d.qh, scalars_d.ot, scalars_d.oh, scalars_d.lt, scalars_d.lh),
@@ -1404,16 +1408,19 @@ def _gluon_pod_fwd(
     if PINGPONG:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True,
+                         Q_ROWS_D)),
             (_ws_group, (1, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True,
+                         Q_ROWS_D)),
             (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
                           STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D)),
         ], [num_warps, LOAD_WARPS], [GROUP_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
-                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True)),
+                         BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True,
+                         Q_ROWS_D)),
             (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
                           STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D)),
         ], [LOAD_WARPS], [PRODUCER_REGS])
@@ -1562,7 +1569,7 @@ def kv_descriptor(t2: torch.Tensor, d: int, block_n: int) -> TensorDescriptor:
 
 def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | None,
            qk_scale: float, causal: bool, block_m: int, tile: Tile | tuple | None = None,
-           paged: tuple | None = None):
+           paged: tuple | None = None, q_rows: torch.Tensor | None = None):
     """One launch of the Gluon kernel. Ragged (dense None): q [N, Hq, D], work int32 [W, 2],
     indptrs int32 [R + 1], out [N, Hq, D], lse [N, Hq]. Dense: dense = (B, Sq, Skv, tiles per
     entry, pairs per group), q / out [B, Sq, Hq, D], lse [B, Sq, Hq]. k2 / v2: the kv_2d
@@ -1571,7 +1578,11 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     table int32 [P], last page lengths int32 [R], K and V page_rows) with k2 / v2 the caches'
     views and kv_indptr the page indptr; pages smaller than BLOCK_N (page_fits) are read a
     box per page by the warp-specialized kernel, pages of 1-7 keys (page_gathered) gathered by
-    its producer warp group."""
+    its producer warp group. q_rows (ragged only): None, or int32 [R] on q's device: the
+    launch's rows (those of qo_indptr, out and lse, R of them) read q's rows q_rows, Q then
+    through registers."""
+    if q_rows is not None and dense is not None:
+        raise ValueError("q_rows: a row map is for ragged and paged launches, not dense ones")
     d = q.shape[-1]
     hq = q.shape[-2]
     hkv = k2.shape[1] // d
@@ -1625,14 +1636,12 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         grid = (n_items, hkv)
     # the persistent programs' item counter (never read otherwise; the launch leaves it 0)
     sched = _launch.counter(q.device, resets=True) if persistent else work_arg
-    pdl = persistent and getattr(_TLS, "after_q_writer", False)
-    if pdl:
-        opts["launch_pdl"] = True
     # Q by the load warp's TMA (persistent, one query head per KV head, Q's rows a 2D view;
     # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
     # slot)
     q2 = None
-    if (persistent and not p_smem and hq == hkv and q.numel() and q.stride(-1) == 1
+    if (persistent and not p_smem and hq == hkv and q_rows is None and q.numel()
+            and q.stride(-1) == 1
             and q.stride(-2) == d and q.data_ptr() % 16 == 0):
         if dense is None and (q.stride(0) * q.element_size()) % 16 == 0:
             q2, q_req_rows = q.as_strided((q.shape[0], hq * d), (q.stride(0), 1)), 0
@@ -1651,48 +1660,26 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         qo_arg, kv_arg, page_idx, last, PageRows(k_rows, v_rows), RowStrides(*qs, *os_, *ls),
         qk_scale, WorkSizes(n_items, n_req, hkv, tiles, group, sq, skv), sched, q_desc,
         q_req_rows, k2, v2, GatherStrides(k2.stride(0), v2.stride(0)),
+        work_arg if q_rows is None else q_rows,  # (never read without a row map)
         SOURCE=Source(PAGED=(PAGED_GATHER.value if gather else PAGED_BOXES.value) if paged
                       else 0, PAGE=page, BOXES=boxes, WIDE=gather and wide),
         SHAPE=Shape(GROUP=hq // hkv, CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n, D=d,
                     STAGES=stages),
         SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
                           PERSISTENT=persistent, PINGPONG=pingpong,
-                          PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs, PDL=pdl),
+                          PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs,
+                          Q_ROWS=q_rows is not None),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
-
-
-_TLS = threading.local()
-
-
-@contextlib.contextmanager
-def after_q_writer():
-    """Persistent launches of this kernel in this scope (this thread) are programmatic dependent
-    launches (PDL, launch_pdl) of the launch just before them, which wrote their q and nothing
-    else they read: their programs start, decode their first work item and copy its K / V under
-    that launch's tail, and wait for it to complete before they read Q or claim items from
-    their counter (Schedule.PDL; a launch in between, zeroing the counter's pool, completes
-    before then too). Rows that see no key store 0 / -inf without waiting: their outputs must
-    be memory no launch before touches (fresh outputs), and the launch before must start no
-    dependent early (no launch_dependents), so that all its programs have ended first. For a q
-    written by our own launch right before (the decode key chunks' gathered rows,
-    ops/decode_chunks.py), with that launch really made: their work list, indptrs, page table
-    and K / V were written before that launch started, as every launch waits for all earlier
-    work on its stream."""
-    prev = getattr(_TLS, "after_q_writer", False)
-    _TLS.after_q_writer = True
-    try:
-        yield
-    finally:
-        _TLS.after_q_writer = prev
 
 
 class PodPart(NamedTuple):
     """One part of a POD launch (launch_pod): q [N, Hq, D], the K / V caches' kv_2d "paged"
     views k2 / v2, out [N, Hq, D], lse float32 [N, Hq], indptrs int32 [R + 1] (kv_indptr in
     pages), the page table int32 [P] and last page lengths int32 [R], K and V page_rows, the
-    page size (0: a one-page cache read as contiguous rows, the prefill part only) and the
-    base-2 logit scale."""
+    page size (0: a one-page cache read as contiguous rows, the prefill part only), the
+    base-2 logit scale, and q_rows: None, or (the decode part only) int32 [N] on q's device,
+    row t of out / lse reading q's row q_rows[t] (q then has its own rows)."""
     q: torch.Tensor
     k2: torch.Tensor
     v2: torch.Tensor
@@ -1706,6 +1693,7 @@ class PodPart(NamedTuple):
     v_rows: int
     page: int
     qk_scale: float
+    q_rows: torch.Tensor | None = None
 
 
 def pod_boxes(page: int, block_n: int) -> int:
@@ -1733,6 +1721,8 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
             f"POD's pages at D {d}: prefill {prefill.page} keys, decodes {decode.page}; both "
             f"parts' pages must be read alike, by TMA boxes (page_fits; a one-page prefill cache "
             f"as rows) or gathered (page_gathered; a one-page prefill cache as one page)")
+    if prefill.q_rows is not None:
+        raise ValueError("launch_pod: a row map is the decode part's only (PodPart.q_rows)")
     gather = paged == PAGED_GATHER.value
     page_p = prefill.page
     if gather and page_p == 0:  # a one-page cache: its one page as long as its rows, or more
@@ -1759,14 +1749,17 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
 
     group_regs, producer_regs = partition_regs(gather)
     _launch.run_direct(
-        _gluon_pod_fwd, grid, work, work.shape[0], hkv, _launch.counter(q.device, resets=True),
+        _gluon_pod_fwd, grid, work, PodSizes(work.shape[0], hkv),
+        _launch.counter(q.device, resets=True),
         *part_args(prefill, descs[0]), *part_args(decode, descs[1]),
+        decode.q if decode.q_rows is None else decode.q_rows,  # (never read without a map)
         CONFIG=PodConfig(
             SOURCE=Source(PAGED=paged if page_p else 0, PAGE=page_p, BOXES=boxes[0], WIDE=wide),
             SOURCE_D=Source(PAGED=paged, PAGE=decode.page, BOXES=boxes[1], WIDE=wide),
             SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
                         BLOCK_N=block_n, D=d, STAGES=tile.stages),
-            PINGPONG=pingpong, GROUP_REGS=group_regs, PRODUCER_REGS=producer_regs),
+            PINGPONG=pingpong, GROUP_REGS=group_regs, PRODUCER_REGS=producer_regs,
+            Q_ROWS_D=decode.q_rows is not None),
         num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
     return prefill.out, prefill.lse, decode.out, decode.lse
 

@@ -990,10 +990,11 @@ def _ask(work, qo_indptr, page_idx=None, pod=False) -> dict:
                 pages=None if page_idx is None else page_idx.shape[0])
 
 
-def _lse_out(q, params) -> torch.Tensor:
-    """The LSE output of a ragged / paged launch: float32 [Nq, Hq], or [Nq, Hq, 2] (LSE, row
-    max) with row_max (_store_final's STATS)."""
-    shape = (q.shape[0], q.shape[1], 2) if params.get("row_max") else (q.shape[0], q.shape[1])
+def _lse_out(q, params, rows=None) -> torch.Tensor:
+    """The LSE output of a ragged / paged launch: float32 [rows, Hq] (rows: q's by default),
+    or [rows, Hq, 2] (LSE, row max) with row_max (_store_final's STATS)."""
+    rows = q.shape[0] if rows is None else rows
+    shape = (rows, q.shape[1], 2) if params.get("row_max") else (rows, q.shape[1])
     return q.new_empty(shape, dtype=torch.float32)
 
 
@@ -1016,13 +1017,14 @@ def _ragged_args(q, k, v, qo_indptr, kv_indptr, packed_mask, mask_indptr, alibi_
 
 def _paged_args(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
                 packed_mask, mask_indptr, alibi_slopes, sinks, block_m, out_dtype, params,
-                work, pod=False, page_size=None, flags=None):
+                work, pod=False, page_size=None, flags=None, rows=None):
     """batch_paged_prefill: q [Nq, Hq, Dqk], caches [P, page, Hkv, D] (any strides); work as
     _ragged_args'; pod: a part of POD's launch; page_size: the kernel's page-size constexpr
     (default the cache's; a one-page cache may pass any size at least its page's); flags as
-    _program_args'."""
-    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
-    lse = _lse_out(q, params)
+    _program_args'; rows: the outputs' rows (default q's: a row map's count)."""
+    rows = q.shape[0] if rows is None else rows
+    out = q.new_empty((rows, q.shape[1], vc.shape[-1]), dtype=out_dtype)
+    lse = _lse_out(q, params, rows)
     args = _program_args(
         KV_PAGED, q, kc, vc, out, lse,
         (0, q.stride(0), q.stride(1), q.stride(2)),
@@ -1050,10 +1052,12 @@ def _ensure_allocator() -> None:
     triton.set_allocator(_scratch)
 
 
-def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0):
+def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v_scale=1.0,
+                    q_rows=None):
     """The prefill launch as choose.choose decided it (cfg["launch"]); with a split plan (work
     [W, 4], merge [T, 4]) the chunks of a split tile write float32 partials and _merge_fwd
-    combines them (a second launch). Dense mode: tiles per batch entry."""
+    combines them (a second launch). Dense mode: tiles per batch entry. q_rows: the Gluon
+    kernel's row map (launch_paged: only where that kernel launches)."""
     prog_args, consts, cfg = args
     choice = cfg["launch"]
     group = choice.group
@@ -1089,7 +1093,7 @@ def _launch_prefill(grid, work, tiles, out, lse, args, merge=None, sinks=None, v
                              dense=dense, paged=paged,
                              qk_scale=gl_args["qk_scale"],
                              causal=consts["MASK_MODE"] == MASK_CAUSAL, block_m=consts["BLOCK_M"],
-                             tile=choice.gluon_tile)
+                             tile=choice.gluon_tile, q_rows=q_rows)
     counter = unread
     if consts["TMA"] == 3:
         grid = (choice.programs,)
@@ -1139,15 +1143,27 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, packed_mask, mask_indptr,
 
 def launch_paged(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
                  kv_last_page_len, work, packed_mask, mask_indptr, alibi_slopes, sinks, block_m,
-                 merge=None, *, out_dtype, **params):
-    """batch_paged_prefill: grid (work items, Hkv)."""
-    out, lse, args = _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr,
-                                 kv_page_indices, kv_last_page_len, packed_mask, mask_indptr,
-                                 alibi_slopes, sinks, block_m, out_dtype, params, work)
-    if work.shape[0] == 0 or q.shape[0] == 0:
+                 merge=None, q_rows=None, *, out_dtype, **params):
+    """batch_paged_prefill: grid (work items, Hkv). q_rows: the op's row map (contracts): the
+    Gluon kernel reads q's rows through it; any other launch takes q[q_rows]."""
+    def prepare(q, rows=None):
+        return _paged_args(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv_page_indices,
+                           kv_last_page_len, packed_mask, mask_indptr, alibi_slopes, sinks,
+                           block_m, out_dtype, params, work, rows=rows)
+
+    rows = q.shape[0] if q_rows is None else q_rows.shape[0]
+    out, lse, args = prepare(q, rows)
+    if q_rows is not None and args.cfg.get("gluon") is None:
+        # the Triton kernel takes no row map: q's rows gathered first (a launch of the call,
+        # so that a bound call replays it)
+        from .decode_chunks import gather_rows
+
+        q, q_rows = gather_rows(q, q_rows), None
+        out, lse, args = prepare(q)
+    if work.shape[0] == 0 or rows == 0:
         return out, lse
     return _launch_prefill((work.shape[0], k_cache.shape[2]), work, 1, out, lse, args, merge,
-                           sinks, params["v_scale"])
+                           sinks, params["v_scale"], q_rows)
 
 
 def pod_choice(q_p, k_cache_p, v_cache_p, kv_page_indices_p, q_d, k_cache_d, v_cache_d,
@@ -1173,8 +1189,10 @@ def pod_choice(q_p, k_cache_p, v_cache_p, kv_page_indices_p, q_d, k_cache_d, v_c
 def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
                kv_last_page_len_p, q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d,
                kv_page_indices_d, kv_last_page_len_d, work, packed_mask_p, mask_indptr_p,
-               alibi_slopes, block_m, p_params, d_params):
-    """pod_prefill_decode: one launch, grid (work items, Hkv); work rows (part, req, row)."""
+               alibi_slopes, block_m, p_params, d_params, q_rows_d=None):
+    """pod_prefill_decode: one launch, grid (work items, Hkv); work rows (part, req, row).
+    q_rows_d: the decode part's row map (contracts): the Gluon POD launch reads q_d's rows
+    through it; the Triton kernel's launch takes q_d's rows gathered first."""
     if k_cache_p.shape[2] != k_cache_d.shape[2] or q_p.shape[1] != q_d.shape[1]:
         raise ValueError(
             "pod_prefill_decode: the prefill and decode parts must have the same numbers of "
@@ -1184,15 +1202,20 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
         q_p, k_cache_p, v_cache_p, kv_page_indices_p, q_d, k_cache_d, v_cache_d, alibi_slopes,
         block_m, p_params, d_params)
     if gluon:
-        parts = [_pod_part(*x, out_dtype, params, flags[0]["qk_scale"]) for x, params, flags in (
+        parts = [_pod_part(*x, out_dtype, params, flags[0]["qk_scale"], rows)
+                 for x, params, flags, rows in (
             ((q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page_indices_p,
-              kv_last_page_len_p, one_page), p_params, flags_p),
+              kv_last_page_len_p, one_page), p_params, flags_p, None),
             ((q_d, k_cache_d, v_cache_d, qo_indptr_d, kv_page_indptr_d, kv_page_indices_d,
-              kv_last_page_len_d, False), d_params, flags_d))]
-        if work.shape[0] == 0 or (q_p.shape[0] == 0 and q_d.shape[0] == 0):
+              kv_last_page_len_d, False), d_params, flags_d, q_rows_d))]
+        if work.shape[0] == 0 or (q_p.shape[0] == 0 and parts[1].out.shape[0] == 0):
             return parts[0].out, parts[0].lse, parts[1].out, parts[1].lse
         return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
                                  block_m=block_m)
+    if q_rows_d is not None:  # (the Triton kernel takes no row map)
+        from .decode_chunks import gather_rows
+
+        q_d = gather_rows(q_d, q_rows_d)
     # A one-page prefill cache (its page as long as the prefill's keys) is launched with a
     # fixed page-size constexpr of at least its length (tiles.one_page_size).
     out_p, lse_p, args_p = _paged_args(
@@ -1218,11 +1241,13 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
 
 
 def _pod_part(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_page_len,
-              one_page, out_dtype, params, qk_scale):
+              one_page, out_dtype, params, qk_scale, q_rows=None):
     """A POD part for prefill_gluon.launch_pod (its out and lse allocated): q [N, Hq, D],
-    caches [P, page, Hkv, D] (one_page: a one-page cache, read as rows)."""
-    out = q.new_empty((q.shape[0], q.shape[1], vc.shape[-1]), dtype=out_dtype)
+    caches [P, page, Hkv, D] (one_page: a one-page cache, read as rows); q_rows: a row map
+    (the outputs then have its rows)."""
+    rows = q.shape[0] if q_rows is None else q_rows.shape[0]
+    out = q.new_empty((rows, q.shape[1], vc.shape[-1]), dtype=out_dtype)
     return _gluon.PodPart(q, _gluon.kv_2d(kc, "paged"), _gluon.kv_2d(vc, "paged"), out,
-                          _lse_out(q, params), qo_indptr, kv_page_indptr, kv_page_indices,
+                          _lse_out(q, params, rows), qo_indptr, kv_page_indptr, kv_page_indices,
                           kv_last_page_len, _gluon.page_rows(kc), _gluon.page_rows(vc),
-                          0 if one_page else kc.shape[1], qk_scale)
+                          0 if one_page else kc.shape[1], qk_scale, q_rows)

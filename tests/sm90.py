@@ -157,13 +157,14 @@ def compile_triton(fn, args, kw):
 
 
 # ---- the Gluon kernel ---------------------------------------------------------------------
-def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False, q_tma=True):
+def gluon_source(dense, page, block_m, d, causal, ws, pp, short, q_tma=True, q_rows=False):
     """The Gluon kernel's compile for sm_90 as launch() would set it up: tile TILES[block_m, d]
     (short: GATHER_SHORT_TILE) with ws / pp (warp-specialized, ping-pong) as given, page size
     page (0: contiguous K / V; dense: a dense batch), bf16. Returns (source, options, facts):
-    facts holds what the launch derives (block_n, box, gather, persistent, regs, paged). pdl:
-    a programmatic dependent launch (Schedule.PDL). q_tma False: a persistent launch takes Q
-    through registers (GQA 4:1) instead of the load warp's TMA."""
+    facts holds what the launch derives (block_n, box, gather, persistent, regs, paged). q_tma
+    False: a persistent launch takes Q through registers (GQA 4:1) instead of the load warp's
+    TMA. q_rows: Q's rows through a row map (Schedule.Q_ROWS; Q through registers, as launch()
+    takes it)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -190,11 +191,13 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False, q_tm
     # them, page 1 the int32 ones)
     consts = dict(SOURCE=G.Source(PAGED=paged_mode, PAGE=page, BOXES=block_n // box,
                                   WIDE=page == 3),
-                  SHAPE=G.Shape(GROUP=1 if persistent and q_tma else 4, CAUSAL=causal,
+                  SHAPE=G.Shape(GROUP=1 if persistent and q_tma and not q_rows else 4,
+                                CAUSAL=causal,
                                 BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages),
-                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent and q_tma, P_SMEM=p_smem, WS=ws,
-                                      PERSISTENT=persistent, PINGPONG=pp,
-                                      PRODUCER_REGS=regs[1], GROUP_REGS=regs[0], PDL=pdl),
+                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent and q_tma and not q_rows,
+                                      P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, PINGPONG=pp,
+                                      PRODUCER_REGS=regs[1], GROUP_REGS=regs[0],
+                                      Q_ROWS=q_rows),
                   num_warps=warps // 2 if pp else warps)
     # the bundles' field types as the launch's specialization names them (named tuples: the
     # kernel reads their fields by name); a page of one row: the launch specializes
@@ -206,7 +209,7 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False, q_tm
                  sched_ptr="*i32", q_desc=f"tensordesc<bf16[{block_m}, {d}],{q_layout}>",
                  k_ptr="*bf16", v_ptr="*bf16", page_rows=G.PageRows(rows, rows),
                  row_strides=G.RowStrides(*["i32"] * 9), work_sizes=G.WorkSizes(*["i32"] * 7),
-                 gather_strides=G.GatherStrides("i32", "i32"))
+                 gather_strides=G.GatherStrides("i32", "i32"), q_rows_ptr="*i32")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     at = fn.arg_names.index
     constexprs = {(at(n),): v for n, v in consts.items()}
@@ -225,12 +228,12 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, pdl=False, q_tm
     return src, opts, facts
 
 
-def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
+def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128, q_rows=False):
     """_gluon_pod_fwd's compile for sm_90 as prefill_gluon.launch_pod would set it up on the
     tile TILES[block_m, d], bf16: the prefill part's pages of page_p keys (0: the one-page
     cache, read as contiguous rows beside boxes, as one page beside gathers), the decodes' of
-    page_d (gathered where prefill_gluon.page_gathered says: both parts then). Returns
-    (source, options)."""
+    page_d (gathered where prefill_gluon.page_gathered says: both parts then); q_rows: the
+    decodes' Q rows through a row map (PodConfig.Q_ROWS_D). Returns (source, options)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -262,12 +265,13 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128):
                                     BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
                       PINGPONG=tile.pingpong,
                       GROUP_REGS=G.partition_regs(gather)[0],
-                      PRODUCER_REGS=G.partition_regs(gather)[1]),
+                      PRODUCER_REGS=G.partition_regs(gather)[1], Q_ROWS_D=q_rows),
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
     # each part's scalars; lse [N, Hq]: its head stride 1 is specialised as a constexpr by the
     # launch
     scalars = G.PartScalars(*["i32"] * 7, "constexpr", "fp32", "i32", "i32")
-    types = dict(work_ptr="*i32", sched_ptr="*i32")
+    types = dict(work_ptr="*i32", sched_ptr="*i32", q_rows_ptr_d="*i32",
+                 sizes=G.PodSizes("i32", "i32"))
     for sfx, dsc in (("", dp), ("_d", dd)):
         types.update({f"q_ptr{sfx}": "*bf16", f"o_ptr{sfx}": "*bf16", f"lse_ptr{sfx}": "*fp32",
                       f"k_desc{sfx}": dsc, f"v_desc{sfx}": dsc, f"qo_indptr_ptr{sfx}": "*i32",

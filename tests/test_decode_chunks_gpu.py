@@ -158,12 +158,13 @@ def test_cuda_graph_replay_after_replan():
 
 
 @pytest.mark.parametrize("name", ["odd", "page1-gqa7", "mha"])
-def test_dependent_launches_give_the_same_bits(name, monkeypatch):
-    """The paged launch as a programmatic dependent of the gather, and the merge of the paged
-    launch (decode_chunks.GATHER_PDL / MERGE_PDL, Hopper): each reads what the launch before it
-    wrote only after that launch completes, so the output equals the plain launches' bit for
-    bit: the recording call, its bound replay and a CUDA graph's replay. Q by registers (GQA),
-    gathered pages (page 1) and Q by the load warp's TMA (one query head a KV head)."""
+def test_chunk_launches_read_q_in_place_and_merge_after_the_paged_launch(name, monkeypatch):
+    """A chunked run() is two launches: the paged one, whose chunk rows read q's rows in place
+    through the plan's row map (no gathered copy), and the merge, a programmatic dependent of
+    it (decode_chunks.MERGE_PDL, Hopper) that reads what the paged launch wrote only after it
+    completes: the output equals the plain merge launch's bit for bit, in the recording call,
+    its bound replay and a CUDA graph's replay. Q by registers (GQA), gathered pages (page 1)
+    and one query head a KV head (Q through the row map there too, not the load warp's TMA)."""
     from compiled_attn.ops import decode_chunks, launch
 
     assert decode_chunks._pdl(torch.device("cuda")) == dict(PDL=True, launch_pdl=True)
@@ -172,26 +173,24 @@ def test_dependent_launches_give_the_same_bits(name, monkeypatch):
     got, seen = {}, []
     orig = launch.run_direct
 
-    def spy(fn, grid, *a, **kw):  # (kernel, launched as a dependent, its PDL constexpr)
+    def spy(fn, grid, *a, **kw):  # (kernel, launched as a dependent, PDL / Q_ROWS constexpr)
         sched = kw.get("SCHEDULE")
         seen.append((fn.fn.__name__, kw.get("launch_pdl", False),
-                     bool(sched.PDL) if sched is not None else kw.get("PDL", False)))
+                     bool(sched.Q_ROWS) if sched is not None else kw.get("PDL", False)))
         return orig(fn, grid, *a, **kw)
 
     monkeypatch.setattr(launch, "run_direct", spy)
     for pdl in (True, False):
         monkeypatch.setattr(decode_chunks, "MERGE_PDL", pdl)
-        monkeypatch.setattr(decode_chunks, "GATHER_PDL", pdl)
         seen.clear()
         w = ca.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
         w.plan(indptr(qo), kvi, idx, last, hq, hkv, D, page, causal=True,
                q_data_type=torch.bfloat16)
         assert w._plan.chunk_work is not None
         recorded = w.run(q, cache, return_lse=True)
-        assert seen == [("_gather_rows", False, False), ("_gluon_fwd", pdl, pdl),
-                        ("_merge_chunks", pdl, pdl)]
+        assert seen == [("_gluon_fwd", False, True), ("_merge_chunks", pdl, pdl)]
         replayed = w.run(q, cache, return_lse=True)  # (the bound call: no new launch path)
-        assert len(seen) == 3 and all(torch.equal(a, b) for a, b in zip(replayed, recorded))
+        assert len(seen) == 2 and all(torch.equal(a, b) for a, b in zip(replayed, recorded))
         graph, g_out = capture_graph(lambda: w.run(q, cache, return_lse=True))
         for t in g_out:
             t.fill_(float("nan"))
@@ -200,3 +199,49 @@ def test_dependent_launches_give_the_same_bits(name, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(g_out, recorded))
         got[pdl] = recorded
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+
+
+@pytest.mark.parametrize("name", ["odd", "page1-gqa7", "mha"])
+def test_row_map_equals_the_gathered_rows(name, monkeypatch):
+    """batch_paged_prefill's row map (q_rows) on the Gluon kernel: the launch's rows read q's
+    rows q_rows in place and give the bits of the same launch on q[q_rows] gathered (rows in
+    any order, repeated, some of q's never read; a request without keys among them). POD's
+    (q_rows_d) runs in test_pod_gluon_gpu's decode-chunk cases."""
+    from compiled_attn.ops import MASK_CAUSAL, POS_NONE, launch, schedule
+
+    seen = []
+    orig = launch.run_direct
+
+    def spy(fn, grid, *a, **kw):
+        seen.append((fn.fn.__name__, kw["SCHEDULE"].Q_ROWS if "SCHEDULE" in kw else None))
+        return orig(fn, grid, *a, **kw)
+
+    monkeypatch.setattr(launch, "run_direct", spy)
+
+    qo, kv, page, hq, hkv = CASES[name]
+    q, cache, kvi, idx, last = _case(qo, kv, page, hq, hkv, seed=11)
+    n = q.shape[0]
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, n, (len(qo) * 3,), generator=g).to(torch.int32)
+    # three one-row requests over each request's pages, each reading a random row of q
+    pages = [idx[int(kvi[b]):int(kvi[b + 1])] for b in range(len(qo)) for _ in range(3)]
+    idx_c = torch.cat(pages).to(torch.int32)
+    kvi_c = indptr([p.numel() for p in pages])
+    last_c = last.repeat_interleave(3)
+    qo_c = indptr([1] * rows.numel())
+    kv_c = [kv[b] for b in range(len(qo)) for _ in range(3)]
+    group = hq // hkv
+    block_m = 64
+    work = schedule.build_work([1] * rows.numel(), group, block_m, "cpu", kv_lens=kv_c)
+    k, v = cache[:, 0], cache[:, 1]
+    dev = dict(device="cuda")
+    args = (k, v, qo_c.to(**dev), kvi_c.to(**dev), idx_c.to(**dev), last_c.to(**dev),
+            work.to(**dev), None, None, None, None, block_m, MASK_CAUSAL, -1, 0, D ** -0.5, 0.0,
+            POS_NONE, 1.0, 1e4, 1.0, torch.bfloat16)
+    op = torch.ops.compiled_attn.batch_paged_prefill
+    mapped = op(q, *args, q_rows=rows.cuda())
+    gathered = op(q[rows.long().cuda()], *args)
+    assert seen == [("_gluon_fwd", True), ("_gluon_fwd", False)]
+    assert mapped[0].shape == (rows.numel(), hq, D)
+    assert not mapped[0].isnan().any() and not mapped[1].isnan().any()
+    assert torch.equal(mapped[0], gathered[0]) and torch.equal(mapped[1], gathered[1])

@@ -88,17 +88,17 @@ GLUON_FLAT = (
     "work_ptr q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
     "last_page_len_ptr k_page_rows v_page_rows qb qt qh ob ot oh lb lt lh qk_scale n_items "
     "n_req n_hkv dense_tiles dense_group dense_qo_len dense_kv_len sched_ptr q_desc q_req_rows "
-    "k_ptr v_ptr stride_kr stride_vr").split()
+    "k_ptr v_ptr stride_kr stride_vr q_rows_ptr").split()
 _PART = ("q_ptr k_desc v_desc o_ptr lse_ptr qo_indptr_ptr kv_indptr_ptr page_idx_ptr "
          "last_page_len_ptr k_ptr v_ptr k_page_rows v_page_rows qt qh ot oh lt lh qk_scale "
          "stride_kr stride_vr").split()
 GLUON_POD_FLAT = ["work_ptr", "n_items", "n_hkv", "sched_ptr", *_PART,
-                  *[n if n in G_SCALARS else n + "_d" for n in _PART]]
+                  *[n if n in G_SCALARS else n + "_d" for n in _PART], "q_rows_ptr_d"]
 
 
 def test_gluon_bundles_flatten_to_the_flat_order():
     G = pytest.importorskip("compiled_attn.ops.prefill_gluon", exc_type=ImportError)
-    bundles = {"page_rows": G.PageRows, "row_strides": G.RowStrides,
+    bundles = {"page_rows": G.PageRows, "row_strides": G.RowStrides, "sizes": G.PodSizes,
                "work_sizes": G.WorkSizes, "gather_strides": G.GatherStrides,
                "scalars": G.PartScalars, "scalars_d": G.PartScalars}
     for kernel, flat in ((G._gluon_fwd, GLUON_FLAT), (G._gluon_pod_fwd, GLUON_POD_FLAT)):

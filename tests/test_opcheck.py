@@ -100,6 +100,9 @@ def paged_args(variant: str, qo_lens=(4, 2), kv_lens=(9, 5), page=4):
     elif variant == "rope":
         tail = _tail(MASK_CAUSAL, pos=POS_ROPE_LLAMA, window=3)
     extra = (None, True, 2.0) if variant == "stats_skip" else ()  # merge, row_max, skip
+    if variant == "q_rows":  # the op's rows read q's rows through a map (decode key chunks)
+        extra = (None, False, 0.0, torch.tensor([1, 0, 2, 1, 1, 0], dtype=torch.int32))
+        q = q[:3]
     return (q, kc, vc, indptr(qo_lens), indptr(npages), idx, last, work, packed, mind, None,
             None, bm) + tail + extra
 
@@ -130,7 +133,7 @@ CASES = (
     + [("batch_ragged_prefill", ragged_args, v)
        for v in ("plain", "custom_mask", "alibi", "sinks_chunk", "stats_skip")]
     + [("batch_paged_prefill", paged_args, v)
-       for v in ("plain", "custom_mask", "rope", "gqa7", "stats_skip")]
+       for v in ("plain", "custom_mask", "rope", "gqa7", "stats_skip", "q_rows")]
     + [("pod_prefill_decode", pod_args, v) for v in ("plain", "alibi_mask")]
 )
 IDS = [f"{c[0]}-{c[2]}" for c in CASES]

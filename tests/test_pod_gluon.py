@@ -58,6 +58,23 @@ def test_pod_kernel_compiles_for_sm90(page_p, page_d, causal, block_m):
     assert len(re.findall(r"wgmma\.mma_async", ptx)) > 0
 
 
+@pytest.mark.parametrize("page_p,page_d,block_m", [(0, 16, 128), (0, 1, 64)])
+def test_pod_kernel_with_the_decodes_row_map_compiles_for_sm90(page_p, page_d, block_m):
+    """The decodes' Q rows through a row map (PodConfig.Q_ROWS_D: POD's decode key chunks read
+    q_d's rows in place): other code than without it, and the same shared memory."""
+    import triton
+
+    from .sm90 import gluon_pod_source, target
+
+    k = {q_rows: triton.compile(gluon_pod_source(page_p, page_d, True, block_m=block_m,
+                                                 q_rows=q_rows)[0], target=target(),
+                                options=gluon_pod_source(page_p, page_d, True,
+                                                         block_m=block_m)[1])
+         for q_rows in (True, False)}
+    assert k[True].asm["ptx"] != k[False].asm["ptx"]
+    assert k[True].metadata.shared == k[False].metadata.shared
+
+
 def _part(n_rows, pages, page, hq=8, hkv=2, d=128, dtype=BF16, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n_rows, hq, d, generator=g).to(dtype)
@@ -195,7 +212,9 @@ def test_launch_pod_arguments(one_page, monkeypatch):
     # persistent: a 1D grid of the programs a 2-SM GPU holds (one 128-row tile each), at most
     # one per item (7 rows x 2 KV heads)
     assert rec.grid == (2 * G._WS_CTAS[8], )
-    assert (rec.arg("n_items"), rec.arg("n_hkv")) == (7, 2)
+    assert rec.arg("sizes") == (7, 2)  # (PodSizes: work rows, KV heads)
+    # no row map: the decodes' Q rows are their own (the map's pointer never read)
+    assert not rec.kw["CONFIG"].Q_ROWS_D and rec.arg("q_rows_ptr_d") is parts[1].q
     kw, cfg = rec.kw, rec.kw["CONFIG"]
     assert cfg.SOURCE == ((0, 0, 1, False) if one_page else (1, 16, 8, False))
     assert cfg.SOURCE_D == (1, 8, 16, False)

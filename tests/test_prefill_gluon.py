@@ -64,26 +64,25 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     assert (regs[0] in raised) == pp
 
 
-@pytest.mark.parametrize("page,block_m,q_tma", [(16, 64, True), (16, 64, False), (1, 64, False),
-                                                (16, 128, True)])
-def test_dependent_launch_compiles_for_sm90(page, block_m, q_tma):
-    """A persistent launch as a programmatic dependent of the one before it (Schedule.PDL:
-    prefill_gluon.after_q_writer) waits for it (griddepcontrol.wait) in its load warp (before
-    Q's TMA and its counter's claims) and, with Q through registers, its compute groups (before
-    Q's loads); without PDL it never waits."""
+@pytest.mark.parametrize("page,block_m,ws", [(16, 64, True), (1, 64, True), (0, 128, False)])
+def test_q_row_map_compiles_for_sm90(page, block_m, ws):
+    """Q's rows through a row map (Schedule.Q_ROWS: decode key chunks reading q's rows in
+    place) load the map's rows in the compute groups (persistent or a program an item; boxes,
+    gathered pages or contiguous rows): one more 32-bit global load than without the map."""
     import triton
 
     from .sm90 import gluon_source, target
 
-    for pdl in (True, False):
-        src, opts, facts = gluon_source(False, page, block_m, 128, True, True, block_m == 128,
-                                        False, pdl=pdl, q_tma=q_tma)
-        assert facts["persistent"]
-        ptx = triton.compile(src, target=target(), options=opts).asm["ptx"]
-        # (load warp: before the claims and Q's TMA; or before the claims, and the compute
-        # group before Q's loads)
-        assert ptx.count("griddepcontrol.wait") >= (2 if pdl else 0) and \
-            ("griddepcontrol.wait" in ptx) == pdl
+    ptx = {}
+    for q_rows in (True, False):
+        src, opts, facts = gluon_source(False, page, block_m, 128, True, ws, False, False,
+                                        q_tma=False, q_rows=q_rows)
+        assert facts["persistent"] == (ws and block_m == 64)
+        ptx[q_rows] = triton.compile(src, target=target(), options=opts).asm["ptx"]
+    assert ptx[True] != ptx[False]
+    # (the map's int32 rows: one more global load of 32-bit words than without it)
+    loads = {k: len(re.findall(r"ld\.global[^\n]*\.b32", v)) for k, v in ptx.items()}
+    assert loads[True] > loads[False], loads
 
 
 def test_kv_2d_views():
@@ -423,6 +422,30 @@ def test_launch_q_box(layout, monkeypatch):
         assert q_desc.base.data_ptr() == q.data_ptr() and q_req_rows == (40 if dense else 0)
     else:
         assert not rec.kw["SCHEDULE"].Q_TMA and q_req_rows == 0
+
+
+def test_launch_q_row_map(monkeypatch):
+    # A row map (q_rows: decode key chunks reading q's rows in place) goes to the kernel with
+    # Q_ROWS on and Q through registers (a TMA box reads consecutive rows), on a launch that
+    # would take Q by TMA without it; outputs have the map's rows; dense launches refuse it
+    rec, q, out, lse, work = _one_item_launch(monkeypatch)
+    k2 = gluon_mod.kv_2d(torch.randn(50, 2, 128, dtype=torch.bfloat16), "ragged")
+    rows = torch.tensor([3, 3, 0, 39, 7], dtype=torch.int32)
+    out5, lse5 = torch.empty(5, 2, 128, dtype=torch.bfloat16), torch.empty(5, 2)
+    indptr = torch.tensor([0, 5], dtype=torch.int32)
+    for q_rows in (None, rows):
+        o, l_ = (out, lse) if q_rows is None else (out5, lse5)
+        gluon_mod.launch(q, k2, k2, o, l_, indptr, indptr, work, dense=None, qk_scale=0.1,
+                         causal=True, block_m=64, q_rows=q_rows)
+        sched = rec.kw["SCHEDULE"]
+        assert sched.Q_ROWS == (q_rows is not None) and sched.Q_TMA == (q_rows is None)
+        assert rec.arg("q_ptr") is q and rec.arg("o_ptr") is o
+        if q_rows is not None:
+            assert rec.arg("q_rows_ptr") is rows
+    with pytest.raises(ValueError, match="q_rows"):
+        gluon_mod.launch(q.unsqueeze(0), k2, k2, out.unsqueeze(0), lse.unsqueeze(0), indptr,
+                         indptr, work, dense=(1, 40, 50, 1, 1), qk_scale=0.1, causal=True,
+                         block_m=64, q_rows=rows)
 
 
 @pytest.mark.parametrize("block_m,d,block_n,stages", [(128, 64, 128, 3), (128, 256, 64, 2)])
