@@ -926,9 +926,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         and tile the launch policy cuts for (choose.decode_chunk_sms), cuts each request's pages
         into chunk requests (schedule.build_decode_chunks) that run() launches instead of the
         split plan: one paged launch whose chunk rows read their query rows of q in place (the
-        op's row map, chunk_src), then a merge (ops/decode_chunks.py). In CUDA-graph mode the first plan decides for the wrapper: if
-        it is cut, every re-plan is (into buffers sized at the first plan, padded; one chunk a
-        request where the batch would not be cut), so that a captured run() serves it."""
+        op's row map, chunk_src), then a merge (ops/decode_chunks.py). In CUDA-graph mode the
+        first plan decides for the wrapper: if it is cut, every re-plan is (into buffers sized
+        at the first plan, padded; one chunk a request where the batch would not be cut), so
+        that a captured run() serves it."""
         none = dict.fromkeys(_CHUNK_FIELDS)
         graph = self._use_cuda_graph
         if graph and self._chunk_bufs is False:

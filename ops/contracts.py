@@ -209,6 +209,20 @@ def _out_pair(q: Tensor, lead: tuple, dvo: int, out_dtype: torch.dtype | None,
     return out, lse
 
 
+def _check_q_rows(name: str, q_rows: Tensor | None, q: Tensor) -> int:
+    """The rows of an op whose q rows come through the row map ``q_rows`` (None: q's own):
+    a 1-D int32 tensor on q's device. Its entries must lie in [0, q's rows), like the indptrs'
+    the caller's contract (the wrappers build it at plan time), unchecked here: a check would
+    read the device."""
+    if q_rows is None:
+        return q.shape[0]
+    if q_rows.dim() != 1 or q_rows.dtype != torch.int32 or q_rows.device != q.device:
+        raise ValueError(f"{name}: a row map is a 1-D int32 tensor on q's device "
+                         f"({q.device}); got {q_rows.dtype} {tuple(q_rows.shape)} on "
+                         f"{q_rows.device}")
+    return q_rows.shape[0]
+
+
 def _stats_skip(row_max: bool, skip_softmax: float) -> dict:
     """The ragged and paged ops' two approximation / statistics options, checked.
 
@@ -342,10 +356,11 @@ def _batch_paged_prefill(
     kv_last_page_len int32 [B] in [1, page]. work, block_m, packed_mask, mask_indptr, merge,
     row_max, skip_softmax: as batch_ragged_prefill. q_rows: None, or int32 [R]: the op's
     rows are q's rows q_rows (q[q_rows], read in place where the kernel takes a row map: decode
-    key chunks, each chunk a request of its own over its request's query row); qo_indptr then
-    splits those R rows. Returns out [Nq, Hq, Dvo], lse [Nq, Hq] (row_max: [Nq, Hq, 2]); with
-    q_rows, R rows each.
+    key chunks, each chunk a request of its own over its request's query row; entries in [0,
+    Nq)); qo_indptr then splits those R rows. Returns out [Nq, Hq, Dvo], lse [Nq, Hq] (row_max:
+    [Nq, Hq, 2]); with q_rows, R rows each.
     """
+    _check_q_rows("q_rows", q_rows, q)
     params = _params(mask_mode, window_left, chunk_size, sm_scale, logits_soft_cap,
                      pos_encoding_mode, rope_scale, rope_theta, v_scale)
     if _kernel_call(q, out_dtype):
@@ -371,8 +386,8 @@ def _batch_paged_prefill_fake(q, k_cache, v_cache, qo_indptr, kv_page_indptr, kv
                               logits_soft_cap, pos_encoding_mode, rope_scale, rope_theta,
                               v_scale, out_dtype, merge=None, row_max=False, skip_softmax=0.0,
                               q_rows=None):
-    rows = q.shape[0] if q_rows is None else q_rows.shape[0]
-    return _out_pair(q, (rows,), v_cache.shape[-1], out_dtype, row_max)
+    return _out_pair(q, (_check_q_rows("q_rows", q_rows, q),), v_cache.shape[-1], out_dtype,
+                     row_max)
 
 
 batch_paged_prefill = _register("batch_paged_prefill", _batch_paged_prefill,
@@ -417,6 +432,7 @@ def _pod_prefill_decode(
     row map, as batch_paged_prefill's q_rows (decode key chunks). Returns (out_p, lse_p,
     out_d, lse_d).
     """
+    _check_q_rows("q_rows_d", q_rows_d, q_d)
     p_params, d_params = pod_part_params(
         mask_mode_p, window_left_p, sm_scale_p, logits_soft_cap_p, mask_mode_d, window_left_d,
         sm_scale_d, logits_soft_cap_d, pos_encoding_mode, rope_scale, rope_theta, v_scale,
@@ -448,7 +464,7 @@ def _pod_prefill_decode_fake(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_ind
                              logits_soft_cap_p, mask_mode_d, window_left_d, sm_scale_d,
                              logits_soft_cap_d, pos_encoding_mode, rope_scale, rope_theta,
                              v_scale, out_dtype, q_rows_d=None):
-    rows_d = q_d.shape[0] if q_rows_d is None else q_rows_d.shape[0]
+    rows_d = _check_q_rows("q_rows_d", q_rows_d, q_d)
     out_p, lse_p = _out_pair(q_p, (q_p.shape[0],), v_cache_p.shape[-1], out_dtype or q_p.dtype)
     out_d, lse_d = _out_pair(q_d, (rows_d,), v_cache_d.shape[-1], out_dtype or q_p.dtype)
     return out_p, lse_p, out_d, lse_d

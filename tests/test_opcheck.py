@@ -149,6 +149,17 @@ OPCHECK_PARAMS = [pytest.param(c, u, id=f"{i}-{u}") for c, i in zip(CASES, IDS)
                   for u in DEFAULT_UTILS if u != "test_aot_dispatch_dynamic" or i in _DYNAMIC]
 
 
+def test_row_map_is_checked():
+    # the paged op's and POD's row maps: 1-D int32 on q's device, named when they are not
+    args = list(paged_args("q_rows"))
+    for bad in (torch.tensor([1, 0, 2, 1, 1, 0]), torch.zeros(6, 1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="q_rows: a row map"):
+            OPS.batch_paged_prefill(*args[:-1], bad)
+    p = list(pod_args("plain"))
+    with pytest.raises(ValueError, match="q_rows_d: a row map"):
+        OPS.pod_prefill_decode(*p, torch.zeros(3, dtype=torch.int64))
+
+
 @pytest.mark.parametrize("case,util", OPCHECK_PARAMS)
 def test_opcheck(case, util):
     """One opcheck utility at a time, so a failure names the utility (all four together are

@@ -64,11 +64,11 @@ def test_compiles_for_sm90(dense, page, block_m, d, causal, ws, pp, short):
     assert (regs[0] in raised) == pp
 
 
-@pytest.mark.parametrize("page,block_m,ws", [(16, 64, True), (1, 64, True), (0, 128, False)])
+@pytest.mark.parametrize("page,block_m,ws", [(16, 64, True), (0, 128, False)])
 def test_q_row_map_compiles_for_sm90(page, block_m, ws):
     """Q's rows through a row map (Schedule.Q_ROWS: decode key chunks reading q's rows in
-    place) load the map's rows in the compute groups (persistent or a program an item; boxes,
-    gathered pages or contiguous rows): one more 32-bit global load than without the map."""
+    place) load the map's rows in the compute groups (persistent on boxes, or a program an item
+    on contiguous rows): one more 32-bit global load than without the map."""
     import triton
 
     from .sm90 import gluon_source, target

@@ -70,7 +70,8 @@ def test_chunk_plan_bound_run_replays_its_full_path():
     qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
     w, cache, *_ = _wrapper(qo, kv, page, hq, hkv, causal, dt, "always", seed=5)
     q = rand(sum(qo), hq, 16, seed=6, dtype=dt)
-    first = w.run(q, cache, return_lse=True)  # recorded: the gather, the paged op, the merge
+    first = w.run(q, cache, return_lse=True)  # recorded: the row gather (the Triton kernel
+    # takes no row map), the paged op, the merge
     second = w.run(q, cache, return_lse=True)  # replayed
     assert w._memo.records == 1 and w._memo.hits == 1 and w._memo.refused == 0
     with override(bound_launches=False):
