@@ -363,8 +363,8 @@ def _chunks_for(p: dict, apart: bool, prefill_tiles: int, window_d: int = -1,
 def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
          tensors: tuple) -> dict | None:
     """_chunks_for's chunks where the call can run them: eager on plain tensors (``tensors``:
-    q_p, q_d and the caches; the gather and merge are direct launches; the gather takes q_d's
-    strides)."""
+    q_p, q_d and the caches; the merge is a direct launch, and the row map reads q_d's rows
+    with its strides)."""
     c = _chunks_for(p, apart, prefill_tiles, window_d, pos)
     if c is None or not (untraced() and plain_tensors(tensors)):
         return None

@@ -229,7 +229,7 @@ def pod():
 
 
 # The GPU tests whose paths live in the wrappers' run() rather than in one kernel launch:
-# POD's decode key chunks (the row gather, the chunked launch and the merge; fused, uncut and
+# POD's decode key chunks (the chunked launch through its row map and the merge; fused, uncut and
 # apart, page 16 and 1; CUDA-graph replays of eager plans and of a use_cuda_graph=True plan
 # re-planned), decode rows on the 64-row tile (few requests: the three-slot K/V ring), and
 # captured persistent launches on a counter slot zeroed once (replayed on new inputs).

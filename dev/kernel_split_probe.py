@@ -1,6 +1,6 @@
 """Where a small decode batch's CUDA-graph replay spends its GPU time, kernel by kernel
 (torch.profiler over graph replays): ours through BatchPrefillWithPagedKVCacheWrapper as the
-launch policy has it and with its decode key chunks forced (decode_chunk_fill 1.0: gather,
+launch policy has it and with its decode key chunks forced (decode_chunk_fill 1.0: the
 chunked launch, merge; --no-chunked leaves it out), ours POD, FlashInfer's POD and BatchDecode
 where it imports, and the pod suite's copy of the decode's K / V bytes (the decode rows'
 ceiling: its kernel's time beside its replay's), on the pod suite's inputs of the cases named.

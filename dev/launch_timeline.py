@@ -14,7 +14,12 @@ is not changed) whose _gluon_fwd stands in for the module's; they are written th
 kernel's row-map pointer, which a launch without a map never reads (the probe hands it a
 buffer). Each stamp waits for a value the point produced (an operand of the timer's read).
 
+``--variants`` times copies changed further, for timing only (their outputs are not checked
+and may be wrong): ``no-zero-tail`` without the V tail's zeroing before the last tile's P V,
+``no-mask`` with every first tile's softmax unmasked.
+
     python -m dev.launch_timeline [--cases 16x0,16x64,16x4096,128x0,128x1024]
+        [--variants stamps,no-zero-tail,no-mask]
 """
 
 from __future__ import annotations
@@ -56,12 +61,25 @@ _PATCHES = [
 ]
 
 
-def timed_module():
-    """ops/prefill_gluon.py with the stamps, loaded from a temporary file as a module of
-    compiled_attn.ops (its relative imports resolve there)."""
+# the timing-only variants: (anchor, replacement)
+_VARIANTS = {
+    "stamps": [],
+    "no-zero-tail": [("        _zero_tail(ring.v_ring, v_last, item.kv_len - last * BLOCK_N, D, "
+                      "BLOCK_N, NW)\n", "        pass\n")],
+    "no-mask": [("    if item.n_free > 0:\n        p, m_i, l_i, alpha = _softmax_tile(",
+                 "    if True:\n        p, m_i, l_i, alpha = _softmax_tile(")],
+}
+
+
+def timed_module(variant: str = "stamps"):
+    """ops/prefill_gluon.py with the stamps (and a variant's changes), loaded from a temporary
+    file as a module of compiled_attn.ops (its relative imports resolve there)."""
     from compiled_attn.ops import prefill_gluon
 
     src = open(prefill_gluon.__file__).read()
+    for anchor, text in _VARIANTS[variant]:
+        assert src.count(anchor) == 1, anchor
+        src = src.replace(anchor, text)
     start = "    lin = gl.program_id(0)\n    while lin < total:\n"
     assert src.count(start) == 1
     src = src.replace(start, "    lin = gl.program_id(0)\n    _stamp(ctx.io.q_rows_ptr, 0, lin)\n"
@@ -80,10 +98,11 @@ def timed_module():
     src = src.replace(loop_end, loop_end + "    if WG == 0:\n"
                       "        _stamp(ctx.io.q_rows_ptr, 7, k)\n")
     src += _HELPER
-    path = os.path.join(tempfile.mkdtemp(), "_timed_prefill_gluon.py")
+    path = os.path.join(tempfile.mkdtemp(), f"_timed_prefill_gluon_{variant.replace('-', '_')}.py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("compiled_attn.ops._timed_prefill_gluon", path)
+    spec = importlib.util.spec_from_file_location(
+        f"compiled_attn.ops._timed_prefill_gluon_{variant.replace('-', '_')}", path)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "compiled_attn.ops"
     spec.loader.exec_module(mod)
@@ -111,31 +130,34 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="16x0,16x64,16x4096,128x0,128x1024")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--variants", default="stamps")
     a = ap.parse_args(argv)
     from compiled_attn.ops import launch, prefill_gluon
     from compiled_attn.ops.policy import override
 
     dev = torch.device("cuda")
-    timed = timed_module()
     buf = torch.zeros(4096 * STAMPS, dtype=torch.int32, device=dev)
     grids = []
     orig_run = launch.run_direct
+    timed = {v: timed_module(v) for v in a.variants.split(",")}
+    kernels = {m._gluon_fwd for m in timed.values()}
 
     def run_direct(fn, grid, *args, **kw):  # the timed kernel, the stamps through the map ptr
-        if fn is timed._gluon_fwd:
+        if fn in kernels:
             assert not kw["SCHEDULE"].Q_ROWS
             args = list(args)
             args[20] = buf
             grids.append(grid[0])
         return orig_run(fn, grid, *args, **kw)
 
-    prefill_gluon._gluon_fwd, saved = timed._gluon_fwd, prefill_gluon._gluon_fwd
+    saved = prefill_gluon._gluon_fwd
     launch.run_direct = run_direct
     names = ["ld start", "ld item1", "ld claim1", "ld exit", "cg start", "cg rec1", "cg done1",
              "cg exit"]
     try:
         with override(bound_launches=False):
-            for name in a.cases.split(","):
+            for variant, name in ((v, c) for v in timed for c in a.cases.split(",")):
+                prefill_gluon._gluon_fwd = timed[variant]._gluon_fwd
                 b, kv = (int(s) for s in name.split("x"))
                 fn = _case(b, kv, dev)
                 per = {n: [] for n in names}
@@ -152,9 +174,9 @@ def main(argv=None):
                     for i, n in enumerate(names):
                         per[n].append(rel[:, i].double())
                     ends.append(float(torch.maximum(rel[:, 3], rel[:, 7]).max()))
-                print(f"decode {b} x {kv} keys: {grids[-1]} programs; ns after the first "
-                      f"program's start, median over {a.runs} runs of (median / max over "
-                      f"programs); last exit {statistics.median(ends):.0f}")
+                print(f"{variant}: decode {b} x {kv} keys: {grids[-1]} programs; ns after the "
+                      f"first program's start, median over {a.runs} runs of (median / max "
+                      f"over programs); last exit {statistics.median(ends):.0f}")
                 for n in names:
                     med = statistics.median(float(x.median()) for x in per[n])
                     mx = statistics.median(float(x.max()) for x in per[n])

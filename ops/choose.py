@@ -782,8 +782,9 @@ def pod_cut(prefill_items: int, longest_keys: int, sms: int) -> bool:
     where the prefill's items (its tiles times the KV heads) fill one wave of resident 64-row
     programs on ``sms`` SMs or more, so that the decodes start late and would finish unevenly,
     or the longest decode has POLICY.pod_chunk_long_keys keys or more (two programs a SM then
-    read faster than one). Beside a smaller prefill, short decodes lose more to the gather and
-    merge launches than the chunks gain."""
+    read faster than one). Beside a smaller prefill, short decodes lost more to the gather and
+    merge launches than the chunks gained (measured before the row map replaced the gather,
+    benchmarks/NOTES.md)."""
     return (prefill_items >= RESIDENT_PER_SM[64] * sms
             or longest_keys >= POLICY.pod_chunk_long_keys)
 

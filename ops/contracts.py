@@ -211,15 +211,16 @@ def _out_pair(q: Tensor, lead: tuple, dvo: int, out_dtype: torch.dtype | None,
 
 def _check_q_rows(name: str, q_rows: Tensor | None, q: Tensor) -> int:
     """The rows of an op whose q rows come through the row map ``q_rows`` (None: q's own):
-    a 1-D int32 tensor on q's device. Its entries must lie in [0, q's rows), like the indptrs'
-    the caller's contract (the wrappers build it at plan time), unchecked here: a check would
-    read the device."""
+    a contiguous 1-D int32 tensor on q's device (the kernels read entry t at offset t). Its
+    entries must lie in [0, q's rows), like the indptrs' the caller's contract (the wrappers
+    build it at plan time), unchecked here: a check would read the device."""
     if q_rows is None:
         return q.shape[0]
-    if q_rows.dim() != 1 or q_rows.dtype != torch.int32 or q_rows.device != q.device:
-        raise ValueError(f"{name}: a row map is a 1-D int32 tensor on q's device "
-                         f"({q.device}); got {q_rows.dtype} {tuple(q_rows.shape)} on "
-                         f"{q_rows.device}")
+    if (q_rows.dim() != 1 or q_rows.dtype != torch.int32 or q_rows.device != q.device
+            or (q_rows.shape[0] > 1 and q_rows.stride(0) != 1)):
+        raise ValueError(f"{name}: a row map is a contiguous 1-D int32 tensor on q's device "
+                         f"({q.device}); got {q_rows.dtype} {tuple(q_rows.shape)} with "
+                         f"strides {q_rows.stride()} on {q_rows.device}")
     return q_rows.shape[0]
 
 

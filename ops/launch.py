@@ -58,11 +58,15 @@ class _Unbindable(Exception):
 
 class Recorder:
     """What one call launched: its launches in order, and the scratch buffers the launch path
-    asked for (by pointer: how to allocate each again)."""
+    asked for (by pointer: how to allocate each again). It holds those buffers until the call
+    is bound: one freed inside the call (a launcher's own scratch) could otherwise hand its
+    address to a later allocation of the same call (an output), and the binding would take a
+    launch's scratch argument for that output."""
 
     def __init__(self):
         self.launches: list = []   # (fn, grid, bound args (list), options (dict), compiled)
         self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros", shape, dtype)
+        self.held: list = []       # the scratch tensors, alive while the call is recorded
         self.problem: str | None = None
 
 
@@ -80,6 +84,7 @@ def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
     rec = _recorder()
     if rec is not None:
         rec.scratch[t.data_ptr()] = ("empty", tuple(shape), dtype)
+        rec.held.append(t)
     return t
 
 
@@ -92,6 +97,7 @@ def adopt_scratch(t: torch.Tensor) -> None:
         if not t.is_contiguous():  # (a replay allocates scratch contiguous)
             rec.problem = rec.problem or "an adopted scratch tensor is not contiguous"
         rec.scratch[t.data_ptr()] = ("empty", tuple(t.shape), t.dtype)
+        rec.held.append(t)
 
 
 # Work counters of eager launches come from a zeroed pool per (device, stream): a slot a launch,

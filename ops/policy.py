@@ -140,8 +140,9 @@ class Policy:
         self.pod_chunk_min_chunks = 4
         # ...and only where the prefill's tiles fill a wave of resident programs or more (the
         # decodes then start late), or the longest decode has at least this many keys: beside
-        # a smaller prefill, short decodes lose more to the gather and merge launches than the
-        # chunks gain (p256 + 16 x 4k: 82 against 78 us).
+        # a smaller prefill, short decodes lost more to the gather and merge launches than the
+        # chunks gained (p256 + 16 x 4k: 82 against 78 us, with the gather the row map has
+        # since replaced; not re-measured).
         self.pod_chunk_long_keys = 16384
         # ...there, chunks of at most this many keys (0: the waves alone decide): beside p2048,
         # 16 x 32k in 8 chunks ran 1.5-3.6% faster than in the waves' 4 (four grid cases; p256

@@ -76,7 +76,7 @@ GATHER_TPW = gl.constexpr(4)
 # warp-specialized partitions receive them.
 Io = namedtuple("Io", "q_ptr o_ptr lse_ptr q_rows_ptr")
 Io.__doc__ = """\
-    Q, O and LSE."""
+    Q, O and LSE, and Q's row map (Schedule.Q_ROWS / PodConfig.Q_ROWS_D; never read without)."""
 
 
 Ring = namedtuple("Ring", "q_ring k_ring v_ring k_bar v_bar k_empty v_empty p_ring turn")

@@ -107,7 +107,7 @@ def test_decode_chunks_on_the_gluon_kernel(name, monkeypatch):
     inf = ref_lse.isinf()
     assert torch.equal(lse.isinf(), inf)
     assert (lse.double()[~inf] - ref_lse[~inf]).abs().max().item() <= 1e-3
-    # CUDA-graph capture of the three launches replays the eager call's bits
+    # CUDA-graph capture of the two launches (paged, merge) replays the eager call's bits
     graph, g_out = capture_graph(lambda: w.run(q, cache))
     g_out.fill_(float("nan"))
     graph.replay()

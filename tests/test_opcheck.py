@@ -152,7 +152,8 @@ OPCHECK_PARAMS = [pytest.param(c, u, id=f"{i}-{u}") for c, i in zip(CASES, IDS)
 def test_row_map_is_checked():
     # the paged op's and POD's row maps: 1-D int32 on q's device, named when they are not
     args = list(paged_args("q_rows"))
-    for bad in (torch.tensor([1, 0, 2, 1, 1, 0]), torch.zeros(6, 1, dtype=torch.int32)):
+    for bad in (torch.tensor([1, 0, 2, 1, 1, 0]), torch.zeros(6, 1, dtype=torch.int32),
+                torch.zeros(12, dtype=torch.int32)[::2]):
         with pytest.raises(ValueError, match="q_rows: a row map"):
             OPS.batch_paged_prefill(*args[:-1], bad)
     p = list(pod_args("plain"))

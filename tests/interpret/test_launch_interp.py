@@ -401,3 +401,24 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
     assert len(got) == len(want) == (4 if kind == "pod" else 2)
     for g, r in zip(got, want):
         assert not g.isnan().any() and torch.equal(g, r)
+
+
+def test_a_recording_holds_its_scratch_until_bound():
+    """Scratch a launch path frees inside a recorded call (a launcher's own buffer, e.g. the
+    rows gathered for a kernel without a row map) stays allocated until the call is bound, so
+    no later allocation of the same call (an output) takes its address and is mistaken for it
+    when the launches' arguments are traced to their sources."""
+    rec = launch.Recorder()
+    launch._TLS.rec = rec
+    try:
+        t = launch.scratch((4096,), torch.float32, "cpu")
+        p = t.data_ptr()
+        adopted = torch.empty(4096)
+        launch.adopt_scratch(adopted)
+        q = adopted.data_ptr()
+        del t, adopted
+        later = [torch.empty(4096) for _ in range(4)]
+        assert all(x.data_ptr() not in (p, q) for x in later)
+        assert set(rec.scratch) == {p, q} and len(rec.held) == 2
+    finally:
+        launch._TLS.rec = None
