@@ -185,11 +185,11 @@ class _PODBase(_WrapperBase):
         when)."""
         v_f, v_t = _split_v_scale(v_scale)
         alibi = self._alibi(p, rope[0])
-        rows = {}  # the decodes' row map (the ops' q_rows), where they run as chunks
+        rows = None  # the decodes' row map (the ops' q_rows), where they run as chunks
         if cut is not None:
             chunks, cut_work = cut
             q_d = part_d[0]
-            rows = dict(q_rows=chunks["src"])
+            rows = chunks["src"]
             part_d = (q_d, *part_d[1:3], chunks["qo_indptr"], chunks["kv_indptr"], part_d[5],
                       chunks["last_page_len"])
             if apart is None:
@@ -200,7 +200,7 @@ class _PODBase(_WrapperBase):
             out_p, lse_p, out_d, lse_d = call_op(
                 "pod_prefill_decode", *part_p, *part_d, work, packed_p, mask_indptr_p,
                 alibi, p["block_m"], *opt_p, 0.0, *opt_d, 0.0, *rope, 1.0, part_p[0].dtype,
-                **{f"{k}_d": v for k, v in rows.items()})
+                q_rows_d=rows)
         else:
             tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
             work_p, work_d = apart
@@ -215,7 +215,7 @@ class _PODBase(_WrapperBase):
                                        opt_p[0], opt_p[1], 0, opt_p[2], *tail)
             out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
                                    alibi, None, p["block_m_d"], opt_d[0], opt_d[1], 0,
-                                   opt_d[2], *tail, **rows)
+                                   opt_d[2], *tail, q_rows=rows)
         if cut is not None:  # the chunks' outputs, merged per request
             adopt_scratch(out_d)
             adopt_scratch(lse_d)

@@ -29,11 +29,11 @@ def _one_store(x_ptr):
     tl.store(x_ptr, 1.0)
 
 
-def _decode(b: int, kv: int, dev, replays: int):
-    """(replay us, kernel_times) of the paged wrapper's decode batch of b requests at kv keys
-    each (a CUDA graph of one run()), and what the graph reads (kept alive by the caller)."""
+def decode_call(b: int, kv: int, dev):
+    """(run, what it reads) of the paged wrapper's decode batch of b requests at kv keys each
+    (page 16, GQA 32/8, D 128, bf16, shuffled pages; requests of no key at kv 0): run() is
+    one eager call of it (dev.launch_timeline takes it too)."""
     import compiled_attn as ca
-    from dev.kernel_split_probe import _kernels
 
     npg = -(-kv // PAGE)
     g = torch.Generator().manual_seed(0)
@@ -45,10 +45,17 @@ def _decode(b: int, kv: int, dev, replays: int):
     w = ca.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
     w.plan(torch.arange(b + 1, dtype=torch.int32, device=dev), indptr, idx, last, HQ, HKV, D,
            PAGE, causal=True, q_data_type=torch.bfloat16)
-    fn = lambda: w.run(q, cache)  # noqa: E731
-    out = fn()
-    assert not out.isnan().any()
-    return _kernels(fn, replays), (w, q, cache)
+    return (lambda: w.run(q, cache)), (w, q, cache)
+
+
+def _decode(b: int, kv: int, dev, replays: int):
+    """(replay us, kernel_times) of decode_call's batch (a CUDA graph of one run()), and what
+    the graph reads (kept alive by the caller)."""
+    from dev.kernel_split_probe import _kernels
+
+    fn, held = decode_call(b, kv, dev)
+    assert not fn().isnan().any()
+    return _kernels(fn, replays), held
 
 
 def main(argv=None):

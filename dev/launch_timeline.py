@@ -109,23 +109,6 @@ def timed_module(variant: str = "stamps"):
     return mod
 
 
-def _case(b: int, kv: int, dev):
-    from dev.fixed_cost_probe import D, HKV, HQ, PAGE
-    import compiled_attn as ca
-
-    npg = -(-kv // PAGE)
-    g = torch.Generator().manual_seed(0)
-    cache = torch.randn(max(b * npg, 1), 2, PAGE, HKV, D, generator=g).to(dev, torch.bfloat16)
-    idx = torch.randperm(b * npg, generator=g).to(torch.int32).to(dev)
-    indptr = (torch.arange(b + 1, dtype=torch.int32) * npg).to(dev)
-    last = torch.full((b,), kv - (npg - 1) * PAGE if npg else 0, dtype=torch.int32, device=dev)
-    q = torch.randn(b, HQ, D, generator=g).to(dev, torch.bfloat16)
-    w = ca.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1, device=dev), "NHD")
-    w.plan(torch.arange(b + 1, dtype=torch.int32, device=dev), indptr, idx, last, HQ, HKV, D,
-           PAGE, causal=True, q_data_type=torch.bfloat16)
-    return lambda: w.run(q, cache)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="16x0,16x64,16x4096,128x0,128x1024")
@@ -134,6 +117,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from compiled_attn.ops import launch, prefill_gluon
     from compiled_attn.ops.policy import override
+    from dev.fixed_cost_probe import decode_call
 
     dev = torch.device("cuda")
     buf = torch.zeros(4096 * STAMPS, dtype=torch.int32, device=dev)
@@ -159,7 +143,7 @@ def main(argv=None):
             for variant, name in ((v, c) for v in timed for c in a.cases.split(",")):
                 prefill_gluon._gluon_fwd = timed[variant]._gluon_fwd
                 b, kv = (int(s) for s in name.split("x"))
-                fn = _case(b, kv, dev)
+                fn, _held = decode_call(b, kv, dev)
                 per = {n: [] for n in names}
                 ends = []
                 for _ in range(a.runs):
