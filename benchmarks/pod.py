@@ -17,8 +17,9 @@ with the eager call's values), all interleaved in one bench() per case (the proj
 CUDA events, medians over rounds).
 
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
-the results schema). On ours_pod: launch ("fused", or "apart" where the launch policy runs the
-parts as two launches: ops.choose.pod_apart), ratio_vs_apart = our apart's time over POD's
+the results schema). On ours_pod: launch ("fused"; "apart" where the launch policy runs the
+parts as two launches, ops.choose.pod_apart; "side" where it runs them at once on two streams,
+ops.choose.pod_side), ratio_vs_apart = our apart's time over POD's
 (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
 the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
 (below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
@@ -157,8 +158,9 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
     """How ours_pod runs the case under the launch policy, asked of the case's wrapper planned
     on the CPU for the plan's device (the current CUDA device; ops.choose's), eagerly or
     (captured) under CUDA-graph capture: "launch",
-    "fused" (one POD launch) or "apart" (two launches, ops.choose.pod_apart: the decodes too
-    small to hide under the prefill, or a fused launch that would be the Triton kernel's); and
+    "fused" (one POD launch), "apart" (two launches, ops.choose.pod_apart: the decodes too
+    small to hide under the prefill, or a fused launch that would be the Triton kernel's) or
+    "side" (two launches at once on two streams, ops.choose.pod_side: both parts large); and
     "decode_chunks", the key chunks a request its decodes run in (compiled_attn.pod's decode
     key chunks; 0: uncut)."""
     import torch
@@ -175,6 +177,7 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
         qo = case.prefill_lens[0]
         tiles = pod_mod._prefill_tiles(w._plan, qo)
         apart = w._launch_apart(qo, qo, True, captured=captured)
+        side = w._launch_side(qo, qo, True)
     else:
         qo_p = torch.tensor([0, *itertools.accumulate(case.prefill_lens)], **i32)
         w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
@@ -183,8 +186,9 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
                case.hq, case.hkv, D, case.page, **kw)
         tiles = w._plan["tiles_p"]
         apart = w._launch_apart(True, captured=captured)
-    c = pod_mod._chunks_for(w._plan, apart, tiles)
-    return dict(launch="apart" if apart else "fused",
+        side = w._launch_side(True)
+    c = pod_mod._chunks_for(w._plan, apart or side, tiles)
+    return dict(launch="side" if side else "apart" if apart else "fused",
                 decode_chunks=0 if c is None else int(c["merge"][:, 2].max()))
 
 

@@ -40,7 +40,7 @@ from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op
 from .ops import choose
 from .ops import decode_chunks as _chunks
-from .ops.launch import Memo, adopt_scratch, plain_tensors, untraced
+from .ops.launch import Memo, adopt_scratch, plain_tensors, programs_cap, untraced
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
@@ -169,7 +169,7 @@ class _PODBase(_WrapperBase):
 
     def _call(self, p, part_p: tuple, part_d: tuple, *, work, packed_p, mask_indptr_p,
               opt_p: tuple, opt_d: tuple, rope: tuple, v_scale, want_lse: tuple, apart=None,
-              cut=None):
+              cut=None, side: int = 0):
         """One POD launch. part_p / part_d: each part's (q, k, v, qo_indptr, kv_indptr,
         kv_indices, last_page_len) in the op's order; opt_p / opt_d: (mask mode, window_left,
         sm_scale); rope: (pos_encoding_mode, rope_scale, rope_theta), shared; want_lse: (prefill,
@@ -182,12 +182,14 @@ class _PODBase(_WrapperBase):
         of the plan, the launch's work list over them): the decode part then runs as its chunk
         requests (_plan_chunks; each chunk row reading its request's row of q_d in place, the
         ops' row map), fused or apart, and their outputs are merged per request (_cut says
-        when)."""
+        when). side (with apart): the decodes' programs where the two launches run side by
+        side (_side_by_side), 0 where one follows the other."""
         v_f, v_t = _split_v_scale(v_scale)
         alibi = self._alibi(p, rope[0])
-        rows = None  # the decodes' row map (the ops' q_rows), where they run as chunks
+        rows = merge = None  # the decodes' row map (the ops' q_rows) and merge rows, in chunks
         if cut is not None:
             chunks, cut_work = cut
+            merge = chunks["merge"]
             q_d = part_d[0]
             rows = chunks["src"]
             part_d = (q_d, *part_d[1:3], chunks["qo_indptr"], chunks["kv_indptr"], part_d[5],
@@ -204,22 +206,33 @@ class _PODBase(_WrapperBase):
         else:
             tail = (0.0, *rope, 1.0, part_p[0].dtype)  # soft cap, position encoding, v_scale
             work_p, work_d = apart
-            if work_p is None:
-                q, k, v = part_p[:3]
-                out_p, lse_p = call_op("single_prefill", q.unsqueeze(0), k, v, packed_p,
-                                       alibi, None, opt_p[0], opt_p[1], 0, opt_p[2], *tail)
-                out_p, lse_p = out_p[0], lse_p[0]
+
+            def prefill():
+                if work_p is None:
+                    q, k, v = part_p[:3]
+                    o, lse = call_op("single_prefill", q.unsqueeze(0), k, v, packed_p, alibi,
+                                     None, opt_p[0], opt_p[1], 0, opt_p[2], *tail)
+                    return o[0], lse[0]
+                return call_op("batch_paged_prefill", *part_p, work_p, packed_p, mask_indptr_p,
+                               alibi, None, p["block_m_p"], opt_p[0], opt_p[1], 0, opt_p[2],
+                               *tail)
+
+            def decode():
+                o, lse = call_op("batch_paged_prefill", *part_d, work_d, None, None, alibi,
+                                 None, p["block_m_d"], opt_d[0], opt_d[1], 0, opt_d[2], *tail,
+                                 q_rows=rows)
+                if merge is not None:  # the chunks' outputs, merged per request
+                    o, lse = _merged(o, lse, merge, q_d.shape[0])
+                return o, lse
+
+            if side:
+                (out_p, lse_p), (out_d, lse_d) = _side_by_side(prefill, decode, side,
+                                                               part_d[0].device)
             else:
-                out_p, lse_p = call_op("batch_paged_prefill", *part_p, work_p, packed_p,
-                                       mask_indptr_p, alibi, None, p["block_m_p"],
-                                       opt_p[0], opt_p[1], 0, opt_p[2], *tail)
-            out_d, lse_d = call_op("batch_paged_prefill", *part_d, work_d, None, None,
-                                   alibi, None, p["block_m_d"], opt_d[0], opt_d[1], 0,
-                                   opt_d[2], *tail, q_rows=rows)
-        if cut is not None:  # the chunks' outputs, merged per request
-            adopt_scratch(out_d)
-            adopt_scratch(lse_d)
-            out_d, lse_d = _chunks.merge_chunks(out_d, lse_d, chunks["merge"], q_d.shape[0])
+                out_p, lse_p = prefill()
+                out_d, lse_d = decode()
+        if apart is None and merge is not None:  # the chunks' outputs, merged per request
+            out_d, lse_d = _merged(out_d, lse_d, merge, q_d.shape[0])
         if v_f != 1.0 or v_t is not None:
             ct = torch.float64 if out_d.dtype == torch.float64 else torch.float32
             scale = v_t.to(ct) if v_t is not None else v_f
@@ -234,6 +247,55 @@ class _PODBase(_WrapperBase):
 # where a copy from the host would not run); read only, kept for the process (a few floats
 # each).
 _run_slopes = functools.cache(get_alibi_slopes)
+
+
+def _merged(out_d, lse_d, merge, requests: int):
+    """Decode key chunks' outputs (each an op's output that the merge reads: scratch of a
+    bound call) merged per request (ops.decode_chunks.merge_chunks)."""
+    adopt_scratch(out_d)
+    adopt_scratch(lse_d)
+    return _chunks.merge_chunks(out_d, lse_d, merge, requests)
+
+
+# A high-priority stream per device for the decodes of POD calls run side by side
+_SIDE_STREAMS: dict = {}
+
+
+def _side_by_side(prefill, decode, programs: int, device: torch.device):
+    """prefill() and decode() (each launching one part, returning its (out, lse)) at once:
+    the decodes first, on a high-priority stream forked from the current one, their
+    persistent grid capped at ``programs`` (launch.programs_cap: one program a SM, a deeper
+    K / V ring), so that they hold those SMs while the prefill's tiles, launched next on the
+    current stream, take the others and then every SM the decodes leave; the current stream
+    then waits for both. The decodes' outputs, made on the side stream, are marked used on
+    the current one (record_stream; not while a CUDA graph captures the call, whose pool
+    keeps them). A recording of such a call is never bound (a replay launches on one
+    stream): its calls take the whole path, whose host time a call this large hides."""
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    cur = torch.cuda.current_stream(device)
+    side.wait_stream(cur)
+    with torch.cuda.stream(side), programs_cap(programs):
+        dec = decode()
+    pre = prefill()
+    cur.wait_stream(side)
+    if not torch.cuda.is_current_stream_capturing():
+        for t in dec:
+            t.record_stream(cur)
+    return pre, dec
+
+
+def _side(p: dict, pairs, decode_bytes) -> int:
+    """choose.pod_side for an eager call (prefill of ``pairs`` query-key pairs, decodes
+    reading ``decode_bytes``) of a plan whose decodes' own launch is the Gluon kernel's
+    64-row launch over TMA boxes; 0 for another plan, or with an empty part. (A CUDA device's
+    calls only: the wrappers ask.)"""
+    if pairs <= 0 or decode_bytes <= 0:
+        return 0
+    boxes_64 = p["fused_gluon"] and not p["fused_gathers"] and p["block_m_d"] == 64
+    return choose.pod_side(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
+                           boxes_64=boxes_64)
 
 
 def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:
@@ -741,8 +803,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
-        apart = _apart_works(p, traced, (None, p["work_d_apart"]), lambda: self._launch_apart(
-            qo_len, kv_len, mask_p == MASK_CAUSAL))
+        side = (0 if traced or self.device.type != "cuda"
+                else self._launch_side(qo_len, kv_len, mask_p == MASK_CAUSAL))
+        apart = (None, p["work_d_apart"]) if side else _apart_works(
+            p, traced, (None, p["work_d_apart"]),
+            lambda: self._launch_apart(qo_len, kv_len, mask_p == MASK_CAUSAL))
         c = None if traced else _cut(p, apart is not None, _prefill_tiles(p, qo_len), window_d,
                                      pos_p, (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
@@ -752,7 +817,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_CAUSAL if causal_d else MASK_NONE, True), window_d,
                    sm_d),
             rope=(pos_p, rs_p, rt_p), v_scale=v_scale, want_lse=(return_lse_p, return_lse_d),
-            apart=apart, cut=None if c is None else (c, c["work"] if apart else part["work_cut"]))
+            apart=apart, cut=None if c is None else (c, c["work"] if apart else part["work_cut"]),
+            side=side)
 
     run.__doc__ += _RETURN_DOC
 
@@ -766,6 +832,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         return _apart(p, _pairs(qo_len, kv_len, causal), p["decode_bytes"], dense_prefill=True,
                       captured=self._capturing() if captured is None else captured,
                       fused_rows=_prefill_tiles(p, qo_len) + p["work_d"].shape[0])
+
+    def _launch_side(self, qo_len: int, kv_len: int, causal: bool) -> int:
+        """The decodes' programs where an eager or captured call with this prefill request
+        runs the parts side by side (_side: ops.choose.pod_side), else 0. Asked at every call,
+        as _launch_apart."""
+        return _side(self._plan, _pairs(qo_len, kv_len, causal), self._plan["decode_bytes"])
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
@@ -953,8 +1025,11 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
-        apart = _apart_works(p, traced, (p["work_p"], p["work_d_apart"]),
-                             lambda: self._launch_apart(mask_p == MASK_CAUSAL))
+        side = (0 if traced or self.device.type != "cuda"
+                else self._launch_side(mask_p == MASK_CAUSAL))
+        apart = (p["work_p"], p["work_d_apart"]) if side else _apart_works(
+            p, traced, (p["work_p"], p["work_d_apart"]),
+            lambda: self._launch_apart(mask_p == MASK_CAUSAL))
         c = None if traced else _cut(p, apart is not None, p["tiles_p"], p["window_left"],
                                      p["pos"], (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
@@ -964,7 +1039,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             opt_d=(_decode_mask(mask_p, MASK_NONE, p["single_rows_d"]), p["window_left"], sm_d),
             rope=(p["pos"], p["rope_scale"], p["rope_theta"]), v_scale=v_scale,
             want_lse=(return_lse, return_lse), apart=apart,
-            cut=None if c is None else (c, c["work"] if apart else p["work_cut"]))
+            cut=None if c is None else (c, c["work"] if apart else p["work_cut"]), side=side)
 
     run.__doc__ += _RETURN_DOC
 
@@ -976,3 +1051,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         return _apart(p, p["pairs_p"][causal], p["decode_bytes"], dense_prefill=False,
                       captured=self._capturing() if captured is None else captured,
                       fused_rows=p["work"].shape[0])
+
+    def _launch_side(self, causal: bool) -> int:
+        """As POD's, for the plan's prefill (causal: its mask)."""
+        p = self._plan
+        return _side(p, p["pairs_p"][causal], p["decode_bytes"])

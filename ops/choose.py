@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import guard_int, statically_known_true
 
 from . import device as _device
+from . import launch as _launch
 from .modes import INTERPRET, MASK_CAUSAL, MASK_CUSTOM, MASK_NONE
 from .policy import POLICY
 from .tiles import (DECODE_ROWS, GATHER_MIN_KV, GLUON_SHORT_KV, SHORT_KV, SMALL_PAGE_BLOCK_M,
@@ -475,9 +476,14 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
             and g.gather_short(pages, page, requests, causal)):
         t = g.GATHER_SHORT_TILE
     t = g.Tile(*t)
-    # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring
+    # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring;
+    # so too a grid capped at one program a SM (launch.programs_cap: POD's decodes side by side)
+    cap = _launch.programs_cap_now()
     if paged and few_programs_ring(block_m, d, items, hkv, requests, dev):
         t = t._replace(stages=POLICY.few_programs_stages)
+    elif (paged and block_m == 64 and d == 128 and POLICY.pod_side_stages > 0
+          and 0 < cap <= (dev.sm_count or H100.sm_count)):
+        t = t._replace(stages=POLICY.pod_side_stages)
     block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
     gather = paged and g.page_gathered(page, block_n, d)
     boxes = block_n // page if 0 < page < block_n and not gather else 1
@@ -485,8 +491,8 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     persistent = bool(ws_run and (t.persistent if t.persistent is not None
                                   else g.persistent_default(pingpong, boxes)))
     programs = None
-    if persistent:  # as many programs as fit on the GPU at once (_WS_CTAS per SM)
-        programs = max(1, min(items * hkv, dev.sm_count * g._WS_CTAS[warps]))
+    if persistent:  # as many programs as fit on the GPU at once (_WS_CTAS per SM), or the cap
+        programs = max(1, min(items * hkv, dev.sm_count * g._WS_CTAS[warps], cap or items * hkv))
     kv_path = ("gather" if gather else "boxes") if paged else "host"
     return Launch("gluon", block_m, block_n, kv_path, 2, stages, warps, persistent=persistent,
                   programs=programs, group=group,
@@ -756,6 +762,27 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     factor = ((POLICY.pod_gather_apart_factor if gathered
                else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
     return decode_bytes < POLICY.pod_apart_balance * factor * p
+
+
+def pod_side(prefill_flops: float, decode_bytes: float, *, boxes_64: bool,
+             device: Device | None = None) -> int:
+    """The decodes' programs where a POD call runs its parts side by side (two launches on
+    two streams at once: the decodes' grid capped at that many programs, one a SM, on a
+    high-priority stream, the prefill on the SMs left), else 0 (fused or apart: pod_apart).
+    Side by side where the prefill counted as bytes (POLICY.pod_flop_per_byte) is at least
+    POLICY.pod_side_share of the decodes' bytes and those are at least
+    POLICY.pod_side_min_bytes: a decode program reads ~50 GB/s at most, so the decodes need
+    about half the SMs to keep their rate and the prefill must be large enough to use the
+    rest. boxes_64: the decodes' own launch is the Gluon kernel's persistent 64-row launch
+    over pages read by TMA boxes (the only grid the cap reaches). Never under the
+    interpreter (no streams there); device: the plan's by default."""
+    if (INTERPRET or not boxes_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
+            or decode_bytes < POLICY.pod_side_min_bytes
+            or prefill_flops / POLICY.pod_flop_per_byte < POLICY.pod_side_share * decode_bytes):
+        return 0
+    dev = _plan_device() if device is None else device
+    sms = dev.sm_count or H100.sm_count
+    return max(1, min(sms, round(POLICY.pod_side_sms * sms)))
 
 
 def pod_over_wave(items: int, block_m: int, device: Device | None = None) -> bool:

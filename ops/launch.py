@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import threading
@@ -68,6 +69,12 @@ class Recorder:
         self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros", shape, dtype)
         self.held: list = []       # the scratch tensors, alive while the call is recorded
         self.problem: str | None = None
+        self.stream = _stream_now()  # a replay launches everything on one stream: this one's
+
+
+def _stream_now():
+    """The current CUDA stream's handle, None without CUDA."""
+    return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else None
 
 
 # The recorder of the call this thread is recording, if any (threads record apart).
@@ -76,6 +83,26 @@ _TLS = threading.local()
 
 def _recorder() -> Recorder | None:
     return getattr(_TLS, "rec", None)
+
+
+@contextlib.contextmanager
+def programs_cap(programs: int):
+    """Persistent Gluon launches made inside run at most ``programs`` programs at once, each
+    a SM of its own where programs <= SMs (choose deepens their K/V ring to fill it): POD's
+    decodes side by side with its prefill (compiled_attn.pod), which takes the other SMs.
+    Part of every launch key made inside (Memo.eager_key), so a bound call replays its own
+    grid. 0: the launch's own grid. Per thread."""
+    saved = getattr(_TLS, "cap", 0)
+    _TLS.cap = int(programs)
+    try:
+        yield
+    finally:
+        _TLS.cap = saved
+
+
+def programs_cap_now() -> int:
+    """programs_cap's value in force (0: none)."""
+    return getattr(_TLS, "cap", 0)
 
 
 def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -229,6 +256,8 @@ def run_direct(fn, grid, *args, **kwargs):
 
 def _record(fn, grid, args, kwargs):
     rec = _recorder()
+    if _stream_now() != rec.stream:
+        rec.problem = rec.problem or "a launch on another stream than the call's"
     try:
         vals, options = _bound_args(fn, args, kwargs)
     except _Unbindable as e:
@@ -638,7 +667,7 @@ class Memo:
                     return None
                 values = _flatten(values, [])
                 break
-        sig = [Policy._version, extra]
+        sig = [Policy._version, extra, getattr(_TLS, "cap", 0)]
         tensors = []
         ptrs = []
         grad = torch.is_grad_enabled()

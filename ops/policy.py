@@ -148,6 +148,23 @@ class Policy:
         # 16 x 32k in 8 chunks ran 1.5-3.6% faster than in the waves' 4 (four grid cases; p256
         # + 16 x 32k on page 1 0.7% slower; benchmarks/NOTES.md, 2026-11-29).
         self.pod_chunk_long_size = 4096
+        # POD calls whose prefill, counted as bytes (pod_flop_per_byte), is at least this
+        # share of the decodes' bytes run their parts side by side (choose.pod_side): two
+        # launches on two streams, the decodes' first on a high-priority stream with their
+        # grid capped at pod_side_sms of the SMs, one program a SM, so that the prefill's tiles
+        # take the other SMs at once. Measured against the fused launch / apart (graph, two
+        # H200 runs, benchmarks/NOTES.md, 2026-11-30): p8192 + 128 x 4k (share 1.7) 1.08-1.19x,
+        # p8192 + 256 x 4k GQA 64/8 (1.7) 1.05-1.17x, p8192 + 256 x 4k (0.86) 0.95-1.12x;
+        # p4096 + 128 x 4k (0.43) and p2048 + 128 x 4k (0.11) lost to the fused launch. 0: never.
+        self.pod_side_share = 0.75
+        # ...only where the decodes read at least this many bytes (about 100 us at 4 TB/s)...
+        self.pod_side_min_bytes = 4e8
+        # ...with their grid capped at this share of the SMs (66 of 132: 1.02-1.03x of 96 in
+        # two of the three cases above) ...
+        self.pod_side_sms = 0.5
+        # ...and their K / V ring this deep (0: the tile's own; 64-key slots on the 64-row tile:
+        # four deep reads ~45-50 GB/s a program, two deep ~35).
+        self.pod_side_stages = 4
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).
@@ -164,9 +181,12 @@ class Policy:
 POLICY = Policy()
 
 # Settings that fix a POD call's launch whatever its sizes, for tests, probes and benchmark
-# variants (``override(**POD_FUSED)``): one fused launch, or the two parts apart.
-POD_FUSED = {"pod_apart_balance": 0.0}
-POD_APART = {"pod_apart_balance": float("inf"), "pod_apart_min_bytes": 0.0}
+# variants (``override(**POD_FUSED)``): one fused launch, the two parts apart, or side by side
+# (where the decodes' own launch is the one choose.pod_side caps; else as the sizes say).
+POD_FUSED = {"pod_apart_balance": 0.0, "pod_side_share": 0.0}
+POD_APART = {"pod_apart_balance": float("inf"), "pod_apart_min_bytes": 0.0,
+             "pod_side_share": 0.0}
+POD_SIDE = {"pod_side_share": 1e-30, "pod_side_min_bytes": 0.0}
 
 
 def version() -> int:

@@ -1630,8 +1630,9 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     # per SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else persistent_default(pingpong, boxes))
-    if persistent:
-        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps])), )
+    if persistent:  # (at most launch.programs_cap's programs, where one is in force)
+        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps],
+                           _launch.programs_cap_now() or n_items * hkv)), )
     else:
         grid = (n_items, hkv)
     # the persistent programs' item counter (never read otherwise; the launch leaves it 0)

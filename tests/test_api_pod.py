@@ -703,3 +703,31 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
             torch.testing.assert_close(got, want)
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
+
+
+# POD's parts side by side (ops.choose.pod_side): where the prefill counted as bytes is at least
+# pod_side_share (0.75) of the decodes' bytes and those are at least pod_side_min_bytes (4e8),
+# on pages the decodes' own 64-row launch reads by TMA boxes: the decodes' grid capped at half
+# the SMs. Measured (graph, two H200 runs; benchmarks/NOTES.md, 2026-11-30): p8192 + 128 x 4k
+# (share 1.7) and GQA 64/8 p8192 + 256 x 4k (1.7) 1.05-1.19x the fused launch or apart,
+# p8192 + 256 x 4k (0.86) 0.95-1.12x; p4096 / p2048 + 128 x 4k (0.43 / 0.11) lost.
+@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,side", [
+    (8192, 256, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
+    (8192, 256, 4096, 64, 16, True), (8192, 128, 1024, 32, 16, True),
+    (4096, 128, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
+    (8192, 16, 1024, 32, 16, False), (8192, 16, 4096, 32, 16, False),
+    (8192, 256, 4096, 32, 1, False), (64, 4, 64, 32, 16, False)])
+def test_pod_side_decision(qo, n_dec, kv_d, hq, page, side, monkeypatch):
+    """The side-by-side choice of PODWithPagedKVCacheWrapper at the suite's sizes planned for a
+    Hopper GPU (132 SMs: 66 decode programs), and the launch-fixing settings: POD_FUSED and
+    POD_APART never, POD_SIDE wherever the decodes' launch is the one the cap reaches."""
+    from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
+
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
+    plan()
+    assert w._launch_side(qo, qo, True) == (66 if side else 0)
+    for fixed in (POD_FUSED, POD_APART):
+        with override(**fixed):
+            assert w._launch_side(qo, qo, True) == 0
+    with override(**POD_SIDE):
+        assert w._launch_side(qo, qo, True) == (0 if page == 1 else 66)

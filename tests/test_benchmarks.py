@@ -823,7 +823,7 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
            pod.PodCase("pod", (256,), 16, 4096, 32, 8, 16),
            pod.PodCase("batch_pod", pod.BATCH_PREFILLS, 16, 4096, 32, 8, 1)]
     assert [pod.launch_plan(c) for c in few] == [
-        dict(launch="fused", decode_chunks=8), dict(launch="apart", decode_chunks=4),
+        dict(launch="fused", decode_chunks=8), dict(launch="side", decode_chunks=4),
         dict(launch="fused", decode_chunks=0), dict(launch="fused", decode_chunks=4)]
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g

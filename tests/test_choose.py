@@ -171,3 +171,29 @@ def test_few_decode_programs_ring_deeper(requests, hkv, items, page, block_m, se
                                    requests * 64, False, 1, choose.H100)
     assert got.kernel == "gluon" and got.stages == stages
     assert got.gluon_tile[2] == got.stages
+
+
+@pytest.mark.parametrize("cap,page,block_m,setting,stages,programs", [
+    (66, 16, 64, 4, 4, 66),       # POD's decodes side by side: one program a SM, four deep
+    (132, 16, 64, 4, 4, 132),     # as many as SMs: still one a SM
+    (133, 16, 64, 4, 2, 133),     # more than SMs: two a SM, the tile's own ring
+    (66, 16, 64, 0, 2, 66),       # the ring setting off: the cap alone
+    (0, 16, 64, 4, 2, 264),       # no cap: the grid of two programs a SM
+    (66, 16, 128, 4, 2, 66),      # the 128-row tile keeps its ring
+])
+def test_programs_cap_deepens_the_ring(cap, page, block_m, setting, stages, programs):
+    """A persistent Gluon launch of paged K/V chosen inside launch.programs_cap(cap) runs at
+    most cap programs, and on the 64-row D 128 tile with cap <= SMs (one program a SM) rings
+    its K / V POLICY.pod_side_stages deep (0: the tile's own). 256 decode requests x 8 KV
+    heads, more items than any grid here."""
+    from compiled_attn.ops import launch
+    from compiled_attn.ops.policy import override
+
+    with override(pod_side_stages=setting), launch.programs_cap(cap):
+        got = choose._gluon_launch(choose.KV_PAGED, 128, block_m, page, 256, 8, 256,
+                                   256 * 256, False, 1, choose.H100)
+    assert launch.programs_cap_now() == 0
+    assert got.kernel == "gluon" and got.persistent
+    assert got.stages == got.gluon_tile[2] == stages
+    expect = programs if block_m == 64 else min(programs, choose.H100.sm_count)
+    assert got.programs == expect

@@ -270,3 +270,80 @@ def test_pod_decode_chunks_in_cuda_graph_mode(gluon_pods, pod_merges):
     assert not torch.isnan(replayed[1]).any()
     assert (replayed[1].float() - uncut[1].float()).abs().max().item() < 2e-2
     assert (replayed[3] - uncut[3]).nan_to_num().abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("kind,kv_d", [("pod", (700, 4096, 1, 333)),
+                                       ("pod", (5000, 0, 1, 2049, 3001)),
+                                       ("batch_pod", (700, 4096, 0, 1, 2049))])
+def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d):
+    """POD and BatchPOD with their parts side by side (policy POD_SIDE: the decodes first on a
+    high-priority stream, their persistent grid capped at half the SMs, the prefill on the
+    current stream; few long decodes also in key chunks and merged there) give the bits of the
+    parts apart (POD_APART: the same kernels one after the other), LSEs included; repeated
+    eager calls and a CUDA graph of the call replayed on new values in the same buffers give
+    the bits of eager calls."""
+    from compiled_attn import pod as pod_mod
+    from compiled_attn.ops import launch as L
+    from compiled_attn.ops.policy import POD_APART, POD_SIDE
+    from tests.kernel_cases import capture_graph
+
+    sides, caps = [], []
+    real_side, real_launch = pod_mod._side_by_side, prefill_gluon.launch
+    monkeypatch.setattr(pod_mod, "_side_by_side",
+                        lambda *a: sides.append(a[2]) or real_side(*a))
+    monkeypatch.setattr(prefill_gluon, "launch",
+                        lambda *a, **kw: caps.append(L.programs_cap_now()) or real_launch(*a, **kw))
+    x = _pod_inputs("cuda", BF16, seed=5, qo=777, kv_d=kv_d, hq=28, hkv=4)
+    if kind == "pod":
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
+               q_data_type=BF16)
+
+        def call():
+            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
+                                           causal_p=True, return_lse_p=True, return_lse_d=True)
+            return o_p, o_d, l_p, l_d
+    else:
+        pages_p = (777 + x["page"] - 1) // x["page"]
+        x["cache"] = torch.cat([x["cache"], torch.randn(
+            pages_p, *x["cache"].shape[1:], device="cuda").to(BF16)])
+        idx_p = torch.arange(x["cache"].shape[0] - pages_p, x["cache"].shape[0],
+                             dtype=torch.int32)
+        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        w.plan(torch.tensor([0, 777], dtype=torch.int32),
+               torch.tensor([0, pages_p], dtype=torch.int32), idx_p,
+               torch.tensor([(777 - 1) % x["page"] + 1], dtype=torch.int32),
+               torch.arange(len(kv_d) + 1, dtype=torch.int32), x["indptr"], x["indices"],
+               x["last"], x["hq"], x["hkv"], D, x["page"], q_data_type=BF16)
+
+        def call():
+            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["cache"], x["q_d"], x["cache"],
+                                           causal_p=True, return_lse=True)
+            return o_p, o_d, l_p, l_d
+    with override(**POD_APART):
+        apart = [t.clone() for t in call()]
+    assert not sides
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with override(**POD_SIDE):
+        caps.clear()
+        runs = [[t.clone() for t in call()] for _ in range(3)]
+        assert sides == [round(sms / 2)] * 3
+        # the decodes' launch capped (the prefill's, where it is a Gluon launch, not)
+        assert round(sms / 2) in caps and set(caps) <= {0, round(sms / 2)}
+        for got in runs:
+            for a, b in zip(got, apart):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        assert not any(torch.isnan(t).any() for t in runs[0][:2])
+        graph, outs = capture_graph(call)
+        g = torch.Generator(device="cuda").manual_seed(12)
+        for _ in range(2):
+            for t in ("q_p", "q_d", "cache"):
+                x[t].copy_(torch.randn(x[t].shape, generator=g, device="cuda"))
+            for t in outs:
+                t.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            again = call()
+            for a, b in zip(outs, again):
+                assert torch.equal(a.nan_to_num(), b.nan_to_num())
+            assert not any(torch.isnan(t).any() for t in outs[:2])

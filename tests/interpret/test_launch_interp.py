@@ -422,3 +422,21 @@ def test_a_recording_holds_its_scratch_until_bound():
         assert set(rec.scratch) == {p, q} and len(rec.held) == 2
     finally:
         launch._TLS.rec = None
+
+
+def test_programs_cap_is_part_of_the_key():
+    """A call made inside launch.programs_cap records under a key of its own (its persistent
+    grid may differ), so neither call replays the other's launches; each then replays its own
+    with the full path's bits."""
+    cache = launch.LaunchCache()
+    p = kc.params(head_dim=D)
+    make = CASES["paged page 4"][0]
+    outs = {}
+    for cap in (0, 3, 0, 3):
+        name, args, kw = _args(make(seed=1), p)
+        with launch.programs_cap(cap):
+            outs.setdefault(cap, []).append(op_call.call_op(name, *args, launches=cache, **kw))
+    assert launch.programs_cap_now() == 0
+    assert cache.records == 2 and cache.hits == 2
+    for a, b in outs.values():
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])

@@ -1,0 +1,197 @@
+"""POD's parts side by side on shares of the SMs (dev probe, GPU): how fast a decode batch reads
+its K/V on fewer persistent programs (the Gluon kernel's grid capped, its K/V ring two to four
+deep, 64- or 128-key slots), and the prefill and the capped decode launched at once on two
+streams, beside the parts apart and POD's own launch. Two orders: "dec-first" launches the
+decodes first on a high-priority stream (their programs take SMs of their own, one a SM where
+the ring's shared memory leaves room for one), "pf-first" the prefill first (its tiles fill the
+SMs; the decodes' programs, high priority, take each SM a prefill tile leaves). Each variant
+timed as the eager call and as a CUDA-graph replay (captured with the cap in force), medians of
+interleaved rounds in microseconds; the decode rows also in TB/s and GB/s a program.
+
+    python -m dev.sm_share_probe [--rounds 3] [--only NAMES]   (NAMES: as benchmarks.pod --only)
+
+With --launches: POD's call under each launch-fixing setting of the policy (fused, apart, side
+by side: ops.policy.POD_FUSED / POD_APART / POD_SIDE) and under the policy's own choice, eager
+and CUDA-graph replays, on LAUNCH_CASES (or --only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+
+import torch
+
+from benchmarks import pod as suite
+
+CASES = [suite.PodCase("pod", (8192,), 256, 4096, 32, 8, 16),
+         suite.PodCase("pod", (8192,), 128, 4096, 32, 8, 16),
+         suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
+         suite.PodCase("pod", (8192,), 256, 4096, 64, 8, 16)]
+# (persistent programs of the decode launch, K/V ring depth, keys a slot); None: the launch's
+# own grid
+DECODE_GRIDS = [(None, 2, 64), (132, 2, 64), (66, 2, 64), (96, 4, 64), (66, 4, 64), (44, 4, 64),
+                (132, 3, 128), (66, 3, 128), (44, 3, 128)]
+# (programs, ring depth, keys a slot, order)
+CONCURRENT = [(96, 4, 64, "dec"), (66, 4, 64, "dec"), (88, 3, 128, "dec"), (88, 2, 64, "pf"),
+              (120, 2, 64, "pf"), (176, 2, 64, "pf")]
+
+
+LAUNCH_CASES = [suite.PodCase("pod", (8192,), 256, 4096, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 128, 4096, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 256, 4096, 64, 8, 16),
+                suite.PodCase("pod", (8192,), 128, 1024, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 256, 1024, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 16, 32768, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 128, 32768, 32, 8, 16),
+                suite.PodCase("pod", (4096,), 128, 4096, 32, 8, 16),
+                suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
+                suite.PodCase("pod", (8192,), 16, 4096, 32, 8, 16),
+                suite.PodCase("batch_pod", suite.BATCH_PREFILLS, 256, 4096, 32, 8, 16)]
+
+
+def launches(cases, rounds: int) -> None:
+    """POD under each launch-fixing setting and the policy's choice (--launches)."""
+    from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
+
+    settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE, "policy": {}}
+    for case in cases:
+        x = suite.make_inputs(case, torch.device("cuda"))
+        calls = _calls(case, x)
+        graphs, eager = {}, {}
+        for name, fixed in settings.items():
+            with override(**fixed):  # (eager calls keyed by the policy's version: timed here)
+                graphs[name] = suite._graph(calls["pod"])
+                eager[name] = statistics.median(_time(calls["pod"]) for _ in range(rounds))
+        times = {k: [] for k in graphs}
+        for _ in range(rounds):
+            for k, r in graphs.items():
+                times[k].append(_time(r))
+        graph = {k: statistics.median(v) for k, v in times.items()}
+        choice = suite.launch_plan(case)["launch"]
+        print(f"{case.name} (policy: {choice})", flush=True)
+        for mode, med in (("graph", graph), ("eager", eager)):
+            best = min(med["fused"], med["apart"])
+            print(f"  {mode:5} " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items())
+                  + f"  side over the better of fused / apart {best / med['side']:5.3f}x",
+                  flush=True)
+
+
+@contextlib.contextmanager
+def decode_grid(programs, stages, block_n=64):
+    """The Gluon launches' persistent grids capped at ``programs`` (prefill_gluon._sm_count
+    answering programs / _WS_CTAS of the 64-row tile) and the 64-row D 128 tile ``stages``
+    deep in slots of block_n keys, for calls captured inside."""
+    from compiled_attn.ops import policy
+    from compiled_attn.ops import prefill_gluon as g
+
+    saved_count, saved_tile = g._sm_count, g.TILES[64, 128]
+    if programs is not None:
+        per_sm = g._WS_CTAS[saved_tile.warps]
+        g._sm_count = lambda device: -(-programs // per_sm)
+    g.TILES[64, 128] = saved_tile._replace(stages=stages, block_n=block_n)
+    policy.touch()
+    try:
+        yield
+    finally:
+        g._sm_count, g.TILES[64, 128] = saved_count, saved_tile
+        policy.touch()
+
+
+def _calls(case, x):
+    return suite._calls(__import__("compiled_attn"), case, x, torch.device("cuda"), fi=False)
+
+
+def _side_by_side(pre, dec, order: str, hi: torch.cuda.Stream, lo: torch.cuda.Stream):
+    """The prefill on stream lo and the decodes on hi, forked from and joined to the current
+    stream; order "dec" launches the decodes first, "pf" the prefill."""
+    def call():
+        cur = torch.cuda.current_stream()
+        hi.wait_stream(cur)
+        lo.wait_stream(cur)
+        out = {}
+        for part in (("d", "p") if order == "dec" else ("p", "d")):
+            with torch.cuda.stream(hi if part == "d" else lo):
+                out[part] = dec() if part == "d" else pre()
+        cur.wait_stream(hi)
+        cur.wait_stream(lo)
+        return out["p"], out["d"]
+    return call
+
+
+def _time(replay, n=10):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    s.record()
+    for _ in range(n):
+        replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) * 1e3 / n
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--launches", action="store_true")
+    args = ap.parse_args(argv)
+    if args.launches:
+        return launches(LAUNCH_CASES if args.only is None
+                        else suite.pick(suite.case_list(), args.only), args.rounds)
+    cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
+    hi = torch.cuda.Stream(priority=-1)
+    lo = torch.cuda.Stream(priority=0)
+    for case in cases:
+        x = suite.make_inputs(case, torch.device("cuda"))
+        calls = _calls(case, x)
+        keep = [calls]  # the wrappers (their plans' device tensors) the graphs read
+        eager, graph = {}, {}
+        for k in ("prefill", "apart", "pod"):
+            eager[k], graph[k] = calls[k], suite._graph(calls[k])
+        ref = calls["decode"]().clone()
+        for p, st, bn in DECODE_GRIDS:
+            with decode_grid(p, st, bn):
+                c = _calls(case, x)
+                keep.append(c)
+                graph[f"dec {p or 'own'} x{st} n{bn}"] = suite._graph(c["decode"])
+        timed = {}
+        for p, st, bn, order in CONCURRENT:
+            name = f"{order}-first {p} x{st} n{bn}"
+            with decode_grid(p, st, bn):  # (eager calls keyed by the policy's version: timed here)
+                c = _calls(case, x)
+                keep.append(c)
+                fn = _side_by_side(c["prefill"], c["decode"], order, hi, lo)
+                diff = (fn()[1].float() - ref.float()).abs().max().item()
+                if not diff <= 1e-3:  # (slots of 128 keys sum in another order)
+                    raise RuntimeError(f"{name}: decodes differ from their own launch by {diff}")
+                graph[name] = suite._graph(fn)
+                timed[name + " eager"] = statistics.median(_time(fn) for _ in range(args.rounds))
+        times = {k: [] for k in [*graph, *eager]}
+        for _ in range(args.rounds):
+            for k, r in graph.items():
+                times[k].append(_time(r))
+            for k, r in eager.items():
+                times[k + " eager"] = times.get(k + " eager", []) + [_time(r)]
+        med = {k: statistics.median(v) for k, v in times.items() if v}
+        med.update(timed)
+        pre, dec = med["prefill"], med["dec own x2 n64"]
+        bound = max(pre, dec) + 0.25 * min(pre, dec)
+        print(f"{case.name}: bound {bound:.1f} (graph: prefill {pre:.1f}, decode {dec:.1f})",
+              flush=True)
+        gb = case.decode_bytes() / 1e9
+        for k, v in med.items():
+            if k.startswith("dec "):
+                programs = 264 if k.split()[1] == "own" else int(k.split()[1])
+                rate = gb / (v * 1e-6)  # GB/s
+                extra = f"{rate / 1e3:5.2f} TB/s, {rate / programs:5.1f} GB/s a program"
+            else:
+                base = med["apart eager" if k.endswith("eager") else "apart"]
+                pod = med["pod eager" if k.endswith("eager") else "pod"]
+                extra = f"{v / bound:6.3f} of bound, {base / v:5.3f}x apart, {pod / v:5.3f}x pod"
+            print(f"  {k:28} {v:9.1f}  {extra}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
