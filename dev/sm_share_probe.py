@@ -12,13 +12,16 @@ interleaved rounds in microseconds; the decode rows also in TB/s and GB/s a prog
 
 With --launches: POD's call under each launch-fixing setting of the policy (fused, apart, side
 by side: ops.policy.POD_FUSED / POD_APART / POD_SIDE) and under the policy's own choice, eager
-and CUDA-graph replays, on LAUNCH_CASES (or --only).
+and CUDA-graph replays, on LAUNCH_CASES (or --only); --out FILE.json keeps the rows, and
+--plot FILE.json draws them (a PNG beside it; no GPU needed).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import json
 import statistics
 
 import torch
@@ -38,24 +41,27 @@ CONCURRENT = [(96, 4, 64, "dec"), (66, 4, 64, "dec"), (88, 3, 128, "dec"), (88, 
               (120, 2, 64, "pf"), (176, 2, 64, "pf")]
 
 
-LAUNCH_CASES = [suite.PodCase("pod", (8192,), 256, 4096, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 128, 4096, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 256, 4096, 64, 8, 16),
-                suite.PodCase("pod", (8192,), 128, 1024, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 256, 1024, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 16, 32768, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 128, 32768, 32, 8, 16),
-                suite.PodCase("pod", (4096,), 128, 4096, 32, 8, 16),
-                suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
-                suite.PodCase("pod", (8192,), 16, 4096, 32, 8, 16),
-                suite.PodCase("batch_pod", suite.BATCH_PREFILLS, 256, 4096, 32, 8, 16)]
+# the pod suite's cases the policy runs side by side (132 SMs; GQA 64/8 p2048 + 128 x 1k before
+# pod_side_min_prefill_bytes), then four it does not
+LAUNCH_CASES = [suite.PodCase("pod", (8192,), n, kv, hq, 8, 16)
+                for hq in (32, 64) for n, kv in ((16, 32768), (128, 1024), (128, 4096),
+                                                 (256, 1024), (256, 4096))] + [
+    suite.PodCase("pod", (2048,), 128, 1024, 64, 8, 16),
+    suite.PodCase("pod", (4096,), 128, 4096, 32, 8, 16),
+    suite.PodCase("pod", (2048,), 128, 4096, 32, 8, 16),
+    suite.PodCase("pod", (8192,), 16, 4096, 32, 8, 16),
+    suite.PodCase("pod", (8192,), 128, 32768, 32, 8, 16)]
 
 
-def launches(cases, rounds: int) -> None:
-    """POD under each launch-fixing setting and the policy's choice (--launches)."""
+def launches(cases, rounds: int, out: str | None = None) -> None:
+    """POD under each launch-fixing setting and the policy's choice (--launches); rows kept
+    in ``out`` (JSON) after every case."""
+    import triton
+
     from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
 
     settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE, "policy": {}}
+    rows = []
     for case in cases:
         x = suite.make_inputs(case, torch.device("cuda"))
         calls = _calls(case, x)
@@ -76,6 +82,50 @@ def launches(cases, rounds: int) -> None:
             print(f"  {mode:5} " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items())
                   + f"  side over the better of fused / apart {best / med['side']:5.3f}x",
                   flush=True)
+            rows += [dict(case=case.name, policy_launch=choice, setting=k, mode=mode, us=v)
+                     for k, v in med.items()]
+        if out:
+            with open(out, "w") as f:
+                json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                               triton=triton.__version__,
+                               date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                                   timespec="seconds"), rows=rows), f, indent=1)
+
+
+def plot(path: str) -> str:
+    """Bars of side by side's speed over the better of the fused launch and apart (graph and
+    eager) per case of a --launches JSON, the policy's choice under each case; returns the
+    PNG's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.load(open(path))
+    rows = doc["rows"]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    us = {(r["case"], r["setting"], r["mode"]): r["us"] for r in rows}
+    choice = {r["case"]: r["policy_launch"] for r in rows}
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    w = 0.4
+    for j, mode in enumerate(("graph", "eager")):
+        ys = [min(us[c, "fused", mode], us[c, "apart", mode]) / us[c, "side", mode]
+              for c in cases]
+        ax.bar([i + j * w for i in range(len(cases))], ys, w, label=f"side by side, {mode}")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_ylim(0.6, 1.2)
+    ax.set_ylabel("speed over the better of\nfused and apart")
+    ax.set_xticks([i + w / 2 for i in range(len(cases))])
+    ax.set_xticklabels(["\n".join(c.split()[1:4]) + f"\n({choice[c]})" for c in cases],
+                       fontsize=7)
+    ax.set_title(f"POD's parts side by side, page 16 ({doc['gpu']}, torch {doc['torch']}, "
+                 f"triton {doc['triton']}, {doc['date'][:10]}; policy's choice in brackets)",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    out = str(path).rsplit(".", 1)[0] + ".png"
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
 
 
 @contextlib.contextmanager
@@ -136,10 +186,15 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default=None)
     ap.add_argument("--launches", action="store_true")
+    ap.add_argument("--out", default=None, help="--launches: the rows as JSON")
+    ap.add_argument("--plot", default=None, help="plot this --launches JSON and exit")
     args = ap.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return None
     if args.launches:
         return launches(LAUNCH_CASES if args.only is None
-                        else suite.pick(suite.case_list(), args.only), args.rounds)
+                        else suite.pick(suite.case_list(), args.only), args.rounds, args.out)
     cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
     hi = torch.cuda.Stream(priority=-1)
     lo = torch.cuda.Stream(priority=0)

@@ -770,15 +770,16 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, boxes_64: bool,
     two streams at once: the decodes' grid capped at that many programs, one a SM, on a
     high-priority stream, the prefill on the SMs left), else 0 (fused or apart: pod_apart).
     Side by side where the prefill counted as bytes (POLICY.pod_flop_per_byte) is at least
-    POLICY.pod_side_share of the decodes' bytes and those are at least
-    POLICY.pod_side_min_bytes: a decode program reads ~50 GB/s at most, so the decodes need
-    about half the SMs to keep their rate and the prefill must be large enough to use the
-    rest. boxes_64: the decodes' own launch is the Gluon kernel's persistent 64-row launch
+    POLICY.pod_side_share of the decodes' bytes and at least POLICY.pod_side_min_prefill_bytes,
+    and the decodes' bytes at least POLICY.pod_side_min_bytes: a decode program reads ~50 GB/s
+    at most, so the decodes need about half the SMs to keep their rate and the prefill must be
+    large enough to use the rest. boxes_64: the decodes' own launch is the Gluon kernel's persistent 64-row launch
     over pages read by TMA boxes (the only grid the cap reaches). Never under the
     interpreter (no streams there); device: the plan's by default."""
     if (INTERPRET or not boxes_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
             or decode_bytes < POLICY.pod_side_min_bytes
-            or prefill_flops / POLICY.pod_flop_per_byte < POLICY.pod_side_share * decode_bytes):
+            or prefill_flops / POLICY.pod_flop_per_byte < max(
+                POLICY.pod_side_share * decode_bytes, POLICY.pod_side_min_prefill_bytes)):
         return 0
     dev = _plan_device() if device is None else device
     sms = dev.sm_count or H100.sm_count

@@ -152,13 +152,17 @@ class Policy:
         # share of the decodes' bytes run their parts side by side (choose.pod_side): two
         # launches on two streams, the decodes' first on a high-priority stream with their
         # grid capped at pod_side_sms of the SMs, one program a SM, so that the prefill's tiles
-        # take the other SMs at once. Measured against the fused launch / apart (graph, two
-        # H200 runs, benchmarks/NOTES.md, 2026-11-30): p8192 + 128 x 4k (share 1.7) 1.08-1.19x,
-        # p8192 + 256 x 4k GQA 64/8 (1.7) 1.05-1.17x, p8192 + 256 x 4k (0.86) 0.95-1.12x;
-        # p4096 + 128 x 4k (0.43) and p2048 + 128 x 4k (0.11) lost to the fused launch. 0: never.
+        # take the other SMs at once. Over the better of the fused launch and apart, graph /
+        # eager, the ten p8192 grid cases this rule takes on page 16 (shares 0.86-6.8): 0.99-1.09x
+        # / 0.98-1.09x, median 1.02x / 1.03x (H200, benchmarks/NOTES.md, 2026-11-30, with the
+        # dev probes' larger gains on other machines); p4096 / p2048 + 128 x 4k (0.43 / 0.11),
+        # p8192 + 128 x 32k (0.21) lost 0.76-0.83x. 0: never.
         self.pod_side_share = 0.75
         # ...only where the decodes read at least this many bytes (about 100 us at 4 TB/s)...
         self.pod_side_min_bytes = 4e8
+        # ...and the prefill counts at least this many (about 500 us): GQA 64/8 p2048 + 128 x 1k
+        # (4.6e8 and 5.4e8 bytes) lost 0.84x / 0.87x to its fused launch...
+        self.pod_side_min_prefill_bytes = 2e9
         # ...with their grid capped at this share of the SMs (66 of 132: 1.02-1.03x of 96 in
         # two of the three cases above) ...
         self.pod_side_sms = 0.5
@@ -186,7 +190,7 @@ POLICY = Policy()
 POD_FUSED = {"pod_apart_balance": 0.0, "pod_side_share": 0.0}
 POD_APART = {"pod_apart_balance": float("inf"), "pod_apart_min_bytes": 0.0,
              "pod_side_share": 0.0}
-POD_SIDE = {"pod_side_share": 1e-30, "pod_side_min_bytes": 0.0}
+POD_SIDE = {"pod_side_share": 1e-30, "pod_side_min_bytes": 0.0, "pod_side_min_prefill_bytes": 0.0}
 
 
 def version() -> int:
