@@ -53,6 +53,7 @@ import torch
 
 from . import _validate as V
 from .op_call import call_op
+from .op_call import capturing as _capturing  # (a name of this module: tests replace it)
 from .ops import MASK_CAUSAL, MASK_NONE, POS_NONE
 from .ops.contracts import refuse_backward
 from .ops.schedule import block_m_for, build_work
@@ -443,12 +444,6 @@ def _merge_step(acc: torch.Tensor, s_acc: torch.Tensor, o: torch.Tensor, s_o: to
 # --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
-def _capturing(dev: torch.device) -> bool:
-    """Whether an eager call on dev runs under CUDA-graph capture (never asked when traced)."""
-    return (not torch.compiler.is_compiling() and dev.type == "cuda"
-            and torch.cuda.is_current_stream_capturing())
-
-
 def _group_coords(group) -> tuple[int, int]:
     import torch.distributed as dist
 

@@ -39,6 +39,13 @@ except ImportError:  # pragma: no cover - then every call goes through the dispa
     set_wrap_triton_enabled = None
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether an eager call on ``device`` runs under CUDA-graph capture (False while tracing:
+    a traced call is never captured as itself)."""
+    return (not torch.compiler.is_compiling() and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
+
+
 def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
     """Whether a call with these arguments may skip the dispatcher (module docstring)."""
     return (POLICY.direct and set_wrap_triton_enabled is not None

@@ -37,7 +37,7 @@ import torch
 
 from . import _validate as V
 from ._plan_options import PlanOptions
-from .op_call import bound_run, call_op
+from .op_call import bound_run, call_op, capturing
 from .ops import choose
 from .ops import decode_chunks as _chunks
 from .ops.launch import Memo, adopt_scratch, plain_tensors, programs_cap, untraced
@@ -123,7 +123,7 @@ class _PODBase(_WrapperBase):
 
     def _capturing(self) -> bool:
         """Whether a CUDA graph captures this (eager) call."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return capturing(self.device)
 
     def _check_plan(self):
         if self._plan is None:
@@ -280,7 +280,7 @@ def _side_by_side(prefill, decode, programs: int, device: torch.device):
         dec = decode()
     pre = prefill()
     cur.wait_stream(side)
-    if not torch.cuda.is_current_stream_capturing():
+    if not capturing(device):
         for t in dec:
             t.record_stream(cur)
     return pre, dec

@@ -27,6 +27,7 @@ import statistics
 import torch
 
 from benchmarks import pod as suite
+from dev.pod_order import _time
 
 CASES = [suite.PodCase("pod", (8192,), 256, 4096, 32, 8, 16),
          suite.PodCase("pod", (8192,), 128, 4096, 32, 8, 16),
@@ -69,11 +70,11 @@ def launches(cases, rounds: int, out: str | None = None) -> None:
         for name, fixed in settings.items():
             with override(**fixed):  # (eager calls keyed by the policy's version: timed here)
                 graphs[name] = suite._graph(calls["pod"])
-                eager[name] = statistics.median(_time(calls["pod"]) for _ in range(rounds))
+                eager[name] = statistics.median(_time(calls["pod"], 10) for _ in range(rounds))
         times = {k: [] for k in graphs}
         for _ in range(rounds):
             for k, r in graphs.items():
-                times[k].append(_time(r))
+                times[k].append(_time(r, 10))
         graph = {k: statistics.median(v) for k, v in times.items()}
         choice = suite.launch_plan(case)["launch"]
         print(f"{case.name} (policy: {choice})", flush=True)
@@ -170,17 +171,6 @@ def _side_by_side(pre, dec, order: str, hi: torch.cuda.Stream, lo: torch.cuda.St
     return call
 
 
-def _time(replay, n=10):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replay()
-    s.record()
-    for _ in range(n):
-        replay()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) * 1e3 / n
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -222,13 +212,14 @@ def main(argv=None):
                 if not diff <= 1e-3:  # (slots of 128 keys sum in another order)
                     raise RuntimeError(f"{name}: decodes differ from their own launch by {diff}")
                 graph[name] = suite._graph(fn)
-                timed[name + " eager"] = statistics.median(_time(fn) for _ in range(args.rounds))
+                timed[name + " eager"] = statistics.median(_time(fn, 10)
+                                                           for _ in range(args.rounds))
         times = {k: [] for k in [*graph, *eager]}
         for _ in range(args.rounds):
             for k, r in graph.items():
-                times[k].append(_time(r))
+                times[k].append(_time(r, 10))
             for k, r in eager.items():
-                times[k + " eager"] = times.get(k + " eager", []) + [_time(r)]
+                times[k + " eager"] = times.get(k + " eager", []) + [_time(r, 10)]
         med = {k: statistics.median(v) for k, v in times.items() if v}
         med.update(timed)
         pre, dec = med["prefill"], med["dec own x2 n64"]

@@ -19,9 +19,12 @@ Invariants:
   path. Nothing is guessed.
 - The launch path reads no device value on the host (the op contract), so metadata decides
   everything a launch depends on; the key holds all of it, including the policy's version
-  (``policy.version``: a scoped override bumps it).
+  (``policy.version``: a scoped override bumps it) and the programs cap in force
+  (``programs_cap``).
 - A call under CUDA-graph capture, with a launch hook installed (profilers) or under any mode
   that observes ops never replays (``unobserved`` decides the latter).
+- A call that launches on a stream other than the one current when it began (POD's parts side
+  by side) is never bound: a replay launches everything on one stream.
 - Under the Triton interpreter a replay calls the interpreted kernel with views rebuilt from the
   recorded geometry, so CI runs the same record / replay logic on the real kernel code; on a GPU
   it passes pointers as integers, which Triton's launchers accept.
@@ -659,8 +662,9 @@ class Memo:
         (unobserved's per-tensor half: plain tensors on a device the kernels run, none
         requiring grad while grad is on) or has no tensor. A tensor the memo holds as static is
         keyed by identity; others by shape, strides, dtype, device, storage offset and pointer
-        alignment; plain values with their types. (The aliasing pattern is added only where
-        two tensors share a pointer: the two kinds of key differ in length.)"""
+        alignment; plain values with their types; the policy's version and programs_cap's
+        value. (The aliasing pattern is added only where two tensors share a pointer: the two
+        kinds of key differ in length.)"""
         for a in values:  # a (k, v) cache: its tensors in line (once, before any work)
             if isinstance(a, (tuple, list)):
                 if not a:

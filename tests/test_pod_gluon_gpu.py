@@ -166,6 +166,39 @@ def test_pod_wrapper_gluon_equals_triton_launch_closely():
         assert (a.float() - b.float()).abs().max().item() < 2e-2
 
 
+def _wrapper_call(kind: str, x: dict):
+    """(wrapper, call) for _pod_inputs' x (a 777-row prefill request): a POD wrapper over x's
+    contiguous k_p / v_p, or (kind "batch_pod") a BatchPOD wrapper whose prefill's pages are
+    appended to x["cache"] (replaced); call() runs it with both LSEs, (out_p, out_d, lse_p,
+    lse_d), reading x's tensors at call time."""
+    if kind == "pod":
+        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+        w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
+               q_data_type=BF16)
+
+        def call():
+            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
+                                           causal_p=True, return_lse_p=True, return_lse_d=True)
+            return o_p, o_d, l_p, l_d
+        return w, call
+    qo, page = x["q_p"].shape[0], x["page"]
+    pages_p = (qo + page - 1) // page
+    x["cache"] = torch.cat([x["cache"], torch.randn(
+        pages_p, *x["cache"].shape[1:], device="cuda").to(BF16)])
+    idx_p = torch.arange(x["cache"].shape[0] - pages_p, x["cache"].shape[0], dtype=torch.int32)
+    w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
+    w.plan(torch.tensor([0, qo], dtype=torch.int32), torch.tensor([0, pages_p], dtype=torch.int32),
+           idx_p, torch.tensor([(qo - 1) % page + 1], dtype=torch.int32),
+           torch.arange(x["q_d"].shape[0] + 1, dtype=torch.int32), x["indptr"], x["indices"],
+           x["last"], x["hq"], x["hkv"], D, page, q_data_type=BF16)
+
+    def call():
+        (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["cache"], x["q_d"], x["cache"],
+                                       causal_p=True, return_lse=True)
+        return o_p, o_d, l_p, l_d
+    return w, call
+
+
 @pytest.mark.parametrize("kind", ["pod", "batch_pod"])
 def test_pod_decode_chunks_replay_exactly(gluon_pods, pod_merges, kind):
     """POD and BatchPOD whose fused launch runs the decodes as key chunks (few long requests,
@@ -177,33 +210,7 @@ def test_pod_decode_chunks_replay_exactly(gluon_pods, pod_merges, kind):
     x = _pod_inputs("cuda", BF16, seed=3, qo=777, kv_d=(5000, 0, 1, 2049, 3001), hq=28, hkv=4)
     for t in ("q_p", "k_p", "v_p", "q_d", "cache"):
         x[t] = x[t].clone()
-    if kind == "pod":
-        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-        w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
-               q_data_type=BF16)
-
-        def call():
-            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
-                                           causal_p=True, return_lse_p=True, return_lse_d=True)
-            return o_p, o_d, l_p, l_d
-    else:
-        qo_p = torch.tensor([0, 777], dtype=torch.int32)
-        pages_p = (777 + x["page"] - 1) // x["page"]
-        # the prefill's pages appended to the cache the decodes read
-        x["cache"] = torch.cat([x["cache"], torch.randn(
-            pages_p, *x["cache"].shape[1:], device="cuda").to(BF16)])
-        idx_p = torch.arange(x["cache"].shape[0] - pages_p, x["cache"].shape[0],
-                             dtype=torch.int32)
-        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-        w.plan(qo_p, torch.tensor([0, pages_p], dtype=torch.int32), idx_p,
-               torch.tensor([(777 - 1) % x["page"] + 1], dtype=torch.int32),
-               torch.arange(6, dtype=torch.int32), x["indptr"], x["indices"], x["last"],
-               x["hq"], x["hkv"], D, x["page"], q_data_type=BF16)
-
-        def call():
-            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["cache"], x["q_d"], x["cache"],
-                                           causal_p=True, return_lse=True)
-            return o_p, o_d, l_p, l_d
+    w, call = _wrapper_call(kind, x)
     assert w._plan["chunks"] is not None
     eager = [t.clone() for t in call()]
     assert pod_merges and gluon_pods
@@ -294,32 +301,7 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d):
     monkeypatch.setattr(prefill_gluon, "launch",
                         lambda *a, **kw: caps.append(L.programs_cap_now()) or real_launch(*a, **kw))
     x = _pod_inputs("cuda", BF16, seed=5, qo=777, kv_d=kv_d, hq=28, hkv=4)
-    if kind == "pod":
-        w = compiled_attn.PODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-        w.plan(x["indptr"], x["indices"], x["last"], x["hq"], x["hkv"], D, x["page"],
-               q_data_type=BF16)
-
-        def call():
-            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["k_p"], x["v_p"], x["q_d"], x["cache"],
-                                           causal_p=True, return_lse_p=True, return_lse_d=True)
-            return o_p, o_d, l_p, l_d
-    else:
-        pages_p = (777 + x["page"] - 1) // x["page"]
-        x["cache"] = torch.cat([x["cache"], torch.randn(
-            pages_p, *x["cache"].shape[1:], device="cuda").to(BF16)])
-        idx_p = torch.arange(x["cache"].shape[0] - pages_p, x["cache"].shape[0],
-                             dtype=torch.int32)
-        w = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1, device="cuda"), "NHD")
-        w.plan(torch.tensor([0, 777], dtype=torch.int32),
-               torch.tensor([0, pages_p], dtype=torch.int32), idx_p,
-               torch.tensor([(777 - 1) % x["page"] + 1], dtype=torch.int32),
-               torch.arange(len(kv_d) + 1, dtype=torch.int32), x["indptr"], x["indices"],
-               x["last"], x["hq"], x["hkv"], D, x["page"], q_data_type=BF16)
-
-        def call():
-            (o_p, o_d), (l_p, l_d) = w.run(x["q_p"], x["cache"], x["q_d"], x["cache"],
-                                           causal_p=True, return_lse=True)
-            return o_p, o_d, l_p, l_d
+    _, call = _wrapper_call(kind, x)
     with override(**POD_APART):
         apart = [t.clone() for t in call()]
     assert not sides
