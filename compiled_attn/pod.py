@@ -26,12 +26,17 @@ their outputs merged by LSE; _plan_chunks): inside the fused launch where they w
 few long items that finish unevenly (ops.choose.pod_cut), and apart where a paged call of them
 alone would cut them. In CUDA-graph mode the first plan decides the chunk counts and every
 re-plan writes into its tensors (_plan_graph_chunks), so that a captured run() serves them.
+
+Where both parts are large (ops.choose.pod_side), an eager or captured run() launches them
+side by side (_side_by_side): the decodes on a second stream over about half the SMs, the
+prefill on the current stream beside them.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 
@@ -257,41 +262,58 @@ def _merged(out_d, lse_d, merge, requests: int):
     return _chunks.merge_chunks(out_d, lse_d, merge, requests)
 
 
-# A high-priority stream per device for the decodes of POD calls run side by side
-_SIDE_STREAMS: dict = {}
+# A high-priority stream per thread and device for the decodes of POD calls run side by side
+# (per thread: a stream one thread's CUDA-graph capture has joined must not take another
+# thread's eager launches)
+_SIDE_STREAMS = threading.local()
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_SIDE_STREAMS, "by_device", None)
+    if streams is None:
+        streams = _SIDE_STREAMS.by_device = {}
+    side = streams.get(device)
+    if side is None:
+        side = streams[device] = torch.cuda.Stream(device, priority=-1)
+    return side
 
 
 def _side_by_side(prefill, decode, programs: int, device: torch.device):
     """prefill() and decode() (each launching one part, returning its (out, lse)) at once:
     the decodes first, on a high-priority stream forked from the current one, their
-    persistent grid capped at ``programs`` (launch.programs_cap: one program a SM, a deeper
-    K / V ring), so that they hold those SMs while the prefill's tiles, launched next on the
-    current stream, take the others and then every SM the decodes leave; the current stream
-    then waits for both. The decodes' outputs, made on the side stream, are marked used on
-    the current one (record_stream; not while a CUDA graph captures the call, whose pool
-    keeps them). A recording of such a call is never bound (a replay launches on one
+    persistent grid capped at ``programs`` (launch.programs_cap: one program a SM; on the
+    64-row D 128 tile a deeper K / V ring), so that they hold those SMs while the prefill's
+    tiles, launched next on the current stream, take the others and then every SM the
+    decodes leave; the current stream then waits for both (also when a launch raises, so that
+    a CUDA graph's capture stays joined). Eagerly, that is: a CUDA graph's two branches run
+    in no set order and without the streams' priorities. The decodes' outputs, made on the
+    side stream, are marked used on the current one (record_stream; not while a CUDA graph
+    captures the call, whose pool reuses a block only on its own stream, after a wait on the
+    current one). A recording of such a call is never bound (a replay launches on one
     stream): its calls take the whole path, whose host time a call this large hides."""
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    side = _side_stream(device)
     cur = torch.cuda.current_stream(device)
     side.wait_stream(cur)
-    with torch.cuda.stream(side), programs_cap(programs):
-        dec = decode()
-    pre = prefill()
-    cur.wait_stream(side)
+    try:
+        with torch.cuda.stream(side), programs_cap(programs):
+            dec = decode()
+        pre = prefill()
+    finally:
+        cur.wait_stream(side)
     if not capturing(device):
         for t in dec:
             t.record_stream(cur)
     return pre, dec
 
 
-def _side(p: dict, pairs, decode_bytes) -> int:
-    """choose.pod_side for an eager call (prefill of ``pairs`` query-key pairs, decodes
-    reading ``decode_bytes``) of a plan whose decodes' own launch is the Gluon kernel's
-    64-row launch over TMA boxes; 0 for another plan, or with an empty part. (A CUDA device's
-    calls only: the wrappers ask.)"""
-    if pairs <= 0 or decode_bytes <= 0:
+def _side(p: dict, pairs, decode_bytes, window_d: int = -1, pos: int = POS_NONE) -> int:
+    """choose.pod_side for a call (prefill of ``pairs`` query-key pairs, decodes reading
+    ``decode_bytes``; window_d, pos: the run's decode window and position encoding) of a plan
+    whose decodes' own launch is the Gluon kernel's 64-row launch over TMA boxes, where the
+    run's options keep it there (no window, no position encoding); 0 otherwise, or with an
+    empty part. Asked of a CUDA wrapper's untraced calls (and of CPU-planned wrappers by
+    benchmarks.pod.launch_plan)."""
+    if pairs <= 0 or decode_bytes <= 0 or window_d >= 0 or pos != POS_NONE:
         return 0
     boxes_64 = p["fused_gluon"] and not p["fused_gathers"] and p["block_m_d"] == 64
     return choose.pod_side(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
@@ -803,8 +825,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
-        side = (0 if traced or self.device.type != "cuda"
-                else self._launch_side(qo_len, kv_len, mask_p == MASK_CAUSAL))
+        side = (0 if traced or self.device.type != "cuda" or not untraced()
+                else self._launch_side(qo_len, kv_len, mask_p == MASK_CAUSAL, window_d, pos_p))
         apart = (None, p["work_d_apart"]) if side else _apart_works(
             p, traced, (None, p["work_d_apart"]),
             lambda: self._launch_apart(qo_len, kv_len, mask_p == MASK_CAUSAL))
@@ -833,11 +855,13 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                       captured=self._capturing() if captured is None else captured,
                       fused_rows=_prefill_tiles(p, qo_len) + p["work_d"].shape[0])
 
-    def _launch_side(self, qo_len: int, kv_len: int, causal: bool) -> int:
+    def _launch_side(self, qo_len: int, kv_len: int, causal: bool, window_d: int = -1,
+                     pos: int = POS_NONE) -> int:
         """The decodes' programs where an eager or captured call with this prefill request
-        runs the parts side by side (_side: ops.choose.pod_side), else 0. Asked at every call,
-        as _launch_apart."""
-        return _side(self._plan, _pairs(qo_len, kv_len, causal), self._plan["decode_bytes"])
+        (and the decodes' window and position encoding) runs the parts side by side (_side:
+        ops.choose.pod_side), else 0. Asked at every call, as _launch_apart."""
+        return _side(self._plan, _pairs(qo_len, kv_len, causal), self._plan["decode_bytes"],
+                     window_d, pos)
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
@@ -1025,7 +1049,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
-        side = (0 if traced or self.device.type != "cuda"
+        side = (0 if traced or self.device.type != "cuda" or not untraced()
                 else self._launch_side(mask_p == MASK_CAUSAL))
         apart = (p["work_p"], p["work_d_apart"]) if side else _apart_works(
             p, traced, (p["work_p"], p["work_d_apart"]),
@@ -1053,6 +1077,6 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                       fused_rows=p["work"].shape[0])
 
     def _launch_side(self, causal: bool) -> int:
-        """As POD's, for the plan's prefill (causal: its mask)."""
+        """As POD's, for the plan's prefill (causal: its mask) and options."""
         p = self._plan
-        return _side(p, p["pairs_p"][causal], p["decode_bytes"])
+        return _side(p, p["pairs_p"][causal], p["decode_bytes"], p["window_left"], p["pos"])

@@ -775,8 +775,10 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, boxes_64: bool,
     at most, so the decodes need about half the SMs to keep their rate and the prefill must be
     large enough to use the rest. boxes_64: the decodes' own launch is the Gluon kernel's
     persistent 64-row launch over pages read by TMA boxes (the only grid the cap reaches).
-    Never under the interpreter (no streams there); device: the plan's by default."""
+    Never under the interpreter (no streams there), nor with POLICY.pod_apart_balance 0 (one
+    launch always); device: the plan's by default."""
     if (INTERPRET or not boxes_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
+            or POLICY.pod_apart_balance <= 0  # (always one launch)
             or decode_bytes < POLICY.pod_side_min_bytes
             or prefill_flops / POLICY.pod_flop_per_byte < max(
                 POLICY.pod_side_share * decode_bytes, POLICY.pod_side_min_prefill_bytes)):

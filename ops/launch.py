@@ -76,8 +76,10 @@ class Recorder:
 
 
 def _stream_now():
-    """The current CUDA stream's handle, None without CUDA."""
-    return torch.cuda.current_stream().cuda_stream if torch.cuda.is_available() else None
+    """The current CUDA stream's handle (of the current device), None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
 
 
 # The recorder of the call this thread is recording, if any (threads record apart).
@@ -91,8 +93,9 @@ def _recorder() -> Recorder | None:
 @contextlib.contextmanager
 def programs_cap(programs: int):
     """Persistent Gluon launches made inside run at most ``programs`` programs at once, each
-    a SM of its own where programs <= SMs (choose deepens their K/V ring to fill it): POD's
-    decodes side by side with its prefill (compiled_attn.pod), which takes the other SMs.
+    a SM of its own where programs <= SMs (choose then deepens the K / V ring of the 64-row
+    D 128 paged tile, where the few-programs ring does not already): POD's decodes side by
+    side with its prefill (compiled_attn.pod), which takes the other SMs.
     Part of every launch key made inside (Memo.eager_key), so a bound call replays its own
     grid. 0: the launch's own grid. Per thread."""
     saved = getattr(_TLS, "cap", 0)

@@ -187,7 +187,7 @@ POLICY = Policy()
 # Settings that fix a POD call's launch whatever its sizes, for tests, probes and benchmark
 # variants (``override(**POD_FUSED)``): one fused launch, the two parts apart, or side by side
 # (where the decodes' own launch is the one choose.pod_side caps; else as the sizes say).
-POD_FUSED = {"pod_apart_balance": 0.0, "pod_side_share": 0.0}
+POD_FUSED = {"pod_apart_balance": 0.0}
 POD_APART = {"pod_apart_balance": float("inf"), "pod_apart_min_bytes": 0.0,
              "pod_side_share": 0.0}
 POD_SIDE = {"pod_side_share": 1e-30, "pod_side_min_bytes": 0.0, "pod_side_min_prefill_bytes": 0.0}

@@ -704,7 +704,6 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
 
 
-
 # POD's parts side by side (ops.choose.pod_side): where the prefill counted as bytes is at least
 # pod_side_share (0.75) of the decodes' bytes and at least pod_side_min_prefill_bytes (2e9), and
 # the decodes' at least pod_side_min_bytes (4e8), on pages the decodes' own 64-row launch reads
@@ -721,13 +720,19 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
     (8192, 256, 4096, 32, 1, False), (64, 4, 64, 32, 16, False)])
 def test_pod_side_decision(qo, n_dec, kv_d, hq, page, side, monkeypatch):
     """The side-by-side choice of PODWithPagedKVCacheWrapper at the suite's sizes planned for a
-    Hopper GPU (132 SMs: 66 decode programs), and the launch-fixing settings: POD_FUSED and
+    Hopper GPU (132 SMs: 66 decode programs), never with a run's decode window or position
+    encoding, and the launch-fixing settings: POD_FUSED (pod_apart_balance 0: one launch) and
     POD_APART never, POD_SIDE wherever the decodes' launch is the one the cap reaches."""
     from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
+
+    from compiled_attn.ops import POS_NONE, POS_ROPE_LLAMA
 
     w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
     plan()
     assert w._launch_side(qo, qo, True) == (66 if side else 0)
+    # a run's decode window or position encoding leaves the 64-row box launch the cap reaches
+    assert w._launch_side(qo, qo, True, 127, POS_NONE) == 0
+    assert w._launch_side(qo, qo, True, -1, POS_ROPE_LLAMA) == 0
     for fixed in (POD_FUSED, POD_APART):
         with override(**fixed):
             assert w._launch_side(qo, qo, True) == 0

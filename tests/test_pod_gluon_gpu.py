@@ -317,6 +317,7 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d):
                 assert torch.equal(a.nan_to_num(), b.nan_to_num())
         assert not any(torch.isnan(t).any() for t in runs[0][:2])
         graph, outs = capture_graph(call)
+        assert len(sides) == 5  # (capture_graph's warm-up call and the captured one)
         g = torch.Generator(device="cuda").manual_seed(12)
         for _ in range(2):
             for t in ("q_p", "q_d", "cache"):
