@@ -131,22 +131,20 @@ def plot(path: str) -> str:
 
 @contextlib.contextmanager
 def decode_grid(programs, stages, block_n=64):
-    """The Gluon launches' persistent grids capped at ``programs`` (prefill_gluon._sm_count
-    answering programs / _WS_CTAS of the 64-row tile) and the 64-row D 128 tile ``stages``
-    deep in slots of block_n keys, for calls captured inside."""
-    from compiled_attn.ops import policy
+    """The Gluon launches' persistent grids capped at ``programs`` (launch.programs_cap, as
+    POD's parts side by side cap them; None: the launch's own grid) and the 64-row D 128 tile
+    ``stages`` deep in slots of block_n keys (TILES replaced; the cap's own ring depth,
+    POLICY.pod_side_stages, off), for calls made and captured inside."""
+    from compiled_attn.ops import launch, policy
     from compiled_attn.ops import prefill_gluon as g
 
-    saved_count, saved_tile = g._sm_count, g.TILES[64, 128]
-    if programs is not None:
-        per_sm = g._WS_CTAS[saved_tile.warps]
-        g._sm_count = lambda device: -(-programs // per_sm)
+    saved_tile = g.TILES[64, 128]
     g.TILES[64, 128] = saved_tile._replace(stages=stages, block_n=block_n)
-    policy.touch()
     try:
-        yield
+        with policy.override(pod_side_stages=0), launch.programs_cap(programs or 0):
+            yield
     finally:
-        g._sm_count, g.TILES[64, 128] = saved_count, saved_tile
+        g.TILES[64, 128] = saved_tile
         policy.touch()
 
 

@@ -470,3 +470,26 @@ def test_launch_tile_by_head_dim(block_m, d, block_n, stages, monkeypatch):
         with pytest.raises(ValueError, match="no Gluon tile for block_m 64 at head dim 256"):
             gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None,
                              qk_scale=0.1, causal=True, block_m=64)
+
+
+@pytest.mark.parametrize("cap,programs", [(0, 6), (4, 4), (1, 1), (9, 6)])
+def test_launch_grid_under_programs_cap(cap, programs, monkeypatch):
+    """A persistent launch (the 64-row tile, paged on boxes) made inside launch.programs_cap
+    runs at most cap programs (0: as many as the GPU holds at once, here 132 SMs x _WS_CTAS,
+    and at most one per item: 3 items x 2 KV heads)."""
+    from compiled_attn.ops import launch as L
+
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 132)
+    q = torch.randn(40, 8, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 8)
+    work = torch.zeros(3, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    cache = torch.randn(6, 16, 2, 128, dtype=torch.bfloat16)
+    k2 = v2 = gluon_mod.kv_2d(cache, "paged")
+    paged = (16, torch.arange(6, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 16, 16)
+    with L.programs_cap(cap):
+        gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                         causal=True, block_m=64, paged=paged)
+    assert rec.kw["SCHEDULE"].PERSISTENT and rec.grid == (programs, )
