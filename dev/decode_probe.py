@@ -74,6 +74,8 @@ def _variants():
         "chunks fill 1.0": ("policy", dict(decode_chunk_fill=1.0)),
         # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages)
         "ring off": ("policy", dict(few_programs_stages=0)),
+        # ...on the 64-row tile's deeper ring, not the swapped products (POLICY.decode_swap)
+        "swap off": ("policy", dict(decode_swap=False)),
         # up to this many key chunks a request (schedule.MAX_CHUNKS, 16), and the merge
         # launch's warps (decode_chunks.MERGE_WARPS, 4)
         "chunks max 32": ("module", dict(max_chunks=32)),

@@ -61,7 +61,10 @@ def launches(cases, rounds: int, out: str | None = None) -> None:
 
     from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
 
-    settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE, "policy": {}}
+    # (side by side with the decodes on the 64-row tile's four-deep ring, not the swapped
+    # products: POLICY.decode_swap off)
+    settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE,
+                "side no swap": {**POD_SIDE, "decode_swap": False}, "policy": {}}
     rows = []
     for case in cases:
         x = suite.make_inputs(case, torch.device("cuda"))

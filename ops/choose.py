@@ -429,7 +429,8 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         if layout and _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page, consts, scalars,
                                    dev, aligned=not static):
             return _gluon_launch(kv_mode, dqk, block_m, page, items, hkv, requests, pages,
-                                 mask_mode == MASK_CAUSAL, group, dev)
+                                 mask_mode == MASK_CAUSAL, group, dev,
+                                 rows=None if dense else q.shape[0] * (q.shape[-2] // hkv))
     tma = 0
     if (cfg["TMA"] and _kv_descriptors(consts, kv_mode) and dev.tma
             and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
@@ -464,11 +465,12 @@ def few_programs_ring(block_m: int, d: int, items, hkv: int, requests,
 
 
 def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal, group,
-                  dev: Device) -> Launch:
+                  dev: Device, rows=None) -> Launch:
     """The Gluon kernel's launch (prefill_gluon.launch carries it out with this tile): TILES
     for the tile height and head dim; gathered pages of short requests (gather_short) on
     GATHER_SHORT_TILE; a persistent grid where warp specialization runs one (persistent_default
-    or the tile's own)."""
+    or the tile's own); decode rows in at most one program a SM on SWAP_TILE (_swap_rows; rows:
+    the launch's packed rows, None where unknown)."""
     g = _gluon
     t = g.TILES[block_m, d]
     paged = kv_mode == KV_PAGED
@@ -476,13 +478,18 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
             and g.gather_short(pages, page, requests, causal)):
         t = g.GATHER_SHORT_TILE
     t = g.Tile(*t)
-    # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring;
-    # so too a grid capped at one program a SM (launch.programs_cap: POD's decodes side by side)
+    # Requests of one tile each (decode rows) in at most one program a SM: a deeper K/V ring,
+    # or the swapped products (_swap_rows); so too a grid capped at one program a SM
+    # (launch.programs_cap: POD's decodes side by side)
     cap = _launch.programs_cap_now()
-    if paged and few_programs_ring(block_m, d, items, hkv, requests, dev):
+    few = paged and few_programs_ring(block_m, d, items, hkv, requests, dev)
+    side = (paged and block_m == 64 and d == 128
+            and 0 < cap <= (dev.sm_count or H100.sm_count))
+    if (few or side) and _swap_rows(page, d, rows, requests):
+        t = g.SWAP_TILE
+    elif few:
         t = t._replace(stages=POLICY.few_programs_stages)
-    elif (paged and block_m == 64 and d == 128 and POLICY.pod_side_stages > 0
-          and 0 < cap <= (dev.sm_count or H100.sm_count)):
+    elif side and POLICY.pod_side_stages > 0:
         t = t._replace(stages=POLICY.pod_side_stages)
     block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
     gather = paged and g.page_gathered(page, block_n, d)
@@ -496,7 +503,20 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     kv_path = ("gather" if gather else "boxes") if paged else "host"
     return Launch("gluon", block_m, block_n, kv_path, 2, stages, warps, persistent=persistent,
                   programs=programs, group=group,
-                  gluon_tile=(block_n, warps, stages, p_smem, ws, pingpong, persistent))
+                  gluon_tile=(block_n, warps, stages, p_smem, ws, pingpong, persistent, t.swap))
+
+
+def _swap_rows(page: int, d: int, rows, requests) -> bool:
+    """Whether decode rows in at most one program a SM (the few-programs ring, POD's decodes
+    side by side) run prefill_gluon.SWAP_TILE, the swapped products (POLICY.decode_swap): the
+    launch's packed rows (None: unknown) at most SWAP_ROWS a request on average (a longer
+    request takes a pass per SWAP_ROWS rows, re-reading its keys), at D 128 on pages its
+    128-key slots read. A program there read 64 GB/s against the 64-row tile's 52 (H200,
+    benchmarks/NOTES.md, 2026-11-30)."""
+    g = _gluon
+    return (POLICY.decode_swap and d == 128 and rows is not None and requests is not None
+            and known(rows <= g.SWAP_ROWS.value * requests)
+            and g.page_read(page, g.SWAP_TILE.block_n, d))
 
 
 def _kv_descriptors(consts: dict, kv_mode: int) -> bool:

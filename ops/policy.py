@@ -121,6 +121,13 @@ class Policy:
         # deep 72.0, 128-key slots 71.0; 128 x 1k (two programs a SM) lost 1% three deep
         # (H200, benchmarks/NOTES.md, 2026-11-29).
         self.few_programs_stages = 3
+        # Those launches, and POD's decodes side by side (one program a SM too), run the swapped
+        # products instead (prefill_gluon.SWAP_TILE: the keys as the wgmma's M, a request's
+        # query rows as its N, 128-key slots two deep) where the launch's rows average at most
+        # SWAP_ROWS a request (choose._swap_rows): a program read 64 GB/s against the 64-row
+        # tile's 52 four deep, 16 x 1k decodes replayed in 23.8 us instead of 26.4 (page 16,
+        # H200, benchmarks/NOTES.md, 2026-11-30). False: the deeper rings above.
+        self.decode_swap = True
         # POD's decodes, where few requests leave most of the fused launch's resident slots to
         # the prefill, cut into key chunks (one-row chunk requests, then a merge) so that their
         # items even out the prefill's tail (choose.pod_chunk_sms, choose.pod_cut): "gluon"

@@ -178,12 +178,12 @@ Shape.__doc__ = """\
 
 
 Schedule = namedtuple("Schedule", "DENSE Q_TMA P_SMEM WS PERSISTENT PINGPONG PRODUCER_REGS "
-                      "GROUP_REGS Q_ROWS", defaults=(False,))
+                      "GROUP_REGS Q_ROWS SWAP", defaults=(False, False))
 Schedule.__doc__ = """\
     _gluon_fwd's constexprs of the work and its schedule: dense work items, Q by TMA, P through
     shared memory, warp specialization, persistent programs, ping-pong groups, the load and
-    second compute partitions' registers, and Q_ROWS (Q's rows through a row map: launch's
-    q_rows)."""
+    second compute partitions' registers, Q_ROWS (Q's rows through a row map: launch's
+    q_rows) and SWAP (decode rows' swapped products, _group_swap)."""
 
 
 PodSizes = namedtuple("PodSizes", "n_items n_hkv")
@@ -724,6 +724,91 @@ def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_s
                qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, row_s)
 
 
+# ---- decode rows: the swapped products ----------------------------------------------------------
+# A tile of at most SWAP_ROWS packed rows (decode rows: a request's query group, a token or a
+# few) runs the products transposed: S^T = K Q^T [BLOCK_N, ROWS] and O^T += V^T P^T [D, ROWS],
+# the keys (and V's dims) as the wgmma's M and the query rows as its N (a multiple of 8). A
+# 64-row tile would compute, exponentiate and multiply 64 rows for the few it holds: its
+# consumer, not the loads, set a program's rate (~50 GB/s, benchmarks/NOTES.md, 2026-11-30).
+# The softmax runs down the key axis (a reduction across the warp group's warps for the max;
+# the row sums stay per-thread partials, reduced once at the end) and P^T goes through shared
+# memory as P [ROWS, BLOCK_N] read transposed, the B operand of the second product.
+SWAP_ROWS = gl.constexpr(16)
+
+
+@gluon.jit
+def _consume_swap(q, q_smem, p_row, ring, keys, item, it, PAGED: gl.constexpr,
+                  CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr):
+    """A compute group's walk over the work item's key tiles with the swapped products (the
+    section's comment), after storing q [ROWS, D] into q_smem: returns (acc^T [D, ROWS], m_i,
+    l_i [ROWS]). p_row [ROWS]: each row's position (SliceLayout(0, the MMA layout)). Each K /
+    V slot goes back to the load partition as soon as its product is done (WS only); tile t
+    sits in ring position it + t. Every tile is masked (a few registers a thread)."""
+    dtype: gl.constexpr = q_smem.dtype
+    mma: gl.constexpr = _mma_layout(ROWS, NW)  # both products' [M, ROWS] results
+    key_l: gl.constexpr = gl.SliceLayout(1, mma)
+    if it > 0:
+        _cta_barrier()  # every warp of the group is done with q_smem (the last item's O)
+    q_smem.store(q)
+    fence_async_shared()
+    _cta_barrier()
+    p_smem = ring.p_ring.index(0)
+    s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=mma)
+    acc = gl.zeros([D, ROWS], gl.float32, layout=mma)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
+    l_acc = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=mma)
+    for t in range(item.n_tiles):
+        g = it + t
+        slot = _wait_kv(ring.k_bar, g, STAGES, PAGED)
+        s = warpgroup_mma(ring.k_ring.index(slot), q_smem.permute((1, 0)), s_zero,
+                          use_acc=False)
+        _arrive_slot(ring.k_empty, g, STAGES)
+        j = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_l)
+        see = j[:, None] < item.kv_len
+        if CAUSAL:
+            see = see & (j[:, None] <= p_row[None, :])
+        s = gl.where(see, s * keys.qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0))
+        # A row that has seen nothing yet keeps m = -inf; subtract 0 instead (no NaN).
+        m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(s - m_sub[None, :])
+        alpha = gl.exp2(m_i - m_sub)
+        l_acc = l_acc * alpha[None, :] + p
+        m_i = m_new
+        p_smem.store(gl.permute(p.to(dtype), (1, 0)))
+        fence_async_shared()
+        vslot = _wait_kv(ring.v_bar, g, STAGES, PAGED)
+        if PAGED != PAGED_GATHER and (t + 1) * BLOCK_N > item.kv_len:
+            _zero_tail(ring.v_ring, vslot, item.kv_len - t * BLOCK_N, D, BLOCK_N, NW)
+        _cta_barrier()  # every warp's P is in p_smem before the warp group's product reads it
+        acc = warpgroup_mma(ring.v_ring.index(vslot).permute((1, 0)), p_smem.permute((1, 0)),
+                            acc * alpha[None, :])
+        _arrive_slot(ring.v_empty, g, STAGES)
+    return acc, m_i, gl.sum(l_acc, 0)
+
+
+@gluon.jit
+def _store_rows_swap(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_start,
+                     qo_len, hkv, stride_ot, stride_oh, stride_lt, stride_lh,
+                     GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
+                     NW: gl.constexpr):
+    """_store_rows for the swapped products' acc^T [D, ROWS] (m_i, l_i [ROWS]): O transposed
+    back through ``scratch`` [ROWS, D] (the group's Q buffer)."""
+    dtype: gl.constexpr = o_ptr.dtype.element_ty
+    col: gl.constexpr = gl.SliceLayout(0, _mma_layout(ROWS, NW))
+    seen = l_i > 0
+    l_safe = gl.where(seen, l_i, 1.0)
+    _cta_barrier()  # every warp's last product (reading Q) is done before O overwrites it
+    scratch.store(gl.permute((acc / l_safe[None, :]).to(dtype), (1, 0)))
+    _cta_barrier()
+    offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP, ROWS, D,
+                         NW)
+    gl.store(o_ptr + offs, scratch.load(_row_layout(D, NW)), mask=ok[:, None])
+    _store_lse(gl.where(seen, m_i + gl.log2(l_safe), float("-inf")), lse_ptr, l_base, qo_start,
+               qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, col)
+
+
 @gluon.jit
 def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh,
                stride_lt, stride_lh, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
@@ -740,11 +825,44 @@ def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride
 
 
 @gluon.jit
-def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr, P_SMEM: gl.constexpr,
-           PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr, PINGPONG: gl.constexpr,
-           GROUP: gl.constexpr, CAUSAL: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-           D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
-           Q_ROWS: gl.constexpr = False, map_on=True):
+def _passes(item, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
+    """The swapped products' passes over a work item with keys: its rows (at most BLOCK_M
+    from row0) SWAP_ROWS at a time, each pass over all its key tiles."""
+    rows = gl.minimum(item.qo_len * GROUP - item.row0, BLOCK_M)
+    return (rows + SWAP_ROWS - 1) // SWAP_ROWS
+
+
+@gluon.jit
+def _group_swap(ctx, item, r0, it, q_buf, PAGED: gl.constexpr, GROUP: gl.constexpr,
+                CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, NW: gl.constexpr, Q_ROWS: gl.constexpr = False,
+                map_on=True):
+    """_group with the swapped products (_consume_swap, _store_rows_swap; one compute group,
+    K / V through the load partition) on packed rows [r0, r0 + SWAP_ROWS) of the work item,
+    its key tiles from ring position it; q_buf [SWAP_ROWS, D] holds their Q, then O."""
+    ROWS: gl.constexpr = SWAP_ROWS
+    io = ctx.io
+    st = ctx.st
+    col: gl.constexpr = gl.SliceLayout(0, _mma_layout(ROWS, NW))
+    p_row = item.kv_len - item.qo_len + (r0 + gl.arange(0, ROWS, layout=col)) // GROUP
+    q = _load_q(io.q_ptr, item.req.to(gl.int64) * st.qb, item.qo_start, item.qo_len,
+                item.hkv, r0, st.qt, st.qh, io.q_rows_ptr, map_on, GROUP, ROWS, D, NW,
+                Q_ROWS)
+    acc, m_i, l_i = _consume_swap(q, q_buf, p_row, ctx.ring, ctx.keys, item, it, PAGED,
+                                  CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
+    _store_rows_swap(acc, m_i, l_i, r0, q_buf, io.o_ptr, io.lse_ptr,
+                     item.req.to(gl.int64) * st.ob, item.req.to(gl.int64) * st.lb,
+                     item.qo_start, item.qo_len, item.hkv, st.ot, st.oh, st.lt, st.lh,
+                     GROUP, ROWS, D, NW)
+
+
+@gluon.jit
+def _group(WG: gl.constexpr, ctx, item, it, q_buf, Q_TMA: gl.constexpr,
+           P_SMEM: gl.constexpr, PAGED: gl.constexpr, PAGE: gl.constexpr, WS: gl.constexpr,
+           PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+           STAGES: gl.constexpr, NW: gl.constexpr, Q_ROWS: gl.constexpr = False,
+           map_on=True):
     """Compute group WG (NW warps) on one work item with keys (n_tiles > 0): packed rows
     [row0 + WG * ROWS, + ROWS) of the tile, from Q's load to the epilogue (a worker partition
     returns nothing, so each group writes its own rows). ctx: the launch's Ctx (_gluon_fwd
@@ -955,13 +1073,15 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False,
-              Q_ROWS: gl.constexpr = False):
+              Q_ROWS: gl.constexpr = False, SWAP: gl.constexpr = False):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
     goes back to the load warp once the item's O, staged through it, is written. POD: an item
     of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx).
-    Q_ROWS: as _group's (POD: part 1's rows through pod's row map)."""
+    Q_ROWS: as _group's (POD: part 1's rows through pod's row map). SWAP: every item's rows
+    SWAP_ROWS at a time with the swapped products (_group_swap; _passes of its key tiles,
+    which the load warp issues as many times)."""
     h = ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
@@ -981,16 +1101,24 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             c = ctx
             map_on = True
         if item.n_tiles > 0:
-            if Q_TMA:
-                q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
+            if SWAP:
+                passes = _passes(item, BLOCK_M, GROUP)
+                for ps in range(passes):
+                    _group_swap(c, item, item.row0 + ps * SWAP_ROWS, it + ps * item.n_tiles,
+                                ctx.ring.q_ring.index(0).slice(0, SWAP_ROWS), PAGED, GROUP,
+                                CAUSAL, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
+                it += item.n_tiles * (passes - 1)  # (the last pass's tiles: below)
             else:
-                q_buf = ctx.ring.q_ring.index(0)
-            _group(WG, c, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG, GROUP,
-                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
-            if Q_TMA:  # the slot (its O written through it) back to the load warp
-                fence_async_shared()
-                _arrive_slot(h.q_empty, qk, 2)
-            qk += 1
+                if Q_TMA:
+                    q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
+                else:
+                    q_buf = ctx.ring.q_ring.index(0)
+                _group(WG, c, item, it, q_buf, Q_TMA, P_SMEM, PAGED, PAGE, True, PINGPONG,
+                       GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
+                if Q_TMA:  # the slot (its O written through it) back to the load warp
+                    fence_async_shared()
+                    _arrive_slot(h.q_empty, qk, 2)
+                qk += 1
         elif item.valid:
             io, st = c.io, c.st
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
@@ -1036,7 +1164,7 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr, pod=None,
                POD: gl.constexpr = False, PAGED_D: gl.constexpr = 0, PAGE_D: gl.constexpr = 0,
-               BOXES_D: gl.constexpr = 1):
+               BOXES_D: gl.constexpr = 1, SWAP: gl.constexpr = False):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
@@ -1044,7 +1172,8 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     on into the next item while the groups finish this one; a last index past the items stops
     them. POD: the items of POD's work rows (_pod_item), part 0's K / V from ctx's Keys
     (PAGED 0: the one-page prefill, read as contiguous rows), part 1's from pod's (PAGED_D,
-    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part."""
+    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part. SWAP: an item's
+    tiles go out once for each of its compute group's passes (_passes)."""
     ring, keys, h = ctx.ring, ctx.keys, ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
@@ -1078,6 +1207,13 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
             else:
                 _produce(pod.keys, pod, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
                          WIDE)
+        elif SWAP:
+            if n_tiles > 0:
+                passes = _passes(item, BLOCK_M, GROUP)
+                for ps in range(passes):
+                    _produce(keys, ctx, item, it + ps * n_tiles, PAGED, PAGE, BLOCK_N, D,
+                             STAGES, BOXES, WIDE)
+                it += n_tiles * (passes - 1)
         else:
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
         it += n_tiles
@@ -1105,13 +1241,16 @@ def _dense_item(lin, n_items, dense_tiles, dense_group, n_req, n_hkv, BLOCK_M: g
 def _shared_state(dtype: gl.constexpr, k_desc, v_desc, q_desc, Q_TMA: gl.constexpr,
                   P_SMEM: gl.constexpr,
                   PAGED: gl.constexpr, PINGPONG: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                  SWAP: gl.constexpr = False):
     """A program's shared memory, barriers initialised: the Ring, and the persistent
     programs' handoff (item records, their barriers, Q's TMA slot barriers). K / V slots in
     the layouts of the descriptors k_desc / v_desc; Q_TMA: two Q slots in q_desc's."""
     RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
-    P_ROWS: gl.constexpr = BLOCK_M if P_SMEM else 8  # (a stand-in unless P_SMEM)
-    P_COLS: gl.constexpr = BLOCK_N if P_SMEM else 64
+    # P's slots: [BLOCK_M, BLOCK_N] (P_SMEM), [SWAP_ROWS, BLOCK_N] (SWAP: the swapped
+    # products' one slot), else a stand-in
+    P_ROWS: gl.constexpr = SWAP_ROWS if SWAP else (BLOCK_M if P_SMEM else 8)
+    P_COLS: gl.constexpr = BLOCK_N if P_SMEM or SWAP else 64
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
         swizzle_byte_width=128, element_bitwidth=dtype.primitive_bitwidth, rank=2)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], k_desc.layout)
@@ -1207,7 +1346,8 @@ def _gluon_fwd(
     base 2. PINGPONG (with WS): two compute groups of num_warps warps and BLOCK_M / 2 rows each,
     the second a worker partition at GROUP_REGS registers. Q_ROWS (not with Q_TMA): row t of
     the work's rows (o's and the LSE's row t) reads q's row q_rows_ptr[t], int32 [rows],
-    instead of q's row t."""
+    instead of q's row t. SWAP (PERSISTENT, one compute group, not Q_TMA): the swapped
+    products, each item's rows SWAP_ROWS at a time (_group_swap)."""
     PAGED: gl.constexpr = SOURCE.PAGED
     PAGE: gl.constexpr = SOURCE.PAGE
     BOXES: gl.constexpr = SOURCE.BOXES
@@ -1227,11 +1367,12 @@ def _gluon_fwd(
     PRODUCER_REGS: gl.constexpr = SCHEDULE.PRODUCER_REGS
     GROUP_REGS: gl.constexpr = SCHEDULE.GROUP_REGS
     Q_ROWS: gl.constexpr = SCHEDULE.Q_ROWS
+    SWAP: gl.constexpr = SCHEDULE.SWAP
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     # PINGPONG: two compute groups of ROWS rows; else one of BLOCK_M (num_warps warps each)
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
     ring, item_bars = _shared_state(dtype, k_desc, v_desc, q_desc, Q_TMA, P_SMEM, PAGED,
-                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)
+                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES, SWAP)
     items, item_full, item_empty, q_full, q_empty = item_bars
     q_ring, k_ring, v_ring, k_bar, v_bar, k_empty, v_empty = (
         ring.q_ring, ring.k_ring, ring.v_ring, ring.k_bar, ring.v_bar, ring.k_empty, ring.v_empty)
@@ -1266,9 +1407,9 @@ def _gluon_fwd(
             gl.warp_specialize([
                 (_ws_group, (0, ctx, DENSE, Q_TMA, P_SMEM, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                              BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, ctx, False,
-                             Q_ROWS)),
+                             Q_ROWS, SWAP)),
                 (_ws_loader, (ctx, DENSE, Q_TMA, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1)),
+                              STAGES, BOXES, WIDE, ctx, False, 0, 0, 1, SWAP)),
             ], [LOAD_WARPS], [PRODUCER_REGS])
     else:  # one work item per program, every partition decoding it (grid (items, KV heads))
         item = _item_of(gl.program_id(0) + gl.program_id(1) * work_sizes.n_items, ctx, DENSE,
@@ -1433,7 +1574,8 @@ class Tile(NamedTuple):
     """A launch's tile: block_n keys a slot, warps compute warps, stages K / V slots, p_smem
     (P through shared memory), ws (warp-specialized), pingpong (two compute groups of half the
     warps), persistent (WS: resident programs taking items from a counter; None:
-    persistent_default)."""
+    persistent_default), swap (persistent, one compute group: every item's rows run the
+    swapped products, SWAP_ROWS at a time: _group_swap)."""
     block_n: int
     warps: int
     stages: int
@@ -1441,6 +1583,7 @@ class Tile(NamedTuple):
     ws: bool
     pingpong: bool
     persistent: bool | None = None
+    swap: bool = False
 
 
 # Tiles by (tile height, head dim), the height plan() chose (choose.tile):
@@ -1454,6 +1597,10 @@ TILES = {(64, 64): _T64, (64, 128): _T64,
          (128, 64): Tile(block_n=128, warps=8, stages=3, p_smem=False, ws=True, pingpong=True),
          (128, 128): Tile(block_n=128, warps=8, stages=2, p_smem=False, ws=True, pingpong=True),
          (128, 256): Tile(block_n=64, warps=8, stages=2, p_smem=False, ws=True, pingpong=True)}
+# Decode rows on the swapped products in at most one program a SM (choose._gluon_launch):
+# 128-key slots two deep (a program's shared memory is then 144 KB).
+SWAP_TILE = Tile(block_n=128, warps=4, stages=2, p_smem=False, ws=True, pingpong=False,
+                 persistent=True, swap=True)
 # Gathered pages (page_gathered) on the 128-row tile where requests are short (gather_short):
 # 64-key slots three deep and persistent programs, where longer requests keep TILES' 128-key
 # slots, two deep, a program per item; the 64-row tile would re-read each key tile for every 64
@@ -1596,7 +1743,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         tile = GATHER_SHORT_TILE
     tile = Tile(*(tile or TILES[block_m, d]))
     block_n, warps, stages, p_smem = tile.block_n, tile.warps, tile.stages, tile.p_smem
-    ws, pingpong = tile.ws, tile.pingpong
+    ws, pingpong, swap = tile.ws, tile.pingpong, tile.swap
     gather = paged is not None and page_gathered(page, block_n, d)
     if paged is not None and not page_read(page, block_n, d):
         raise ValueError(f"page size {page} at D {d}: neither TMA boxes (page_fits: pages holding "
@@ -1630,6 +1777,9 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     # per SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else persistent_default(pingpong, boxes))
+    if swap and (pingpong or not persistent):
+        raise ValueError("a swap tile (the swapped products) runs persistent warp-specialized "
+                         "programs of one compute group: persistent=True, pingpong=False")
     if persistent:  # (at most launch.programs_cap's programs, where one is in force)
         grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps],
                            _launch.programs_cap_now() or n_items * hkv)), )
@@ -1641,7 +1791,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     # not with P through shared memory: a 128-row tile's P ring leaves no room for Q's second
     # slot)
     q2 = None
-    if (persistent and not p_smem and hq == hkv and q_rows is None and q.numel()
+    if (persistent and not p_smem and not swap and hq == hkv and q_rows is None and q.numel()
             and q.stride(-1) == 1
             and q.stride(-2) == d and q.data_ptr() % 16 == 0):
         if dense is None and (q.stride(0) * q.element_size()) % 16 == 0:
@@ -1669,7 +1819,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
         SCHEDULE=Schedule(DENSE=dense is not None, Q_TMA=q2 is not None, P_SMEM=p_smem, WS=ws,
                           PERSISTENT=persistent, PINGPONG=pingpong,
                           PRODUCER_REGS=producer_regs, GROUP_REGS=group_regs,
-                          Q_ROWS=q_rows is not None),
+                          Q_ROWS=q_rows is not None, SWAP=swap),
         num_warps=warps // 2 if pingpong else warps, **opts)
     return out, lse
 
@@ -1814,7 +1964,7 @@ def pod_read(prefill_page: int, decode_page: int, block_n: int, d: int) -> int |
 def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: float,
                   causal: bool, block_m: int, block_n: int, stages: int, num_warps: int,
                   p_smem: bool = True, ws: bool = False, pingpong: bool = False,
-                  persistent: bool | None = None):
+                  persistent: bool | None = None, swap: bool = False):
     """A ragged launch with an explicit tile (tests and benchmarks): q [N, Hq, D], k / v
     [N_kv, Hkv, D] with a kv_2d view, indptrs int32 [R + 1], work int32 [W, 2] built for
     block_m; writes out [N, Hq, D] and lse float32 [N, Hq]."""
@@ -1824,4 +1974,4 @@ def launch_ragged(q, k, v, qo_indptr, kv_indptr, work, out, lse, *, sm_scale: fl
                          "and 16-byte aligned rows for the Gluon kernel")
     return launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, dense=None,
                   qk_scale=sm_scale * LOG2E, causal=causal, block_m=block_m,
-                  tile=Tile(block_n, num_warps, stages, p_smem, ws, pingpong, persistent))
+                  tile=Tile(block_n, num_warps, stages, p_smem, ws, pingpong, persistent, swap))

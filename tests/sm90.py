@@ -157,20 +157,21 @@ def compile_triton(fn, args, kw):
 
 
 # ---- the Gluon kernel ---------------------------------------------------------------------
-def gluon_source(dense, page, block_m, d, causal, ws, pp, short, q_tma=True, q_rows=False):
+def gluon_source(dense, page, block_m, d, causal, ws, pp, short, q_tma=True, q_rows=False,
+                 tile=None):
     """The Gluon kernel's compile for sm_90 as launch() would set it up: tile TILES[block_m, d]
     (short: GATHER_SHORT_TILE) with ws / pp (warp-specialized, ping-pong) as given, page size
     page (0: contiguous K / V; dense: a dense batch), bf16. Returns (source, options, facts):
     facts holds what the launch derives (block_n, box, gather, persistent, regs, paged). q_tma
     False: a persistent launch takes Q through registers (GQA 4:1) instead of the load warp's
     TMA. q_rows: Q's rows through a row map (Schedule.Q_ROWS; Q through registers, as launch()
-    takes it)."""
+    takes it). tile: a prefill_gluon.Tile instead of TILES' (its swap too)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from compiled_attn.ops import prefill_gluon as G
 
-    tile = G.GATHER_SHORT_TILE if short else G.TILES[block_m, d]
+    tile = tile or (G.GATHER_SHORT_TILE if short else G.TILES[block_m, d])
     block_n, warps, stages, p_smem = tile.block_n, tile.warps, tile.stages, tile.p_smem
     p_smem = p_smem or not (ws or pp)  # single-group 128-row tiles stage P (no longer TILES')
     fn = G._gluon_fwd
@@ -191,13 +192,15 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, q_tma=True, q_r
     # them, page 1 the int32 ones)
     consts = dict(SOURCE=G.Source(PAGED=paged_mode, PAGE=page, BOXES=block_n // box,
                                   WIDE=page == 3),
-                  SHAPE=G.Shape(GROUP=1 if persistent and q_tma and not q_rows else 4,
+                  SHAPE=G.Shape(GROUP=1 if persistent and q_tma and not q_rows and not tile.swap
+                                else 4,
                                 CAUSAL=causal,
                                 BLOCK_M=block_m, BLOCK_N=block_n, D=d, STAGES=stages),
-                  SCHEDULE=G.Schedule(DENSE=dense, Q_TMA=persistent and q_tma and not q_rows,
+                  SCHEDULE=G.Schedule(DENSE=dense,
+                                      Q_TMA=persistent and q_tma and not q_rows and not tile.swap,
                                       P_SMEM=p_smem, WS=ws, PERSISTENT=persistent, PINGPONG=pp,
                                       PRODUCER_REGS=regs[1], GROUP_REGS=regs[0],
-                                      Q_ROWS=q_rows),
+                                      Q_ROWS=q_rows, SWAP=tile.swap),
                   num_warps=warps // 2 if pp else warps)
     # the bundles' field types as the launch's specialization names them (named tuples: the
     # kernel reads their fields by name); a page of one row: the launch specializes

@@ -197,3 +197,35 @@ def test_programs_cap_deepens_the_ring(cap, page, block_m, setting, stages, prog
     assert got.stages == got.gluon_tile[2] == stages
     expect = programs if block_m == 64 else min(programs, choose.H100.sm_count)
     assert got.programs == expect
+
+
+@pytest.mark.parametrize("requests,hkv,items,page,rows,cap,setting,swap", [
+    (16, 8, 16, 16, 16 * 4, 0, True, True),     # 16 decodes, GQA 4: the few-programs ring's place
+    (16, 8, 16, 1, 16 * 4, 0, True, True),      # gathered pages alike
+    (16, 8, 16, 8, 16 * 16, 0, True, True),     # 16 rows a request on average: still one pass
+    (16, 8, 16, 16, 16 * 16 + 1, 0, True, False),  # more: the deeper ring
+    (16, 8, 16, 16, None, 0, True, False),      # rows unknown
+    (16, 8, 16, 16, 64, 0, False, False),       # the setting off
+    (16, 8, 16, 192, 64, 0, True, False),       # 192-key pages: no 128-key slot reads them
+    (256, 8, 256, 16, 256 * 4, 66, True, True),  # POD's decodes side by side
+    (256, 8, 256, 16, 256 * 4, 0, True, False),  # two programs a SM: the 64-row tile
+])
+def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, swap):
+    """Decode rows in at most one program a SM (the few-programs ring, a grid capped at one
+    program a SM) take prefill_gluon.SWAP_TILE where the launch's rows average at most
+    SWAP_ROWS a request, its 128-key slots read the pages and POLICY.decode_swap is on."""
+    from compiled_attn.ops import launch
+    from compiled_attn.ops import prefill_gluon as G
+    from compiled_attn.ops.policy import override
+
+    with override(decode_swap=setting), launch.programs_cap(cap):
+        got = choose._gluon_launch(choose.KV_PAGED, 128, 64, page, items, hkv, requests,
+                                   requests * 64, True, 1, choose.H100, rows=rows)
+    assert got.kernel == "gluon" and got.persistent
+    tile = G.Tile(*got.gluon_tile)
+    assert tile.swap == swap
+    if swap:
+        assert tile == G.SWAP_TILE and (got.block_n, got.stages) == (128, 2)
+        assert got.programs == min(items * hkv, cap or items * hkv, choose.H100.sm_count * 2)
+    else:
+        assert got.block_n == 64

@@ -493,3 +493,55 @@ def test_launch_grid_under_programs_cap(cap, programs, monkeypatch):
         gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
                          causal=True, block_m=64, paged=paged)
     assert rec.kw["SCHEDULE"].PERSISTENT and rec.grid == (programs, )
+
+
+@pytest.mark.parametrize("page", [16, 1])
+def test_swap_tile_compiles_for_sm90(page):
+    """The swap tile (decode rows' swapped products) compiles for sm_90 on pages read by boxes
+    and gathered: every wgmma is 64 keys (or V's dims) by SWAP_ROWS query rows, and its
+    shared memory leaves one program a SM (two 128-key K / V slots, Q, P)."""
+    import triton
+
+    from .sm90 import gluon_source, target
+
+    src, opts, _ = gluon_source(False, page, 64, 128, True, True, False, False, q_tma=False,
+                                tile=gluon_mod.SWAP_TILE)
+    k = triton.compile(src, target=target(), options=opts)
+    shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"]))
+    assert shapes == {f"m64n{gluon_mod.SWAP_ROWS.value}k16"}
+    assert 2 * 2 * 128 * 128 * 2 < k.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("tile,error", [
+    (gluon_mod.SWAP_TILE, None),                                     # the decode rows' tile
+    (gluon_mod.SWAP_TILE._replace(persistent=False), "persistent"),  # a program per item
+    (gluon_mod.SWAP_TILE._replace(warps=8, pingpong=True), "ping-pong"),  # two groups
+])
+def test_launch_swap_tile(tile, error, monkeypatch):
+    """A swap tile (the swapped products) launches persistent programs of one compute group
+    with Schedule.SWAP, Q through registers (never the load warp's TMA, even with one query
+    head per KV head) and the plan's 64-row work items; a tile that is not persistent or
+    ping-pongs is refused, naming what it needs."""
+    rec = _Recorder()
+    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 132)
+    q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, 2)
+    work = torch.zeros(3, 2, dtype=torch.int32)
+    indptr = torch.tensor([0, 40], dtype=torch.int32)
+    cache = torch.randn(6, 16, 2, 128, dtype=torch.bfloat16)
+    k2 = v2 = gluon_mod.kv_2d(cache, "paged")
+    paged = (16, torch.arange(6, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 16, 16)
+
+    def go():
+        gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
+                         causal=True, block_m=64, tile=tile, paged=paged)
+    if error:
+        with pytest.raises(ValueError, match=error):
+            go()
+        return
+    go()
+    sched, shape = rec.kw["SCHEDULE"], rec.kw["SHAPE"]
+    assert sched.SWAP and sched.PERSISTENT and sched.WS and not sched.PINGPONG
+    assert not sched.Q_TMA and shape.BLOCK_M == 64 and shape.BLOCK_N == 128
+    assert rec.kw["SOURCE"].BOXES == 128 // 16 and rec.grid == (6, )

@@ -46,7 +46,8 @@ CASES = {  # name: (qo_lens, kv_lens, hq, hkv, d)
 def _runner(tile):
     from compiled_attn.ops import prefill_gluon as G
 
-    bm, bn, warps, stages, p_smem, ws, pp, *persistent = tile  # persistent: the default's
+    # persistent (the default's where absent), swap (False where absent)
+    bm, bn, warps, stages, p_smem, ws, pp, *rest = tile
 
     def run(c, p, out_dtype=None):
         qo = c.qo_indptr.diff().tolist()
@@ -61,19 +62,20 @@ def _runner(tile):
             return G.launch(c.q, G.kv_2d(c.k, "paged"), G.kv_2d(c.v, "paged"), out, lse,
                             c.qo_indptr, c.kv_indptr, work, dense=None,
                             qk_scale=p["sm_scale"] * LOG2E, causal=causal,
-                            block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp, *persistent),
+                            block_m=bm, tile=(bn, warps, stages, p_smem, ws, pp, *rest),
                             paged=paged)
         work = build_work(qo, group, bm, c.q.device, kv_lens=c.kv_indptr.diff().tolist())
         return G.launch_ragged(c.q, c.k, c.v, c.qo_indptr, c.kv_indptr, work, out, lse,
                                sm_scale=p["sm_scale"], causal=causal, block_m=bm, block_n=bn,
                                stages=stages, num_warps=warps, p_smem=p_smem, ws=ws,
-                               pingpong=pp, persistent=persistent[0] if persistent else None)
+                               pingpong=pp, persistent=rest[0] if rest else None,
+                               swap=len(rest) > 1 and rest[1])
     return run
 
 
 def _tile_id(t):
     return ("x".join(map(str, t[:4])) + ("s" if t[4] else "r") + ("-ws" if t[5] else "")
-            + ("-pp" if t[6] else ""))
+            + ("-pp" if t[6] else "") + ("-swap" if len(t) > 8 and t[8] else ""))
 
 
 @pytest.mark.parametrize("tile", TILES, ids=_tile_id)
@@ -214,6 +216,45 @@ def test_gluon_gather_short_tile_few_programs(case, causal, monkeypatch):
     assert GATHER_SHORT[1:] == G.GATHER_SHORT_TILE
     monkeypatch.setattr(G, "_sm_count", lambda device: 1)
     check(*_paged_case(*PAGED[case], causal), runner=_runner(GATHER_SHORT))
+
+
+# Decode rows on the swapped products (swap tiles: the keys as the wgmma's M, the query rows
+# as its N, prefill_gluon.SWAP_ROWS at a time): paged caches read by boxes (pages of 8 and 16
+# keys, a box per page; 64 and 128, a box per tile) and gathered (pages of 1 and 3), the ragged
+# cases (requests of several rows: 64-row items in up to four passes, causal rows within a
+# pass, rows that see no key, an empty request, GQA 7:1 at D 64), on one SM's programs (the
+# rings, the item hand-off and the Q buffer running on across items and passes). The first
+# tile is prefill_gluon.SWAP_TILE; the last takes 16-row items (a pass each).
+SWAP_TILES = [(64, 128, 4, 2, False, True, False, True, True),
+              (64, 64, 4, 3, False, True, False, True, True),
+              (16, 64, 4, 2, True, True, False, True, True)]
+
+
+@pytest.mark.parametrize("tile", SWAP_TILES, ids=_tile_id)
+@pytest.mark.parametrize("case", ["paged8", "paged16", "paged64", "paged128", "paged1",
+                                  "paged3", "paged16-mha", "odd", "gqa7", "unseen", "long"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_gluon_swap_rows(tile, case, causal, monkeypatch):
+    from compiled_attn.ops import prefill_gluon as G
+
+    assert SWAP_TILES[0][1:] == G.SWAP_TILE
+
+    if case.startswith("paged"):
+        page = int(case[5:].split("-")[0])
+        if not G.page_read(page, tile[1], 128):
+            pytest.skip("page size does not tile this key block")
+        c, p = _paged_case(page, 2 if case.endswith("mha") else 8, 2, causal)
+    else:
+        if tile[1] == 128 and case == "gqa7":
+            pytest.skip("(D 64 at 128-key slots: the 64-key tile covers it)")
+        qo, kv, hq, hkv, d = CASES[case]
+        if causal and case != "unseen":
+            kv = [max(a, b) for a, b in zip(qo, kv)]
+        c = make_case("ragged", qo, kv, hq, hkv, d, dtype=torch.bfloat16, device="cuda",
+                      seed=len(qo) + d)
+        p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+    monkeypatch.setattr(G, "_sm_count", lambda device: 1)
+    check(c, p, runner=_runner(tile))
 
 
 def _spy(monkeypatch):
