@@ -213,7 +213,7 @@ def test_gluon_persistent_few_programs(tile, case, causal, persistent, monkeypat
 def test_gluon_gather_short_tile_few_programs(case, causal, monkeypatch):
     from compiled_attn.ops import prefill_gluon as G
 
-    assert GATHER_SHORT[1:] == G.GATHER_SHORT_TILE
+    assert G.Tile(*GATHER_SHORT[1:]) == G.GATHER_SHORT_TILE
     monkeypatch.setattr(G, "_sm_count", lambda device: 1)
     check(*_paged_case(*PAGED[case], causal), runner=_runner(GATHER_SHORT))
 
@@ -237,7 +237,7 @@ SWAP_TILES = [(64, 128, 4, 2, False, True, False, True, True),
 def test_gluon_swap_rows(tile, case, causal, monkeypatch):
     from compiled_attn.ops import prefill_gluon as G
 
-    assert SWAP_TILES[0][1:] == G.SWAP_TILE
+    assert G.Tile(*SWAP_TILES[0][1:]) == G.SWAP_TILE
 
     if case.startswith("paged"):
         page = int(case[5:].split("-")[0])
