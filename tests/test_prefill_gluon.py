@@ -479,20 +479,31 @@ def test_launch_grid_under_programs_cap(cap, programs, monkeypatch):
     and at most one per item: 3 items x 2 KV heads)."""
     from compiled_attn.ops import launch as L
 
+    rec, launch = _paged_launch(monkeypatch, 8)
+    with L.programs_cap(cap):
+        launch()
+    assert rec.kw["SCHEDULE"].PERSISTENT and rec.grid == (programs, )
+
+
+def _paged_launch(monkeypatch, hq, **kw):
+    """(a _Recorder in _gluon_fwd's place on 132 SMs, a call of prefill_gluon.launch with kw):
+    one request of 40 rows of q [40, hq, 128] bf16 over a page-16 cache of 2 KV heads (6
+    pages, 5 keys in the last), 3 work rows, the 64-row tile height."""
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
     monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 132)
-    q = torch.randn(40, 8, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(40, 8)
+    q = torch.randn(40, hq, 128, dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(40, hq)
     work = torch.zeros(3, 2, dtype=torch.int32)
     indptr = torch.tensor([0, 40], dtype=torch.int32)
     cache = torch.randn(6, 16, 2, 128, dtype=torch.bfloat16)
     k2 = v2 = gluon_mod.kv_2d(cache, "paged")
     paged = (16, torch.arange(6, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 16, 16)
-    with L.programs_cap(cap):
+
+    def launch():
         gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
-                         causal=True, block_m=64, paged=paged)
-    assert rec.kw["SCHEDULE"].PERSISTENT and rec.grid == (programs, )
+                         causal=True, block_m=64, paged=paged, **kw)
+    return rec, launch
 
 
 @pytest.mark.parametrize("page", [16, 1])
@@ -522,20 +533,7 @@ def test_launch_swap_tile(tile, error, monkeypatch):
     with Schedule.SWAP, Q through registers (never the load warp's TMA, even with one query
     head per KV head) and the plan's 64-row work items; a tile that is not persistent or
     ping-pongs is refused, naming what it needs."""
-    rec = _Recorder()
-    monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
-    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 132)
-    q = torch.randn(40, 2, 128, dtype=torch.bfloat16)
-    out, lse = torch.empty_like(q), torch.empty(40, 2)
-    work = torch.zeros(3, 2, dtype=torch.int32)
-    indptr = torch.tensor([0, 40], dtype=torch.int32)
-    cache = torch.randn(6, 16, 2, 128, dtype=torch.bfloat16)
-    k2 = v2 = gluon_mod.kv_2d(cache, "paged")
-    paged = (16, torch.arange(6, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 16, 16)
-
-    def go():
-        gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
-                         causal=True, block_m=64, tile=tile, paged=paged)
+    rec, go = _paged_launch(monkeypatch, 2, tile=tile)
     if error:
         with pytest.raises(ValueError, match=error):
             go()

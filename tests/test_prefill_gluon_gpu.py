@@ -196,13 +196,19 @@ def test_gluon_persistent_few_programs(tile, case, causal, persistent, monkeypat
     if case in PAGED:
         c, p = _paged_case(*PAGED[case], causal)
     else:
-        qo, kv, hq, hkv, d = CASES[case]
-        if causal and case != "unseen":
-            kv = [max(a, b) for a, b in zip(qo, kv)]
-        c = make_case("ragged", qo, kv, hq, hkv, d, dtype=torch.bfloat16, device="cuda",
-                      seed=len(qo) + d)
-        p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+        c, p = _ragged_case(case, causal)
     check(c, p, runner=_runner(tile + (persistent, )))
+
+
+def _ragged_case(case, causal):
+    """CASES[case] as a bf16 ragged case (causal: keys at least the rows, but "unseen", whose
+    rows see no key) and its parameters."""
+    qo, kv, hq, hkv, d = CASES[case]
+    if causal and case != "unseen":
+        kv = [max(a, b) for a, b in zip(qo, kv)]
+    c = make_case("ragged", qo, kv, hq, hkv, d, dtype=torch.bfloat16, device="cuda",
+                  seed=len(qo) + d)
+    return c, params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
 
 
 # The short gather tile on one SM's programs: the three-deep rings, the ping-pong turns and
@@ -238,7 +244,6 @@ def test_gluon_swap_rows(tile, case, causal, monkeypatch):
     from compiled_attn.ops import prefill_gluon as G
 
     assert G.Tile(*SWAP_TILES[0][1:]) == G.SWAP_TILE
-
     if case.startswith("paged"):
         page = int(case[5:].split("-")[0])
         if not G.page_read(page, tile[1], 128):
@@ -247,12 +252,7 @@ def test_gluon_swap_rows(tile, case, causal, monkeypatch):
     else:
         if tile[1] == 128 and case == "gqa7":
             pytest.skip("(D 64 at 128-key slots: the 64-key tile covers it)")
-        qo, kv, hq, hkv, d = CASES[case]
-        if causal and case != "unseen":
-            kv = [max(a, b) for a, b in zip(qo, kv)]
-        c = make_case("ragged", qo, kv, hq, hkv, d, dtype=torch.bfloat16, device="cuda",
-                      seed=len(qo) + d)
-        p = params(mask_mode=ops.MASK_CAUSAL if causal else ops.MASK_NONE, head_dim=d)
+        c, p = _ragged_case(case, causal)
     monkeypatch.setattr(G, "_sm_count", lambda device: 1)
     check(c, p, runner=_runner(tile))
 
