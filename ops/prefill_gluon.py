@@ -728,9 +728,10 @@ def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_s
 # A tile of at most SWAP_ROWS packed rows (decode rows: a request's query group, a token or a
 # few) runs the products transposed: S^T = K Q^T [BLOCK_N, ROWS] and O^T += V^T P^T [D, ROWS],
 # the keys (and V's dims) as the wgmma's M and the query rows as its N (a multiple of 8). A
-# 64-row tile would compute, exponentiate and multiply 64 rows for the few it holds: its
-# consumer, not the loads, set a program's rate (~50 GB/s, benchmarks/NOTES.md, 2026-11-30).
-# The softmax runs down the key axis (a reduction across the warp group's warps for the max;
+# 64-row tile computes, exponentiates and multiplies 64 rows for the few it holds; these do an
+# eighth of that. (That math did not set a program's read rate: a 64-key swap tile read what
+# the 64-row tile reads, ~50 GB/s; the 128-key slots of SWAP_TILE read 64, benchmarks/NOTES.md,
+# 2026-11-30.) The softmax runs down the key axis (a reduction across the warp group's warps for the max;
 # the row sums stay per-thread partials, reduced once at the end) and P^T goes through shared
 # memory as P [ROWS, BLOCK_N] read transposed, the B operand of the second product.
 SWAP_ROWS = gl.constexpr(16)
@@ -1598,7 +1599,7 @@ TILES = {(64, 64): _T64, (64, 128): _T64,
          (128, 128): Tile(block_n=128, warps=8, stages=2, p_smem=False, ws=True, pingpong=True),
          (128, 256): Tile(block_n=64, warps=8, stages=2, p_smem=False, ws=True, pingpong=True)}
 # Decode rows on the swapped products in at most one program a SM (choose._gluon_launch):
-# 128-key slots two deep (a program's shared memory is then 144 KB).
+# 128-key slots two deep (a program's shared memory is then ~153 KB, sm_90).
 SWAP_TILE = Tile(block_n=128, warps=4, stages=2, p_smem=False, ws=True, pingpong=False,
                  persistent=True, swap=True)
 # Gathered pages (page_gathered) on the 128-row tile where requests are short (gather_short):
