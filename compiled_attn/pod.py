@@ -17,9 +17,11 @@ prefill's time for POD, whose prefill alone runs on contiguous k / v, and under 
 where the fused launch gathers both parts; on parts of ~100 us or more together), the fused
 launch would cost the prefill more than it saves, and run() launches the parts apart
 instead: the prefill through the single_prefill op (POD) or batch_paged_prefill (BatchPOD), the
-decodes through batch_paged_prefill, with the same numbers; and so always where the fused launch
-would not be the Gluon kernel's (ops.choose.pod_fused_gluon). Calls traced by torch.compile go
-apart only in that second case, which needs no sizes; torch.export keeps one POD op.
+decodes through batch_paged_prefill, with the same numbers to the last bits of the dtype (few
+decodes alone, or side by side, run the swapped products: POLICY.decode_swap); and so always
+where the fused launch would not be the Gluon kernel's (ops.choose.pod_fused_gluon). Calls
+traced by torch.compile go apart only in that second case, which needs no sizes; torch.export
+keeps one POD op.
 
 Few long decode requests run as key chunks (one-row chunk requests over the same page table,
 their outputs merged by LSE; _plan_chunks): inside the fused launch where they would leave it a
@@ -282,7 +284,7 @@ def _side_by_side(prefill, decode, programs: int, device: torch.device):
     """prefill() and decode() (each launching one part, returning its (out, lse)) at once:
     the decodes first, on a high-priority stream forked from the current one, their
     persistent grid capped at ``programs`` (launch.programs_cap: one program a SM; on the
-    64-row D 128 tile a deeper K / V ring), so that they hold those SMs while the prefill's
+    64-row D 128 tile the swapped products or a deeper K / V ring), so that they hold those SMs while the prefill's
     tiles, launched next on the current stream, take the others and then every SM the
     decodes leave; the current stream then waits for both (also when a launch raises, so that
     a CUDA graph's capture stays joined). Eagerly, that is: a CUDA graph's two branches run
@@ -457,8 +459,8 @@ def _cut(p: dict, apart: bool, prefill_tiles: int, window_d: int, pos: int,
 
 def _decode_ring(p: dict, requests: int) -> bool:
     """Whether the decode part's own launch (apart: work_d_apart over its ``requests``, or the
-    chunk requests of chunks_apart) takes the few-programs K / V ring
-    (ops.choose.few_programs_ring), for choose.pod_apart."""
+    chunk requests of chunks_apart) reads faster in at most one program a SM (the few-programs
+    ring or the swapped products: ops.choose.few_programs_ring), for choose.pod_apart."""
     c = p["chunks_apart"]
     items, requests = ((c["work"].shape[0], c["qo_indptr"].shape[0] - 1) if c is not None
                        else (p["work_d_apart"].shape[0], requests))

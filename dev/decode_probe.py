@@ -72,8 +72,9 @@ def _variants():
         # fill 0.48 of a wave of two a SM
         "chunks fill 0.5": ("policy", dict(decode_chunk_fill=0.5)),
         "chunks fill 1.0": ("policy", dict(decode_chunk_fill=1.0)),
-        # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages)
-        "ring off": ("policy", dict(few_programs_stages=0)),
+        # few requests' programs on the tile's own two K / V slots (POLICY.few_programs_stages,
+        # and no swapped products)
+        "ring off": ("policy", dict(few_programs_stages=0, decode_swap=False)),
         # ...on the 64-row tile's deeper ring, not the swapped products (POLICY.decode_swap)
         "swap off": ("policy", dict(decode_swap=False)),
         # up to this many key chunks a request (schedule.MAX_CHUNKS, 16), and the merge

@@ -428,9 +428,11 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
         page = guard_int(k.shape[1]) if kv_mode == KV_PAGED else 0
         if layout and _gluon_scope(kv_mode, q, k, v, out_dtype, block_m, page, consts, scalars,
                                    dev, aligned=not static):
+            # (q's packed rows: with a row map the launch's rows differ, but not their query
+            # group, which _swap_rows bounds too)
             return _gluon_launch(kv_mode, dqk, block_m, page, items, hkv, requests, pages,
                                  mask_mode == MASK_CAUSAL, group, dev,
-                                 rows=None if dense else q.shape[0] * (q.shape[-2] // hkv))
+                                 rows=None if dense else (q.shape[0], q.shape[-2] // hkv))
     tma = 0
     if (cfg["TMA"] and _kv_descriptors(consts, kv_mode) and dev.tma
             and _tma_ok(k, k_strides) and _tma_ok(v, v_strides)):
@@ -451,17 +453,25 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
                   persistent=tma == 3, programs=programs, split=split, group=group)
 
 
-def few_programs_ring(block_m: int, d: int, items, hkv: int, requests,
-                      dev: Device | None = None) -> bool:
+def few_programs(block_m: int, d: int, items, hkv: int, requests,
+                 dev: Device | None = None) -> bool:
     """Whether a Gluon launch of paged K/V with these work rows (items, each times the hkv KV
-    heads; requests: the launch's requests, or None where unknown) rings its K / V slots
-    POLICY.few_programs_stages deep: requests of one tile each (decode rows) on the 64-row
-    D 128 tile, in at most one program a SM (the SM count of dev, default the plan's device;
-    an H100's where it has none)."""
+    heads; requests: the launch's requests, or None where unknown) holds requests of one tile
+    each (decode rows) on the 64-row D 128 tile, in at most one program a SM (the SM count of
+    dev, default the plan's device; an H100's where it has none)."""
     dev = _plan_device() if dev is None else dev
-    return (block_m == 64 and d == 128 and POLICY.few_programs_stages > 0
+    return (block_m == 64 and d == 128
             and requests is not None and known(items <= requests)
             and known(items * hkv <= (dev.sm_count or H100.sm_count)))
+
+
+def few_programs_ring(block_m: int, d: int, items, hkv: int, requests,
+                      dev: Device | None = None) -> bool:
+    """Whether such a launch (few_programs) reads its K / V faster than the tile's own: its
+    slots POLICY.few_programs_stages deep, or the swapped products (POLICY.decode_swap, where
+    the launch's rows allow: _swap_rows)."""
+    return ((POLICY.few_programs_stages > 0 or POLICY.decode_swap)
+            and few_programs(block_m, d, items, hkv, requests, dev))
 
 
 def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal, group,
@@ -470,7 +480,7 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     for the tile height and head dim; gathered pages of short requests (gather_short) on
     GATHER_SHORT_TILE; a persistent grid where warp specialization runs one (persistent_default
     or the tile's own); decode rows in at most one program a SM on SWAP_TILE (_swap_rows; rows:
-    the launch's packed rows, None where unknown)."""
+    (q's rows, its query group), None where unknown)."""
     g = _gluon
     t = g.TILES[block_m, d]
     paged = kv_mode == KV_PAGED
@@ -482,12 +492,12 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     # or the swapped products (_swap_rows); so too a grid capped at one program a SM
     # (launch.programs_cap: POD's decodes side by side)
     cap = _launch.programs_cap_now()
-    few = paged and few_programs_ring(block_m, d, items, hkv, requests, dev)
+    few = paged and few_programs(block_m, d, items, hkv, requests, dev)
     side = (paged and block_m == 64 and d == 128
             and 0 < cap <= (dev.sm_count or H100.sm_count))
     if (few or side) and _swap_rows(page, d, rows, requests):
         t = g.SWAP_TILE
-    elif few:
+    elif few and POLICY.few_programs_stages > 0:
         t = t._replace(stages=POLICY.few_programs_stages)
     elif side and POLICY.pod_side_stages > 0:
         t = t._replace(stages=POLICY.pod_side_stages)
@@ -507,15 +517,18 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
 
 
 def _swap_rows(page: int, d: int, rows, requests) -> bool:
-    """Whether decode rows in at most one program a SM (the few-programs ring, POD's decodes
-    side by side) run prefill_gluon.SWAP_TILE, the swapped products (POLICY.decode_swap): the
-    launch's packed rows (None: unknown) at most SWAP_ROWS a request on average (a longer
-    request takes a pass per SWAP_ROWS rows, re-reading its keys), at D 128 on pages its
-    128-key slots read. A program there read 64 GB/s against the 64-row tile's 52 (H200,
-    benchmarks/NOTES.md, 2026-11-30)."""
+    """Whether decode rows in at most one program a SM (few_programs, POD's decodes side by
+    side) run prefill_gluon.SWAP_TILE, the swapped products (POLICY.decode_swap): rows = (q's
+    rows, its query group; None: unknown), the group at most SWAP_ROWS and the packed rows
+    (rows times group) at most SWAP_ROWS a request on average (a longer request takes a pass
+    per SWAP_ROWS rows, re-reading its keys), at D 128 on pages its 128-key slots read. A
+    program there read 64 GB/s against the 64-row tile's 52 (H200, benchmarks/NOTES.md,
+    2026-11-30)."""
     g = _gluon
-    return (POLICY.decode_swap and d == 128 and rows is not None and requests is not None
-            and known(rows <= g.SWAP_ROWS.value * requests)
+    if not (POLICY.decode_swap and d == 128 and rows is not None and requests is not None):
+        return False
+    n, group = rows
+    return (group <= g.SWAP_ROWS.value and known(n * group <= g.SWAP_ROWS.value * requests)
             and g.page_read(page, g.SWAP_TILE.block_n, d))
 
 

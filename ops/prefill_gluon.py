@@ -1778,9 +1778,12 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     # per SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else persistent_default(pingpong, boxes))
-    if swap and (pingpong or not persistent):
-        raise ValueError("a swap tile (the swapped products) runs persistent warp-specialized "
-                         "programs of one compute group: persistent=True, pingpong=False")
+    if swap and (pingpong or not persistent or warps != 4 or block_m % SWAP_ROWS.value):
+        raise ValueError(f"a swap tile (the swapped products) runs persistent warp-specialized "
+                         f"programs of one compute group of 4 warps over tiles of a multiple of "
+                         f"{SWAP_ROWS.value} rows: persistent=True, pingpong=False, warps=4; got "
+                         f"persistent {persistent}, pingpong {pingpong}, warps {warps}, block_m "
+                         f"{block_m}")
     if persistent:  # (at most launch.programs_cap's programs, where one is in force)
         grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps],
                            _launch.programs_cap_now() or n_items * hkv)), )

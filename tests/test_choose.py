@@ -200,25 +200,30 @@ def test_programs_cap_deepens_the_ring(cap, page, block_m, setting, stages, prog
 
 
 @pytest.mark.parametrize("requests,hkv,items,page,rows,cap,setting,swap", [
-    (16, 8, 16, 16, 16 * 4, 0, True, True),     # 16 decodes, GQA 4: the few-programs ring's place
-    (16, 8, 16, 1, 16 * 4, 0, True, True),      # gathered pages alike
-    (16, 8, 16, 8, 16 * 16, 0, True, True),     # 16 rows a request on average: still one pass
-    (16, 8, 16, 16, 16 * 16 + 1, 0, True, False),  # more: the deeper ring
+    (16, 8, 16, 16, (16, 4), 0, True, True),    # 16 decodes, GQA 4: the few-programs ring's place
+    (16, 8, 16, 1, (16, 4), 0, True, True),     # gathered pages alike
+    (16, 8, 16, 8, (64, 4), 0, True, True),     # 16 rows a request on average: still one pass
+    (16, 8, 16, 16, (65, 4), 0, True, False),   # more: the deeper ring
+    (16, 8, 16, 16, (4, 32), 0, True, False),   # a query group of 32 (chunk rows' map): 2 passes
     (16, 8, 16, 16, None, 0, True, False),      # rows unknown
-    (16, 8, 16, 16, 64, 0, False, False),       # the setting off
-    (16, 8, 16, 192, 64, 0, True, False),       # 192-key pages: no 128-key slot reads them
-    (256, 8, 256, 16, 256 * 4, 66, True, True),  # POD's decodes side by side
-    (256, 8, 256, 16, 256 * 4, 0, True, False),  # two programs a SM: the 64-row tile
+    (16, 8, 16, 16, (16, 4), 0, False, False),  # the setting off
+    (16, 8, 16, 192, (16, 4), 0, True, False),  # 192-key pages: no 128-key slot reads them
+    (256, 8, 256, 16, (256, 4), 66, True, True),  # POD's decodes side by side
+    (256, 8, 256, 16, (256, 4), 0, True, False),  # two programs a SM: the 64-row tile
 ])
-def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, swap):
-    """Decode rows in at most one program a SM (the few-programs ring, a grid capped at one
-    program a SM) take prefill_gluon.SWAP_TILE where the launch's rows average at most
-    SWAP_ROWS a request, its 128-key slots read the pages and POLICY.decode_swap is on."""
+@pytest.mark.parametrize("ring", [3, 0])  # (the swap whatever few_programs_stages says)
+def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, swap, ring):
+    """Decode rows in at most one program a SM (few_programs, a grid capped at one program a
+    SM) take prefill_gluon.SWAP_TILE where q's query group and its packed rows a request on
+    average are at most SWAP_ROWS, its 128-key slots read the pages and POLICY.decode_swap is
+    on; few_programs_ring says such a launch reads faster than the tile's own."""
     from compiled_attn.ops import launch
     from compiled_attn.ops import prefill_gluon as G
     from compiled_attn.ops.policy import override
 
-    with override(decode_swap=setting), launch.programs_cap(cap):
+    with override(decode_swap=setting, few_programs_stages=ring), launch.programs_cap(cap):
+        assert choose.few_programs_ring(64, 128, items, hkv, requests, choose.H100) == (
+            (setting or ring > 0) and items * hkv <= choose.H100.sm_count)
         got = choose._gluon_launch(choose.KV_PAGED, 128, 64, page, items, hkv, requests,
                                    requests * 64, True, 1, choose.H100, rows=rows)
     assert got.kernel == "gluon" and got.persistent
@@ -228,4 +233,6 @@ def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, s
         assert tile == G.SWAP_TILE and (got.block_n, got.stages) == (128, 2)
         assert got.programs == min(items * hkv, cap or items * hkv, choose.H100.sm_count * 2)
     else:
+        few, side = items * hkv <= choose.H100.sm_count, 0 < cap <= choose.H100.sm_count
         assert got.block_n == 64
+        assert got.stages == (ring if few and ring else 4 if side else 2)

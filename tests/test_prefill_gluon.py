@@ -485,10 +485,10 @@ def test_launch_grid_under_programs_cap(cap, programs, monkeypatch):
     assert rec.kw["SCHEDULE"].PERSISTENT and rec.grid == (programs, )
 
 
-def _paged_launch(monkeypatch, hq, **kw):
+def _paged_launch(monkeypatch, hq, block_m=64, **kw):
     """(a _Recorder in _gluon_fwd's place on 132 SMs, a call of prefill_gluon.launch with kw):
     one request of 40 rows of q [40, hq, 128] bf16 over a page-16 cache of 2 KV heads (6
-    pages, 5 keys in the last), 3 work rows, the 64-row tile height."""
+    pages, 5 keys in the last), 3 work rows, tiles of block_m rows."""
     rec = _Recorder()
     monkeypatch.setattr(gluon_mod, "_gluon_fwd", rec)
     monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 132)
@@ -502,7 +502,7 @@ def _paged_launch(monkeypatch, hq, **kw):
 
     def launch():
         gluon_mod.launch(q, k2, v2, out, lse, indptr, indptr, work, dense=None, qk_scale=0.1,
-                         causal=True, block_m=64, paged=paged, **kw)
+                         causal=True, block_m=block_m, paged=paged, **kw)
     return rec, launch
 
 
@@ -523,17 +523,21 @@ def test_swap_tile_compiles_for_sm90(page):
     assert 2 * 2 * 128 * 128 * 2 < k.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("tile,error", [
-    (gluon_mod.SWAP_TILE, None),                                     # the decode rows' tile
-    (gluon_mod.SWAP_TILE._replace(persistent=False), "persistent"),  # a program per item
-    (gluon_mod.SWAP_TILE._replace(warps=8, pingpong=True), "ping-pong"),  # two groups
+@pytest.mark.parametrize("tile,block_m,error", [
+    (gluon_mod.SWAP_TILE, 64, None),                                     # the decode rows' tile
+    (gluon_mod.SWAP_TILE, 16, None),                                     # 16-row work items
+    (gluon_mod.SWAP_TILE._replace(persistent=False), 64, "persistent False"),  # per item
+    (gluon_mod.SWAP_TILE._replace(warps=8, pingpong=True), 128, "pingpong True"),  # two groups
+    (gluon_mod.SWAP_TILE._replace(warps=8), 64, "warps 8"),              # two warp groups
+    (gluon_mod.SWAP_TILE, 8, "block_m 8"),                               # under 16 rows
 ])
-def test_launch_swap_tile(tile, error, monkeypatch):
+def test_launch_swap_tile(tile, block_m, error, monkeypatch):
     """A swap tile (the swapped products) launches persistent programs of one compute group
     with Schedule.SWAP, Q through registers (never the load warp's TMA, even with one query
-    head per KV head) and the plan's 64-row work items; a tile that is not persistent or
-    ping-pongs is refused, naming what it needs."""
-    rec, go = _paged_launch(monkeypatch, 2, tile=tile)
+    head per KV head) and the plan's work items (a multiple of 16 rows); a tile that is not
+    persistent, ping-pongs or has other than 4 warps, or work items of other heights, is
+    refused, naming what it got."""
+    rec, go = _paged_launch(monkeypatch, 2, block_m=block_m, tile=tile)
     if error:
         with pytest.raises(ValueError, match=error):
             go()
@@ -541,5 +545,5 @@ def test_launch_swap_tile(tile, error, monkeypatch):
     go()
     sched, shape = rec.kw["SCHEDULE"], rec.kw["SHAPE"]
     assert sched.SWAP and sched.PERSISTENT and sched.WS and not sched.PINGPONG
-    assert not sched.Q_TMA and shape.BLOCK_M == 64 and shape.BLOCK_N == 128
+    assert not sched.Q_TMA and shape.BLOCK_M == block_m and shape.BLOCK_N == 128
     assert rec.kw["SOURCE"].BOXES == 128 // 16 and rec.grid == (6, )
