@@ -132,6 +132,14 @@ class _PODBase(_WrapperBase):
         """Whether a CUDA graph captures this (eager) call."""
         return capturing(self.device)
 
+    def _launches(self, p, traced: bool, works: tuple, eager_side, eager_apart) -> tuple:
+        """_call's (side, apart): the decodes' programs where the parts run side by side (an
+        untraced CUDA call asks eager_side(): _side), else 0; the parts' own work lists
+        ``works`` where they run as two launches (side by side, or apart: _apart_works), else
+        None."""
+        side = 0 if traced or self.device.type != "cuda" or not untraced() else eager_side()
+        return side, works if side else _apart_works(p, traced, works, eager_apart)
+
     def _check_plan(self):
         if self._plan is None:
             raise RuntimeError("run() before plan(): call plan(...) with the page table first")
@@ -284,9 +292,9 @@ def _side_by_side(prefill, decode, programs: int, device: torch.device):
     """prefill() and decode() (each launching one part, returning its (out, lse)) at once:
     the decodes first, on a high-priority stream forked from the current one, their
     persistent grid capped at ``programs`` (launch.programs_cap: one program a SM; on the
-    64-row D 128 tile the swapped products or a deeper K / V ring), so that they hold those SMs while the prefill's
-    tiles, launched next on the current stream, take the others and then every SM the
-    decodes leave; the current stream then waits for both (also when a launch raises, so that
+    64-row D 128 tile the swapped products or a deeper K / V ring), so that they hold those
+    SMs while the prefill's tiles, launched next on the current stream, take the others and
+    then every SM the decodes leave; the current stream then waits for both (also when a launch raises, so that
     a CUDA graph's capture stays joined). Eagerly, that is: a CUDA graph's two branches run
     in no set order and without the streams' priorities. The decodes' outputs, made on the
     side stream, are marked used on the current one (record_stream; not while a CUDA graph
@@ -827,11 +835,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opt_p = (mask_p, V.check_window_left(window_left_p, "window_left_p"),
                  V.check_scale("sm_scale_p", sm_scale_p, 1.0 / math.sqrt(head_dim),
                                positive=False))
-        side = (0 if traced or self.device.type != "cuda" or not untraced()
-                else self._launch_side(qo_len, kv_len, mask_p == MASK_CAUSAL, window_d, pos_p))
-        apart = (None, p["work_d_apart"]) if side else _apart_works(
+        causal = mask_p == MASK_CAUSAL
+        side, apart = self._launches(
             p, traced, (None, p["work_d_apart"]),
-            lambda: self._launch_apart(qo_len, kv_len, mask_p == MASK_CAUSAL))
+            lambda: self._launch_side(qo_len, kv_len, causal, window_d, pos_p),
+            lambda: self._launch_apart(qo_len, kv_len, causal))
         c = None if traced else _cut(p, apart is not None, _prefill_tiles(p, qo_len), window_d,
                                      pos_p, (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(
@@ -1051,11 +1059,10 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             "q_scale", q_scale) * V.host_scale("k_scale", k_scale))
         part = {x: tuple(p[f"{name}_{x}"] for name in ("qo_indptr", "kv_indptr", "kv_indices",
                                                         "last_page_len")) for x in ("p", "d")}
-        side = (0 if traced or self.device.type != "cuda" or not untraced()
-                else self._launch_side(mask_p == MASK_CAUSAL))
-        apart = (p["work_p"], p["work_d_apart"]) if side else _apart_works(
-            p, traced, (p["work_p"], p["work_d_apart"]),
-            lambda: self._launch_apart(mask_p == MASK_CAUSAL))
+        causal = mask_p == MASK_CAUSAL
+        side, apart = self._launches(p, traced, (p["work_p"], p["work_d_apart"]),
+                                     lambda: self._launch_side(causal),
+                                     lambda: self._launch_apart(causal))
         c = None if traced else _cut(p, apart is not None, p["tiles_p"], p["window_left"],
                                      p["pos"], (q_p, q_d, k_p, v_p, k_d, v_d))
         return self._call(

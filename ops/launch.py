@@ -93,8 +93,8 @@ def _recorder() -> Recorder | None:
 @contextlib.contextmanager
 def programs_cap(programs: int):
     """Persistent Gluon launches made inside run at most ``programs`` programs at once, each
-    a SM of its own where programs <= SMs (choose then deepens the K / V ring of the 64-row
-    D 128 paged tile, where the few-programs ring does not already): POD's decodes side by
+    a SM of its own where programs <= SMs (choose then runs the 64-row D 128 paged tile's
+    decode rows on the swapped products, or deepens its K / V ring): POD's decodes side by
     side with its prefill (compiled_attn.pod), which takes the other SMs.
     Part of every launch key made inside (Memo.eager_key), so a bound call replays its own
     grid. 0: the launch's own grid. Per thread."""

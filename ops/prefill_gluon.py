@@ -731,9 +731,10 @@ def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_s
 # 64-row tile computes, exponentiates and multiplies 64 rows for the few it holds; these do an
 # eighth of that. (That math did not set a program's read rate: a 64-key swap tile read what
 # the 64-row tile reads, ~50 GB/s; the 128-key slots of SWAP_TILE read 64, benchmarks/NOTES.md,
-# 2026-11-30.) The softmax runs down the key axis (a reduction across the warp group's warps for the max;
-# the row sums stay per-thread partials, reduced once at the end) and P^T goes through shared
-# memory as P [ROWS, BLOCK_N] read transposed, the B operand of the second product.
+# 2026-11-30.) The softmax runs down the key axis (a reduction across the warp group's warps
+# for the max; the row sums stay per-thread partials, reduced once at the end) and P^T goes
+# through shared memory as P [ROWS, BLOCK_N] read transposed, the B operand of the second
+# product.
 SWAP_ROWS = gl.constexpr(16)
 
 
