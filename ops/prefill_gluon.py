@@ -755,7 +755,6 @@ def _consume_swap(q, q_smem, p_row, ring, keys, item, it, PAGED: gl.constexpr,
     q_smem.store(q)
     fence_async_shared()
     _cta_barrier()
-    p_smem = ring.p_ring.index(0)
     s_zero = gl.zeros([BLOCK_N, ROWS], gl.float32, layout=mma)
     acc = gl.zeros([D, ROWS], gl.float32, layout=mma)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, mma))
@@ -778,6 +777,9 @@ def _consume_swap(q, q_smem, p_row, ring, keys, item, it, PAGED: gl.constexpr,
         alpha = gl.exp2(m_i - m_sub)
         l_acc = l_acc * alpha[None, :] + p
         m_i = m_new
+        # P's two slots in turn: a warp writes tile t's P while another may still be reading
+        # tile t - 1's slot in its product (the barrier below orders only this tile's)
+        p_smem = ring.p_ring.index(t % 2)
         p_smem.store(gl.permute(p.to(dtype), (1, 0)))
         fence_async_shared()
         vslot = _wait_kv(ring.v_bar, g, STAGES, PAGED)
@@ -1250,7 +1252,7 @@ def _shared_state(dtype: gl.constexpr, k_desc, v_desc, q_desc, Q_TMA: gl.constex
     the layouts of the descriptors k_desc / v_desc; Q_TMA: two Q slots in q_desc's."""
     RELEASES: gl.constexpr = 2 if PINGPONG else 1  # arrivals that free a slot (WS)
     # P's slots: [BLOCK_M, BLOCK_N] (P_SMEM), [SWAP_ROWS, BLOCK_N] (SWAP: the swapped
-    # products' one slot), else a stand-in
+    # products' two, taken in turn), else a stand-in
     P_ROWS: gl.constexpr = SWAP_ROWS if SWAP else (BLOCK_M if P_SMEM else 8)
     P_COLS: gl.constexpr = BLOCK_N if P_SMEM or SWAP else 64
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout(
