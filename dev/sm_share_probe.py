@@ -117,12 +117,13 @@ def plot(path: str) -> str:
               for c in cases]
         ax.bar([i + j * w for i in range(len(cases))], ys, w, label=f"side by side, {mode}")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
-    ax.set_ylim(0.6, 1.2)
+    ax.set_ylim(0.6, 1.25)
     ax.set_ylabel("speed over the better of\nfused and apart")
     ax.set_xticks([i + w / 2 for i in range(len(cases))])
     ax.set_xticklabels(["\n".join(c.split()[1:4]) + f"\n({choice[c]})" for c in cases],
                        fontsize=7)
-    ax.set_title(f"POD's parts side by side, page 16 ({doc['gpu']}, torch {doc['torch']}, "
+    pages = ", ".join(sorted({c.split()[-1].replace("page", "page ") for c in cases}))
+    ax.set_title(f"POD's parts side by side, {pages} ({doc['gpu']}, torch {doc['torch']}, "
                  f"triton {doc['triton']}, {doc['date'][:10]}; policy's choice in brackets)",
                  fontsize=9)
     ax.legend(fontsize=7)

@@ -797,7 +797,7 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     return decode_bytes < POLICY.pod_apart_balance * factor * p
 
 
-def pod_side(prefill_flops: float, decode_bytes: float, *, boxes_64: bool,
+def pod_side(prefill_flops: float, decode_bytes: float, *, gluon_64: bool,
              device: Device | None = None) -> int:
     """The decodes' programs where a POD call runs its parts side by side (two launches on
     two streams at once: the decodes' grid capped at that many programs, one a SM, on a
@@ -806,11 +806,12 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, boxes_64: bool,
     POLICY.pod_side_share of the decodes' bytes and at least POLICY.pod_side_min_prefill_bytes,
     and the decodes' bytes at least POLICY.pod_side_min_bytes: a decode program reads ~50 GB/s
     at most, so the decodes need about half the SMs to keep their rate and the prefill must be
-    large enough to use the rest. boxes_64: the decodes' own launch is the Gluon kernel's
-    persistent 64-row launch over pages read by TMA boxes (the only grid the cap reaches).
+    large enough to use the rest. gluon_64: the decodes' own launch is the Gluon kernel's
+    persistent 64-row launch (pages read by TMA boxes or gathered: the only grid the cap
+    reaches).
     Never under the interpreter (no streams there), nor with POLICY.pod_apart_balance 0 (one
     launch always); device: the plan's by default."""
-    if (INTERPRET or not boxes_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
+    if (INTERPRET or not gluon_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
             or POLICY.pod_apart_balance <= 0  # (always one launch)
             or decode_bytes < POLICY.pod_side_min_bytes
             or prefill_flops / POLICY.pod_flop_per_byte < max(

@@ -163,7 +163,9 @@ class Policy:
         # eager, the ten p8192 grid cases this rule takes on page 16 (shares 0.86-6.8): 0.99-1.09x
         # / 0.98-1.09x, median 1.02x / 1.03x (H200, benchmarks/NOTES.md, 2026-11-30, with the
         # dev probes' larger gains on other machines); p4096 / p2048 + 128 x 4k (0.43 / 0.11),
-        # p8192 + 128 x 32k (0.21) lost 0.76-0.83x. 0: never.
+        # p8192 + 128 x 32k (0.21) lost 0.76-0.83x. Page 1 (gathered decodes) alike: the ten
+        # p8192 cases 1.02-1.16x graph, 0.96-1.20x eager (two earlier runs: GQA 64/8 0.98-1.08x,
+        # + 128 x 1k 0.95-1.04x). 0: never.
         self.pod_side_share = 0.75
         # ...only where the decodes read at least this many bytes (about 100 us at 4 TB/s)...
         self.pod_side_min_bytes = 4e8

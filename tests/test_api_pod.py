@@ -706,18 +706,20 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
 
 # POD's parts side by side (ops.choose.pod_side): where the prefill counted as bytes is at least
 # pod_side_share (0.75) of the decodes' bytes and at least pod_side_min_prefill_bytes (2e9), and
-# the decodes' at least pod_side_min_bytes (4e8), on pages the decodes' own 64-row launch reads
-# by TMA boxes: the decodes' grid capped at half the SMs. Measured (H200; benchmarks/NOTES.md,
-# 2026-11-30): the p8192 cases below 0.99-1.09x the better of the fused launch and apart;
-# p4096 / p2048 + 128 x 4k (shares 0.43 / 0.11) and GQA 64/8 p2048 + 128 x 1k (prefill 4.6e8
-# bytes) lost 0.76-0.87x.
+# the decodes' at least pod_side_min_bytes (4e8), where the decodes' own launch is the Gluon
+# kernel's persistent 64-row one (pages read by TMA boxes, or gathered: page 1): the decodes'
+# grid capped at half the SMs. Measured (H200; benchmarks/NOTES.md, 2026-11-30): the p8192
+# cases below 0.99-1.09x the better of the fused launch and apart on page 16, 1.02-1.16x on
+# page 1 (graph); p4096 / p2048 + 128 x 4k (shares 0.43 / 0.11)
+# and GQA 64/8 p2048 + 128 x 1k (prefill 4.6e8 bytes) lost 0.76-0.87x.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,side", [
     (8192, 256, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
     (8192, 256, 4096, 64, 16, True), (8192, 128, 1024, 32, 16, True),
     (8192, 16, 32768, 64, 16, True), (2048, 128, 1024, 64, 16, False),
     (4096, 128, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
     (8192, 16, 1024, 32, 16, False), (8192, 16, 4096, 32, 16, False),
-    (8192, 256, 4096, 32, 1, False), (64, 4, 64, 32, 16, False)])
+    (8192, 256, 4096, 32, 1, True), (8192, 16, 32768, 64, 1, True),
+    (2048, 128, 4096, 32, 1, False), (64, 4, 64, 32, 16, False)])
 def test_pod_side_decision(qo, n_dec, kv_d, hq, page, side, monkeypatch):
     """The side-by-side choice of PODWithPagedKVCacheWrapper at the suite's sizes planned for a
     Hopper GPU (132 SMs: 66 decode programs), never with a run's decode window or position
@@ -737,4 +739,4 @@ def test_pod_side_decision(qo, n_dec, kv_d, hq, page, side, monkeypatch):
         with override(**fixed):
             assert w._launch_side(qo, qo, True) == 0
     with override(**POD_SIDE):
-        assert w._launch_side(qo, qo, True) == (0 if page == 1 else 66)
+        assert w._launch_side(qo, qo, True) == 66

@@ -279,13 +279,16 @@ def test_pod_decode_chunks_in_cuda_graph_mode(gluon_pods, pod_merges):
     assert (replayed[3] - uncut[3]).nan_to_num().abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("kind,kv_d", [("pod", (700, 4096, 1, 333)),
-                                       ("pod", (5000, 0, 1, 2049, 3001)),
-                                       ("batch_pod", (700, 4096, 0, 1, 2049))])
-def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d):
+@pytest.mark.parametrize("kind,kv_d,page", [("pod", (700, 4096, 1, 333), 16),
+                                            ("pod", (5000, 0, 1, 2049, 3001), 16),
+                                            ("batch_pod", (700, 4096, 0, 1, 2049), 16),
+                                            ("pod", (700, 4096, 1, 333), 1),
+                                            ("batch_pod", (700, 4096, 0, 1, 2049), 1)])
+def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page):
     """POD and BatchPOD with their parts side by side (policy POD_SIDE: the decodes first on a
     high-priority stream, their persistent grid capped at half the SMs, the prefill on the
-    current stream; few long decodes also in key chunks and merged there) give the bits of the
+    current stream; few long decodes also in key chunks and merged there; pages read by TMA
+    boxes, or gathered) give the bits of the
     parts apart (POD_APART: the same kernels one after the other), LSEs included; repeated
     eager calls and a CUDA graph of the call replayed on new values in the same buffers give
     the bits of eager calls."""
@@ -300,7 +303,7 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d):
                         lambda *a: sides.append(a[2]) or real_side(*a))
     monkeypatch.setattr(prefill_gluon, "launch",
                         lambda *a, **kw: caps.append(L.programs_cap_now()) or real_launch(*a, **kw))
-    x = _pod_inputs("cuda", BF16, seed=5, qo=777, kv_d=kv_d, hq=28, hkv=4)
+    x = _pod_inputs("cuda", BF16, seed=5, qo=777, kv_d=kv_d, page=page, hq=28, hkv=4)
     _, call = _wrapper_call(kind, x)
     with override(**POD_APART):
         apart = [t.clone() for t in call()]
