@@ -1614,6 +1614,13 @@ GATHER_SHORT_TILE = Tile(block_n=64, warps=8, stages=3, p_smem=False, ws=True, p
 # Programs per SM the register budget is split for under warp specialization (the load
 # partition's warp group included): 64-row tiles keep two, 128-row ones have one.
 _WS_CTAS = {4: 2, 8: 1}
+
+
+def resident(tile: Tile) -> int:
+    """Programs of a warp-specialized tile that one SM holds at once, which a persistent grid
+    is sized by: _WS_CTAS[warps], but one for a swap tile (its K / V slots take ~153 KB of
+    shared memory)."""
+    return 1 if tile.swap else _WS_CTAS[tile.warps]
 # setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
 PINGPONG_REGS = 240
 # PAGED_GATHER: (a ping-pong launch's worker compute group, the gathering warp group). The
@@ -1777,8 +1784,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     box = block_n // boxes
     wide = _wide(k2, v2)
     group_regs, producer_regs = partition_regs(gather)
-    # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (_WS_CTAS
-    # per SM); else a program per item
+    # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (resident
+    # a SM); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else persistent_default(pingpong, boxes))
     if swap and (pingpong or not persistent or warps != 4 or block_m % SWAP_ROWS.value):
@@ -1788,7 +1795,7 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                          f"persistent {persistent}, pingpong {pingpong}, warps {warps}, block_m "
                          f"{block_m}")
     if persistent:  # (at most launch.programs_cap's programs, where one is in force)
-        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * _WS_CTAS[warps],
+        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * resident(tile),
                            _launch.programs_cap_now() or n_items * hkv)), )
     else:
         grid = (n_items, hkv)

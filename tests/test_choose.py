@@ -231,7 +231,7 @@ def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, s
     assert tile.swap == swap
     if swap:
         assert tile == G.SWAP_TILE and (got.block_n, got.stages) == (128, 2)
-        assert got.programs == min(items * hkv, cap or items * hkv, choose.H100.sm_count * 2)
+        assert got.programs == min(items * hkv, cap or items * hkv, choose.H100.sm_count)
     else:
         few, side = items * hkv <= choose.H100.sm_count, 0 < cap <= choose.H100.sm_count
         assert got.block_n == 64

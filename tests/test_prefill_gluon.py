@@ -523,6 +523,17 @@ def test_swap_tile_compiles_for_sm90(page):
     assert 2 * 2 * 128 * 128 * 2 < k.metadata.shared <= 227 * 1024
 
 
+@pytest.mark.parametrize("swap", [True, False])
+def test_persistent_grid_holds_resident_programs(swap, monkeypatch):
+    """A persistent launch's grid holds as many programs as the SMs hold at once: two a SM on
+    the 64-row tile, one on the swap tile (its shared memory), 6 items on 2 SMs here."""
+    rec, go = _paged_launch(monkeypatch, 2, tile=gluon_mod.SWAP_TILE if swap else
+                            gluon_mod.TILES[64, 128]._replace(persistent=True))
+    monkeypatch.setattr(gluon_mod, "_sm_count", lambda device: 2)
+    go()
+    assert rec.grid == ((2, ) if swap else (4, ))
+
+
 @pytest.mark.parametrize("tile,block_m,error", [
     (gluon_mod.SWAP_TILE, 64, None),                                     # the decode rows' tile
     (gluon_mod.SWAP_TILE, 16, None),                                     # 16-row work items
