@@ -321,8 +321,8 @@ def _side(p: dict, pairs, decode_bytes, window_d: int = -1, pos: int = POS_NONE)
     ``decode_bytes``; window_d, pos: the run's decode window and position encoding) of a plan
     whose decodes' own launch is the Gluon kernel's persistent 64-row launch (pages read by
     TMA boxes or gathered), where the run's options keep it there (no window, no position
-    encoding); 0 otherwise, or with an empty part. Asked of a CUDA wrapper's untraced calls (and of CPU-planned wrappers by
-    benchmarks.pod.launch_plan)."""
+    encoding); 0 otherwise, or with an empty part. Asked of a CUDA wrapper's untraced calls
+    (and of CPU-planned wrappers by benchmarks.pod.launch_plan)."""
     if pairs <= 0 or decode_bytes <= 0 or window_d >= 0 or pos != POS_NONE:
         return 0
     return choose.pod_side(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,

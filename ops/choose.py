@@ -804,8 +804,8 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, gluon_64: bool,
     high-priority stream, the prefill on the SMs left), else 0 (fused or apart: pod_apart).
     Side by side where the prefill counted as bytes (POLICY.pod_flop_per_byte) is at least
     POLICY.pod_side_share of the decodes' bytes and at least POLICY.pod_side_min_prefill_bytes,
-    and the decodes' bytes at least POLICY.pod_side_min_bytes: a decode program reads ~50 GB/s
-    at most, so the decodes need about half the SMs to keep their rate and the prefill must be
+    and the decodes' bytes at least POLICY.pod_side_min_bytes: a decode program reads ~50-66
+    GB/s at most, so the decodes need about half the SMs to keep their rate and the prefill must be
     large enough to use the rest. gluon_64: the decodes' own launch is the Gluon kernel's
     persistent 64-row launch (pages read by TMA boxes or gathered: the only grid the cap
     reaches).

@@ -1621,6 +1621,8 @@ def resident(tile: Tile) -> int:
     is sized by: _WS_CTAS[warps], but one for a swap tile (its K / V slots take ~153 KB of
     shared memory)."""
     return 1 if tile.swap else _WS_CTAS[tile.warps]
+
+
 # setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
 PINGPONG_REGS = 240
 # PAGED_GATHER: (a ping-pong launch's worker compute group, the gathering warp group). The

@@ -710,8 +710,8 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
 # kernel's persistent 64-row one (pages read by TMA boxes, or gathered: page 1): the decodes'
 # grid capped at half the SMs. Measured (H200; benchmarks/NOTES.md, 2026-11-30): the p8192
 # cases below 0.99-1.09x the better of the fused launch and apart on page 16, 1.02-1.16x on
-# page 1 (graph); p4096 / p2048 + 128 x 4k (shares 0.43 / 0.11)
-# and GQA 64/8 p2048 + 128 x 1k (prefill 4.6e8 bytes) lost 0.76-0.87x.
+# page 1 (graph); p4096 / p2048 + 128 x 4k (shares 0.43 / 0.11) and GQA 64/8 p2048 + 128 x 1k
+# (prefill 4.6e8 bytes) lost 0.76-0.87x.
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,side", [
     (8192, 256, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
     (8192, 256, 4096, 64, 16, True), (8192, 128, 1024, 32, 16, True),

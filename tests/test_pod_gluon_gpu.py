@@ -288,10 +288,9 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page):
     """POD and BatchPOD with their parts side by side (policy POD_SIDE: the decodes first on a
     high-priority stream, their persistent grid capped at half the SMs, the prefill on the
     current stream; few long decodes also in key chunks and merged there; pages read by TMA
-    boxes, or gathered) give the bits of the
-    parts apart (POD_APART: the same kernels one after the other), LSEs included; repeated
-    eager calls and a CUDA graph of the call replayed on new values in the same buffers give
-    the bits of eager calls."""
+    boxes, or gathered) give the bits of the parts apart (POD_APART: the same kernels one after
+    the other), LSEs included; repeated eager calls and a CUDA graph of the call replayed on
+    new values in the same buffers give the bits of eager calls."""
     from compiled_attn import pod as pod_mod
     from compiled_attn.ops import launch as L
     from compiled_attn.ops.policy import POD_APART, POD_SIDE
