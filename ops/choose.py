@@ -508,8 +508,8 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     persistent = bool(ws_run and (t.persistent if t.persistent is not None
                                   else g.persistent_default(pingpong, boxes)))
     programs = None
-    if persistent:  # as many programs as fit on the GPU at once (resident a SM), or the cap
-        programs = max(1, min(items * hkv, dev.sm_count * g.resident(t), cap or items * hkv))
+    if persistent:  # as many programs as fit on the GPU at once, or the cap
+        programs = g.persistent_programs(items * hkv, dev.sm_count, t, cap)
     kv_path = ("gather" if gather else "boxes") if paged else "host"
     return Launch("gluon", block_m, block_n, kv_path, 2, stages, warps, persistent=persistent,
                   programs=programs, group=group,

@@ -1623,6 +1623,14 @@ def resident(tile: Tile) -> int:
     return 1 if tile.swap else _WS_CTAS[tile.warps]
 
 
+def persistent_programs(work: int, sms: int, tile: Tile, cap: int = 0) -> int:
+    """A persistent launch's programs for ``work`` (work items times KV heads) on ``sms`` SMs:
+    as many as the SMs hold at once (resident), at most the work, at most ``cap`` where one is
+    in force (launch.programs_cap), at least one. choose._gluon_launch and the launchers
+    size their grids by it."""
+    return max(1, min(work, sms * resident(tile), cap or work))
+
+
 # setmaxnreg of a ping-pong launch's worker compute group (the load warp keeps 24)
 PINGPONG_REGS = 240
 # PAGED_GATHER: (a ping-pong launch's worker compute group, the gathering warp group). The
@@ -1786,8 +1794,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
     box = block_n // boxes
     wide = _wide(k2, v2)
     group_regs, producer_regs = partition_regs(gather)
-    # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once (resident
-    # a SM); else a program per item
+    # persistent (WS only): a 1D grid of as many programs as fit on the GPU at once
+    # (persistent_programs); else a program per item
     persistent = ws and (tile.persistent if tile.persistent is not None
                          else persistent_default(pingpong, boxes))
     if swap and (pingpong or not persistent or warps != 4 or block_m % SWAP_ROWS.value):
@@ -1797,8 +1805,8 @@ def launch(q, k2, v2, out, lse, qo_indptr, kv_indptr, work, *, dense: tuple | No
                          f"persistent {persistent}, pingpong {pingpong}, warps {warps}, block_m "
                          f"{block_m}")
     if persistent:  # (at most launch.programs_cap's programs, where one is in force)
-        grid = (max(1, min(n_items * hkv, _sm_count(q.device) * resident(tile),
-                           _launch.programs_cap_now() or n_items * hkv)), )
+        grid = (persistent_programs(n_items * hkv, _sm_count(q.device), tile,
+                                    _launch.programs_cap_now()), )
     else:
         grid = (n_items, hkv)
     # the persistent programs' item counter (never read otherwise; the launch leaves it 0)
@@ -1904,7 +1912,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
     wide = gather and _wide(prefill.k2, prefill.v2, decode.k2, decode.v2)
     pingpong = tile.pingpong
-    grid = (max(1, min(work.shape[0] * hkv, _sm_count(q.device) * _WS_CTAS[tile.warps])), )
+    grid = (persistent_programs(work.shape[0] * hkv, _sm_count(q.device), tile), )
 
     def part_args(part, pair):
         return (part.q, pair[0], pair[1], part.out, part.lse, part.qo_indptr, part.kv_indptr,
