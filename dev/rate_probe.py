@@ -5,9 +5,16 @@ run it: one program a SM on the swapped products' SWAP_TILE), SWAP_TILE two or t
 deep, the pages shuffled over the whole cache (HBM) or drawn from 4096 keys' worth of pages that
 stay in L2. With --tma-only the swapped products' consumer is replaced by one that releases
 each K/V slot as soon as it lands (no math: the load path's own rate; outputs not checked).
+With --clamped-pages the load warp reads a tile's page-table entries (pages smaller than a tile,
+a TMA box each) with indices clamped to the request's last page under one predicate instead of
+each masked under its own (_clamped_pages).
 Timed as CUDA-graph replays, interleaved rounds, medians; TB/s of K/V read and GB/s a program.
 
-    python -m dev.rate_probe [--tma-only] [--rounds 3] [--out FILE.json]
+    python -m dev.rate_probe [--tma-only] [--clamped-pages] [--rounds 3] [--out FILE.json]
+        [--pages 16,128] [--caps 0,33,66,132] [--stages 2,3] [--where hbm,l2]
+
+The filters keep the cases whose page size, cap, ring depth and page placement they list (all
+by default).
 """
 
 from __future__ import annotations
@@ -52,6 +59,54 @@ def _tma_only():
     g._consume_swap = consume
 
 
+def _clamped_pages():
+    """prefill_gluon._tile_pages / _fill_slot replaced (before the first launch, as _tma_only)
+    by a form whose box pages are read as a tuple, each index clamped to the request's last
+    page (boxes past its pages re-read it: rows past kv_len, masked, V's zeroed) under one
+    predicate. The kernel's form masks each read (b < the pages left), and a masked read's value
+    is moved to a uniform register under its predicate; the boxes' predicates share one
+    register, so ptxas serializes the reads (SASS: LDG, then R2UR, eight times a tile). Here
+    the eight LDGs issue back to back."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from compiled_attn.ops import prefill_gluon as g
+
+    @gluon.jit
+    def tile_pages(page_idx_ptr, page_base, npages, t, PAGED: gl.constexpr,
+                   PAGE: gl.constexpr, BLOCK_N: gl.constexpr, BOXES: gl.constexpr):
+        if BOXES == 1:
+            page = g._page_of(page_idx_ptr, page_base, npages, t, PAGED, PAGE, BLOCK_N)
+            pages = page
+        else:
+            table = page_idx_ptr + page_base
+            last = npages - 1
+            pages = ()
+            for b in gl.static_range(BOXES):
+                j = gl.minimum(t * BOXES + b, last)
+                pages = pages + (gl.load(table + j, mask=last >= 0, other=0),)
+            page = 0
+        return page, pages
+
+    @gluon.jit
+    def fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
+                  PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                  D: gl.constexpr, BOXES: gl.constexpr):
+        g.mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
+        if BOXES == 1:  # (as the kernel's)
+            if PAGED:
+                row = page * stride_p + (t * BLOCK_N) % PAGE
+            else:
+                row = kv_start + t * BLOCK_N
+            g._tma_load(src, [row, hkv * D], bar, buf, pred=pred)
+        else:
+            for b in gl.static_range(BOXES):
+                g._tma_load(src, [pages[b] * stride_p, hkv * D], bar,
+                            buf.slice(b * PAGE, PAGE))
+
+    g._tile_pages, g._fill_slot = tile_pages, fill_slot
+
+
 def inputs(b: int, kv: int, page: int, l2: bool, dev) -> dict:
     """q [b, HQ, D] and a paged cache of b requests of kv keys, pages shuffled (l2: each
     request's pages drawn from a pool of 4096 keys' worth, which L2 keeps)."""
@@ -89,11 +144,22 @@ def swap_stages(stages: int):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tma-only", action="store_true")
+    ap.add_argument("--clamped-pages", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pages", default=None, help="page sizes, comma-separated")
+    ap.add_argument("--caps", default=",".join(map(str, CAPS)))
+    ap.add_argument("--stages", default=",".join(map(str, STAGES)))
+    ap.add_argument("--where", default="hbm,l2", help="hbm, l2 or both")
     args = ap.parse_args(argv)
+    caps = [int(c) for c in args.caps.split(",")]
+    stages = [int(s) for s in args.stages.split(",")]
+    pages = {int(p) for p in args.pages.split(",")} if args.pages else {c[2] for c in CASES}
+    where = [w == "l2" for w in args.where.split(",")]
     if args.tma_only:
         _tma_only()
+    if args.clamped_pages:
+        _clamped_pages()
     import compiled_attn as ca
     from compiled_attn.ops import launch
     from dev.pod_order import _time
@@ -102,13 +168,13 @@ def main(argv=None):
     dev = torch.device("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows = []
-    for b, kv, page in CASES:
-        for l2 in (False, True):
+    for b, kv, page in [c for c in CASES if c[2] in pages]:
+        for l2 in where:
             torch.manual_seed(0)
             x = inputs(b, kv, page, l2, dev)
             replays, keep, ref = {}, [], None
-            for cap in CAPS:
-                for st in STAGES:
+            for cap in caps:
+                for st in stages:
                     with swap_stages(st), launch.programs_cap(cap):
                         w = ca.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
                         w.plan(x["qo"], x["indptr"], x["idx"], x["last"], HQ, HKV, D, page,
@@ -134,7 +200,7 @@ def main(argv=None):
                 rate = gb / us * 1e6  # GB/s
                 rows.append(dict(requests=b, kv=kv, page=page, l2=l2, cap=cap, stages=st, us=us,
                                  tb_s=rate / 1e3, gb_s_program=rate / programs,
-                                 tma_only=args.tma_only))
+                                 tma_only=args.tma_only, clamped_pages=args.clamped_pages))
                 print(f"{b} x {kv} page {page} {'L2 ' if l2 else 'HBM'} cap {cap:3} "
                       f"{st} slots: {us:8.1f} us {rate / 1e3:5.2f} TB/s "
                       f"{rate / programs:6.1f} GB/s a program", flush=True)
