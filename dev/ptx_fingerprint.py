@@ -64,6 +64,11 @@ GLUON = {
     "gluon paged gather page 2 short": (False, 2, 128, 128, True, True, True, True),
     "gluon paged page 64 no ws": (False, 64, 64, 128, True, False, False, False),
     "gluon dense D64 ws": (True, 0, 64, 64, False, True, False, False),
+    # (a ninth entry: gluon_source's keywords, a tile named by its prefill_gluon attribute)
+    "gluon paged boxes page 16 swap": (False, 16, 64, 128, False, True, False, False,
+                                       {"tile": "SWAP_TILE"}),
+    "gluon paged gather page 1 swap": (False, 1, 64, 128, True, True, False, False,
+                                       {"tile": "SWAP_TILE"}),
 }
 # (page_p, page_d, causal, group, d, block_m): sm90.gluon_pod_source (both POD tiles)
 GLUON_POD = {
@@ -80,7 +85,12 @@ def _compile_gluon(case, pod=False):
     if pod:
         src, opts = sm90.gluon_pod_source(*case[:3], group=case[3], d=case[4], block_m=case[5])
     else:
-        src, opts, _ = sm90.gluon_source(*case)
+        from compiled_attn.ops import prefill_gluon
+
+        kw = dict(case[8]) if len(case) > 8 else {}
+        if "tile" in kw:
+            kw["tile"] = getattr(prefill_gluon, kw["tile"])
+        src, opts, _ = sm90.gluon_source(*case[:8], **kw)
     return triton.compile(src, target=sm90.target(), options=opts).asm["ptx"]
 
 

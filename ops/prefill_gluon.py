@@ -706,22 +706,31 @@ def _store_lse(lse, lse_ptr, l_base, qo_start, qo_len, hkv, r0, stride_lt, strid
 @gluon.jit
 def _store_rows(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len,
                 hkv, stride_ot, stride_oh, stride_lt, stride_lh, GROUP: gl.constexpr,
-                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr,
+                SWAP: gl.constexpr = False):
     """Epilogue of packed rows [r0, r0 + ROWS): O = acc / l and the base-2 LSE m + log2(l);
     rows that saw nothing (l = 0) write 0 and -inf. O changes layout for 16-byte stores
     through ``scratch`` [ROWS, D] (the group's Q buffer, free once its last wgmma is done: a
-    layout conversion's own scratch could not reuse the rings, live across the partition)."""
+    layout conversion's own scratch could not reuse the rings, live across the partition).
+    SWAP: the swapped products' acc^T [D, ROWS] (m_i, l_i along its columns), transposed back
+    on its way through scratch."""
     dtype: gl.constexpr = o_ptr.dtype.element_ty
-    row_s: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, NW))
-    row_o: gl.constexpr = gl.SliceLayout(1, _mma_layout(D, NW))
     seen = l_i > 0
     l_safe = gl.where(seen, l_i, 1.0)
-    scratch.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
+    if SWAP:
+        lse_layout: gl.constexpr = gl.SliceLayout(0, _mma_layout(ROWS, NW))
+        _cta_barrier()  # every warp's last product (reading Q) is done before O overwrites it
+        scratch.store(gl.permute((acc / l_safe[None, :]).to(dtype), (1, 0)))
+        _cta_barrier()
+    else:
+        lse_layout: gl.constexpr = gl.SliceLayout(1, _mma_layout(BLOCK_N, NW))
+        row_o: gl.constexpr = gl.SliceLayout(1, _mma_layout(D, NW))
+        scratch.store((acc / gl.convert_layout(l_safe, row_o)[:, None]).to(dtype))
     offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP, ROWS, D,
                          NW)
     gl.store(o_ptr + offs, scratch.load(_row_layout(D, NW)), mask=ok[:, None])
     _store_lse(gl.where(seen, m_i + gl.log2(l_safe), float("-inf")), lse_ptr, l_base, qo_start,
-               qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, row_s)
+               qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, lse_layout)
 
 
 # ---- decode rows: the swapped products ----------------------------------------------------------
@@ -793,27 +802,6 @@ def _consume_swap(q, q_smem, p_row, ring, keys, item, it, PAGED: gl.constexpr,
 
 
 @gluon.jit
-def _store_rows_swap(acc, m_i, l_i, r0, scratch, o_ptr, lse_ptr, o_base, l_base, qo_start,
-                     qo_len, hkv, stride_ot, stride_oh, stride_lt, stride_lh,
-                     GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
-                     NW: gl.constexpr):
-    """_store_rows for the swapped products' acc^T [D, ROWS] (m_i, l_i [ROWS]): O transposed
-    back through ``scratch`` [ROWS, D] (the group's Q buffer)."""
-    dtype: gl.constexpr = o_ptr.dtype.element_ty
-    col: gl.constexpr = gl.SliceLayout(0, _mma_layout(ROWS, NW))
-    seen = l_i > 0
-    l_safe = gl.where(seen, l_i, 1.0)
-    _cta_barrier()  # every warp's last product (reading Q) is done before O overwrites it
-    scratch.store(gl.permute((acc / l_safe[None, :]).to(dtype), (1, 0)))
-    _cta_barrier()
-    offs, ok = _out_rows(o_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh, GROUP, ROWS, D,
-                         NW)
-    gl.store(o_ptr + offs, scratch.load(_row_layout(D, NW)), mask=ok[:, None])
-    _store_lse(gl.where(seen, m_i + gl.log2(l_safe), float("-inf")), lse_ptr, l_base, qo_start,
-               qo_len, hkv, r0, stride_lt, stride_lh, GROUP, ROWS, col)
-
-
-@gluon.jit
 def _zero_rows(o_ptr, lse_ptr, o_base, l_base, qo_start, qo_len, hkv, r0, stride_ot, stride_oh,
                stride_lt, stride_lh, GROUP: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr,
                NW: gl.constexpr):
@@ -837,12 +825,24 @@ def _passes(item, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
 
 
 @gluon.jit
+def _ring_tiles(item, SWAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
+    """The K / V ring positions a work item takes, the same count in the load partition and
+    the compute groups: its key tiles, once for each of its passes with the swapped products
+    (SWAP: _passes, pass ps from position it + ps * n_tiles)."""
+    n = item.n_tiles
+    if SWAP:
+        if n > 0:
+            n = n * _passes(item, BLOCK_M, GROUP)
+    return n
+
+
+@gluon.jit
 def _group_swap(ctx, item, r0, it, q_buf, PAGED: gl.constexpr, GROUP: gl.constexpr,
                 CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                 STAGES: gl.constexpr, NW: gl.constexpr, Q_ROWS: gl.constexpr = False,
                 map_on=True):
-    """_group with the swapped products (_consume_swap, _store_rows_swap; one compute group,
-    K / V through the load partition) on packed rows [r0, r0 + SWAP_ROWS) of the work item,
+    """_group with the swapped products (_consume_swap, _store_rows with SWAP; one compute
+    group, K / V through the load partition) on packed rows [r0, r0 + SWAP_ROWS) of the work item,
     its key tiles from ring position it; q_buf [SWAP_ROWS, D] holds their Q, then O."""
     ROWS: gl.constexpr = SWAP_ROWS
     io = ctx.io
@@ -854,10 +854,9 @@ def _group_swap(ctx, item, r0, it, q_buf, PAGED: gl.constexpr, GROUP: gl.constex
                 Q_ROWS)
     acc, m_i, l_i = _consume_swap(q, q_buf, p_row, ctx.ring, ctx.keys, item, it, PAGED,
                                   CAUSAL, ROWS, BLOCK_N, D, STAGES, NW)
-    _store_rows_swap(acc, m_i, l_i, r0, q_buf, io.o_ptr, io.lse_ptr,
-                     item.req.to(gl.int64) * st.ob, item.req.to(gl.int64) * st.lb,
-                     item.qo_start, item.qo_len, item.hkv, st.ot, st.oh, st.lt, st.lh,
-                     GROUP, ROWS, D, NW)
+    _store_rows(acc, m_i, l_i, r0, q_buf, io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
+                item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv, st.ot, st.oh,
+                st.lt, st.lh, GROUP, ROWS, BLOCK_N, D, NW, True)
 
 
 @gluon.jit
@@ -1106,12 +1105,10 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             map_on = True
         if item.n_tiles > 0:
             if SWAP:
-                passes = _passes(item, BLOCK_M, GROUP)
-                for ps in range(passes):
+                for ps in range(_passes(item, BLOCK_M, GROUP)):
                     _group_swap(c, item, item.row0 + ps * SWAP_ROWS, it + ps * item.n_tiles,
                                 ctx.ring.q_ring.index(0).slice(0, SWAP_ROWS), PAGED, GROUP,
                                 CAUSAL, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
-                it += item.n_tiles * (passes - 1)  # (the last pass's tiles: below)
             else:
                 if Q_TMA:
                     q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
@@ -1128,7 +1125,7 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
                        item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv,
                        item.row0 + WG * ROWS, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, D, NW)
-        it += item.n_tiles
+        it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
         k += 1
         rec = _take_item(h.items, h.item_full, h.item_empty, k, NW)
 
@@ -1213,14 +1210,12 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                          WIDE)
         elif SWAP:
             if n_tiles > 0:
-                passes = _passes(item, BLOCK_M, GROUP)
-                for ps in range(passes):
+                for ps in range(_passes(item, BLOCK_M, GROUP)):
                     _produce(keys, ctx, item, it + ps * n_tiles, PAGED, PAGE, BLOCK_N, D,
                              STAGES, BOXES, WIDE)
-                it += n_tiles * (passes - 1)
         else:
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
-        it += n_tiles
+        it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
         k += 1
         lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
