@@ -154,7 +154,8 @@ def tile(head_dim_qk: int, head_dim_vo: int, group_size: int, max_kv_len: int | 
         return 64
     if d > 128 or max_kv_len is None:
         return 128
-    if (gluon_pages and d == 128 and _gluon.page_gathered(page_size, _gluon.TILES[128, d].block_n, d)
+    if (gluon_pages and d == 128
+            and _gluon.page_gathered(page_size, _gluon.TILES[128, d].block_n, d)
             and max_kv_len > GATHER_MIN_KV // (1 if causal else 2)):
         return 128  # gathered pages (on short requests prefill_gluon.GATHER_SHORT_TILE)
     if max_kv_len <= POLICY.tma_min_kv:
@@ -453,6 +454,13 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
                   persistent=tma == 3, programs=programs, split=split, group=group)
 
 
+def _one_a_sm_tile(block_m: int, d: int) -> bool:
+    """Whether a Gluon launch's tile is the 64-row D 128 one, whose decode rows may run at most
+    one program a SM (few_programs, or a grid capped by launch.programs_cap) on a deeper K/V
+    ring or SWAP_TILE."""
+    return block_m == 64 and d == 128
+
+
 def few_programs(block_m: int, d: int, items, hkv: int, requests,
                  dev: Device | None = None) -> bool:
     """Whether a Gluon launch of paged K/V with these work rows (items, each times the hkv KV
@@ -460,7 +468,7 @@ def few_programs(block_m: int, d: int, items, hkv: int, requests,
     each (decode rows) on the 64-row D 128 tile, in at most one program a SM (the SM count of
     dev, default the plan's device; an H100's where it has none)."""
     dev = _plan_device() if dev is None else dev
-    return (block_m == 64 and d == 128
+    return (_one_a_sm_tile(block_m, d)
             and requests is not None and known(items <= requests)
             and known(items * hkv <= (dev.sm_count or H100.sm_count)))
 
@@ -493,7 +501,7 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
     # (launch.programs_cap: POD's decodes side by side)
     cap = _launch.programs_cap_now()
     few = paged and few_programs(block_m, d, items, hkv, requests, dev)
-    side = (paged and block_m == 64 and d == 128
+    side = (paged and _one_a_sm_tile(block_m, d)
             and 0 < cap <= (dev.sm_count or H100.sm_count))
     if (few or side) and _swap_rows(page, d, rows, requests):
         t = g.SWAP_TILE
@@ -501,7 +509,8 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
         t = t._replace(stages=POLICY.few_programs_stages)
     elif side and POLICY.pod_side_stages > 0:
         t = t._replace(stages=POLICY.pod_side_stages)
-    block_n, warps, stages, p_smem, ws, pingpong = t.block_n, t.warps, t.stages, t.p_smem, t.ws, t.pingpong
+    block_n, warps, stages, p_smem, ws, pingpong = (t.block_n, t.warps, t.stages, t.p_smem,
+                                                    t.ws, t.pingpong)
     gather = paged and g.page_gathered(page, block_n, d)
     boxes = block_n // page if 0 < page < block_n and not gather else 1
     ws_run = ws or boxes > 1 or pingpong or gather
