@@ -39,7 +39,9 @@ CASES = [(128, 4096, 16, 32, 8), (128, 32768, 16, 32, 8), (16, 1024, 16, 32, 8),
          (2, 32768, 16, 8, 8), (1, 2048, 16, 32, 8), (8, 8192, 1, 32, 8),
          # a program a SM or fewer (16 x 4k), and short keys over several waves (128 x 1k)
          (16, 4096, 16, 32, 8), (16, 4096, 1, 32, 8), (16, 4096, 16, 64, 8),
-         (128, 1024, 16, 32, 8), (128, 1024, 16, 64, 8)]
+         (128, 1024, 16, 32, 8), (128, 1024, 16, 64, 8),
+         # short keys over several waves, the grid's rows below 0.95 of the copy
+         (128, 1024, 1, 32, 8), (256, 1024, 16, 32, 8), (256, 1024, 1, 32, 8)]
 VARIANT_CASES = 2  # the first cases also run the tile variants
 
 
@@ -90,6 +92,10 @@ def _variants():
         # the chunk rows' query rows gathered by a launch of their own before the paged one
         # (as before the ops' row map: decode_chunks.gather_rows), not read in place
         "gathered": ("module", dict(gathered=True)),
+        # decode rows on the swapped products however many programs they fill (choose's
+        # few_programs without its one-program-a-SM bound: SWAP_TILE's persistent grid, one
+        # program a SM, takes the items in turn)
+        "swap any count": ("module", dict(swap_any=True)),
         "graph plan gathered": ("graph", True, {}, dict(gathered=True)),
     }
 
@@ -134,7 +140,8 @@ def _variant(v):
     from compiled_attn.ops import decode_chunks
 
     saved_split, saved_wanted = prefill.build_split_work, schedule.chunks_wanted
-    saved_module = (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL)
+    saved_module = (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
+                    choose.few_programs)
     stack = contextlib.ExitStack()
     split = isinstance(v, tuple) and v[0] == "split"
     graph = isinstance(v, tuple) and v[0] == "graph"
@@ -151,6 +158,11 @@ def _variant(v):
         decode_chunks.MERGE_PDL = module.get("merge_pdl", decode_chunks.MERGE_PDL)
         if module.get("gathered"):
             stack.enter_context(gathered_rows())
+        if module.get("swap_any"):
+            def few_programs(block_m, d, items, hkv, requests, dev=None):
+                return (block_m == 64 and d == 128 and requests is not None
+                        and choose.known(items <= requests))
+            choose.few_programs = few_programs
         if split:
             min_keys, slots = v[1], v[2]
 
@@ -165,7 +177,8 @@ def _variant(v):
             yield
     finally:
         prefill.build_split_work, schedule.chunks_wanted = saved_split, saved_wanted
-        (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL) = saved_module
+        (schedule.MAX_CHUNKS, decode_chunks.MERGE_WARPS, decode_chunks.MERGE_PDL,
+         choose.few_programs) = saved_module
         stack.close()
         g.TILES.clear()
         g.TILES.update(saved_tiles)
