@@ -17,10 +17,15 @@ WORKERS ?= auto
 XDIST  := -n $(WORKERS) --dist worksteal
 # One Inductor compile thread per test process: with a pool, every xdist worker (and every
 # subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
-# C++ kernels compile sooner than that pool starts.
-TEST_ENV := TORCHINDUCTOR_COMPILE_THREADS=1
+# C++ kernels compile sooner than that pool starts. Bytecode written on first import
+# (PYTHONDONTWRITEBYTECODE emptied, where the environment sets it): the set-up installs without
+# compiling every module of torch and the rest ahead (pip's --no-compile: about 45 s of the
+# set-up), and the first process to import a module compiles it once for every later one (the
+# suite starts some forty Python processes).
+PYC_ENV  := PYTHONDONTWRITEBYTECODE=
+TEST_ENV := TORCHINDUCTOR_COMPILE_THREADS=1 $(PYC_ENV)
 # pip prints errors only; the set-up's own lines say what it is doing
-PIP    := $(PY) -m pip install -qq
+PIP    := $(PY) -m pip install -qq --no-compile
 
 .PHONY: demo test test-gpu setup clean
 
@@ -42,7 +47,7 @@ $(STAMP): pyproject.toml
 demo:
 	@start=$$(date +%s); \
 	$(MAKE) -s --no-print-directory setup || exit $$?; \
-	$(PY) -m compiled_attn; rc=$$?; \
+	$(PYC_ENV) $(PY) -m compiled_attn; rc=$$?; \
 	echo "make demo: $$(( $$(date +%s) - start )) s in all, set-up included"; exit $$rc
 
 test:

@@ -6,8 +6,9 @@ custom mask), the gpt-fast-style module (mask read from a causal buffer at input
 mask), and one configuration each, the one that exercises the model's own feature, for Mistral
 (sdpa, sliding window), Gemma2 (eager, soft cap + sliding window on alternate layers), Qwen2
 (sdpa, one KV head, left padding) and GPT-2 (eager, left padding). The last four are built
-once per module and their packages run in one fresh process (saves a Python + torch start
-each); each still passes or fails on its own.
+once per module and their packages run together; every package runs in one fresh process
+that serves the module (the loader fixture: it saves a Python + torch start a test); each
+still passes or fails on its own.
 
 The custom-mask cases once gave wrong outputs from the package (right from ep.module()): the
 rewrite packed the mask bits with ``2 ** arange(8)``, an integer ``pow.Scalar`` that Inductor
@@ -18,8 +19,10 @@ it returned float32 that the generated code read as int32. The packing now shift
 
 from __future__ import annotations
 
+import select
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import zipfile
@@ -32,20 +35,40 @@ from compiled_attn import fx_passes
 
 from .helpers import GptFast, assert_close_rel, hf_model, inputs
 
-# Runs [(package, args), ...] in one process; an exception in one package is returned as its
-# text in that package's slot, so that the others still run.
+# A fresh process that imports compiled_attn (and never built a package) and runs, for each
+# line "io out" on its stdin, the [(package, args), ...] saved at io, answering "done" once their
+# outputs are saved at out; an exception in one package is returned as its text in that
+# package's slot, so that the others still run. One such process serves the module's tests
+# (its start, Python + torch + compiled_attn, was most of a small test's run).
 LOADER = textwrap.dedent("""
     import sys, traceback, torch
     import compiled_attn  # registers the compiled_attn ops the package calls
-    io, out_path = sys.argv[1:3]
-    outs = []
-    for pkg, args in torch.load(io):
-        try:
-            outs.append(torch._inductor.aoti_load_package(pkg)(*args))
-        except Exception:
-            outs.append(traceback.format_exc())
-    torch.save(outs, out_path)
+    for line in sys.stdin:
+        io, out_path = line.split()
+        outs = []
+        for pkg, args in torch.load(io):
+            try:
+                outs.append(torch._inductor.aoti_load_package(pkg)(*args))
+            except Exception:
+                outs.append(traceback.format_exc())
+        torch.save(outs, out_path)
+        print("done", flush=True)
 """)
+
+
+@pytest.fixture(scope="module")
+def loader():
+    """The LOADER process (its stderr in a file: a pipe nobody reads could fill and stall it)."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen([sys.executable, "-c", LOADER], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        proc.err = err
+        yield proc
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _generated_cpp(pkg: str) -> str:
@@ -74,51 +97,58 @@ def build(tmp_path, model, args, rewrites=2):
     return pkg, ref, counters
 
 
-def run_packages(tmp_path, jobs):
-    """Runs [(package, args), ...] in one fresh process that imports compiled_attn; returns
-    each package's output, or the text of the exception it raised."""
+def run_packages(loader, tmp_path, jobs, timeout=300):
+    """Runs [(package, args), ...] in the loader process (fresh: it never built a package);
+    returns each package's output, or the text of the exception it raised."""
     torch.save(jobs, tmp_path / "io.pt")
-    subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "io.pt"),
-                    str(tmp_path / "out.pt")], check=True, timeout=300)
+    loader.stdin.write(f"{tmp_path / 'io.pt'} {tmp_path / 'out.pt'}\n")
+    loader.stdin.flush()
+    ready, _, _ = select.select([loader.stdout], [], [], timeout)
+    answer = loader.stdout.readline() if ready else ""
+    if answer.strip() != "done":
+        loader.kill()
+        loader.err.seek(0)
+        raise RuntimeError(f"the loader process gave {answer!r} (exit {loader.poll()}): "
+                           + loader.err.read()[-3000:])
     return torch.load(tmp_path / "out.pt")
 
 
-def roundtrip(tmp_path, model, args, rewrites=2):
+def roundtrip(loader, tmp_path, model, args, rewrites=2):
     pkg, ref, _ = build(tmp_path, model, args, rewrites)
-    out = run_packages(tmp_path, [(pkg, args)])[0]
+    out = run_packages(loader, tmp_path, [(pkg, args)])[0]
     assert not isinstance(out, str), out
     return out, ref
 
 
 @pytest.mark.slow
-def test_aoti_llama_sdpa_causal(tmp_path):
+def test_aoti_llama_sdpa_causal(loader, tmp_path):
     model = hf_model("llama", "sdpa")
     ids, _ = inputs(None)
-    out, ref = roundtrip(tmp_path, model, (ids, None))
+    out, ref = roundtrip(loader, tmp_path, model, (ids, None))
     assert_close_rel(out, ref)
 
 
 @pytest.mark.slow
-def test_aoti_llama_sdpa_padding(tmp_path):
+def test_aoti_llama_sdpa_padding(loader, tmp_path):
     model = hf_model("llama", "sdpa")
     ids, am = inputs("left")
-    out, ref = roundtrip(tmp_path, model, (ids, am))
+    out, ref = roundtrip(loader, tmp_path, model, (ids, am))
     assert_close_rel(out, ref, am.bool())
 
 
 @pytest.mark.slow
-def test_aoti_bert_sdpa_padding(tmp_path):
+def test_aoti_bert_sdpa_padding(loader, tmp_path):
     model = hf_model("bert", "sdpa")
     ids, am = inputs("right")
-    out, ref = roundtrip(tmp_path, model, (ids, am))
+    out, ref = roundtrip(loader, tmp_path, model, (ids, am))
     assert_close_rel(out, ref)  # every query row sees valid keys (bidirectional)
 
 
 @pytest.mark.slow
-def test_aoti_gpt_fast(tmp_path):
+def test_aoti_gpt_fast(loader, tmp_path):
     model = GptFast().eval()
     idx = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(2))
-    out, ref = roundtrip(tmp_path, model, (idx, torch.arange(12)))
+    out, ref = roundtrip(loader, tmp_path, model, (idx, torch.arange(12)))
     assert fx_passes.counters["gqa:repeat_interleave"] == 2, dict(fx_passes.counters)
     assert_close_rel(out, ref)
 
@@ -139,7 +169,7 @@ def _aoti_id(case):
 
 
 @pytest.fixture(scope="module")
-def hf_aoti_results(tmp_path_factory):
+def hf_aoti_results(loader, tmp_path_factory):
     """Builds every HF_AOTI_CASES package, then runs them all in one fresh process. Per case:
     (eager output, counters, package output) or the exception its build raised."""
     built, jobs = {}, []
@@ -154,7 +184,7 @@ def hf_aoti_results(tmp_path_factory):
             continue
         built[_aoti_id(case)] = (ref, counters, len(jobs))
         jobs.append((pkg, args))
-    outs = run_packages(tmp_path_factory.mktemp("run"), jobs) if jobs else []
+    outs = run_packages(loader, tmp_path_factory.mktemp("run"), jobs) if jobs else []
     return {k: v if isinstance(v, Exception) else (v[0], v[1], outs[v[2]])
             for k, v in built.items()}
 
