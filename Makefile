@@ -19,7 +19,7 @@ XDIST  := -n $(WORKERS) --dist worksteal
 # subprocess a test starts) would first start one Python + torch per CPU, for graphs whose few
 # C++ kernels compile sooner than that pool starts. Bytecode written on first import
 # (PYTHONDONTWRITEBYTECODE emptied, where the environment sets it): the set-up installs without
-# compiling every module of torch and the rest ahead (pip's --no-compile: about 45 s of the
+# compiling every module of torch and the rest ahead (pip's --no-compile: 60-70 s of the
 # set-up), and the first process to import a module compiles it once for every later one (the
 # suite starts some forty Python processes).
 PYC_ENV  := PYTHONDONTWRITEBYTECODE=
