@@ -160,7 +160,7 @@ def _variant(v):
             stack.enter_context(gathered_rows())
         if module.get("swap_any"):
             def few_programs(block_m, d, items, hkv, requests, dev=None):
-                return (block_m == 64 and d == 128 and requests is not None
+                return (choose._one_a_sm_tile(block_m, d) and requests is not None
                         and choose.known(items <= requests))
             choose.few_programs = few_programs
         if split:

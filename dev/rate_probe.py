@@ -88,18 +88,17 @@ def _clamped_pages():
             page = 0
         return page, pages
 
+    kernel_fill = g._fill_slot  # one box: the kernel's own
+
     @gluon.jit
     def fill_slot(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred,
                   PAGED: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                   D: gl.constexpr, BOXES: gl.constexpr):
-        g.mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
-        if BOXES == 1:  # (as the kernel's)
-            if PAGED:
-                row = page * stride_p + (t * BLOCK_N) % PAGE
-            else:
-                row = kv_start + t * BLOCK_N
-            g._tma_load(src, [row, hkv * D], bar, buf, pred=pred)
+        if BOXES == 1:
+            kernel_fill(src, buf, bar, t, kv_start, hkv, page, pages, stride_p, pred, PAGED,
+                        PAGE, BLOCK_N, D, BOXES)
         else:
+            g.mbarrier.expect(bar, BLOCK_N * D * src.dtype.primitive_bitwidth // 8, pred=pred)
             for b in gl.static_range(BOXES):
                 g._tma_load(src, [pages[b] * stride_p, hkv * D], bar,
                             buf.slice(b * PAGE, PAGE))
