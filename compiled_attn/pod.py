@@ -30,8 +30,8 @@ alone would cut them. In CUDA-graph mode the first plan decides the chunk counts
 re-plan writes into its tensors (_plan_graph_chunks), so that a captured run() serves them.
 
 Where both parts are large (ops.choose.pod_side), an eager or captured run() launches them
-side by side (_side_by_side): the decodes on a second stream over about half the SMs, the
-prefill on the current stream beside them.
+side by side (_side_by_side): the decodes on a second stream over about half the SMs (more
+where they dominate), the prefill on the current stream beside them.
 """
 
 from __future__ import annotations

@@ -54,9 +54,10 @@ LAUNCH_CASES = [suite.PodCase("pod", (8192,), n, kv, hq, 8, 16)
     suite.PodCase("pod", (8192,), 128, 32768, 32, 8, 16)]
 
 
-def launches(cases, rounds: int, out: str | None = None) -> None:
+def launches(cases, rounds: int, out: str | None = None, shares=()) -> None:
     """POD under each launch-fixing setting and the policy's choice (--launches); rows kept
-    in ``out`` (JSON) after every case."""
+    in ``out`` (JSON) after every case. shares: side by side again with the decodes' grid
+    capped at each of these shares of the SMs (POLICY.pod_side_sms) instead of the policy's."""
     import triton
 
     from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
@@ -64,9 +65,13 @@ def launches(cases, rounds: int, out: str | None = None) -> None:
     # (side by side with the decodes on the 64-row tile's four-deep ring, not the swapped
     # products: POLICY.decode_swap off)
     settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE,
-                "side no swap": {**POD_SIDE, "decode_swap": False}, "policy": {}}
+                "side no swap": {**POD_SIDE, "decode_swap": False}, "policy": {},
+                **{f"side {f:g}": {**POD_SIDE, "pod_side_sms": f} for f in shares}}
     rows = []
+    x = calls = graphs = None
     for case in cases:
+        x = calls = graphs = None  # (the last case's inputs and graphs freed first)
+        suite._free()
         x = suite.make_inputs(case, torch.device("cuda"))
         calls = _calls(case, x)
         graphs, eager = {}, {}
@@ -111,15 +116,23 @@ def plot(path: str) -> str:
     us = {(r["case"], r["setting"], r["mode"]): r["us"] for r in rows}
     choice = {r["case"]: r["policy_launch"] for r in rows}
     fig, ax = plt.subplots(figsize=(12, 4.8))
-    w = 0.4
-    for j, mode in enumerate(("graph", "eager")):
-        ys = [min(us[c, "fused", mode], us[c, "apart", mode]) / us[c, "side", mode]
+    # side by side at half the SMs, eager and graph; with --side-shares, each share and the
+    # policy's own choice too (graph)
+    shares = sorted({r["setting"] for r in rows if r["setting"].startswith("side ")
+                     and r["setting"] != "side no swap"})
+    series = [("side", "graph"), ("side", "eager")]
+    if shares:
+        series += [(k, "graph") for k in (*shares, "policy")]
+    w = 0.8 / len(series)
+    for j, (setting, mode) in enumerate(series):
+        ys = [min(us[c, "fused", mode], us[c, "apart", mode]) / us[c, setting, mode]
               for c in cases]
-        ax.bar([i + j * w for i in range(len(cases))], ys, w, label=f"side by side, {mode}")
+        name = "side by side" if setting == "side" else setting
+        ax.bar([i + j * w for i in range(len(cases))], ys, w, label=f"{name}, {mode}")
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.set_ylim(0.6, 1.25)
     ax.set_ylabel("speed over the better of\nfused and apart")
-    ax.set_xticks([i + w / 2 for i in range(len(cases))])
+    ax.set_xticks([i + w * (len(series) - 1) / 2 for i in range(len(cases))])
     ax.set_xticklabels(["\n".join(c.split()[1:4]) + f"\n({choice[c]})" for c in cases],
                        fontsize=7)
     pages = ", ".join(sorted({c.split()[-1].replace("page", "page ") for c in cases}))
@@ -180,13 +193,16 @@ def main(argv=None):
     ap.add_argument("--launches", action="store_true")
     ap.add_argument("--out", default=None, help="--launches: the rows as JSON")
     ap.add_argument("--plot", default=None, help="plot this --launches JSON and exit")
+    ap.add_argument("--side-shares", default="", help="--launches: comma-separated shares of "
+                    "the SMs for the decodes side by side, each a setting of its own")
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
         return None
     if args.launches:
         return launches(LAUNCH_CASES if args.only is None
-                        else suite.pick(suite.case_list(), args.only), args.rounds, args.out)
+                        else suite.pick(suite.case_list(), args.only), args.rounds, args.out,
+                        [float(f) for f in args.side_shares.split(",") if f])
     cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
     hi = torch.cuda.Stream(priority=-1)
     lo = torch.cuda.Stream(priority=0)

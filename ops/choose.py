@@ -812,23 +812,35 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, gluon_64: bool,
     two streams at once: the decodes' grid capped at that many programs, one a SM, on a
     high-priority stream, the prefill on the SMs left), else 0 (fused or apart: pod_apart).
     Side by side where the prefill counted as bytes (POLICY.pod_flop_per_byte) is at least
-    POLICY.pod_side_share of the decodes' bytes and at least POLICY.pod_side_min_prefill_bytes,
-    and the decodes' bytes at least POLICY.pod_side_min_bytes: a decode program reads ~50-66
-    GB/s at most, so the decodes need about half the SMs to keep their rate and the prefill must be
-    large enough to use the rest. gluon_64: the decodes' own launch is the Gluon kernel's
-    persistent 64-row launch (pages read by TMA boxes or gathered: the only grid the cap
-    reaches).
+    POLICY.pod_side_min_prefill_bytes and the decodes' bytes at least POLICY.pod_side_min_bytes,
+    and the prefill's share of the decodes' bytes is
+    - at least POLICY.pod_side_share: the decodes on POLICY.pod_side_sms of the SMs (a decode
+      program reads ~66 GB/s at most, so they need about half the SMs to keep their rate, and
+      the prefill must be large enough to use the rest);
+    - else at least POLICY.pod_side_heavy_share (decode-heavy calls): the decodes on their
+      share of both parts' bytes, d / (d + p), at most POLICY.pod_side_sms_max of the SMs, the
+      prefill hidden on the rest (its programs take the decodes' SMs as these finish).
+    gluon_64: the decodes' own launch is the Gluon kernel's persistent 64-row launch (pages
+    read by TMA boxes or gathered: the only grid the cap reaches).
     Never under the interpreter (no streams there), nor with POLICY.pod_apart_balance 0 (one
-    launch always); device: the plan's by default."""
+    launch always) or POLICY.pod_side_share 0; device: the plan's by default."""
     if (INTERPRET or not gluon_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
             or POLICY.pod_apart_balance <= 0  # (always one launch)
-            or decode_bytes < POLICY.pod_side_min_bytes
-            or prefill_flops / POLICY.pod_flop_per_byte < max(
-                POLICY.pod_side_share * decode_bytes, POLICY.pod_side_min_prefill_bytes)):
+            or decode_bytes < POLICY.pod_side_min_bytes):
+        return 0
+    prefill_bytes = prefill_flops / POLICY.pod_flop_per_byte
+    if prefill_bytes < POLICY.pod_side_min_prefill_bytes:
+        return 0
+    if prefill_bytes >= POLICY.pod_side_share * decode_bytes:
+        share = POLICY.pod_side_sms
+    elif (POLICY.pod_side_heavy_share > 0
+          and prefill_bytes >= POLICY.pod_side_heavy_share * decode_bytes):
+        share = min(POLICY.pod_side_sms_max, decode_bytes / (decode_bytes + prefill_bytes))
+    else:
         return 0
     dev = _plan_device() if device is None else device
     sms = dev.sm_count or H100.sm_count
-    return max(1, min(sms, round(POLICY.pod_side_sms * sms)))
+    return max(1, min(sms, round(share * sms)))
 
 
 def pod_over_wave(items: int, block_m: int, device: Device | None = None) -> bool:

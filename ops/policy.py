@@ -175,6 +175,14 @@ class Policy:
         # ...with their grid capped at this share of the SMs (66 of 132: 1.02-1.03x of 96 in
         # two of the three cases above) ...
         self.pod_side_sms = 0.5
+        # Decode-heavy calls, whose prefill counts under pod_side_share but at least this share
+        # of the decodes' bytes, run side by side too, the decodes on their share of both
+        # parts' bytes, at most pod_side_sms_max of the SMs: p8192 + 128 / 256 x 32k (shares
+        # 0.11-0.43; fused or apart at 0.95-1.03x of each other) replayed 4-12% faster than the
+        # better of the two at 0.65-0.8 of the SMs, 0-14% slower at 0.5 (graph / eager, H200,
+        # benchmarks/NOTES.md, 2026-11-30). 0: never.
+        self.pod_side_heavy_share = 0.1
+        self.pod_side_sms_max = 0.8
         # ...and their K / V ring this deep (0: the tile's own; 64-key slots on the 64-row tile:
         # four deep reads ~45-50 GB/s a program, two deep ~35).
         self.pod_side_stages = 4

@@ -705,33 +705,40 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
 
 
 # POD's parts side by side (ops.choose.pod_side): where the prefill counted as bytes is at least
-# pod_side_share (0.75) of the decodes' bytes and at least pod_side_min_prefill_bytes (2e9), and
-# the decodes' at least pod_side_min_bytes (4e8), where the decodes' own launch is the Gluon
-# kernel's persistent 64-row one (pages read by TMA boxes, or gathered: page 1): the decodes'
-# grid capped at half the SMs. Measured (H200; benchmarks/NOTES.md, 2026-11-30): the p8192
-# cases below 0.99-1.09x the better of the fused launch and apart on page 16, 1.02-1.16x on
-# page 1 (graph); p4096 / p2048 + 128 x 4k (shares 0.43 / 0.11) and GQA 64/8 p2048 + 128 x 1k
-# (prefill 4.6e8 bytes) lost 0.76-0.87x.
-@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,side", [
-    (8192, 256, 4096, 32, 16, True), (8192, 128, 4096, 32, 16, True),
-    (8192, 256, 4096, 64, 16, True), (8192, 128, 1024, 32, 16, True),
-    (8192, 16, 32768, 64, 16, True), (2048, 128, 1024, 64, 16, False),
-    (4096, 128, 4096, 32, 16, False), (2048, 128, 4096, 32, 16, False),
-    (8192, 16, 1024, 32, 16, False), (8192, 16, 4096, 32, 16, False),
-    (8192, 256, 4096, 32, 1, True), (8192, 16, 32768, 64, 1, True),
-    (2048, 128, 4096, 32, 1, False), (64, 4, 64, 32, 16, False)])
-def test_pod_side_decision(qo, n_dec, kv_d, hq, page, side, monkeypatch):
+# pod_side_min_prefill_bytes (2e9) and the decodes' bytes at least pod_side_min_bytes (4e8), where
+# the decodes' own launch is the Gluon kernel's persistent 64-row one (pages read by TMA boxes, or
+# gathered: page 1), and the prefill's share of the decodes' bytes is at least pod_side_share
+# (0.75): the decodes' grid capped at half the SMs (66 of 132); or, decode-heavy, at least
+# pod_side_heavy_share (0.1): capped at their share of both parts' bytes, at most 0.8 (106).
+# Measured (H200; benchmarks/NOTES.md, 2026-11-30): the p8192 cases below 0.99-1.09x the better
+# of the fused launch and apart on page 16, 1.02-1.16x on page 1 (graph); the decode-heavy
+# p8192 + 128 / 256 x 32k (shares 0.11-0.43) 1.04-1.19x; p4096 / p2048 + 128 x 4k and GQA 64/8
+# p2048 + 128 x 1k (prefill under 2e9 bytes) lost 0.76-0.87x.
+@pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,programs", [
+    (8192, 256, 4096, 32, 16, 66), (8192, 128, 4096, 32, 16, 66),
+    (8192, 256, 4096, 64, 16, 66), (8192, 128, 1024, 32, 16, 66),
+    (8192, 16, 32768, 64, 16, 66), (2048, 128, 1024, 64, 16, 0),
+    (4096, 128, 4096, 32, 16, 0), (2048, 128, 4096, 32, 16, 0),
+    (8192, 16, 1024, 32, 16, 0), (8192, 16, 4096, 32, 16, 0),
+    (8192, 256, 4096, 32, 1, 66), (8192, 16, 32768, 64, 1, 66),
+    (2048, 128, 4096, 32, 1, 0), (64, 4, 64, 32, 16, 0),
+    # decode-heavy: 17.2e9 / 34.4e9 decode bytes beside 3.7e9 (GQA 32/8) / 7.3e9 (64/8)
+    (8192, 128, 32768, 32, 16, 106), (8192, 256, 32768, 32, 1, 106),
+    (8192, 128, 32768, 64, 16, 93), (8192, 256, 32768, 64, 1, 106),
+    (8192, 512, 32768, 32, 16, 0),  # (share 0.053: under pod_side_heavy_share)
+    (2048, 256, 32768, 32, 16, 0)])  # (prefill under 2e9 bytes)
+def test_pod_side_decision(qo, n_dec, kv_d, hq, page, programs, monkeypatch):
     """The side-by-side choice of PODWithPagedKVCacheWrapper at the suite's sizes planned for a
-    Hopper GPU (132 SMs: 66 decode programs), never with a run's decode window or position
-    encoding, and the launch-fixing settings: POD_FUSED (pod_apart_balance 0: one launch) and
-    POD_APART never, POD_SIDE wherever the decodes' launch is the one the cap reaches."""
+    Hopper GPU (132 SMs), never with a run's decode window or position encoding, and the
+    launch-fixing settings: POD_FUSED (pod_apart_balance 0: one launch) and POD_APART never,
+    POD_SIDE wherever the decodes' launch is the one the cap reaches (half the SMs)."""
     from compiled_attn.ops.policy import POD_APART, POD_FUSED, POD_SIDE, override
 
     from compiled_attn.ops import POS_NONE, POS_ROPE_LLAMA
 
     w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, hq, page)
     plan()
-    assert w._launch_side(qo, qo, True) == (66 if side else 0)
+    assert w._launch_side(qo, qo, True) == programs
     # a run's decode window or position encoding leaves the 64-row box launch the cap reaches
     assert w._launch_side(qo, qo, True, 127, POS_NONE) == 0
     assert w._launch_side(qo, qo, True, -1, POS_ROPE_LLAMA) == 0

@@ -279,18 +279,21 @@ def test_pod_decode_chunks_in_cuda_graph_mode(gluon_pods, pod_merges):
     assert (replayed[3] - uncut[3]).nan_to_num().abs().max().item() < 2e-2
 
 
-@pytest.mark.parametrize("kind,kv_d,page", [("pod", (700, 4096, 1, 333), 16),
-                                            ("pod", (5000, 0, 1, 2049, 3001), 16),
-                                            ("batch_pod", (700, 4096, 0, 1, 2049), 16),
-                                            ("pod", (700, 4096, 1, 333), 1),
-                                            ("batch_pod", (700, 4096, 0, 1, 2049), 1)])
-def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page):
+@pytest.mark.parametrize("kind,kv_d,page,share", [("pod", (700, 4096, 1, 333), 16, 0.5),
+                                                  ("pod", (5000, 0, 1, 2049, 3001), 16, 0.5),
+                                                  ("batch_pod", (700, 4096, 0, 1, 2049), 16, 0.5),
+                                                  ("pod", (700, 4096, 1, 333), 1, 0.5),
+                                                  ("batch_pod", (700, 4096, 0, 1, 2049), 1, 0.5),
+                                                  ("pod", (5000, 0, 1, 2049, 3001), 16, 0.8),
+                                                  ("pod", (700, 4096, 1, 333), 1, 0.8)])
+def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page, share):
     """POD and BatchPOD with their parts side by side (policy POD_SIDE: the decodes first on a
-    high-priority stream, their persistent grid capped at half the SMs, the prefill on the
-    current stream; few long decodes also in key chunks and merged there; pages read by TMA
-    boxes, or gathered) give the bits of the parts apart (POD_APART: the same kernels one after
-    the other), LSEs included; repeated eager calls and a CUDA graph of the call replayed on
-    new values in the same buffers give the bits of eager calls."""
+    high-priority stream, their persistent grid capped at ``share`` of the SMs (half, or the
+    decode-heavy calls' larger share), the prefill on the current stream; few long decodes
+    also in key chunks and merged there; pages read by TMA boxes, or gathered) give the bits
+    of the parts apart (POD_APART: the same kernels one after the other), LSEs included;
+    repeated eager calls and a CUDA graph of the call replayed on new values in the same
+    buffers give the bits of eager calls."""
     from compiled_attn import pod as pod_mod
     from compiled_attn.ops import launch as L
     from compiled_attn.ops.policy import POD_APART, POD_SIDE
@@ -308,12 +311,13 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page):
         apart = [t.clone() for t in call()]
     assert not sides
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    with override(**POD_SIDE):
+    cap = round(sms * share)
+    with override(**POD_SIDE, pod_side_sms=share):
         caps.clear()
         runs = [[t.clone() for t in call()] for _ in range(3)]
-        assert sides == [round(sms / 2)] * 3
+        assert sides == [cap] * 3
         # the decodes' launch capped (the prefill's, where it is a Gluon launch, not)
-        assert round(sms / 2) in caps and set(caps) <= {0, round(sms / 2)}
+        assert cap in caps and set(caps) <= {0, cap}
         for got in runs:
             for a, b in zip(got, apart):
                 assert torch.equal(a.nan_to_num(), b.nan_to_num())
