@@ -181,7 +181,8 @@ def check_backend(backend, name: str = "backend") -> str:
         raise NotImplementedError(
             f"{name}={backend!r}: compiled_attn runs its own Triton kernel for every backend "
             f"name in {BACKENDS}; for the cuDNN / TRT-LLM entry points call "
-            "compiled_attn.cudnn_batch_prefill_with_kv_cache / compiled_attn.trtllm_fmha_v2_prefill")
+            "compiled_attn.cudnn_batch_prefill_with_kv_cache / "
+            "compiled_attn.trtllm_fmha_v2_prefill")
     raise ValueError(f"{name}: got {backend!r}; use one of {BACKENDS}")
 
 
@@ -456,7 +457,8 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
         r = int(torch.nonzero(bad)[0, 0])
         rng = "[1, page_size]" if int(npages[r]) > 0 else "[0, page_size] (it has no pages)"
         raise ValueError(f"{last_n}: entry {r} is {int(last_h[r])} but must be in {rng} with "
-                         f"page_size = {page_size}; it counts the tokens in the request's last page")
+                         f"page_size = {page_size}; it counts the tokens in the request's last "
+                         "page")
     kv_len = torch.where(npages > 0, (npages - 1) * page_size + last_h, torch.zeros_like(last_h))
     return indptr - start, idx_h, last_h, kv_len
 

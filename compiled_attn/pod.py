@@ -52,7 +52,8 @@ from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_R
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
 from .prefill import _split_v_scale, _WrapperBase
-from .utils import _pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes, packbits
+from .utils import (_pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes,
+                    packbits)
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
 
@@ -294,13 +295,14 @@ def _side_by_side(prefill, decode, programs: int, device: torch.device):
     persistent grid capped at ``programs`` (launch.programs_cap: one program a SM; on the
     64-row D 128 tile the swapped products or a deeper K / V ring), so that they hold those
     SMs while the prefill's tiles, launched next on the current stream, take the others and
-    then every SM the decodes leave; the current stream then waits for both (also when a launch raises, so that
-    a CUDA graph's capture stays joined). Eagerly, that is: a CUDA graph's two branches run
-    in no set order and without the streams' priorities. The decodes' outputs, made on the
-    side stream, are marked used on the current one (record_stream; not while a CUDA graph
-    captures the call, whose pool reuses a block only on its own stream, after a wait on the
-    current one). A recording of such a call is never bound (a replay launches on one
-    stream): its calls take the whole path, whose host time a call this large hides."""
+    then every SM the decodes leave; the current stream then waits for both (also when a
+    launch raises, so that a CUDA graph's capture stays joined). Eagerly, that is: a CUDA
+    graph's two branches run in no set order and without the streams' priorities. The
+    decodes' outputs, made on the side stream, are marked used on the current one
+    (record_stream; not while a CUDA graph captures the call, whose pool reuses a block only
+    on its own stream, after a wait on the current one). A recording of such a call is never
+    bound (a replay launches on one stream): its calls take the whole path, whose host time a
+    call this large hides."""
     side = _side_stream(device)
     cur = torch.cuda.current_stream(device)
     side.wait_stream(cur)

@@ -153,9 +153,10 @@ def single_prefill_with_kv_cache(
     one-element CPU tensor, or (v_scale only) a one-element device tensor.
     custom_mask: bool ``[qo_len, kv_len]`` (True = attend; an integer type: nonzero; any shape
     with qo_len * kv_len entries, read row-major) or packed_custom_mask: uint8
-    ``[ceil(qo_len * kv_len / 8)]``, little-endian bits (``packbits(mask, bitorder="little")``); a mask replaces ``causal``,
-    the window still applies. causal: key j visible to row i when ``j <= kv_len - qo_len + i``
-    (bottom-right aligned); raises when kv_len < qo_len (as FlashInfer's single prefill).
+    ``[ceil(qo_len * kv_len / 8)]``, little-endian bits (``packbits(mask, bitorder="little")``);
+    a mask replaces ``causal``, the window still applies. causal: key j visible to row i when
+    ``j <= kv_len - qo_len + i`` (bottom-right aligned); raises when kv_len < qo_len (as
+    FlashInfer's single prefill).
     window_left >= 0: also ``j >= kv_len - qo_len + i - window_left``. logits_soft_cap > 0:
     ``s = c * tanh(s / c)``. pos_encoding_mode: "NONE", "ROPE_LLAMA" (in-kernel rotary of q and
     k, rope_scale / rope_theta) or "ALIBI" (slopes of get_alibi_slopes(Hq), bias
@@ -811,13 +812,13 @@ _PLAN_COMMON_DOC = """
         equal the lengths of the index arrays; max_token_per_sequence / max_sequence_kv, if
         given, must bound them; so must uniform_q_len (FlashInfer's promise that every request
         has that many query rows, a tile-sizing hint for its CUDA-graph planner: ours sizes tiles
-        from the lengths themselves, so a hint that holds changes nothing, and one that does not
-        is a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every tile's keys in one program
-        (on CUDA outside CUDA-graph mode the plan otherwise splits long key ranges when the
-        tiles would leave SMs idle, a choice that depends on the whole batch; a paged decode
-        batch, one query row a request, on a Hopper GPU is then cut into key chunks that run()
-        launches as one-row requests and merges by LSE; with use_cuda_graph=True the first plan
-        decides whether every plan of the wrapper is).
+        from the lengths themselves, so a hint that holds changes nothing, and one that does not is
+        a ValueError, where FlashInfer warns and drops it). disable_split_kv: True keeps every
+        tile's keys in one program (on CUDA outside CUDA-graph mode the plan otherwise splits long
+        key ranges when the tiles would leave SMs idle, a choice that depends on the whole batch; a
+        paged decode batch, one query row a request, on a Hopper GPU is then cut into key chunks
+        that run() launches as one-row requests and merges by LSE; with use_cuda_graph=True the
+        first plan decides whether every plan of the wrapper is).
         fixed_split_size (FlashInfer's batch-invariant mode; pages, ragged: keys; ignored with
         disable_split_kv=True, as in FlashInfer): each tile's key range is cut into
         ceil(keys / (fixed_split_size * page_size)) chunks of whole key blocks, and the tile

@@ -53,7 +53,8 @@ def unpack_bits(packed: torch.Tensor, bit_index: torch.Tensor) -> torch.Tensor:
     return (bit == 1) & inside
 
 
-def rope_llama(x: torch.Tensor, pos: torch.Tensor, rope_scale: float, rope_theta: float) -> torch.Tensor:
+def rope_llama(x: torch.Tensor, pos: torch.Tensor, rope_scale: float,
+               rope_theta: float) -> torch.Tensor:
     """Rotate-half RoPE (LLaMA): pairs (c, c + D/2), angle = pos / rope_scale * theta^(-2c/D).
 
     x: [N, H, D] in the compute dtype; pos: [N] positions (any integer or float dtype).
