@@ -68,7 +68,6 @@ def launches(cases, rounds: int, out: str | None = None, shares=()) -> None:
                 "side no swap": {**POD_SIDE, "decode_swap": False}, "policy": {},
                 **{f"side {f:g}": {**POD_SIDE, "pod_side_sms": f} for f in shares}}
     rows = []
-    x = calls = graphs = None
     for case in cases:
         x = calls = graphs = None  # (the last case's inputs and graphs freed first)
         suite._free()
