@@ -19,7 +19,7 @@ CUDA events, medians over rounds).
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
 the results schema). On ours_pod: launch ("fused"; "apart" where the launch policy runs the
 parts as two launches, ops.choose.pod_apart; "side" where it runs them at once on two streams,
-ops.choose.pod_side), ratio_vs_apart = our apart's time over POD's
+ops.choose.pod_side, with side_programs the decodes' grid there), ratio_vs_apart = our apart's time over POD's
 (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
 the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
 (below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
@@ -160,9 +160,10 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
     (captured) under CUDA-graph capture: "launch",
     "fused" (one POD launch), "apart" (two launches, ops.choose.pod_apart: the decodes too
     small to hide under the prefill, or a fused launch that would be the Triton kernel's) or
-    "side" (two launches at once on two streams, ops.choose.pod_side: both parts large); and
-    "decode_chunks", the key chunks a request its decodes run in (compiled_attn.pod's decode
-    key chunks; 0: uncut)."""
+    "side" (two launches at once on two streams, ops.choose.pod_side: both parts large, or
+    decodes much larger than a large prefill); "decode_chunks", the key chunks a request its
+    decodes run in (compiled_attn.pod's decode key chunks; 0: uncut); and "side_programs", the
+    decodes' programs side by side (their grid's cap; 0: not side by side)."""
     import torch
 
     import compiled_attn
@@ -189,7 +190,8 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
         side = w._launch_side(True)
     c = pod_mod._chunks_for(w._plan, apart or side, tiles)
     return dict(launch="side" if side else "apart" if apart else "fused",
-                decode_chunks=0 if c is None else int(c["merge"][:, 2].max()))
+                decode_chunks=0 if c is None else int(c["merge"][:, 2].max()),
+                side_programs=side)
 
 
 def launch_choice(case: PodCase) -> str:

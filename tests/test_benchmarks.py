@@ -821,10 +821,16 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     few = [pod.PodCase("pod", (2048,), 16, 32768, 32, 8, 16),
            pod.PodCase("pod", (8192,), 8, 32768, 32, 8, 16),
            pod.PodCase("pod", (256,), 16, 4096, 32, 8, 16),
-           pod.PodCase("batch_pod", pod.BATCH_PREFILLS, 16, 4096, 32, 8, 1)]
+           pod.PodCase("batch_pod", pod.BATCH_PREFILLS, 16, 4096, 32, 8, 1),
+           pod.PodCase("pod", (8192,), 128, 32768, 32, 8, 16)]
+    # (side by side: the decodes' programs, half the SMs, or for the decode-heavy last case
+    # their share of both parts' bytes, at most 0.8 of the SMs)
     assert [pod.launch_plan(c) for c in few] == [
-        dict(launch="fused", decode_chunks=8), dict(launch="side", decode_chunks=4),
-        dict(launch="fused", decode_chunks=0), dict(launch="fused", decode_chunks=4)]
+        dict(launch="fused", decode_chunks=8, side_programs=0),
+        dict(launch="side", decode_chunks=4, side_programs=66),
+        dict(launch="fused", decode_chunks=0, side_programs=0),
+        dict(launch="fused", decode_chunks=4, side_programs=0),
+        dict(launch="side", decode_chunks=0, side_programs=106)]
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
     assert by["fi_pod", "graph"]["status"] == "failed"
