@@ -19,8 +19,8 @@ CUDA events, medians over rounds).
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
 the results schema). On ours_pod: launch ("fused"; "apart" where the launch policy runs the
 parts as two launches, ops.choose.pod_apart; "side" where it runs them at once on two streams,
-ops.choose.pod_side, with side_programs the decodes' grid there), ratio_vs_apart = our apart's time over POD's
-(above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
+ops.choose.pod_side, with side_programs the decodes' grid there), ratio_vs_apart = our
+apart's time over POD's (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
 the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
 (below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
