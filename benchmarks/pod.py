@@ -17,17 +17,17 @@ with the eager call's values), all interleaved in one bench() per case (the proj
 CUDA events, medians over rounds).
 
 Rows: suite "pod", case, the case's fields, provider, mode, median_us (and median_ms / tflops for
-the results schema). On ours_pod: launch ("fused"; "apart" where the launch policy runs the
-parts as two launches, ops.choose.pod_apart; "side" where it runs them at once on two streams,
-ops.choose.pod_side, with side_programs the decodes' grid there), ratio_vs_apart = our
-apart's time over POD's (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours, ratio_vs_triton_pod =
-the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd call's over ours
-(below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
+the results schema). On ours_pod: launch ("fused"; "apart" where the launch policy runs the parts as
+two launches, ops.choose.pod_apart; "side" where it runs them at once on two streams,
+ops.choose.pod_side, with side_programs the decodes' grid there), ratio_vs_apart = our apart's time
+over POD's (above 1: POD is faster), ratio_vs_fi_pod = FlashInfer POD's over ours,
+ratio_vs_triton_pod = the Triton POD launch's over ours, ratio_vs_compiled = the torch.compile'd
+call's over ours (below 1: the compiled call is faster), bound_us = max(prefill, decode) + 0.25
 min(prefill, decode) of our parts timed alone in the same mode, pod_over_bound = POD over that
 (target: at most 1), max_abs_diff_vs_apart (eager outputs of POD against the parts alone); on
-fi_pod, max_abs_diff_vs_ours (FlashInfer POD's eager outputs against ours). On the
-decode rows: decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the
-copy's rate (bytes read plus bytes written per second; target: 0.95 or more).
+fi_pod, max_abs_diff_vs_ours (FlashInfer POD's eager outputs against ours). On the decode rows:
+decode_tbs (the K/V bytes read per second) and decode_over_copy = that over the copy's rate (bytes
+read plus bytes written per second; target: 0.95 or more).
 
 Run on the GPU machine: ``python -m benchmarks.pod --out benchmarks/results/pod_<gpu>.json``
 (--quick: six representative cases for one device call; --no-flashinfer without FlashInfer;
