@@ -178,8 +178,8 @@ class Policy:
         # Decode-heavy calls, whose prefill counts under pod_side_share but at least this share
         # of the decodes' bytes, run side by side too, the decodes on their share of both
         # parts' bytes, at most pod_side_sms_max of the SMs: p8192 + 128 / 256 x 32k (shares
-        # 0.11-0.43; fused or apart at 0.95-1.03x of each other) replayed 4-12% faster than the
-        # better of the two at 0.65-0.8 of the SMs, 0-14% slower at 0.5 (graph / eager, H200,
+        # 0.11-0.43) replayed 1.04-1.19x faster than the better of fused and apart at the
+        # share this gives (0.70 or 0.8), 0.84-1.06x at half the SMs (H200,
         # benchmarks/NOTES.md, 2026-11-30). 0: never.
         self.pod_side_heavy_share = 0.1
         self.pod_side_sms_max = 0.8
