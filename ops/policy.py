@@ -175,6 +175,9 @@ class Policy:
         # ...with their grid capped at this share of the SMs (66 of 132: 1.02-1.03x of 96 in
         # two of the three cases above) ...
         self.pod_side_sms = 0.5
+        # ...and their K / V ring this deep (0: the tile's own; 64-key slots on the 64-row tile:
+        # four deep reads ~45-50 GB/s a program, two deep ~35).
+        self.pod_side_stages = 4
         # Decode-heavy calls, whose prefill counts under pod_side_share but at least this share
         # of the decodes' bytes, run side by side too, the decodes on their share of both
         # parts' bytes, at most pod_side_sms_max of the SMs: p8192 + 128 / 256 x 32k (shares
@@ -183,9 +186,6 @@ class Policy:
         # benchmarks/NOTES.md, 2026-11-30). 0: never.
         self.pod_side_heavy_share = 0.1
         self.pod_side_sms_max = 0.8
-        # ...and their K / V ring this deep (0: the tile's own; 64-key slots on the 64-row tile:
-        # four deep reads ~45-50 GB/s a program, two deep ~35).
-        self.pod_side_stages = 4
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).
