@@ -508,6 +508,13 @@ class Bound:
                     if kind == "static" and not desc:
                         vals[pos] = j.data_ptr() + delta
                 patches = [pa for pa in patches if pa[2][0] != "static" or pa[1]]
+            # Every patched position is written at each replay: the template keeps no tensor
+            # of the recorded call (a bound call would otherwise hold its first call's inputs,
+            # outputs and scratch alive, a KV cache among them, while the memo holds it), and
+            # a descriptor's base only as its pointer.
+            vals = list(vals)
+            for pos, desc, _src in patches:
+                vals[pos] = _rebased(vals[pos], vals[pos].base.data_ptr()) if desc else None
             direct = None if INTERPRET else _Direct.of(compiled, list(vals))
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))

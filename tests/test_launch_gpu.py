@@ -3,7 +3,9 @@ full path's bits for every entry point and kernel (the Gluon kernel with its hos
 persistent counter, the Triton kernel's K/V paths, split-KV with its merge, POD), and CUDA-graph
 capture after replays stays exact."""
 
+import gc
 from unittest import mock
+import weakref
 
 import pytest
 import torch
@@ -168,6 +170,70 @@ def test_replay_new_pointers_reencode_descriptors():
             want = calls[1]()
     for g, r in zip(got, want):
         assert torch.equal(g, r)
+
+
+@pytest.mark.parametrize("kind", ["single", "paged", "pod"])
+def test_a_bound_call_holds_none_of_its_tensors(kind):
+    # The direct launcher keeps descriptor expansions by base pointer and the templates keep no
+    # tensor: a recorded call's inputs and outputs (a 128 MiB cache here) are freed once the
+    # caller drops them, and the next call on fresh tensors still replays the full path's bits
+    d, page = 128, 16
+    _, kvi, idx, last, _, _ = make_paged(KV, HKV, d, d, page, dtype=BF16, seed=50)
+    pages = 2048  # more pages than the plan reads: a cache the size a model would keep
+
+    def inputs(seed):
+        if kind == "single":
+            return [_rand(300, HQ, d, seed=seed), _rand(pages * page, HKV, d, seed=seed + 1)[:517],
+                    _rand(pages * page, HKV, d, seed=seed + 2)[:517]]
+        cache = _rand(pages, 2, page, HKV, d, seed=seed + 1)
+        if kind == "paged":
+            return [_rand(sum(QO), HQ, d, seed=seed), cache]
+        return [_rand(200, HQ, d, seed=seed + 2), _rand(300, HKV, d, seed=seed + 3),
+                _rand(300, HKV, d, seed=seed + 4), _rand(len(KV), HQ, d, seed=seed + 5), cache]
+
+    if kind == "single":
+        memo = fi.prefill._SINGLE_MEMO
+
+        def call(x):
+            return fi.single_prefill_with_kv_cache(*x, causal=True, return_lse=True)
+    elif kind == "paged":
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(_ws())
+        w.plan(indptr(QO).cuda(), kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page,
+               causal=True, q_data_type=BF16)
+        memo = w._memo
+
+        def call(x):
+            return w.run(x[0], x[1], return_lse=True)
+    else:
+        w = fi.PODWithPagedKVCacheWrapper(_ws())
+        w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+        memo = w._memo
+
+        def call(x):
+            return _flat(w.run(*x, causal_p=True, return_lse_p=True, return_lse_d=True))
+
+    memo.clear()
+    with policy.override(host_tma_min_flop=0):  # (single prefill on host descriptors too)
+        x = inputs(51)
+        call(x)  # records
+        hits = memo.hits
+        outs = call(x)  # replays
+        assert memo.hits == hits + 1
+        torch.cuda.synchronize()
+        refs = [weakref.ref(t) for t in (*x, *outs)]
+        before = torch.cuda.memory_allocated()
+        del x, outs
+        gc.collect()
+        assert [r() is None for r in refs] == [True] * len(refs), "the memo holds a call's tensors"
+        assert torch.cuda.memory_allocated() <= before - pages * 2 * page * HKV * d * 2
+        x = inputs(52)
+        got = call(x)
+        assert memo.hits == hits + 2
+        with policy.override(bound_launches=False):
+            want = call(x)
+    torch.cuda.synchronize()
+    for g, r in zip(got, want, strict=True):
+        assert not g.float().isnan().any() and torch.equal(g, r)
 
 
 def test_pod_prefill_part_made_in_a_capture_is_not_kept():

@@ -4,6 +4,9 @@ them, and the replay's outputs equal the full path's bit for bit (the policy's b
 off). What the key holds (aliasing, strides, the policy) and what the recorder refuses are
 pinned here too."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -440,3 +443,51 @@ def test_programs_cap_is_part_of_the_key():
     assert cache.records == 2 and cache.hits == 2
     for a, b in outs.values():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _fresh_calls(kind):
+    """(memo, inputs(seed) -> a call's tensors, call(tensors) -> its outputs) of an entry point
+    whose calls share one metadata (the paged caches and POD's k_p / v_p fresh each call)."""
+    if kind == "single":
+        return fi.prefill._SINGLE_MEMO, (lambda s: [rand(n, h, D, seed=s + i, dtype=F32) for i, (
+            n, h) in enumerate(((9, HQ), (13, HKV), (13, HKV)))]), (
+            lambda x: fi.single_prefill_with_kv_cache(*x, causal=True, return_lse=True))
+    _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
+    if kind == "pod":
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi, idx, last, HQ, HKV, D, 4, q_data_type=F32)
+        return w._memo, (lambda s: [
+            rand(9, HQ, D, seed=s, dtype=F32), rand(11, HKV, D, seed=s + 1, dtype=F32),
+            rand(11, HKV, D, seed=s + 2, dtype=F32), rand(len(KV), HQ, D, seed=s + 3, dtype=F32),
+            make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s + 4)[0]]), (
+            lambda x: _flat(w.run(*x, causal_p=True, return_lse_p=True, return_lse_d=True)))
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    w.plan(indptr(QO), kvi, idx, last, HQ, HKV, D, 4, causal=True, q_data_type=F32)
+    return w._memo, (lambda s: [rand(sum(QO), HQ, D, seed=s, dtype=F32),
+                                make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s + 1)[0]]), (
+        lambda x: w.run(x[0], x[1], return_lse=True))
+
+
+@pytest.mark.parametrize("kind", ["single", "paged", "pod"])
+def test_a_bound_call_holds_none_of_its_tensors(kind):
+    """A bound call keeps how to launch again (each argument's source and geometry, the plan's
+    tensors), not the recorded call's tensors: once the caller drops a call's inputs and outputs
+    (a KV cache among them), nothing else holds them, and later calls still replay, equal to
+    the full path."""
+    memo, inputs, call = _fresh_calls(kind)
+    memo.clear()
+    records, hits = memo.records, memo.hits
+    x = inputs(80)
+    outs = call(x)
+    assert memo.records == records + 1
+    refs = [weakref.ref(t) for t in (*x, *outs)]
+    del x, outs
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs), "the memo holds a call's tensors"
+    x = inputs(90)
+    got = call(x)
+    assert memo.hits == hits + 1, "the second call did not replay"
+    with policy.override(bound_launches=False):
+        want = call(x)
+    for g, r in zip(got, want, strict=True):
+        assert not g.isnan().any() and torch.equal(g, r)
