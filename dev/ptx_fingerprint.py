@@ -77,13 +77,19 @@ GLUON_POD = {
     "gluon pod one-page prefill 64-row": (0, 16, True, 4, 128, 64),
     "gluon pod paged prefill page 8 64-row": (16, 8, True, 4, 128, 64),
 }
+# (the same, and PodConfig.SWAP_D: the decodes' items on the swapped products)
+GLUON_POD_SWAP = {
+    "gluon pod one-page prefill 64-row swapped decodes": (0, 16, True, 4, 128, 64),
+    "gluon pod gathered 64-row swapped decodes": (0, 1, True, 4, 128, 64),
+}
 
 
-def _compile_gluon(case, pod=False):
+def _compile_gluon(case, pod=False, swap_d=False):
     import triton
 
     if pod:
-        src, opts = sm90.gluon_pod_source(*case[:3], group=case[3], d=case[4], block_m=case[5])
+        src, opts = sm90.gluon_pod_source(*case[:3], group=case[3], d=case[4], block_m=case[5],
+                                          swap_d=swap_d)
     else:
         from compiled_attn.ops import prefill_gluon
 
@@ -151,11 +157,12 @@ def main(argv=None):
             ptx = sm90.compile_triton(fn, args, kw).asm["ptx"]
             results.append((f"{name} [{fn.fn.__name__}]", ptx))
             print(f"{fingerprint(results[-1][1])}  {results[-1][0]}", flush=True)
-    for name, case, pod in ([(n, c, False) for n, c in GLUON.items()]
-                            + [(n, c, True) for n, c in GLUON_POD.items()]):
+    for name, case, pod, swap in ([(n, c, False, False) for n, c in GLUON.items()]
+                                  + [(n, c, True, False) for n, c in GLUON_POD.items()]
+                                  + [(n, c, True, True) for n, c in GLUON_POD_SWAP.items()]):
         if only and name not in only:
             continue
-        results.append((name, _compile_gluon(case, pod)))
+        results.append((name, _compile_gluon(case, pod, swap)))
         print(f"{fingerprint(results[-1][1])}  {name}", flush=True)
     if a.dump:
         os.makedirs(a.dump, exist_ok=True)

@@ -54,7 +54,7 @@ LAUNCH_CASES = [suite.PodCase("pod", (8192,), n, kv, hq, 8, 16)
     suite.PodCase("pod", (8192,), 128, 32768, 32, 8, 16)]
 
 
-def launches(cases, rounds: int, out: str | None = None, shares=()) -> None:
+def launches(cases, rounds: int, out: str | None = None, shares=(), swap: bool = False) -> None:
     """POD under each launch-fixing setting and the policy's choice (--launches); rows kept
     in ``out`` (JSON) after every case. shares: side by side again with the decodes' grid
     capped at each of these shares of the SMs (POLICY.pod_side_sms) instead of the policy's."""
@@ -67,6 +67,9 @@ def launches(cases, rounds: int, out: str | None = None, shares=()) -> None:
     settings = {"fused": POD_FUSED, "apart": POD_APART, "side": POD_SIDE,
                 "side no swap": {**POD_SIDE, "decode_swap": False}, "policy": {},
                 **{f"side {f:g}": {**POD_SIDE, "pod_side_sms": f} for f in shares}}
+    if swap:  # the fused launch with its decodes on the swapped products (pod_decode_swap)
+        settings.update({"fused swap": {**POD_FUSED, "pod_decode_swap": True},
+                         "policy swap": {"pod_decode_swap": True}})
     rows = []
     for case in cases:
         x = calls = graphs = None  # (the last case's inputs and graphs freed first)
@@ -88,7 +91,9 @@ def launches(cases, rounds: int, out: str | None = None, shares=()) -> None:
         for mode, med in (("graph", graph), ("eager", eager)):
             best = min(med["fused"], med["apart"])
             print(f"  {mode:5} " + "  ".join(f"{k} {v:8.1f}" for k, v in med.items())
-                  + f"  side over the better of fused / apart {best / med['side']:5.3f}x",
+                  + f"  side over the better of fused / apart {best / med['side']:5.3f}x"
+                  + (f"; fused swap over fused {med['fused'] / med['fused swap']:5.3f}x, over "
+                     f"the better {best / med['fused swap']:5.3f}x" if swap else ""),
                   flush=True)
             rows += [dict(case=case.name, policy_launch=choice, setting=k, mode=mode, us=v)
                      for k, v in med.items()]
@@ -194,6 +199,9 @@ def main(argv=None):
     ap.add_argument("--plot", default=None, help="plot this --launches JSON and exit")
     ap.add_argument("--side-shares", default="", help="--launches: comma-separated shares of "
                     "the SMs for the decodes side by side, each a setting of its own")
+    ap.add_argument("--decode-swap", action="store_true", help="--launches: also the fused "
+                    "launch (and the policy's choice) with the decodes' items on the swapped "
+                    "products (POLICY.pod_decode_swap)")
     args = ap.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
@@ -201,7 +209,8 @@ def main(argv=None):
     if args.launches:
         return launches(LAUNCH_CASES if args.only is None
                         else suite.pick(suite.case_list(), args.only), args.rounds, args.out,
-                        [float(f) for f in args.side_shares.split(",") if f])
+                        [float(f) for f in args.side_shares.split(",") if f],
+                        args.decode_swap)
     cases = CASES if args.only is None else suite.pick(suite.case_list(), args.only)
     hi = torch.cuda.Stream(priority=-1)
     lo = torch.cuda.Stream(priority=0)

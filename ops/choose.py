@@ -525,6 +525,19 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
                   gluon_tile=(block_n, warps, stages, p_smem, ws, pingpong, persistent, t.swap))
 
 
+def pod_swap_decodes(block_m: int, d: int, rows: int, group: int, requests: int) -> bool:
+    """Whether a fused Gluon POD launch runs its decodes' items on the swapped products
+    (prefill_gluon.PodConfig.SWAP_D; POLICY.pod_decode_swap): on a tile of one compute group
+    (not ping-pong: the 64-row tile) at D 128, the query group at most SWAP_ROWS and the
+    decodes' packed rows (rows times group) at most SWAP_ROWS a request on average, as
+    _swap_rows asks of the decodes alone (a longer request takes a pass per SWAP_ROWS rows,
+    re-reading its keys)."""
+    g = _gluon
+    return bool(POLICY.pod_decode_swap and d == 128 and (block_m, d) in g.TILES
+                and not g.TILES[block_m, d].pingpong and group <= g.SWAP_ROWS.value
+                and rows * group <= g.SWAP_ROWS.value * requests)
+
+
 def _swap_rows(page: int, d: int, rows, requests) -> bool:
     """Whether decode rows in at most one program a SM (few_programs, POD's decodes side by
     side) run prefill_gluon.SWAP_TILE, the swapped products (POLICY.decode_swap): rows = (q's

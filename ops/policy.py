@@ -136,6 +136,12 @@ class Policy:
         # in 547 us instead of 636, p2048 + 16 x 4k in 134 instead of 151 (H200,
         # benchmarks/NOTES.md, 2026-11-29).
         self.pod_chunks = "gluon"
+        # The fused Gluon POD launch runs its decodes' items on the swapped products too
+        # (prefill_gluon.PodConfig.SWAP_D, choose.pod_swap_decodes: the 64-row tile at D 128,
+        # the rows as _swap_rows allows), the prefill's tiles on the tile's own: a decode item
+        # then computes SWAP_ROWS rows instead of the tile's 64, leaving the SM's tensor cores
+        # and exponentials to a prefill tile beside it. False: every item on the tile's own.
+        self.pod_decode_swap = False
         # ...where the decodes' programs (a request and KV head each) fill at most this much of
         # one wave of resident 64-row programs (two a SM): 0.5, at most one a SM; into chunks
         # for two such waves, each at least pod_chunk_min_keys keys of the longest request, and

@@ -192,11 +192,12 @@ PodSizes.__doc__ = """\
 
 
 PodConfig = namedtuple("PodConfig", "SOURCE SOURCE_D SHAPE PINGPONG GROUP_REGS PRODUCER_REGS "
-                       "Q_ROWS_D", defaults=(False,))
+                       "Q_ROWS_D SWAP_D", defaults=(False, False))
 PodConfig.__doc__ = """\
     _gluon_pod_fwd's constexprs: each part's K / V Source (prefill, decodes), the tile's Shape,
-    ping-pong groups, the second compute and the load partitions' registers, and whether the
-    decodes' Q rows go through a row map."""
+    ping-pong groups, the second compute and the load partitions' registers, whether the
+    decodes' Q rows go through a row map, and SWAP_D: the decodes' items on the swapped
+    products (_group_swap; one compute group), the prefill's on the tile's own."""
 
 
 @constexpr_function
@@ -825,15 +826,30 @@ def _passes(item, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
 
 
 @gluon.jit
-def _ring_tiles(item, SWAP: gl.constexpr, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
+def _ring_tiles(item, SWAP, BLOCK_M: gl.constexpr, GROUP: gl.constexpr):
     """The K / V ring positions a work item takes, the same count in the load partition and
     the compute groups: its key tiles, once for each of its passes with the swapped products
-    (SWAP: _passes, pass ps from position it + ps * n_tiles)."""
+    (SWAP, a constexpr or, in POD, whether the item's part takes them: _passes, pass ps from
+    position it + ps * n_tiles)."""
     n = item.n_tiles
     if SWAP:
         if n > 0:
             n = n * _passes(item, BLOCK_M, GROUP)
     return n
+
+
+@gluon.jit
+def _swap_passes(c, item, it, q_ring, PAGED: gl.constexpr, GROUP: gl.constexpr,
+                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr, NW: gl.constexpr,
+                 Q_ROWS: gl.constexpr, map_on):
+    """A work item with keys on the swapped products: its rows SWAP_ROWS at a time
+    (_group_swap, pass ps over its key tiles from ring position it + ps * n_tiles), Q and O
+    staged through the first SWAP_ROWS rows of Q slot 0 (q_ring [slots, BLOCK_M, D])."""
+    for ps in range(_passes(item, BLOCK_M, GROUP)):
+        _group_swap(c, item, item.row0 + ps * SWAP_ROWS, it + ps * item.n_tiles,
+                    q_ring.index(0).slice(0, SWAP_ROWS), PAGED, GROUP, CAUSAL, BLOCK_N, D,
+                    STAGES, NW, Q_ROWS, map_on)
 
 
 @gluon.jit
@@ -1076,7 +1092,8 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
               PINGPONG: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
               BLOCK_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr, NW: gl.constexpr, pod=None, POD: gl.constexpr = False,
-              Q_ROWS: gl.constexpr = False, SWAP: gl.constexpr = False):
+              Q_ROWS: gl.constexpr = False, SWAP: gl.constexpr = False,
+              SWAP_D: gl.constexpr = False):
     """Compute group WG of a persistent program: its rows of the work items the load warp
     hands it (_take_item; _group, or _zero_rows for rows that see no key), the ring position
     and (Q_TMA) the Q slot running on across items in step with the load warp's; a Q slot
@@ -1084,7 +1101,7 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
     of part 1 (the record's lane 13) reads Q and writes O / LSE through pod (_part_ctx).
     Q_ROWS: as _group's (POD: part 1's rows through pod's row map). SWAP: every item's rows
     SWAP_ROWS at a time with the swapped products (_group_swap; _passes of its key tiles,
-    which the load warp issues as many times)."""
+    which the load warp issues as many times); SWAP_D (POD): part 1's items alike."""
     h = ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     it = 0
@@ -1105,10 +1122,16 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             map_on = True
         if item.n_tiles > 0:
             if SWAP:
-                for ps in range(_passes(item, BLOCK_M, GROUP)):
-                    _group_swap(c, item, item.row0 + ps * SWAP_ROWS, it + ps * item.n_tiles,
-                                ctx.ring.q_ring.index(0).slice(0, SWAP_ROWS), PAGED, GROUP,
-                                CAUSAL, BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
+                _swap_passes(c, item, it, ctx.ring.q_ring, PAGED, GROUP, CAUSAL, BLOCK_M,
+                             BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
+            elif SWAP_D:  # (POD, not Q_TMA)
+                if part != 0:
+                    _swap_passes(c, item, it, ctx.ring.q_ring, PAGED, GROUP, CAUSAL, BLOCK_M,
+                                 BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
+                else:
+                    _group(WG, c, item, it, ctx.ring.q_ring.index(0), False, P_SMEM, PAGED,
+                           PAGE, True, PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, NW,
+                           Q_ROWS, map_on)
             else:
                 if Q_TMA:
                     q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
@@ -1125,7 +1148,10 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
                        item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv,
                        item.row0 + WG * ROWS, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, D, NW)
-        it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
+        if SWAP_D:
+            it += _ring_tiles(item, part != 0, BLOCK_M, GROUP)
+        else:
+            it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
         k += 1
         rec = _take_item(h.items, h.item_full, h.item_empty, k, NW)
 
@@ -1165,7 +1191,8 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                STAGES: gl.constexpr, BOXES: gl.constexpr, WIDE: gl.constexpr, pod=None,
                POD: gl.constexpr = False, PAGED_D: gl.constexpr = 0, PAGE_D: gl.constexpr = 0,
-               BOXES_D: gl.constexpr = 1, SWAP: gl.constexpr = False):
+               BOXES_D: gl.constexpr = 1, SWAP: gl.constexpr = False,
+               SWAP_D: gl.constexpr = False):
     """The load partition of a persistent program: takes work items (program_id first, then
     _next_item), decodes each and hands its record to the compute groups (_publish_item),
     brings its Q rows by TMA into Q slot qk % 2 (Q_TMA, items with keys) and issues its K / V
@@ -1173,8 +1200,9 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
     on into the next item while the groups finish this one; a last index past the items stops
     them. POD: the items of POD's work rows (_pod_item), part 0's K / V from ctx's Keys
     (PAGED 0: the one-page prefill, read as contiguous rows), part 1's from pod's (PAGED_D,
-    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part. SWAP: an item's
-    tiles go out once for each of its compute group's passes (_passes)."""
+    PAGE_D, BOXES_D); the record's lane POD_PART_LANE carries the part. SWAP (SWAP_D: part
+    1's items): an item's tiles go out once for each of its compute group's passes
+    (_passes)."""
     ring, keys, h = ctx.ring, ctx.keys, ctx.handoff
     total = ctx.work.n_items * ctx.work.n_hkv
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
@@ -1205,6 +1233,11 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         if POD:
             if part == 0:
                 _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
+            elif SWAP_D:
+                if n_tiles > 0:
+                    for ps in range(_passes(item, BLOCK_M, GROUP)):
+                        _produce(pod.keys, pod, item, it + ps * n_tiles, PAGED_D, PAGE_D,
+                                 BLOCK_N, D, STAGES, BOXES_D, WIDE)
             else:
                 _produce(pod.keys, pod, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
                          WIDE)
@@ -1215,7 +1248,10 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
                              STAGES, BOXES, WIDE)
         else:
             _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
-        it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
+        if SWAP_D:
+            it += _ring_tiles(item, part != 0, BLOCK_M, GROUP)
+        else:
+            it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
         k += 1
         lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
@@ -1522,11 +1558,13 @@ def _gluon_pod_fwd(
     GROUP_REGS: gl.constexpr = CONFIG.GROUP_REGS
     PRODUCER_REGS: gl.constexpr = CONFIG.PRODUCER_REGS
     Q_ROWS_D: gl.constexpr = CONFIG.Q_ROWS_D
+    SWAP_D: gl.constexpr = CONFIG.SWAP_D
     LOAD_WARPS: gl.constexpr = _load_warps(PAGED)
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     ROWS: gl.constexpr = BLOCK_M // 2 if PINGPONG else BLOCK_M
+    gl.static_assert(not (SWAP_D and PINGPONG), "SWAP_D: one compute group")
     ring, item_bars = _shared_state(dtype, k_desc, v_desc, k_desc, False, False, PAGED,
-                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES)
+                                    PINGPONG, BLOCK_M, BLOCK_N, D, STAGES, SWAP_D)
     items, item_full, item_empty, q_full, q_empty = item_bars
     handoff = Handoff(items, item_full, item_empty, sched_ptr, q_full, q_empty, k_desc, 0)
     # what both parts' Ctx share: the work list, the rings and the item hand-off
@@ -1560,9 +1598,10 @@ def _gluon_pod_fwd(
         gl.warp_specialize([
             (_ws_group, (0, ctx, False, False, False, PAGED, PAGE, PINGPONG, GROUP, CAUSAL,
                          BLOCK_M, ROWS, BLOCK_N, D, STAGES, num_warps, pod, True,
-                         Q_ROWS_D)),
+                         Q_ROWS_D, False, SWAP_D)),
             (_ws_loader, (ctx, False, False, PAGED, PAGE, GROUP, CAUSAL, BLOCK_M, BLOCK_N, D,
-                          STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D)),
+                          STAGES, BOXES, WIDE, pod, True, PAGED_D, PAGE_D, BOXES_D, False,
+                          SWAP_D)),
         ], [LOAD_WARPS], [PRODUCER_REGS])
     _release_state(ring, item_bars, STAGES)
 
@@ -1873,13 +1912,15 @@ def pod_boxes(page: int, block_n: int) -> int:
 
 
 def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal: bool,
-               tile: Tile | tuple | None = None, block_m: int = 128):
+               tile: Tile | tuple | None = None, block_m: int = 128, swap_d: bool = False):
     """One launch of _gluon_pod_fwd: the parts' work items (work int32 [W, 3] of (part,
     request, first packed row)) taken by persistent warp-specialized programs on one tile
     (TILES[block_m, D] unless given; its K / V rings shared by both parts, so their boxes'
     shared layouts must agree). The decodes' pages are read by TMA boxes (page_fits) or
     gathered (page_gathered); the prefill's alike, a one-page cache (page 0) as rows beside
-    boxes or as one gathered page beside gathers. Writes each part's out and lse."""
+    boxes or as one gathered page beside gathers. swap_d: the decodes' items on the swapped
+    products (PodConfig.SWAP_D; a tile of one compute group). Writes each part's out and
+    lse."""
     q = prefill.q
     d = q.shape[-1]
     hkv = prefill.k2.shape[1] // d
@@ -1907,6 +1948,10 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
     wide = gather and _wide(prefill.k2, prefill.v2, decode.k2, decode.v2)
     pingpong = tile.pingpong
+    if swap_d and (pingpong or q.shape[-2] // hkv > SWAP_ROWS.value):
+        raise ValueError(f"launch_pod: swap_d needs one compute group (not ping-pong) and a "
+                         f"query group of at most {SWAP_ROWS.value}; got pingpong={pingpong}, "
+                         f"group {q.shape[-2] // hkv}")
     grid = (persistent_programs(work.shape[0] * hkv, _sm_count(q.device), tile), )
 
     def part_args(part, pair):
@@ -1929,7 +1974,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
             SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
                         BLOCK_N=block_n, D=d, STAGES=tile.stages),
             PINGPONG=pingpong, GROUP_REGS=group_regs, PRODUCER_REGS=producer_regs,
-            Q_ROWS_D=decode.q_rows is not None),
+            Q_ROWS_D=decode.q_rows is not None, SWAP_D=bool(swap_d)),
         num_warps=tile.warps // 2 if pingpong else tile.warps, maxnreg=ws_maxnreg(tile.warps))
     return prefill.out, prefill.lse, decode.out, decode.lse
 

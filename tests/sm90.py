@@ -231,12 +231,14 @@ def gluon_source(dense, page, block_m, d, causal, ws, pp, short, q_tma=True, q_r
     return src, opts, facts
 
 
-def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128, q_rows=False):
+def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128, q_rows=False,
+                     swap_d=False):
     """_gluon_pod_fwd's compile for sm_90 as prefill_gluon.launch_pod would set it up on the
     tile TILES[block_m, d], bf16: the prefill part's pages of page_p keys (0: the one-page
     cache, read as contiguous rows beside boxes, as one page beside gathers), the decodes' of
     page_d (gathered where prefill_gluon.page_gathered says: both parts then); q_rows: the
-    decodes' Q rows through a row map (PodConfig.Q_ROWS_D). Returns (source, options)."""
+    decodes' Q rows through a row map (PodConfig.Q_ROWS_D); swap_d: the decodes' items on the
+    swapped products (PodConfig.SWAP_D). Returns (source, options)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -268,7 +270,8 @@ def gluon_pod_source(page_p, page_d, causal=True, group=4, d=128, block_m=128, q
                                     BLOCK_N=tile.block_n, D=d, STAGES=tile.stages),
                       PINGPONG=tile.pingpong,
                       GROUP_REGS=G.partition_regs(gather)[0],
-                      PRODUCER_REGS=G.partition_regs(gather)[1], Q_ROWS_D=q_rows),
+                      PRODUCER_REGS=G.partition_regs(gather)[1], Q_ROWS_D=q_rows,
+                      SWAP_D=swap_d),
                   num_warps=tile.warps // 2 if tile.pingpong else tile.warps)
     # each part's scalars; lse [N, Hq]: its head stride 1 is specialised as a constexpr by the
     # launch

@@ -75,6 +75,27 @@ def test_pod_kernel_with_the_decodes_row_map_compiles_for_sm90(page_p, page_d, b
     assert k[True].metadata.shared == k[False].metadata.shared
 
 
+@pytest.mark.parametrize("page_p,page_d,group", [(0, 16, 4), (16, 16, 8), (0, 1, 4)])
+def test_pod_kernel_with_swapped_decodes_compiles_for_sm90(page_p, page_d, group):
+    """The decodes' items on the swapped products beside the prefill's 64-row tiles
+    (PodConfig.SWAP_D): both products' wgmmas in the one kernel (the swapped ones N = SWAP_ROWS
+    wide), two programs a SM's shared memory still, and the kernel without it unchanged by
+    the option's code (other PTX)."""
+    import triton
+
+    from .sm90 import gluon_pod_source, target
+
+    k = {}
+    for swap in (True, False):
+        src, opts = gluon_pod_source(page_p, page_d, True, group=group, block_m=64,
+                                     swap_d=swap)
+        k[swap] = triton.compile(src, target=target(), options=opts)
+    swapped = f"n{G.SWAP_ROWS.value}k16"
+    assert swapped in k[True].asm["ptx"] and swapped not in k[False].asm["ptx"]
+    assert "n64k16" in k[True].asm["ptx"]  # (the prefill's products, 64 keys wide)
+    assert k[True].metadata.shared <= SM90_SHARED // 2
+
+
 def _part(n_rows, pages, page, hq=8, hkv=2, d=128, dtype=BF16, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n_rows, hq, d, generator=g).to(dtype)

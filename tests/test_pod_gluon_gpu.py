@@ -91,6 +91,53 @@ def test_pod_empty_sides(side, page, gluon_pods):
     assert gluon_pods
 
 
+@pytest.fixture
+def swapped(monkeypatch):
+    """The swap_d of each Gluon POD launch (a list, one entry a launch)."""
+    calls = []
+    real = prefill_gluon.launch_pod
+
+    def spy(*a, **kw):
+        calls.append(kw.get("swap_d", False))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(prefill_gluon, "launch_pod", spy)
+    return calls
+
+
+@pytest.mark.parametrize("mask", [ops.MASK_CAUSAL, ops.MASK_NONE], ids=["causal", "nomask"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (14, 2), (32, 2)], ids=["gqa4", "gqa7", "gqa16"])
+@pytest.mark.parametrize("page", [8, 16, 1])
+def test_pod_swapped_decodes(mask, hq, hkv, page, swapped):
+    # the decodes' items on the swapped products beside the one-page prefill's 64-row tiles
+    # (POLICY.pod_decode_swap): groups up to SWAP_ROWS, TMA boxes and gathered pages, decodes
+    # without keys, with one key, and past a ring's worth of tiles
+    g = hq // hkv
+    pre = retile(one_page_prefill(300, 701, hq, hkv, seed=page + hq), 64, [300], [701], g)
+    dec = retile(pod_decodes(DECODE_KV, hq, hkv, page, seed=page + hq + 1), 64,
+                 [1] * len(DECODE_KV), DECODE_KV, g)
+    p_pre = params(mask, head_dim=D)
+    with override(pod_decode_swap=True):
+        check_pod(pre, dec, p_pre, dict(p_pre, sm_scale=0.07))
+    assert swapped == [True], "the decodes did not take the swapped products"
+
+
+@pytest.mark.parametrize("page_p,page_d", [(16, 16), (1, 1), (3, 3)])
+def test_pod_swapped_decodes_of_several_rows(page_p, page_d, swapped):
+    # BatchPOD's parts with decode requests of several rows: one of 5 rows (20 packed rows at
+    # GQA 4: two passes over its keys), one without rows, a paged prefill batch beside them
+    qo, kv = [300, 0, 129, 5], [700, 6, 129, 5]
+    qo_d, kv_d = [5, 1, 0, 1, 2, 1], [900, 33, 17, 2049, 4096, 1]
+    pre = retile(make_case("paged", qo, kv, 8, 2, D, dtype=BF16, device="cuda",
+                           page_size=page_p, seed=13), 64, qo, kv, 4)
+    dec = retile(make_case("paged", qo_d, kv_d, 8, 2, D, dtype=BF16, device="cuda",
+                           page_size=page_d, seed=14), 64, qo_d, kv_d, 4)
+    p = params(ops.MASK_CAUSAL, head_dim=D)
+    with override(pod_decode_swap=True):
+        check_pod(pre, dec, p, p)
+    assert swapped == [True]
+
+
 def test_pod_out_of_scope_takes_the_triton_launch(gluon_pods):
     # a window on the decode part is outside the Gluon kernel's scope: the Triton POD launch
     pre = one_page_prefill(100, 300, 8, 2, seed=9)
@@ -122,19 +169,22 @@ def _run_pod(x, dev):
 
 
 @pytest.mark.parametrize("launch,page", [("fused", 16), ("uncut", 16), ("apart", 16),
-                                         ("fused", 1), ("uncut", 1), ("apart", 1)])
+                                         ("fused", 1), ("uncut", 1), ("apart", 1),
+                                         ("swapped", 16), ("swapped", 1)])
 def test_pod_wrapper_matches_reference(gluon_pods, pod_merges, launch, page):
     """PODWithPagedKVCacheWrapper on the GPU (the Gluon launch, page 1's with both parts
     gathered, its four decodes (32 programs, the longest 4096 keys) cut into key chunks beside
     the 513-row prefill's 264 items; "uncut": the same launch with the policy's pod_chunks off;
     "apart": the launch policy's two launches, ops.choose.pod_apart, each part on its own
-    kernel, the decodes in the key chunks a paged call of them alone takes) against the same
+    kernel, the decodes in the key chunks a paged call of them alone takes; "swapped": the
+    fused launch with its decode chunks on the swapped products) against the same
     wrapper on the CPU in float64 (the reference), within the bf16
     bound of kernel_cases.check: twice the error of the same math in float32 with bf16
     products, plus rounding."""
     gpu = _pod_inputs("cuda", BF16, page=page)
     chunks = "off" if launch == "uncut" else "gluon"
-    with override(**POD_LAUNCHES["apart" if launch == "apart" else "fused"], pod_chunks=chunks):
+    with override(**POD_LAUNCHES["apart" if launch == "apart" else "fused"], pod_chunks=chunks,
+                  pod_decode_swap=launch == "swapped"):
         (out_p, out_d), (lse_p, lse_d) = _run_pod(gpu, "cuda")
     assert bool(gluon_pods) == (launch != "apart")
     assert bool(pod_merges) == (launch != "uncut")
