@@ -80,7 +80,7 @@ GLUON_POD = {
 # (the same, and PodConfig.SWAP_D: the decodes' items on the swapped products)
 GLUON_POD_SWAP = {
     "gluon pod one-page prefill 64-row swapped decodes": (0, 16, True, 4, 128, 64),
-    "gluon pod gathered 64-row swapped decodes": (0, 1, True, 4, 128, 64),
+    "gluon pod paged prefill page 8 64-row swapped decodes": (16, 8, True, 4, 128, 64),
 }
 
 

@@ -525,16 +525,19 @@ def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal
                   gluon_tile=(block_n, warps, stages, p_smem, ws, pingpong, persistent, t.swap))
 
 
-def pod_swap_decodes(block_m: int, d: int, rows: int, group: int, requests: int) -> bool:
+def pod_swap_decodes(block_m: int, d: int, page: int, rows: int, group: int,
+                     requests: int) -> bool:
     """Whether a fused Gluon POD launch runs its decodes' items on the swapped products
     (prefill_gluon.PodConfig.SWAP_D; POLICY.pod_decode_swap): on a tile of one compute group
-    (not ping-pong: the 64-row tile) at D 128, the query group at most SWAP_ROWS and the
-    decodes' packed rows (rows times group) at most SWAP_ROWS a request on average, as
-    _swap_rows asks of the decodes alone (a longer request takes a pass per SWAP_ROWS rows,
-    re-reading its keys)."""
+    (not ping-pong: the 64-row tile) at D 128, the decodes' pages (page keys) read by TMA boxes
+    (gathered pages read slower on them: p2048 + 128 x 1k GQA 64/8 page 1 4% slower, H200,
+    benchmarks/NOTES.md, 2026-11-30), the query group at most SWAP_ROWS and the decodes' packed
+    rows (rows times group) at most SWAP_ROWS a request on average, as _swap_rows asks of the
+    decodes alone (a longer request takes a pass per SWAP_ROWS rows, re-reading its keys)."""
     g = _gluon
-    return bool(POLICY.pod_decode_swap and d == 128 and (block_m, d) in g.TILES
-                and not g.TILES[block_m, d].pingpong and group <= g.SWAP_ROWS.value
+    tile = g.TILES.get((block_m, d))
+    return bool(POLICY.pod_decode_swap and d == 128 and tile is not None and not tile.pingpong
+                and not g.page_gathered(page, tile.block_n, d) and group <= g.SWAP_ROWS.value
                 and rows * group <= g.SWAP_ROWS.value * requests)
 
 
@@ -777,7 +780,8 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     a decode-heavy launch and stays fused. prefill_flops: the prefill part's attention FLOPs
     (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes the decode part
     reads. Apart when the decodes' bytes are under a balance times the prefill's FLOPs counted
-    as bytes at POLICY.pod_flop_per_byte, and the two parts together at least
+    as bytes at POLICY.pod_flop_per_byte (for POD's dense prefill read by boxes, only where it
+    computes at least POLICY.pod_dense_apart_min_flops), and the two parts together at least
     POLICY.pod_apart_min_bytes of them (POLICY.pod_gather_graph_min_bytes for a gathered
     launch of POD's that a CUDA graph captures: captured, where a second launch costs its
     replays no host time). The balance is POLICY.pod_apart_balance where the
@@ -814,6 +818,8 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
         return True
     if decode_ring and not fused_gathers and p < POLICY.pod_ring_apart_share * decode_bytes:
         return True
+    if dense_prefill and not gathered and prefill_flops < POLICY.pod_dense_apart_min_flops:
+        return False
     factor = ((POLICY.pod_gather_apart_factor if gathered
                else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
     return decode_bytes < POLICY.pod_apart_balance * factor * p

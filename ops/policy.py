@@ -57,6 +57,12 @@ class Policy:
         # decode bytes over the prefill's counted as bytes: 0.07-0.59 -> 0.83-0.95x,
         # 1.17 -> 1.02-1.03x, 2.3-9.4 -> 1.04-1.14x; benchmarks/NOTES.md, 2026-11-29).
         self.pod_dense_apart_factor = 20.0
+        # ...but only where that prefill computes at least this many FLOPs: smaller ones lose
+        # less on the fused launch's tiles, and GQA 64/8 p2048 (6.9e10) beside 16 x 1k / 4k
+        # decodes (decode bytes 0.15 / 0.58 of its) replayed 1.05x / 1.09x faster fused than
+        # apart (1.12x with the decodes on the swapped products; H200, benchmarks/NOTES.md,
+        # 2026-11-30); p8192 (5.5e11 and up) keeps the balance.
+        self.pod_dense_apart_min_flops = 2e11
         # ...times this instead where the fused launch also gathers both parts (decodes on
         # pages of 1-7 keys): it reads the prefill by cp.async rows, ~1.4x its own launch
         # (page 1, fused over apart at the ratio: 0.15 -> 0.74x, 1.17 -> 0.84x and 0.90x,
@@ -140,8 +146,11 @@ class Policy:
         # (prefill_gluon.PodConfig.SWAP_D, choose.pod_swap_decodes: the 64-row tile at D 128,
         # the rows as _swap_rows allows), the prefill's tiles on the tile's own: a decode item
         # then computes SWAP_ROWS rows instead of the tile's 64, leaving the SM's tensor cores
-        # and exponentials to a prefill tile beside it. False: every item on the tile's own.
-        self.pod_decode_swap = False
+        # and exponentials to a prefill tile beside it: 1.00-1.06x on page-16 grid cases
+        # (p256 + 16 x 4k 1.05x, p2048 + 16 x 4k 1.03-1.04x, p2048 + 256 x 1k GQA 64/8 1.04x;
+        # never below 0.998x; H200, benchmarks/NOTES.md, 2026-11-30). Not on gathered pages
+        # (page 1: 0.96x). False: every item on the tile's own.
+        self.pod_decode_swap = True
         # ...where the decodes' programs (a request and KV head each) fill at most this much of
         # one wave of resident 64-row programs (two a SM): 0.5, at most one a SM; into chunks
         # for two such waves, each at least pod_chunk_min_keys keys of the longest request, and

@@ -1948,10 +1948,11 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
     wide = gather and _wide(prefill.k2, prefill.v2, decode.k2, decode.v2)
     pingpong = tile.pingpong
-    if swap_d and (pingpong or q.shape[-2] // hkv > SWAP_ROWS.value):
-        raise ValueError(f"launch_pod: swap_d needs one compute group (not ping-pong) and a "
-                         f"query group of at most {SWAP_ROWS.value}; got pingpong={pingpong}, "
-                         f"group {q.shape[-2] // hkv}")
+    if swap_d and (pingpong or gather or q.shape[-2] // hkv > SWAP_ROWS.value):
+        raise ValueError(f"launch_pod: swap_d needs one compute group (not ping-pong), pages "
+                         f"read by TMA boxes and a query group of at most {SWAP_ROWS.value}; "
+                         f"got pingpong={pingpong}, gathered pages {gather}, group "
+                         f"{q.shape[-2] // hkv}")
     grid = (persistent_programs(work.shape[0] * hkv, _sm_count(q.device), tile), )
 
     def part_args(part, pair):

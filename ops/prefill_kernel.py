@@ -1210,7 +1210,8 @@ def launch_pod(q_p, k_cache_p, v_cache_p, qo_indptr_p, kv_page_indptr_p, kv_page
               kv_last_page_len_d, False), d_params, flags_d, q_rows_d))]
         if work.shape[0] == 0 or (q_p.shape[0] == 0 and parts[1].out.shape[0] == 0):
             return parts[0].out, parts[0].lse, parts[1].out, parts[1].lse
-        swap_d = choose.pod_swap_decodes(block_m, q_p.shape[-1], parts[1].out.shape[0],
+        swap_d = choose.pod_swap_decodes(block_m, q_p.shape[-1], parts[1].page,
+                                         parts[1].out.shape[0],
                                          q_d.shape[1] // k_cache_d.shape[2],
                                          qo_indptr_d.shape[0] - 1)
         return _gluon.launch_pod(*parts, work, causal=flags_p[1]["MASK_MODE"] == MASK_CAUSAL,
