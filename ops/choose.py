@@ -780,14 +780,14 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     a decode-heavy launch and stays fused. prefill_flops: the prefill part's attention FLOPs
     (4 Hq D per query-key pair it computes); decode_bytes: the K/V bytes the decode part
     reads. Apart when the decodes' bytes are under a balance times the prefill's FLOPs counted
-    as bytes at POLICY.pod_flop_per_byte (for POD's dense prefill read by boxes, only where it
-    computes at least POLICY.pod_dense_apart_min_flops), and the two parts together at least
+    as bytes at POLICY.pod_flop_per_byte, and the two parts together at least
     POLICY.pod_apart_min_bytes of them (POLICY.pod_gather_graph_min_bytes for a gathered
     launch of POD's that a CUDA graph captures: captured, where a second launch costs its
     replays no host time). The balance is POLICY.pod_apart_balance where the
     prefill alone reads the pages the fused launch reads (BatchPOD); times
     POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
-    (dense_prefill: POD); times POLICY.pod_gather_apart_factor instead where that prefill's
+    (dense_prefill: POD; POLICY.pod_dense_small_apart_factor where it computes under
+    POLICY.pod_dense_apart_min_flops); times POLICY.pod_gather_apart_factor instead where that prefill's
     fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers; BatchPOD's
     prefill alone gathers the same pages), and always where that gathered prefill computes more
     than POLICY.pod_gather_max_prefill_flops. decode_ring: the decodes alone would take the
@@ -818,10 +818,10 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
         return True
     if decode_ring and not fused_gathers and p < POLICY.pod_ring_apart_share * decode_bytes:
         return True
-    if dense_prefill and not gathered and prefill_flops < POLICY.pod_dense_apart_min_flops:
-        return False
-    factor = ((POLICY.pod_gather_apart_factor if gathered
-               else POLICY.pod_dense_apart_factor) if dense_prefill else 1.0)
+    dense = (POLICY.pod_dense_small_apart_factor
+             if prefill_flops < POLICY.pod_dense_apart_min_flops
+             else POLICY.pod_dense_apart_factor)
+    factor = (POLICY.pod_gather_apart_factor if gathered else dense) if dense_prefill else 1.0
     return decode_bytes < POLICY.pod_apart_balance * factor * p
 
 

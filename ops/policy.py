@@ -57,11 +57,12 @@ class Policy:
         # decode bytes over the prefill's counted as bytes: 0.07-0.59 -> 0.83-0.95x,
         # 1.17 -> 1.02-1.03x, 2.3-9.4 -> 1.04-1.14x; benchmarks/NOTES.md, 2026-11-29).
         self.pod_dense_apart_factor = 20.0
-        # ...but only where that prefill computes at least this many FLOPs: smaller ones lose
-        # less on the fused launch's tiles, and GQA 64/8 p2048 (6.9e10) beside 16 x 1k / 4k
-        # decodes (decode bytes 0.15 / 0.58 of its) replayed 1.05x / 1.09x faster fused than
-        # apart (1.12x with the decodes on the swapped products; H200, benchmarks/NOTES.md,
-        # 2026-11-30); p8192 (5.5e11 and up) keeps the balance.
+        # ...or this where that prefill computes under pod_dense_apart_min_flops: smaller ones
+        # lose less on the fused launch's tiles. GQA 64/8 p2048 (6.9e10 FLOPs) beside 16 x 4k
+        # decodes (their bytes 0.58 of its counted as bytes) ran fused 1.04-1.12x faster than
+        # apart in two runs, beside 16 x 1k (0.15) 0.98-1.05x (H200, benchmarks/NOTES.md,
+        # 2026-11-30); p8192 (5.5e11 and up) keeps the factor above.
+        self.pod_dense_small_apart_factor = 5.0
         self.pod_dense_apart_min_flops = 2e11
         # ...times this instead where the fused launch also gathers both parts (decodes on
         # pages of 1-7 keys): it reads the prefill by cp.async rows, ~1.4x its own launch
