@@ -787,11 +787,12 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     prefill alone reads the pages the fused launch reads (BatchPOD); times
     POLICY.pod_dense_apart_factor where it alone reads contiguous k / v on its own tiles
     (dense_prefill: POD; POLICY.pod_dense_small_apart_factor where it computes under
-    POLICY.pod_dense_apart_min_flops); times POLICY.pod_gather_apart_factor instead where that prefill's
-    fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers; BatchPOD's
-    prefill alone gathers the same pages), and always where that gathered prefill computes more
-    than POLICY.pod_gather_max_prefill_flops. decode_ring: the decodes alone would take the
-    few-programs K / V ring (few_programs_ring), which the fused launch's decode items do not:
+    POLICY.pod_dense_apart_min_flops); times POLICY.pod_gather_apart_factor instead where that
+    prefill's fused launch gathers both parts' K / V (fused_gathers: pod_fused_gathers;
+    BatchPOD's prefill alone gathers the same pages), and always where that gathered prefill
+    computes more than POLICY.pod_gather_max_prefill_flops. decode_ring: the decodes alone
+    would take the few-programs K / V ring (few_programs_ring), which the fused launch's decode
+    items do not:
     then a launch whose K / V the fused launch reads by boxes (not fused_gathers) goes apart
     where the prefill counted as bytes is under POLICY.pod_ring_apart_share of the decodes'
     bytes (a prefill that small costs the second launch less than the ring gains); and

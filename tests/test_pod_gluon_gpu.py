@@ -5,8 +5,10 @@ each part against the float64 reference with the project's bound (kernel_cases.c
 PyTorch's own error in the same dtype plus a rounding term; NaN never passes; outputs poisoned
 first), and asserts that the Gluon launch ran. Cases: the one-page prefill cache that
 PODWithPagedKVCacheWrapper passes (contiguous k_p / v_p) and a paged prefill (BatchPOD), pages
-of 8 / 16 / 128 keys (TMA boxes) and of 1 / 3 keys (both parts gathered), GQA 4:1 and 7:1, causal and no mask, odd lengths, requests without keys
-or rows, per-part scales; and the public wrappers end to end against their CPU reference."""
+of 8 / 16 / 128 keys (TMA boxes) and of 1 / 3 keys (both parts gathered), GQA 4:1 and 7:1,
+causal and no mask, odd lengths, requests without keys or rows, per-part scales, the decodes'
+items on the swapped products (GQA up to 16:1, decodes of several rows); and the public
+wrappers end to end against their CPU reference."""
 
 import pytest
 import torch
