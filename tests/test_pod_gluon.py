@@ -277,6 +277,39 @@ def test_launch_pod_gathered_arguments(one_page, monkeypatch):
         G.launch_pod(*parts, work, causal=True, block_m=64)
 
 
+def test_launch_pod_swapped_decodes_arguments(monkeypatch):
+    # swap_d: PodConfig.SWAP_D on the 64-row tile (one compute group); refused with the reason
+    # on the ping-pong tile, on gathered pages and past SWAP_ROWS query heads a KV head
+    rec, parts = _launch_parts(_part(300, 1, 700), _part(6, 40, 16, seed=1), True, monkeypatch)
+    work = torch.zeros(7, 3, dtype=torch.int32)
+    for swap in (True, False):
+        G.launch_pod(*parts, work, causal=True, block_m=64, swap_d=swap)
+        assert rec.kw["CONFIG"].SWAP_D is swap and not rec.kw["CONFIG"].PINGPONG
+    with pytest.raises(ValueError, match="swap_d needs one compute group"):
+        G.launch_pod(*parts, work, causal=True, block_m=128, swap_d=True)
+    _, gathered = _launch_parts(_part(300, 1, 700), _part(6, 40, 1, seed=1), True, monkeypatch)
+    with pytest.raises(ValueError, match="gathered pages True"):
+        G.launch_pod(*gathered, work, causal=True, block_m=64, swap_d=True)
+    _, wide = _launch_parts(_part(300, 1, 700, hq=34), _part(6, 40, 16, hq=34, seed=1), True,
+                            monkeypatch)
+    with pytest.raises(ValueError, match="group 17"):
+        G.launch_pod(*wide, work, causal=True, block_m=64, swap_d=True)
+
+
+# (block_m, d, decode page, decode rows, group, requests, swapped): the 64-row D 128 tile on
+# pages read by boxes, groups up to SWAP_ROWS, at most SWAP_ROWS packed rows a request on
+# average
+@pytest.mark.parametrize("block_m,d,page,rows,group,requests,want", [
+    (64, 128, 16, 6, 4, 6, True), (64, 128, 8, 6, 16, 6, True), (64, 128, 128, 6, 8, 6, True),
+    (64, 128, 16, 10, 4, 6, True), (64, 128, 1, 6, 4, 6, False), (64, 128, 3, 6, 4, 6, False),
+    (128, 128, 16, 6, 4, 6, False), (64, 64, 16, 6, 4, 6, False), (64, 128, 16, 6, 17, 6, False),
+    (64, 128, 16, 30, 4, 6, False)])
+def test_pod_swap_decodes_decision(block_m, d, page, rows, group, requests, want):
+    assert choose.pod_swap_decodes(block_m, d, page, rows, group, requests) is want
+    with override(pod_decode_swap=False):
+        assert choose.pod_swap_decodes(block_m, d, page, rows, group, requests) is False
+
+
 def test_pod_work_order_and_decode_mask():
     pre = torch.tensor([[0, 128], [0, 0]], dtype=torch.int32)
     dec = torch.tensor([[0, 0], [1, 0], [2, 0]], dtype=torch.int32)
