@@ -537,8 +537,16 @@ def pod_swap_decodes(block_m: int, d: int, page: int, rows: int, group: int,
     g = _gluon
     tile = g.TILES.get((block_m, d))
     return bool(POLICY.pod_decode_swap and d == 128 and tile is not None and not tile.pingpong
-                and not g.page_gathered(page, tile.block_n, d) and group <= g.SWAP_ROWS.value
-                and rows * group <= g.SWAP_ROWS.value * requests)
+                and not g.page_gathered(page, tile.block_n, d)
+                and _swap_passes_fit(rows, group, requests))
+
+
+def _swap_passes_fit(rows, group: int, requests) -> bool:
+    """Whether decode rows suit the swapped products' passes: the query group at most
+    SWAP_ROWS and the packed rows (rows times group) at most SWAP_ROWS a request on average
+    (rows may be symbolic: known)."""
+    s = _gluon.SWAP_ROWS.value
+    return group <= s and known(rows * group <= s * requests)
 
 
 def _swap_rows(page: int, d: int, rows, requests) -> bool:
@@ -553,8 +561,7 @@ def _swap_rows(page: int, d: int, rows, requests) -> bool:
     if not (POLICY.decode_swap and d == 128 and rows is not None and requests is not None):
         return False
     n, group = rows
-    return (group <= g.SWAP_ROWS.value and known(n * group <= g.SWAP_ROWS.value * requests)
-            and g.page_read(page, g.SWAP_TILE.block_n, d))
+    return _swap_passes_fit(n, group, requests) and g.page_read(page, g.SWAP_TILE.block_n, d)
 
 
 def _kv_descriptors(consts: dict, kv_mode: int) -> bool:
@@ -792,17 +799,16 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
     BatchPOD's prefill alone gathers the same pages), and always where that gathered prefill
     computes more than POLICY.pod_gather_max_prefill_flops. decode_ring: the decodes alone
     would take the few-programs K / V ring (few_programs_ring), which the fused launch's decode
-    items do not:
-    then a launch whose K / V the fused launch reads by boxes (not fused_gathers) goes apart
-    where the prefill counted as bytes is under POLICY.pod_ring_apart_share of the decodes'
-    bytes (a prefill that small costs the second launch less than the ring gains); and
-    captured, where the fused launch's items (before any decode key chunks) exceed one wave of
-    resident programs (over_wave: pod_over_wave), apart where the prefill counted as bytes is
-    under POLICY.pod_ring_graph_apart_share of the decodes' bytes, whatever the sizes. gluon: the
-    fused launch would be the Gluon kernel's (pod_fused_gluon); the Triton kernel's fused
-    launch ran 0.38-0.8x of the parts apart (benchmarks/NOTES.md, 2026-11-28: page 1), so
-    without it the parts always go apart, unless POLICY.pod_apart_balance is 0 (always
-    fused)."""
+    items do not: then a launch whose K / V the fused launch reads by boxes (not
+    fused_gathers) goes apart where the prefill counted as bytes is under
+    POLICY.pod_ring_apart_share of the decodes' bytes (a prefill that small costs the second
+    launch less than the ring gains); and captured, where the fused launch's items (before any
+    decode key chunks) exceed one wave of resident programs (over_wave: pod_over_wave), apart
+    where the prefill counted as bytes is under POLICY.pod_ring_graph_apart_share of the
+    decodes' bytes, whatever the sizes. gluon: the fused launch would be the Gluon kernel's
+    (pod_fused_gluon); the Triton kernel's fused launch ran 0.38-0.8x of the parts apart
+    (benchmarks/NOTES.md, 2026-11-28: page 1), so without it the parts always go apart, unless
+    POLICY.pod_apart_balance is 0 (always fused)."""
     fixed = pod_apart_any_size(gluon)
     if fixed is not None:
         return fixed

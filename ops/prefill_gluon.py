@@ -1148,10 +1148,7 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             _zero_rows(io.o_ptr, io.lse_ptr, item.req.to(gl.int64) * st.ob,
                        item.req.to(gl.int64) * st.lb, item.qo_start, item.qo_len, item.hkv,
                        item.row0 + WG * ROWS, st.ot, st.oh, st.lt, st.lh, GROUP, ROWS, D, NW)
-        if SWAP_D:
-            it += _ring_tiles(item, part != 0, BLOCK_M, GROUP)
-        else:
-            it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
+        it += _ring_tiles(item, (part != 0) if SWAP_D else SWAP, BLOCK_M, GROUP)
         k += 1
         rec = _take_item(h.items, h.item_full, h.item_empty, k, NW)
 
@@ -1168,6 +1165,23 @@ def _part_ctx(ctx, pod, part):
     return Ctx(io, ctx.ring, Keys(keys.k_desc, keys.v_desc, qk_scale, keys.page_idx_ptr,
                                   keys.k_page_rows, keys.v_page_rows),
                st, ctx.work, ctx.handoff, ctx.gather)
+
+
+@gluon.jit
+def _produce_passes(keys, ctx, item, it, SWAP: gl.constexpr, PAGED: gl.constexpr,
+                    PAGE: gl.constexpr, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                    BOXES: gl.constexpr, WIDE: gl.constexpr):
+    """_produce of a work item from ring position it, once for each of its compute group's
+    passes where it runs the swapped products (SWAP: _passes, pass ps from it + ps * n_tiles),
+    else once."""
+    if SWAP:
+        if item.n_tiles > 0:
+            for ps in range(_passes(item, BLOCK_M, GROUP)):
+                _produce(keys, ctx, item, it + ps * item.n_tiles, PAGED, PAGE, BLOCK_N, D,
+                         STAGES, BOXES, WIDE)
+    else:
+        _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
 
 
 @gluon.jit
@@ -1233,25 +1247,13 @@ def _ws_loader(ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr, PAGED: gl.constexp
         if POD:
             if part == 0:
                 _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
-            elif SWAP_D:
-                if n_tiles > 0:
-                    for ps in range(_passes(item, BLOCK_M, GROUP)):
-                        _produce(pod.keys, pod, item, it + ps * n_tiles, PAGED_D, PAGE_D,
-                                 BLOCK_N, D, STAGES, BOXES_D, WIDE)
             else:
-                _produce(pod.keys, pod, item, it, PAGED_D, PAGE_D, BLOCK_N, D, STAGES, BOXES_D,
-                         WIDE)
-        elif SWAP:
-            if n_tiles > 0:
-                for ps in range(_passes(item, BLOCK_M, GROUP)):
-                    _produce(keys, ctx, item, it + ps * n_tiles, PAGED, PAGE, BLOCK_N, D,
-                             STAGES, BOXES, WIDE)
+                _produce_passes(pod.keys, pod, item, it, SWAP_D, PAGED_D, PAGE_D, GROUP,
+                                BLOCK_M, BLOCK_N, D, STAGES, BOXES_D, WIDE)
         else:
-            _produce(keys, ctx, item, it, PAGED, PAGE, BLOCK_N, D, STAGES, BOXES, WIDE)
-        if SWAP_D:
-            it += _ring_tiles(item, part != 0, BLOCK_M, GROUP)
-        else:
-            it += _ring_tiles(item, SWAP, BLOCK_M, GROUP)
+            _produce_passes(keys, ctx, item, it, SWAP, PAGED, PAGE, GROUP, BLOCK_M, BLOCK_N, D,
+                            STAGES, BOXES, WIDE)
+        it += _ring_tiles(item, (part != 0) if SWAP_D else SWAP, BLOCK_M, GROUP)
         k += 1
         lin = _next_item(h.sched_ptr, total, LOAD_WARPS)
     _publish_item(h.items, h.item_full, h.item_empty, k,
