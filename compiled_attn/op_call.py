@@ -127,19 +127,22 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: t
     options: every other argument that the path reads, as plain values; discard: positions of
     outputs the caller drops (an LSE not asked for), which a replay writes into one kept
     tensor instead of allocating them (launch.Bound)."""
-    if not (POLICY.bound_launches and POLICY.direct and plain_eager(())):
+    # (plain_eager's half that does not look at the arguments: eager_key asks the other)
+    if not (POLICY.bound_launches and POLICY.direct and set_wrap_triton_enabled is not None
+            and launch.unwatched()):
         return full()
     # (the options' types too: True == 1 == 1.0, and the checks a replay skips tell them apart)
-    kt = memo.eager_key(inputs, (options, tuple(map(type, options)), discard))
+    extra = (options, tuple(map(type, options)), discard)
+    out = memo.replay_fast(inputs, extra)
+    if out is not None:
+        return out
+    kt = memo.eager_key(inputs, extra)
     if kt is None:
         return full()
-    key, tensors = kt
-    try:
-        out = memo.lookup(key, tensors)
-    except TypeError:  # an argument that is no tensor and no plain value: the checks say so
-        return full()
+    key, tensors, ptrs, light = kt
+    out = memo.lookup(key, tensors, ptrs, light)
     if out is not None:
         return out
     if memo.known_unbound(key):
         return full()
-    return memo.record(key, tensors, full, discard=discard)
+    return memo.record(key, tensors, full, discard=discard, light=light)

@@ -534,13 +534,6 @@ def _decode_mask(mask_p: int, mask_d: int, single_rows: bool) -> int:
     return mask_d
 
 
-# PODWithPagedKVCacheWrapper.run()'s per-part options (the keys of the bundles _run takes)
-_OPTS_P = ("causal_p", "kv_layout_p", "pos_encoding_mode_p", "sm_scale_p", "window_left_p",
-           "rope_scale_p", "rope_theta_p")
-_OPTS_D = ("causal_d", "kv_layout_d", "pos_encoding_mode_d", "sm_scale_d", "window_left_d",
-           "rope_scale_d", "rope_theta_d", "use_fp16_qk_reduction")
-
-
 class PODWithPagedKVCacheWrapper(_PODBase):
     """One prefill request (contiguous k/v given at run) plus a planned batch of decode
     requests (one query row each) on a paged cache, in one launch."""
@@ -716,41 +709,36 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         packed_custom_mask_d, enable_pdl=True and extra positional args.
         use_fp16_qk_reduction is a permission (we reduce in fp32).
         """
-        opts_p = dict(causal_p=causal_p, kv_layout_p=kv_layout_p,
-                      pos_encoding_mode_p=pos_encoding_mode_p, sm_scale_p=sm_scale_p,
-                      window_left_p=window_left_p, rope_scale_p=rope_scale_p,
-                      rope_theta_p=rope_theta_p)
-        opts_d = dict(causal_d=causal_d, kv_layout_d=kv_layout_d,
-                      pos_encoding_mode_d=pos_encoding_mode_d, sm_scale_d=sm_scale_d,
-                      window_left_d=window_left_d, rope_scale_d=rope_scale_d,
-                      rope_theta_d=rope_theta_d, use_fp16_qk_reduction=use_fp16_qk_reduction)
+        opts = (causal_p, kv_layout_p, pos_encoding_mode_p, sm_scale_p, window_left_p,
+                rope_scale_p, rope_theta_p, causal_d, kv_layout_d, pos_encoding_mode_d,
+                sm_scale_d, window_left_d, rope_scale_d, rope_theta_d, use_fp16_qk_reduction)
         if (not args and custom_mask_p is None and custom_mask_d is None
                 and packed_custom_mask_d is None and q_scale is None and k_scale is None
                 and v_scale is None and not enable_pdl):
             return self._bound(
-                (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p),
-                (*opts_p.values(), *opts_d.values()), return_lse_p, return_lse_d,
-                lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p, opts_d,
+                (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p), opts,
+                return_lse_p, return_lse_d,
+                lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts,
                                   packed_custom_mask_p=packed_custom_mask_p, return_lse_p=True,
                                   return_lse_d=True))
-        return self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p, opts_d,
+        return self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts,
                          custom_mask_p=custom_mask_p, packed_custom_mask_p=packed_custom_mask_p,
                          return_lse_p=return_lse_p, custom_mask_d=custom_mask_d,
                          packed_custom_mask_d=packed_custom_mask_d, q_scale=q_scale,
                          k_scale=k_scale, v_scale=v_scale, return_lse_d=return_lse_d,
                          enable_pdl=enable_pdl, args=args)
 
-    def _run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, opts_p: dict, opts_d: dict, *,
+    def _run(self, q_p, k_p, v_p, q_d, paged_kv_cache_d, opts: tuple, *,
              custom_mask_p=None, packed_custom_mask_p=None, return_lse_p=False,
              custom_mask_d=None, packed_custom_mask_d=None, q_scale=None, k_scale=None,
              v_scale=None, return_lse_d=False, enable_pdl=None, args=()):
-        """run() with its per-part options bundled: opts_p / opts_d map run()'s parameter names
-        (causal_p ... rope_theta_p; causal_d ... rope_theta_d and use_fp16_qk_reduction) to
-        their values; args: run()'s extra positional arguments."""
+        """run() with its per-part options bundled: opts holds the values of run()'s
+        parameters causal_p ... rope_theta_p, causal_d ... rope_theta_d and
+        use_fp16_qk_reduction, in the signature's order; args: run()'s extra positional
+        arguments."""
         (causal_p, kv_layout_p, pos_encoding_mode_p, sm_scale_p, window_left_p, rope_scale_p,
-         rope_theta_p) = (opts_p[k] for k in _OPTS_P)
-        (causal_d, kv_layout_d, pos_encoding_mode_d, sm_scale_d, window_left_d, rope_scale_d,
-         rope_theta_d, use_fp16_qk_reduction) = (opts_d[k] for k in _OPTS_D)
+         rope_theta_p, causal_d, kv_layout_d, pos_encoding_mode_d, sm_scale_d, window_left_d,
+         rope_scale_d, rope_theta_d, use_fp16_qk_reduction) = opts
         p = self._check_plan()
         if args:
             V.unsupported("*args", "extra positional arguments are not supported")

@@ -30,18 +30,19 @@ from compiled_attn.ops import launch
 
 
 def _captured(fn):
-    """(memo, values, extra, key, tensors, bound) of fn's next call (a bound replay)."""
+    """(memo, values, extra, key, tensors, ptrs, bound) of fn's next call (a bound replay)."""
     seen = {}
     ek, lk = launch.Memo.eager_key, launch.Memo.lookup
 
     def eager_key(self, values, extra=()):
         kt = ek(self, values, extra)
         if kt is not None and "memo" not in seen:
-            seen.update(memo=self, values=values, extra=extra, key=kt[0], tensors=kt[1])
+            seen.update(memo=self, values=values, extra=extra, key=kt[0], tensors=kt[1],
+                        ptrs=kt[2])
         return kt
 
-    def lookup(self, key, tensors):
-        out = lk(self, key, tensors)
+    def lookup(self, key, tensors, ptrs=None):
+        out = lk(self, key, tensors, ptrs)
         if out is not None and "bound" not in seen and self is seen.get("memo"):
             seen["bound"] = self._bound[key]
         return out
@@ -61,7 +62,7 @@ def _unheld(memo, seen, bound):
     before Bound.held: the A/B of that change in one process."""
     held, bound.held = bound.held, {}
     try:
-        return memo.lookup(seen["key"], seen["tensors"])
+        return memo.lookup(seen["key"], seen["tensors"], seen["ptrs"])
     finally:
         bound.held = held
 
@@ -72,7 +73,7 @@ def _launches_only(bound, tensors):
     outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in bound.outputs]
     tmps = [launch._pool_ptr(dev) if kind == "zeros" else torch.empty(s, dtype=dt, device=dev)
             for kind, s, dt in bound.scratch]
-    pools = {"in": tensors, "out": outs, "tmp": tmps}
+    pools = launch.pointers(tensors, outs, tmps)
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
     return lambda: bound.launch(pools, stream)
 
@@ -102,7 +103,8 @@ def main(argv=None) -> None:
             continue
         m, b = seen["memo"], seen["bound"]
         timed[case, prov, "key"] = lambda m=m, s=seen: m.eager_key(s["values"], s["extra"])
-        timed[case, prov, "lookup"] = lambda m=m, s=seen: m.lookup(s["key"], s["tensors"])
+        timed[case, prov, "lookup"] = lambda m=m, s=seen: m.lookup(s["key"], s["tensors"],
+                                                                    s["ptrs"])
         timed[case, prov, "lookup+alloc"] = lambda m=m, s=seen, b=b: _unheld(m, s, b)
         timed[case, prov, "alloc"] = lambda b=b: [
             torch.empty_strided(s, st, dtype=dt, device=b.device) for s, st, dt in b.outputs]

@@ -206,7 +206,7 @@ def test_direct_launch_passes_bundles_as_they_are():
     u = torch.zeros(4)
     direct((2, 1, 1), 0, SimpleNamespace(function=0, packed_metadata=()),
            [(0, False, ("in", 0, 0, None)), (1, True, ("in", 1, 0, None))],
-           {"in": [u, u]})
+           {"in": [u.data_ptr(), u.data_ptr()]})
     (args,) = calls
     assert list(args[13:]) == [u.data_ptr(), ("map", u.data_ptr()), 7, 1, rows, 0.5,
                                template[4]]

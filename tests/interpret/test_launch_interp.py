@@ -263,6 +263,76 @@ def test_option_types_are_part_of_the_key():
             fi.single_prefill_with_kv_cache(q, k, v, **bad)
 
 
+def test_an_unhashable_option_takes_the_full_path():
+    """An option that is no plain value and no tensor (a list: unhashable) has no replay and
+    is never recorded: the call takes the full path, whose checks raise what they raise."""
+    memo = fi.prefill._SINGLE_MEMO
+    q, k, v = rand(3, HQ, D, seed=1).float(), rand(5, HKV, D, seed=2).float(), \
+        rand(5, HKV, D, seed=3).float()
+    key = memo.eager_key((q, k, v), ([2],))[0]
+    assert memo.lookup(key, [q, k, v]) is None and memo.known_unbound(key)
+    records = memo.records
+    for _ in range(2):
+        with pytest.raises(ValueError, match="window_left: got \\[2\\]"):
+            fi.single_prefill_with_kv_cache(q, k, v, window_left=[2])
+    assert memo.records == records
+
+
+def test_guarded_replay_matches_where_the_key_would():
+    """replay_fast (the light key, and Dynamo's tensor guards in C++ for the rest) replays where
+    the full key would, and only there: fresh tensors of the recorded metadata replay through
+    it (the full path's bits); a call differing only in strides, dtype or rows (the same light
+    key) is no match there, and the full key records it; a call under inference mode (another
+    dispatch state) takes the full key once, then guards of its own; the same tensor passed
+    twice (the guards take it once) replays through it too."""
+    cache = launch.LaunchCache()
+    p = kc.params(head_dim=D)
+    fast = []
+    replay_fast = cache.replay_fast
+
+    def spy(values, extra=()):
+        out = replay_fast(values, extra)
+        fast.append(out is not None)
+        return out
+
+    cache.replay_fast = spy
+
+    def call(c, alias=False):
+        name, args, kw = _args(c, p)
+        if alias:
+            args = (args[0], args[1], args[1], *args[3:])
+        return op_call.call_op(name, *args, launches=cache, **kw)
+
+    def case(seed, **kw):
+        return kc.make_case("single", kw.pop("qo", [9]), [13], HQ, HKV, D, seed=seed, **kw)
+
+    checked = []  # (case, alias, outputs): against the full path at the end (an override
+    call(case(3))  # changes the policy's version, so every key after it)
+    c = case(4)
+    checked.append((c, False, call(c)))
+    assert fast[-1] and (cache.records, cache.hits) == (1, 1)
+    for n, other in enumerate((case(5, layout="HND"), case(6, dtype=F32), case(7, qo=[8]))):
+        checked.append((other, False, call(other)))
+        assert not fast[-1] and cache.records == 2 + n
+    hits = cache.hits
+    with torch.inference_mode():
+        call(case(8))
+        assert not fast[-1] and (cache.records, cache.hits) == (4, hits + 1)
+        c = case(9)
+        checked.append((c, False, call(c)))
+        assert fast[-1] and cache.hits == hits + 2
+    call(case(10))
+    assert fast[-1] and cache.records == 4
+    call(kc.make_case("single", [9], [13], HQ, HQ, D, seed=11), alias=True)
+    c = kc.make_case("single", [9], [13], HQ, HQ, D, seed=12)
+    checked.append((c, True, call(c, alias=True)))
+    assert fast[-1] and cache.records == 5
+    with policy.override(bound_launches=False):
+        for c, alias, got in checked:
+            want = call(c, alias)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_strides_and_policy_are_part_of_the_key():
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
@@ -371,7 +441,7 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
     held = [t.data_ptr() for t in bound.held.values()]
     replayed = []
     replay = bound.replay
-    bound.replay = lambda tensors: replayed.append(replay(tensors)) or replayed[-1]
+    bound.replay = lambda tensors, ptrs=None: replayed.append(replay(tensors, ptrs)) or replayed[-1]
     got = _flat_outs(runs[1]())
     assert (memo.records, memo.hits) == (records + 1, hits + 1), "the second call did not replay"
     assert [replayed[0][j].data_ptr() for j in sorted(bound.held)] == held
