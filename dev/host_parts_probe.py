@@ -75,7 +75,8 @@ def _launches_only(bound, tensors):
             for kind, s, dt in bound.scratch]
     pools = launch.pointers(tensors, outs, tmps)
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
-    return lambda: bound.launch(pools, stream)
+    # (pools holds pointers only: the closure keeps the outputs and scratch alive)
+    return lambda keep=(outs, tmps): bound.launch(pools, stream)
 
 
 def main(argv=None) -> None:
