@@ -680,8 +680,9 @@ class Memo:
 
     MAX = 256
 
-    # tensor guards kept under one light key (replay_fast): one a dispatch state a call comes
-    # in (inference mode or not), a few layouts
+    # tensor guards kept under one light key (replay_fast), the newest: one a dispatch state a
+    # call comes in (inference mode or not), a few layouts or other tensors' shapes (a chunked
+    # prefill's keys growing under queries of one length)
     GUARDS = 4
 
     def __init__(self, static=()):
@@ -799,22 +800,23 @@ class Memo:
             return None
         if entries:
             guarded = kt[3]
-            for guards, key in entries:
+            for guards, key in reversed(entries):  # (the newest first)
                 if guards.check(*guarded):
                     return self.lookup(key, kt[1], kt[2])
         return None
 
     def _guard(self, light, key, tensors) -> None:
         """Keep tensor guards of this call's tensors beside its key, under its light key, for
-        replay_fast (up to GUARDS a light key; none without Dynamo's guards)."""
+        replay_fast (the GUARDS newest a light key; none without Dynamo's guards)."""
         if _TensorGuards is None:
             return
         entries = self._fast.setdefault(light, [])
-        if len(entries) < self.GUARDS:
-            tensors = _distinct(tensors)
-            entries.append((_TensorGuards(
-                *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                dynamic_dims_strides=[list(t.stride()) for t in tensors]), key))
+        if len(entries) >= self.GUARDS:
+            del entries[0]
+        tensors = _distinct(tensors)
+        entries.append((_TensorGuards(
+            *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors]), key))
 
     def lookup(self, key, tensors, ptrs=None, light=None):
         """The replayed outputs of a call with this key, or None (unbound, refused, not

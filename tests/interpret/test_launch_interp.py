@@ -283,8 +283,9 @@ def test_guarded_replay_matches_where_the_key_would():
     the full key would, and only there: fresh tensors of the recorded metadata replay through
     it (the full path's bits); a call differing only in strides, dtype or rows (the same light
     key) is no match there, and the full key records it; a call under inference mode (another
-    dispatch state) takes the full key once, then guards of its own; the same tensor passed
-    twice (the guards take it once) replays through it too."""
+    dispatch state) takes the full key once, then guards of its own; a light key keeps its
+    newest guards; the same tensor passed twice (the guards take it once) replays through it
+    too."""
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
     fast = []
@@ -322,6 +323,18 @@ def test_guarded_replay_matches_where_the_key_would():
         checked.append((c, False, call(c)))
         assert fast[-1] and cache.hits == hits + 2
     call(case(10))
+    assert fast[-1] and cache.records == 4
+    # a fifth guard under one light key (HND under inference mode) takes the oldest one's place
+    # (the first call's): the newest GUARDS are kept
+    assert launch.Memo.GUARDS == 4
+    with torch.inference_mode():
+        call(case(11, layout="HND"))
+        assert not fast[-1] and cache.records == 4
+        call(case(12, layout="HND"))
+        assert fast[-1]
+    call(case(13))
+    assert not fast[-1] and cache.records == 4
+    call(case(14))
     assert fast[-1] and cache.records == 4
     call(kc.make_case("single", [9], [13], HQ, HQ, D, seed=11), alias=True)
     c = kc.make_case("single", [9], [13], HQ, HQ, D, seed=12)
