@@ -411,33 +411,15 @@ def test_direct_op_call_replays(case):
 def _entry_calls(kind, return_lse):
     """Two calls of an entry point on fresh inputs of one metadata (the LSE asked for or not),
     and its bound-call memo."""
-    if kind == "single":
-        qkv = [[rand(n, h, D, seed=s + i, dtype=F32) for i, (n, h) in
-                enumerate(((9, HQ), (13, HKV), (13, HKV)))] for s in (20, 30)]
-        return fi.prefill._SINGLE_MEMO, [
-            lambda x=x: fi.single_prefill_with_kv_cache(*x, causal=True, return_lse=return_lse)
-            for x in qkv]
-    if kind == "pod":
-        caches = [make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s)[0] for s in (7, 9)]
-        _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
-        w = fi.PODWithPagedKVCacheWrapper(WS)
-        w.plan(kvi, idx, last, HQ, HKV, D, 4, q_data_type=F32)
-        xs = [(rand(9, HQ, D, seed=s, dtype=F32), rand(11, HKV, D, seed=s + 1, dtype=F32),
-               rand(len(KV), HQ, D, seed=s + 2, dtype=F32)) for s in (40, 50)]
-        return w._memo, [lambda i=i: w.run(xs[i][0], xs[i][1], xs[i][1], xs[i][2], caches[i],
-                                           causal_p=True, return_lse_p=return_lse,
-                                           return_lse_d=return_lse) for i in (0, 1)]
-    q = [rand(sum(QO), HQ, D, seed=s, dtype=F32) for s in (60, 70)]
-    kv = [(rand(sum(KV), HKV, D, seed=s, dtype=F32), rand(sum(KV), HKV, D, seed=s + 1,
-                                                          dtype=F32)) for s in (61, 71)]
-    w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
-    w.plan(indptr(QO), indptr(KV), HQ, HKV, D, causal=True, q_data_type=F32)
-    return w._memo, [lambda i=i: w.run(q[i], *kv[i], return_lse=return_lse) for i in (0, 1)]
+    memo, inputs, call = _fresh_calls(kind, return_lse)
+    xs = [inputs(s) for s in (40, 50)]
+    return memo, [lambda x=x: call(x) for x in xs]
 
 
-def _flat_outs(res):
+def _flat_outs(res) -> tuple:
+    """An entry point's outputs (a tensor, or tuples of tensors and Nones) as one tuple."""
     res = res if isinstance(res, tuple) else (res,)
-    return [t for x in res for t in (x if isinstance(x, tuple) else (x,)) if t is not None]
+    return tuple(t for x in res for t in (x if isinstance(x, tuple) else (x,)) if t is not None)
 
 
 @pytest.mark.parametrize("kind", ["single", "ragged", "pod"])
@@ -455,12 +437,12 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
     replayed = []
     replay = bound.replay
     bound.replay = lambda tensors, ptrs=None: replayed.append(replay(tensors, ptrs)) or replayed[-1]
-    got = _flat_outs(runs[1]())
+    got = runs[1]()
     assert (memo.records, memo.hits) == (records + 1, hits + 1), "the second call did not replay"
     assert [replayed[0][j].data_ptr() for j in sorted(bound.held)] == held
     assert all(t.data_ptr() not in held for t in got)
     with policy.override(bound_launches=False):
-        want = _flat_outs(runs[1]())
+        want = runs[1]()
     assert len(got) == len(want) == (2 if kind == "pod" else 1)
     for g, r in zip(got, want):
         assert not g.isnan().any() and torch.equal(g, r)
@@ -472,18 +454,18 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
         runs[0]()
     (bound,) = [b for b in memo._bound.values() if b is not launch._UNBOUND]
     assert not bound.held
-    got = _flat_outs(runs[1]())
+    got = runs[1]()
     for g, r in zip(got, want):
         assert torch.equal(g, r)
     # the same calls asking for the LSE: recorded under another key, nothing held
     memo, runs = _entry_calls(kind, return_lse=True)
     memo.clear()
     runs[0]()
-    got = _flat_outs(runs[1]())
+    got = runs[1]()
     with_lse = [b for b in memo._bound.values() if b is not launch._UNBOUND and not b.held]
     assert len(with_lse) == 1
     with policy.override(bound_launches=False):
-        want = _flat_outs(runs[1]())
+        want = runs[1]()
     assert len(got) == len(want) == (4 if kind == "pod" else 2)
     for g, r in zip(got, want):
         assert not g.isnan().any() and torch.equal(g, r)
@@ -528,13 +510,22 @@ def test_programs_cap_is_part_of_the_key():
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def _fresh_calls(kind):
-    """(memo, inputs(seed) -> a call's tensors, call(tensors) -> its outputs) of an entry point
-    whose calls share one metadata (the paged caches and POD's k_p / v_p fresh each call)."""
+def _fresh_calls(kind, return_lse=True):
+    """(memo, inputs(seed) -> a call's tensors, call(tensors) -> its outputs, flattened) of an
+    entry point (single prefill; paged, ragged or POD run()) whose calls share one metadata,
+    every tensor fresh (the paged caches and POD's k_p / v_p among them); return_lse: the LSE
+    asked for."""
     if kind == "single":
         return fi.prefill._SINGLE_MEMO, (lambda s: [rand(n, h, D, seed=s + i, dtype=F32) for i, (
             n, h) in enumerate(((9, HQ), (13, HKV), (13, HKV)))]), (
-            lambda x: fi.single_prefill_with_kv_cache(*x, causal=True, return_lse=True))
+            lambda x: _flat_outs(fi.single_prefill_with_kv_cache(*x, causal=True,
+                                                                 return_lse=return_lse)))
+    if kind == "ragged":
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+        w.plan(indptr(QO), indptr(KV), HQ, HKV, D, causal=True, q_data_type=F32)
+        return w._memo, (lambda s: [rand(sum(QO), HQ, D, seed=s, dtype=F32)] + [
+            rand(sum(KV), HKV, D, seed=s + i, dtype=F32) for i in (1, 2)]), (
+            lambda x: _flat_outs(w.run(*x, return_lse=return_lse)))
     _, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
     if kind == "pod":
         w = fi.PODWithPagedKVCacheWrapper(WS)
@@ -543,12 +534,13 @@ def _fresh_calls(kind):
             rand(9, HQ, D, seed=s, dtype=F32), rand(11, HKV, D, seed=s + 1, dtype=F32),
             rand(11, HKV, D, seed=s + 2, dtype=F32), rand(len(KV), HQ, D, seed=s + 3, dtype=F32),
             make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s + 4)[0]]), (
-            lambda x: _flat(w.run(*x, causal_p=True, return_lse_p=True, return_lse_d=True)))
+            lambda x: _flat_outs(w.run(*x, causal_p=True, return_lse_p=return_lse,
+                                       return_lse_d=return_lse)))
     w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
     w.plan(indptr(QO), kvi, idx, last, HQ, HKV, D, 4, causal=True, q_data_type=F32)
     return w._memo, (lambda s: [rand(sum(QO), HQ, D, seed=s, dtype=F32),
                                 make_paged(KV, HKV, D, D, 4, dtype=F32, seed=s + 1)[0]]), (
-        lambda x: w.run(x[0], x[1], return_lse=True))
+        lambda x: _flat_outs(w.run(x[0], x[1], return_lse=return_lse)))
 
 
 @pytest.mark.parametrize("kind", ["single", "paged", "pod"])
