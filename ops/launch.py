@@ -49,9 +49,16 @@ except ImportError:  # pragma: no cover - no bound launches then
 
 try:  # the per-tensor half of a key checked in C++ (Dynamo's tensor guards: Python type,
     # dispatch keys under the thread's dispatch state, dtype, device index, requires_grad,
-    # sizes, strides; private; torch 2.11-2.13): Memo.replay_fast
+    # sizes, strides; private; torch 2.11-2.13): Memo.replay_fast. Tried once here: a torch
+    # whose guards take other arguments keys every call in Python, as without them.
     from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # pragma: no cover - every call keys in Python then
+
+    _probe = torch.empty(2, 3)
+    if not _TensorGuards(_probe, dynamic_dims_sizes=[[2, 3]],
+                         dynamic_dims_strides=[[3, 1]]).check(_probe):
+        _TensorGuards = None
+    del _probe
+except Exception:  # noqa: BLE001  (pragma: no cover - another torch)
     _TensorGuards = None
 
 try:  # Triton's launch hooks (profilers); replays are skipped while one is set

@@ -346,6 +346,22 @@ def test_guarded_replay_matches_where_the_key_would():
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+def test_without_tensor_guards_every_call_keys_in_full(monkeypatch):
+    """A torch without Dynamo's tensor guards (launch._TensorGuards None): no guard is kept,
+    and calls replay through the full key, the full path's bits."""
+    monkeypatch.setattr(launch, "_TensorGuards", None)
+    memo, runs = _entry_calls("pod", return_lse=True)
+    memo.clear()
+    hits = memo.hits
+    runs[0]()
+    got = runs[1]()
+    assert memo.hits == hits + 1 and not memo._fast
+    with policy.override(bound_launches=False):
+        want = runs[1]()
+    for g, r in zip(got, want, strict=True):
+        assert not g.isnan().any() and torch.equal(g, r)
+
+
 def test_strides_and_policy_are_part_of_the_key():
     cache = launch.LaunchCache()
     p = kc.params(head_dim=D)
