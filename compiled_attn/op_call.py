@@ -47,9 +47,10 @@ def capturing(device: torch.device) -> bool:
 
 
 def plain_eager(args: tuple, kwargs: dict | None = None) -> bool:
-    """Whether a call with these arguments may skip the dispatcher (module docstring)."""
+    """Whether a call with these arguments may skip the dispatcher (module docstring). No
+    arguments: the half that does not look at them (launch.unwatched)."""
     return (POLICY.direct and set_wrap_triton_enabled is not None
-            and launch.unobserved(args, kwargs))
+            and (launch.unobserved(args, kwargs) if args or kwargs else launch.unwatched()))
 
 
 def call_op(name: str, *args, launches: launch.LaunchCache | None = None, **kwargs):
@@ -127,9 +128,7 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: t
     options: every other argument that the path reads, as plain values; discard: positions of
     outputs the caller drops (an LSE not asked for), which a replay writes into one kept
     tensor instead of allocating them (launch.Bound)."""
-    # (plain_eager's half that does not look at the arguments: eager_key asks the other)
-    if not (POLICY.bound_launches and POLICY.direct and set_wrap_triton_enabled is not None
-            and launch.unwatched()):
+    if not (POLICY.bound_launches and plain_eager(())):  # (eager_key asks the tensors' half)
         return full()
     # (the options' types too: True == 1 == 1.0, and the checks a replay skips tell them apart)
     extra = (options, tuple(map(type, options)), discard)
