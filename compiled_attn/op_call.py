@@ -131,17 +131,10 @@ def bound_run(memo: launch.Memo, inputs: tuple, options: tuple, full, discard: t
     if not (POLICY.bound_launches and plain_eager(())):  # (eager_key asks the tensors' half)
         return full()
     # (the options' types too: True == 1 == 1.0, and the checks a replay skips tell them apart)
-    extra = (options, tuple(map(type, options)), discard)
-    out = memo.replay_fast(inputs, extra)
+    out, kt = memo.find(inputs, (options, tuple(map(type, options)), discard))
     if out is not None:
         return out
-    kt = memo.eager_key(inputs, extra)
-    if kt is None:
+    if kt is None or memo.known_unbound(kt[0]):
         return full()
-    key, tensors, ptrs, light = kt
-    out = memo.lookup(key, tensors, ptrs, light)
-    if out is not None:
-        return out
-    if memo.known_unbound(key):
-        return full()
+    key, tensors, _, light = kt
     return memo.record(key, tensors, full, discard=discard, light=light)

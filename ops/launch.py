@@ -812,6 +812,19 @@ class Memo:
                     return self.lookup(key, kt[1], kt[2])
         return None
 
+    def find(self, values, extra=()):
+        """(outputs, None) of a call replayed through replay_fast, or (the replayed outputs or
+        None, eager_key's answer) after the full key's lookup; eager_key's answer None: the
+        call is not plain eager (nothing replayed)."""
+        out = self.replay_fast(values, extra)
+        if out is not None:
+            return out, None
+        kt = self.eager_key(values, extra)
+        if kt is None:
+            return None, None
+        key, tensors, ptrs, light = kt
+        return self.lookup(key, tensors, ptrs, light), kt
+
     def _guard(self, light, key, tensors) -> None:
         """Keep tensor guards of this call's tensors beside its key, under its light key, for
         replay_fast (the GUARDS newest a light key; none without Dynamo's guards)."""
@@ -891,17 +904,12 @@ class LaunchCache(Memo):
         a call with the same key was bound; NOT_PLAIN, with nothing run, where the arguments
         are not those of a plain eager call (unobserved's per-tensor half, asked here so that
         the caller, having asked unwatched(), need not loop over them twice)."""
-        values, extra = (*args, *kwargs.values()), (name, tuple(kwargs))
-        out = self.replay_fast(values, extra)
+        out, kt = self.find((*args, *kwargs.values()), (name, tuple(kwargs)))
         if out is not None:
             return out
-        kt = self.eager_key(values, extra)
         if kt is None:
             return NOT_PLAIN
-        key, tensors, ptrs, light = kt
-        out = self.lookup(key, tensors, ptrs, light)
-        if out is not None:
-            return out
+        key, tensors, _, light = kt
         if self.known_unbound(key) or _recorder() is not None:
             with set_wrap_triton_enabled(False):
                 return impl(*args, **kwargs)

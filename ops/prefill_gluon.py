@@ -1121,17 +1121,9 @@ def _ws_group(WG: gl.constexpr, ctx, DENSE: gl.constexpr, Q_TMA: gl.constexpr,
             c = ctx
             map_on = True
         if item.n_tiles > 0:
-            if SWAP:
+            if SWAP or (SWAP_D and part != 0):  # (SWAP_D: POD's decodes)
                 _swap_passes(c, item, it, ctx.ring.q_ring, PAGED, GROUP, CAUSAL, BLOCK_M,
                              BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
-            elif SWAP_D:  # (POD, not Q_TMA)
-                if part != 0:
-                    _swap_passes(c, item, it, ctx.ring.q_ring, PAGED, GROUP, CAUSAL, BLOCK_M,
-                                 BLOCK_N, D, STAGES, NW, Q_ROWS, map_on)
-                else:
-                    _group(WG, c, item, it, ctx.ring.q_ring.index(0), False, P_SMEM, PAGED,
-                           PAGE, True, PINGPONG, GROUP, CAUSAL, ROWS, BLOCK_N, D, STAGES, NW,
-                           Q_ROWS, map_on)
             else:
                 if Q_TMA:
                     q_buf = ctx.ring.q_ring.index(_wait_full(h.q_full, qk, 2))
@@ -1950,11 +1942,11 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
         raise ValueError(f"POD's parts need one shared layout for their K / V boxes: {layouts}")
     wide = gather and _wide(prefill.k2, prefill.v2, decode.k2, decode.v2)
     pingpong = tile.pingpong
-    if swap_d and (pingpong or gather or q.shape[-2] // hkv > SWAP_ROWS.value):
+    group = q.shape[-2] // hkv
+    if swap_d and (pingpong or gather or group > SWAP_ROWS.value):
         raise ValueError(f"launch_pod: swap_d needs one compute group (not ping-pong), pages "
                          f"read by TMA boxes and a query group of at most {SWAP_ROWS.value}; "
-                         f"got pingpong={pingpong}, gathered pages {gather}, group "
-                         f"{q.shape[-2] // hkv}")
+                         f"got pingpong={pingpong}, gathered pages {gather}, group {group}")
     grid = (persistent_programs(work.shape[0] * hkv, _sm_count(q.device), tile), )
 
     def part_args(part, pair):
@@ -1974,7 +1966,7 @@ def launch_pod(prefill: PodPart, decode: PodPart, work: torch.Tensor, *, causal:
         CONFIG=PodConfig(
             SOURCE=Source(PAGED=paged if page_p else 0, PAGE=page_p, BOXES=boxes[0], WIDE=wide),
             SOURCE_D=Source(PAGED=paged, PAGE=decode.page, BOXES=boxes[1], WIDE=wide),
-            SHAPE=Shape(GROUP=q.shape[-2] // hkv, CAUSAL=causal, BLOCK_M=block_m,
+            SHAPE=Shape(GROUP=group, CAUSAL=causal, BLOCK_M=block_m,
                         BLOCK_N=block_n, D=d, STAGES=tile.stages),
             PINGPONG=pingpong, GROUP_REGS=group_regs, PRODUCER_REGS=producer_regs,
             Q_ROWS_D=decode.q_rows is not None, SWAP_D=bool(swap_d)),
