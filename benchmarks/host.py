@@ -200,10 +200,11 @@ def _compiled(fn, *a):
     return lambda: c(*a)
 
 
-def host_us(fn, calls: int) -> float:
-    """Host microseconds per call of fn, calls queued behind a sleeping GPU."""
+def host_us(fn, calls: int, sleep: int = 1_500_000_000) -> float:
+    """Host microseconds per call of fn, calls queued behind a GPU sleeping sleep cycles (by
+    default ~0.8 s: longer than the calls take to issue)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(1_500_000_000)  # ~0.8 s: longer than the calls take to issue
+    torch.cuda._sleep(sleep)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import threading
 
 import torch
@@ -96,12 +97,20 @@ def _stream_now():
     return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
 
 
-# The recorder of the call this thread is recording, if any (threads record apart).
-_TLS = threading.local()
+class _Local(threading.local):
+    """Per thread (threads record apart). The defaults are class attributes: a missing
+    attribute of a thread-local costs a raised AttributeError (about a microsecond) at each
+    read."""
+
+    rec: Recorder | None = None  # the recorder of the call this thread is recording, if any
+    cap: int = 0                 # programs_cap's value in force
+
+
+_TLS = _Local()
 
 
 def _recorder() -> Recorder | None:
-    return getattr(_TLS, "rec", None)
+    return _TLS.rec
 
 
 @contextlib.contextmanager
@@ -112,7 +121,7 @@ def programs_cap(programs: int):
     side with its prefill (compiled_attn.pod), which takes the other SMs.
     Part of every launch key made inside (Memo.eager_key), so a bound call replays its own
     grid. 0: the launch's own grid. Per thread."""
-    saved = getattr(_TLS, "cap", 0)
+    saved = _TLS.cap
     _TLS.cap = int(programs)
     try:
         yield
@@ -122,7 +131,7 @@ def programs_cap(programs: int):
 
 def programs_cap_now() -> int:
     """programs_cap's value in force (0: none)."""
-    return getattr(_TLS, "cap", 0)
+    return _TLS.cap
 
 
 def scratch(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -377,6 +386,11 @@ class _Direct:
     bases a position (the map is copied into the launch's parameters, so one encoding serves
     many launches; a serving engine's layers each pass their own K / V cache, so one call
     after another the base changes and comes back a step later).
+    The launcher's arguments are one gather (operator.itemgetter, in C) over the fixed
+    arguments, the call's pointers and what is computed per call (a pointer at an offset
+    inside a tensor, a descriptor's first element): a descriptor's expansion depends on its
+    base only in its first element (the tensor map, or the base itself where the kernel takes
+    no map), the rest being the shape and strides the key fixed (checked at each new base).
     Built only where the launcher has triton 3.6's shape (CudaLauncher(gridX, gridY, gridZ,
     stream, function, *args) over a launcher taking 13 base arguments, descriptors expanded by
     make_tensordesc_arg(arg, metadata)) and needs no scratch; else None and the replay calls
@@ -387,7 +401,7 @@ class _Direct:
     anything else, or a descriptor position that is not a descriptor, gives None."""
 
     @staticmethod
-    def of(compiled, template: list):
+    def of(compiled, template: list, patches: list, slots: int):
         try:
             from triton.backends.nvidia import driver as nvd
 
@@ -404,70 +418,103 @@ class _Direct:
             launch = L.launch
             code = getattr(launch, "__code__", None)
             if code is None:  # no descriptor argument: the C launcher itself
-                return _Direct(L, launch, set(), [], nvd, template)
+                return _Direct(L, launch, set(), [], nvd, template, patches, slots)
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
             if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
                 return None
             if not all(_is_descriptor(template[i]) for i in cells["tensordesc_indices"]):
                 return None
             return _Direct(L, cells["launcher"], set(cells["tensordesc_indices"]),
-                           list(cells["tensordesc_meta"]), nvd, template)
+                           list(cells["tensordesc_meta"]), nvd, template, patches, slots)
         except Exception:  # noqa: BLE001  (another Triton: the portable replay)
             return None
 
-    def __init__(self, L, launcher, td: set, metas: list, nvd, template: list):
+    def __init__(self, L, launcher, td: set, metas: list, nvd, template: list, patches: list,
+                 slots: int):
+        """template: the launch's arguments (patched positions hold a descriptor over the
+        recorded base, or None); patches: Bound's (position, descriptor?, source) of the
+        launch; slots: the length of the pointer list a replay passes (Bound.launch)."""
         self.launcher, self.coop, self.pdl = launcher, L.launch_cooperative_grid, L.launch_pdl
         self.make = nvd.make_tensordesc_arg
-        self.desc = {}      # bound position -> its recorded descriptor
-        self.meta = {}      # bound position -> its descriptor's metadata
-        self.at = []        # bound position -> (first expanded position, length)
-        self.cache = {}     # bound position -> {base pointer: expansion}
-        expanded = []
+        self.desc = {}      # descriptor position -> (its recorded descriptor, metadata)
+        self.rest = {}      # descriptor position -> its expansion after the first element
+        self.cache = {}     # descriptor position -> {base pointer: first element}
+        at = []             # position -> first expanded position
+        fixed = []
         k = 0
         for i, a in enumerate(template):
+            at.append(len(fixed))
             if i in td:
-                self.desc[i] = a
-                self.meta[i] = metas[k] if k < len(metas) else None
+                meta = metas[k] if k < len(metas) else None
                 k += 1
-                e = list(self.make(a, self.meta[i]))
-                self.cache[i] = {a.base.data_ptr(): e}
-                self.at.append((len(expanded), len(e)))
-                expanded.extend(e)
+                self.desc[i] = (a, meta)
+                e = list(self.make(a, meta))
+                self.rest[i] = e[1:]
+                self.cache[i] = {a.base.data_ptr(): e[0]}
+                fixed.extend(e)
             else:
-                self.at.append((len(expanded), 1))
-                expanded.append(a)
-        self.template = expanded
+                fixed.append(a)
+        # the gather's source: fixed + the call's pointers + shifted pointers + descriptors
+        self.shifted = []   # (pointer index, byte offset)
+        self.descs = []     # (descriptor position, pointer index, byte offset)
+        into = {}           # expanded position -> (part, index in it)
+        for pos, desc, (kind, j, delta, _g, flat) in patches:
+            if desc and kind == "static":  # a base fixed while the memo holds it
+                fixed[at[pos]] = self._first(pos, j + delta)
+            elif desc:
+                into[at[pos]] = ("desc", len(self.descs))
+                self.descs.append((pos, flat, delta))
+            elif delta:
+                into[at[pos]] = ("shift", len(self.shifted))
+                self.shifted.append((flat, delta))
+            else:
+                into[at[pos]] = ("ptr", flat)
+        base = {"ptr": len(fixed), "shift": len(fixed) + slots,
+                "desc": len(fixed) + slots + len(self.shifted)}
+        order = [base[into[e][0]] + into[e][1] if e in into else e for e in range(len(fixed))]
+        self.fixed = fixed
+        self.gather = (operator.itemgetter(*order) if len(order) > 1
+                       else lambda src, o=tuple(order): tuple(src[i] for i in o))
 
-    def __call__(self, g, stream, compiled, patches, pools):
-        f = self.template.copy()
-        for pos, desc, (kind, j, delta, _g) in patches:
-            ptr = (j if kind == "static" else pools[kind][j]) + delta
-            e, n = self.at[pos]
-            if desc:
-                known = self.cache[pos]
-                exp = known.get(ptr)
-                if exp is None:
-                    if len(known) >= DESC_BASES:
-                        known.clear()
-                    exp = known[ptr] = list(self.make(_rebased(self.desc[pos], ptr),
-                                                      self.meta[pos]))
-                f[e:e + n] = exp
-            else:
-                f[e] = ptr
+    def _first(self, pos: int, ptr: int):
+        """The first element of position pos's descriptor expanded over base ptr (kept)."""
+        known = self.cache[pos]
+        first = known.get(ptr)
+        if first is None:
+            desc, meta = self.desc[pos]
+            e = list(self.make(_rebased(desc, ptr), meta))
+            if e[1:] != self.rest[pos]:  # (make_tensordesc_arg of another shape)
+                raise RuntimeError(f"launch: descriptor {pos}'s expansion depends on its base "
+                                   "beyond its first element; this Triton needs the portable "
+                                   "replay")
+            if len(known) >= DESC_BASES:
+                known.clear()
+            first = known[ptr] = e[0]
+        return first
+
+    def __call__(self, g, stream, compiled, ptrs: list):
+        src = self.fixed + ptrs
+        for f, delta in self.shifted:
+            src.append(ptrs[f] + delta)
+        for pos, f, delta in self.descs:
+            ptr = ptrs[f] + delta
+            first = self.cache[pos].get(ptr)
+            src.append(first if first is not None else self._first(pos, ptr))
         self.launcher(g[0], g[1], g[2], stream, compiled.function, self.coop, self.pdl, None,
-                      None, compiled.packed_metadata, None, None, None, *f)
+                      None, compiled.packed_metadata, None, None, None, *self.gather(src))
 
 
-def _pool_ptr(device: torch.device, stream: int | None = None) -> _Ptr:
+def _pool_ptr(device: torch.device, stream: int | None = None) -> int:
+    """The address of a zeroed counter slot (_pool_slot)."""
     t, i = _pool_slot(device, stream)
-    return _Ptr(t.data_ptr() + 4 * i)
+    return t.data_ptr() + 4 * i
 
 
-def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> dict:
-    """Bound.launch's pools: the data_ptr() of a call's tensors (ptrs where the caller has
-    them), outputs and scratch (a tensor, or a counter slot's _Ptr), by source kind."""
-    return {"in": ptrs if ptrs is not None else [t.data_ptr() for t in tensors],
-            "out": [t.data_ptr() for t in outs], "tmp": [t.data_ptr() for t in tmps]}
+def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> list:
+    """Bound.launch's pointers: the data_ptr() of a call's tensors (ptrs where the caller has
+    them), then of its outputs, then its scratch's (tmps: their addresses), in order."""
+    return ((ptrs if ptrs is not None else [t.data_ptr() for t in tensors])
+            + [t.data_ptr() for t in outs] + tmps)
 
 
 # The largest dropped output a bound call keeps (Bound.held): an LSE of 2048 rows x 32 heads
@@ -481,7 +528,8 @@ class Bound:
     the call's i-th tensor's pointer plus delta bytes (0, or a view inside that tensor alone),
     ("out", j) its j-th output, ("tmp", j) the j-th scratch buffer, ("static", t) a tensor the
     caller keeps alive and unchanged (a plan's); with the view geometry (size, stride, dtype)
-    the interpreter's replay rebuilds."""
+    the interpreter's replay rebuilds, and the source's index in the pointers a replay passes
+    (pointers(): the call's tensors', outputs', scratch's; None for a static one)."""
 
     def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=(), discard=()):
         if rec.problem:
@@ -512,6 +560,10 @@ class Bound:
         self.held = {j: outputs[j] for j in discard
                      if outputs[j].numel() * outputs[j].element_size() <= HELD_MAX_BYTES}
         self.device = outputs[0].device
+        # (each output allocated like an empty tensor of its dtype on the device: fewer
+        # arguments to parse than torch.empty_strided's)
+        protos = {dt: torch.empty(0, dtype=dt, device=self.device) for _s, _st, dt in self.outputs}
+        self._alloc = [(j, protos[dt], s, st) for j, (s, st, dt) in enumerate(self.outputs)]
         self.cuda = self.device.type == "cuda"
         self._held_stream = (torch._C._cuda_getCurrentRawStream(self.device.index)
                              if self.cuda else None)
@@ -520,6 +572,9 @@ class Bound:
         for p, spec in rec.scratch.items():
             self._tmp[p] = len(self.scratch)
             self.scratch.append(spec)
+        # a source's first index in the pointers a replay passes (pointers())
+        self._slot = {"in": 0, "out": len(tensors), "tmp": len(tensors) + len(self.outputs)}
+        slots = self._slot["tmp"] + len(self.scratch)
         self.launches = []
         for fn, grid, vals, options, compiled in rec.launches:
             patches = []
@@ -536,11 +591,12 @@ class Bound:
                 # A static tensor's pointer is fixed while the memo holds it: bound into the
                 # template once (the interpreter's replay rebuilds views, so it keeps them).
                 vals = list(vals)
-                for pos, desc, (kind, j, delta, _g) in patches:
+                for pos, desc, (kind, j, delta, _g, _f) in patches:
                     if kind == "static" and not desc:
                         vals[pos] = j.data_ptr() + delta
-                patches = [(pos, desc, (kind, j.data_ptr() if kind == "static" else j, delta, g))
-                           for pos, desc, (kind, j, delta, g) in patches
+                patches = [(pos, desc, (kind, j.data_ptr() if kind == "static" else j, delta, g,
+                                        f))
+                           for pos, desc, (kind, j, delta, g, f) in patches
                            if kind != "static" or desc]
             # Every patched position is written at each replay: the template keeps no tensor
             # of the recorded call (a bound call would otherwise hold its first call's inputs,
@@ -549,7 +605,7 @@ class Bound:
             vals = list(vals)
             for pos, desc, _src in patches:
                 vals[pos] = _rebased(vals[pos], vals[pos].base.data_ptr()) if desc else None
-            direct = None if INTERPRET else _Direct.of(compiled, list(vals))
+            direct = None if INTERPRET else _Direct.of(compiled, list(vals), patches, slots)
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))
         del self._tensors, self._spans, self._ptrs
@@ -558,11 +614,11 @@ class Bound:
         p = t.data_ptr()
         geom = (tuple(t.shape), t.stride(), t.dtype)
         if p in self._out_ptr:
-            return ("out", self._out_ptr[p], 0, geom)
+            return ("out", self._out_ptr[p], 0, geom, self._slot["out"] + self._out_ptr[p])
         if p in self._tmp:
-            return ("tmp", self._tmp[p], 0, geom)
+            return ("tmp", self._tmp[p], 0, geom, self._slot["tmp"] + self._tmp[p])
         if p in self._static and p not in self._ptrs:
-            return ("static", self._static[p], 0, geom)
+            return ("static", self._static[p], 0, geom, None)
         hits = [i for i, q in enumerate(self._ptrs) if q == p]
         if not hits:  # a view inside exactly one of the call's tensors (or its aliases: the
             # key holds which tensors share a pointer, so any of them gives the same address)
@@ -574,7 +630,7 @@ class Bound:
         delta = p - self._ptrs[i]
         if t.dtype != src.dtype or delta % src.element_size():
             raise _Unbindable("a view of another dtype or alignment")
-        return ("in", i, delta, geom)
+        return ("in", i, delta, geom, i)
 
     def replay(self, tensors: list, ptrs: list | None = None):
         """Launch for a call with this key (tensors: its tensors in order; ptrs: their
@@ -582,29 +638,34 @@ class Bound:
         dev = self.device
         stream = torch._C._cuda_getCurrentRawStream(dev.index) if self.cuda else None
         held = self.held if stream == self._held_stream else {}
-        outs = [held[j] if j in held else torch.empty_strided(s, st, dtype=dt, device=dev)
-                for j, (s, st, dt) in enumerate(self.outputs)]
+        outs = [held[j] if j in held else proto.new_empty_strided(s, st)
+                for j, proto, s, st in self._alloc]
         if INTERPRET:
             tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
                     else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
-        tmps = [_pool_ptr(dev, stream) if kind == "zeros"
-                else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
-        self.launch(pointers(tensors, outs, tmps, ptrs), stream)
+        tmps = []  # (the scratch tensors, alive until their launches are queued)
+        addrs = []
+        for kind, s, dt in self.scratch:
+            if kind == "zeros":
+                addrs.append(_pool_ptr(dev, stream))
+            else:
+                tmps.append(torch.empty(s, dtype=dt, device=dev))
+                addrs.append(tmps[-1].data_ptr())
+        self.launch(pointers(tensors, outs, addrs, ptrs), stream)
         return tuple(outs)
 
-    def launch(self, pools: dict, stream: int) -> None:
-        """The recorded launches on CUDA stream ``stream`` with the pointers of pools (as
-        ``pointers`` gives them): "in" (the call's tensors), "out" (its outputs) and "tmp" (its
-        scratch), each in order."""
+    def launch(self, ptrs: list, stream: int) -> None:
+        """The recorded launches on CUDA stream ``stream`` with the pointers ptrs (as
+        ``pointers`` gives them: the call's tensors', its outputs', its scratch's)."""
         for fn, g, template, patches, _, compiled, direct in self.launches:
             if direct is not None:
-                direct(g, stream, compiled, patches, pools)
+                direct(g, stream, compiled, ptrs)
                 continue
             a = template.copy()
-            for pos, desc, (kind, j, delta, _g) in patches:
-                ptr = (j if kind == "static" else pools[kind][j]) + delta
+            for pos, desc, (kind, j, delta, _g, f) in patches:
+                ptr = (j if kind == "static" else ptrs[f]) + delta
                 if desc:
                     a[pos] = _rebased(a[pos], ptr)
                 else:
@@ -616,7 +677,7 @@ class Bound:
         pools = {"in": tensors, "out": outs, "tmp": tmps}
         for fn, grid, template, patches, options, _, _d in self.launches:
             a = template.copy()
-            for pos, desc, (kind, j, delta, (size, stride, dtype)) in patches:
+            for pos, desc, (kind, j, delta, (size, stride, dtype), _f) in patches:
                 src = j if kind == "static" else pools[kind][j]
                 view = src.as_strided(size, stride,
                                       src.storage_offset() + delta // src.element_size())
@@ -696,7 +757,9 @@ class Memo:
         self._static_refs = [t for t in static if isinstance(t, torch.Tensor)]
         self._static = frozenset(id(t) for t in self._static_refs)
         self._bound: dict = {}
-        self._fast: dict = {}  # light key -> [(tensor guards, key)] of bound calls
+        # light key -> [(tensor guards, Bound)] of bound calls (a key's Bound is replaced only
+        # where none replays: unbound, and clear() empties both)
+        self._fast: dict = {}
         self.hits = self.records = self.refused = 0
 
     def add_static(self, tensors) -> None:
@@ -732,7 +795,7 @@ class Memo:
                     return None
                 values = _flatten(values, [])
                 break
-        sig = [Policy._version, extra, getattr(_TLS, "cap", 0)]
+        sig = [Policy._version, extra, _TLS.cap]
         light = sig.copy() if full else sig
         tensors = []
         ptrs = []
@@ -761,9 +824,9 @@ class Memo:
                 elif full:
                     off = a.storage_offset()
                     sig.append((a.shape, a.stride(), a.dtype, d, off, p & 15))
-                    light.append((off, p & 15))
-                else:
-                    sig.append((a.storage_offset(), p & 15))
+                    light.append(off << 4 | p & 15)
+                else:  # (the storage offset and the pointer's alignment as one number)
+                    sig.append(a.storage_offset() << 4 | p & 15)
             elif kind in _PLAIN_VALUES:  # most other arguments: options and flags (by type
                 sig.append((kind, a))  # too: True == 1 == 1.0, and the checks tell them apart)
                 if full:
@@ -807,9 +870,9 @@ class Memo:
             return None
         if entries:
             guarded = kt[3]
-            for guards, key in reversed(entries):  # (the newest first)
+            for guards, bound in reversed(entries):  # (the newest first)
                 if guards.check(*guarded):
-                    return self.lookup(key, kt[1], kt[2])
+                    return self._replay(bound, kt[1], kt[2])
         return None
 
     def find(self, values, extra=()):
@@ -825,9 +888,9 @@ class Memo:
         key, tensors, ptrs, light = kt
         return self.lookup(key, tensors, ptrs, light), kt
 
-    def _guard(self, light, key, tensors) -> None:
-        """Keep tensor guards of this call's tensors beside its key, under its light key, for
-        replay_fast (the GUARDS newest a light key; none without Dynamo's guards)."""
+    def _guard(self, light, bound, tensors) -> None:
+        """Keep tensor guards of this call's tensors beside its bound call, under its light
+        key, for replay_fast (the GUARDS newest a light key; none without Dynamo's guards)."""
         if _TensorGuards is None:
             return
         entries = self._fast.setdefault(light, [])
@@ -836,7 +899,7 @@ class Memo:
         tensors = _distinct(tensors)
         entries.append((_TensorGuards(
             *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-            dynamic_dims_strides=[list(t.stride()) for t in tensors]), key))
+            dynamic_dims_strides=[list(t.stride()) for t in tensors]), bound))
 
     def lookup(self, key, tensors, ptrs=None, light=None):
         """The replayed outputs of a call with this key, or None (unbound, refused, not
@@ -848,14 +911,19 @@ class Memo:
             bound = self._bound.get(key)
         except TypeError:  # an argument that is no tensor and no plain value: unhashable
             return None
-        if (bound is None or bound is _UNBOUND or _recorder() is not None
-                or not _replayable(bound.cuda)):
+        if bound is None or bound is _UNBOUND:
+            return None
+        out = self._replay(bound, tensors, ptrs)
+        if out is not None and light is not None:
+            self._guard(light, bound, tensors)
+        return out
+
+    def _replay(self, bound: Bound, tensors: list, ptrs: list | None):
+        """bound's replay for these tensors, or None where none may replay now."""
+        if _recorder() is not None or not _replayable(bound.cuda):
             return None
         self.hits += 1
-        out = bound.replay(tensors, ptrs)
-        if light is not None:
-            self._guard(light, key, tensors)
-        return out
+        return bound.replay(tensors, ptrs)
 
     def known_unbound(self, key) -> bool:
         """Whether a call with this key takes the full path unrecorded: refused before, or
@@ -892,7 +960,7 @@ class Memo:
             self.clear()
         self._bound[key] = bound
         if bound is not _UNBOUND and light is not None:
-            self._guard(light, key, tensors)
+            self._guard(light, bound, tensors)
         return result
 
 
