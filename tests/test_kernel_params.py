@@ -202,11 +202,12 @@ def test_direct_launch_passes_bundles_as_they_are():
     t = torch.zeros(4)
     rows = (16, 1)
     template = [t.data_ptr(), Desc(t, [64, 128]), rows, 0.5, tl.constexpr(3)]
-    direct = launch._Direct(L, lambda *a: calls.append(a), {1}, [None], nvd, template)
+    patches = [(0, False, ("in", 0, 0, None, 0)), (1, True, ("in", 1, 0, None, 1))]
+    direct = launch._Direct(L, lambda *a: calls.append(a), {1}, [None], nvd, template, patches,
+                            2)
     u = torch.zeros(4)
     direct((2, 1, 1), 0, SimpleNamespace(function=0, packed_metadata=()),
-           [(0, False, ("in", 0, 0, None)), (1, True, ("in", 1, 0, None))],
-           {"in": [u.data_ptr(), u.data_ptr()]})
+           [u.data_ptr(), u.data_ptr()])
     (args,) = calls
     assert list(args[13:]) == [u.data_ptr(), ("map", u.data_ptr()), 7, 1, rows, 0.5,
                                template[4]]
