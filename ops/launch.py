@@ -458,17 +458,17 @@ class _Direct:
         self.shifted = []   # (pointer index, byte offset)
         self.descs = []     # (descriptor position, pointer index, byte offset)
         into = {}           # expanded position -> (part, index in it)
-        for pos, desc, (kind, j, delta, _g, flat) in patches:
+        for pos, desc, (kind, j, delta, _g) in patches:
             if desc and kind == "static":  # a base fixed while the memo holds it
                 fixed[at[pos]] = self._first(pos, j + delta)
             elif desc:
                 into[at[pos]] = ("desc", len(self.descs))
-                self.descs.append((pos, flat, delta))
+                self.descs.append((pos, j, delta))
             elif delta:
                 into[at[pos]] = ("shift", len(self.shifted))
-                self.shifted.append((flat, delta))
+                self.shifted.append((j, delta))
             else:
-                into[at[pos]] = ("ptr", flat)
+                into[at[pos]] = ("ptr", j)
         base = {"ptr": len(fixed), "shift": len(fixed) + slots,
                 "desc": len(fixed) + slots + len(self.shifted)}
         order = [base[into[e][0]] + into[e][1] if e in into else e for e in range(len(fixed))]
@@ -524,12 +524,12 @@ HELD_MAX_BYTES = 256 << 10
 class Bound:
     """One recorded call, replayable for calls with the same key.
 
-    Each tensor argument of a launch (or a descriptor's base) has a source: ("in", i, delta)
-    the call's i-th tensor's pointer plus delta bytes (0, or a view inside that tensor alone),
-    ("out", j) its j-th output, ("tmp", j) the j-th scratch buffer, ("static", t) a tensor the
-    caller keeps alive and unchanged (a plan's); with the view geometry (size, stride, dtype)
-    the interpreter's replay rebuilds, and the source's index in the pointers a replay passes
-    (pointers(): the call's tensors', outputs', scratch's; None for a static one)."""
+    Each tensor argument of a launch (or a descriptor's base) has a source (kind, index,
+    delta, geometry): the pointer at that index of what a replay passes (pointers(): the
+    call's tensors, then its outputs, then its scratch buffers; kind "in", "out", "tmp") plus
+    delta bytes (0, or a view inside one of the call's tensors alone), or ("static", t) a
+    tensor the caller keeps alive and unchanged (a plan's); with the view geometry (size,
+    stride, dtype) the interpreter's replay rebuilds."""
 
     def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=(), discard=()):
         if rec.problem:
@@ -573,8 +573,8 @@ class Bound:
             self._tmp[p] = len(self.scratch)
             self.scratch.append(spec)
         # a source's first index in the pointers a replay passes (pointers())
-        self._slot = {"in": 0, "out": len(tensors), "tmp": len(tensors) + len(self.outputs)}
-        slots = self._slot["tmp"] + len(self.scratch)
+        self._first_out = len(tensors)
+        slots = len(tensors) + len(self.outputs) + len(self.scratch)
         self.launches = []
         for fn, grid, vals, options, compiled in rec.launches:
             patches = []
@@ -591,12 +591,11 @@ class Bound:
                 # A static tensor's pointer is fixed while the memo holds it: bound into the
                 # template once (the interpreter's replay rebuilds views, so it keeps them).
                 vals = list(vals)
-                for pos, desc, (kind, j, delta, _g, _f) in patches:
+                for pos, desc, (kind, j, delta, _g) in patches:
                     if kind == "static" and not desc:
                         vals[pos] = j.data_ptr() + delta
-                patches = [(pos, desc, (kind, j.data_ptr() if kind == "static" else j, delta, g,
-                                        f))
-                           for pos, desc, (kind, j, delta, g, f) in patches
+                patches = [(pos, desc, (kind, j.data_ptr() if kind == "static" else j, delta, g))
+                           for pos, desc, (kind, j, delta, g) in patches
                            if kind != "static" or desc]
             # Every patched position is written at each replay: the template keeps no tensor
             # of the recorded call (a bound call would otherwise hold its first call's inputs,
@@ -614,11 +613,11 @@ class Bound:
         p = t.data_ptr()
         geom = (tuple(t.shape), t.stride(), t.dtype)
         if p in self._out_ptr:
-            return ("out", self._out_ptr[p], 0, geom, self._slot["out"] + self._out_ptr[p])
+            return ("out", self._first_out + self._out_ptr[p], 0, geom)
         if p in self._tmp:
-            return ("tmp", self._tmp[p], 0, geom, self._slot["tmp"] + self._tmp[p])
+            return ("tmp", self._first_out + len(self.outputs) + self._tmp[p], 0, geom)
         if p in self._static and p not in self._ptrs:
-            return ("static", self._static[p], 0, geom, None)
+            return ("static", self._static[p], 0, geom)
         hits = [i for i, q in enumerate(self._ptrs) if q == p]
         if not hits:  # a view inside exactly one of the call's tensors (or its aliases: the
             # key holds which tensors share a pointer, so any of them gives the same address)
@@ -630,7 +629,7 @@ class Bound:
         delta = p - self._ptrs[i]
         if t.dtype != src.dtype or delta % src.element_size():
             raise _Unbindable("a view of another dtype or alignment")
-        return ("in", i, delta, geom, i)
+        return ("in", i, delta, geom)
 
     def replay(self, tensors: list, ptrs: list | None = None):
         """Launch for a call with this key (tensors: its tensors in order; ptrs: their
@@ -664,8 +663,8 @@ class Bound:
                 direct(g, stream, compiled, ptrs)
                 continue
             a = template.copy()
-            for pos, desc, (kind, j, delta, _g, f) in patches:
-                ptr = (j if kind == "static" else ptrs[f]) + delta
+            for pos, desc, (kind, j, delta, _g) in patches:
+                ptr = (j if kind == "static" else ptrs[j]) + delta
                 if desc:
                     a[pos] = _rebased(a[pos], ptr)
                 else:
@@ -674,11 +673,11 @@ class Bound:
                          None, None, None, *a)
 
     def _replay_interpreted(self, tensors, outs, tmps):
-        pools = {"in": tensors, "out": outs, "tmp": tmps}
+        pools = [*tensors, *outs, *tmps]  # (in the order of pointers())
         for fn, grid, template, patches, options, _, _d in self.launches:
             a = template.copy()
-            for pos, desc, (kind, j, delta, (size, stride, dtype), _f) in patches:
-                src = j if kind == "static" else pools[kind][j]
+            for pos, desc, (kind, j, delta, (size, stride, dtype)) in patches:
+                src = j if kind == "static" else pools[j]
                 view = src.as_strided(size, stride,
                                       src.storage_offset() + delta // src.element_size())
                 a[pos] = dataclasses.replace(a[pos], base=view) if desc else view
@@ -846,7 +845,8 @@ class Memo:
         guarded = tensors  # (the guards take each tensor object once)
         if len(set(ptrs)) != len(ptrs):
             tail.append(_alias_pattern(ptrs))
-            guarded = _distinct(tensors)
+            if not full:
+                guarded = _distinct(tensors)
         if cuda if full else tensors[0].is_cuda:  # (CUDA is initialized: a tensor is on it;
             tail.append(torch._C._cuda_getDevice())  # the guards fix each tensor's device)
         if not full:

@@ -202,7 +202,7 @@ def test_direct_launch_passes_bundles_as_they_are():
     t = torch.zeros(4)
     rows = (16, 1)
     template = [t.data_ptr(), Desc(t, [64, 128]), rows, 0.5, tl.constexpr(3)]
-    patches = [(0, False, ("in", 0, 0, None, 0)), (1, True, ("in", 1, 0, None, 1))]
+    patches = [(0, False, ("in", 0, 0, None)), (1, True, ("in", 1, 0, None))]
     direct = launch._Direct(L, lambda *a: calls.append(a), {1}, [None], nvd, template, patches,
                             2)
     u = torch.zeros(4)

@@ -71,9 +71,9 @@ def _setup():
     recorded = [_Desc(launch._Ptr(1000), [8, 4], [4, 1], [2, 4]), None, 5,
                 _Desc(launch._Ptr(2032), [6, 2], [2, 1], [2, 2]), None, (1, 2.5, True),
                 _Desc(launch._Ptr(9000), [3, 3], [3, 1], [1, 3])]
-    patches = [(0, True, ("in", 0, 0, None, 0)), (1, False, ("out", 0, 0, None, 2)),
-               (3, True, ("in", 1, 32, None, 1)), (4, False, ("in", 1, 16, None, 1)),
-               (6, True, ("static", 9000, 0, None, None))]
+    patches = [(0, True, ("in", 0, 0, None)), (1, False, ("out", 2, 0, None)),
+               (3, True, ("in", 1, 32, None)), (4, False, ("in", 1, 16, None)),
+               (6, True, ("static", 9000, 0, None))]
     L = CudaLauncher(_wrapped(c_launcher, {0, 3, 6}, ["m0", "m3", None]))
     compiled = _Compiled(L)
     direct = launch._Direct.of(compiled, recorded, patches, 4)
@@ -126,5 +126,5 @@ def test_direct_needs_triton_36s_launcher(nvd, monkeypatch):
     monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 14, raising=False)
     L = CudaLauncher(_wrapped(lambda *a: None, {0}, [None]))
     assert launch._Direct.of(_Compiled(L), [_Desc(launch._Ptr(16), [1], [1], [1])],
-                             [(0, True, ("in", 0, 0, None, 0))], 1) is None
+                             [(0, True, ("in", 0, 0, None))], 1) is None
     assert "triton.backends.nvidia.driver" in sys.modules
