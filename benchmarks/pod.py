@@ -162,12 +162,15 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
     small to hide under the prefill, or a fused launch that would be the Triton kernel's) or
     "side" (two launches at once on two streams, ops.choose.pod_side: both parts large, or
     decodes much larger than a large prefill); "decode_chunks", the key chunks a request its
-    decodes run in (compiled_attn.pod's decode key chunks; 0: uncut); and "side_programs", the
-    decodes' programs side by side (their grid's cap; 0: not side by side)."""
+    decodes run in (compiled_attn.pod's decode key chunks; 0: uncut); "side_programs", the
+    decodes' programs side by side (their grid's cap; 0: not side by side); and
+    "swap_decodes", whether a fused launch runs its decode items on the swapped products
+    (ops.choose.pod_swap_decodes; one-row requests, so rows and requests are the decodes)."""
     import torch
 
     import compiled_attn
     from compiled_attn import pod as pod_mod
+    from compiled_attn.ops import choose
 
     i32 = dict(dtype=torch.int32)
     kw = dict(q_data_type=torch.bfloat16)
@@ -189,9 +192,14 @@ def launch_plan(case: PodCase, captured: bool = False) -> dict:
         apart = w._launch_apart(True, captured=captured)
         side = w._launch_side(True)
     c = pod_mod._chunks_for(w._plan, apart or side, tiles)
+    p = w._plan
+    fused = not (apart or side)
     return dict(launch="side" if side else "apart" if apart else "fused",
                 decode_chunks=0 if c is None else int(c["merge"][:, 2].max()),
-                side_programs=side)
+                side_programs=side,
+                swap_decodes=bool(fused and p["fused_gluon"] and choose.pod_swap_decodes(
+                    p["block_m"], D, case.page, case.decodes, case.hq // case.hkv,
+                    case.decodes)))
 
 
 def launch_choice(case: PodCase) -> str:
@@ -212,11 +220,14 @@ def _work(provider: str) -> str:
 
 
 def assemble(case: PodCase, results: dict, diff: float | None = None,
-             fi_diff: float | None = None) -> list[dict]:
+             fi_diff: float | None = None, states: dict | None = None) -> list[dict]:
     """The case's rows from results: (provider, mode) -> median microseconds (float) or the
     reason it has none (str; "unavailable: ..." or "skipped: ..." mark a row unavailable, other
     text a failure). diff: POD's eager max abs difference from the parts alone; fi_diff:
-    FlashInfer POD's outputs against ours (eager)."""
+    FlashInfer POD's outputs against ours (eager); states: (provider, mode) -> the GPU's state
+    over the timed calls (providers.Timing.state: SM clock, power, temperature; medians), kept
+    in the timed rows (a fused launch and its parts apart may run at different clocks under
+    sustained load)."""
     rows = []
     fields = dict(kind=case.kind, prefill_lens=list(case.prefill_lens), decodes=case.decodes,
                   kv=case.kv, Hq=case.hq, Hkv=case.hkv, D=D, page_size=case.page,
@@ -232,6 +243,7 @@ def assemble(case: PodCase, results: dict, diff: float | None = None,
             w = _work(prov)
             row.update(status="ok", median_us=v, median_ms=v / 1e3,
                        tflops=0.0 if w == "none" else case.flops(w) / (v * 1e-6) / 1e12)
+            row.update((states or {}).get((prov, mode), {}))
         rows.append(row)
     us = {(r["provider"], r["mode"]): r["median_us"] for r in rows}
     copy_bytes = min(case.decode_bytes(), COPY_CAP)
@@ -576,8 +588,10 @@ def run_case(case: PodCase, args) -> list[dict]:
     # compares on the same inputs)
     diff = _max_diff(calls) if callable(calls.get("ours_pod")) else None
     say("POD checked against its parts and FlashInfer's POD")
+    states = {}
     for key, t in zip(keys, bench(runners, args.warmup_ms, args.rep_ms, True, args.rounds)):
         res[key] = t.median_ms * 1e3 if t.error is None else _err(t.error)
+        states[key] = t.state
     say("timed")
     after = _max_diff(calls) if callable(calls.get("ours_pod")) else None
     if after != diff and isinstance(res.get(("ours_pod", "eager")), float):
@@ -585,7 +599,7 @@ def run_case(case: PodCase, args) -> list[dict]:
         # calls (bound launches replayed many times) it must give the bits it gave before them
         res["ours_pod", "eager"] = (f"failed: after the timed calls POD's eager output differs "
                                     f"from its parts by {after} (before them: {diff})")
-    return assemble(case, uncaptured(res, providers_for(case)), diff, fi_diff)
+    return assemble(case, uncaptured(res, providers_for(case)), diff, fi_diff, states)
 
 
 def uncaptured(res: dict, providers) -> dict:

@@ -789,9 +789,13 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     res.update({(p, "graph"): v * 0.9 for p, v in t.items()})
     res["fi_pod", "graph"] = "RuntimeError: capture refused"
     res["copy", "graph"] = "skipped: --no-flashinfer"
-    rows = pod.assemble(case, res, diff=0.01, fi_diff=0.02)
+    state = dict(sm_clock_mhz=1755, power_w=640, temp_c=61)
+    rows = pod.assemble(case, res, diff=0.01, fi_diff=0.02, states={("ours_pod", "eager"): state})
     assert len(rows) == len(pod.PROVIDERS) * 2
     by = {(r["provider"], r["mode"]): r for r in rows}
+    assert (by["ours_pod", "eager"]["sm_clock_mhz"], by["ours_pod", "eager"]["power_w"]) == \
+        (1755, 640)
+    assert "sm_clock_mhz" not in by["ours_apart", "eager"]
     assert by["fi_pod", "eager"]["max_abs_diff_vs_ours"] == 0.02
     assert "max_abs_diff_vs_ours" not in by["ours_pod", "eager"]
     e = by["ours_pod", "eager"]
@@ -824,13 +828,16 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
            pod.PodCase("batch_pod", pod.BATCH_PREFILLS, 16, 4096, 32, 8, 1),
            pod.PodCase("pod", (8192,), 128, 32768, 32, 8, 16)]
     # (side by side: the decodes' programs, half the SMs, or for the decode-heavy last case
-    # their share of both parts' bytes, at most 0.8 of the SMs)
+    # their share of both parts' bytes, at most 0.8 of the SMs; the fused launches' decode
+    # items on the swapped products where their pages take TMA boxes, not on page 1's gathers)
     assert [pod.launch_plan(c) for c in few] == [
-        dict(launch="fused", decode_chunks=8, side_programs=0),
-        dict(launch="side", decode_chunks=4, side_programs=66),
-        dict(launch="fused", decode_chunks=0, side_programs=0),
-        dict(launch="fused", decode_chunks=4, side_programs=0),
-        dict(launch="side", decode_chunks=0, side_programs=106)]
+        dict(launch="fused", decode_chunks=8, side_programs=0, swap_decodes=True),
+        dict(launch="side", decode_chunks=4, side_programs=66, swap_decodes=False),
+        dict(launch="fused", decode_chunks=0, side_programs=0, swap_decodes=True),
+        dict(launch="fused", decode_chunks=4, side_programs=0, swap_decodes=False),
+        dict(launch="side", decode_chunks=0, side_programs=106, swap_decodes=False)]
+    with override(pod_decode_swap=False):
+        assert not pod.launch_plan(few[0])["swap_decodes"]
     g = by["ours_pod", "graph"]
     assert g["ratio_vs_apart"] == pytest.approx(600 / 500) and "ratio_vs_fi_pod" not in g
     assert by["fi_pod", "graph"]["status"] == "failed"
@@ -953,9 +960,9 @@ def _stub_run_case(monkeypatch, max_diff, checked_graph) -> dict:
     monkeypatch.setattr(pod, "_max_diff", max_diff)
     monkeypatch.setattr(pod, "checked_graph", checked_graph)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    timing = type("T", (), dict(median_ms=0.1, error=None, state={}))
     monkeypatch.setattr("benchmarks.providers.bench",
-                        lambda runners, *a: [type("T", (), dict(median_ms=0.1, error=None))()
-                                             for _ in runners])
+                        lambda runners, *a: [timing() for _ in runners])
     args = argparse.Namespace(no_flashinfer=True, compiled=False, warmup_ms=1, rep_ms=1,
                               rounds=1)
     return {(r["provider"], r["mode"]): r
