@@ -16,6 +16,9 @@ Run on the GPU machine: ``python -m benchmarks.host --out benchmarks/results/hos
 FlashInfer's POD; a module missing from FlashInfer's JIT cache builds for minutes on first use).
 The row "single_prefill_torch_ops" is the op called as a serving engine may call it,
 ``torch.ops.compiled_attn.single_prefill`` (through torch's dispatcher), beside SDPA's aten op.
+The *_plan cases time plan() (ragged, paged, POD, and our BatchPOD) as a serving step calls it
+before its layers' run() calls, on the same sizes, alternating two page orders; a plan reads its
+index arrays on the host, so these are wall times with the GPU idle, not queued calls.
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -69,6 +72,8 @@ def _inputs(dev):
         qo=torch.arange(NREQ + 1, dtype=torch.int32, device=dev) * LEN,
         kvi=torch.arange(NREQ + 1, dtype=torch.int32, device=dev) * (LEN // PAGE),
         idx=perm.to(dev), last=torch.full((NREQ,), PAGE, dtype=torch.int32, device=dev),
+        # a second page order: plan cases alternate the two, as a serving step's tables change
+        idx2=torch.randperm(pages, generator=g).to(torch.int32).to(dev),
         qd=rnd(NREQ, HQ, D), qo_d=torch.arange(NREQ + 1, dtype=torch.int32, device=dev),
         layers=[dict(q=rnd(n, HQ, D), cache=rnd(pages, 2, PAGE, HKV, D), q1=rnd(LEN, HQ, D),
                      k1=rnd(LEN, HKV, D), v1=rnd(LEN, HKV, D), qd=rnd(NREQ, HQ, D))
@@ -104,6 +109,29 @@ def _wrappers(mod, x, dev, name, single_backend="auto"):
     calls["paged_run"] = lambda: pw.run(x["q"], x["cache"])
     calls["paged_run_layers"] = _turns(lambda t: pw.run(t["q"], t["cache"]), x["layers"])
     return calls
+
+
+def _plans(mod, x, dev, name):
+    """Zero-argument plan() calls of module ``mod``'s wrappers (each its own wrapper, so that
+    no run() case's plan changes), alternating two page orders."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    rw = mod.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
+    pw = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+    dw = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
+    calls = {
+        "ragged_plan": lambda idx: rw.plan(x["qo"], x["qo"], HQ, HKV, D, causal=True,
+                                           q_data_type=DT),
+        "paged_plan": lambda idx: pw.plan(x["qo"], x["kvi"], idx, x["last"], HQ, HKV, D, PAGE,
+                                          causal=True, q_data_type=DT),
+        "pod_plan": lambda idx: dw.plan(x["kvi"], idx, x["last"], HQ, HKV, D, PAGE,
+                                        q_data_type=DT, kv_data_type=DT)}
+    if name == "compiled_attn":
+        bw = mod.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+        calls["batch_pod_plan"] = lambda idx: bw.plan(
+            x["qo"], x["kvi"], idx, x["last"], x["qo_d"], x["kvi"], idx, x["last"], HQ, HKV, D,
+            PAGE, q_data_type=DT, kv_data_type=DT)
+    return {case: _turns(call, [x["idx"], x["idx2"]]) for case, call in calls.items()}
 
 
 def _pod(mod, x, dev, layers: bool = False):
@@ -142,6 +170,8 @@ def providers(args) -> dict:
 
     for case, fn in _wrappers(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
+    for case, fn in _plans(ca, x, dev, "compiled_attn").items():
+        add(case, "compiled_attn", lambda fn=fn: fn)
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
@@ -152,13 +182,17 @@ def providers(args) -> dict:
             for case, fn in _wrappers(flashinfer, x, dev, "flashinfer",
                                       args.fi_single_backend).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
+            for case, fn in _plans(flashinfer, x, dev, "flashinfer").items():
+                if case != "pod_plan" or not args.no_fi_pod:
+                    add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
                 add("pod_run_layers", "flashinfer",
                     lambda: _pod(flashinfer, x, dev, layers=True))
         except Exception as e:  # noqa: BLE001
-            for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers"):
-                out[case, "flashinfer"] = f"{type(e).__name__}: {e}"
+            for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers",
+                         "ragged_plan", "paged_plan", "pod_plan"):
+                out.setdefault((case, "flashinfer"), f"{type(e).__name__}: {e}")
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention
     qs = x["q1"].transpose(0, 1).unsqueeze(0)
@@ -200,11 +234,19 @@ def _compiled(fn, *a):
     return lambda: c(*a)
 
 
-def host_us(fn, calls: int, sleep: int = 1_500_000_000) -> float:
-    """Host microseconds per call of fn, calls queued behind a GPU sleeping sleep cycles (by
-    default ~0.8 s: longer than the calls take to issue)."""
+# GPU cycles the run() cases' calls queue behind (~0.8 s: longer than the calls take to issue)
+SLEEP = 1_500_000_000
+# cases timed as wall time with the GPU idle: a plan() reads its index arrays on the host (a
+# copy that waits for the GPU), so it cannot queue behind a sleeping GPU
+PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan"})
+
+
+def host_us(fn, calls: int, sleep: int = SLEEP) -> float:
+    """Host microseconds per call of fn, calls queued behind a GPU sleeping sleep cycles (0:
+    no sleep, so the wall time of calls that wait for the GPU themselves)."""
     torch.cuda.synchronize()
-    torch.cuda._sleep(sleep)
+    if sleep:
+        torch.cuda._sleep(sleep)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -242,7 +284,8 @@ def main(argv=None):
             del times[k]
     for r in range(args.rounds):
         for k in times:
-            times[k].append(host_us(provs[k], args.calls))
+            # (a plan reads its index arrays on the host: timed with the GPU idle, wall time)
+            times[k].append(host_us(provs[k], args.calls, 0 if k[0] in PLAN_CASES else SLEEP))
     rows = assemble(provs, times)
     doc = dict(environment(), cpu=_cpu_model(), rows=rows,
                fi_single_backend=None if args.no_flashinfer else args.fi_single_backend)

@@ -397,16 +397,18 @@ def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = T
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
                          f"needed{given}: one offset per request plus the end")
     h = host_copy(name, t)
-    if int(h[0]) != 0 and (start_zero or int(h[0]) < 0):
+    # (checked on a list: a batch's offsets are few, and each torch op on a small host tensor
+    # costs microseconds of dispatch; plan() is on a serving step's path)
+    v = h.tolist()
+    if v[0] != 0 and (start_zero or v[0] < 0):
         raise ValueError(f"{name}: must start at 0{'' if start_zero else ' or more'}; got "
-                         f"{name}[0] = {int(h[0])}")
-    d = h[1:] - h[:-1]
-    if (d < 0).any():
-        i = int(torch.nonzero(d < 0)[0, 0])
-        raise ValueError(f"{name}: must be non-decreasing; {name}[{i + 1}] = {int(h[i + 1])} < "
-                         f"{name}[{i}] = {int(h[i])}")
-    if int(h[-1]) >= 2 ** 31:
-        raise ValueError(f"{name}: last entry {int(h[-1])} does not fit int32")
+                         f"{name}[0] = {v[0]}")
+    if any(map(operator.lt, v[1:], v)):
+        i = next(i for i in range(len(v) - 1) if v[i + 1] < v[i])
+        raise ValueError(f"{name}: must be non-decreasing; {name}[{i + 1}] = {v[i + 1]} < "
+                         f"{name}[{i}] = {v[i]}")
+    if v[-1] >= 2 ** 31:
+        raise ValueError(f"{name}: last entry {v[-1]} does not fit int32")
     return h
 
 
@@ -437,30 +439,30 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
         raise ValueError(f"page_size: got {page_size!r}; use a Python int >= 1")
     b = indptr.numel() - 1
     check_int(idx_n, check_tensor(idx_n, indices, ndim=1, what="[total pages]"))
-    used = int(indptr[-1])
+    ind = indptr.tolist()  # (the per-request checks on lists: host_indptr says why)
+    start, used = ind[0], ind[-1]
     if indices.numel() < used:
         raise ValueError(f"{ind_n}: ends at {used} but {idx_n} holds only {indices.numel()} "
                          f"entries; {idx_n} needs at least {ind_n}[-1] entries (entries past "
                          "it are ignored)")
     check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
-    start = int(indptr[0])
     idx_h = host_copy(idx_n, indices[start:used])
     if idx_h.numel() and int(idx_h.min()) < 0:
         i = int(torch.nonzero(idx_h < 0)[0, 0])
         raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "
                          "be >= 0")
     last_h = host_copy(last_n, last_page_len)
-    npages = indptr[1:] - indptr[:-1]
-    lo = torch.where(npages > 0, torch.ones_like(last_h), torch.zeros_like(last_h))
-    bad = (last_h < lo) | (last_h > page_size)
-    if bad.any():
-        r = int(torch.nonzero(bad)[0, 0])
-        rng = "[1, page_size]" if int(npages[r]) > 0 else "[0, page_size] (it has no pages)"
-        raise ValueError(f"{last_n}: entry {r} is {int(last_h[r])} but must be in {rng} with "
-                         f"page_size = {page_size}; it counts the tokens in the request's last "
-                         "page")
-    kv_len = torch.where(npages > 0, (npages - 1) * page_size + last_h, torch.zeros_like(last_h))
-    return indptr - start, idx_h, last_h, kv_len
+    npages = list(map(operator.sub, ind[1:], ind))
+    kv_len = []
+    for r, (n, last) in enumerate(zip(npages, last_h.tolist())):
+        if not (1 if n > 0 else 0) <= last <= page_size:
+            rng = "[1, page_size]" if n > 0 else "[0, page_size] (it has no pages)"
+            raise ValueError(f"{last_n}: entry {r} is {last} but must be in {rng} with "
+                             f"page_size = {page_size}; it counts the tokens in the request's "
+                             "last page")
+        kv_len.append((n - 1) * page_size + last if n > 0 else 0)
+    return (indptr - start if start else indptr, idx_h, last_h,
+            torch.tensor(kv_len, dtype=torch.int64))
 
 
 def page_table(names, indptr, indices, last_page_len, page_size: int, *,

@@ -37,25 +37,38 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
     then stream 32 requests' K/V and become memory-bound.) Without kv_lens, request-major in
     row order.
     """
-    items = [
-        (b, row)
-        for b, n in enumerate(qo_lens)
-        for row in range(0, int(n) * group_size, block_m)
-    ]
-    if kv_lens is not None:
-        def keys(item):
-            b, row = item
-            last_tok = min(row + block_m, int(qo_lens[b]) * group_size) // group_size
-            return min(int(kv_lens[b]), int(kv_lens[b]) - int(qo_lens[b]) + last_tok)
+    # (plain lists and C-level keys: plan() builds this on a serving step's path, so a decode
+    # batch, a tile a request, sorts once and skips the per-tile work)
+    qo = list(map(int, qo_lens))
+    flat: list[int] = []
+    if kv_lens is None:
+        for b, n in enumerate(qo):
+            for row in range(0, n * group_size, block_m):
+                flat += (b, row)
+        return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
+    kv = list(map(int, kv_lens))
+    # a request's heaviest tile is its last, which sees all kv_lens[b] keys: requests in order
+    # of their keys, longest first (reverse keeps ties in request order)
+    order = [b for b in sorted(range(len(qo)), key=kv.__getitem__, reverse=True) if qo[b]]
+    if max(qo, default=0) * group_size <= block_m:  # a tile a request (decode rows)
+        work = torch.zeros((len(order), 2), dtype=torch.int32)
+        work[:, 0] = torch.tensor(order, dtype=torch.int32)
+        return work.to(device)
+    for b in order:
+        n, k = qo[b], kv[b]
+        end = n * group_size
+        # each tile weighed by the keys its last row may see (the causal bound), heaviest
+        # first; the sort is stable, so equal tiles stay in row order
+        tiles = [(min(k, k - n + min(row + block_m, end) // group_size), row)
+                 for row in range(0, end, block_m)]
+        tiles.sort(key=_neg_weight)
+        for _, row in tiles:
+            flat += (b, row)
+    return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
 
-        weight = {it: keys(it) for it in items}
-        heaviest = {}
-        for (b, _), w in weight.items():
-            heaviest[b] = max(heaviest.get(b, 0), w)
-        # stable: ties keep request order, and row order within a request
-        items.sort(key=lambda it: (-heaviest[it[0]], it[0], -weight[it]))
-    work = torch.tensor(items, dtype=torch.int32).reshape(-1, 2)
-    return work.to(device)
+
+def _neg_weight(tile: tuple) -> int:
+    return -tile[0]
 
 
 def uniform_work(batch_size: int, qo_len: int, group_size: int, block_m: int,
