@@ -624,13 +624,16 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p.update(batch_size=b, max_page=max_page,
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-        p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], self.device)
+        # (the decodes' work lists built on the host and copied: on the device each is five
+        # small launches)
+        to = dict(device=self.device, non_blocking=non_blocking)
+        p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], "cpu").to(**to)
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
         p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
                                                 p["block_m"], p["kv_dtype"])
         p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
-            b, 1, p["group"], p["block_m_d"], self.device)
+            b, 1, p["group"], p["block_m_d"], "cpu").to(**to)
         p["chunks"] = p["chunks_apart"] = None
         qo_h = torch.arange(b + 1, dtype=torch.int32)
         if self._use_cuda_graph:

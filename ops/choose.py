@@ -99,9 +99,18 @@ def device_of(device: torch.device) -> Device:
     return _cuda_device(torch.cuda.current_device() if device.index is None else device.index)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_present() -> bool:
+    """torch.cuda.is_available(), asked once (a plan asks _plan_device several times)."""
+    return torch.cuda.is_available()
+
+
+_CUDA_DEVICE, _CPU_DEVICE = torch.device("cuda"), torch.device("cpu")
+
+
 def _plan_device() -> Device:
     """The device plans are made for when none is named: the current CUDA device, if any."""
-    return device_of(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return device_of(_CUDA_DEVICE if _cuda_present() else _CPU_DEVICE)
 
 
 def eager_launch() -> bool:
