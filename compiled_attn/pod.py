@@ -49,6 +49,7 @@ from .ops import choose
 from .ops import decode_chunks as _chunks
 from .ops.launch import Memo, adopt_scratch, plain_tensors, programs_cap, untraced
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
+from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
 from .prefill import _split_v_scale, _WrapperBase
@@ -77,12 +78,35 @@ class _PODBase(_WrapperBase):
         self._kv_layout = V.check_kv_layout(kv_layout)
         self._plan = None
         self._use_cuda_graph = False
+        self._options_at = (None, None)  # (_options_key, the options it gave): _plan_options
+
+    def _options_key(self, args: dict):
+        """What _plan_options' answer depends on: the option arguments with their types (so
+        that True and 1 stay apart: the checks tell them apart), the wrapper's device, the
+        launch policy's version and the device plans are made for; None where an argument is
+        unhashable."""
+        key = (tuple((type(args[k]), args[k]) for k in _OPTION_ARGS), self.device,
+               policy_version(), choose._plan_device())
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def _plan_options(self, args: dict) -> dict:
         """The plan dict's options, from a POD plan()'s arguments by FlashInfer name
         (PlanOptions.of_pod), with the tile height and the ALiBi slopes (alibi: the plan's
         ALiBi, or None; alibi_run: the same slopes whatever the mode, for a run() that asks
-        ALiBi of a plan without it)."""
+        ALiBi of a plan without it). A serving step re-plans with the same options: the
+        previous plan's answer is reused where its key (_options_key) is the same."""
+        key = self._options_key(args)
+        if key is not None and key == self._options_at[0]:
+            return dict(self._options_at[1])
+        opts = self._make_plan_options(args)
+        self._options_at = (key, dict(opts))
+        return opts
+
+    def _make_plan_options(self, args: dict) -> dict:
         o = PlanOptions.of_pod(args, self.device.type)
         plain = o.pos_encoding_mode == POS_NONE and o.window_left < 0
         fused = choose.pod_fused_gluon(o.head_dim_qk, args["page_size"], o.kv_dtype, plain=plain)
@@ -263,6 +287,11 @@ class _PODBase(_WrapperBase):
 # where a copy from the host would not run); read only, kept for the process (a few floats
 # each).
 _run_slopes = functools.cache(get_alibi_slopes)
+
+# The plan() arguments PlanOptions.of_pod and _PODBase._plan_options read (both POD plans).
+_OPTION_ARGS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "pos_encoding_mode",
+                "window_left", "q_data_type", "kv_data_type", "data_type", "sm_scale",
+                "rope_scale", "rope_theta")
 
 
 def _merged(out_d, lse_d, merge, requests: int):
@@ -624,16 +653,16 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p.update(batch_size=b, max_page=max_page,
                  qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-        # (the decodes' work lists built on the host and copied: on the device each is five
+        # (the decodes' work lists built on the host and copied: on the device each was five
         # small launches)
         to = dict(device=self.device, non_blocking=non_blocking)
-        p["work_d"] = uniform_work(b, 1, p["group"], p["block_m"], "cpu").to(**to)
+        p["work_d"] = build_work([1] * b, p["group"], p["block_m"], "cpu").to(**to)
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
         p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
                                                 p["block_m"], p["kv_dtype"])
-        p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else uniform_work(
-            b, 1, p["group"], p["block_m_d"], "cpu").to(**to)
+        p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else build_work(
+            [1] * b, p["group"], p["block_m_d"], "cpu").to(**to)
         p["chunks"] = p["chunks_apart"] = None
         qo_h = torch.arange(b + 1, dtype=torch.int32)
         if self._use_cuda_graph:

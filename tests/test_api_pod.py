@@ -750,3 +750,47 @@ def test_pod_side_decision(qo, n_dec, kv_d, hq, page, programs, monkeypatch):
             assert w._launch_side(qo, qo, True) == 0
     with override(**POD_SIDE):
         assert w._launch_side(qo, qo, True) == 66
+
+
+@pytest.mark.parametrize("kind", ["pod", "batch_pod"])
+def test_replan_reuses_the_options_only_while_they_are_the_same(kind, monkeypatch):
+    # A serving step re-plans with the same options: plan() takes them from the previous plan
+    # of the wrapper. Any option (its type too: True is no window), the launch policy or the
+    # device plans are made for changing makes them anew, and a bad one still raises.
+    from compiled_attn._plan_options import PlanOptions
+    from compiled_attn.ops import choose, policy
+
+    made = []
+    of_pod = PlanOptions.of_pod.__func__
+    monkeypatch.setattr(PlanOptions, "of_pod",
+                        classmethod(lambda cls, *a: made.append(1) or of_pod(cls, *a)))
+    _, kvi, idx, last, _, _ = make_paged(KV_D, 2, 32, 32, 4, dtype=torch.float32, seed=3)
+    if kind == "pod":
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+
+        def plan(**kw):
+            w.plan(kvi, idx, last, 4, 2, 32, 4, q_data_type=torch.float32, **kw)
+    else:
+        w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+        qo = indptr([1] * len(KV_D))
+
+        def plan(**kw):
+            w.plan(qo, kvi, idx, last, qo, kvi, idx, last, 4, 2, 32, 4,
+                   q_data_type=torch.float32, **kw)
+    plan(window_left=3)
+    plan(window_left=3)
+    assert len(made) == 1 and w._plan["window_left"] == 3
+    plan(window_left=1)
+    assert len(made) == 2 and w._plan["window_left"] == 1
+    with pytest.raises(ValueError, match="window_left: got True"):
+        plan(window_left=True)
+    plan(window_left=1, sm_scale=0.5)
+    assert len(made) == 4 and w._plan["sm_scale"] == 0.5
+    with policy.override(pod_apart_balance=0.0):
+        plan(window_left=1, sm_scale=0.5)
+    assert len(made) == 5
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    plan(window_left=1, sm_scale=0.5)
+    assert len(made) == 6
+    plan(window_left=1, sm_scale=0.5)
+    assert len(made) == 6
