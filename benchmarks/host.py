@@ -284,7 +284,6 @@ def main(argv=None):
             del times[k]
     for r in range(args.rounds):
         for k in times:
-            # (a plan reads its index arrays on the host: timed with the GPU idle, wall time)
             times[k].append(host_us(provs[k], args.calls, 0 if k[0] in PLAN_CASES else SLEEP))
     rows = assemble(provs, times)
     doc = dict(environment(), cpu=_cpu_model(), rows=rows,

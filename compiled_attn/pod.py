@@ -107,6 +107,7 @@ class _PODBase(_WrapperBase):
         return opts
 
     def _make_plan_options(self, args: dict) -> dict:
+        """_plan_options' answer, made from the arguments."""
         o = PlanOptions.of_pod(args, self.device.type)
         plain = o.pos_encoding_mode == POS_NONE and o.window_left < 0
         fused = choose.pod_fused_gluon(o.head_dim_qk, args["page_size"], o.kv_dtype, plain=plain)
@@ -626,6 +627,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             length_from=None if b is None else f"last_page_len's {b} entries")
         b = ind_h.numel() - 1
         p = self._plan_options(args)
+        to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
@@ -647,7 +649,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p.update(kv_indptr=self._bufs["paged_kv_indptr_buffer"], kv_indices=nb,
                      last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
         else:
-            to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
             p.update(kv_indptr=ind_h.to(**to), kv_indices=idx_h.to(**to),
                      last_page_len=last_h.to(**to))
         p.update(batch_size=b, max_page=max_page,
@@ -655,7 +656,6 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         # (the decodes' work lists built on the host and copied: on the device each was five
         # small launches)
-        to = dict(device=self.device, non_blocking=non_blocking)
         p["work_d"] = build_work([1] * b, p["group"], p["block_m"], "cpu").to(**to)
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.

@@ -71,13 +71,9 @@ def _launches_only(bound, tensors):
     """bound's launches with fixed outputs and scratch (Bound.replay without allocations)."""
     dev = bound.device
     outs = [torch.empty_strided(s, st, dtype=dt, device=dev) for s, st, dt in bound.outputs]
-    tmps = [torch.empty(s, dtype=dt, device=dev) for kind, s, dt in bound.scratch
-            if kind != "zeros"]
-    it = iter(tmps)
-    pools = launch.pointers(tensors, outs, [launch._pool_ptr(dev) if kind == "zeros"
-                                            else next(it).data_ptr()
-                                            for kind, _s, _dt in bound.scratch])
     stream = torch._C._cuda_getCurrentRawStream(dev.index)
+    tmps, addrs = bound.scratch_pointers(stream)
+    pools = launch.pointers(tensors, outs, addrs)
     # (pools holds pointers only: the closure keeps the outputs and scratch alive)
     return lambda keep=(outs, tmps): bound.launch(pools, stream)
 

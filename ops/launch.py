@@ -644,16 +644,21 @@ class Bound:
                     else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
-        tmps = []  # (the scratch tensors, alive until their launches are queued)
-        addrs = []
-        for kind, s, dt in self.scratch:
-            if kind == "zeros":
-                addrs.append(_pool_ptr(dev, stream))
-            else:
-                tmps.append(torch.empty(s, dtype=dt, device=dev))
-                addrs.append(tmps[-1].data_ptr())
+        tmps, addrs = self.scratch_pointers(stream)  # (tmps alive until the launches queue)
         self.launch(pointers(tensors, outs, addrs, ptrs), stream)
         return tuple(outs)
+
+    def scratch_pointers(self, stream: int | None) -> tuple[list, list]:
+        """(the scratch tensors a replay allocates, the addresses of every scratch buffer in
+        order: a zeroed counter slot of ``stream``'s pool, or a fresh tensor's)."""
+        tmps, addrs = [], []
+        for kind, s, dt in self.scratch:
+            if kind == "zeros":
+                addrs.append(_pool_ptr(self.device, stream))
+            else:
+                tmps.append(torch.empty(s, dtype=dt, device=self.device))
+                addrs.append(tmps[-1].data_ptr())
+        return tmps, addrs
 
     def launch(self, ptrs: list, stream: int) -> None:
         """The recorded launches on CUDA stream ``stream`` with the pointers ptrs (as
