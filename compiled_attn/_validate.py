@@ -374,17 +374,24 @@ def check_writable(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def host_copy(name: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """A host copy of argument ``name`` in ``dtype`` (a device sync when it lives on a GPU)."""
-    return check_readable(name, t).detach().to("cpu", dtype)
+def host_copy(name: str, t: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
+    """A host copy of integer argument ``name`` (a device sync when it lives on a GPU): int32
+    where t is int32, else int64 (a plan sends its index arrays to the device as int32, and
+    each dtype conversion of a small tensor costs microseconds; a host int32 or int64 tensor is
+    returned as it is). hosts: _host.gather_host's copies of a plan's arguments,
+    {id(tensor): copy}; t's is taken from there when it is one of them."""
+    if hosts and id(t) in hosts:
+        return hosts[id(t)]
+    t = check_readable(name, t).detach()
+    return t.to("cpu", torch.int32 if t.dtype == torch.int32 else torch.int64)
 
 
 def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = True,
-                length_from: str | None = None) -> torch.Tensor:
-    """A host int64 copy of an indptr array, checked: 1-D integer, at least one entry, starts at
-    0 (start_zero; else at 0 or more), non-decreasing, and of length `length` when given
-    (batch size + 1; length_from: what set it, named in the error: "qo_indptr",
-    "last_page_len's 3 entries")."""
+                length_from: str | None = None, hosts: dict | None = None) -> torch.Tensor:
+    """A host copy (host_copy's, int32 or int64) of an indptr array, checked: 1-D integer, at
+    least one entry, starts at 0 (start_zero; else at 0 or more), non-decreasing, and of
+    length `length` when given (batch size + 1; length_from: what set it, named in the error:
+    "qo_indptr", "last_page_len's 3 entries"); hosts: host_copy's."""
     if not torch.is_tensor(t):
         raise TypeError(f"{name}: expected a 1-D integer tensor [batch_size + 1]; got "
                         f"{type(t).__name__}")
@@ -396,7 +403,7 @@ def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = T
         given = f" (the batch size of {length_from})" if length_from else ""
         raise ValueError(f"{name}: has {t.numel()} entries but batch_size + 1 = {length} are "
                          f"needed{given}: one offset per request plus the end")
-    h = host_copy(name, t)
+    h = host_copy(name, t, hosts=hosts)
     # (checked on a list: a batch's offsets are few, and each torch op on a small host tensor
     # costs microseconds of dispatch; plan() is on a serving step's path)
     v = h.tolist()
@@ -420,7 +427,8 @@ def check_total(name: str, host: torch.Tensor, total: int, what: str) -> None:
 
 
 def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: int, *,
-                     names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
+                     names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
+                     hosts: dict | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Checks a page table (indptr [B+1] already through host_indptr(start_zero=False), in
     pages).
@@ -430,9 +438,9 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
     entries outside indptr[0]..indptr[-1] are neither read nor checked. The entries used are
     >= 0 (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
     last_page_len: integer [B], in [1, page_size] for a request with pages, [0, page_size] for
-    one without (its kv_len is 0 either way). Returns host int64 copies of the same table
+    one without (its kv_len is 0 either way). Returns host copies (host_copy's) of the same table
     from 0 (indptr - indptr[0], indices[indptr[0]:indptr[-1]]), last_page_len, and kv_len [B]
-    = (pages - 1) * page_size + last_page_len (0 without pages).
+    = (pages - 1) * page_size + last_page_len (0 without pages). hosts: host_copy's.
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -446,12 +454,13 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                          f"entries; {idx_n} needs at least {ind_n}[-1] entries (entries past "
                          "it are ignored)")
     check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
-    idx_h = host_copy(idx_n, indices[start:used])
+    idx_h = (hosts[id(indices)][start:used] if hosts and id(indices) in hosts
+             else host_copy(idx_n, indices[start:used]))
     if idx_h.numel() and int(idx_h.min()) < 0:
         i = int(torch.nonzero(idx_h < 0)[0, 0])
         raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "
                          "be >= 0")
-    last_h = host_copy(last_n, last_page_len)
+    last_h = host_copy(last_n, last_page_len, hosts=hosts)
     npages = list(map(operator.sub, ind[1:], ind))
     kv_len = []
     for r, (n, last) in enumerate(zip(npages, last_h.tolist())):
@@ -466,15 +475,17 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
 
 
 def page_table(names, indptr, indices, last_page_len, page_size: int, *,
-               length: int | None = None, length_from: str | None = None) -> tuple:
+               length: int | None = None, length_from: str | None = None,
+               hosts: dict | None = None) -> tuple:
     """A page table's checked host copies from 0, its indptr possibly starting past 0 (as
     FlashInfer's): host_indptr (start_zero=False) and check_page_table, with max_entry's
     (position in the caller's indices, value) of the largest page index. names: the indptr,
-    indices and last_page_len arguments' names; length / length_from: host_indptr's. Returns
+    indices and last_page_len arguments' names; length / length_from / hosts: host_indptr's.
+    Returns
     (indptr, indices, last_page_len, kv_lens, max_page)."""
     ind = host_indptr(names[0], indptr, length=length, start_zero=False,
-                      length_from=length_from)
-    table = check_page_table(ind, indices, last_page_len, page_size, names=names)
+                      length_from=length_from, hosts=hosts)
+    table = check_page_table(ind, indices, last_page_len, page_size, names=names, hosts=hosts)
     return (*table, max_entry(table[1], int(ind[0])))
 
 

@@ -43,6 +43,7 @@ import threading
 import torch
 
 from . import _validate as V
+from ._host import gather_host, to_device
 from ._plan_options import PlanOptions
 from .op_call import bound_run, call_op, capturing
 from .ops import choose
@@ -429,10 +430,9 @@ def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
 def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device) -> dict:
     """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks)."""
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
-    to = dict(device=device, dtype=torch.int32)
-    out = {k: c[k].to(**to) for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
-    out["work"] = build_work(rows, p["group"], block_m, "cpu").to(**to)
-    return out
+    host = {k: c[k] for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
+    host["work"] = build_work(rows, p["group"], block_m, "cpu")
+    return to_device(host, device, non_blocking=False)
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
@@ -624,10 +624,20 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
             ("indptr", "indices", "last_page_len"), indptr, indices, last_page_len, page_size,
             length=None if b is None else b + 1,
-            length_from=None if b is None else f"last_page_len's {b} entries")
+            length_from=None if b is None else f"last_page_len's {b} entries",
+            hosts=gather_host(indptr, indices, last_page_len))
         b = ind_h.numel() - 1
         p = self._plan_options(args)
-        to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
+        # (the decodes' work lists built on the host: on the device each was five small
+        # launches; the plan's host arrays go to the device in one copy, _host.to_device)
+        work_d = build_work([1] * b, p["group"], p["block_m"], "cpu")
+        # The decodes' own tile when they run as a launch of their own (pod_apart): where the
+        # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
+        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
+                                                p["block_m"], p["kv_dtype"])
+        host = dict(qo_indptr=torch.arange(b + 1, dtype=torch.int32), work_d=work_d,
+                    work_d_apart=None if p["block_m_d"] == p["block_m"] else build_work(
+                        [1] * b, p["group"], p["block_m_d"], "cpu"))
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
@@ -649,22 +659,14 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p.update(kv_indptr=self._bufs["paged_kv_indptr_buffer"], kv_indices=nb,
                      last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
         else:
-            p.update(kv_indptr=ind_h.to(**to), kv_indices=idx_h.to(**to),
-                     last_page_len=last_h.to(**to))
-        p.update(batch_size=b, max_page=max_page,
-                 qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=self.device))
+            host.update(kv_indptr=ind_h, kv_indices=idx_h, last_page_len=last_h)
+        p.update(to_device(host, self.device, non_blocking))
+        if p["work_d_apart"] is None:
+            p["work_d_apart"] = p["work_d"]
+        p.update(batch_size=b, max_page=max_page)
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-        # (the decodes' work lists built on the host and copied: on the device each was five
-        # small launches)
-        p["work_d"] = build_work([1] * b, p["group"], p["block_m"], "cpu").to(**to)
-        # The decodes' own tile when they run as a launch of their own (pod_apart): where the
-        # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
-        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
-                                                p["block_m"], p["kv_dtype"])
-        p["work_d_apart"] = p["work_d"] if p["block_m_d"] == p["block_m"] else build_work(
-            [1] * b, p["group"], p["block_m_d"], "cpu").to(**to)
         p["chunks"] = p["chunks_apart"] = None
-        qo_h = torch.arange(b + 1, dtype=torch.int32)
+        qo_h = host["qo_indptr"]
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens.tolist(), non_blocking)
         else:
@@ -959,16 +961,17 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         last_page_len_d ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply to
         both parts (as in FlashInfer); decode requests may have any number of rows."""
         p = self._plan_options(dict(locals()))
-        to = dict(device=self.device, dtype=torch.int32, non_blocking=non_blocking)
+        arrays = {"p": (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p),
+                  "d": (qo_indptr_d, kv_indptr_d, kv_indices_d, last_page_len_d)}
+        hosts = gather_host(*arrays["p"], *arrays["d"])
+        host = {}  # the plan's host arrays, to the device in one copy (_host.to_device)
         works = []
         for x in ("p", "d"):
-            qo, kvi, idx, last = {"p": (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p),
-                                  "d": (qo_indptr_d, kv_indptr_d, kv_indices_d,
-                                        last_page_len_d)}[x]
-            qo_h = V.host_indptr(f"qo_indptr_{x}", qo)
+            qo, kvi, idx, last = arrays[x]
+            qo_h = V.host_indptr(f"qo_indptr_{x}", qo, hosts=hosts)
             ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
-                page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}")
+                page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}", hosts=hosts)
             qo_lens = qo_h[1:] - qo_h[:-1]
             qo_l, kv_l = qo_lens.tolist(), kv_lens.tolist()
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))
@@ -980,9 +983,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     True, page_size=page_size, qo_lens=qo_l, kv_dtype=p["kv_dtype"])
                 work_p = works[0] if p["block_m_p"] == p["block_m"] else build_work(
                     qo_l, p["group"], p["block_m_p"], "cpu", kv_lens=kv_l)
-            p.update({f"qo_indptr_{x}": qo_h.to(**to), f"kv_indptr_{x}": ind_h.to(**to),
-                      f"kv_indices_{x}": idx_h.to(**to), f"last_page_len_{x}": last_h.to(**to),
-                      f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": max_page})
+            host.update({f"qo_indptr_{x}": qo_h, f"kv_indptr_{x}": ind_h,
+                         f"kv_indices_{x}": idx_h, f"last_page_len_{x}": last_h})
+            p.update({f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": max_page})
             if x == "d":
                 p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
                 # the decodes' own tile when they run apart (as the prefill's above)
@@ -995,20 +998,25 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 byte_ptr = [0]
                 for n in mask_bits:
                     byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
-                p.update(mask_bits_p=mask_bits,
-                         mask_indptr_p=torch.tensor(byte_ptr, dtype=torch.int32).to(**to),
-                         qo_lens_p=qo_lens, kv_lens_p=kv_lens,
+                host["mask_indptr_p"] = torch.tensor(byte_ptr, dtype=torch.int32)
+                p.update(mask_bits_p=mask_bits, qo_lens_p=qo_lens, kv_lens_p=kv_lens,
                          # query-key pairs without and with the causal mask (choose.pod_apart)
                          pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
                 _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device)
-        p["work"] = _pod_work(*works).to(**to)
+        # (the prefill's tiles on the fused tile: work_p's where it is that list, else their own
+        # copy where the decodes are cut, for work_cut)
+        own_tiles = p["chunks"] is not None and work_p is not works[0]
+        host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
+                    tiles_p=works[0] if own_tiles else None)
+        dev = to_device(host, self.device, non_blocking)
+        tiles_p = dev.pop("tiles_p")
+        p.update(dev)
+        p["work_cut"] = (None if p["chunks"] is None else _pod_work(
+            tiles_p if own_tiles else p["work_p"], p["chunks"]["work"]))
         p["tiles_p"] = works[0].shape[0]
-        p["work_cut"] = (None if p["chunks"] is None
-                         else _pod_work(works[0].to(**to), p["chunks"]["work"]))
-        p["work_p"], p["work_d_apart"] = work_p.to(**to), work_d.to(**to)
         p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
         self._set_plan(p)
 

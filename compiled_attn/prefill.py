@@ -27,6 +27,7 @@ import operator
 import torch
 
 from . import _validate as V
+from ._host import gather_host, to_device
 from ._plan_options import PlanOptions, scalar_options
 from .op_call import bound_run, call_op, graph_leaf, write_rows
 from .ops import decode_chunks as _chunks
@@ -297,7 +298,7 @@ def _check_fixed_split_size(fixed_split_size) -> int | None:
 
 def _check_uniform_q_len(uniform_q_len, qo_h: torch.Tensor) -> None:
     """FlashInfer's uniform_q_len: None, or a promise that every request has that many query
-    rows (0 or less: no promise). A promise that qo_indptr (host int64) breaks is a ValueError."""
+    rows (0 or less: no promise). A promise that qo_indptr (a host copy) breaks is a ValueError."""
     if uniform_q_len is None:
         return
     if isinstance(uniform_q_len, bool) or not isinstance(uniform_q_len, int):
@@ -498,9 +499,6 @@ class _BatchPrefillBase(_WrapperBase):
                           mask_indptr_buf=mask_indptr_buf)
 
     # ---- plan ---------------------------------------------------------------------------
-    def _to_dev(self, t: torch.Tensor, non_blocking: bool, dtype=torch.int32) -> torch.Tensor:
-        return t.to(device=self.device, dtype=dtype, non_blocking=non_blocking)
-
     def _into_buf(self, name: str, src: torch.Tensor, non_blocking: bool, fill: int = 0):
         """Copy src into the caller's CUDA-graph buffer `name` (size checked); the tail past
         src is filled with `fill` (a valid value: page 0, no mask bit) so nothing reads junk."""
@@ -529,10 +527,13 @@ class _BatchPrefillBase(_WrapperBase):
                                  f"{n}; allocate a larger buffer when constructing the wrapper")
 
     def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_lens: torch.Tensor, *,
-                     paged: bool, page_size: int = 0) -> _Plan:
+                     paged: bool, page_size: int = 0, kv_arrays: dict) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. args: the
-        plan()'s arguments by FlashInfer name; qo_h: host int64 qo_indptr (checked); kv_lens:
-        host int64 [B]; page_size: the paged cache's (0: ragged)."""
+        plan()'s arguments by FlashInfer name; qo_h: host qo_indptr (checked, int32 or int64);
+        kv_lens: host int64 [B]; page_size: the paged cache's (0: ragged); kv_arrays: the subclass's
+        checked host index arrays ({plan field: tensor}), which outside CUDA-graph mode go to
+        the device in the plan's one copy (in CUDA-graph mode the subclass copies them into its
+        buffers)."""
         _check_plan_args(args, qo_h)
         opts = PlanOptions.of_batch(args, self.device.type)
         if int(qo_h[-1]) * opts.group >= 2 ** 31:  # (the work list's rows are int32)
@@ -576,7 +577,7 @@ class _BatchPrefillBase(_WrapperBase):
             chunk_keys = split_size * max(page_size, 1) if fixed else None
             tensors = self._plan_tensors(qo_h, kv_lens, opts, block_m, work, packed,
                                          mask_indptr, args["disable_split_kv"], non_blocking,
-                                         chunk_keys, mask_mode == MASK_CAUSAL)
+                                         chunk_keys, mask_mode == MASK_CAUSAL, kv_arrays)
         alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
                  if opts.pos_encoding_mode == POS_ALIBI else None)
         return _Plan(batch_size=b, total_rows=int(qo_h[-1]), qo_lens=qo_lens, kv_lens=kv_lens,
@@ -584,8 +585,8 @@ class _BatchPrefillBase(_WrapperBase):
                      **opts.fields())
 
     def _graph_split_sms(self) -> int | None:
-        """The SM count CUDA-graph plans size their KV splits for (None: this device never
-        splits, as eager plans split on CUDA devices only)."""
+        """The SM count plans size their KV splits for (None: this device never splits: plans
+        split on CUDA devices only)."""
         return sm_count(self.device.index) if self.device.type == "cuda" else None
 
     def _graph_tensors(self, qo_h, shape_key: tuple, block_m: int, work, packed, mask_indptr,
@@ -655,35 +656,32 @@ class _BatchPrefillBase(_WrapperBase):
 
     def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,
                       mask_indptr, disable_split_kv: bool, non_blocking: bool,
-                      chunk_keys: int | None = None, causal: bool = False) -> dict:
-        """The plan's device tensors outside CUDA-graph mode. chunk_keys (fixed_split_size):
+                      chunk_keys: int | None, causal: bool, kv_arrays: dict) -> dict:
+        """The plan's device tensors outside CUDA-graph mode, the index arrays (with
+        kv_arrays, _plan_common's) in one copy (_host.to_device). chunk_keys (fixed_split_size):
         batch-invariant KV chunks of that many keys (build_split_work's chunk_keys; the work
         list keeps its chunk columns even where no tile splits, so every such plan runs the
         same kernel: the Gluon kernel takes no split plan). Else disable_split_kv=True is
         honoured: the plan then never splits KV; otherwise a CUDA plan splits long key ranges
         where the tiles would leave SMs idle (few query rows, long keys)."""
-        merge_dev = None
+        merge = None
         if chunk_keys is not None:
             work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
                                            opts.group, block_m, opts.num_kv_heads, "cpu",
                                            chunk_keys=chunk_keys, causal=causal, tiles=work)
-            if merge is not None:
-                merge_dev = self._to_dev(merge, non_blocking)
-        elif self.device.type == "cuda" and not disable_split_kv:
+        elif (self.device.type == "cuda" and not disable_split_kv
+              and chunks_wanted(work.shape[0] * opts.num_kv_heads, self._graph_split_sms())
+              > 1):  # (else build_split_work would cut no tile: the work list stays as it is)
             work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
                                            opts.group, block_m, opts.num_kv_heads, "cpu",
-                                           tiles=work)
-            if merge is not None:
-                merge_dev = self._to_dev(merge, non_blocking)
-            else:
+                                           num_sms=self._graph_split_sms(), tiles=work)
+            if merge is None:
                 work = work[:, :2].contiguous()
-        return dict(
-            qo_indptr=self._to_dev(qo_h, non_blocking), work=self._to_dev(work, non_blocking),
-            merge=merge_dev,
-            packed_mask=None if packed is None else packed.to(self.device,
-                                                              non_blocking=non_blocking),
-            mask_indptr=None if mask_indptr is None else self._to_dev(mask_indptr,
-                                                                      non_blocking))
+        dev = to_device(dict(qo_indptr=qo_h, work=work, merge=merge, mask_indptr=mask_indptr,
+                             **kv_arrays), self.device, non_blocking)
+        dev["packed_mask"] = (None if packed is None
+                              else packed.to(self.device, non_blocking=non_blocking))
+        return dev
 
     def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
@@ -895,26 +893,26 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
         V.reject_if_set("block_tables", block_tables, "block tables are a cuDNN-backend input; "
                         "pass the page table (paged_kv_indptr / paged_kv_indices)")
-        qo_h = V.host_indptr("qo_indptr", qo_indptr)
+        hosts = gather_host(qo_indptr, paged_kv_indptr, paged_kv_indices,
+                            paged_kv_last_page_len)
+        qo_h = V.host_indptr("qo_indptr", qo_indptr, hosts=hosts)
         b = qo_h.numel() - 1
         kv_h, idx_h, last_h, kv_lens, max_page = V.page_table(
             ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"), paged_kv_indptr,
             paged_kv_indices, paged_kv_last_page_len, page_size, length=b + 1,
-            length_from="qo_indptr")
+            length_from="qo_indptr", hosts=hosts)
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_batch(b)
             self._check_bufs({"paged_kv_indptr_buf": kv_h.numel(),
                               "paged_kv_indices_buf": idx_h.numel(),
                               "paged_kv_last_page_len_buf": last_h.numel()})
-        p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size)
+        p = self._plan_common(args, qo_h, kv_lens, paged=True, page_size=page_size,
+                              kv_arrays=dict(kv_indptr=kv_h, kv_indices=idx_h,
+                                             last_page_len=last_h))
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("paged_kv_indptr_buf", kv_h, non_blocking)
             p.kv_indices = self._into_buf("paged_kv_indices_buf", idx_h, non_blocking)
             p.last_page_len = self._into_buf("paged_kv_last_page_len_buf", last_h, non_blocking)
-        else:
-            p.kv_indptr = self._to_dev(kv_h, non_blocking)
-            p.kv_indices = self._to_dev(idx_h, non_blocking)
-            p.last_page_len = self._to_dev(last_h, non_blocking)
         p.page_size = page_size
         p.max_page = max_page
         p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h, kv_lens))
@@ -957,7 +955,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                       chunk_last_page_len=c["last_page_len"], chunk_work=work,
                       chunk_src=c["src"], chunk_merge=c["merge"])
         if not graph:
-            return {k: self._to_dev(t, nb) for k, t in fields.items()}
+            return to_device(fields, self.device, nb)
         # padding: chunk requests without rows or pages, work rows of request -1, row-map
         # entries of q's row 0 (rows of no request: never read), merge rows of out row -1 (no
         # store)
@@ -1145,10 +1143,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         qo_indptr (separate value / output offsets raise NotImplementedError).
         """
         args = dict(locals())  # the arguments by FlashInfer name, for _plan_common
-        qo_h = V.host_indptr("qo_indptr", qo_indptr)
+        hosts = gather_host(qo_indptr, kv_indptr)
+        qo_h = V.host_indptr("qo_indptr", qo_indptr, hosts=hosts)
         b = qo_h.numel() - 1
         kv_h = V.host_indptr("kv_indptr", kv_indptr, length=b + 1, length_from="qo_indptr",
-                             start_zero=False)  # (offsets into k / v, as FlashInfer's)
+                             start_zero=False, hosts=hosts)  # (offsets into k / v, as FlashInfer's)
         for name, given, same in (("v_indptr", v_indptr, kv_h), ("o_indptr", o_indptr, qo_h)):
             if given is not None:
                 V.check_int(name, V.check_tensor(name, given, what="[batch_size + 1]"))
@@ -1158,9 +1157,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_batch(b)
             self._check_bufs({"kv_indptr_buf": kv_h.numel()})
-        p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False)
-        p.kv_indptr = (self._into_buf("kv_indptr_buf", kv_h, non_blocking)
-                       if self._use_cuda_graph else self._to_dev(kv_h, non_blocking))
+        p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False,
+                              kv_arrays=dict(kv_indptr=kv_h))
+        if self._use_cuda_graph:
+            p.kv_indptr = self._into_buf("kv_indptr_buf", kv_h, non_blocking)
         p.total_kv = int(kv_h[-1])
         self._set_plan(p)
 

@@ -415,3 +415,67 @@ def test_batch_pod_cuda_graph_replay_is_exact():
         ref = ref_w.run(*(t.double().cpu() for t in inputs), causal_p=True)
         _close(got[0], ref[0])
         _close(got[1], ref[1])
+
+
+def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
+    """A plan of index arrays on the GPU reads them in one device-to-host copy, and every
+    index array it writes to the device is int32 on the host (a copy alone, no conversion), also
+    where the page table starts past 0 in a longer, poisoned buffer: the result is the float64
+    reference's."""
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, page = 16, 4, 128, 16
+    qo, kv = [37, 5, 64], [300, 17, 64]
+    pages = sum(-(-n // page) for n in kv) + 8
+    cache = torch.randn(pages, 2, page, hkv, d, generator=g)
+    indptr, indices, last = _page_table(kv, page, pages, g)
+    q = torch.randn(sum(qo), hq, d, generator=g)
+    ref_w = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    ref_w.plan(_indptr(qo), indptr, indices, last, hq, hkv, d, page, causal=True,
+               q_data_type=torch.float64)
+    ref = ref_w.run(q.double(), cache.double())
+    # the same table 3 entries into a buffer whose other entries no kernel may read
+    head = torch.tensor([pages, -1, 2 ** 31 - 1], dtype=torch.int32)
+    idx_off = _poisoned(torch.cat([head, indices]), pages).cuda()
+    ind_off = (indptr + 3).cuda()
+    reads, writes = [], []
+    real_to = torch.Tensor.to
+
+    def counting_to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.device.type != self.device.type:
+            (reads if out.device.type == "cpu" else writes).append(self.dtype)
+        return out
+
+    def counted(plan):
+        reads.clear()
+        writes.clear()
+        monkeypatch.setattr(torch.Tensor, "to", counting_to)
+        try:
+            plan()
+        finally:
+            monkeypatch.setattr(torch.Tensor, "to", real_to)
+        # (index arrays int32 on the host; a float32 write is the ALiBi slopes, made once a
+        # process and heads count)
+        assert torch.int32 in writes and set(writes) <= {torch.int32, torch.float32}, writes
+        return len(reads)
+
+    ws = torch.empty(1, device="cuda")
+    pw = compiled_attn.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    assert counted(lambda: pw.plan(_indptr(qo).cuda(), ind_off, idx_off, last.cuda(), hq, hkv,
+                                   d, page, causal=True, q_data_type=torch.bfloat16)) == 1
+    got = pw.run(q.to("cuda", torch.bfloat16), cache.to("cuda", torch.bfloat16))
+    _close(got, ref)
+    rw = compiled_attn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    assert counted(lambda: rw.plan(_indptr(qo).cuda(), _indptr(kv).cuda(), hq, hkv, d,
+                                   causal=True, q_data_type=torch.bfloat16)) == 1
+    # host index arrays: nothing to read back
+    assert counted(lambda: rw.plan(_indptr(qo), _indptr(kv), hq, hkv, d, causal=True,
+                                   q_data_type=torch.bfloat16)) == 0
+    dp, di, dl = _page_table([77, 1, 200, 33], page, pages, g)
+    dw = compiled_attn.PODWithPagedKVCacheWrapper(ws, "NHD")
+    assert counted(lambda: dw.plan(dp.cuda(), di.cuda(), dl.cuda(), hq, hkv, d, page,
+                                   q_data_type=torch.bfloat16)) == 1
+    bw = compiled_attn.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+    assert counted(lambda: bw.plan(
+        _indptr(qo).cuda(), ind_off, idx_off, last.cuda(), _indptr([1] * 4).cuda(), dp.cuda(),
+        di.cuda(), dl.cuda(), hq, hkv, d, page, q_data_type=torch.bfloat16)) == 1
