@@ -27,9 +27,10 @@ _ON_HOST = ("cpu", "meta")
 def gather_host(*tensors) -> dict[int, torch.Tensor]:
     """Host copies of the device tensors among ``tensors`` that are 1-D, of an integer dtype
     and at most GATHER_MAX entries, read in one copy per device: {id(tensor): copy}, for
-    _validate.host_copy's ``hosts`` (int32 where every tensor of the copy is, else int64). Anything else (host tensors, other dtypes or shapes, non-tensors)
-    is left out, so its argument's own checks and copy run as before; a tensor given twice is
-    read once. The ids hold while the caller holds the tensors (plan()'s arguments)."""
+    _validate.host_copy's ``hosts`` (int32 where every tensor of the copy is, else int64).
+    Anything else (host tensors, other dtypes or shapes, non-tensors) is left out, so its
+    argument's own checks and copy run as before; a tensor given twice is read once. The ids
+    hold while the caller holds the tensors (plan()'s arguments)."""
     groups: dict[torch.device, dict[int, torch.Tensor]] = {}
     for t in tensors:
         if (torch.is_tensor(t) and t.device.type not in _ON_HOST and t.dim() == 1

@@ -481,8 +481,7 @@ def page_table(names, indptr, indices, last_page_len, page_size: int, *,
     FlashInfer's): host_indptr (start_zero=False) and check_page_table, with max_entry's
     (position in the caller's indices, value) of the largest page index. names: the indptr,
     indices and last_page_len arguments' names; length / length_from / hosts: host_indptr's.
-    Returns
-    (indptr, indices, last_page_len, kv_lens, max_page)."""
+    Returns (indptr, indices, last_page_len, kv_lens, max_page)."""
     ind = host_indptr(names[0], indptr, length=length, start_zero=False,
                       length_from=length_from, hosts=hosts)
     table = check_page_table(ind, indices, last_page_len, page_size, names=names, hosts=hosts)

@@ -629,7 +629,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         b = ind_h.numel() - 1
         p = self._plan_options(args)
         # (the decodes' work lists built on the host: on the device each was five small
-        # launches; the plan's host arrays go to the device in one copy, _host.to_device)
+        # launches; every host array goes to the device as one int32 copy, _host.to_device)
         work_d = build_work([1] * b, p["group"], p["block_m"], "cpu")
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
@@ -964,7 +964,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         arrays = {"p": (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p),
                   "d": (qo_indptr_d, kv_indptr_d, kv_indices_d, last_page_len_d)}
         hosts = gather_host(*arrays["p"], *arrays["d"])
-        host = {}  # the plan's host arrays, to the device in one copy (_host.to_device)
+        host = {}  # the plan's int32 host arrays, for _host.to_device
         works = []
         for x in ("p", "d"):
             qo, kvi, idx, last = arrays[x]
@@ -1006,16 +1006,14 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
                 _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device)
-        # (the prefill's tiles on the fused tile: work_p's where it is that list, else their own
-        # copy where the decodes are cut, for work_cut)
-        own_tiles = p["chunks"] is not None and work_p is not works[0]
-        host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
-                    tiles_p=works[0] if own_tiles else None)
-        dev = to_device(host, self.device, non_blocking)
-        tiles_p = dev.pop("tiles_p")
-        p.update(dev)
-        p["work_cut"] = (None if p["chunks"] is None else _pod_work(
-            tiles_p if own_tiles else p["work_p"], p["chunks"]["work"]))
+        host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d)
+        p.update(to_device(host, self.device, non_blocking))
+        if p["chunks"] is not None:  # (the prefill's tiles on the fused tile: work_p's if it is)
+            tiles = p["work_p"] if work_p is works[0] else to_device(
+                {"t": works[0]}, self.device, non_blocking)["t"]
+            p["work_cut"] = _pod_work(tiles, p["chunks"]["work"])
+        else:
+            p["work_cut"] = None
         p["tiles_p"] = works[0].shape[0]
         p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
         self._set_plan(p)

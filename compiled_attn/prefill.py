@@ -530,10 +530,10 @@ class _BatchPrefillBase(_WrapperBase):
                      paged: bool, page_size: int = 0, kv_arrays: dict) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. args: the
         plan()'s arguments by FlashInfer name; qo_h: host qo_indptr (checked, int32 or int64);
-        kv_lens: host int64 [B]; page_size: the paged cache's (0: ragged); kv_arrays: the subclass's
-        checked host index arrays ({plan field: tensor}), which outside CUDA-graph mode go to
-        the device in the plan's one copy (in CUDA-graph mode the subclass copies them into its
-        buffers)."""
+        kv_lens: host int64 [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
+        subclass's checked host index arrays ({plan field: tensor}), which outside CUDA-graph
+        mode go to the device with the plan's own (in CUDA-graph mode the subclass copies them
+        into its buffers)."""
         _check_plan_args(args, qo_h)
         opts = PlanOptions.of_batch(args, self.device.type)
         if int(qo_h[-1]) * opts.group >= 2 ** 31:  # (the work list's rows are int32)
@@ -657,8 +657,8 @@ class _BatchPrefillBase(_WrapperBase):
     def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,
                       mask_indptr, disable_split_kv: bool, non_blocking: bool,
                       chunk_keys: int | None, causal: bool, kv_arrays: dict) -> dict:
-        """The plan's device tensors outside CUDA-graph mode, the index arrays (with
-        kv_arrays, _plan_common's) in one copy (_host.to_device). chunk_keys (fixed_split_size):
+        """The plan's device tensors outside CUDA-graph mode, kv_arrays' (_plan_common's) among
+        them (_host.to_device). chunk_keys (fixed_split_size):
         batch-invariant KV chunks of that many keys (build_split_work's chunk_keys; the work
         list keeps its chunk columns even where no tile splits, so every such plan runs the
         same kernel: the Gluon kernel takes no split plan). Else disable_split_kv=True is
