@@ -5,18 +5,42 @@
 paged and ragged batch plans (``of_batch``) and both POD plans (``of_pod``); each builder checks
 its arguments in the order FlashInfer's signature lists them, so the first bad one is the one
 named. ``scalar_options`` is the part every entry point shares with single-request prefill and
-the deprecated forward().
+the deprecated forward(). A serving step re-plans with the same options: ``options_key`` says
+when a wrapper may reuse its previous plan's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from . import _validate as V
+
+
+# the option values a reuse key takes (immutable, compared by value)
+_PLAIN = (type(None), bool, int, float, str, torch.dtype)
+# a batch plan's arguments PlanOptions.of_batch reads
+BATCH_OPTION_ARGS = ("num_qo_heads", "num_kv_heads", "head_dim_qk", "head_dim_vo",
+                     "pos_encoding_mode", "sm_scale", "window_left", "logits_soft_cap",
+                     "rope_scale", "rope_theta", "use_fp16_qk_reduction", "q_data_type",
+                     "kv_data_type", "o_data_type")
+
+
+def options_key(args: Mapping, names: Sequence[str], *context) -> tuple | None:
+    """The key under which options made from ``args[name]`` for ``names`` (and whatever else
+    they depend on: ``context``, hashable) may be reused: each value with its type (True and 1
+    stay apart: the checks tell them apart), or None where a value is not of a plain immutable
+    type (then the options are made anew)."""
+    vals = []
+    for name in names:
+        v = args[name]
+        if type(v) not in _PLAIN:
+            return None
+        vals.append((type(v), v))
+    return (tuple(vals), *context)
 
 
 def scalar_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_left,

@@ -44,7 +44,7 @@ import torch
 
 from . import _validate as V
 from ._host import gather_host, to_device
-from ._plan_options import PlanOptions
+from ._plan_options import PlanOptions, options_key
 from .op_call import bound_run, call_op, capturing
 from .ops import choose
 from .ops import decode_chunks as _chunks
@@ -82,17 +82,11 @@ class _PODBase(_WrapperBase):
         self._options_at = (None, None)  # (_options_key, the options it gave): _plan_options
 
     def _options_key(self, args: dict):
-        """What _plan_options' answer depends on: the option arguments with their types (so
-        that True and 1 stay apart: the checks tell them apart), the wrapper's device, the
-        launch policy's version and the device plans are made for; None where an argument is
-        unhashable."""
-        key = (tuple((type(args[k]), args[k]) for k in _OPTION_ARGS), self.device,
-               policy_version(), choose._plan_device())
-        try:
-            hash(key)
-        except TypeError:
-            return None
-        return key
+        """What _plan_options' answer depends on (_plan_options.options_key): the option
+        arguments, the wrapper's device, the launch policy's version and the device plans are
+        made for."""
+        return options_key(args, _OPTION_ARGS, self.device, policy_version(),
+                           choose._plan_device())
 
     def _plan_options(self, args: dict) -> dict:
         """The plan dict's options, from a POD plan()'s arguments by FlashInfer name

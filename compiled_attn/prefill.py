@@ -28,7 +28,7 @@ import torch
 
 from . import _validate as V
 from ._host import gather_host, to_device
-from ._plan_options import PlanOptions, scalar_options
+from ._plan_options import BATCH_OPTION_ARGS, PlanOptions, options_key, scalar_options
 from .op_call import bound_run, call_op, graph_leaf, write_rows
 from .ops import decode_chunks as _chunks
 from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
@@ -327,30 +327,31 @@ def _check_plan_args(args: dict, qo_h: torch.Tensor) -> None:
     _check_uniform_q_len(args["uniform_q_len"], qo_h)
 
 
-def _check_length_hints(args: dict, qo_lens: torch.Tensor, kv_lens: torch.Tensor) -> None:
+def _check_length_hints(args: dict, qo_lens: list, kv_lens: list) -> None:
     """Optional lengths given for other backends (seq_lens, seq_lens_q) must agree with the
-    index arrays, and the bounds (max_token_per_sequence, max_sequence_kv) must hold."""
+    index arrays' (qo_lens, kv_lens: lists [B]), and the bounds (max_token_per_sequence,
+    max_sequence_kv) must hold."""
     for name, have in (("seq_lens", kv_lens), ("seq_lens_q", qo_lens)):
         if args[name] is not None:
-            g = V.host_copy(name, args[name]).reshape(-1)
-            if g.shape != have.shape or not torch.equal(g, have):
-                raise ValueError(f"{name}: {g.tolist()} disagrees with the lengths the "
-                                 f"index arrays give, {have.tolist()}; pass None or the "
-                                 "same lengths")
+            g = V.host_copy(name, args[name]).reshape(-1).tolist()
+            if g != have:
+                raise ValueError(f"{name}: {g} disagrees with the lengths the index arrays "
+                                 f"give, {have}; pass None or the same lengths")
     for name, have in (("max_token_per_sequence", qo_lens), ("max_sequence_kv", kv_lens)):
         bound = args[name]
-        if bound is not None and have.numel() and int(bound) < int(have.max()):
+        if bound is not None and have and int(bound) < max(have):
             raise ValueError(f"{name} = {bound} is below the longest request's "
-                             f"{int(have.max())}; pass None or an upper bound")
+                             f"{max(have)}; pass None or an upper bound")
 
 
-def _plan_mask(args: dict, qo_lens: torch.Tensor, kv_lens: torch.Tensor):
+def _plan_mask(args: dict, qo_lens: list, kv_lens: list):
     """(mask_mode, packed mask bytes or None, int32 byte offsets [B+1] or None) of a batch
-    plan: custom masks packed per request, each request's segment padded to whole bytes."""
+    plan (qo_lens, kv_lens: lists [B]): custom masks packed per request, each request's
+    segment padded to whole bytes."""
     custom_mask, packed_custom_mask = args["custom_mask"], args["packed_custom_mask"]
     if packed_custom_mask is None and custom_mask is None:
         return (MASK_CAUSAL if args["causal"] else MASK_NONE), None, None
-    mask_bits = (qo_lens * kv_lens).tolist()
+    mask_bits = list(map(operator.mul, qo_lens, kv_lens))
     if packed_custom_mask is not None:
         byte_ptr = [0]
         for n in mask_bits:
@@ -460,6 +461,8 @@ class _BatchPrefillBase(_WrapperBase):
         self._backend = backend
         self._use_cuda_graph = bool(use_cuda_graph)
         self._plan: _Plan | None = None
+        # (options_key, PlanOptions, its fields) of the last plan: _plan_common reuses them
+        self._options_at: tuple = (None, None, None)
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
         # CUDA-graph mode with split KV (the first plan's tiles leave SMs idle): the merge
@@ -530,14 +533,23 @@ class _BatchPrefillBase(_WrapperBase):
                      paged: bool, page_size: int = 0, kv_arrays: dict) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. args: the
         plan()'s arguments by FlashInfer name; qo_h: host qo_indptr (checked, int32 or int64);
-        kv_lens: host int64 [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
+        kv_lens: host [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
         subclass's checked host index arrays ({plan field: tensor}), which outside CUDA-graph
         mode go to the device with the plan's own (in CUDA-graph mode the subclass copies them
         into its buffers)."""
         _check_plan_args(args, qo_h)
-        opts = PlanOptions.of_batch(args, self.device.type)
-        if int(qo_h[-1]) * opts.group >= 2 ** 31:  # (the work list's rows are int32)
-            raise ValueError(f"qo_indptr: {int(qo_h[-1])} query rows of {opts.group} heads a "
+        # (a serving step re-plans with the same options: the previous plan's are reused)
+        key = options_key(args, BATCH_OPTION_ARGS, self.device.type)
+        if key is None or key != self._options_at[0]:
+            opts = PlanOptions.of_batch(args, self.device.type)
+            self._options_at = (key, opts, opts.fields())
+        opts, fields = self._options_at[1:]
+        # (the lengths as lists: each torch op on a small host tensor costs microseconds)
+        qo_v, kv_list = qo_h.tolist(), kv_lens.tolist()
+        total_rows = qo_v[-1]
+        qo_list = list(map(operator.sub, qo_v[1:], qo_v))
+        if total_rows * opts.group >= 2 ** 31:  # (the work list's rows are int32)
+            raise ValueError(f"qo_indptr: {total_rows} query rows of {opts.group} heads a "
                              "KV head exceed the int32 row range of the kernels' work list; "
                              "split the batch")
         split_size = _check_fixed_split_size(args["fixed_split_size"])
@@ -548,16 +560,14 @@ class _BatchPrefillBase(_WrapperBase):
                           "their KV splits once, at the first plan (few long requests split "
                           "over the SMs), not in fixed-size chunks; pass None (such plans take "
                           "one tile height for every batch) or plan without CUDA graphs")
-        qo_lens = qo_h[1:] - qo_h[:-1]
-        _check_length_hints(args, qo_lens, kv_lens)
-        mask_mode, packed, mask_indptr = _plan_mask(args, qo_lens, kv_lens)
+        _check_length_hints(args, qo_list, kv_list)
+        mask_mode, packed, mask_indptr = _plan_mask(args, qo_list, kv_list)
         # CUDA-graph plans keep the first plan's tile height for every re-plan (the captured
         # launch is fixed): the one for any key length, or (POLICY.graph_decode_tile) decode
         # rows' where the first plan's requests are decode rows. Fixed-split plans take the
         # tile for any batch: a request's tiles must not depend on the rest of the batch.
-        b = qo_h.numel() - 1
-        max_kv = None if self._use_cuda_graph or fixed or b == 0 else int(kv_lens.max())
-        qo_list = qo_lens.tolist()
+        b = len(qo_list)
+        max_kv = None if self._use_cuda_graph or fixed or b == 0 else max(kv_list)
         shape_key = (opts.group, opts.head_dim_qk, opts.head_dim_vo, opts.num_kv_heads)
         if self._use_cuda_graph and self._graph_tile and self._graph_tile[0] == shape_key:
             block_m = self._graph_tile[1]
@@ -566,23 +576,22 @@ class _BatchPrefillBase(_WrapperBase):
             block_m = block_m_for(opts.head_dim_qk, opts.head_dim_vo, opts.group, max_kv,
                                   mask_mode != MASK_NONE, paged, page_size=page_size,
                                   qo_lens=qo_list if rows else None, kv_dtype=opts.kv_dtype)
-        work = build_work(qo_list, opts.group, block_m, "cpu", kv_lens=kv_lens.tolist())
+        work = build_work(qo_list, opts.group, block_m, "cpu", kv_lens=kv_list)
         non_blocking = args["non_blocking"]
         if self._use_cuda_graph:
             tensors = self._graph_tensors(qo_h, shape_key, block_m, work, packed, mask_indptr,
-                                          non_blocking, kv_lens=kv_lens.tolist(),
+                                          non_blocking, kv_lens=kv_list,
                                           num_kv_heads=opts.num_kv_heads,
                                           disable_split_kv=args["disable_split_kv"])
         else:
             chunk_keys = split_size * max(page_size, 1) if fixed else None
-            tensors = self._plan_tensors(qo_h, kv_lens, opts, block_m, work, packed,
+            tensors = self._plan_tensors(qo_h, qo_list, kv_list, opts, block_m, work, packed,
                                          mask_indptr, args["disable_split_kv"], non_blocking,
                                          chunk_keys, mask_mode == MASK_CAUSAL, kv_arrays)
         alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
                  if opts.pos_encoding_mode == POS_ALIBI else None)
-        return _Plan(batch_size=b, total_rows=int(qo_h[-1]), qo_lens=qo_lens, kv_lens=kv_lens,
-                     block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors,
-                     **opts.fields())
+        return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_list, kv_lens=kv_lens,
+                     block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors, **fields)
 
     def _graph_split_sms(self) -> int | None:
         """The SM count plans size their KV splits for (None: this device never splits: plans
@@ -654,26 +663,28 @@ class _BatchPrefillBase(_WrapperBase):
         return dict(qo_indptr=qo_dev, work=wb, merge=mb, packed_mask=packed_dev,
                     mask_indptr=mask_indptr_dev)
 
-    def _plan_tensors(self, qo_h, kv_lens, opts: PlanOptions, block_m: int, work, packed,
-                      mask_indptr, disable_split_kv: bool, non_blocking: bool,
-                      chunk_keys: int | None, causal: bool, kv_arrays: dict) -> dict:
+    def _plan_tensors(self, qo_h, qo_lens: list, kv_lens: list, opts: PlanOptions,
+                      block_m: int, work, packed, mask_indptr, disable_split_kv: bool,
+                      non_blocking: bool, chunk_keys: int | None, causal: bool,
+                      kv_arrays: dict) -> dict:
         """The plan's device tensors outside CUDA-graph mode, kv_arrays' (_plan_common's) among
-        them (_host.to_device). chunk_keys (fixed_split_size):
-        batch-invariant KV chunks of that many keys (build_split_work's chunk_keys; the work
-        list keeps its chunk columns even where no tile splits, so every such plan runs the
-        same kernel: the Gluon kernel takes no split plan). Else disable_split_kv=True is
-        honoured: the plan then never splits KV; otherwise a CUDA plan splits long key ranges
-        where the tiles would leave SMs idle (few query rows, long keys)."""
+        them (_host.to_device); qo_lens / kv_lens: the requests' lengths. chunk_keys
+        (fixed_split_size): batch-invariant KV chunks of that many keys (build_split_work's
+        chunk_keys; the work list keeps its chunk columns even where no tile splits, so every
+        such plan runs the same kernel: the Gluon kernel takes no split plan). Else
+        disable_split_kv=True is honoured: the plan then never splits KV; otherwise a CUDA plan
+        splits long key ranges where the tiles would leave SMs idle (few query rows, long
+        keys)."""
         merge = None
         if chunk_keys is not None:
-            work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
-                                           opts.group, block_m, opts.num_kv_heads, "cpu",
-                                           chunk_keys=chunk_keys, causal=causal, tiles=work)
+            work, merge = build_split_work(qo_lens, kv_lens, opts.group, block_m,
+                                           opts.num_kv_heads, "cpu", chunk_keys=chunk_keys,
+                                           causal=causal, tiles=work)
         elif (self.device.type == "cuda" and not disable_split_kv
               and chunks_wanted(work.shape[0] * opts.num_kv_heads, self._graph_split_sms())
               > 1):  # (else build_split_work would cut no tile: the work list stays as it is)
-            work, merge = build_split_work((qo_h[1:] - qo_h[:-1]).tolist(), kv_lens.tolist(),
-                                           opts.group, block_m, opts.num_kv_heads, "cpu",
+            work, merge = build_split_work(qo_lens, kv_lens, opts.group, block_m,
+                                           opts.num_kv_heads, "cpu",
                                            num_sms=self._graph_split_sms(), tiles=work)
             if merge is None:
                 work = work[:, :2].contiguous()
@@ -940,7 +951,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
                                    p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
                                    device=device_of(self.device))
-            n = sms and planned_chunk_count(p.qo_lens.tolist(), kv_lens.tolist(),
+            n = sms and planned_chunk_count(p.qo_lens, kv_lens.tolist(),
                                             p.num_kv_heads, sms)
         if graph and self._chunk_bufs is None:  # the first plan
             self._chunk_bufs = self._chunk_buffers(p, sms) if n else False

@@ -803,3 +803,50 @@ def test_fixed_split_size_with_disable_split_kv_or_cuda_graph():
     with pytest.raises(NotImplementedError, match="fixed_split_size.*use_cuda_graph"):
         w.plan(indptr([4, 2]), indptr([8, 3]), torch.arange(11, dtype=torch.int32),
                torch.tensor([2, 4], dtype=torch.int32), 4, 2, 16, 4, fixed_split_size=2)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_replan_reuses_the_options_only_while_they_are_the_same(paged, monkeypatch):
+    # A serving step re-plans with the same options: a batch plan takes them from the
+    # wrapper's previous plan. Any option changing (its type too: True is no window) makes
+    # them anew, a bad one still raises, and a plan on reused options runs as a fresh one.
+    from compiled_attn._plan_options import PlanOptions
+
+    made = []
+    of_batch = PlanOptions.of_batch.__func__
+    monkeypatch.setattr(PlanOptions, "of_batch",
+                        classmethod(lambda cls, *a: made.append(1) or of_batch(cls, *a)))
+    qo_lens, kv_lens = [3, 5], [7, 5]
+    cache, kvi, idx, last, ks, vs = make_paged(kv_lens, 2, 32, 32, 4, dtype=torch.float32,
+                                               seed=3)
+    q = rand(sum(qo_lens), 4, 32, dtype=torch.float32, seed=4)
+
+    def wrapper_and_call():
+        if paged:
+            w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+            return w, lambda **kw: w.plan(indptr(qo_lens), kvi, idx, last, 4, 2, 32, 4,
+                                          q_data_type=torch.float32, **kw), \
+                lambda: w.run(q, cache)
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(WS)
+        k, v = torch.cat(ks).float(), torch.cat(vs).float()
+        return w, lambda **kw: w.plan(indptr(qo_lens), indptr(kv_lens), 4, 2, 32,
+                                      q_data_type=torch.float32, **kw), lambda: w.run(q, k, v)
+
+    w, plan, run = wrapper_and_call()
+    plan(window_left=3)
+    plan(window_left=3)
+    assert len(made) == 1 and w._plan.window_left == 3
+    plan(window_left=1)
+    assert len(made) == 2 and w._plan.window_left == 1
+    with pytest.raises(ValueError, match="window_left"):
+        plan(window_left=True)
+    plan(window_left=1, sm_scale=0.5)
+    assert len(made) == 4 and w._plan.sm_scale == 0.5
+    plan(window_left=1, sm_scale=0.5, causal=True)  # (not an option of PlanOptions)
+    assert len(made) == 4
+    got = run()
+    _, fresh_plan, fresh_run = wrapper_and_call()
+    fresh_plan(window_left=1, sm_scale=0.5, causal=True)
+    assert torch.equal(got, fresh_run())
+    plan(window_left=1, sm_scale=0.5, kv_data_type="float32")  # (q's dtype, named)
+    assert len(made) == 6 and w._plan.kv_dtype == torch.float32  # (5: the fresh wrapper)
