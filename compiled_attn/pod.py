@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import threading
 
 import torch
@@ -966,8 +967,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             ind_h, idx_h, last_h, kv_lens, max_page = V.page_table(
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
                 page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}", hosts=hosts)
-            qo_lens = qo_h[1:] - qo_h[:-1]
-            qo_l, kv_l = qo_lens.tolist(), kv_lens.tolist()
+            # (the lengths as lists: each torch op on a small host tensor costs microseconds)
+            qo_v, kv_l = qo_h.tolist(), kv_lens.tolist()
+            qo_l = list(map(operator.sub, qo_v[1:], qo_v))
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))
             if x == "p":
                 # The prefill's own tile when it runs as a launch of its own (pod_apart): the
@@ -979,21 +981,21 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     qo_l, p["group"], p["block_m_p"], "cpu", kv_lens=kv_l)
             host.update({f"qo_indptr_{x}": qo_h, f"kv_indptr_{x}": ind_h,
                          f"kv_indices_{x}": idx_h, f"last_page_len_{x}": last_h})
-            p.update({f"rows_{x}": int(qo_h[-1]), f"max_page_{x}": max_page})
+            p.update({f"rows_{x}": qo_v[-1], f"max_page_{x}": max_page})
             if x == "d":
-                p["single_rows_d"] = bool(qo_lens.numel() == 0 or int(qo_lens.max()) <= 1)
+                p["single_rows_d"] = max(qo_l, default=0) <= 1
                 # the decodes' own tile when they run apart (as the prefill's above)
                 p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size,
                                                         qo_l, p["block_m"], p["kv_dtype"])
                 work_d = works[1] if p["block_m_d"] == p["block_m"] else build_work(
                     qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":
-                mask_bits = (qo_lens * kv_lens).tolist()
+                mask_bits = list(map(operator.mul, qo_l, kv_l))
                 byte_ptr = [0]
                 for n in mask_bits:
                     byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
                 host["mask_indptr_p"] = torch.tensor(byte_ptr, dtype=torch.int32)
-                p.update(mask_bits_p=mask_bits, qo_lens_p=qo_lens, kv_lens_p=kv_lens,
+                p.update(mask_bits_p=mask_bits,
                          # query-key pairs without and with the causal mask (choose.pod_apart)
                          pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))
                                        for c in (False, True)))
