@@ -377,13 +377,14 @@ def check_writable(name: str, t: torch.Tensor) -> torch.Tensor:
 def host_copy(name: str, t: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
     """A host copy of integer argument ``name`` (a device sync when it lives on a GPU): int32
     where t is int32, else int64 (a plan sends its index arrays to the device as int32, and
-    each dtype conversion of a small tensor costs microseconds; a host int32 or int64 tensor is
-    returned as it is). hosts: _host.gather_host's copies of a plan's arguments,
-    {id(tensor): copy}; t's is taken from there when it is one of them."""
+    each dtype conversion of a small tensor costs microseconds). Always a copy, also of a host
+    tensor: a plan's asynchronous copies to the device read it after plan() returns, when the
+    caller may already be refilling its own (pinned) buffer. hosts: _host.gather_host's copies
+    of a plan's arguments, {id(tensor): copy}; t's is taken from there when it is one of them."""
     if hosts and id(t) in hosts:
         return hosts[id(t)]
     t = check_readable(name, t).detach()
-    return t.to("cpu", torch.int32 if t.dtype == torch.int32 else torch.int64)
+    return t.to("cpu", torch.int32 if t.dtype == torch.int32 else torch.int64, copy=True)
 
 
 def host_indptr(name: str, t, *, length: int | None = None, start_zero: bool = True,

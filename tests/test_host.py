@@ -68,8 +68,11 @@ def test_host_copy_takes_the_gathered_copy_and_keeps_int32(cpu_as_device):
     a = torch.tensor([0, 2, 5], dtype=torch.int32)
     hosts = _host.gather_host(a)
     assert V.host_copy("a", a, hosts=hosts) is hosts[id(a)]
-    assert V.host_copy("a", a).dtype == torch.int32
+    own = V.host_copy("a", a)  # (a copy: the caller may refill its buffer after plan())
+    assert own.dtype == torch.int32 and own.data_ptr() != a.data_ptr()
     assert V.host_copy("a", a.to(torch.int16)).dtype == torch.int64
+    wide = torch.tensor([1, 2])
+    assert V.host_copy("wide", wide).data_ptr() != wide.data_ptr()
     # a page table read through the gathered copies: the same table as without them
     ind = torch.tensor([2, 4, 5], dtype=torch.int32)
     idx = torch.tensor([9, 9, 3, 1, 0, 7], dtype=torch.int32)
