@@ -19,6 +19,8 @@ __all__: list[str] = []  # internal module: nothing is re-exported by compiled_a
 # Entries: a longer array (a page table's pre-allocated buffer, read in its used slice only)
 # is copied on its own.
 GATHER_MAX = 1 << 16
+# (the integer dtypes torch.cat takes on every device; another integer argument is copied on
+# its own, as before)
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 # device types whose tensors are read where they are (gather_host leaves them out)
 _ON_HOST = ("cpu", "meta")

@@ -6,7 +6,7 @@ paged and ragged batch plans (``of_batch``) and both POD plans (``of_pod``); eac
 its arguments in the order FlashInfer's signature lists them, so the first bad one is the one
 named. ``scalar_options`` is the part every entry point shares with single-request prefill and
 the deprecated forward(). A serving step re-plans with the same options: ``options_key`` says
-when a wrapper may reuse its previous plan's.
+when a wrapper may reuse its previous plan's, which ``LastOptions`` keeps.
 """
 
 from __future__ import annotations
@@ -41,6 +41,21 @@ def options_key(args: Mapping, names: Sequence[str], *context) -> tuple | None:
             return None
         vals.append((type(v), v))
     return (tuple(vals), *context)
+
+
+class LastOptions:
+    """A wrapper's last plan's options, reused while their options_key is the same."""
+
+    def __init__(self) -> None:
+        self._key = self._value = None
+
+    def get(self, key: tuple | None, make):
+        """make()'s answer, or the last one where ``key`` is not None and is the last key (a
+        make() that raises leaves the last answer as it was)."""
+        if key is None or key != self._key:
+            self._value = make()
+            self._key = key
+        return self._value
 
 
 def scalar_options(*, head_dim_qk: int, pos_encoding_mode, sm_scale, window_left,

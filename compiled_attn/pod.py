@@ -45,7 +45,7 @@ import torch
 
 from . import _validate as V
 from ._host import gather_host, to_device
-from ._plan_options import PlanOptions, options_key
+from ._plan_options import LastOptions, PlanOptions, options_key
 from .op_call import bound_run, call_op, capturing
 from .ops import choose
 from .ops import decode_chunks as _chunks
@@ -80,7 +80,7 @@ class _PODBase(_WrapperBase):
         self._kv_layout = V.check_kv_layout(kv_layout)
         self._plan = None
         self._use_cuda_graph = False
-        self._options_at = (None, None)  # (_options_key, the options it gave): _plan_options
+        self._options = LastOptions()  # (the last plan's options: _plan_options)
 
     def _options_key(self, args: dict):
         """What _plan_options' answer depends on (_plan_options.options_key): the option
@@ -95,12 +95,9 @@ class _PODBase(_WrapperBase):
         ALiBi, or None; alibi_run: the same slopes whatever the mode, for a run() that asks
         ALiBi of a plan without it). A serving step re-plans with the same options: the
         previous plan's answer is reused where its key (_options_key) is the same."""
-        key = self._options_key(args)
-        if key is not None and key == self._options_at[0]:
-            return dict(self._options_at[1])
-        opts = self._make_plan_options(args)
-        self._options_at = (key, dict(opts))
-        return opts
+        # (a copy: the plan dict is filled in)
+        return dict(self._options.get(self._options_key(args),
+                                      lambda: self._make_plan_options(args)))
 
     def _make_plan_options(self, args: dict) -> dict:
         """_plan_options' answer, made from the arguments."""

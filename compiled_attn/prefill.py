@@ -28,7 +28,8 @@ import torch
 
 from . import _validate as V
 from ._host import gather_host, to_device
-from ._plan_options import BATCH_OPTION_ARGS, PlanOptions, options_key, scalar_options
+from ._plan_options import (BATCH_OPTION_ARGS, LastOptions, PlanOptions, options_key,
+                            scalar_options)
 from .op_call import bound_run, call_op, graph_leaf, write_rows
 from .ops import decode_chunks as _chunks
 from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
@@ -461,8 +462,8 @@ class _BatchPrefillBase(_WrapperBase):
         self._backend = backend
         self._use_cuda_graph = bool(use_cuda_graph)
         self._plan: _Plan | None = None
-        # (options_key, PlanOptions, its fields) of the last plan: _plan_common reuses them
-        self._options_at: tuple = (None, None, None)
+        # the last plan's (PlanOptions, its fields): _plan_common reuses them
+        self._options = LastOptions()
         self._bufs: dict[str, torch.Tensor] = {}
         self._work_buf: torch.Tensor | None = None
         # CUDA-graph mode with split KV (the first plan's tiles leave SMs idle): the merge
@@ -538,12 +539,13 @@ class _BatchPrefillBase(_WrapperBase):
         mode go to the device with the plan's own (in CUDA-graph mode the subclass copies them
         into its buffers)."""
         _check_plan_args(args, qo_h)
+        def make():
+            o = PlanOptions.of_batch(args, self.device.type)
+            return o, o.fields()
+
         # (a serving step re-plans with the same options: the previous plan's are reused)
-        key = options_key(args, BATCH_OPTION_ARGS, self.device.type)
-        if key is None or key != self._options_at[0]:
-            opts = PlanOptions.of_batch(args, self.device.type)
-            self._options_at = (key, opts, opts.fields())
-        opts, fields = self._options_at[1:]
+        opts, fields = self._options.get(
+            options_key(args, BATCH_OPTION_ARGS, self.device.type), make)
         # (the lengths as lists: each torch op on a small host tensor costs microseconds)
         qo_v, kv_list = qo_h.tolist(), kv_lens.tolist()
         total_rows = qo_v[-1]
@@ -590,7 +592,7 @@ class _BatchPrefillBase(_WrapperBase):
                                          chunk_keys, mask_mode == MASK_CAUSAL, kv_arrays)
         alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
                  if opts.pos_encoding_mode == POS_ALIBI else None)
-        return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_list, kv_lens=kv_lens,
+        return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_list, kv_lens=kv_list,
                      block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors, **fields)
 
     def _graph_split_sms(self) -> int | None:
@@ -926,10 +928,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             p.last_page_len = self._into_buf("paged_kv_last_page_len_buf", last_h, non_blocking)
         p.page_size = page_size
         p.max_page = max_page
-        p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h, kv_lens))
+        p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h))
         self._set_plan(p)
 
-    def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h, kv_lens) -> dict:
+    def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h) -> dict:
         """Plan p's decode key chunks (_CHUNK_FIELDS; all None where the batch is not cut).
         A plan of decode rows that a split plan would split (neither disable_split_kv nor
         fixed_split_size), with options the chunks compute exactly (_chunks_exact), on a device
@@ -951,8 +953,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             sms = decode_chunk_sms(p.page_size, p.head_dim_qk, p.head_dim_vo, p.block_m,
                                    p.kv_dtype, plain=_chunks_exact(p, p.window_left, None),
                                    device=device_of(self.device))
-            n = sms and planned_chunk_count(p.qo_lens, kv_lens.tolist(),
-                                            p.num_kv_heads, sms)
+            n = sms and planned_chunk_count(p.qo_lens, p.kv_lens, p.num_kv_heads, sms)
         if graph and self._chunk_bufs is None:  # the first plan
             self._chunk_bufs = self._chunk_buffers(p, sms) if n else False
         if not (n or graph and self._chunk_bufs):
