@@ -29,9 +29,11 @@ few long items that finish unevenly (ops.choose.pod_cut), and apart where a page
 alone would cut them. In CUDA-graph mode the first plan decides the chunk counts and every
 re-plan writes into its tensors (_plan_graph_chunks), so that a captured run() serves them.
 
-Where both parts are large (ops.choose.pod_side), an eager or captured run() launches them
-side by side (_side_by_side): the decodes on a second stream over about half the SMs (more
-where they dominate), the prefill on the current stream beside them.
+Where both parts are large (ops.choose.pod_side), or on page 1 where the fused launch would
+gather a prefill of 2048 tokens or so beside fewer decodes, an eager or captured run()
+launches them side by side (_side_by_side): the decodes on a second stream over their share
+of the SMs (about half; a quarter at least for small calls; more where they dominate), the
+prefill on the current stream beside them. Eager calls replay that as a bound call.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from ._plan_options import LastOptions, PlanOptions, options_key
 from .op_call import bound_run, call_op, capturing
 from .ops import choose
 from .ops import decode_chunks as _chunks
-from .ops.launch import Memo, adopt_scratch, plain_tensors, programs_cap, untraced
+from .ops.launch import (Memo, adopt_scratch, plain_tensors, programs_cap, two_streams,
+                          untraced)
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
 from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
@@ -323,35 +326,35 @@ def _side_by_side(prefill, decode, programs: int, device: torch.device):
     graph's two branches run in no set order and without the streams' priorities. The
     decodes' outputs, made on the side stream, are marked used on the current one
     (record_stream; not while a CUDA graph captures the call, whose pool reuses a block only
-    on its own stream, after a wait on the current one). A recording of such a call is never
-    bound (a replay launches on one stream): its calls take the whole path, whose host time a
-    call this large hides."""
-    side = _side_stream(device)
+    on its own stream, after a wait on the current one). The fork and join are
+    launch.two_streams', so that a bound call replays the two streams (its replay allocates
+    every output on the current stream)."""
     cur = torch.cuda.current_stream(device)
-    side.wait_stream(cur)
-    try:
+    with two_streams(_side_stream, device) as side:
         with torch.cuda.stream(side), programs_cap(programs):
             dec = decode()
         pre = prefill()
-    finally:
-        cur.wait_stream(side)
     if not capturing(device):
         for t in dec:
             t.record_stream(cur)
     return pre, dec
 
 
-def _side(p: dict, pairs, decode_bytes, window_d: int = -1, pos: int = POS_NONE) -> int:
+def _side(p: dict, pairs, decode_bytes, window_d: int = -1, pos: int = POS_NONE, *,
+          dense_prefill: bool = False) -> int:
     """choose.pod_side for a call (prefill of ``pairs`` query-key pairs, decodes reading
     ``decode_bytes``; window_d, pos: the run's decode window and position encoding) of a plan
     whose decodes' own launch is the Gluon kernel's persistent 64-row launch (pages read by
     TMA boxes or gathered), where the run's options keep it there (no window, no position
-    encoding); 0 otherwise, or with an empty part. Asked of a CUDA wrapper's untraced calls
-    (and of CPU-planned wrappers by benchmarks.pod.launch_plan)."""
+    encoding); 0 otherwise, or with an empty part. dense_prefill: the prefill reads contiguous
+    k / v (POD's), which the plan's fused launch may gather (p["fused_gathers"]). Asked of a
+    CUDA wrapper's untraced calls (and of CPU-planned wrappers by
+    benchmarks.pod.launch_plan)."""
     if pairs <= 0 or decode_bytes <= 0 or window_d >= 0 or pos != POS_NONE:
         return 0
     return choose.pod_side(4.0 * p["num_qo_heads"] * p["head_dim"] * pairs, decode_bytes,
-                           gluon_64=p["fused_gluon"] and p["block_m_d"] == 64)
+                           gluon_64=p["fused_gluon"] and p["block_m_d"] == 64,
+                           dense_gathers=dense_prefill and p["fused_gathers"])
 
 
 def _pairs(qo_len: int, kv_len: int, causal: bool) -> int:
@@ -886,7 +889,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         (and the decodes' window and position encoding) runs the parts side by side (_side:
         ops.choose.pod_side), else 0. Asked at every call, as _launch_apart."""
         return _side(self._plan, _pairs(qo_len, kv_len, causal), self._plan["decode_bytes"],
-                     window_d, pos)
+                     window_d, pos, dense_prefill=True)
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)

@@ -842,7 +842,7 @@ def pod_apart(prefill_flops: float, decode_bytes: float, *, gluon: bool = True,
 
 
 def pod_side(prefill_flops: float, decode_bytes: float, *, gluon_64: bool,
-             device: Device | None = None) -> int:
+             dense_gathers: bool = False, device: Device | None = None) -> int:
     """The decodes' programs where a POD call runs its parts side by side (two launches on
     two streams at once: the decodes' grid capped at that many programs, one a SM, on a
     high-priority stream, the prefill on the SMs left), else 0 (fused or apart: pod_apart).
@@ -855,18 +855,30 @@ def pod_side(prefill_flops: float, decode_bytes: float, *, gluon_64: bool,
     - else at least POLICY.pod_side_heavy_share (decode-heavy calls): the decodes on their
       share of both parts' bytes, d / (d + p), at most POLICY.pod_side_sms_max of the SMs, the
       prefill hidden on the rest (its programs take the decodes' SMs as these finish).
+    Under the prefill's floor, a call whose fused launch would gather a dense prefill's
+    contiguous k / v (dense_gathers: POD's prefill where pod_fused_gathers; side by side its own
+    launch reads them by TMA boxes) runs side by side where the prefill's share is at least
+    POLICY.pod_side_share and the floors POLICY.pod_side_gather_min_prefill_bytes /
+    POLICY.pod_side_gather_min_bytes hold, the decodes on their share of both parts' bytes,
+    between POLICY.pod_side_gather_sms_min and POLICY.pod_side_sms_max of the SMs.
     gluon_64: the decodes' own launch is the Gluon kernel's persistent 64-row launch (pages
     read by TMA boxes or gathered: the only grid the cap reaches).
     Never under the interpreter (no streams there), nor with POLICY.pod_apart_balance 0 (one
     launch always) or POLICY.pod_side_share 0; device: the plan's by default."""
     if (INTERPRET or not gluon_64 or POLICY.pod_side_share <= 0 or POLICY.pod_side_sms <= 0
-            or POLICY.pod_apart_balance <= 0  # (always one launch)
-            or decode_bytes < POLICY.pod_side_min_bytes):
+            or POLICY.pod_apart_balance <= 0):  # (always one launch)
         return 0
     prefill_bytes = prefill_flops / POLICY.pod_flop_per_byte
     if prefill_bytes < POLICY.pod_side_min_prefill_bytes:
+        if not (dense_gathers and decode_bytes >= POLICY.pod_side_gather_min_bytes
+                and prefill_bytes >= POLICY.pod_side_gather_min_prefill_bytes
+                and prefill_bytes >= POLICY.pod_side_share * decode_bytes):
+            return 0
+        share = min(POLICY.pod_side_sms_max, max(POLICY.pod_side_gather_sms_min,
+                                                 decode_bytes / (decode_bytes + prefill_bytes)))
+    elif decode_bytes < POLICY.pod_side_min_bytes:
         return 0
-    if prefill_bytes >= POLICY.pod_side_share * decode_bytes:
+    elif prefill_bytes >= POLICY.pod_side_share * decode_bytes:
         share = POLICY.pod_side_sms
     elif (POLICY.pod_side_heavy_share > 0
           and prefill_bytes >= POLICY.pod_side_heavy_share * decode_bytes):

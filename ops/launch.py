@@ -23,8 +23,10 @@ Invariants:
   (``programs_cap``).
 - A call under CUDA-graph capture, with a launch hook installed (profilers) or under any mode
   that observes ops never replays (``unobserved`` decides the latter).
-- A call that launches on a stream other than the one current when it began (POD's parts side
-  by side) is never bound: a replay launches everything on one stream.
+- A call launches on the stream current when it began, or also on one second stream that it
+  forks from that stream and joins back inside ``two_streams`` (POD's parts side by side): a
+  replay redoes the fork, each launch on its stream, and the join, in the recorded order. A
+  launch on any other stream makes the call unbound.
 - Under the Triton interpreter a replay calls the interpreted kernel with views rebuilt from the
   recorded geometry, so CI runs the same record / replay logic on the real kernel code; on a GPU
   it passes pointers as integers, which Triton's launchers accept.
@@ -87,7 +89,12 @@ class Recorder:
         self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros", shape, dtype)
         self.held: list = []       # the scratch tensors, alive while the call is recorded
         self.problem: str | None = None
-        self.stream = _stream_now()  # a replay launches everything on one stream: this one's
+        self.stream = _stream_now()  # the call's stream (role 0)
+        # two_streams: (the second stream's handle, the getter of a thread's second stream)
+        self.side: tuple | None = None
+        self.roles: list = []      # each launch's stream: 0 the call's, 1 the second
+        self.waits: list = []      # (launches before it, waiting role, role waited on)
+        self.side_counters: set = set()  # counter slots taken on the second stream (data_ptr)
 
 
 def _stream_now():
@@ -165,8 +172,8 @@ _POOLS: dict = {}
 
 
 def _pool_slot(device: torch.device, stream: int | None = None) -> tuple[torch.Tensor, int]:
-    """A slot of the zeroed counters of device's current stream (stream: its raw handle,
-    where the caller has it)."""
+    """A slot of the zeroed counters of a stream of device: ``stream`` (a raw handle), the
+    current one by default. A spent pool is zeroed again in its stream's order."""
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device.index)
     key = (device.index, stream)
@@ -175,7 +182,11 @@ def _pool_slot(device: torch.device, stream: int | None = None) -> tuple[torch.T
         pool = _POOLS[key] = [torch.zeros(POOL_SLOTS, dtype=torch.int32, device=device), 0]
     t, i = pool
     if i == POOL_SLOTS:
-        t.zero_()
+        if stream == torch._C._cuda_getCurrentRawStream(device.index):
+            t.zero_()
+        else:  # (a replay's second stream, two_streams: zeroed in that stream's order)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=device)):
+                t.zero_()
         i = 0
     pool[1] = i + 1
     return t, i
@@ -235,7 +246,42 @@ def counter(device, resets: bool = False) -> torch.Tensor:
     rec = _recorder()
     if rec is not None:
         rec.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
+        if rec.side is not None and _stream_now() == rec.side[0]:
+            rec.side_counters.add(t.data_ptr())
     return t
+
+
+@contextlib.contextmanager
+def two_streams(side_of, device):
+    """Launches of a call on two CUDA streams at once: on entry the second stream,
+    ``side_of(device)`` (a thread's own stream, made once by the caller's getter), waits for
+    the current one (the fork); inside, launches made under ``torch.cuda.stream(<yielded
+    stream>)`` run on it and the others on the current stream; on exit (also when the body
+    raises, so that a CUDA graph's capture stays joined) the current stream waits for the
+    second (the join). A recording call notes the fork, each launch's stream and the join, and
+    its replay redoes them in order on the replaying thread's streams (Bound). One second
+    stream a call: a nested use makes the call unbound."""
+    side = side_of(device)
+    cur = torch.cuda.current_stream(device)
+    rec = _recorder()
+    if rec is not None:
+        if rec.side is not None or cur.cuda_stream != rec.stream:
+            rec.problem = rec.problem or "two_streams nested, or not on the call's stream"
+        else:
+            rec.side = (side.cuda_stream, side_of)
+    _wait(rec, side, cur, (1, 0))
+    try:
+        yield side
+    finally:
+        _wait(rec, cur, side, (0, 1))
+
+
+def _wait(rec: Recorder | None, waiter, on, roles: tuple[int, int]) -> None:
+    """waiter waits for the work queued on ``on`` so far (stream.wait_stream); a recording
+    notes it between its launches, by the streams' roles (two_streams)."""
+    waiter.wait_stream(on)
+    if rec is not None:
+        rec.waits.append((len(rec.launches), *roles))
 
 
 _PARAMS: dict = {}
@@ -289,7 +335,13 @@ def run_direct(fn, grid, *args, **kwargs):
 
 def _record(fn, grid, args, kwargs):
     rec = _recorder()
-    if _stream_now() != rec.stream:
+    stream = _stream_now()
+    if stream == rec.stream:
+        rec.roles.append(0)
+    elif rec.side is not None and stream == rec.side[0]:
+        rec.roles.append(1)
+    else:
+        rec.roles.append(0)
         rec.problem = rec.problem or "a launch on another stream than the call's"
     try:
         vals, options = _bound_args(fn, args, kwargs)
@@ -572,6 +624,15 @@ class Bound:
         for p, spec in rec.scratch.items():
             self._tmp[p] = len(self.scratch)
             self.scratch.append(spec)
+        # two_streams: (the recorded second stream's handle, the getter of a thread's second
+        # stream), each launch's stream role, the fork / join waits by the launches they
+        # precede, and each scratch buffer's role (a counter slot comes from its stream's pool)
+        self._two = rec.side
+        self._roles = rec.roles
+        self._waits: dict = {}
+        for at, waiter, on in rec.waits:
+            self._waits.setdefault(at, []).append((waiter, on))
+        self._scratch_roles = [int(p in rec.side_counters) for p in rec.scratch]
         # a source's first index in the pointers a replay passes (pointers())
         self._first_out = len(tensors)
         slots = len(tensors) + len(self.outputs) + len(self.scratch)
@@ -644,17 +705,46 @@ class Bound:
                     else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
+        if self._two is not None:
+            return self._replay_two(tensors, ptrs, stream)
         tmps, addrs = self.scratch_pointers(stream)  # (tmps alive until the launches queue)
         self.launch(pointers(tensors, outs, addrs, ptrs), stream)
         return tuple(outs)
 
-    def scratch_pointers(self, stream: int | None) -> tuple[list, list]:
+    def _replay_two(self, tensors: list, ptrs: list | None, stream: int):
+        """replay() of a call recorded on two streams (two_streams): the outputs and scratch
+        allocated on the current stream (the second stream uses them only between the fork,
+        which follows their allocation, and the join, which precedes their release), the
+        fork, the launches each on its stream and the join in the recorded order, on this
+        thread's second stream. The dropped outputs are kept only where both streams are the
+        recording's (Bound.held)."""
+        dev = self.device
+        streams = (torch.cuda.current_stream(dev), self._two[1](dev))
+        handles = (stream, streams[1].cuda_stream)
+        held = self.held if handles == (self._held_stream, self._two[0]) else {}
+        outs = [held[j] if j in held else proto.new_empty_strided(s, st)
+                for j, proto, s, st in self._alloc]
+        tmps, addrs = self.scratch_pointers(stream, handles[1])
+        ptrs = pointers(tensors, outs, addrs, ptrs)
+        waits = self._waits
+        for i, entry in enumerate(self.launches):
+            for waiter, on in waits.get(i, ()):
+                streams[waiter].wait_stream(streams[on])
+            _launch_entry(entry, handles[self._roles[i]], ptrs)
+        for waiter, on in waits.get(len(self.launches), ()):
+            streams[waiter].wait_stream(streams[on])
+        del tmps  # (released after the join is queued)
+        return tuple(outs)
+
+    def scratch_pointers(self, stream: int | None,
+                         side: int | None = None) -> tuple[list, list]:
         """(the scratch tensors a replay allocates, the addresses of every scratch buffer in
-        order: a zeroed counter slot of ``stream``'s pool, or a fresh tensor's)."""
+        order: a zeroed counter slot of ``stream``'s pool (``side``'s for a slot the recording
+        took on its second stream: two_streams), or a fresh tensor's)."""
         tmps, addrs = [], []
-        for kind, s, dt in self.scratch:
+        for (kind, s, dt), role in zip(self.scratch, self._scratch_roles):
             if kind == "zeros":
-                addrs.append(_pool_ptr(self.device, stream))
+                addrs.append(_pool_ptr(self.device, side if role else stream))
             else:
                 tmps.append(torch.empty(s, dtype=dt, device=self.device))
                 addrs.append(tmps[-1].data_ptr())
@@ -663,19 +753,8 @@ class Bound:
     def launch(self, ptrs: list, stream: int) -> None:
         """The recorded launches on CUDA stream ``stream`` with the pointers ptrs (as
         ``pointers`` gives them: the call's tensors', its outputs', its scratch's)."""
-        for fn, g, template, patches, _, compiled, direct in self.launches:
-            if direct is not None:
-                direct(g, stream, compiled, ptrs)
-                continue
-            a = template.copy()
-            for pos, desc, (kind, j, delta, _g) in patches:
-                ptr = (j if kind == "static" else ptrs[j]) + delta
-                if desc:
-                    a[pos] = _rebased(a[pos], ptr)
-                else:
-                    a[pos] = ptr
-            compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
-                         None, None, None, *a)
+        for entry in self.launches:
+            _launch_entry(entry, stream, ptrs)
 
     def _replay_interpreted(self, tensors, outs, tmps):
         pools = [*tensors, *outs, *tmps]  # (in the order of pointers())
@@ -687,6 +766,25 @@ class Bound:
                                       src.storage_offset() + delta // src.element_size())
                 a[pos] = dataclasses.replace(a[pos], base=view) if desc else view
             fn[grid](*a, **options)
+
+
+def _launch_entry(entry: tuple, stream: int, ptrs: list) -> None:
+    """One of a Bound's launches (its ``launches`` entry) on CUDA stream ``stream`` with the
+    pointers ptrs (as ``pointers`` gives them: the call's tensors', its outputs', its
+    scratch's)."""
+    _fn, g, template, patches, _, compiled, direct = entry
+    if direct is not None:
+        direct(g, stream, compiled, ptrs)
+        return
+    a = template.copy()
+    for pos, desc, (kind, j, delta, _g) in patches:
+        ptr = (j if kind == "static" else ptrs[j]) + delta
+        if desc:
+            a[pos] = _rebased(a[pos], ptr)
+        else:
+            a[pos] = ptr
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata,
+                 None, None, None, *a)
 
 
 def kernel_device(device: torch.device) -> bool:

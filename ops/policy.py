@@ -202,6 +202,20 @@ class Policy:
         # benchmarks/NOTES.md, 2026-11-30). 0: never.
         self.pod_side_heavy_share = 0.1
         self.pod_side_sms_max = 0.8
+        # A POD call whose fused launch would gather both parts' K / V (pages of 1-7 keys:
+        # choose.pod_fused_gathers) reads its contiguous prefill k / v by TMA boxes on the
+        # prefill's own launch side by side, so there it pays under the floors above too: where
+        # the prefill counted as bytes is at least pod_side_share of the decodes' bytes and at
+        # least pod_side_gather_min_prefill_bytes, and the decodes read at least
+        # pod_side_gather_min_bytes, the decodes on their share of both parts' bytes, at least
+        # pod_side_gather_sms_min of the SMs. Page 1, over the better of fused and apart,
+        # graph / eager: p2048 + 16 x 1k / 16 x 4k 1.06-1.12x / 1.02-1.14x at the best of the
+        # shares 0.25, 0.5, 0.75 (0.25 / 0.5 GQA 32/8, 0.25 GQA 64/8), GQA 64/8 p2048 + 128 x 1k
+        # 1.03x / 1.02x at half the SMs; p256 + 16 x 4k (share 0.01-0.03) 0.87-0.91x graph, and
+        # GQA 32/8 p2048 + 128 x 1k (0.43) 0.97x (H200, benchmarks/NOTES.md, 2026-12-01).
+        self.pod_side_gather_min_prefill_bytes = 2e8
+        self.pod_side_gather_min_bytes = 6e7
+        self.pod_side_gather_sms_min = 0.25
         # Plain eager calls skip torch's dispatcher (compiled_attn.op_call).
         self.direct = True
         # Plain eager calls replay their bound launches (launch.py).

@@ -716,8 +716,18 @@ def test_compiled_pod_run_keeps_one_graph_over_batch_and_cache_sizes():
 # Measured (H200; benchmarks/NOTES.md, 2026-11-30): the p8192 cases below 0.99-1.09x the better
 # of the fused launch and apart on page 16, 1.02-1.16x on page 1 (graph); the decode-heavy
 # p8192 + 128 / 256 x 32k (shares 0.11-0.43) 1.04-1.19x; p4096 / p2048 + 128 x 4k and GQA 64/8
-# p2048 + 128 x 1k (prefill under 2e9 bytes) lost 0.76-0.87x.
+# p2048 + 128 x 1k (prefill under 2e9 bytes) lost 0.76-0.87x. Under that floor, where the fused
+# launch would gather the prefill's contiguous k / v (page 1): side by side where the prefill is
+# at least 2e8 bytes and 0.75 of the decodes' bytes, and the decodes read at least 6e7, on
+# their share of both parts' bytes, at least a quarter of the SMs (2026-12-01: p2048 + 16 x 1k /
+# 4k and GQA 64/8 p2048 + 128 x 1k 1.04-1.16x apart).
 @pytest.mark.parametrize("qo,n_dec,kv_d,hq,page,programs", [
+    (2048, 16, 1024, 32, 1, 33), (2048, 16, 4096, 32, 1, 71), (2048, 16, 1024, 64, 1, 33),
+    (2048, 16, 4096, 64, 1, 49), (2048, 128, 1024, 64, 1, 71),
+    (2048, 128, 1024, 32, 1, 0),  # (the prefill 0.43 of the decodes' bytes)
+    (256, 16, 4096, 32, 1, 0), (1024, 16, 1024, 32, 1, 0),  # (prefills under 2e8 bytes)
+    (2048, 16, 4096, 32, 16, 0),  # (page 16: the fused launch reads both parts by boxes)
+    (2048, 8, 1024, 32, 1, 0),  # (decodes under 6e7 bytes)
     (8192, 256, 4096, 32, 16, 66), (8192, 128, 4096, 32, 16, 66),
     (8192, 256, 4096, 64, 16, 66), (8192, 128, 1024, 32, 16, 66),
     (8192, 16, 32768, 64, 16, 66), (2048, 128, 1024, 64, 16, 0),

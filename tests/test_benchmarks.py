@@ -814,9 +814,12 @@ def test_pod_suite_rows_and_ratios_from_fake_timings(tmp_path, monkeypatch):
     with override(pod_gather=False):
         assert pod.launch_choice(pod.case_list(quick=True)[4]) == "apart"
     # rows under CUDA graphs take the captured choice: a small page-1 call goes apart there
-    small = pod.PodCase("pod", (2048,), 16, 1024, 32, 8, 1)
+    small = pod.PodCase("pod", (256,), 16, 4096, 64, 8, 1)
     assert [pod.launch_plan(small, captured=c)["launch"] for c in (False, True)] == \
         ["fused", "apart"]
+    # and p2048 + 16 x 1k on page 1 side by side in both (the decodes on a quarter of the SMs)
+    side = pod.launch_plan(pod.PodCase("pod", (2048,), 16, 1024, 32, 8, 1))
+    assert (side["launch"], side["side_programs"]) == ("side", 33)
     g = {(r["provider"], r["mode"]): r for r in pod.assemble(small, res, diff=None)}
     assert (g["ours_pod", "eager"]["launch"], g["ours_pod", "graph"]["launch"]) == \
         ("fused", "apart")

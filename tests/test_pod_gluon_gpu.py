@@ -345,21 +345,26 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page, share):
     decode-heavy calls' larger share), the prefill on the current stream; few long decodes
     also in key chunks and merged there; pages read by TMA boxes, or gathered) give the bits
     of the parts apart (POD_APART: the same kernels one after the other), LSEs included;
-    repeated eager calls and a CUDA graph of the call replayed on new values in the same
-    buffers give the bits of eager calls."""
+    the first eager call is recorded and the next replay it as a bound call on the same two
+    streams (the decodes' launches on the side stream, the prefill's on the current one);
+    a CUDA graph of the call replayed on new values in the same buffers gives the bits of
+    eager calls."""
     from compiled_attn import pod as pod_mod
     from compiled_attn.ops import launch as L
     from compiled_attn.ops.policy import POD_APART, POD_SIDE
     from tests.kernel_cases import capture_graph
 
-    sides, caps = [], []
+    sides, caps, streams = [], [], []
     real_side, real_launch = pod_mod._side_by_side, prefill_gluon.launch
+    real_entry = L._launch_entry
     monkeypatch.setattr(pod_mod, "_side_by_side",
                         lambda *a: sides.append(a[2]) or real_side(*a))
     monkeypatch.setattr(prefill_gluon, "launch",
                         lambda *a, **kw: caps.append(L.programs_cap_now()) or real_launch(*a, **kw))
+    monkeypatch.setattr(L, "_launch_entry",
+                        lambda e, stream, p: streams.append(stream) or real_entry(e, stream, p))
     x = _pod_inputs("cuda", BF16, seed=5, qo=777, kv_d=kv_d, page=page, hq=28, hkv=4)
-    _, call = _wrapper_call(kind, x)
+    w, call = _wrapper_call(kind, x)
     with override(**POD_APART):
         apart = [t.clone() for t in call()]
     assert not sides
@@ -367,16 +372,25 @@ def test_pod_side_by_side_equals_apart(monkeypatch, kind, kv_d, page, share):
     cap = round(sms * share)
     with override(**POD_SIDE, pod_side_sms=share):
         caps.clear()
+        streams.clear()
+        hits = w._memo.hits
         runs = [[t.clone() for t in call()] for _ in range(3)]
-        assert sides == [cap] * 3
+        assert sides == [cap]  # recorded once, then two replays of the bound call
+        assert w._memo.hits == hits + 2
         # the decodes' launch capped (the prefill's, where it is a Gluon launch, not)
         assert cap in caps and set(caps) <= {0, cap}
+        # each replay launches on both streams: the side stream's and the current one's
+        side = pod_mod._side_stream(torch.device("cuda", 0)).cuda_stream
+        cur = torch.cuda.current_stream().cuda_stream
+        assert set(streams) == {side, cur}
         for got in runs:
             for a, b in zip(got, apart):
                 assert torch.equal(a.nan_to_num(), b.nan_to_num())
         assert not any(torch.isnan(t).any() for t in runs[0][:2])
         graph, outs = capture_graph(call)
-        assert len(sides) == 5  # (capture_graph's warm-up call and the captured one)
+        # (capture_graph's warm-up call, on another stream, replays; the captured one does
+        # not: a capture takes the whole path)
+        assert len(sides) == 2
         g = torch.Generator(device="cuda").manual_seed(12)
         for _ in range(2):
             for t in ("q_p", "q_d", "cache"):
