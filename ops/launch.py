@@ -111,6 +111,8 @@ class _Local(threading.local):
 
     rec: Recorder | None = None  # the recorder of the call this thread is recording, if any
     cap: int = 0                 # programs_cap's value in force
+    streams: dict | None = None  # two-stream replays: _stream_object's and _events' own
+    events: dict | None = None
 
 
 _TLS = _Local()
@@ -697,6 +699,8 @@ class Bound:
         data_ptr(), where the caller has them); returns the outputs."""
         dev = self.device
         stream = torch._C._cuda_getCurrentRawStream(dev.index) if self.cuda else None
+        if self._two is not None and not INTERPRET:
+            return self._replay_two(tensors, ptrs, stream)
         held = self.held if stream == self._held_stream else {}
         outs = [held[j] if j in held else proto.new_empty_strided(s, st)
                 for j, proto, s, st in self._alloc]
@@ -705,8 +709,6 @@ class Bound:
                     else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
-        if self._two is not None:
-            return self._replay_two(tensors, ptrs, stream)
         tmps, addrs = self.scratch_pointers(stream)  # (tmps alive until the launches queue)
         self.launch(pointers(tensors, outs, addrs, ptrs), stream)
         return tuple(outs)
@@ -719,20 +721,20 @@ class Bound:
         thread's second stream. The dropped outputs are kept only where both streams are the
         recording's (Bound.held)."""
         dev = self.device
-        streams = (torch.cuda.current_stream(dev), self._two[1](dev))
+        streams = (_stream_object(dev, stream), self._two[1](dev))
         handles = (stream, streams[1].cuda_stream)
         held = self.held if handles == (self._held_stream, self._two[0]) else {}
         outs = [held[j] if j in held else proto.new_empty_strided(s, st)
                 for j, proto, s, st in self._alloc]
         tmps, addrs = self.scratch_pointers(stream, handles[1])
         ptrs = pointers(tensors, outs, addrs, ptrs)
-        waits = self._waits
+        waits, events = self._waits, _events(dev)
         for i, entry in enumerate(self.launches):
             for waiter, on in waits.get(i, ()):
-                streams[waiter].wait_stream(streams[on])
+                _wait_on(events[on], streams[waiter], streams[on])
             _launch_entry(entry, handles[self._roles[i]], ptrs)
         for waiter, on in waits.get(len(self.launches), ()):
-            streams[waiter].wait_stream(streams[on])
+            _wait_on(events[on], streams[waiter], streams[on])
         del tmps  # (released after the join is queued)
         return tuple(outs)
 
@@ -766,6 +768,38 @@ class Bound:
                                       src.storage_offset() + delta // src.element_size())
                 a[pos] = dataclasses.replace(a[pos], base=view) if desc else view
             fn[grid](*a, **options)
+
+
+def _stream_object(device: torch.device, handle: int):
+    """The torch.cuda.Stream of raw handle ``handle``, the current stream of device, kept per
+    thread (a handle names one CUDA stream while it lives: torch's pooled streams are never
+    destroyed; the null stream's handle 0 is per device, hence the key)."""
+    known = _TLS.streams
+    if known is None:
+        known = _TLS.streams = {}
+    s = known.get((device.index, handle))
+    if s is None:
+        s = known[device.index, handle] = torch.cuda.current_stream(device)
+    return s
+
+
+def _events(device: torch.device) -> tuple:
+    """Two CUDA events of this thread on device for a two-stream replay's waits, one per
+    stream role waited on (a wait takes the event's latest record when it is queued, so the
+    next record may reuse the event)."""
+    known = _TLS.events
+    if known is None:
+        known = _TLS.events = {}
+    pair = known.get(device.index)
+    if pair is None:
+        pair = known[device.index] = (torch.cuda.Event(), torch.cuda.Event())
+    return pair
+
+
+def _wait_on(event, waiter, on) -> None:
+    """Stream waiter waits for the work queued on stream ``on`` so far, through event."""
+    event.record(on)
+    event.wait(waiter)
 
 
 def _launch_entry(entry: tuple, stream: int, ptrs: list) -> None:
