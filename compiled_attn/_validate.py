@@ -374,16 +374,19 @@ def check_writable(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def host_copy(name: str, t: torch.Tensor, hosts: dict | None = None) -> torch.Tensor:
+def host_copy(name: str, t: torch.Tensor, hosts: dict | None = None,
+              span: tuple[int, int] | None = None) -> torch.Tensor:
     """A host copy of integer argument ``name`` (a device sync when it lives on a GPU): int32
     where t is int32, else int64 (a plan sends its index arrays to the device as int32, and
     each dtype conversion of a small tensor costs microseconds). Always a copy, also of a host
     tensor: a plan's asynchronous copies to the device read it after plan() returns, when the
     caller may already be refilling its own (pinned) buffer. hosts: _host.gather_host's copies
-    of a plan's arguments, {id(tensor): copy}; t's is taken from there when it is one of them."""
+    of a plan's arguments, {id(tensor): copy}; t's is taken from there when it is one of them.
+    span: (start, end), only entries start..end-1 of a 1-D t."""
     if hosts and id(t) in hosts:
-        return hosts[id(t)]
-    t = check_readable(name, t).detach()
+        h = hosts[id(t)]
+        return h if span is None else h[span[0]:span[1]]
+    t = check_readable(name, t if span is None else t[span[0]:span[1]]).detach()
     return t.to("cpu", torch.int32 if t.dtype == torch.int32 else torch.int64, copy=True)
 
 
@@ -455,8 +458,7 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                          f"entries; {idx_n} needs at least {ind_n}[-1] entries (entries past "
                          "it are ignored)")
     check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
-    idx_h = (hosts[id(indices)][start:used] if hosts and id(indices) in hosts
-             else host_copy(idx_n, indices[start:used]))
+    idx_h = host_copy(idx_n, indices, hosts=hosts, span=(start, used))
     if idx_h.numel() and int(idx_h.min()) < 0:
         i = int(torch.nonzero(idx_h < 0)[0, 0])
         raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "

@@ -625,14 +625,15 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p = self._plan_options(args)
         # (the decodes' work lists built on the host: on the device each was five small
         # launches; every host array goes to the device as one int32 copy, _host.to_device)
-        work_d = build_work([1] * b, p["group"], p["block_m"], "cpu")
+        rows = [1] * b  # (a decode is a one-row request)
+        work_d = build_work(rows, p["group"], p["block_m"], "cpu")
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
-        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, [1] * b,
+        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, rows,
                                                 p["block_m"], p["kv_dtype"])
         host = dict(qo_indptr=torch.arange(b + 1, dtype=torch.int32), work_d=work_d,
                     work_d_apart=None if p["block_m_d"] == p["block_m"] else build_work(
-                        [1] * b, p["group"], p["block_m_d"], "cpu"))
+                        rows, p["group"], p["block_m_d"], "cpu"))
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
@@ -665,7 +666,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens.tolist(), non_blocking)
         else:
-            _plan_both_chunks(p, qo_h, ind_h, last_h, [1] * b, kv_lens.tolist(), self.device)
+            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens.tolist(), self.device)
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p)
 
@@ -1002,14 +1003,16 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
                 _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device)
-        host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d)
-        p.update(to_device(host, self.device, non_blocking))
-        if p["chunks"] is not None:  # (the prefill's tiles on the fused tile: work_p's if it is)
-            tiles = p["work_p"] if work_p is works[0] else to_device(
-                {"t": works[0]}, self.device, non_blocking)["t"]
-            p["work_cut"] = _pod_work(tiles, p["chunks"]["work"])
-        else:
-            p["work_cut"] = None
+        # (the prefill's tiles on the fused tile, which the cut launch's work list takes:
+        # work_p's where that is the fused tile)
+        own_tiles = p["chunks"] is not None and work_p is not works[0]
+        host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
+                    cut_tiles_p=works[0] if own_tiles else None)
+        dev = to_device(host, self.device, non_blocking)
+        tiles = dev.pop("cut_tiles_p")
+        p.update(dev)
+        p["work_cut"] = None if p["chunks"] is None else _pod_work(
+            p["work_p"] if tiles is None else tiles, p["chunks"]["work"])
         p["tiles_p"] = works[0].shape[0]
         p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
         self._set_plan(p)
