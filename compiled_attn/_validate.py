@@ -443,8 +443,9 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
     >= 0 (the upper bound is the cache's page count, checked in run() by check_pages_in_cache).
     last_page_len: integer [B], in [1, page_size] for a request with pages, [0, page_size] for
     one without (its kv_len is 0 either way). Returns host copies (host_copy's) of the same table
-    from 0 (indptr - indptr[0], indices[indptr[0]:indptr[-1]]), last_page_len, and kv_len [B]
-    = (pages - 1) * page_size + last_page_len (0 without pages). hosts: host_copy's.
+    from 0 (indptr - indptr[0], indices[indptr[0]:indptr[-1]]), last_page_len, and kv_len, a
+    list [B] of (pages - 1) * page_size + last_page_len (0 without pages: the plans read the
+    lengths as lists). hosts: host_copy's.
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -473,8 +474,7 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                              f"page_size = {page_size}; it counts the tokens in the request's "
                              "last page")
         kv_len.append((n - 1) * page_size + last if n > 0 else 0)
-    return (indptr - start if start else indptr, idx_h, last_h,
-            torch.tensor(kv_len, dtype=torch.int64))
+    return indptr - start if start else indptr, idx_h, last_h, kv_len
 
 
 def page_table(names, indptr, indices, last_page_len, page_size: int, *,
@@ -484,7 +484,7 @@ def page_table(names, indptr, indices, last_page_len, page_size: int, *,
     FlashInfer's): host_indptr (start_zero=False) and check_page_table, with max_entry's
     (position in the caller's indices, value) of the largest page index. names: the indptr,
     indices and last_page_len arguments' names; length / length_from / hosts: host_indptr's.
-    Returns (indptr, indices, last_page_len, kv_lens, max_page)."""
+    Returns (indptr, indices, last_page_len, kv_lens (a list), max_page)."""
     ind = host_indptr(names[0], indptr, length=length, start_zero=False,
                       length_from=length_from, hosts=hosts)
     table = check_page_table(ind, indices, last_page_len, page_size, names=names, hosts=hosts)

@@ -664,9 +664,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p["chunks"] = p["chunks_apart"] = None
         qo_h = host["qo_indptr"]
         if self._use_cuda_graph:
-            self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens.tolist(), non_blocking)
+            self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
-            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens.tolist(), self.device)
+            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device)
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p)
 
@@ -969,7 +969,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 (f"kv_indptr_{x}", f"kv_indices_{x}", f"last_page_len_{x}"), kvi, idx, last,
                 page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}", hosts=hosts)
             # (the lengths as lists: each torch op on a small host tensor costs microseconds)
-            qo_v, kv_l = qo_h.tolist(), kv_lens.tolist()
+            qo_v, kv_l = qo_h.tolist(), kv_lens
             qo_l = list(map(operator.sub, qo_v[1:], qo_v))
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))
             if x == "p":

@@ -530,11 +530,11 @@ class _BatchPrefillBase(_WrapperBase):
                 raise ValueError(f"{name}: holds {buf.numel()} entries but this plan needs "
                                  f"{n}; allocate a larger buffer when constructing the wrapper")
 
-    def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_lens: torch.Tensor, *,
+    def _plan_common(self, args: dict, qo_h: torch.Tensor, kv_list: list, *,
                      paged: bool, page_size: int = 0, kv_arrays: dict) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. args: the
         plan()'s arguments by FlashInfer name; qo_h: host qo_indptr (checked, int32 or int64);
-        kv_lens: host [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
+        kv_list: the requests' keys, a list [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
         subclass's checked host index arrays ({plan field: tensor}), which outside CUDA-graph
         mode go to the device with the plan's own (in CUDA-graph mode the subclass copies them
         into its buffers)."""
@@ -547,7 +547,7 @@ class _BatchPrefillBase(_WrapperBase):
         opts, fields = self._options.get(
             options_key(args, BATCH_OPTION_ARGS, self.device.type), make)
         # (the lengths as lists: each torch op on a small host tensor costs microseconds)
-        qo_v, kv_list = qo_h.tolist(), kv_lens.tolist()
+        qo_v = qo_h.tolist()
         total_rows = qo_v[-1]
         qo_list = list(map(operator.sub, qo_v[1:], qo_v))
         if total_rows * opts.group >= 2 ** 31:  # (the work list's rows are int32)
@@ -1169,7 +1169,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_batch(b)
             self._check_bufs({"kv_indptr_buf": kv_h.numel()})
-        p = self._plan_common(args, qo_h, kv_h[1:] - kv_h[:-1], paged=False,
+        kv_v = kv_h.tolist()
+        p = self._plan_common(args, qo_h, list(map(operator.sub, kv_v[1:], kv_v)), paged=False,
                               kv_arrays=dict(kv_indptr=kv_h))
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("kv_indptr_buf", kv_h, non_blocking)
