@@ -534,10 +534,10 @@ class _BatchPrefillBase(_WrapperBase):
                      paged: bool, page_size: int = 0, kv_arrays: dict) -> _Plan:
         """Everything plan() does that does not depend on how KV is addressed. args: the
         plan()'s arguments by FlashInfer name; qo_h: host qo_indptr (checked, int32 or int64);
-        kv_list: the requests' keys, a list [B]; page_size: the paged cache's (0: ragged); kv_arrays: the
-        subclass's checked host index arrays ({plan field: tensor}), which outside CUDA-graph
-        mode go to the device with the plan's own (in CUDA-graph mode the subclass copies them
-        into its buffers)."""
+        kv_list: the requests' keys, a list [B]; page_size: the paged cache's (0: ragged);
+        kv_arrays: the subclass's checked host index arrays ({plan field: tensor}), which
+        outside CUDA-graph mode go to the device with the plan's own (in CUDA-graph mode the
+        subclass copies them into its buffers)."""
         _check_plan_args(args, qo_h)
         def make():
             o = PlanOptions.of_batch(args, self.device.type)
