@@ -18,7 +18,9 @@ The row "single_prefill_torch_ops" is the op called as a serving engine may call
 ``torch.ops.compiled_attn.single_prefill`` (through torch's dispatcher), beside SDPA's aten op.
 The *_plan cases time plan() (ragged, paged, POD, and our BatchPOD) as a serving step calls it
 before its layers' run() calls, on the same sizes, alternating two page orders; a plan reads its
-index arrays on the host, so these are wall times with the GPU idle, not queued calls.
+index arrays on the host, so these are wall times with the GPU idle, not queued calls. The
+*_step cases (paged, POD) time a serving step: plan(), then each of the LAYERS layers' run() on
+it (wall times too).
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -134,6 +136,35 @@ def _plans(mod, x, dev, name):
     return {case: _turns(call, [x["idx"], x["idx2"]]) for case, call in calls.items()}
 
 
+def _steps(mod, x, dev, name, pod: bool = True):
+    """Zero-argument serving steps of module ``mod``'s wrappers: plan() (alternating two page
+    orders, as the *_plan cases), then each of the LAYERS layers' run() on that plan, paged
+    ("paged_step") and POD ("pod_step"; pod: with it). A step's first run() is the one that
+    pays whatever a new plan costs run() (ours: the bound call recorded again for the new
+    plan's tensors), which neither the *_plan nor the *_layers cases include."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    pw = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+
+    def paged(idx):
+        pw.plan(x["qo"], x["kvi"], idx, x["last"], HQ, HKV, D, PAGE, causal=True,
+                q_data_type=DT)
+        for t in x["layers"]:
+            pw.run(t["q"], t["cache"])
+
+    orders = [x["idx"], x["idx2"]]
+    calls = {"paged_step": _turns(paged, orders)}
+    if pod:
+        dw = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
+
+        def pod_step(idx):
+            dw.plan(x["kvi"], idx, x["last"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+            for t in x["layers"]:
+                dw.run(t["q1"], t["k1"], t["v1"], t["qd"], t["cache"], causal_p=True)
+        calls["pod_step"] = _turns(pod_step, orders)
+    return calls
+
+
 def _pod(mod, x, dev, layers: bool = False):
     """POD run() on x's tensors, or (layers) on x's layers' in turn."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
@@ -172,6 +203,8 @@ def providers(args) -> dict:
         add(case, "compiled_attn", lambda fn=fn: fn)
     for case, fn in _plans(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
+    for case, fn in _steps(ca, x, dev, "compiled_attn").items():
+        add(case, "compiled_attn", lambda fn=fn: fn)
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
@@ -185,13 +218,16 @@ def providers(args) -> dict:
             for case, fn in _plans(flashinfer, x, dev, "flashinfer").items():
                 if case != "pod_plan" or not args.no_fi_pod:
                     add(case, "flashinfer", lambda fn=fn: fn)
+            for case, fn in _steps(flashinfer, x, dev, "flashinfer",
+                                   pod=not args.no_fi_pod).items():
+                add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
                 add("pod_run_layers", "flashinfer",
                     lambda: _pod(flashinfer, x, dev, layers=True))
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers",
-                         "ragged_plan", "paged_plan", "pod_plan"):
+                         "ragged_plan", "paged_plan", "pod_plan", "paged_step", "pod_step"):
                 out.setdefault((case, "flashinfer"), f"{type(e).__name__}: {e}")
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention
@@ -237,8 +273,11 @@ def _compiled(fn, *a):
 # GPU cycles the run() cases' calls queue behind (~0.8 s: longer than the calls take to issue)
 SLEEP = 1_500_000_000
 # cases timed as wall time with the GPU idle: a plan() reads its index arrays on the host (a
-# copy that waits for the GPU), so it cannot queue behind a sleeping GPU
-PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan"})
+# copy that waits for the GPU), so it cannot queue behind a sleeping GPU; a step's time then
+# holds its previous step's kernels too (a few microseconds each at these sizes, for every
+# provider alike)
+PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan",
+                        "paged_step", "pod_step"})
 
 
 def host_us(fn, calls: int, sleep: int = SLEEP) -> float:

@@ -1046,6 +1046,42 @@ def test_host_suite_rows_and_ratios_from_fake_timings():
     assert seen == ["a", "b", "c", "a", "b", "c", "a"]
 
 
+def test_host_suite_steps_plan_then_run_every_layer():
+    """The *_step cases: plan() on the next of two page orders, then run() on each layer's
+    tensors in order (a stand-in module records the calls); FlashInfer's without POD under
+    --no-fi-pod."""
+    from benchmarks import host
+
+    log = []
+
+    class Wrapper:
+        def __init__(self, *a, **kw):
+            self.kind = "pod" if not kw else kw["backend"]
+
+        def plan(self, *a, **kw):
+            log.append(("plan", a[2] if self.kind != "pod" else a[1]))
+
+        def run(self, q, *a, **kw):
+            log.append(("run", q))
+
+    class Mod:
+        BatchPrefillWithPagedKVCacheWrapper = PODWithPagedKVCacheWrapper = Wrapper
+
+    x = {"qo": 0, "kvi": 0, "last": 0, "idx": "i1", "idx2": "i2",
+         "layers": [dict(q=f"q{i}", q1=f"p{i}", k1=0, v1=0, qd=0, cache=0) for i in range(3)]}
+    steps = host._steps(Mod, x, "cpu", "flashinfer")
+    assert set(steps) == {"paged_step", "pod_step"}
+    for case in ("paged_step", "pod_step"):
+        log.clear()
+        steps[case]()
+        steps[case]()
+        q = "q" if case == "paged_step" else "p"
+        assert log == [("plan", "i1"), *[("run", f"{q}{i}") for i in range(3)],
+                       ("plan", "i2"), *[("run", f"{q}{i}") for i in range(3)]]
+    assert set(host._steps(Mod, x, "cpu", "flashinfer", pod=False)) == {"paged_step"}
+    assert {"paged_step", "pod_step"} <= host.PLAN_CASES
+
+
 def test_medians_us_times_each_call_and_raises_a_failure():
     """providers.medians_us (the developer probes' timing through bench): one median per name,
     in microseconds; a call that raises is not given a figure."""
