@@ -374,6 +374,12 @@ def check_writable(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def lengths(offsets: list) -> list:
+    """The segment lengths of an indptr read as a list ([B + 1] offsets -> [B]): the plans
+    work on lists (each torch op on a small host tensor costs microseconds)."""
+    return list(map(operator.sub, offsets[1:], offsets))
+
+
 def host_copy(name: str, t: torch.Tensor, hosts: dict | None = None,
               span: tuple[int, int] | None = None) -> torch.Tensor:
     """A host copy of integer argument ``name`` (a device sync when it lives on a GPU): int32
@@ -465,7 +471,7 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
         raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "
                          "be >= 0")
     last_h = host_copy(last_n, last_page_len, hosts=hosts)
-    npages = list(map(operator.sub, ind[1:], ind))
+    npages = lengths(ind)
     kv_len = []
     for r, (n, last) in enumerate(zip(npages, last_h.tolist())):
         if not (1 if n > 0 else 0) <= last <= page_size:

@@ -58,8 +58,8 @@ from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
 from .prefill import _split_v_scale, _WrapperBase
-from .utils import (_pack_from_sources, _paged_kv_views, _segment_bit_sources, get_alibi_slopes,
-                    packbits)
+from .utils import (_byte_offsets, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
+                    get_alibi_slopes, packbits)
 
 __all__ = ["PODWithPagedKVCacheWrapper", "BatchPODWithPagedKVCacheWrapper"]
 
@@ -970,7 +970,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 page_size, length=qo_h.numel(), length_from=f"qo_indptr_{x}", hosts=hosts)
             # (the lengths as lists: each torch op on a small host tensor costs microseconds)
             qo_v, kv_l = qo_h.tolist(), kv_lens
-            qo_l = list(map(operator.sub, qo_v[1:], qo_v))
+            qo_l = V.lengths(qo_v)
             works.append(build_work(qo_l, p["group"], p["block_m"], "cpu", kv_lens=kv_l))
             if x == "p":
                 # The prefill's own tile when it runs as a launch of its own (pod_apart): the
@@ -992,10 +992,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":
                 mask_bits = list(map(operator.mul, qo_l, kv_l))
-                byte_ptr = [0]
-                for n in mask_bits:
-                    byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
-                host["mask_indptr_p"] = torch.tensor(byte_ptr, dtype=torch.int32)
+                host["mask_indptr_p"] = torch.tensor(_byte_offsets(mask_bits),
+                                                     dtype=torch.int32)
                 p.update(mask_bits_p=mask_bits,
                          # query-key pairs without and with the causal mask (choose.pod_apart)
                          pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))

@@ -41,8 +41,8 @@ from .ops.device import sm_count
 from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
                             build_work, chunks_wanted, decode_chunk_capacity,
                             planned_chunk_count, split_capacity)
-from .utils import (LN2, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
-                    get_alibi_slopes, packbits)
+from .utils import (LN2, _byte_offsets, _pack_from_sources, _paged_kv_views,
+                    _segment_bit_sources, get_alibi_slopes, packbits)
 
 __all__ = [
     "single_prefill_with_kv_cache",
@@ -354,9 +354,7 @@ def _plan_mask(args: dict, qo_lens: list, kv_lens: list):
         return (MASK_CAUSAL if args["causal"] else MASK_NONE), None, None
     mask_bits = list(map(operator.mul, qo_lens, kv_lens))
     if packed_custom_mask is not None:
-        byte_ptr = [0]
-        for n in mask_bits:
-            byte_ptr.append(byte_ptr[-1] + (n + 7) // 8)
+        byte_ptr = _byte_offsets(mask_bits)
         packed = V.mask_packed_length(
             "packed_custom_mask", packed_custom_mask, byte_ptr[-1],
             "sum over requests of ceil(qo_len * kv_len / 8): each request's bits start "
@@ -549,7 +547,7 @@ class _BatchPrefillBase(_WrapperBase):
         # (the lengths as lists: each torch op on a small host tensor costs microseconds)
         qo_v = qo_h.tolist()
         total_rows = qo_v[-1]
-        qo_list = list(map(operator.sub, qo_v[1:], qo_v))
+        qo_list = V.lengths(qo_v)
         if total_rows * opts.group >= 2 ** 31:  # (the work list's rows are int32)
             raise ValueError(f"qo_indptr: {total_rows} query rows of {opts.group} heads a "
                              "KV head exceed the int32 row range of the kernels' work list; "
@@ -1169,8 +1167,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_BatchPrefillBase):
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_batch(b)
             self._check_bufs({"kv_indptr_buf": kv_h.numel()})
-        kv_v = kv_h.tolist()
-        p = self._plan_common(args, qo_h, list(map(operator.sub, kv_v[1:], kv_v)), paged=False,
+        p = self._plan_common(args, qo_h, V.lengths(kv_h.tolist()), paged=False,
                               kv_arrays=dict(kv_indptr=kv_h))
         if self._use_cuda_graph:
             p.kv_indptr = self._into_buf("kv_indptr_buf", kv_h, non_blocking)

@@ -71,15 +71,21 @@ def packbits(x: torch.Tensor, bitorder: str = "big") -> torch.Tensor:
     return _pack_groups(bits.view(nbytes, 8), bitorder)
 
 
+def _byte_offsets(seg_lens: list[int]) -> list[int]:
+    """The byte offsets [B+1] of segments of seg_lens bits packed one after another, each
+    padded to whole bytes (a batch's custom masks, one segment a request)."""
+    byte_ptr = [0]
+    for n in seg_lens:
+        byte_ptr.append(byte_ptr[-1] + (int(n) + 7) // 8)
+    return byte_ptr
+
+
 def _segment_bit_sources(seg_lens: list[int], device) -> tuple[torch.Tensor, list[int]]:
     """For segments of seg_lens bits packed one after another, each padded to whole bytes:
     int64 [nbytes * 8], the index into the unpadded concatenation of each output bit (-1 for
     padding bits), and the byte offsets [B+1] of the segments. Host lengths in, no device
     reads."""
-    byte_lens = [(int(n) + 7) // 8 for n in seg_lens]
-    byte_ptr = [0]
-    for nb in byte_lens:
-        byte_ptr.append(byte_ptr[-1] + nb)
+    byte_ptr = _byte_offsets(seg_lens)
     bit_ptr = [0]
     for n in seg_lens:
         bit_ptr.append(bit_ptr[-1] + int(n))
