@@ -20,7 +20,10 @@ The *_plan cases time plan() (ragged, paged, POD, and our BatchPOD) as a serving
 before its layers' run() calls, on the same sizes, alternating two page orders; a plan reads its
 index arrays on the host, so these are wall times with the GPU idle, not queued calls. The
 *_step cases (paged, POD) time a serving step: plan(), then each of the LAYERS layers' run() on
-it (wall times too).
+it (wall times too). The decode_step case is a decode step as a serving engine's comes:
+DECODE_REQ one-row requests whose keys grow by one a step, a request taking the next page of a
+shuffled pool when its last page fills (the page tables built ahead, DECODE_STEPS of them in
+turn), plan() then each layer's run() (a wall time too).
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -165,6 +168,53 @@ def _steps(mod, x, dev, name, pod: bool = True):
     return calls
 
 
+# the decode_step case: one-row requests, their first key counts, the steps built ahead
+DECODE_REQ, DECODE_KV0, DECODE_STEPS = 32, 500, 64
+
+
+def _decode_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
+    """The page tables of ``steps`` decode steps of ``requests`` one-row requests (keys
+    DECODE_KV0 + 37 i mod 300 at first, one more each step; a request whose last page is full
+    takes the next page of a shuffled pool): a list of (paged_kv_indptr, paged_kv_indices,
+    paged_kv_last_page_len) int32 tensors on dev, and the pool's page count."""
+    g = torch.Generator().manual_seed(1)
+    lens = [DECODE_KV0 + 37 * i % 300 for i in range(requests)]
+    n_pages = sum(-(-(n + steps) // PAGE) for n in lens)
+    pool = torch.randperm(n_pages, generator=g).tolist()
+    owned = [[pool.pop() for _ in range(-(-n // PAGE))] for n in lens]
+    out = []
+    for _ in range(steps):
+        lens = [n + 1 for n in lens]
+        for pages, n in zip(owned, lens):
+            if len(pages) * PAGE < n:
+                pages.append(pool.pop())
+        counts = [0]
+        for pages in owned:
+            counts.append(counts[-1] + len(pages))
+        out.append(tuple(torch.tensor(a, dtype=torch.int32, device=dev) for a in (
+            counts, [i for pages in owned for i in pages], [(n - 1) % PAGE + 1 for n in lens])))
+    return out, n_pages
+
+
+def _decode_step(mod, dev, name):
+    """The decode_step case's call: plan() on the next step's page table, then each of the
+    LAYERS layers' run() on its own query rows and cache."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    w = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+    tables, n_pages = _decode_tables(dev)
+    qo = torch.arange(DECODE_REQ + 1, dtype=torch.int32, device=dev)
+    layers = [(torch.randn(DECODE_REQ, HQ, D, device=dev, dtype=DT),
+               torch.randn(n_pages, 2, PAGE, HKV, D, device=dev, dtype=DT))
+              for _ in range(LAYERS)]
+
+    def step(table):
+        w.plan(qo, *table, HQ, HKV, D, PAGE, q_data_type=DT)
+        for q, cache in layers:
+            w.run(q, cache)
+    return _turns(step, tables)
+
+
 def _pod(mod, x, dev, layers: bool = False):
     """POD run() on x's tensors, or (layers) on x's layers' in turn."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
@@ -205,6 +255,7 @@ def providers(args) -> dict:
         add(case, "compiled_attn", lambda fn=fn: fn)
     for case, fn in _steps(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
+    add("decode_step", "compiled_attn", lambda: _decode_step(ca, dev, "compiled_attn"))
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
@@ -221,13 +272,15 @@ def providers(args) -> dict:
             for case, fn in _steps(flashinfer, x, dev, "flashinfer",
                                    pod=not args.no_fi_pod).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
+            add("decode_step", "flashinfer", lambda: _decode_step(flashinfer, dev, "flashinfer"))
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
                 add("pod_run_layers", "flashinfer",
                     lambda: _pod(flashinfer, x, dev, layers=True))
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers",
-                         "ragged_plan", "paged_plan", "pod_plan", "paged_step", "pod_step"):
+                         "ragged_plan", "paged_plan", "pod_plan", "paged_step", "pod_step",
+                         "decode_step"):
                 out.setdefault((case, "flashinfer"), f"{type(e).__name__}: {e}")
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention
@@ -277,7 +330,7 @@ SLEEP = 1_500_000_000
 # holds its previous step's kernels too (a few microseconds each at these sizes, for every
 # provider alike)
 PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan",
-                        "paged_step", "pod_step"})
+                        "paged_step", "pod_step", "decode_step"})
 
 
 def host_us(fn, calls: int, sleep: int = SLEEP) -> float:

@@ -49,13 +49,25 @@ def gather_host(*tensors) -> dict[int, torch.Tensor]:
     return out
 
 
-def to_device(arrays: dict, device: torch.device, non_blocking: bool) -> dict:
+def to_device(arrays: dict, device: torch.device, non_blocking: bool,
+              into: dict | None = None) -> dict:
     """int32 copies on ``device`` of host arrays ({name: integer tensor of any shape, or
     None}): {name: device tensor or None}. Each is a tensor of its own, not a view of one
     shared buffer: a compiled run() takes the plan's tensors as inputs, and views of one
     storage would be aliased inputs whose storage offsets (set by the other arrays' sizes)
     torch.compile guards on, a recompile where they move. The host arrays are int32 where they
     can be (host_copy, build_work), so each copy is the copy alone. Values are taken modulo
-    2^32 as ``.to(torch.int32)`` takes them (the plan checked their ranges)."""
-    return {name: None if t is None else t.to(device, torch.int32, non_blocking=non_blocking)
-            for name, t in arrays.items()}
+    2^32 as ``.to(torch.int32)`` takes them (the plan checked their ranges). into: the
+    previous plan's tensors by name (on ``device``): where one has the array's shape and is
+    int32, the copy goes into it, on the current stream, and it is returned (a re-plan of the
+    same shapes keeps its tensors, and with them the launches bound to them)."""
+    out = {}
+    for name, t in arrays.items():
+        prev = None if into is None or t is None else into.get(name)
+        if (isinstance(prev, torch.Tensor) and prev.shape == t.shape
+                and prev.dtype == torch.int32):
+            out[name] = prev.copy_(t, non_blocking=non_blocking)
+        else:
+            out[name] = None if t is None else t.to(device, torch.int32,
+                                                    non_blocking=non_blocking)
+    return out

@@ -382,6 +382,38 @@ _CHUNK_FIELDS = ("chunk_qo_indptr", "chunk_kv_indptr", "chunk_last_page_len", "c
                  "chunk_src", "chunk_merge")
 
 
+# Plan fields that run() never reads for a launch: the requests' lengths (the plan's work lists
+# and index arrays hold them on the device) and the largest page index, which run() checks
+# against the cache before any replay (BatchPrefillWithPagedKVCacheWrapper.run)
+_PLAN_ONLY = frozenset({"qo_lens", "kv_lens", "max_page"})
+
+
+def _same_launches(a: _Plan, b: _Plan) -> bool:
+    """Whether run() launches for plan b as for plan a, so that calls bound for a replay
+    for b: every field but _PLAN_ONLY's the same, tensors as the same objects (their
+    contents the device's business), other values equal and of one type."""
+    if a.__dict__.keys() != b.__dict__.keys():
+        return False
+    for k, x in a.__dict__.items():
+        if k in _PLAN_ONLY:
+            continue
+        y = b.__dict__[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if x is not y:
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _cache_pages(paged_kv_cache) -> int | None:
+    """The pages of a paged cache argument (a tensor or a (k, v) pair: dim 0 in either
+    layout), or None for anything else (the full path names what is wrong)."""
+    c = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) and paged_kv_cache \
+        else paged_kv_cache
+    return c.shape[0] if isinstance(c, torch.Tensor) and c.dim() else None
+
+
 def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
     """Whether a decode batch cut into key chunks computes plan p's attention exactly, on the
     Gluon kernel where it reads the pages (ops.decode_chunks.exact)."""
@@ -460,6 +492,9 @@ class _BatchPrefillBase(_WrapperBase):
         self._backend = backend
         self._use_cuda_graph = bool(use_cuda_graph)
         self._plan: _Plan | None = None
+        # the plan a plan() in progress retired when it began writing into its tensors
+        # (_to_device); _set_plan compares the new plan with it
+        self._retired: _Plan | None = None
         # the last plan's (PlanOptions, its fields): _plan_common reuses them
         self._options = LastOptions()
         self._bufs: dict[str, torch.Tensor] = {}
@@ -588,8 +623,13 @@ class _BatchPrefillBase(_WrapperBase):
             tensors = self._plan_tensors(qo_h, qo_list, kv_list, opts, block_m, work, packed,
                                          mask_indptr, args["disable_split_kv"], non_blocking,
                                          chunk_keys, mask_mode == MASK_CAUSAL, kv_arrays)
-        alibi = (get_alibi_slopes(opts.num_qo_heads, self.device)
-                 if opts.pos_encoding_mode == POS_ALIBI else None)
+        old = self._retired or self._plan
+        if opts.pos_encoding_mode != POS_ALIBI:
+            alibi = None
+        elif old is not None and old.alibi is not None and old.num_qo_heads == opts.num_qo_heads:
+            alibi = old.alibi  # (the slopes depend on the head count alone)
+        else:
+            alibi = get_alibi_slopes(opts.num_qo_heads, self.device)
         return _Plan(batch_size=b, total_rows=total_rows, qo_lens=qo_list, kv_lens=kv_list,
                      block_m=block_m, mask_mode=mask_mode, alibi=alibi, **tensors, **fields)
 
@@ -688,11 +728,29 @@ class _BatchPrefillBase(_WrapperBase):
                                            num_sms=self._graph_split_sms(), tiles=work)
             if merge is None:
                 work = work[:, :2].contiguous()
-        dev = to_device(dict(qo_indptr=qo_h, work=work, merge=merge, mask_indptr=mask_indptr,
-                             **kv_arrays), self.device, non_blocking)
-        dev["packed_mask"] = (None if packed is None
-                              else packed.to(self.device, non_blocking=non_blocking))
+        dev = self._to_device(dict(qo_indptr=qo_h, work=work, merge=merge,
+                                   mask_indptr=mask_indptr, **kv_arrays), non_blocking)
+        prev = self._retired.packed_mask if self._retired is not None else None
+        if packed is None:
+            dev["packed_mask"] = None
+        elif prev is not None and prev.shape == packed.shape and prev.dtype == packed.dtype:
+            dev["packed_mask"] = prev.copy_(packed, non_blocking=non_blocking)
+        else:
+            dev["packed_mask"] = packed.to(self.device, non_blocking=non_blocking)
         return dev
+
+    def _to_device(self, arrays: dict, non_blocking: bool) -> dict:
+        """_host.to_device of a plan's host arrays, into the current plan's tensors where
+        shapes match (outside CUDA-graph mode, whose buffers are fixed anyway): a re-plan of
+        the same shapes keeps its tensors and so (_set_plan) its bound launches. The current
+        plan is retired first: its tensors now hold the new plan's values, so if this plan()
+        raised later, run() would say there is no plan rather than compute the old one on
+        them. The copies are ordered on the current stream after the runs queued there, as
+        FlashInfer's plan() writes its workspace."""
+        if self._plan is not None:
+            self._retired, self._plan = self._plan, None
+        into = None if self._retired is None else self._retired.__dict__
+        return to_device(arrays, self.device, non_blocking, into)
 
     def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:
@@ -716,9 +774,14 @@ class _BatchPrefillBase(_WrapperBase):
         self._set_plan(_Plan(**{**p.__dict__, **opts, "mask_mode": mask_mode, "alibi": alibi}))
 
     def _set_plan(self, p: _Plan) -> None:
-        """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
+        """Take plan p; run() replays launches bound for it (its tensors keyed by identity).
+        Where p launches as the plan before it (_same_launches: the same tensors, written
+        anew, and the same values but the lengths), the launches bound for that plan are
+        kept: a serving step's first run() after plan() then replays too."""
+        old, self._retired = self._retired or self._plan, None
+        if old is None or not _same_launches(old, p):
+            self._memo = LaunchCache(static=p.__dict__.values())
         self._plan = p
-        self._memo = LaunchCache(static=p.__dict__.values())
 
     def _bound(self, inputs: tuple, return_lse: bool, full):
         """run() with default options as a bound launch (op_call.bound_run): full() returns
@@ -965,7 +1028,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                       chunk_last_page_len=c["last_page_len"], chunk_work=work,
                       chunk_src=c["src"], chunk_merge=c["merge"])
         if not graph:
-            return to_device(fields, self.device, nb)
+            return self._to_device(fields, nb)
         # padding: chunk requests without rows or pages, work rows of request -1, row-map
         # entries of q's row 0 (rows of no request: never read), merge rows of out row -1 (no
         # store)
@@ -1017,14 +1080,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                 and window_left is None and sinks is None and kv_cache_sf is None
                 and skip_softmax_threshold_scale_factor is None and not use_fp16_softmax
                 and not uses_spcompress):
-            return self._bound((q, paged_kv_cache), return_lse,
-                               lambda: self._run(q, paged_kv_cache, return_lse=True))
+            # (a replay skips run()'s checks: the largest page index, which the key does not
+            # hold, against the cache's pages here, where a replay may follow; the full path
+            # raises where it fails)
+            if torch.compiler.is_compiling() or self._pages_fit(paged_kv_cache):
+                return self._bound((q, paged_kv_cache), return_lse,
+                                   lambda: self._run(q, paged_kv_cache, return_lse=True))
         return self._run(q, paged_kv_cache, *args, q_scale=q_scale, k_scale=k_scale,
                          v_scale=v_scale, out=out, lse=lse, return_lse=return_lse,
                          lse_base=lse_base, lse_layout=lse_layout, enable_pdl=enable_pdl,
                          window_left=window_left, sinks=sinks, kv_cache_sf=kv_cache_sf,
                          skip_softmax_threshold_scale_factor=skip_softmax_threshold_scale_factor,
                          use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
+
+    def _pages_fit(self, paged_kv_cache) -> bool:
+        """Whether the plan's largest page index is inside the cache, or nothing says it is
+        not (no plan, no page, a cache argument the full path will name as wrong)."""
+        p, pages = self._plan, _cache_pages(paged_kv_cache)
+        return p is None or pages is None or p.max_page is None or p.max_page[1] < pages
 
     def _run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
              lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,

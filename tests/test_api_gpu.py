@@ -438,7 +438,7 @@ def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
     idx_off = _poisoned(torch.cat([head, indices]), pages).cuda()
     ind_off = (indptr + 3).cuda()
     reads, writes = [], []
-    real_to = torch.Tensor.to
+    real_to, real_copy = torch.Tensor.to, torch.Tensor.copy_
 
     def counting_to(self, *args, **kwargs):
         out = real_to(self, *args, **kwargs)
@@ -446,14 +446,21 @@ def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
             (reads if out.device.type == "cpu" else writes).append(self.dtype)
         return out
 
+    def counting_copy(self, src, *args, **kwargs):  # (a re-plan into its tensors)
+        if src.device.type != self.device.type:
+            (reads if self.device.type == "cpu" else writes).append(src.dtype)
+        return real_copy(self, src, *args, **kwargs)
+
     def counted(plan):
         reads.clear()
         writes.clear()
         monkeypatch.setattr(torch.Tensor, "to", counting_to)
+        monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
         try:
             plan()
         finally:
             monkeypatch.setattr(torch.Tensor, "to", real_to)
+            monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
         # (index arrays int32 on the host; a float32 write is the ALiBi slopes, made once a
         # process and heads count)
         assert torch.int32 in writes and set(writes) <= {torch.int32, torch.float32}, writes

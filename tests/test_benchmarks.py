@@ -1197,3 +1197,26 @@ def test_pod_suite_compares_pod_with_its_parts_on_the_same_inputs(monkeypatch):
     by = _stub_run_case(monkeypatch, lambda calls, ref="parts": 0.5 + checks["n"], checked)
     assert checks["n"] > 0
     assert by["ours_pod", "eager"]["status"] == "ok"
+
+
+def test_host_suite_decode_tables_grow_a_step_at_a_time():
+    """The decode_step case's page tables: each step one more key a request, a new page of the
+    pool where the last page was full, no page owned twice, every index inside the pool."""
+    from benchmarks import host
+
+    tables, n_pages = host._decode_tables("cpu", requests=5, steps=40)
+    prev = None
+    for kvi, idx, last in tables:
+        pages = (kvi[1:] - kvi[:-1]).tolist()
+        lens = [(n - 1) * host.PAGE + int(x) for n, x in zip(pages, last)]
+        assert len(set(idx.tolist())) == idx.numel() and 0 <= int(idx.min())
+        assert int(idx.max()) < n_pages and all(1 <= int(x) <= host.PAGE for x in last)
+        if prev is not None:
+            assert lens == [n + 1 for n in prev[0]]
+            # a request keeps its pages and appends one only when its last page was full
+            for r, n in enumerate(prev[0]):
+                old = prev[1][prev[2][r]:prev[2][r + 1]].tolist()
+                new = idx[kvi[r]:kvi[r + 1]].tolist()
+                assert new[:len(old)] == old and len(new) == len(old) + (n % host.PAGE == 0)
+        prev = lens, idx, kvi.tolist()
+    assert "decode_step" in host.PLAN_CASES

@@ -582,3 +582,60 @@ def test_a_bound_call_holds_none_of_its_tensors(kind):
         want = call(x)
     for g, r in zip(got, want, strict=True):
         assert not g.isnan().any() and torch.equal(g, r)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "paged"])
+def test_a_replan_of_the_same_shapes_keeps_its_bound_launches(kind):
+    """A serving step re-plans, then each layer calls run(): where the new plan has the old
+    one's shapes and options (new lengths and page order here), plan() writes into the old
+    plan's tensors and run() replays the calls bound for it, computing the new plan's
+    numbers; a plan of other shapes starts a new memo; a replay still refuses a plan whose
+    page indices leave the cache."""
+    page, total = 4, 12
+    q = rand(sum(QO), HQ, D, seed=20, dtype=F32)
+    k, v = rand(40, HKV, D, seed=21, dtype=F32), rand(40, HKV, D, seed=22, dtype=F32)
+    cache = rand(total, 2, page, HKV, D, seed=23, dtype=F32)
+    g = torch.Generator().manual_seed(24)
+
+    def plan(w, qo, kv, **kw):
+        if kind == "ragged":
+            return w.plan(indptr(qo), indptr(kv), HQ, HKV, D, causal=True, q_data_type=F32, **kw)
+        pages = [-(-n // page) for n in kv]
+        idx = kw.pop("idx", torch.randperm(total, generator=g)[:sum(pages)].to(torch.int32))
+        last = torch.tensor([(n - 1) % page + 1 for n in kv], dtype=torch.int32)
+        return w.plan(indptr(qo), indptr(pages), idx, last, HQ, HKV, D, page, causal=True,
+                      q_data_type=F32, **kw)
+
+    def run(w):
+        return w.run(q, k, v, return_lse=True) if kind == "ragged" else \
+            w.run(q, cache, return_lse=True)
+
+    w = (fi.BatchPrefillWithRaggedKVCacheWrapper if kind == "ragged"
+         else fi.BatchPrefillWithPagedKVCacheWrapper)(WS)
+    plan(w, QO, KV)
+    first = run(w)
+    memo, tensors = w._memo, [t for t in w._plan.__dict__.values() if torch.is_tensor(t)]
+    # the same tiles and page count, other lengths per request (and another page order)
+    plan(w, [9, 0, 5], [9, 7, 13])
+    assert w._memo is memo and [t for t in w._plan.__dict__.values() if torch.is_tensor(t)] \
+        == tensors
+    got = run(w)
+    assert memo.records == 1 and memo.hits == 1  # the new plan's first run() replayed
+    with policy.override(bound_launches=False):
+        want = run(w)
+    for g_, w_, f in zip(got, want, first):
+        assert not g_.isnan().any() and torch.equal(g_, w_) and not torch.equal(g_, f)
+    plan(w, [5, 9], [13, 16])  # another batch size: new tensors, a new memo
+    assert w._memo is not memo
+    run(w)
+    assert w._memo.records == 1
+    if kind == "paged":
+        # the same shapes, one page index past this cache: no replay, the full path's error
+        memo = w._memo
+        bad = torch.arange(8, dtype=torch.int32)
+        bad[4] = total
+        plan(w, [5, 9], [13, 16], idx=bad)
+        assert w._memo is memo
+        with pytest.raises(ValueError, match="entry 4 is 12 but paged_kv_cache has only 12"):
+            run(w)
+        assert memo.hits == 0
