@@ -32,7 +32,7 @@ from ._plan_options import (BATCH_OPTION_ARGS, LastOptions, PlanOptions, options
                             scalar_options)
 from .op_call import bound_run, call_op, graph_leaf, write_rows
 from .ops import decode_chunks as _chunks
-from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of
+from .ops.choose import RESIDENT_PER_SM, decode_chunk_sms, device_of, page_table_capacity
 from .ops.launch import (LaunchCache, Memo, adopt_scratch, kernel_device, plain_tensors,
                          untraced)
 from .ops.policy import POLICY
@@ -975,6 +975,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
             ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"), paged_kv_indptr,
             paged_kv_indices, paged_kv_last_page_len, page_size, length=b + 1,
             length_from="qo_indptr", hosts=hosts)
+        if not self._use_cuda_graph:
+            idx_h = self._table_with_room(idx_h, b, page_size)
         if self._use_cuda_graph:  # (before _plan_common writes any buffer)
             self._check_batch(b)
             self._check_bufs({"paged_kv_indptr_buf": kv_h.numel(),
@@ -991,6 +993,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         p.max_page = max_page
         p.__dict__.update(self._plan_chunks(p, args, qo_h, kv_h, last_h))
         self._set_plan(p)
+
+    def _table_with_room(self, idx_h: torch.Tensor, b: int, page_size: int) -> torch.Tensor:
+        """A re-plan's page table idx_h ``[n]`` (host), padded with page 0 to the length of the
+        current plan's table where that holds it, is not over twice as long, and launches as a
+        table of n entries (choose.page_table_capacity); else, once the table outgrows it, to
+        about n + n / 8: decode requests grow a page now and then, and a table of the same
+        length is written into the last one's tensor (_to_device), keeping the calls bound to
+        it. The first plan's table, and an empty one, are exact. The kernels read only the
+        requests' entries; the tail is a valid page for the traced checks of the whole table."""
+        old = self._plan if self._plan is not None else self._retired
+        n = idx_h.numel()
+        if old is None or n == 0:
+            return idx_h
+        have = old.kv_indices.numel()
+        if not (n <= have <= 2 * n + 64
+                and page_table_capacity(n, have, page_size, b) == have):
+            have = page_table_capacity(n, n + max(n // 8, 64), page_size, b)
+        return idx_h if have == n else torch.cat([idx_h, idx_h.new_zeros(have - n)])
 
     def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h) -> dict:
         """Plan p's decode key chunks (_CHUNK_FIELDS; all None where the batch is not cut).

@@ -385,7 +385,8 @@ def choose(kv_mode: int, q, k, v, consts: dict, scalars: dict, out_dtype: torch.
     traced tensors, read for their metadata (and a real tensor's pointer alignment).
     consts, scalars: prefill_kernel._flags of the call. block_m: the plan's tile height (None:
     the dense launch's own, dense_tile). requests: R of qo_indptr [R + 1]; items: work rows
-    (dense: from the tiles); pages: page-table entries. split: a split-KV plan; gluon: whether
+    (dense: from the tiles); pages: page-table entries (a plan's table may be longer than its
+    requests' pages: page_table_capacity). split: a split-KV plan; gluon: whether
     the launch may take the Gluon kernel (not split plans nor POD); pod: POD's halved pipeline.
     device: the device's description (None: q's, device_of). static: what a trace can know
     (ops.dispatch): no pointer alignment, no CUDA-graph capture, an eager launch assumed.
@@ -489,6 +490,27 @@ def few_programs_ring(block_m: int, d: int, items, hkv: int, requests,
     the launch's rows allow: _swap_rows)."""
     return ((POLICY.few_programs_stages > 0 or POLICY.decode_swap)
             and few_programs(block_m, d, items, hkv, requests, dev))
+
+
+def page_table_capacity(used: int, want: int, page: int, requests: int) -> int:
+    """The entries, from ``used`` up to ``want``, that a plan may allocate its page table of
+    ``used`` entries with (the tail past them never read), such that every launch decision
+    reading the table's length (choose's ``pages``: gather_short alone, for either mask)
+    decides as for ``used``: want, or less where that would cross gather_short's bound. A
+    re-plan then writes into a table of the last plan's length (and keeps its bound calls)
+    while the requests grow."""
+    cap = max(want, used)
+    for causal in (True, False) if _gluon is not None else ():
+        if _gluon.gather_short(used, page, requests, causal):
+            lo, hi = used, cap  # the longest table still short (gather_short is monotone)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if _gluon.gather_short(mid, page, requests, causal):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cap = lo
+    return cap
 
 
 def _gluon_launch(kv_mode, d, block_m, page, items, hkv, requests, pages, causal, group,

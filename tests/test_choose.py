@@ -236,3 +236,26 @@ def test_decode_rows_swap_tile(requests, hkv, items, page, rows, cap, setting, s
         few, side = items * hkv <= choose.H100.sm_count, 0 < cap <= choose.H100.sm_count
         assert got.block_n == 64
         assert got.stages == (ring if few and ring else 4 if side else 2)
+
+
+def test_page_table_capacity_keeps_the_short_gather_choice():
+    """A plan's page table may be allocated longer than its requests' pages (a re-plan writes
+    into it while they grow): the length choose reads then decides gather_short, for either
+    mask, as the pages used would; where nothing is crossed the capacity asked is given."""
+    from compiled_attn.ops import prefill_gluon as g
+
+    seen = set()
+    for page in (1, 4, 16):
+        for requests in (1, 3, 32):
+            for used in (0, 1, 5, 100, 511, 512, 513, 2048, 4000):
+                for want in (used, used + 1, used + 64, 2 * used + 300):
+                    cap = choose.page_table_capacity(used, want, page, requests)
+                    assert used <= cap <= max(want, used)
+                    same = all(g.gather_short(cap, page, requests, c)
+                               == g.gather_short(used, page, requests, c) for c in (True, False))
+                    assert same, (used, want, page, requests, cap)
+                    if all(g.gather_short(want, page, requests, c)
+                           == g.gather_short(used, page, requests, c) for c in (True, False)):
+                        assert cap == max(want, used)
+                    seen.add(cap < want)
+    assert seen == {True, False}  # (the grid crosses the bound and stays clear of it)

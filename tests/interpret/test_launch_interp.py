@@ -639,3 +639,44 @@ def test_a_replan_of_the_same_shapes_keeps_its_bound_launches(kind):
         with pytest.raises(ValueError, match="entry 4 is 12 but paged_kv_cache has only 12"):
             run(w)
         assert memo.hits == 0
+
+
+def test_a_growing_page_table_keeps_its_tensor_and_bound_calls():
+    """Decode requests grow a page now and then: a re-plan whose page table outgrows the last
+    one's allocates it with room (choose.page_table_capacity), and later plans within that
+    room write into it (tail: page 0) and replay the calls bound for it, computing what a
+    fresh wrapper's exact table computes."""
+    page, total = 4, 16
+    g = torch.Generator().manual_seed(30)
+    cache = rand(total, 2, page, HKV, D, seed=31, dtype=F32)
+    q = rand(3, HQ, D, seed=32, dtype=F32)
+    order = torch.randperm(total, generator=g).to(torch.int32)
+
+    def plan(w, kv):
+        pages = [-(-n // page) for n in kv]
+        last = torch.tensor([(n - 1) % page + 1 for n in kv], dtype=torch.int32)
+        w.plan(indptr([1] * len(kv)), indptr(pages), order[:sum(pages)], last, HQ, HKV, D,
+               page, q_data_type=F32)
+
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    plan(w, [13, 7, 9])  # 9 pages: the first plan's table is exact
+    assert w._plan.kv_indices.numel() == 9
+    w.run(q, cache)
+    memo = w._memo
+    plan(w, [14, 7, 9])  # the same pages
+    assert w._memo is memo
+    plan(w, [17, 7, 9])  # a 10th page: a new table, with room
+    table, memo = w._plan.kv_indices, w._memo
+    assert memo is not None and table.numel() == choose.page_table_capacity(10, 74, page, 3)
+    w.run(q, cache)
+    assert memo.records == 1
+    plan(w, [17, 8, 13])  # 11 pages in the room
+    assert w._memo is memo and w._plan.kv_indices is table
+    assert torch.equal(table[11:], torch.zeros(table.numel() - 11, dtype=torch.int32))
+    got = w.run(q, cache)
+    assert memo.records == 1 and memo.hits == 1
+    fresh = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    plan(fresh, [17, 8, 13])
+    want = fresh.run(q, cache)
+    assert fresh._plan.kv_indices.numel() == 11
+    assert not got.isnan().any() and torch.equal(got, want)
