@@ -408,10 +408,16 @@ def _is_descriptor(a) -> bool:
     return dataclasses.is_dataclass(a) and hasattr(a, "base") and hasattr(a, "block_shape")
 
 
+# the plain constants' exact types (most launch arguments: checked first, by one set lookup)
+_CONSTANT_TYPES = frozenset({bool, int, float, str, type(None), torch.dtype})
+
+
 def _is_constant(a) -> bool:
     """A launch argument fixed by the key: numbers, flags, dtypes, constexprs, layouts, and
     tuples of these (the Gluon kernels' named bundles; a tuple holding a tensor is not one, so a
     launch passing one is never bound)."""
+    if type(a) in _CONSTANT_TYPES:
+        return True
     if isinstance(a, tuple):
         return all(_is_constant(x) for x in a)
     return (a is None or isinstance(a, (bool, int, float, str, torch.dtype))
@@ -454,20 +460,30 @@ class _Direct:
     expands only top-level descriptors, which the template expands likewise; a tuple holding
     anything else, or a descriptor position that is not a descriptor, gives None."""
 
+    # launcher classes (and descriptor expanders) seen: whether their signatures are triton
+    # 3.6's (inspect.signature costs tens of microseconds; asked once each)
+    _SHAPES: dict = {}
+
+    @staticmethod
+    def _params(fn) -> list:
+        known = _Direct._SHAPES.get(fn)
+        if known is None:
+            known = _Direct._SHAPES[fn] = list(inspect.signature(fn).parameters)
+        return known
+
     @staticmethod
     def of(compiled, template: list, patches: list, slots: int):
         try:
             from triton.backends.nvidia import driver as nvd
 
             L = compiled.run
-            params = list(inspect.signature(type(L).__call__).parameters)
             if (type(L).__name__ != "CudaLauncher" or L.global_scratch_size
                     or L.profile_scratch_size or getattr(nvd, "_BASE_ARGS_FORMAT_LEN", 0) != 13
-                    or params != ["self", "gridX", "gridY", "gridZ", "stream", "function",
-                                  "args"]
-                    or len(inspect.signature(nvd.make_tensordesc_arg).parameters) != 2):
+                    or _Direct._params(type(L).__call__) != ["self", "gridX", "gridY", "gridZ",
+                                                             "stream", "function", "args"]
+                    or len(_Direct._params(nvd.make_tensordesc_arg)) != 2):
                 return None
-            if any(isinstance(a, tuple) and not _is_constant(a) for a in template):
+            if any(type(a) is tuple and not _is_constant(a) for a in template):
                 return None
             launch = L.launch
             code = getattr(launch, "__code__", None)
@@ -575,6 +591,18 @@ def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) ->
 HELD_MAX_BYTES = 256 << 10
 
 
+_PROTOS: dict = {}
+
+
+def _proto(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty tensor of dtype on device (no memory), kept: a replay allocates each output
+    as ``proto.new_empty_strided`` (fewer arguments to parse than torch.empty_strided's)."""
+    t = _PROTOS.get((dtype, device))
+    if t is None:
+        t = _PROTOS[dtype, device] = torch.empty(0, dtype=dtype, device=device)
+    return t
+
+
 class Bound:
     """One recorded call, replayable for calls with the same key.
 
@@ -589,7 +617,7 @@ class Bound:
         if rec.problem:
             raise _Unbindable(rec.problem)
         self._ptrs = [t.data_ptr() for t in tensors]
-        self._spans = [_span(t) for t in tensors]
+        self._spans = None  # (each tensor's span, made where a pointer is none of theirs)
         self._tensors = tensors  # (recording only; dropped below)
         self._static = {t.data_ptr(): t for t in static if isinstance(t, torch.Tensor)}
         self.outputs = []
@@ -614,10 +642,8 @@ class Bound:
         self.held = {j: outputs[j] for j in discard
                      if outputs[j].numel() * outputs[j].element_size() <= HELD_MAX_BYTES}
         self.device = outputs[0].device
-        # (each output allocated like an empty tensor of its dtype on the device: fewer
-        # arguments to parse than torch.empty_strided's)
-        protos = {dt: torch.empty(0, dtype=dt, device=self.device) for _s, _st, dt in self.outputs}
-        self._alloc = [(j, protos[dt], s, st) for j, (s, st, dt) in enumerate(self.outputs)]
+        self._alloc = [(j, _proto(dt, self.device), s, st)
+                       for j, (s, st, dt) in enumerate(self.outputs)]
         self.cuda = self.device.type == "cuda"
         self._held_stream = (torch._C._cuda_getCurrentRawStream(self.device.index)
                              if self.cuda else None)
@@ -642,6 +668,8 @@ class Bound:
         for fn, grid, vals, options, compiled in rec.launches:
             patches = []
             for pos, a in enumerate(vals):
+                if type(a) in _CONSTANT_TYPES:  # (most arguments: the cheapest test first)
+                    continue
                 if isinstance(a, torch.Tensor):
                     patches.append((pos, False, self._source(a)))
                 elif _is_descriptor(a):
@@ -684,6 +712,8 @@ class Bound:
         hits = [i for i, q in enumerate(self._ptrs) if q == p]
         if not hits:  # a view inside exactly one of the call's tensors (or its aliases: the
             # key holds which tensors share a pointer, so any of them gives the same address)
+            if self._spans is None:
+                self._spans = [_span(t) for t in self._tensors]
             hits = [i for i, (lo, hi) in enumerate(self._spans) if lo <= p < hi]
             if len({self._ptrs[i] for i in hits}) != 1:
                 raise _Unbindable("a tensor argument of unknown origin")
