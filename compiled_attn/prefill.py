@@ -392,16 +392,15 @@ def _same_launches(a: _Plan, b: _Plan) -> bool:
     """Whether run() launches for plan b as for plan a, so that calls bound for a replay
     for b: every field but _PLAN_ONLY's the same, tensors as the same objects (their
     contents the device's business), other values equal and of one type."""
-    if a.__dict__.keys() != b.__dict__.keys():
+    bd = b.__dict__
+    if a.__dict__.keys() != bd.keys():
         return False
     for k, x in a.__dict__.items():
-        if k in _PLAN_ONLY:
+        y = bd[k]
+        if x is y or k in _PLAN_ONLY:  # (most fields: a reused option, a kept tensor, None)
             continue
-        y = b.__dict__[k]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if x is not y:
-                return False
-        elif type(x) is not type(y) or x != y:
+        if (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)
+                or type(x) is not type(y) or x != y):
             return False
     return True
 

@@ -222,6 +222,39 @@ def test_paged_replan_new_lengths_and_no_stale_mask():
     check(out2, lse2, *dense_batch(q2, qo2, ks2, vs2, causal=True))
 
 
+def test_paged_replan_into_the_last_plans_tensors(monkeypatch):
+    """A re-plan of the same shapes writes into the last plan's tensors, and the run() after it
+    computes the new plan's attention; a re-plan whose checks fail leaves the last plan as it
+    was; one that fails after its first write leaves no plan (its tensors hold part of the new
+    one), and run() says so."""
+    page, hq, hkv, d, qo = 3, 2, 1, 8, [2, 5]
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    q = rand(sum(qo), hq, d, seed=24)
+    tables = [make_paged(kv, hkv, d, d, page, seed=s) for kv, s in (([7, 9], 25), ([8, 9], 26))]
+    for cache, kvi, idx, last, ks, vs in tables:  # (6 pages each: the same shapes)
+        w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+        if cache is tables[0][0]:
+            kept = [t for t in w._plan.__dict__.values() if torch.is_tensor(t)]
+        check(w.run(q, cache), None, *dense_batch(q, qo, ks, vs, causal=True)[:1], None)
+    assert [t for t in w._plan.__dict__.values() if torch.is_tensor(t)] == kept
+    cache, kvi, idx, last, ks, vs = tables[1]
+    with pytest.raises(ValueError, match="paged_kv_last_page_len: entry 0 is 0"):
+        w.plan(indptr(qo), kvi, idx, last * 0, hq, hkv, d, page, causal=True, q_data_type=D64)
+    check(w.run(q, cache), None, *dense_batch(q, qo, ks, vs, causal=True)[:1], None)
+
+    def fail(*a, **kw):
+        raise RuntimeError("planning failed")
+
+    monkeypatch.setattr(w, "_plan_chunks", fail)
+    with pytest.raises(RuntimeError, match="planning failed"):
+        w.plan(indptr(qo), *tables[0][1:4], hq, hkv, d, page, causal=True, q_data_type=D64)
+    with pytest.raises(RuntimeError, match=r"run\(\) before plan\(\)"):
+        w.run(q, cache)
+    monkeypatch.undo()
+    w.plan(indptr(qo), kvi, idx, last, hq, hkv, d, page, causal=True, q_data_type=D64)
+    check(w.run(q, cache), None, *dense_batch(q, qo, ks, vs, causal=True)[:1], None)
+
+
 def test_paged_cuda_graph_buffers_path():
     """use_cuda_graph=True on CPU: plan copies into the caller's buffers and a fixed work
     buffer; re-plans within capacity reuse the same tensors (what a captured graph replays)."""
