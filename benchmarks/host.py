@@ -9,7 +9,9 @@ alone. Providers are timed in interleaved rounds; each row keeps the median over
 torch.compile'd forms (fullgraph) are timed the same way. Rows: suite "host", case = the entry
 point, provider, "host_us" (median), "host_us_best" (the best round), "host_us_rounds", and on
 ours "ratio_vs_<peer>" = the peer's host time over ours (above 1: we are cheaper; medians) and
-"best_ratio_vs_<peer>" (the best rounds'). The host's CPU model is recorded in the header.
+"best_ratio_vs_<peer>" (the best rounds'), and "recordings_per_call": how many calls ours
+recorded (the whole path under the recorder, launch.recordings) per timed call, over every
+round (0 where every call replays). The host's CPU model is recorded in the header.
 
 Run on the GPU machine: ``python -m benchmarks.host --out benchmarks/results/host_<gpu>.json``
 (FlashInfer from .whl/, dev/gpu_setup.sh; --no-flashinfer without it; --no-fi-pod leaves out
@@ -374,10 +376,15 @@ def main(argv=None):
             provs[k] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             traceback.print_exc()
             del times[k]
+    from compiled_attn.ops.launch import recordings
+
+    recs = dict.fromkeys(times, 0)
     for r in range(args.rounds):
         for k in times:
+            before = recordings()
             times[k].append(host_us(provs[k], args.calls, 0 if k[0] in PLAN_CASES else SLEEP))
-    rows = assemble(provs, times)
+            recs[k] += recordings() - before
+    rows = assemble(provs, times, {k: n / (args.rounds * args.calls) for k, n in recs.items()})
     doc = dict(environment(), cpu=_cpu_model(), rows=rows,
                fi_single_backend=None if args.no_flashinfer else args.fi_single_backend)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -386,11 +393,12 @@ def main(argv=None):
     print(table(rows))
 
 
-def assemble(provs: dict, times: dict) -> list[dict]:
+def assemble(provs: dict, times: dict, recordings: dict | None = None) -> list[dict]:
     """The rows: provs maps (case, provider) to its call, or to the reason it has none (text);
-    times maps the timed ones to their per-round host us. On ours, ratio_vs_<peer> compares
-    medians and best_ratio_vs_<peer> the best rounds (a busy host slows whole rounds of every
-    provider; the best round is the least disturbed)."""
+    times maps the timed ones to their per-round host us; recordings the timed ones to ours'
+    recordings per call (kept on ours' rows). On ours, ratio_vs_<peer> compares medians and
+    best_ratio_vs_<peer> the best rounds (a busy host slows whole rounds of every provider;
+    the best round is the least disturbed)."""
     rows = []
     for (case, prov), v in provs.items():
         row = dict(suite="host", case=case, provider=prov, median_ms=None, tflops=None)
@@ -398,6 +406,8 @@ def assemble(provs: dict, times: dict) -> list[dict]:
             t = times[case, prov]
             row.update(host_us=statistics.median(t), host_us_best=min(t), host_us_rounds=t,
                        status="ok")
+            if prov == "compiled_attn" and recordings is not None:
+                row["recordings_per_call"] = recordings[case, prov]
         else:
             row.update(status="failed" if "Error" in v else "unavailable", error=v)
         rows.append(row)
@@ -420,8 +430,10 @@ def table(rows: list[dict]) -> str:
                           if k.startswith("ratio_vs_"))
         us = (f"{row['host_us']:8.1f} {row['host_us_best']:7.1f}" if row.get("host_us")
               else "       -       -")
+        rec = (f" recorded/call={row['recordings_per_call']:.2f}"
+               if "recordings_per_call" in row else "")
         lines.append(f"{row['case']:26} {row['provider']:14} {us}  "
-                     f"{ratios or row.get('error', '')}")
+                     f"{ratios or row.get('error', '')}{rec}")
     return "\n".join(lines)
 
 

@@ -483,7 +483,7 @@ class _Direct:
                                                              "stream", "function", "args"]
                     or len(_Direct._params(nvd.make_tensordesc_arg)) != 2):
                 return None
-            if any(type(a) is tuple and not _is_constant(a) for a in template):
+            if any(isinstance(a, tuple) and not _is_constant(a) for a in template):
                 return None
             launch = L.launch
             code = getattr(launch, "__code__", None)
@@ -1110,6 +1110,7 @@ class Memo:
             with set_wrap_triton_enabled(False):
                 return fn(*args, **kwargs)
         rec = Recorder()
+        _RECORDINGS[0] += 1
         _TLS.rec = rec
         try:
             with set_wrap_triton_enabled(False):
@@ -1129,6 +1130,17 @@ class Memo:
         if bound is not _UNBOUND and light is not None:
             self._guard(light, bound, tensors)
         return result
+
+
+# calls recorded in this process, by every memo (recordings())
+_RECORDINGS = [0]
+
+
+def recordings() -> int:
+    """How many calls this process has recorded (bound or refused), by every memo: each took
+    the whole path under the recorder. A benchmark's count of how often a serving step's calls
+    are not replays (benchmarks.host)."""
+    return _RECORDINGS[0]
 
 
 class LaunchCache(Memo):

@@ -1026,9 +1026,14 @@ def test_host_suite_rows_and_ratios_from_fake_timings():
     times = {("ragged_run", "compiled_attn"): [26.0, 40.0, 25.0],
              ("ragged_run", "flashinfer"): [21.0, 20.0, 30.0],
              ("paged_run", "compiled_attn"): [27.0, 28.0, 26.0]}
-    rows = host.assemble(provs, times)
+    rows = host.assemble(provs, times, {("ragged_run", "compiled_attn"): 0.0,
+                                        ("ragged_run", "flashinfer"): 0.0,
+                                        ("paged_run", "compiled_attn"): 0.125})
     by = {(r["case"], r["provider"]): r for r in rows}
     ours = by["ragged_run", "compiled_attn"]
+    assert by["paged_run", "compiled_attn"]["recordings_per_call"] == 0.125
+    assert ours["recordings_per_call"] == 0.0
+    assert "recordings_per_call" not in by["ragged_run", "flashinfer"]
     assert ours["host_us"] == 26.0 and ours["host_us_best"] == 25.0
     assert ours["ratio_vs_flashinfer"] == pytest.approx(21.0 / 26.0)
     assert ours["best_ratio_vs_flashinfer"] == pytest.approx(20.0 / 25.0)
@@ -1038,6 +1043,7 @@ def test_host_suite_rows_and_ratios_from_fake_timings():
     assert not any(k.startswith("ratio_vs_") for k in by["paged_run", "compiled_attn"])
     text = host.table(rows)
     assert "flashinfer=0.81 (0.80)" in text and "RuntimeError: no JIT cache" in text
+    assert "recorded/call=0.12" in text
     # the *_layers cases' calls take the layers' tensors in turn
     seen = []
     step = host._turns(seen.append, ["a", "b", "c"])

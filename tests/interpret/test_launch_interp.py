@@ -619,8 +619,10 @@ def test_a_replan_of_the_same_shapes_keeps_its_bound_launches(kind):
     plan(w, [9, 0, 5], [9, 7, 13])
     assert w._memo is memo and [t for t in w._plan.__dict__.values() if torch.is_tensor(t)] \
         == tensors
+    before = launch.recordings()
     got = run(w)
     assert memo.records == 1 and memo.hits == 1  # the new plan's first run() replayed
+    assert launch.recordings() == before
     with policy.override(bound_launches=False):
         want = run(w)
     for g_, w_, f in zip(got, want, first):
@@ -668,8 +670,9 @@ def test_a_growing_page_table_keeps_its_tensor_and_bound_calls():
     plan(w, [17, 7, 9])  # a 10th page: a new table, with room
     table, memo = w._plan.kv_indices, w._memo
     assert memo is not None and table.numel() == choose.page_table_capacity(10, 74, page, 3)
+    before = launch.recordings()
     w.run(q, cache)
-    assert memo.records == 1
+    assert memo.records == 1 and launch.recordings() == before + 1
     plan(w, [17, 8, 13])  # 11 pages in the room
     assert w._memo is memo and w._plan.kv_indices is table
     assert torch.equal(table[11:], torch.zeros(table.numel() - 11, dtype=torch.int32))
