@@ -903,7 +903,10 @@ _PLAN_COMMON_DOC = """
         (request -1, row 0). run() then takes q (and ragged k / v) with more rows than the plan
         uses (a captured buffer): output and LSE rows past qo_indptr[-1] belong to no request
         and the kernel does not write them, as in FlashInfer (the CPU reference writes 0 /
-        -inf); slice them off.
+        -inf); slice them off. Without it, a re-plan whose index arrays keep their shapes
+        writes them into the last plan's device tensors, on the current stream (as FlashInfer's
+        plan() writes its workspace): a run() of the last plan queued on another stream must be
+        ordered before it.
         """
 
 
