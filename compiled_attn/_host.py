@@ -61,13 +61,16 @@ def to_device(arrays: dict, device: torch.device, non_blocking: bool,
     previous plan's tensors by name (on ``device``): where one has the array's shape and is
     int32, the copy goes into it, on the current stream, and it is returned (a re-plan of the
     same shapes keeps its tensors, and with them the launches bound to them)."""
-    out = {}
-    for name, t in arrays.items():
-        prev = None if into is None or t is None else into.get(name)
-        if (isinstance(prev, torch.Tensor) and prev.shape == t.shape
-                and prev.dtype == torch.int32):
-            out[name] = prev.copy_(t, non_blocking=non_blocking)
-        else:
-            out[name] = None if t is None else t.to(device, torch.int32,
-                                                    non_blocking=non_blocking)
-    return out
+    return {name: None if t is None else
+            copy_to(t, device, torch.int32, non_blocking, None if into is None else into.get(name))
+            for name, t in arrays.items()}
+
+
+def copy_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype, non_blocking: bool,
+            prev: torch.Tensor | None = None) -> torch.Tensor:
+    """Host array t on ``device`` as ``dtype``: copied into prev (the previous plan's tensor,
+    on the current stream) where prev is a tensor of t's shape and that dtype, else a new
+    tensor."""
+    if isinstance(prev, torch.Tensor) and prev.shape == t.shape and prev.dtype == dtype:
+        return prev.copy_(t, non_blocking=non_blocking)
+    return t.to(device, dtype, non_blocking=non_blocking)

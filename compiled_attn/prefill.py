@@ -27,7 +27,7 @@ import operator
 import torch
 
 from . import _validate as V
-from ._host import gather_host, to_device
+from ._host import copy_to, gather_host, to_device
 from ._plan_options import (BATCH_OPTION_ARGS, LastOptions, PlanOptions, options_key,
                             scalar_options)
 from .op_call import bound_run, call_op, graph_leaf, write_rows
@@ -622,7 +622,7 @@ class _BatchPrefillBase(_WrapperBase):
             tensors = self._plan_tensors(qo_h, qo_list, kv_list, opts, block_m, work, packed,
                                          mask_indptr, args["disable_split_kv"], non_blocking,
                                          chunk_keys, mask_mode == MASK_CAUSAL, kv_arrays)
-        old = self._retired or self._plan
+        old = self._last_plan()
         if opts.pos_encoding_mode != POS_ALIBI:
             alibi = None
         elif old is not None and old.alibi is not None and old.num_qo_heads == opts.num_qo_heads:
@@ -729,14 +729,15 @@ class _BatchPrefillBase(_WrapperBase):
                 work = work[:, :2].contiguous()
         dev = self._to_device(dict(qo_indptr=qo_h, work=work, merge=merge,
                                    mask_indptr=mask_indptr, **kv_arrays), non_blocking)
-        prev = self._retired.packed_mask if self._retired is not None else None
-        if packed is None:
-            dev["packed_mask"] = None
-        elif prev is not None and prev.shape == packed.shape and prev.dtype == packed.dtype:
-            dev["packed_mask"] = prev.copy_(packed, non_blocking=non_blocking)
-        else:
-            dev["packed_mask"] = packed.to(self.device, non_blocking=non_blocking)
+        old = self._retired  # (set by _to_device where there was a plan)
+        dev["packed_mask"] = None if packed is None else copy_to(
+            packed, self.device, packed.dtype, non_blocking, old and old.packed_mask)
         return dev
+
+    def _last_plan(self) -> _Plan | None:
+        """The wrapper's last plan: the current one, or the one a plan() in progress (or one
+        that raised) retired (_to_device; at most one of the two is set)."""
+        return self._plan if self._plan is not None else self._retired
 
     def _to_device(self, arrays: dict, non_blocking: bool) -> dict:
         """_host.to_device of a plan's host arrays, into the current plan's tensors where
@@ -777,7 +778,7 @@ class _BatchPrefillBase(_WrapperBase):
         Where p launches as the plan before it (_same_launches: the same tensors, written
         anew, and the same values but the lengths), the launches bound for that plan are
         kept: a serving step's first run() after plan() then replays too."""
-        old, self._retired = self._retired or self._plan, None
+        old, self._retired = self._last_plan(), None
         if old is None or not _same_launches(old, p):
             self._memo = LaunchCache(static=p.__dict__.values())
         self._plan = p
@@ -1004,7 +1005,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         length is written into the last one's tensor (_to_device), keeping the calls bound to
         it. The first plan's table, and an empty one, are exact. The kernels read only the
         requests' entries; the tail is a valid page for the traced checks of the whole table."""
-        old = self._plan if self._plan is not None else self._retired
+        old = self._last_plan()
         n = idx_h.numel()
         if old is None or n == 0:
             return idx_h

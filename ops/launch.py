@@ -460,8 +460,8 @@ class _Direct:
     expands only top-level descriptors, which the template expands likewise; a tuple holding
     anything else, or a descriptor position that is not a descriptor, gives None."""
 
-    # launcher classes (and descriptor expanders) seen: whether their signatures are triton
-    # 3.6's (inspect.signature costs tens of microseconds; asked once each)
+    # launcher classes' __call__ (and descriptor expanders) seen: their parameter names
+    # (inspect.signature costs tens of microseconds; asked once each)
     _SHAPES: dict = {}
 
     @staticmethod
