@@ -423,11 +423,12 @@ def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
 
 
 def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device) -> dict:
-    """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks)."""
+    """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks), and
+    part_rows, their work list's rows in a POD work list (_part_rows)."""
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
     host = {k: c[k] for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
     host["work"] = build_work(rows, p["group"], block_m, "cpu")
-    return to_device(host, device, non_blocking=False)
+    return dict(to_device(host, device, non_blocking=False), part_rows=_part_rows(host["work"]))
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
@@ -538,6 +539,43 @@ def _apart_works(p: dict, traced: bool, works: tuple, eager_apart) -> tuple | No
     launches, else None. A traced call asks _traced_apart (no sizes, no guards), an eager one
     eager_apart() (its sizes: _apart)."""
     return works if (_traced_apart(p) if traced else eager_apart()) else None
+
+
+def _host_part(p: dict, qo_len: int, kv_len: int, mask_bytes: int | None,
+               device: torch.device) -> dict:
+    """PODWithPagedKVCacheWrapper._prefill_part's dict for an eager call, its arrays built on
+    the host and written to the device in one copy (as device ops they were ~20 small
+    launches, ~300 us of a serving step's host time for each new prefill length), each a view
+    of that copy (an eager call's own: a trace or a capture builds its own by device ops). The
+    decodes' rows of the two work lists are the plan's (_part_rows)."""
+    has_kv = 1 if kv_len > 0 else 0
+    head = [0, qo_len, 0, has_kv, *([0] * has_kv), kv_len]
+    if mask_bytes is not None:
+        head += [0, mask_bytes]
+    n = len(head)
+    for row in range(0, qo_len * p["group"], p["block_m"]):  # (_pod_work's prefill rows)
+        head += (0, 0, row)
+    c = p["chunks"]
+    h = torch.tensor(head, dtype=torch.int32)
+    pieces = [h, p["part_rows_d"][0]]
+    if c is not None:
+        pieces += [h[n:], c["part_rows"][0]]
+    views = torch.cat(pieces).to(device).split(
+        [2, 2, has_kv, 1, n - 5 - has_kv, *(len(head) - n + pieces[i].numel()
+                                            for i in range(1, len(pieces), 2))])
+    qo, kv, idx, last, mask = views[:5]
+    if not has_kv:  # (its own: an empty view would share the next one's pointer)
+        idx = torch.empty(0, dtype=torch.int32, device=device)
+    work = [v.view(-1, 3) for v in views[5:]]
+    return dict(table=(qo, kv, idx, last), mask_indptr=mask if mask_bytes is not None else None,
+                work=work[0], work_cut=work[1] if c is not None else None)
+
+
+def _part_rows(work: torch.Tensor) -> tuple:
+    """The decode rows of POD work lists (_pod_work's part 1) from the decodes' host work list
+    ``work`` [W, 2], flat int32 [3 W], in a tuple (plan values: the memo keys no tensor of
+    it)."""
+    return (torch.cat([torch.ones_like(work[:, :1]), work], 1).reshape(-1),)
 
 
 def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
@@ -659,6 +697,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         p.update(to_device(host, self.device, non_blocking))
         if p["work_d_apart"] is None:
             p["work_d_apart"] = p["work_d"]
+        p["part_rows_d"] = _part_rows(work_d)  # (the prefill parts' work lists: _host_part)
         p.update(batch_size=b, max_page=max_page)
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["chunks"] = p["chunks_apart"] = None
@@ -897,14 +936,21 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         and kept: plain numbers decide them, and run() then launches no copy for them (the
         memo keys them by identity). A dict: "table" (qo indptr, kv indptr, one-page table,
         last page length), "mask_indptr" (or None) and "work" (the POD work list with the
-        plan's decodes, p["work_d"]). traced: V.traced() (a traced graph holds its own; the
-        dict would be a guard)."""
+        plan's decodes, p["work_d"]; "work_cut" the same over its decode key chunks). An eager
+        call's are made on the host in one copy (_host_part); traced: V.traced() (a traced
+        graph holds its own, made by device ops; the dict would be a guard), as is a
+        capture's."""
         capturing = not traced and self._capturing()
         key = (qo_len, kv_len, mask_bytes)
         part = None if traced else self._parts.get(key)
-        if part is None:
-            if not traced and len(self._parts) >= 64:  # an engine's many lengths: start over
+        if part is None and not (traced or capturing):
+            if len(self._parts) >= 64:  # an engine's many lengths: start over
                 self._set_plan(self._plan)
+            part = self._parts[key] = _host_part(self._plan, qo_len, kv_len, mask_bytes,
+                                                 self.device)
+            self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
+                                   part["work_cut"]))
+        elif part is None:
             p, dev = self._plan, self.device
             i2 = torch.arange(2, dtype=torch.int32, device=dev)
             has_kv = 1 if kv_len > 0 else 0
@@ -918,12 +964,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 # the fused launch's list over the plan's decode key chunks (_plan_chunks)
                 work_cut=None if p["chunks"] is None else _pod_work(work_p,
                                                                     p["chunks"]["work"]))
-            # (tensors made while a CUDA graph captures hold their values only in the graph's
-            # replays: never kept for eager calls)
-            if not traced and not capturing:
-                self._parts[key] = part
-                self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
-                                       part["work_cut"]))
+            # (made by device ops, which a trace or a CUDA graph's capture takes in; tensors
+            # made while a CUDA graph captures hold their values only in the graph's replays:
+            # never kept for eager calls)
         if capturing:
             # The graph reads this part and the plan's decode qo_indptr, ALiBi slopes, decode
             # work lists and key chunks at every replay; a re-plan (CUDA-graph mode's new decode

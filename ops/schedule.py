@@ -57,6 +57,9 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
     for b in order:
         n, k = qo[b], kv[b]
         end = n * group_size
+        if end <= block_m:  # one tile (a decode row beside longer requests)
+            flat += (b, 0)
+            continue
         # each tile weighed by the keys its last row may see (the causal bound), heaviest
         # first; the sort is stable, so equal tiles stay in row order
         tiles = [(min(k, k - n + min(row + block_m, end) // group_size), row)

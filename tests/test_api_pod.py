@@ -415,6 +415,32 @@ def _hopper_pod(monkeypatch, n_dec: int, kv_d: int, hq: int, page: int):
     return w, plan
 
 
+@pytest.mark.parametrize("n_dec,kv_d", [(16, 32768), (3, 100), (0, 16)])
+def test_pod_prefill_part_from_the_host_matches_the_device_ops(n_dec, kv_d, monkeypatch):
+    """An eager call's prefill part (its one-page table, mask offsets and the fused work lists
+    with the plan's decodes, with and without key chunks) is built on the host in one copy
+    (pod._host_part); a traced call's by device ops: the same int32 values and shapes, the
+    views distinct, the eager one kept for the next call of those lengths."""
+    w, plan = _hopper_pod(monkeypatch, n_dec, kv_d, 32, 16)
+    p = plan()
+    assert (p["chunks"] is not None) is (n_dec == 16)
+    for qo, kv, mask in ((256, 256, None), (37, 1000, (37 * 1000 + 7) // 8), (1, 0, None),
+                         (0, 5, None), (0, 0, 0)):
+        host = w._prefill_part(qo, kv, mask, traced=False)
+        dev = w._prefill_part(qo, kv, mask, traced=True)
+        assert w._prefill_part(qo, kv, mask, traced=False) is host
+        pairs = [*zip(host["table"], dev["table"]), (host["mask_indptr"], dev["mask_indptr"]),
+                 (host["work"], dev["work"]), (host["work_cut"], dev["work_cut"])]
+        for a, b in pairs:
+            if b is None:
+                assert a is None
+                continue
+            assert a.dtype == torch.int32 and a.shape == b.shape and torch.equal(a, b)
+            assert a.is_contiguous()
+        ptrs = [a.data_ptr() for a, _ in pairs if a is not None and a.numel()]
+        assert len(set(ptrs)) == len(ptrs)
+
+
 # (prefill tokens, decodes, keys each, Hq, page, apart): cases of the pod suite
 # (benchmarks/NOTES.md, 2026-11-29). POD's prefill alone runs on contiguous k / v and its own
 # tiles, so decodes under about its time go apart (page 16: p8192 + 16 x 4k ran fused at 0.86x
