@@ -613,13 +613,13 @@ class Bound:
     tensor the caller keeps alive and unchanged (a plan's); with the view geometry (size,
     stride, dtype) the interpreter's replay rebuilds."""
 
-    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=(), discard=()):
+    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=None, discard=()):
         if rec.problem:
             raise _Unbindable(rec.problem)
         self._ptrs = [t.data_ptr() for t in tensors]
         self._spans = None  # (each tensor's span, made where a pointer is none of theirs)
         self._tensors = tensors  # (recording only; dropped below)
-        self._static = {t.data_ptr(): t for t in static if isinstance(t, torch.Tensor)}
+        self._static = {} if static is None else static  # (Memo's: pointer -> tensor; read only)
         self.outputs = []
         self._out_ptr = {}
         for o in outputs:
@@ -698,7 +698,7 @@ class Bound:
             direct = None if INTERPRET else _Direct.of(compiled, list(vals), patches, slots)
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))
-        del self._tensors, self._spans, self._ptrs
+        del self._tensors, self._spans, self._ptrs, self._static
 
     def _source(self, t: torch.Tensor):
         p = t.data_ptr()
@@ -922,6 +922,9 @@ class Memo:
     def __init__(self, static=()):
         self._static_refs = [t for t in static if isinstance(t, torch.Tensor)]
         self._static = frozenset(id(t) for t in self._static_refs)
+        # the static tensors by pointer, for Bound (kept as they come: a recording read them
+        # all, hundreds for a POD wrapper's per-length tensors)
+        self._static_ptrs = {t.data_ptr(): t for t in self._static_refs}
         self._bound: dict = {}
         # light key -> [(tensor guards, Bound)] of bound calls (a key's Bound is replaced only
         # where none replays: unbound, and clear() empties both)
@@ -932,6 +935,7 @@ class Memo:
         new = [t for t in tensors if isinstance(t, torch.Tensor)]
         self._static_refs.extend(new)
         self._static = self._static | {id(t) for t in new}
+        self._static_ptrs.update((t.data_ptr(), t) for t in new)
 
     def clear(self) -> None:
         self._bound.clear()
@@ -1119,7 +1123,7 @@ class Memo:
             _TLS.rec = None
         outputs = result if isinstance(result, tuple) else (result,)
         try:
-            bound = Bound(rec, tensors, outputs, self._static_refs, discard)
+            bound = Bound(rec, tensors, outputs, self._static_ptrs, discard)
             self.records += 1
         except _Unbindable:
             bound = _UNBOUND
