@@ -25,7 +25,10 @@ index arrays on the host, so these are wall times with the GPU idle, not queued 
 it (wall times too). The decode_step case is a decode step as a serving engine's comes:
 DECODE_REQ one-row requests whose keys grow by one a step, a request taking the next page of a
 shuffled pool when its last page fills (the page tables built ahead, DECODE_STEPS of them in
-turn), plan() then each layer's run() (a wall time too).
+turn), plan() then each layer's run() (a wall time too). The chunk_step (POD) and mixed_step
+(the paged wrapper, one batch) cases add to those decodes one prompt's chunked prefill, CHUNK
+rows a step whose keys grow by CHUNK a step: a step whose prefill changes every step, so that
+its first run() meets new sizes, as a serving engine's do.
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -34,6 +37,7 @@ the header. A plot goes beside the JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -217,6 +221,71 @@ def _decode_step(mod, dev, name):
     return _turns(step, tables)
 
 
+# the chunk_step / mixed_step cases: the decode_step case's decodes beside one prompt's
+# chunked prefill, CHUNK new rows a step whose keys grow by CHUNK a step
+CHUNK = 64
+
+
+def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
+    """The decode_step case's page tables (_decode_tables) and, each step, the prefill chunk's
+    key count (CHUNK times the step's number) and the mixed batch's table: the chunk's request
+    first (its pages after the decodes' pool, shuffled), then the decodes. A list of dicts
+    (dec: the decodes' (indptr, indices, last_page_len); kv: the chunk's keys; mixed: the
+    batch's (qo_indptr, indptr, indices, last_page_len)), and the pages of both."""
+    tables, n_pages = _decode_tables(dev, requests, steps)
+    g = torch.Generator().manual_seed(2)
+    pre = (n_pages + torch.randperm(-(-CHUNK * steps // PAGE), generator=g)).tolist()
+    qo = torch.tensor([0, CHUNK] + [CHUNK + i + 1 for i in range(requests)], dtype=torch.int32,
+                      device=dev)
+    out = []
+    for s, (kvi, idx, last) in enumerate(tables):
+        kv = CHUNK * (s + 1)
+        own = -(-kv // PAGE)
+        mixed = (qo, torch.cat([kvi.new_zeros(1), kvi + own]),
+                 torch.cat([torch.tensor(pre[:own], dtype=torch.int32, device=dev), idx]),
+                 torch.cat([last.new_full((1,), (kv - 1) % PAGE + 1), last]))
+        out.append(dict(dec=(kvi, idx, last), kv=kv, mixed=mixed))
+    return out, n_pages + len(pre)
+
+
+def _chunk_steps(mod, dev, name, pod: bool = True, requests: int = DECODE_REQ,
+                 steps: int = DECODE_STEPS):
+    """The chunk_step (POD: plan() on the decodes' table, then each layer's run() with the
+    step's prefill chunk, its keys contiguous) and mixed_step (the same work as one batch of
+    the paged wrapper: plan() with the chunk's request and the decodes, then each layer's run())
+    cases' calls: a serving step whose prefill part changes every step, as a chunked prefill's
+    does, so that the step's first run() meets a call of new sizes."""
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    kw = {"backend": "fa2"} if name == "flashinfer" else {}
+    steps, n_pages = _chunk_tables(dev, requests, steps)
+    most = CHUNK * len(steps)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=dev, dtype=DT)
+
+    layers = [dict(qd=rnd(requests, HQ, D), cache=rnd(n_pages, 2, PAGE, HKV, D),
+                   qp=rnd(CHUNK, HQ, D), kp=rnd(most, HKV, D), vp=rnd(most, HKV, D),
+                   qm=rnd(CHUNK + requests, HQ, D)) for _ in range(LAYERS)]
+    pw = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
+
+    def mixed(st):
+        pw.plan(*st["mixed"], HQ, HKV, D, PAGE, causal=True, q_data_type=DT)
+        for t in layers:
+            pw.run(t["qm"], t["cache"])
+
+    calls = {"mixed_step": _turns(mixed, steps)}
+    if pod:
+        dw = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
+
+        def chunk(st):
+            dw.plan(*st["dec"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+            kv = st["kv"]
+            for t in layers:
+                dw.run(t["qp"], t["kp"][:kv], t["vp"][:kv], t["qd"], t["cache"], causal_p=True)
+        calls["chunk_step"] = _turns(chunk, steps)
+    return calls
+
+
 def _pod(mod, x, dev, layers: bool = False):
     """POD run() on x's tensors, or (layers) on x's layers' in turn."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
@@ -258,6 +327,9 @@ def providers(args) -> dict:
     for case, fn in _steps(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
     add("decode_step", "compiled_attn", lambda: _decode_step(ca, dev, "compiled_attn"))
+    chunked = functools.cache(lambda: _chunk_steps(ca, dev, "compiled_attn"))  # (one set)
+    for case in ("chunk_step", "mixed_step"):
+        add(case, "compiled_attn", lambda case=case: chunked()[case])
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
@@ -275,6 +347,9 @@ def providers(args) -> dict:
                                    pod=not args.no_fi_pod).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
             add("decode_step", "flashinfer", lambda: _decode_step(flashinfer, dev, "flashinfer"))
+            for case, fn in _chunk_steps(flashinfer, dev, "flashinfer",
+                                         pod=not args.no_fi_pod).items():
+                add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
                 add("pod_run_layers", "flashinfer",
@@ -282,7 +357,7 @@ def providers(args) -> dict:
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers",
                          "ragged_plan", "paged_plan", "pod_plan", "paged_step", "pod_step",
-                         "decode_step"):
+                         "decode_step", "chunk_step", "mixed_step"):
                 out.setdefault((case, "flashinfer"), f"{type(e).__name__}: {e}")
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention
@@ -332,7 +407,8 @@ SLEEP = 1_500_000_000
 # holds its previous step's kernels too (a few microseconds each at these sizes, for every
 # provider alike)
 PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan",
-                        "paged_step", "pod_step", "decode_step"})
+                        "paged_step", "pod_step", "decode_step", "chunk_step",
+                        "mixed_step"})
 
 
 def host_us(fn, calls: int, sleep: int = SLEEP) -> float:

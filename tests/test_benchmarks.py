@@ -1088,6 +1088,65 @@ def test_host_suite_steps_plan_then_run_every_layer():
     assert {"paged_step", "pod_step"} <= host.PLAN_CASES
 
 
+def test_host_suite_chunk_steps_grow_the_prefill_beside_the_decodes(monkeypatch):
+    """The chunk_step / mixed_step cases: each step the decode_step case's decodes and one
+    prompt's prefill chunk of CHUNK rows whose keys grow by CHUNK; POD plans the decodes and
+    runs the chunk on the first kv keys of each layer's k / v, the paged wrapper plans the
+    chunk's request (its own pages, after the decodes' pool) then the decodes."""
+    import torch
+
+    from benchmarks import host
+
+    steps, n_pages = host._chunk_tables("cpu", requests=5, steps=40)
+    dec, _ = host._decode_tables("cpu", requests=5, steps=40)
+    pool = set()
+    for s, (st, (kvi, idx, last)) in enumerate(zip(steps, dec)):
+        assert st["kv"] == host.CHUNK * (s + 1)
+        assert all(torch.equal(a, b) for a, b in zip(st["dec"], (kvi, idx, last)))
+        qo, m_kvi, m_idx, m_last = st["mixed"]
+        own = -(-st["kv"] // host.PAGE)
+        assert qo.tolist() == [0, host.CHUNK] + [host.CHUNK + i + 1 for i in range(5)]
+        assert m_kvi.tolist() == [0] + (kvi + own).tolist()
+        assert torch.equal(m_idx[own:], idx) and torch.equal(m_last[1:], last)
+        assert (own - 1) * host.PAGE + int(m_last[0]) == st["kv"]
+        pre = m_idx[:own].tolist()
+        assert int(idx.max()) < min(pre) and max(pre) < n_pages and len(set(pre)) == own
+        pool.update(pre)
+    assert len(pool) == -(-host.CHUNK * 40 // host.PAGE)
+    assert {"chunk_step", "mixed_step"} <= host.PLAN_CASES
+
+    log = []
+
+    class Wrapper:
+        def __init__(self, *a, **kw):
+            self.kind = "pod" if not kw else kw["backend"]
+
+        def plan(self, *a, **kw):
+            log.append(("plan", a[:3] if self.kind == "pod" else a[:4]))
+
+        def run(self, q, *a, **kw):
+            log.append(("run", q, a[0].shape[0] if self.kind == "pod" else None))
+
+    class Mod:
+        BatchPrefillWithPagedKVCacheWrapper = PODWithPagedKVCacheWrapper = Wrapper
+
+    for name, value in (("HQ", 2), ("HKV", 1), ("D", 4)):  # (small layers' tensors)
+        monkeypatch.setattr(host, name, value)
+    calls = host._chunk_steps(Mod, "cpu", "flashinfer", requests=5, steps=40)
+    assert set(calls) == {"chunk_step", "mixed_step"}
+    for case, key in (("chunk_step", "dec"), ("mixed_step", "mixed")):
+        for s in range(3):
+            log.clear()
+            calls[case]()
+            (_, planned), *runs = log
+            assert all(torch.equal(a, b) for a, b in zip(planned, steps[s][key]))
+            assert len(runs) == host.LAYERS and len({id(r[1]) for r in runs}) == host.LAYERS
+            kv = steps[s]["kv"] if case == "chunk_step" else None
+            assert all(r[2] == kv for r in runs)
+    assert set(host._chunk_steps(Mod, "cpu", "flashinfer", pod=False, requests=5,
+                                 steps=4)) == {"mixed_step"}
+
+
 def test_medians_us_times_each_call_and_raises_a_failure():
     """providers.medians_us (the developer probes' timing through bench): one median per name,
     in microseconds; a call that raises is not given a figure."""
