@@ -560,7 +560,10 @@ def _host_part(p: dict, qo_len: int, kv_len: int, mask_bytes: int | None,
     pieces = [h, p["part_rows_d"][0]]
     if c is not None:
         pieces += [h[n:], c["part_rows"][0]]
-    views = torch.cat(pieces).to(device).split(
+    # (non_blocking: a blocking copy from the host would wait for every launch queued on the
+    # stream, the step's earlier layers; from pageable memory the copy has read the array
+    # when it returns)
+    views = torch.cat(pieces).to(device, non_blocking=True).split(
         [2, 2, has_kv, 1, n - 5 - has_kv, *(len(head) - n + pieces[i].numel()
                                             for i in range(1, len(pieces), 2))])
     qo, kv, idx, last, mask = views[:5]

@@ -243,6 +243,36 @@ def test_a_bound_call_holds_none_of_its_tensors(kind):
         assert not g.float().isnan().any() and torch.equal(g, r)
 
 
+def test_pod_run_of_a_new_prefill_length_does_not_wait_for_the_device():
+    # POD's eager run() of a new prefill length writes that part's arrays from the host
+    # (pod._host_part): never a copy that synchronizes the stream (it would wait for the
+    # step's earlier layers), nor anything else that does; the replay neither
+    d, page = 128, 16
+    cache, kvi, idx, last, _, _ = make_paged(KV, HKV, d, d, page, dtype=BF16, seed=70)
+    cache = cache.cuda()
+    qd = _rand(len(KV), HQ, d, seed=71)
+    kp, vp = _rand(600, HKV, d, seed=72), _rand(600, HKV, d, seed=73)
+    qp = _rand(200, HQ, d, seed=74)
+    w = fi.PODWithPagedKVCacheWrapper(_ws())
+    w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+    w.run(qp, kp[:300], vp[:300], qd, cache, causal_p=True)  # compiles the kernel eagerly
+    torch.cuda.synchronize()
+    want = [w.run(qp, kp[:kv], vp[:kv], qd, cache, causal_p=True) for kv in (400, 500)]
+    torch.cuda.synchronize()
+    w.plan(kvi.cuda(), idx.cuda(), last.cuda(), HQ, HKV, d, page, q_data_type=BF16)
+    torch.cuda._sleep(50_000_000)  # (the stream busy: a synchronizing copy would wait)
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [w.run(qp, kp[:kv], vp[:kv], qd, cache, causal_p=True) for kv in (400, 500, 400)]
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+    torch.cuda.synchronize()
+    for g, r in zip(got, [*want, want[0]]):
+        for a, b in zip(g, r):
+            assert torch.equal(a, b)
+
+
 def test_pod_prefill_part_made_in_a_capture_is_not_kept():
     # POD keeps its prefill request's small device tensors per length for eager calls; ones
     # made while a CUDA graph captures hold their values only in the graph's replays, so an
