@@ -412,28 +412,30 @@ _GRAPH_FIXED = ("qo_indptr", "src", "merge")
 
 
 def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
-                   device: torch.device, *, pad: bool = False) -> dict:
+                   device: torch.device, *, pad: bool = False,
+                   non_blocking: bool = True) -> dict:
     """The chunk requests of plan p's decodes cut into n chunks a request
     (schedule.build_decode_chunks; pad: exactly n each) as device tensors: qo_indptr,
     kv_indptr, last_page_len, src, merge, and work (their work list on the launch's tile
-    block_m, int32 [W, 2])."""
+    block_m, int32 [W, 2]); non_blocking: plan()'s, for the copies."""
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n,
                             pad=pad)
-    return _chunk_device(p, c, block_m, device)
+    return _chunk_device(p, c, block_m, device, non_blocking)
 
 
-def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device) -> dict:
+def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device,
+                  non_blocking: bool = True) -> dict:
     """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks), and
     part_rows, their work list's rows in a POD work list (_part_rows)."""
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
     host = {k: c[k] for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
     host["work"] = build_work(rows, p["group"], block_m, "cpu")
-    return dict(to_device(host, device, non_blocking=False), part_rows=_part_rows(host["work"]))
+    return dict(to_device(host, device, non_blocking), part_rows=_part_rows(host["work"]))
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
                  qo_l: list, kv_lens: list, device: torch.device, *,
-                 apart: bool) -> dict | None:
+                 apart: bool, non_blocking: bool = True) -> dict | None:
     """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
     outputs run() merges (_call's cut), in as many chunks as schedule.planned_chunk_count
@@ -449,16 +451,18 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     n, sms, block_m = _chunk_count(p, qo_l, kv_lens, apart)
     if not n:
         return None
-    return dict(_chunk_tensors(p, qo_h, ind_h, last_h, n, block_m, device), sms=sms,
+    return dict(_chunk_tensors(p, qo_h, ind_h, last_h, n, block_m, device,
+                               non_blocking=non_blocking), sms=sms,
                 longest=max(kv_lens, default=0))
 
 
 def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
-                      device) -> None:
+                      device, non_blocking: bool = True) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
     decodes' own launch."""
     for key, apart in _CHUNK_KEYS:
-        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart)
+        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
+                              non_blocking=non_blocking)
 
 
 def _prefill_tiles(p: dict, qo_len: int) -> int:
@@ -708,7 +712,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
-            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device)
+            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking)
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p)
 
@@ -740,7 +744,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 n, sms, block_m = _chunk_count(p, [1] * b, kv_lens, apart)
                 if n:
                     self._graph_chunks[key] = (apart, n, sms, block_m, _chunk_device(
-                        p, chunks(n), block_m, self.device), chunks(n))
+                        p, chunks(n), block_m, self.device, non_blocking), chunks(n))
         for key, (apart, n, sms, block_m, bufs, fixed) in self._graph_chunks.items():
             if not first:
                 c = chunks(n)
@@ -1046,7 +1050,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-                _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device)
+                _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device,
+                                  non_blocking)
         # (the prefill's tiles on the fused tile, which the cut launch's work list takes:
         # work_p's where that is the fused tile)
         own_tiles = p["chunks"] is not None and work_p is not works[0]
