@@ -559,17 +559,16 @@ def _host_part(p: dict, qo_len: int, kv_len: int, mask_bytes: int | None,
     n = len(head)
     for row in range(0, qo_len * p["group"], p["block_m"]):  # (_pod_work's prefill rows)
         head += (0, 0, row)
-    c = p["chunks"]
     h = torch.tensor(head, dtype=torch.int32)
-    pieces = [h, p["part_rows_d"][0]]
-    if c is not None:
-        pieces += [h[n:], c["part_rows"][0]]
+    pre = h[n:]  # (each work list: the prefill's rows, then the decodes' rows of the plan)
+    c = p["chunks"]
+    decodes = [p["part_rows_d"][0]] + ([] if c is None else [c["part_rows"][0]])
     # (non_blocking: a blocking copy from the host would wait for every launch queued on the
     # stream, the step's earlier layers; from pageable memory the copy has read the array
     # when it returns)
-    views = torch.cat(pieces).to(device, non_blocking=True).split(
-        [2, 2, has_kv, 1, n - 5 - has_kv, *(len(head) - n + pieces[i].numel()
-                                            for i in range(1, len(pieces), 2))])
+    flat = torch.cat([h[:n], *(x for d in decodes for x in (pre, d))])
+    views = flat.to(device, non_blocking=True).split(
+        [2, 2, has_kv, 1, n - 5 - has_kv, *(pre.numel() + d.numel() for d in decodes)])
     qo, kv, idx, last, mask = views[:5]
     if not has_kv:  # (its own: an empty view would share the next one's pointer)
         idx = torch.empty(0, dtype=torch.int32, device=device)

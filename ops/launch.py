@@ -408,8 +408,10 @@ def _is_descriptor(a) -> bool:
     return dataclasses.is_dataclass(a) and hasattr(a, "base") and hasattr(a, "block_shape")
 
 
-# the plain constants' exact types (most launch arguments: checked first, by one set lookup)
-_CONSTANT_TYPES = frozenset({bool, int, float, str, type(None), torch.dtype})
+# the plain constants' types; their exact types (most launch arguments) are checked first, by
+# one set lookup
+_CONSTANT_BASES = (bool, int, float, str, torch.dtype)
+_CONSTANT_TYPES = frozenset({*_CONSTANT_BASES, type(None)})
 
 
 def _is_constant(a) -> bool:
@@ -420,7 +422,8 @@ def _is_constant(a) -> bool:
         return True
     if isinstance(a, tuple):
         return all(_is_constant(x) for x in a)
-    return (a is None or isinstance(a, (bool, int, float, str, torch.dtype))
+    # (subclasses of the plain types: an IntEnum, a bool-like flag)
+    return (isinstance(a, _CONSTANT_BASES)
             or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
 
 
@@ -904,7 +907,7 @@ _UNBOUND = object()
 # LaunchCache.call's answer for a call whose arguments are not plain eager (eager_key: a
 # subclass, a tensor requiring grad, one on another device) or hold no tensor
 NOT_PLAIN = object()
-_PLAIN_VALUES = frozenset({int, float, bool, str, type(None), torch.dtype})
+_PLAIN_VALUES = _CONSTANT_TYPES  # (a key's plain values: a launch's plain constants' types)
 
 
 class Memo:
