@@ -57,7 +57,7 @@ from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_R
 from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
-from .prefill import _split_v_scale, _WrapperBase
+from .prefill import _cache_pages, _split_v_scale, _WrapperBase
 from .utils import (_byte_offsets, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -121,9 +121,15 @@ class _PODBase(_WrapperBase):
                     alibi=slopes if o.pos_encoding_mode == POS_ALIBI else None,
                     alibi_run=slopes)
 
-    def _set_plan(self, p: dict) -> None:
-        """Take plan p; run() replays launches bound for it (its tensors keyed by identity)."""
+    def _set_plan(self, p: dict, old: dict | None = None) -> None:
+        """Take plan p; run() replays launches bound for it (its tensors keyed by identity).
+        Where p launches as the plan ``old`` before it (_same_launches: its tensors written
+        anew, its other values but the largest page index equal), the launches bound for old
+        and its prefill parts are kept: a serving step's first run() after plan() then
+        replays too."""
         self._plan = p
+        if old is not None and _same_launches(old, p):
+            return
         self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values(),
                                   *(p.get("chunks_apart") or {}).values()])
         self._parts = {}
@@ -303,6 +309,33 @@ def _merged(out_d, lse_d, merge, requests: int):
 # (per thread: a stream one thread's CUDA-graph capture has joined must not take another
 # thread's eager launches)
 _SIDE_STREAMS = threading.local()
+
+
+# POD plan fields that run() never reads for a launch: the largest page index, which run()
+# checks against the cache before any replay (PODWithPagedKVCacheWrapper._pages_fit)
+_PLAN_ONLY = frozenset({"max_page"})
+
+
+def _same_launches(a: dict, b: dict) -> bool:
+    """Whether run() launches for POD plan b as for plan a, so that calls bound for a (and
+    its prefill parts, whose work lists hold a's decode rows) serve b: every field but
+    _PLAN_ONLY's the same, tensors and chunk dicts as the same objects (their contents the
+    device's business), the decodes' host rows (part_rows_d) equal, other values equal and of
+    one type. The decodes' bytes must be equal: run()'s launch choices read them."""
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x is y or k in _PLAN_ONLY:  # (most fields: a reused option, a kept tensor, None)
+            continue
+        if k == "part_rows_d":
+            if len(x) != len(y) or not all(map(torch.equal, x, y)):
+                return False
+            continue
+        if (isinstance(x, (torch.Tensor, dict)) or isinstance(y, (torch.Tensor, dict))
+                or type(x) is not type(y) or x != y):
+            return False
+    return True
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -627,6 +660,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # decided at the first plan (_plan_graph_chunks)
         self._graph_chunks = None
         self._graph_shapes = None  # (Hq, Hkv, D) of the first CUDA-graph plan
+        self._lists = None  # (key, the decodes' host arrays) of the last plan: _decode_lists
         # device tensors of our own that a captured CUDA graph reads at every replay (see
         # _prefill_part): kept for the wrapper's life, past re-plans
         self._captured = []
@@ -670,14 +704,12 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # (the decodes' work lists built on the host: on the device each was five small
         # launches; every host array goes to the device as one int32 copy, _host.to_device)
         rows = [1] * b  # (a decode is a one-row request)
-        work_d = build_work(rows, p["group"], p["block_m"], "cpu")
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
         p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, rows,
                                                 p["block_m"], p["kv_dtype"])
-        host = dict(qo_indptr=torch.arange(b + 1, dtype=torch.int32), work_d=work_d,
-                    work_d_apart=None if p["block_m_d"] == p["block_m"] else build_work(
-                        rows, p["group"], p["block_m_d"], "cpu"))
+        qo_h, work_d, work_d_apart, p["part_rows_d"] = self._decode_lists(b, p)
+        host = dict(qo_indptr=qo_h, work_d=work_d, work_d_apart=work_d_apart)
         if self._use_cuda_graph:
             if b != self._fixed_batch_size:
                 raise ValueError(f"last_page_len: batch size {b} differs from the "
@@ -700,10 +732,19 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                      last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
         else:
             host.update(kv_indptr=ind_h, kv_indices=idx_h, last_page_len=last_h)
-        p.update(to_device(host, self.device, non_blocking))
+        # (outside CUDA-graph mode, the arrays go into the last plan's tensors where shapes
+        # match, so that a re-plan of the same shapes keeps its bound launches: _set_plan. The
+        # last plan is retired first: its tensors now hold this plan's values, so a plan()
+        # that raised later would leave no plan rather than compute the old one on them.)
+        old = None if self._use_cuda_graph else self._plan
+        into = None
+        if old is not None:
+            self._plan = None
+            into = {k: t for k, t in old.items()  # (an alias of work_d is written as work_d)
+                    if k != "work_d_apart" or t is not old["work_d"]}
+        p.update(to_device(host, self.device, non_blocking, into))
         if p["work_d_apart"] is None:
             p["work_d_apart"] = p["work_d"]
-        p["part_rows_d"] = _part_rows(work_d)  # (the prefill parts' work lists: _host_part)
         p.update(batch_size=b, max_page=max_page)
         p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
         p["chunks"] = p["chunks_apart"] = None
@@ -713,7 +754,30 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         else:
             _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking)
         p["decode_ring"] = _decode_ring(p, b)
-        self._set_plan(p)
+        self._set_plan(p, old)
+
+    def _decode_lists(self, b: int, p: dict) -> tuple:
+        """The host arrays of b one-row decodes on plan p's tiles: (qo_indptr, work_d,
+        work_d_apart or None where the decodes' own tile is the fused launch's, the decodes'
+        rows of the prefill parts' work lists: _part_rows). They depend on b and the tiles
+        alone, so the last plan's are reused (never written: a copy from them has read them
+        when it returns)."""
+        key = (b, p["group"], p["block_m"], p["block_m_d"])
+        if self._lists is None or self._lists[0] != key:
+            rows = [1] * b
+            work_d = build_work(rows, p["group"], p["block_m"], "cpu")
+            apart = None if p["block_m_d"] == p["block_m"] else build_work(
+                rows, p["group"], p["block_m_d"], "cpu")
+            self._lists = (key, torch.arange(b + 1, dtype=torch.int32), work_d, apart,
+                           _part_rows(work_d))
+        return self._lists[1:]
+
+    def _pages_fit(self, paged_kv_cache) -> bool:
+        """Whether the plan's largest decode page index is inside the cache, or nothing says
+        it is not (no plan, no page, a cache argument the full path will name as wrong): a
+        replay skips run()'s checks, and the key does not hold the plan's page indices."""
+        p, pages = self._plan, _cache_pages(paged_kv_cache)
+        return p is None or pages is None or p["max_page"] is None or p["max_page"][1] < pages
 
     def _plan_graph_chunks(self, p: dict, qo_h, ind_h, last_h, kv_lens: list,
                            non_blocking: bool) -> None:
@@ -787,9 +851,13 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         opts = (causal_p, kv_layout_p, pos_encoding_mode_p, sm_scale_p, window_left_p,
                 rope_scale_p, rope_theta_p, causal_d, kv_layout_d, pos_encoding_mode_d,
                 sm_scale_d, window_left_d, rope_scale_d, rope_theta_d, use_fp16_qk_reduction)
+        # (a replay skips run()'s checks: the largest page index, which the key does not hold,
+        # against the cache's pages here, where a replay may follow; the full path raises
+        # where it fails)
         if (not args and custom_mask_p is None and custom_mask_d is None
                 and packed_custom_mask_d is None and q_scale is None and k_scale is None
-                and v_scale is None and not enable_pdl):
+                and v_scale is None and not enable_pdl
+                and (torch.compiler.is_compiling() or self._pages_fit(paged_kv_cache_d))):
             return self._bound(
                 (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p), opts,
                 return_lse_p, return_lse_d,

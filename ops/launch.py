@@ -442,6 +442,28 @@ def _rebased(desc, ptr: int):
 DESC_BASES = 64
 
 
+# Descriptor expansions shared by every bound launch of the process: (the expander, the
+# descriptor's type, the launch's metadata for it, its fields but the base) -> (its expansion
+# after the first element, {base pointer: first element}, at most DESC_BASES). A new recording
+# over descriptors seen before (a serving step's next call on the same layers' caches) then
+# encodes none of them again. At most DESC_SIGNATURES signatures, then cleared.
+_DESC_EXPANSIONS: dict = {}
+DESC_SIGNATURES = 256
+
+
+def _frozen(v):
+    """v as a hashable key: lists, tuples and dicts as tuples, unhashable others by repr."""
+    if isinstance(v, (list, tuple)):
+        return tuple(map(_frozen, v))
+    if isinstance(v, dict):
+        return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
+    try:
+        hash(v)
+    except TypeError:
+        return repr(v)
+    return v
+
+
 class _Direct:
     """A compiled kernel's C launcher called directly, with its tensor descriptors expanded
     ahead (Triton's own wrapper expands every descriptor argument and re-encodes its tensor map
@@ -521,10 +543,16 @@ class _Direct:
                 meta = metas[k] if k < len(metas) else None
                 k += 1
                 self.desc[i] = (a, meta)
-                e = list(self.make(a, meta))
-                self.rest[i] = e[1:]
-                self.cache[i] = {a.base.data_ptr(): e[0]}
-                fixed.extend(e)
+                key = (self.make, type(a), _frozen(meta), *(
+                    _frozen(getattr(a, f.name)) for f in dataclasses.fields(a) if f.name != "base"))
+                known = _DESC_EXPANSIONS.get(key)
+                if known is None:
+                    if len(_DESC_EXPANSIONS) >= DESC_SIGNATURES:
+                        _DESC_EXPANSIONS.clear()
+                    e = list(self.make(a, meta))
+                    known = _DESC_EXPANSIONS[key] = (e[1:], {a.base.data_ptr(): e[0]})
+                self.rest[i], self.cache[i] = known
+                fixed.extend((self._first(i, a.base.data_ptr()), *known[0]))
             else:
                 fixed.append(a)
         # the gather's source: fixed + the call's pointers + shifted pointers + descriptors
@@ -550,7 +578,8 @@ class _Direct:
                        else lambda src, o=tuple(order): tuple(src[i] for i in o))
 
     def _first(self, pos: int, ptr: int):
-        """The first element of position pos's descriptor expanded over base ptr (kept)."""
+        """The first element of position pos's descriptor expanded over base ptr (kept, for
+        every bound launch of a descriptor of this signature: _DESC_EXPANSIONS)."""
         known = self.cache[pos]
         first = known.get(ptr)
         if first is None:

@@ -57,6 +57,7 @@ def nvd(monkeypatch):
     nvd = pytest.importorskip("triton.backends.nvidia.driver")
     monkeypatch.setattr(nvd, "_BASE_ARGS_FORMAT_LEN", 13, raising=False)
     monkeypatch.setattr(nvd, "make_tensordesc_arg", _expand)
+    monkeypatch.setattr(launch, "_DESC_EXPANSIONS", {})  # (shared by a process's launches)
     return nvd
 
 
@@ -112,6 +113,36 @@ def test_direct_descriptor_cache_is_bounded(nvd, monkeypatch):
         direct((1, 1, 1), 0, compiled, ptrs)
         assert seen[-1][13:] == _plain(recorded, ptrs)
         assert len(direct.cache[0]) <= 2
+
+
+def test_direct_launches_share_their_descriptor_expansions(nvd, monkeypatch):
+    # a new recording over descriptors seen before (a serving step's next call on the same
+    # layers' caches) encodes none again; a descriptor of another shape, or the same launch
+    # with another expander, has expansions of its own
+    made = []
+
+    def counting(arg, meta):
+        made.append(arg.base.data_ptr())
+        return _expand(arg, meta)
+    monkeypatch.setattr(nvd, "make_tensordesc_arg", counting)
+    first, compiled, recorded, seen = _setup()
+    assert sorted(made) == [1000, 2032, 9000]
+    first((1, 1, 1), 0, compiled, [5008, 2000, 3000, 77])
+    assert made[-1] == 5008
+    made.clear()
+    second, compiled, recorded, seen = _setup()
+    for ptrs in ([1000, 2000, 3000, 77], [5008, 2000, 3000, 77]):
+        second((1, 1, 1), 0, compiled, ptrs)
+        assert seen[-1][13:] == _plain(recorded, ptrs)
+    assert made == []
+    assert second.cache[0] is first.cache[0]
+    L = compiled.run
+    wider = [_Desc(launch._Ptr(1000), [16, 4], [4, 1], [2, 4]), *recorded[1:]]
+    third = launch._Direct.of(_Compiled(L), wider, [(0, True, ("in", 0, 0, None))], 4)
+    assert made == [1000] and third.cache[0] is not first.cache[0]
+    monkeypatch.setattr(nvd, "make_tensordesc_arg", _expand)
+    fourth, *_ = _setup()
+    assert fourth.cache[0] is not first.cache[0]
 
 
 def test_direct_refuses_an_expansion_that_moves_with_its_base(nvd, monkeypatch):

@@ -643,6 +643,68 @@ def test_a_replan_of_the_same_shapes_keeps_its_bound_launches(kind):
         assert memo.hits == 0
 
 
+@pytest.mark.parametrize("launches", ["fused", "apart"])
+def test_a_pod_replan_of_the_same_shapes_keeps_its_bound_launches(launches):
+    """POD: a re-plan of the decodes with the last plan's shapes, options and bytes (another
+    page order, other last-page lengths) writes into the last plan's tensors and keeps its bound
+    calls and prefill parts, so run() replays and computes the new plan's numbers (as a fresh
+    wrapper's full path); a plan of other bytes or batch size starts a new memo; a replay
+    still refuses a plan whose page indices leave the cache."""
+    page, total = 4, 12
+    g = torch.Generator().manual_seed(40)
+    cache = rand(total, 2, page, HKV, D, seed=41, dtype=F32)
+    qp, kp, vp = (rand(9, HQ, D, seed=42, dtype=F32), rand(11, HKV, D, seed=43, dtype=F32),
+                  rand(11, HKV, D, seed=44, dtype=F32))
+    qd = rand(3, HQ, D, seed=45, dtype=F32)
+
+    def plan(w, kv, idx=None):
+        pages = [-(-n // page) for n in kv]
+        if idx is None:
+            idx = torch.randperm(total, generator=g)[:sum(pages)].to(torch.int32)
+        last = torch.tensor([(n - 1) % page + 1 for n in kv], dtype=torch.int32)
+        w.plan(indptr(pages), idx, last, HQ, HKV, D, page, q_data_type=F32)
+        return idx
+
+    def run(w, q=qd):
+        return _flat(w.run(qp, kp, vp, q, cache, causal_p=True, return_lse_p=True,
+                           return_lse_d=True))
+
+    with policy.override(**POD_LAUNCHES[launches]):
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        plan(w, [13, 7, 9])
+        first = run(w)
+        memo, parts = w._memo, w._parts
+        tensors = [t for t in w._plan.values() if torch.is_tensor(t)]
+        idx = plan(w, [14, 6, 10])  # the same pages a request, other last pages and order
+        assert w._memo is memo and w._parts is parts
+        assert [t for t in w._plan.values() if torch.is_tensor(t)] == tensors
+        before = launch.recordings()
+        got = run(w)
+        assert memo.records == 1 and memo.hits == 1 and launch.recordings() == before
+        fresh = fi.PODWithPagedKVCacheWrapper(WS)
+        plan(fresh, [14, 6, 10], idx)
+        with policy.override(bound_launches=False):
+            want = run(fresh)
+        for g_, w_, f in zip(got, want, first, strict=True):
+            assert not g_.isnan().any() and torch.equal(g_, w_)
+        assert not torch.equal(got[1], first[1])  # (the decodes read other pages)
+        plan(w, [14, 6, 14])  # one page more: other bytes, a new memo
+        assert w._memo is not memo
+        memo = w._memo
+        plan(w, [14, 6])  # another batch size
+        assert w._memo is not memo
+        memo = w._memo
+        # the same shapes, one page index past this cache: no replay, the full path's error
+        run(w, qd[:2])
+        bad = torch.arange(6, dtype=torch.int32)
+        bad[4] = total
+        plan(w, [14, 6], idx=bad)
+        assert w._memo is memo
+        with pytest.raises(ValueError, match="entry 4 is 12 but paged_kv_cache_d has only 12"):
+            run(w, qd[:2])
+        assert memo.hits == 0
+
+
 def test_a_growing_page_table_keeps_its_tensor_and_bound_calls():
     """Decode requests grow a page now and then: a re-plan whose page table outgrows the last
     one's allocates it with room (choose.page_table_capacity), and later plans within that
