@@ -414,6 +414,12 @@ _CONSTANT_BASES = (bool, int, float, str, torch.dtype)
 _CONSTANT_TYPES = frozenset({*_CONSTANT_BASES, type(None)})
 
 
+# tuples found constant (the Gluon kernels' bundles: a launch passes the same few again), by
+# value; at most CONSTANT_TUPLES, then cleared
+_CONSTANT_TUPLE_SET: set = set()
+CONSTANT_TUPLES = 1024
+
+
 def _is_constant(a) -> bool:
     """A launch argument fixed by the key: numbers, flags, dtypes, constexprs, layouts, and
     tuples of these (the Gluon kernels' named bundles; a tuple holding a tensor is not one, so a
@@ -421,7 +427,17 @@ def _is_constant(a) -> bool:
     if type(a) in _CONSTANT_TYPES:
         return True
     if isinstance(a, tuple):
-        return all(_is_constant(x) for x in a)
+        try:
+            if a in _CONSTANT_TUPLE_SET:
+                return True
+        except Exception:  # noqa: BLE001  (unhashable, or an element's == that raises)
+            return all(_is_constant(x) for x in a)
+        if not all(_is_constant(x) for x in a):
+            return False
+        if len(_CONSTANT_TUPLE_SET) >= CONSTANT_TUPLES:
+            _CONSTANT_TUPLE_SET.clear()
+        _CONSTANT_TUPLE_SET.add(a)
+        return True
     # (subclasses of the plain types: an IntEnum, a bool-like flag)
     return (isinstance(a, _CONSTANT_BASES)
             or type(a).__name__ == "constexpr" or hasattr(a, "__mangle__"))
@@ -454,6 +470,8 @@ DESC_SIGNATURES = 256
 def _frozen(v):
     """v as a hashable key: lists, tuples and dicts as tuples, unhashable others by repr."""
     if isinstance(v, (list, tuple)):
+        if all(type(x) is int for x in v):  # (a shape, strides: most of them)
+            return tuple(v)
         return tuple(map(_frozen, v))
     if isinstance(v, dict):
         return tuple(sorted((k, _frozen(x)) for k, x in v.items()))
@@ -462,6 +480,26 @@ def _frozen(v):
     except TypeError:
         return repr(v)
     return v
+
+
+# a descriptor type's fields but its base, and each launch metadata's key (_frozen), kept (a
+# compiled kernel's metadata lives as long as the kernel; held here, its id stays its own)
+_DESC_FIELDS: dict = {}
+_META_KEYS: dict = {}
+
+
+def _desc_key(make, desc, meta) -> tuple:
+    """_DESC_EXPANSIONS' key of descriptor desc expanded by make with metadata meta."""
+    names = _DESC_FIELDS.get(type(desc))
+    if names is None:
+        names = _DESC_FIELDS[type(desc)] = tuple(
+            f.name for f in dataclasses.fields(desc) if f.name != "base")
+    m = _META_KEYS.get(id(meta))
+    if m is None or m[0] is not meta:
+        if len(_META_KEYS) >= DESC_SIGNATURES:
+            _META_KEYS.clear()
+        m = _META_KEYS[id(meta)] = (meta, _frozen(meta))
+    return (make, type(desc), m[1], *(_frozen(getattr(desc, n)) for n in names))
 
 
 class _Direct:
@@ -543,9 +581,7 @@ class _Direct:
                 meta = metas[k] if k < len(metas) else None
                 k += 1
                 self.desc[i] = (a, meta)
-                key = (self.make, type(a), _frozen(meta), *(
-                    _frozen(getattr(a, f.name)) for f in dataclasses.fields(a) if f.name != "base"))
-                known = _DESC_EXPANSIONS.get(key)
+                known = _DESC_EXPANSIONS.get(key := _desc_key(self.make, a, meta))
                 if known is None:
                     if len(_DESC_EXPANSIONS) >= DESC_SIGNATURES:
                         _DESC_EXPANSIONS.clear()
@@ -1187,13 +1223,22 @@ class LaunchCache(Memo):
         a call with the same key was bound; NOT_PLAIN, with nothing run, where the arguments
         are not those of a plain eager call (unobserved's per-tensor half, asked here so that
         the caller, having asked unwatched(), need not loop over them twice)."""
-        out, kt = self.find((*args, *kwargs.values()), (name, tuple(kwargs)))
+        values = (*args, *kwargs.values())
+        if _recorder() is not None:
+            # inside a caller's recording (an entry point's bound call) nothing replays and
+            # nothing is recorded here: the op runs under that recording, unkeyed
+            flat = _flatten(values, [])
+            if not (plain_tensors(flat) and any(isinstance(a, torch.Tensor) for a in flat)):
+                return NOT_PLAIN
+            with set_wrap_triton_enabled(False):
+                return impl(*args, **kwargs)
+        out, kt = self.find(values, (name, tuple(kwargs)))
         if out is not None:
             return out
         if kt is None:
             return NOT_PLAIN
         key, tensors, _, light = kt
-        if self.known_unbound(key) or _recorder() is not None:
+        if self.known_unbound(key):
             with set_wrap_triton_enabled(False):
                 return impl(*args, **kwargs)
         return self.record(key, tensors, impl, args, kwargs, light=light)

@@ -159,3 +159,18 @@ def test_direct_needs_triton_36s_launcher(nvd, monkeypatch):
     assert launch._Direct.of(_Compiled(L), [_Desc(launch._Ptr(16), [1], [1], [1])],
                              [(0, True, ("in", 0, 0, None))], 1) is None
     assert "triton.backends.nvidia.driver" in sys.modules
+
+
+def test_constant_bundles_are_kept_by_value(monkeypatch):
+    # a launch's constant bundles (named tuples of constants) are tested once by value; a
+    # tuple holding a tensor or another object is never taken for one, before or after
+    import torch
+    monkeypatch.setattr(launch, "_CONSTANT_TUPLE_SET", set())
+    bundle = (1, 2.5, True, ("a", torch.float16, None))
+    assert launch._is_constant(bundle) and bundle in launch._CONSTANT_TUPLE_SET
+    assert launch._is_constant((1, 2.5, True, ("a", torch.float16, None)))
+    for other in ((1, torch.ones(1)), (1, (2, object())), (torch.ones(2), 2.5)):
+        assert not launch._is_constant(other) and not launch._is_constant(other)
+    assert len(launch._CONSTANT_TUPLE_SET) == 2  # (the bundle and the one inside it)
+    monkeypatch.setattr(launch, "CONSTANT_TUPLES", 1)
+    assert launch._is_constant((3,)) and launch._CONSTANT_TUPLE_SET == {(3,)}
