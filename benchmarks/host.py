@@ -28,7 +28,8 @@ shuffled pool when its last page fills (the page tables built ahead, DECODE_STEP
 turn), plan() then each layer's run() (a wall time too). The chunk_step (POD) and mixed_step
 (the paged wrapper, one batch) cases add to those decodes one prompt's chunked prefill, CHUNK
 rows a step whose keys grow by CHUNK a step: a step whose prefill changes every step, so that
-its first run() meets new sizes, as a serving engine's do.
+its first run() meets new sizes, as a serving engine's do; batch_pod_step (ours) serves the same
+step through BatchPOD, the chunk's request on its pages as the prefill part.
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -231,12 +232,15 @@ def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
     key count (CHUNK times the step's number) and the mixed batch's table: the chunk's request
     first (its pages after the decodes' pool, shuffled), then the decodes. A list of dicts
     (dec: the decodes' (indptr, indices, last_page_len); kv: the chunk's keys; mixed: the
-    batch's (qo_indptr, indptr, indices, last_page_len)), and the pages of both."""
+    batch's (qo_indptr, indptr, indices, last_page_len); batch: BatchPOD's plan() arrays, the
+    chunk's request as the prefill part's (qo_indptr, indptr, indices, last_page_len) then the
+    decodes' with their qo_indptr), and the pages of both."""
     tables, n_pages = _decode_tables(dev, requests, steps)
     g = torch.Generator().manual_seed(2)
     pre = (n_pages + torch.randperm(-(-CHUNK * steps // PAGE), generator=g)).tolist()
     qo = torch.tensor([0, CHUNK] + [CHUNK + i + 1 for i in range(requests)], dtype=torch.int32,
                       device=dev)
+    qo_d = torch.arange(requests + 1, dtype=torch.int32, device=dev)
     out = []
     for s, (kvi, idx, last) in enumerate(tables):
         kv = CHUNK * (s + 1)
@@ -244,17 +248,20 @@ def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
         mixed = (qo, torch.cat([kvi.new_zeros(1), kvi + own]),
                  torch.cat([torch.tensor(pre[:own], dtype=torch.int32, device=dev), idx]),
                  torch.cat([last.new_full((1,), (kv - 1) % PAGE + 1), last]))
-        out.append(dict(dec=(kvi, idx, last), kv=kv, mixed=mixed))
+        batch = (qo[:2], mixed[1][:2], mixed[2][:own], mixed[3][:1], qo_d, kvi, idx, last)
+        out.append(dict(dec=(kvi, idx, last), kv=kv, mixed=mixed, batch=batch))
     return out, n_pages + len(pre)
 
 
 def _chunk_steps(mod, dev, name, pod: bool = True, requests: int = DECODE_REQ,
-                 steps: int = DECODE_STEPS):
+                 steps: int = DECODE_STEPS, batch_pod: bool = False):
     """The chunk_step (POD: plan() on the decodes' table, then each layer's run() with the
     step's prefill chunk, its keys contiguous) and mixed_step (the same work as one batch of
     the paged wrapper: plan() with the chunk's request and the decodes, then each layer's run())
     cases' calls: a serving step whose prefill part changes every step, as a chunked prefill's
-    does, so that the step's first run() meets a call of new sizes."""
+    does, so that the step's first run() meets a call of new sizes. batch_pod: also
+    batch_pod_step (BatchPOD: plan() with the chunk's request as its prefill part, on its
+    pages, and the decodes, then each layer's run())."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     kw = {"backend": "fa2"} if name == "flashinfer" else {}
     steps, n_pages = _chunk_tables(dev, requests, steps)
@@ -283,6 +290,14 @@ def _chunk_steps(mod, dev, name, pod: bool = True, requests: int = DECODE_REQ,
             for t in layers:
                 dw.run(t["qp"], t["kp"][:kv], t["vp"][:kv], t["qd"], t["cache"], causal_p=True)
         calls["chunk_step"] = _turns(chunk, steps)
+    if batch_pod:
+        bw = mod.BatchPODWithPagedKVCacheWrapper(ws, "NHD")
+
+        def batch(st):
+            bw.plan(*st["batch"], HQ, HKV, D, PAGE, q_data_type=DT, kv_data_type=DT)
+            for t in layers:
+                bw.run(t["qp"], t["cache"], t["qd"], t["cache"], causal_p=True)
+        calls["batch_pod_step"] = _turns(batch, steps)
     return calls
 
 
@@ -327,8 +342,9 @@ def providers(args) -> dict:
     for case, fn in _steps(ca, x, dev, "compiled_attn").items():
         add(case, "compiled_attn", lambda fn=fn: fn)
     add("decode_step", "compiled_attn", lambda: _decode_step(ca, dev, "compiled_attn"))
-    chunked = functools.cache(lambda: _chunk_steps(ca, dev, "compiled_attn"))  # (one set)
-    for case in ("chunk_step", "mixed_step"):
+    chunked = functools.cache(lambda: _chunk_steps(ca, dev, "compiled_attn",
+                                                   batch_pod=True))  # (one set of layers)
+    for case in ("chunk_step", "mixed_step", "batch_pod_step"):
         add(case, "compiled_attn", lambda case=case: chunked()[case])
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
@@ -408,7 +424,7 @@ SLEEP = 1_500_000_000
 # provider alike)
 PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan",
                         "paged_step", "pod_step", "decode_step", "chunk_step",
-                        "mixed_step"})
+                        "mixed_step", "batch_pod_step"})
 
 
 def host_us(fn, calls: int, sleep: int = SLEEP) -> float:

@@ -57,7 +57,7 @@ from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_R
 from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
-from .prefill import _cache_pages, _split_v_scale, _WrapperBase
+from .prefill import _cache_pages, _split_v_scale, _WrapperBase, table_with_room
 from .utils import (_byte_offsets, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -74,6 +74,10 @@ _RETURN_DOC = """
 
 class _PODBase(_WrapperBase):
     """Plan options and the op call shared by both POD wrappers."""
+
+    # plan fields that run() reads for no launch of a plan that launches as the last one
+    # (_same_launches), each checked before a replay where it matters (_replayable)
+    _PLAN_ONLY: frozenset = frozenset()
 
     def _init_common(self, float_workspace_buffer, kv_layout):
         V.check_tensor("float_workspace_buffer", float_workspace_buffer)
@@ -128,11 +132,15 @@ class _PODBase(_WrapperBase):
         and its prefill parts are kept: a serving step's first run() after plan() then
         replays too."""
         self._plan = p
-        if old is not None and _same_launches(old, p):
+        if old is not None and self._launches_as(old, p):
             return
         self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values(),
                                   *(p.get("chunks_apart") or {}).values()])
         self._parts = {}
+
+    def _launches_as(self, old: dict, p: dict) -> bool:
+        """Whether run() launches for plan p as for the last plan old (_same_launches)."""
+        return _same_launches(old, p, self._PLAN_ONLY)
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
         """run() without scales or custom masks as a bound launch (op_call.bound_run):
@@ -311,22 +319,17 @@ def _merged(out_d, lse_d, merge, requests: int):
 _SIDE_STREAMS = threading.local()
 
 
-# POD plan fields that run() never reads for a launch: the largest page index, which run()
-# checks against the cache before any replay (PODWithPagedKVCacheWrapper._pages_fit)
-_PLAN_ONLY = frozenset({"max_page"})
-
-
-def _same_launches(a: dict, b: dict) -> bool:
+def _same_launches(a: dict, b: dict, plan_only: frozenset) -> bool:
     """Whether run() launches for POD plan b as for plan a, so that calls bound for a (and
     its prefill parts, whose work lists hold a's decode rows) serve b: every field but
-    _PLAN_ONLY's the same, tensors and chunk dicts as the same objects (their contents the
-    device's business), the decodes' host rows (part_rows_d) equal, other values equal and of
-    one type. The decodes' bytes must be equal: run()'s launch choices read them."""
+    plan_only's (the wrapper's _PLAN_ONLY) the same, tensors and chunk dicts as the same
+    objects (their contents the device's business), the decodes' host rows (part_rows_d)
+    equal, other values equal and of one type."""
     if a.keys() != b.keys():
         return False
     for k, x in a.items():
         y = b[k]
-        if x is y or k in _PLAN_ONLY:  # (most fields: a reused option, a kept tensor, None)
+        if x is y or k in plan_only:  # (most fields: a reused option, a kept tensor, None)
             continue
         if k == "part_rows_d":
             if len(x) != len(y) or not all(map(torch.equal, x, y)):
@@ -336,6 +339,28 @@ def _same_launches(a: dict, b: dict) -> bool:
                 or type(x) is not type(y) or x != y):
             return False
     return True
+
+
+def _into(old: dict) -> dict:
+    """to_device's ``into`` from the last plan ``old``: its tensors by name, each object once
+    (an alias, e.g. a work list that is also the decodes' own, is written under its first
+    name alone)."""
+    seen = set()
+    out = {}
+    for k, t in old.items():
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            out[k] = t
+    return out
+
+
+def _batch_choices(p: dict) -> tuple:
+    """A BatchPOD plan's eager launch choices under the policy now, for either prefill mask:
+    (side-by-side programs, apart) for causal False, then True."""
+    return tuple((_side(p, p["pairs_p"][c], p["decode_bytes"], p["window_left"], p["pos"]),
+                  _apart(p, p["pairs_p"][c], p["decode_bytes"], dense_prefill=False,
+                         captured=False, fused_rows=p["work"].shape[0]))
+                 for c in (False, True))
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -640,6 +665,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
     """One prefill request (contiguous k/v given at run) plus a planned batch of decode
     requests (one query row each) on a paged cache, in one launch."""
 
+    # the largest page index, checked against the cache before any replay (_pages_fit). The
+    # decodes' bytes stay compared: run()'s launch choices read them with the run's prefill.
+    _PLAN_ONLY = frozenset({"max_page"})
+
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False,
                  paged_kv_indptr_buffer: torch.Tensor | None = None,
@@ -737,12 +766,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # last plan is retired first: its tensors now hold this plan's values, so a plan()
         # that raised later would leave no plan rather than compute the old one on them.)
         old = None if self._use_cuda_graph else self._plan
-        into = None
         if old is not None:
             self._plan = None
-            into = {k: t for k, t in old.items()  # (an alias of work_d is written as work_d)
-                    if k != "work_d_apart" or t is not old["work_d"]}
-        p.update(to_device(host, self.device, non_blocking, into))
+        p.update(to_device(host, self.device, non_blocking, None if old is None else _into(old)))
         if p["work_d_apart"] is None:
             p["work_d_apart"] = p["work_d"]
         p.update(batch_size=b, max_page=max_page)
@@ -1054,6 +1080,19 @@ class PODWithPagedKVCacheWrapper(_PODBase):
 class BatchPODWithPagedKVCacheWrapper(_PODBase):
     """A paged prefill batch and a paged decode batch in one launch, both planned."""
 
+    # run()'s launch choices read the prefill's pairs and the decodes' bytes: a re-plan
+    # compares the choices themselves (_launches_as); the largest page indices and the packed
+    # mask's bytes are checked before any replay (_replayable)
+    _PLAN_ONLY = frozenset({"max_page_p", "max_page_d", "pairs_p", "decode_bytes",
+                            "mask_bits_p", "mask_bytes_p"})
+
+    def _launches_as(self, old: dict, p: dict) -> bool:
+        """_PODBase's, and the same eager launch choices for both plans under the policy now
+        (_batch_choices: the calls bound under an earlier policy version are never replayed
+        again, as their key holds the version)."""
+        return (_same_launches(old, p, self._PLAN_ONLY)
+                and _batch_choices(old) == _batch_choices(p))
+
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
         """float_workspace_buffer: a tensor of any shape (FlashInfer's: uint8 ``[bytes]``) on the
         device the wrapper runs on; kv_layout of both caches: "NHD" or "HND"."""
@@ -1074,6 +1113,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         last_page_len_d ``[B_x]`` (integer, CPU or GPU; read on the host). The options apply to
         both parts (as in FlashInfer); decode requests may have any number of rows."""
         p = self._plan_options(dict(locals()))
+        old = self._plan  # (the last plan, whose tensors a plan of the same shapes writes)
         arrays = {"p": (qo_indptr_p, kv_indptr_p, kv_indices_p, last_page_len_p),
                   "d": (qo_indptr_d, kv_indptr_d, kv_indices_d, last_page_len_d)}
         hosts = gather_host(*arrays["p"], *arrays["d"])
@@ -1097,6 +1137,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     True, page_size=page_size, qo_lens=qo_l, kv_dtype=p["kv_dtype"])
                 work_p = works[0] if p["block_m_p"] == p["block_m"] else build_work(
                     qo_l, p["group"], p["block_m_p"], "cpu", kv_lens=kv_l)
+            # (a table with room past the last plan's, so that growing requests keep its tensor)
+            idx_h = table_with_room(idx_h, None if old is None else
+                                    old[f"kv_indices_{x}"].numel(), len(kv_l), page_size)
             host.update({f"qo_indptr_{x}": qo_h, f"kv_indptr_{x}": ind_h,
                          f"kv_indices_{x}": idx_h, f"last_page_len_{x}": last_h})
             p.update({f"rows_{x}": qo_v[-1], f"max_page_{x}": max_page})
@@ -1111,7 +1154,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                 mask_bits = list(map(operator.mul, qo_l, kv_l))
                 host["mask_indptr_p"] = torch.tensor(_byte_offsets(mask_bits),
                                                      dtype=torch.int32)
-                p.update(mask_bits_p=mask_bits,
+                p.update(mask_bits_p=mask_bits, mask_bytes_p=int(host["mask_indptr_p"][-1]),
                          # query-key pairs without and with the causal mask (choose.pod_apart)
                          pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))
                                        for c in (False, True)))
@@ -1124,14 +1167,16 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         own_tiles = p["chunks"] is not None and work_p is not works[0]
         host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
                     cut_tiles_p=works[0] if own_tiles else None)
-        dev = to_device(host, self.device, non_blocking)
+        if old is not None:  # (retired: its tensors now take this plan's values, as POD's)
+            self._plan = None
+        dev = to_device(host, self.device, non_blocking, None if old is None else _into(old))
         tiles = dev.pop("cut_tiles_p")
         p.update(dev)
         p["work_cut"] = None if p["chunks"] is None else _pod_work(
             p["work_p"] if tiles is None else tiles, p["chunks"]["work"])
         p["tiles_p"] = works[0].shape[0]
         p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
-        self._set_plan(p)
+        self._set_plan(p, old)
 
     begin_forward = plan
 
@@ -1153,7 +1198,8 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         permission (we reduce in fp32).
         """
         if (custom_mask_p is None and q_scale is None and k_scale is None and v_scale is None
-                and not enable_pdl):
+                and not enable_pdl and (torch.compiler.is_compiling() or self._replayable(
+                    paged_kv_cache_p, paged_kv_cache_d, packed_custom_mask_p))):
             return self._bound(
                 (q_p, paged_kv_cache_p, q_d, paged_kv_cache_d, packed_custom_mask_p),
                 (causal_p, use_fp16_qk_reduction), return_lse, return_lse,
@@ -1217,6 +1263,22 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             cut=None if c is None else (c, c["work"] if apart else p["work_cut"]), side=side)
 
     run.__doc__ += _RETURN_DOC
+
+    def _replayable(self, cache_p, cache_d, packed_mask) -> bool:
+        """Whether a replay may stand in for this call as far as what its key does not hold
+        goes (a plan that launches as the last one keeps its bound calls): the plan's largest
+        page indices inside the caches and a packed mask of the plan's bytes, or nothing says
+        otherwise (no plan; an argument the full path will name as wrong). Else the full path
+        runs, and raises."""
+        p = self._plan
+        if p is None:
+            return True
+        for x, cache in (("p", cache_p), ("d", cache_d)):
+            pages, top = _cache_pages(cache), p[f"max_page_{x}"]
+            if pages is not None and top is not None and top[1] >= pages:
+                return False
+        return (not isinstance(packed_mask, torch.Tensor) or packed_mask.dim() != 1
+                or packed_mask.shape[0] == p["mask_bytes_p"])
 
     def _launch_apart(self, causal: bool, captured: bool | None = None) -> bool:
         """Whether an eager call with the plan's prefill runs the parts as two launches

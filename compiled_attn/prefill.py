@@ -405,6 +405,25 @@ def _same_launches(a: _Plan, b: _Plan) -> bool:
     return True
 
 
+def table_with_room(idx_h: torch.Tensor, have: int | None, b: int,
+                    page_size: int) -> torch.Tensor:
+    """A re-plan's page table idx_h ``[n]`` (host; b requests), padded with page 0 to the
+    length ``have`` of the last plan's table where that holds it, is not over twice as long,
+    and launches as a table of n entries (choose.page_table_capacity); else, once the table
+    outgrows it, to about n + n / 8: requests grow a page now and then, and a table of the
+    same length is written into the last one's tensor (to_device's into), keeping the calls
+    bound to it. The first plan's table (have None), and an empty one, are exact. The kernels
+    read only the requests' entries; the tail is a valid page for the traced checks of the
+    whole table."""
+    n = idx_h.numel()
+    if have is None or n == 0:
+        return idx_h
+    if not (n <= have <= 2 * n + 64
+            and page_table_capacity(n, have, page_size, b) == have):
+        have = page_table_capacity(n, n + max(n // 8, 64), page_size, b)
+    return idx_h if have == n else torch.cat([idx_h, idx_h.new_zeros(have - n)])
+
+
 def _cache_pages(paged_kv_cache) -> int | None:
     """The pages of a paged cache argument (a tensor or a (k, v) pair: dim 0 in either
     layout), or None for anything else (the full path names what is wrong)."""
@@ -998,22 +1017,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
         self._set_plan(p)
 
     def _table_with_room(self, idx_h: torch.Tensor, b: int, page_size: int) -> torch.Tensor:
-        """A re-plan's page table idx_h ``[n]`` (host), padded with page 0 to the length of the
-        current plan's table where that holds it, is not over twice as long, and launches as a
-        table of n entries (choose.page_table_capacity); else, once the table outgrows it, to
-        about n + n / 8: decode requests grow a page now and then, and a table of the same
-        length is written into the last one's tensor (_to_device), keeping the calls bound to
-        it. The first plan's table, and an empty one, are exact. The kernels read only the
-        requests' entries; the tail is a valid page for the traced checks of the whole table."""
+        """table_with_room of a re-plan's page table against the last plan's."""
         old = self._last_plan()
-        n = idx_h.numel()
-        if old is None or n == 0:
-            return idx_h
-        have = old.kv_indices.numel()
-        if not (n <= have <= 2 * n + 64
-                and page_table_capacity(n, have, page_size, b) == have):
-            have = page_table_capacity(n, n + max(n // 8, 64), page_size, b)
-        return idx_h if have == n else torch.cat([idx_h, idx_h.new_zeros(have - n)])
+        return table_with_room(idx_h, None if old is None else old.kv_indices.numel(), b,
+                               page_size)
 
     def _plan_chunks(self, p: _Plan, args: dict, qo_h, kv_h, last_h) -> dict:
         """Plan p's decode key chunks (_CHUNK_FIELDS; all None where the batch is not cut).

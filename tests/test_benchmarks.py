@@ -1109,6 +1109,11 @@ def test_host_suite_chunk_steps_grow_the_prefill_beside_the_decodes(monkeypatch)
         assert m_kvi.tolist() == [0] + (kvi + own).tolist()
         assert torch.equal(m_idx[own:], idx) and torch.equal(m_last[1:], last)
         assert (own - 1) * host.PAGE + int(m_last[0]) == st["kv"]
+        qo_p, kvi_p, idx_p, last_p, qo_d, *decodes = st["batch"]
+        assert qo_p.tolist() == [0, host.CHUNK] and kvi_p.tolist() == [0, own]
+        assert torch.equal(idx_p, m_idx[:own]) and torch.equal(last_p, m_last[:1])
+        assert qo_d.tolist() == list(range(6))
+        assert all(torch.equal(a, b) for a, b in zip(decodes, (kvi, idx, last), strict=True))
         pre = m_idx[:own].tolist()
         assert int(idx.max()) < min(pre) and max(pre) < n_pages and len(set(pre)) == own
         pool.update(pre)
@@ -1127,14 +1132,25 @@ def test_host_suite_chunk_steps_grow_the_prefill_beside_the_decodes(monkeypatch)
         def run(self, q, *a, **kw):
             log.append(("run", q, a[0].shape[0] if self.kind == "pod" else None))
 
+    class BatchPOD(Wrapper):
+        def plan(self, *a, **kw):
+            log.append(("plan", a[:8]))
+
+        def run(self, q, cache, qd, *a, **kw):
+            log.append(("run", q, None))
+            assert cache is a[0] and qd.shape[0] == 5
+
     class Mod:
         BatchPrefillWithPagedKVCacheWrapper = PODWithPagedKVCacheWrapper = Wrapper
+        BatchPODWithPagedKVCacheWrapper = BatchPOD
 
     for name, value in (("HQ", 2), ("HKV", 1), ("D", 4)):  # (small layers' tensors)
         monkeypatch.setattr(host, name, value)
-    calls = host._chunk_steps(Mod, "cpu", "flashinfer", requests=5, steps=40)
-    assert set(calls) == {"chunk_step", "mixed_step"}
-    for case, key in (("chunk_step", "dec"), ("mixed_step", "mixed")):
+    calls = host._chunk_steps(Mod, "cpu", "flashinfer", requests=5, steps=40, batch_pod=True)
+    assert set(calls) == {"chunk_step", "mixed_step", "batch_pod_step"}
+    assert "batch_pod_step" in host.PLAN_CASES
+    for case, key in (("chunk_step", "dec"), ("mixed_step", "mixed"),
+                      ("batch_pod_step", "batch")):
         for s in range(3):
             log.clear()
             calls[case]()

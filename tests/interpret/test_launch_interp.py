@@ -705,6 +705,90 @@ def test_a_pod_replan_of_the_same_shapes_keeps_its_bound_launches(launches):
         assert memo.hits == 0
 
 
+@pytest.mark.parametrize("launches", ["fused", "apart"])
+def test_a_batch_pod_replan_of_growing_requests_keeps_its_bound_launches(launches):
+    """BatchPOD in a serving step: a prefill chunk of the same rows whose keys grow and decodes
+    growing a key; once a page table has room (choose.page_table_capacity), re-plans of the
+    same shapes and launch choices write into the last plan's tensors and keep its bound
+    calls, computing a fresh wrapper's numbers; other launch choices (another policy) start
+    a new memo; a replay refuses a page past a cache and a packed mask of the last plan's
+    bytes."""
+    from unittest import mock
+
+    from compiled_attn import pod as pod_module, segment_packbits
+    page, total = 4, 40
+    g = torch.Generator().manual_seed(50)
+    order = torch.randperm(total, generator=g).to(torch.int32)
+    cache = rand(total, 2, page, HKV, D, seed=51, dtype=F32)
+    qp, qd = rand(9, HQ, D, seed=52, dtype=F32), rand(3, HQ, D, seed=53, dtype=F32)
+
+    def plan(w, kv_p, kv_d, idx=None):
+        pp, pd = [-(-n // page) for n in kv_p], [-(-n // page) for n in kv_d]
+        ind = order if idx is None else idx
+        last = [torch.tensor([(n - 1) % page + 1 for n in kv], dtype=torch.int32)
+                for kv in (kv_p, kv_d)]
+        w.plan(indptr([4, 5]), indptr(pp), ind[:sum(pp)], last[0], indptr([1, 1, 1]),
+               indptr(pd), ind[sum(pp):sum(pp) + sum(pd)], last[1], HQ, HKV, D, page,
+               q_data_type=F32)
+
+    def run(w, **kw):
+        return _flat(w.run(qp, cache, qd, cache, causal_p=True, return_lse=True, **kw))
+
+    with policy.override(**POD_LAUNCHES[launches]):
+        w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+        plan(w, [13, 16], [13, 7, 9])  # the first plan's tables are exact
+        run(w)
+        plan(w, [17, 20], [14, 9, 13])  # more pages: tables with room, a new memo
+        memo, tables = w._memo, (w._plan["kv_indices_p"], w._plan["kv_indices_d"])
+        assert tables[0].numel() > 10 and tables[1].numel() > 11
+        first = run(w)
+        assert memo.records == 1
+        plan(w, [21, 24], [16, 12, 17])  # more pages again, inside the room
+        assert w._memo is memo and (w._plan["kv_indices_p"], w._plan["kv_indices_d"]) == tables
+        before = launch.recordings()
+        got = run(w)
+        assert memo.records == 1 and memo.hits == 1 and launch.recordings() == before
+        fresh = fi.BatchPODWithPagedKVCacheWrapper(WS)
+        plan(fresh, [21, 24], [16, 12, 17])
+        with policy.override(bound_launches=False):
+            want = run(fresh)
+        for g_, w_ in zip(got, want, strict=True):
+            assert not g_.isnan().any() and torch.equal(g_, w_)
+        assert not torch.equal(got[0], first[0]) and not torch.equal(got[1], first[1])
+        # a packed mask of the last plan's bytes: no replay, the full path's error
+        bits = [4 * 21, 5 * 24]
+        mask = segment_packbits(torch.ones(sum(bits), dtype=torch.bool), indptr(bits),
+                                bitorder="little")[0]
+        run(w, packed_custom_mask_p=mask)
+        plan(w, [25, 24], [16, 12, 17])
+        assert w._memo is memo
+        with pytest.raises(ValueError, match="packed_custom_mask_p: has"):
+            run(w, packed_custom_mask_p=mask)
+        # a page index past the cache: no replay, the full path's error
+        bad = order.clone()
+        bad[3] = total
+        plan(w, [25, 24], [16, 12, 17], idx=bad)
+        assert w._memo is memo
+        with pytest.raises(ValueError, match="entry 3 is 40 but paged_kv_cache_p has only 40"):
+            run(w)
+        # launch choices that differ between the plans under the policy now: a new memo
+        with mock.patch.object(pod_module, "_batch_choices", lambda p: p["decode_bytes"]):
+            plan(w, [25, 24], [16, 12, 13])
+            assert w._memo is not memo
+    # under another policy the calls bound before do not replay (their key holds the policy's
+    # version): a recording, the fresh wrapper's numbers
+    with policy.override(**POD_LAUNCHES["apart" if launches == "fused" else "fused"]):
+        plan(w, [25, 24], [16, 12, 17])
+        before = launch.recordings()
+        got = run(w)
+        assert launch.recordings() == before + 1
+        plan(fresh, [25, 24], [16, 12, 17])
+        with policy.override(bound_launches=False):
+            want = run(fresh)
+        for g_, w_ in zip(got, want, strict=True):
+            assert not g_.isnan().any() and torch.equal(g_, w_)
+
+
 def test_a_growing_page_table_keeps_its_tensor_and_bound_calls():
     """Decode requests grow a page now and then: a re-plan whose page table outgrows the last
     one's allocates it with room (choose.page_table_capacity), and later plans within that
