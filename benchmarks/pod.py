@@ -35,7 +35,9 @@ Run on the GPU machine: ``python -m benchmarks.pod --out benchmarks/results/pod_
 The JSON is rewritten after every case, so a run stopped from outside keeps the cases it timed
 (the rest say "not reached"). On a cold machine the first case spends minutes compiling kernels
 (benchmarks/NOTES.md); each case prints where its time goes (plans, first calls, timing) as
-it goes; --only runs one case.
+it goes; --only runs one case. ``python -m benchmarks.pod --score <json> [-v]`` prints, on any
+machine, how many rows of a results file meet each POD target (TARGETS; -v: the rows missing
+each).
 """
 
 from __future__ import annotations
@@ -291,8 +293,13 @@ def skipped(case: PodCase, reason: str) -> list[dict]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, required=True, help="results JSON to write (a PNG "
-                    "plot is written beside it)")
+    ap.add_argument("--out", type=Path, help="results JSON to write (a PNG plot is written "
+                    "beside it); required unless --score")
+    ap.add_argument("--score", type=Path, default=None, metavar="JSON",
+                    help="print the POD targets met by a results file's rows (scoreboard), "
+                    "with -v the rows missing each, and run nothing")
+    ap.add_argument("-v", "--verbose", action="store_true", help="with --score: list the rows "
+                    "missing each target")
     ap.add_argument("--quick", action="store_true", help="six representative cases (one "
                     "device call) instead of the whole grid")
     ap.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer's providers "
@@ -626,7 +633,13 @@ def uncaptured(res: dict, providers) -> dict:
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.score is not None:
+        print(score_text(scoreboard(json.loads(args.score.read_text())["rows"]), args.verbose))
+        return None
+    if args.out is None:
+        ap.error("--out is required (or --score JSON)")
     settings = policy_settings(args.policy)
     from compiled_attn.ops.policy import override
 
@@ -703,6 +716,67 @@ def table(rows: list[dict]) -> str:
                      f"{f(r.get('pod_over_bound'))} "
                      f"{f(dec.get('decode_over_copy'), 8)}"
                      + ("" if r["status"] == "ok" else f"  {r.get('error', '')[:60]}"))
+    return "\n".join(lines)
+
+
+# The POD targets (over every case a results file holds): name -> what each row must meet
+TARGETS = {
+    "fi": "ours_pod eager at 1.0x FlashInfer's POD / BatchPOD or more (ratio_vs_fi_pod)",
+    "apart": "ours_pod at 1.05x our apart or more where the smaller part alone is at least a "
+             "tenth of the larger (ratio_vs_apart; eager and graph)",
+    "apart_floor": "ours_pod never under 0.98x our apart (ratio_vs_apart; eager and graph)",
+    "bound": "ours_pod at most max + 0.25 min of its parts alone (pod_over_bound; eager and "
+             "graph)",
+    "copy": "the decode part alone at 0.95 of the copy ceiling or more (ours_decode's "
+            "decode_over_copy; eager and graph)",
+}
+
+
+def scoreboard(rows: list[dict]) -> dict:
+    """The POD targets (TARGETS) over a pod results file's rows: {target: (rows meeting it,
+    rows it applies to, [(case, mode, value) of each row missing it])}. A row applies where
+    its case and mode hold the values the target reads (a failed or absent provider leaves it
+    out)."""
+    by = {(r["case"], r["mode"], r["provider"]): r for r in rows}
+    out = {name: [0, 0, []] for name in TARGETS}
+
+    def count(name, case, mode, value, ok):
+        out[name][1] += 1
+        if ok:
+            out[name][0] += 1
+        else:
+            out[name][2].append((case, mode, round(value, 3)))
+
+    for (case, mode, prov), r in by.items():
+        if prov != "ours_pod" or r.get("status") != "ok":
+            continue
+        fi = r.get("ratio_vs_fi_pod")
+        if mode == "eager" and isinstance(fi, (int, float)):
+            count("fi", case, mode, fi, fi >= 1.0)
+        apart = r.get("ratio_vs_apart")
+        pre, dec = by.get((case, mode, "ours_prefill")), by.get((case, mode, "ours_decode"))
+        if isinstance(apart, (int, float)):
+            count("apart_floor", case, mode, apart, apart >= 0.98)
+            parts = [x.get("median_us") for x in (pre, dec) if x and x.get("status") == "ok"]
+            if len(parts) == 2 and all(parts) and min(parts) >= 0.1 * max(parts):
+                count("apart", case, mode, apart, apart >= 1.05)
+        bound = r.get("pod_over_bound")
+        if isinstance(bound, (int, float)):
+            count("bound", case, mode, bound, bound <= 1.0)
+        copy = dec.get("decode_over_copy") if dec and dec.get("status") == "ok" else None
+        if isinstance(copy, (int, float)):
+            count("copy", case, mode, copy, copy >= 0.95)
+    return {name: tuple(v) for name, v in out.items()}
+
+
+def score_text(board: dict, verbose: bool = False) -> str:
+    """scoreboard's answer as lines: each target's rows met over rows applying, and with
+    verbose the rows missing it."""
+    lines = []
+    for name, (met, of, missed) in board.items():
+        lines.append(f"{name:12} {met:4d} / {of:<4d} {TARGETS[name]}")
+        if verbose:
+            lines += [f"    {case} [{mode}] {value}" for case, mode, value in missed]
     return "\n".join(lines)
 
 

@@ -1301,3 +1301,49 @@ def test_host_suite_decode_tables_grow_a_step_at_a_time():
                 assert new[:len(old)] == old and len(new) == len(old) + (n % host.PAGE == 0)
         prev = lens, idx, kvi.tolist()
     assert "decode_step" in host.PLAN_CASES
+
+
+def test_pod_scoreboard_counts_each_target_on_the_rows_it_applies_to(tmp_path, capsys):
+    """benchmarks.pod's scoreboard: a row counts toward a target only where its case and mode
+    hold what the target reads (FlashInfer's ratio eager only; the 1.05x target where the
+    smaller part alone is a tenth of the larger; a failed provider leaves its row out), and
+    --score prints the counts (with -v the rows missing each)."""
+    import json
+
+    from benchmarks import pod
+
+    def row(case, mode, prov, **kw):
+        return dict(case=case, mode=mode, provider=prov, status="ok", **kw)
+
+    rows = [
+        # a balanced case: every target applies; misses fi, apart, bound; meets the rest
+        row("a", "eager", "ours_pod", ratio_vs_fi_pod=0.9, ratio_vs_apart=1.02,
+            pod_over_bound=1.2),
+        row("a", "eager", "ours_prefill", median_us=100.0),
+        row("a", "eager", "ours_decode", median_us=50.0, decode_over_copy=0.96),
+        # graph: no FlashInfer ratio counted; a lopsided case (the 1.05x target left out)
+        row("a", "graph", "ours_pod", ratio_vs_fi_pod=2.0, ratio_vs_apart=0.97,
+            pod_over_bound=0.9),
+        row("a", "graph", "ours_prefill", median_us=100.0),
+        row("a", "graph", "ours_decode", median_us=5.0, decode_over_copy=0.5),
+        # a failed POD row counts nowhere; a failed decode row leaves copy and apart out
+        row("b", "eager", "ours_pod", ratio_vs_apart=1.5),
+        row("b", "eager", "ours_prefill", median_us=10.0),
+        dict(row("b", "eager", "ours_decode", decode_over_copy=0.99), status="failed"),
+        dict(row("c", "eager", "ours_pod", ratio_vs_fi_pod=3.0), status="failed"),
+    ]
+    board = pod.scoreboard(rows)
+    assert board == {
+        "fi": (0, 1, [("a", "eager", 0.9)]),
+        "apart": (0, 1, [("a", "eager", 1.02)]),
+        "apart_floor": (2, 3, [("a", "graph", 0.97)]),
+        "bound": (1, 2, [("a", "eager", 1.2)]),
+        "copy": (1, 2, [("a", "graph", 0.5)]),
+    }
+    path = tmp_path / "pod.json"
+    path.write_text(json.dumps({"rows": rows}))
+    pod.main(["--score", str(path), "-v"])
+    out = capsys.readouterr().out
+    assert "apart_floor     2 / 3" in out and "    a [graph] 0.97" in out
+    with pytest.raises(SystemExit):
+        pod.main([])  # (--out or --score)
