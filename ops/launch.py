@@ -581,7 +581,8 @@ class _Direct:
                 meta = metas[k] if k < len(metas) else None
                 k += 1
                 self.desc[i] = (a, meta)
-                known = _DESC_EXPANSIONS.get(key := _desc_key(self.make, a, meta))
+                key = _desc_key(self.make, a, meta)
+                known = _DESC_EXPANSIONS.get(key)
                 if known is None:
                     if len(_DESC_EXPANSIONS) >= DESC_SIGNATURES:
                         _DESC_EXPANSIONS.clear()
