@@ -57,7 +57,7 @@ from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_R
 from .ops.policy import version as policy_version
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
-from .prefill import _cache_pages, _split_v_scale, _WrapperBase, table_with_room
+from .prefill import _split_v_scale, _WrapperBase, pages_fit, same_launches, table_with_room
 from .utils import (_byte_offsets, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
 
@@ -76,7 +76,7 @@ class _PODBase(_WrapperBase):
     """Plan options and the op call shared by both POD wrappers."""
 
     # plan fields that run() reads for no launch of a plan that launches as the last one
-    # (_same_launches), each checked before a replay where it matters (_replayable)
+    # (_launches_as), each checked before a replay where it matters
     _PLAN_ONLY: frozenset = frozenset()
 
     def _init_common(self, float_workspace_buffer, kv_layout):
@@ -127,7 +127,7 @@ class _PODBase(_WrapperBase):
 
     def _set_plan(self, p: dict, old: dict | None = None) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity).
-        Where p launches as the plan ``old`` before it (_same_launches: its tensors written
+        Where p launches as the plan ``old`` before it (_launches_as: its tensors written
         anew, its other values but the largest page index equal), the launches bound for old
         and its prefill parts are kept: a serving step's first run() after plan() then
         replays too."""
@@ -139,8 +139,18 @@ class _PODBase(_WrapperBase):
         self._parts = {}
 
     def _launches_as(self, old: dict, p: dict) -> bool:
-        """Whether run() launches for plan p as for the last plan old (_same_launches)."""
-        return _same_launches(old, p, self._PLAN_ONLY)
+        """Whether run() launches for plan p as for the last plan old (prefill.same_launches,
+        outside the wrapper's _PLAN_ONLY)."""
+        return same_launches(old, p, self._PLAN_ONLY, _SAME_OBJECT)
+
+    def _to_device(self, host: dict, non_blocking: bool, old: dict | None) -> dict:
+        """to_device of a plan's host arrays, into the last plan ``old``'s tensors where shapes
+        match (_into). old is retired first: its tensors now take this plan's values, so a
+        plan() that raised later leaves no plan rather than compute the old one on them."""
+        if old is None:
+            return to_device(host, self.device, non_blocking)
+        self._plan = None
+        return to_device(host, self.device, non_blocking, _into(old))
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
         """run() without scales or custom masks as a bound launch (op_call.bound_run):
@@ -319,26 +329,10 @@ def _merged(out_d, lse_d, merge, requests: int):
 _SIDE_STREAMS = threading.local()
 
 
-def _same_launches(a: dict, b: dict, plan_only: frozenset) -> bool:
-    """Whether run() launches for POD plan b as for plan a, so that calls bound for a (and
-    its prefill parts, whose work lists hold a's decode rows) serve b: every field but
-    plan_only's (the wrapper's _PLAN_ONLY) the same, tensors and chunk dicts as the same
-    objects (their contents the device's business), the decodes' host rows (part_rows_d)
-    equal, other values equal and of one type."""
-    if a.keys() != b.keys():
-        return False
-    for k, x in a.items():
-        y = b[k]
-        if x is y or k in plan_only:  # (most fields: a reused option, a kept tensor, None)
-            continue
-        if k == "part_rows_d":
-            if len(x) != len(y) or not all(map(torch.equal, x, y)):
-                return False
-            continue
-        if (isinstance(x, (torch.Tensor, dict)) or isinstance(y, (torch.Tensor, dict))
-                or type(x) is not type(y) or x != y):
-            return False
-    return True
+# the POD plans' values that a re-plan must keep as the same objects to launch alike
+# (same_launches): tensors, the chunk dicts, and the decodes' host rows (part_rows_d: the same
+# tuple while the decodes' host lists are, _decode_lists)
+_SAME_OBJECT = (torch.Tensor, dict, tuple)
 
 
 def _into(old: dict) -> dict:
@@ -761,14 +755,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                      last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
         else:
             host.update(kv_indptr=ind_h, kv_indices=idx_h, last_page_len=last_h)
-        # (outside CUDA-graph mode, the arrays go into the last plan's tensors where shapes
-        # match, so that a re-plan of the same shapes keeps its bound launches: _set_plan. The
-        # last plan is retired first: its tensors now hold this plan's values, so a plan()
-        # that raised later would leave no plan rather than compute the old one on them.)
+        # (outside CUDA-graph mode, into the last plan's tensors where shapes match, so that a
+        # re-plan of the same shapes keeps its bound launches: _set_plan)
         old = None if self._use_cuda_graph else self._plan
-        if old is not None:
-            self._plan = None
-        p.update(to_device(host, self.device, non_blocking, None if old is None else _into(old)))
+        p.update(self._to_device(host, non_blocking, old))
         if p["work_d_apart"] is None:
             p["work_d_apart"] = p["work_d"]
         p.update(batch_size=b, max_page=max_page)
@@ -799,11 +789,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         return self._lists[1:]
 
     def _pages_fit(self, paged_kv_cache) -> bool:
-        """Whether the plan's largest decode page index is inside the cache, or nothing says
-        it is not (no plan, no page, a cache argument the full path will name as wrong): a
-        replay skips run()'s checks, and the key does not hold the plan's page indices."""
-        p, pages = self._plan, _cache_pages(paged_kv_cache)
-        return p is None or pages is None or p["max_page"] is None or p["max_page"][1] < pages
+        """Whether the plan's largest decode page index is inside the cache (pages_fit), or
+        there is no plan."""
+        return self._plan is None or pages_fit(self._plan["max_page"], paged_kv_cache)
 
     def _plan_graph_chunks(self, p: dict, qo_h, ind_h, last_h, kv_lens: list,
                            non_blocking: bool) -> None:
@@ -1090,8 +1078,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         """_PODBase's, and the same eager launch choices for both plans under the policy now
         (_batch_choices: the calls bound under an earlier policy version are never replayed
         again, as their key holds the version)."""
-        return (_same_launches(old, p, self._PLAN_ONLY)
-                and _batch_choices(old) == _batch_choices(p))
+        return (super()._launches_as(old, p) and _batch_choices(old) == _batch_choices(p))
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
         """float_workspace_buffer: a tensor of any shape (FlashInfer's: uint8 ``[bytes]``) on the
@@ -1167,9 +1154,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         own_tiles = p["chunks"] is not None and work_p is not works[0]
         host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
                     cut_tiles_p=works[0] if own_tiles else None)
-        if old is not None:  # (retired: its tensors now take this plan's values, as POD's)
-            self._plan = None
-        dev = to_device(host, self.device, non_blocking, None if old is None else _into(old))
+        dev = self._to_device(host, non_blocking, old)
         tiles = dev.pop("cut_tiles_p")
         p.update(dev)
         p["work_cut"] = None if p["chunks"] is None else _pod_work(
@@ -1273,12 +1258,9 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
         p = self._plan
         if p is None:
             return True
-        for x, cache in (("p", cache_p), ("d", cache_d)):
-            pages, top = _cache_pages(cache), p[f"max_page_{x}"]
-            if pages is not None and top is not None and top[1] >= pages:
-                return False
-        return (not isinstance(packed_mask, torch.Tensor) or packed_mask.dim() != 1
-                or packed_mask.shape[0] == p["mask_bytes_p"])
+        return (pages_fit(p["max_page_p"], cache_p) and pages_fit(p["max_page_d"], cache_d)
+                and (not isinstance(packed_mask, torch.Tensor) or packed_mask.dim() != 1
+                     or packed_mask.shape[0] == p["mask_bytes_p"]))
 
     def _launch_apart(self, causal: bool, captured: bool | None = None) -> bool:
         """Whether an eager call with the plan's prefill runs the parts as two launches

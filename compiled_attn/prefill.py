@@ -388,18 +388,19 @@ _CHUNK_FIELDS = ("chunk_qo_indptr", "chunk_kv_indptr", "chunk_last_page_len", "c
 _PLAN_ONLY = frozenset({"qo_lens", "kv_lens", "max_page"})
 
 
-def _same_launches(a: _Plan, b: _Plan) -> bool:
-    """Whether run() launches for plan b as for plan a, so that calls bound for a replay
-    for b: every field but _PLAN_ONLY's the same, tensors as the same objects (their
-    contents the device's business), other values equal and of one type."""
-    bd = b.__dict__
-    if a.__dict__.keys() != bd.keys():
+def same_launches(a: dict, b: dict, plan_only: frozenset,
+                  same_object: tuple = (torch.Tensor,)) -> bool:
+    """Whether run() launches for a plan of fields b as for one of fields a, so that calls
+    bound for a replay for b: every field but plan_only's the same, values of the
+    same_object types as the same objects (tensors: their contents the device's business),
+    other values equal and of one type."""
+    if a.keys() != b.keys():
         return False
-    for k, x in a.__dict__.items():
-        y = bd[k]
-        if x is y or k in _PLAN_ONLY:  # (most fields: a reused option, a kept tensor, None)
+    for k, x in a.items():
+        y = b[k]
+        if x is y or k in plan_only:  # (most fields: a reused option, a kept tensor, None)
             continue
-        if (isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor)
+        if (isinstance(x, same_object) or isinstance(y, same_object)
                 or type(x) is not type(y) or x != y):
             return False
     return True
@@ -430,6 +431,15 @@ def _cache_pages(paged_kv_cache) -> int | None:
     c = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) and paged_kv_cache \
         else paged_kv_cache
     return c.shape[0] if isinstance(c, torch.Tensor) and c.dim() else None
+
+
+def pages_fit(max_page: tuple[int, int] | None, paged_kv_cache) -> bool:
+    """Whether a plan's largest page index (V.max_entry's (position, value), None without
+    pages) is inside the cache argument, or nothing says it is not (a cache argument the full
+    path will name as wrong): a replay skips run()'s checks, and its key does not hold the
+    plan's page indices."""
+    pages = _cache_pages(paged_kv_cache)
+    return pages is None or max_page is None or max_page[1] < pages
 
 
 def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:
@@ -794,11 +804,11 @@ class _BatchPrefillBase(_WrapperBase):
 
     def _set_plan(self, p: _Plan) -> None:
         """Take plan p; run() replays launches bound for it (its tensors keyed by identity).
-        Where p launches as the plan before it (_same_launches: the same tensors, written
+        Where p launches as the plan before it (same_launches: the same tensors, written
         anew, and the same values but the lengths), the launches bound for that plan are
         kept: a serving step's first run() after plan() then replays too."""
         old, self._retired = self._last_plan(), None
-        if old is None or not _same_launches(old, p):
+        if old is None or not same_launches(old.__dict__, p.__dict__, _PLAN_ONLY):
             self._memo = LaunchCache(static=p.__dict__.values())
         self._plan = p
 
@@ -1124,10 +1134,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_BatchPrefillBase):
                          use_fp16_softmax=use_fp16_softmax, uses_spcompress=uses_spcompress)
 
     def _pages_fit(self, paged_kv_cache) -> bool:
-        """Whether the plan's largest page index is inside the cache, or nothing says it is
-        not (no plan, no page, a cache argument the full path will name as wrong)."""
-        p, pages = self._plan, _cache_pages(paged_kv_cache)
-        return p is None or pages is None or p.max_page is None or p.max_page[1] < pages
+        """Whether the plan's largest page index is inside the cache (pages_fit), or there is
+        no plan."""
+        return self._plan is None or pages_fit(self._plan.max_page, paged_kv_cache)
 
     def _run(self, q, paged_kv_cache, *args, q_scale=None, k_scale=None, v_scale=None, out=None,
              lse=None, return_lse=False, lse_base="log2", lse_layout="NH", enable_pdl=None,

@@ -467,6 +467,15 @@ _DESC_EXPANSIONS: dict = {}
 DESC_SIGNATURES = 256
 
 
+def _kept(cache: dict, key, value, cap: int):
+    """cache[key] = value, the cache emptied first where it holds cap entries (a bounded
+    memo); returns value."""
+    if len(cache) >= cap:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _frozen(v):
     """v as a hashable key: lists, tuples and dicts as tuples, unhashable others by repr."""
     if isinstance(v, (list, tuple)):
@@ -496,9 +505,7 @@ def _desc_key(make, desc, meta) -> tuple:
             f.name for f in dataclasses.fields(desc) if f.name != "base")
     m = _META_KEYS.get(id(meta))
     if m is None or m[0] is not meta:
-        if len(_META_KEYS) >= DESC_SIGNATURES:
-            _META_KEYS.clear()
-        m = _META_KEYS[id(meta)] = (meta, _frozen(meta))
+        m = _kept(_META_KEYS, id(meta), (meta, _frozen(meta)), DESC_SIGNATURES)
     return (make, type(desc), m[1], *(_frozen(getattr(desc, n)) for n in names))
 
 
@@ -584,10 +591,9 @@ class _Direct:
                 key = _desc_key(self.make, a, meta)
                 known = _DESC_EXPANSIONS.get(key)
                 if known is None:
-                    if len(_DESC_EXPANSIONS) >= DESC_SIGNATURES:
-                        _DESC_EXPANSIONS.clear()
                     e = list(self.make(a, meta))
-                    known = _DESC_EXPANSIONS[key] = (e[1:], {a.base.data_ptr(): e[0]})
+                    known = _kept(_DESC_EXPANSIONS, key, (e[1:], {a.base.data_ptr(): e[0]}),
+                                  DESC_SIGNATURES)
                 self.rest[i], self.cache[i] = known
                 fixed.extend((self._first(i, a.base.data_ptr()), *known[0]))
             else:
@@ -626,9 +632,7 @@ class _Direct:
                 raise RuntimeError(f"launch: descriptor {pos}'s expansion depends on its base "
                                    "beyond its first element; this Triton needs the portable "
                                    "replay")
-            if len(known) >= DESC_BASES:
-                known.clear()
-            first = known[ptr] = e[0]
+            first = _kept(known, ptr, e[0], DESC_BASES)
         return first
 
     def __call__(self, g, stream, compiled, ptrs: list):
