@@ -86,7 +86,7 @@ class Recorder:
 
     def __init__(self):
         self.launches: list = []   # (fn, grid, bound args (list), options (dict), compiled)
-        self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros", shape, dtype)
+        self.scratch: dict = {}    # data_ptr -> (kind "empty" / "zeros" / "reset", shape, dtype)
         self.held: list = []       # the scratch tensors, alive while the call is recorded
         self.problem: str | None = None
         self.stream = _stream_now()  # the call's stream (role 0)
@@ -247,7 +247,8 @@ def counter(device, resets: bool = False) -> torch.Tensor:
         t = torch.zeros(1, dtype=torch.int32, device=device)
     rec = _recorder()
     if rec is not None:
-        rec.scratch[t.data_ptr()] = ("zeros", (1,), torch.int32)
+        # (a counter its launch leaves 0: a replay passes its stream's own slot, _reset_ptr)
+        rec.scratch[t.data_ptr()] = ("reset" if resets else "zeros", (1,), torch.int32)
         if rec.side is not None and _stream_now() == rec.side[0]:
             rec.side_counters.add(t.data_ptr())
     return t
@@ -368,6 +369,14 @@ def _flatten(values, out: list) -> list:
     return out
 
 
+def _flat_values(values) -> list | None:
+    """A key's values with its tuple and list arguments (a (k, v) cache) flattened, or None
+    where one is empty (no key: the checks name it)."""
+    if any(isinstance(a, (tuple, list)) and not a for a in values):
+        return None
+    return _flatten(values, [])
+
+
 def _distinct(tensors: list) -> list:
     """tensors with each object once, in order (Dynamo's tensor guards refuse one passed
     twice; the key's aliasing pattern says where it was)."""
@@ -412,6 +421,7 @@ def _is_descriptor(a) -> bool:
 # one set lookup
 _CONSTANT_BASES = (bool, int, float, str, torch.dtype)
 _CONSTANT_TYPES = frozenset({*_CONSTANT_BASES, type(None)})
+_Tensor = torch.Tensor  # (the hot paths' exact-type test, one global lookup)
 
 
 # tuples found constant (the Gluon kernels' bundles: a launch passes the same few again), by
@@ -653,6 +663,24 @@ def _pool_ptr(device: torch.device, stream: int | None = None) -> int:
     return t.data_ptr() + 4 * i
 
 
+# A counter slot per (device index, stream) that replays of launches leaving their counter 0
+# (counter(resets=True)) share: one launch after another in the stream's order, each finding it
+# 0 (the invariant a captured graph's slot rests on, _GRAPH_POOLS). Its own tensor, never a
+# pool's: a pool hands its slots on to launches that leave them counted.
+_RESET_SLOTS: dict = {}
+
+
+def _reset_ptr(device: torch.device, stream: int) -> int:
+    """The address of stream ``stream``'s counter slot for launches that leave it 0 (made
+    zeroed on the current stream, whose work a second stream's launches wait for: two_streams'
+    fork)."""
+    slot = _RESET_SLOTS.get((device.index, stream))
+    if slot is None:  # (two threads at once: both keep the first one's)
+        t = torch.zeros(1, dtype=torch.int32, device=device)
+        slot = _RESET_SLOTS.setdefault((device.index, stream), (t, t.data_ptr()))
+    return slot[1]
+
+
 def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> list:
     """Bound.launch's pointers: the data_ptr() of a call's tensors (ptrs where the caller has
     them), then of its outputs, then its scratch's (tmps: their addresses), in order."""
@@ -808,8 +836,8 @@ class Bound:
         outs = [held[j] if j in held else proto.new_empty_strided(s, st)
                 for j, proto, s, st in self._alloc]
         if INTERPRET:
-            tmps = [torch.zeros(s, dtype=dt, device=dev) if kind == "zeros"
-                    else torch.empty(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
+            tmps = [torch.empty(s, dtype=dt, device=dev) if kind == "empty"
+                    else torch.zeros(s, dtype=dt, device=dev) for kind, s, dt in self.scratch]
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
         tmps, addrs = self.scratch_pointers(stream)  # (tmps alive until the launches queue)
@@ -848,7 +876,9 @@ class Bound:
         took on its second stream: two_streams), or a fresh tensor's)."""
         tmps, addrs = [], []
         for (kind, s, dt), role in zip(self.scratch, self._scratch_roles):
-            if kind == "zeros":
+            if kind == "reset":
+                addrs.append(_reset_ptr(self.device, side if role else stream))
+            elif kind == "zeros":
                 addrs.append(_pool_ptr(self.device, side if role else stream))
             else:
                 tmps.append(torch.empty(s, dtype=dt, device=self.device))
@@ -1024,22 +1054,14 @@ class Memo:
         version and programs_cap's value. (The aliasing pattern is added only where two
         tensors share a pointer: the two kinds of key differ in length.) pointers: the tensors'
         data_ptr(), in order (a replay patches them in: lookup). The light key is the key
-        without the tensors' strides, dtypes, devices and shapes but the first's
-        (replay_fast)."""
-        return self._key(values, extra, True)
-
-    def _key(self, values, extra, full: bool):
-        """eager_key's answer (full), or (light key, tensors, pointers, the tensors the guards
-        take) where every tensor is a plain torch.Tensor not requiring grad while grad is on
-        (not full: replay_fast's guards check the rest)."""
-        for a in values:  # a (k, v) cache: its tensors in line (once, before any work)
-            if isinstance(a, (tuple, list)):
-                if not a:
-                    return None
-                values = _flatten(values, [])
-                break
+        without the tensors' strides, dtypes, devices and shapes but the first's (replay_fast;
+        _light_key computes it alone, and must give the same tuple)."""
+        if any(isinstance(a, (tuple, list)) for a in values):
+            values = _flat_values(values)
+            if values is None:
+                return None
         sig = [Policy._version, extra, _TLS.cap]
-        light = sig.copy() if full else sig
+        light = sig.copy()
         tensors = []
         ptrs = []
         grad = torch.is_grad_enabled()
@@ -1050,52 +1072,84 @@ class Memo:
             if kind is torch.Tensor:
                 if grad and a.requires_grad:
                     return None
-                if full:
-                    if a.is_cuda:
-                        d, cuda = a.get_device(), True
-                    elif INTERPRET and a.device.type == "cpu":
-                        d = -1
-                    else:
-                        return None
+                if a.is_cuda:
+                    d, cuda = a.get_device(), True
+                elif INTERPRET and a.device.type == "cpu":
+                    d = -1
+                else:
+                    return None
                 p = a.data_ptr()
                 tensors.append(a)
                 ptrs.append(p)
                 if static and id(a) in static:
                     sig.append(id(a))
-                    if full:
-                        light.append(id(a))
-                elif full:
+                    light.append(id(a))
+                else:
                     off = a.storage_offset()
                     sig.append((a.shape, a.stride(), a.dtype, d, off, p & 15))
                     light.append(off << 4 | p & 15)
-                else:  # (the storage offset and the pointer's alignment as one number)
-                    sig.append(a.storage_offset() << 4 | p & 15)
             elif kind in _PLAIN_VALUES:  # most other arguments: options and flags (by type
                 sig.append((kind, a))  # too: True == 1 == 1.0, and the checks tell them apart)
-                if full:
-                    light.append((kind, a))
+                light.append((kind, a))
             elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
                 return None
             else:
                 sig.append(a)
-                if full:
-                    light.append(a)
+                light.append(a)
+        if not tensors:
+            return None
+        tail = []
+        if len(set(ptrs)) != len(ptrs):
+            tail.append(_alias_pattern(ptrs))
+        if cuda:  # (CUDA is initialized: a tensor is on it)
+            tail.append(torch._C._cuda_getDevice())
+        return tuple(sig + tail), tensors, ptrs, (*light, tensors[0].shape, *tail)
+
+    def _light_key(self, values, extra):
+        """(light key, tensors, pointers, the tensors the guards take) of a call whose tensors
+        are plain torch.Tensors not requiring grad while grad is on, else None: eager_key's
+        light key alone (replay_fast's guards check the rest), the same tuple for the same
+        call. The hot path of every replay: one pass, a tuple argument (a (k, v) cache)
+        flattened where it is met."""
+        sig = [Policy._version, extra, _TLS.cap]
+        tensors = []
+        ptrs = []
+        grad = torch.is_grad_enabled()
+        static = self._static
+        for a in values:
+            kind = type(a)
+            if kind is _Tensor:
+                if grad and a.requires_grad:
+                    return None
+                p = a.data_ptr()
+                tensors.append(a)
+                ptrs.append(p)
+                # (static: its identity; else the storage offset and the pointer's alignment
+                # as one number)
+                sig.append(id(a) if static and id(a) in static
+                           else a.storage_offset() << 4 | p & 15)
+            elif kind in _PLAIN_VALUES:
+                sig.append((kind, a))
+            elif isinstance(a, (tuple, list)):  # (rare: then from the start, flattened)
+                values = _flat_values(values)
+                return None if values is None else self._light_key(values, extra)
+            elif isinstance(a, torch.Tensor):
+                return None
+            else:
+                sig.append(a)
         if not tensors:
             return None
         # (the light key holds the first tensor's shape: the rows of a call's queries, which
         # differ call to call in a serving engine, then key apart instead of lining up
         # guards that fail in turn)
-        tail = [] if full else [tensors[0].shape]
+        sig.append(tensors[0].shape)
         guarded = tensors  # (the guards take each tensor object once)
         if len(set(ptrs)) != len(ptrs):
-            tail.append(_alias_pattern(ptrs))
-            if not full:
-                guarded = _distinct(tensors)
-        if cuda if full else tensors[0].is_cuda:  # (CUDA is initialized: a tensor is on it;
-            tail.append(torch._C._cuda_getDevice())  # the guards fix each tensor's device)
-        if not full:
-            return tuple(sig + tail), tensors, ptrs, guarded
-        return tuple(sig + tail), tensors, ptrs, (*light, tensors[0].shape, *tail)
+            sig.append(_alias_pattern(ptrs))
+            guarded = _distinct(tensors)
+        if tensors[0].is_cuda:  # (the guards fix each tensor's device)
+            sig.append(torch._C._cuda_getDevice())
+        return tuple(sig), tensors, ptrs, guarded
 
     def replay_fast(self, values, extra=()):
         """The replayed outputs of a call that matches a bound call by its light key and the
@@ -1105,7 +1159,7 @@ class Memo:
         five tensors in C++ in about a microsecond."""
         if not self._fast:
             return None
-        kt = self._key(values, extra, False)
+        kt = self._light_key(values, extra)
         if kt is None:
             return None
         try:

@@ -3,6 +3,7 @@ full path's bits for every entry point and kernel (the Gluon kernel with its hos
 persistent counter, the Triton kernel's K/V paths, split-KV with its merge, POD), and CUDA-graph
 capture after replays stays exact."""
 
+import contextlib
 import gc
 import os
 from unittest import mock
@@ -317,9 +318,10 @@ def test_pod_prefill_part_made_in_a_capture_is_not_kept():
         assert torch.equal(g, r) and torch.equal(c, r)
 
 
-def _big_call(kind, seed):
+def _big_call(kind, seed, fused=True):
     """(call, q) for a persistent Gluon launch of more work items than resident programs (the
-    counter hands out the rest): a paged prefill batch, or POD with a long prefill."""
+    counter hands out the rest): a paged prefill batch, or POD with a long prefill (fused: each
+    call under the policy's POD_FUSED, else under the caller's policy)."""
     d, page, qo, kv = 128, 16, [2048, 1500], [2048, 3000]
     cache, kvi, idx, last, _, _ = make_paged(kv, HKV, d, d, page, dtype=BF16, seed=seed)
     cache = cache.cuda()
@@ -337,7 +339,7 @@ def _big_call(kind, seed):
     qd = _rand(len(kv), HQ, d, seed=seed + 5)
 
     def call():  # one fused launch
-        with policy.override(**policy.POD_FUSED):
+        with policy.override(**policy.POD_FUSED) if fused else contextlib.nullcontext():
             return _flat(w.run(qp, kp, vp, qd, cache, causal_p=True, return_lse_p=True,
                                return_lse_d=True))
     return call, qp
@@ -378,3 +380,33 @@ def test_captured_persistent_launch_needs_no_zeroing(kind):
         pytest.skip("the profiler records no kernels in this process; replays checked above")
     kernels = [n for n in names if "spin" not in n]
     assert len(kernels) == 1 and "_gluon" in kernels[0], kernels
+
+
+@pytest.mark.parametrize("kind", ["paged", "pod"])
+def test_replays_reuse_their_streams_reset_counter(kind):
+    # eager replays of a persistent launch pass their stream's own counter slot
+    # (launch._reset_ptr) instead of a pool's: every launch leaves it 0, so replay after
+    # replay, on one stream and on a second one (its own slot), hands out every item again.
+    # (One policy scope for the whole test: a change of policy sends the next call through
+    # the full path.)
+    with policy.override(**policy.POD_FUSED):
+        call, q = _big_call(kind, seed=80, fused=False)
+        refs = [_big_call(kind, seed=80, fused=False) for _ in range(4)]  # (their plans first)
+        call()  # records
+        dev = torch.cuda.current_device()
+        main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        for n, (seed, (ref, ref_q)) in enumerate(zip((81, 82, 83, 84), refs)):
+            stream = side if n % 2 else main
+            q.copy_(_rand(*q.shape, seed=seed))
+            ref_q.copy_(q)
+            want = ref()  # a new wrapper's first call: the full path
+            stream.wait_stream(main)
+            recorded = launch.recordings()
+            with torch.cuda.stream(stream):
+                got = call()
+            assert launch.recordings() == recorded  # a replay
+            main.wait_stream(stream)
+            torch.cuda.synchronize()
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+            assert int(launch._RESET_SLOTS[dev, stream.cuda_stream][0]) == 0

@@ -250,6 +250,22 @@ def test_a_kv_tuple_keys_as_its_tensors_in_line():
     assert memo.eager_key((q, (k, k), None, 3), ("x",))[0] != flat[0]
 
 
+def test_the_light_key_alone_is_eager_keys_light_key():
+    """replay_fast's light key (Memo._light_key, the replay's hot path) is the tuple eager_key
+    gives for the same call, under which a recording keeps the call's guards: plain values,
+    static tensors, a (k, v) cache met mid-way, aliasing, views at an offset; a call with an
+    empty tuple or no tensor has neither."""
+    q, k, v = rand(5, HQ, D, seed=1), rand(7, HKV, D, seed=2), rand(7, HKV, D, seed=3)
+    table = torch.arange(4, dtype=torch.int32)
+    memo = launch.Memo(static=(table,))
+    for values in ((q, k, v, None, 3), (q, (k, v), None, 3.0, "NHD"), (q, [k, v], table, True),
+                   (q, (k, k), None), (q[1:], k, k[2:], table), (None, q, 2)):
+        full, light = memo.eager_key(values, ("x", 1)), memo._light_key(values, ("x", 1))
+        assert light[0] == full[3] and light[1] == full[1] and light[2] == full[2], values
+    for values in ((q, (), None), (None, 3)):
+        assert memo.eager_key(values, ()) is None and memo._light_key(values, ()) is None
+
+
 def test_option_types_are_part_of_the_key():
     """True == 1 == 1.0: a call whose option has the wrong type is not a replay of one with the
     right type (the replay skips the checks), so it raises as it does first."""
