@@ -6,7 +6,7 @@ and the same timing (calls queued behind a sleeping GPU, interleaved rounds, med
 
 - ``call``: the whole eager call (a bound launch replayed);
 - ``key``: the memo's key of the call's arguments (``Memo.eager_key``); ``light``: its
-  light key (``replay_fast``'s); ``find``: the lookup chain with its replay;
+  light key (``Memo._light_key``, replay_fast's); ``find``: the lookup chain with its replay;
 - ``lookup``: the key's lookup and the replay (outputs allocated, scratch, launches);
 - ``lookup+alloc``: the same with the outputs the caller drops (an LSE not asked for)
   allocated at each replay instead of written into the tensor the bound call keeps;
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
             continue
         m, b = seen["memo"], seen["bound"]
         timed[case, prov, "key"] = lambda m=m, s=seen: m.eager_key(s["values"], s["extra"])
-        timed[case, prov, "light"] = lambda m=m, s=seen: m._key(s["values"], s["extra"], False)
+        timed[case, prov, "light"] = lambda m=m, s=seen: m._light_key(s["values"], s["extra"])
         timed[case, prov, "find"] = lambda m=m, s=seen: m.find(s["values"], s["extra"])
         timed[case, prov, "lookup"] = lambda m=m, s=seen: m.lookup(s["key"], s["tensors"],
                                                                     s["ptrs"])
