@@ -1347,3 +1347,41 @@ def test_pod_scoreboard_counts_each_target_on_the_rows_it_applies_to(tmp_path, c
     assert "apart_floor     2 / 3" in out and "    a [graph] 0.97" in out
     with pytest.raises(SystemExit):
         pod.main([])  # (--out or --score)
+
+
+def test_swap_ab_swaps_a_base_trees_functions_in_and_out(tmp_path):
+    """dev.swap_ab's core: a base tree's function and method, compiled into the live module
+    (its globals), replace the working tree's and are put back; a method only the base has is
+    added, then removed; --patch rewrites the base text first; a name neither tree has raises."""
+    import torch
+
+    from compiled_attn.ops import launch
+    from dev import swap_ab
+
+    text = pathlib.Path(launch.__file__).read_text()
+    body = '    return device.type == "cuda" or (INTERPRET and device.type == "cpu")'
+    assert body in text and "    def known_unbound(self, key) -> bool:" in text
+    text = text.replace(body, '    return ("base", INTERPRET)').replace(
+        "    def known_unbound(self, key) -> bool:",
+        "    def only_in_base(self):\n        return 7\n\n    def known_unbound(self, key) -> bool:")
+    (tmp_path / "ops").mkdir()
+    (tmp_path / "ops" / "launch.py").write_text(text)
+    live = launch.kernel_device
+    cpu = torch.device("cpu")
+    swaps = [swap_ab.Swap("ops/launch.py:kernel_device", tmp_path, []),
+             swap_ab.Swap("ops/launch.py:Memo.only_in_base", tmp_path, [])]
+    try:
+        swap_ab.use(swaps, "base")
+        assert launch.kernel_device(cpu) == ("base", launch.INTERPRET)
+        assert launch.Memo().only_in_base() == 7
+    finally:
+        swap_ab.use(swaps, "new")
+    assert launch.kernel_device is live and not hasattr(launch.Memo, "only_in_base")
+    patched = swap_ab.Swap("ops/launch.py:kernel_device", tmp_path, [('"base"', '"patched"')])
+    try:
+        patched.use("base")
+        assert launch.kernel_device(cpu)[0] == "patched"
+    finally:
+        patched.use("new")
+    with pytest.raises(ValueError, match="neither tree"):
+        swap_ab.Swap("ops/launch.py:no_such_function", tmp_path, [])
