@@ -25,7 +25,6 @@ import importlib
 import json
 import statistics
 import textwrap
-import time
 from pathlib import Path
 
 # the repository's source folders -> their package (ops/ and fx_passes/ install under
@@ -109,20 +108,6 @@ def use(swaps: list[Swap], which: str) -> None:
         s.use(which)
 
 
-def _host_us(fn, calls: int) -> float:
-    """Host microseconds a call, calls queued behind a sleeping GPU (benchmarks.host's)."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda._sleep(4_000_000)
-    t0 = time.perf_counter_ns()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter_ns() - t0) / calls / 1e3
-    torch.cuda.synchronize()
-    return us
-
-
 def _cases(names: list[str]) -> dict:
     """The host suite's eager run() calls of compiled_attn by name."""
     import torch
@@ -154,6 +139,8 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None, help="JSON of every round's figures")
     args = ap.parse_args(argv)
+    from benchmarks.host import host_us  # (calls queued behind a sleeping GPU)
+
     patches = [tuple(p.split("=>", 1)) for p in args.patch]
     swaps = [Swap(s, args.base, patches) for s in args.swap]
     cases = _cases(args.cases.split(","))
@@ -165,7 +152,7 @@ def main(argv=None):
         for which in (("base", "new") if r % 2 == 0 else ("new", "base")):
             use(swaps, which)
             for name, fn in cases.items():
-                res.setdefault(name, {}).setdefault(which, []).append(_host_us(fn, args.calls))
+                res.setdefault(name, {}).setdefault(which, []).append(host_us(fn, args.calls))
     use(swaps, "new")
     print(f"{'case':24} {'base us':>9} {'new us':>9}  new/base")
     for name, v in res.items():

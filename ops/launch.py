@@ -1054,20 +1054,20 @@ class Memo:
         version and programs_cap's value. (The aliasing pattern is added only where two
         tensors share a pointer: the two kinds of key differ in length.) pointers: the tensors'
         data_ptr(), in order (a replay patches them in: lookup). The light key is the key
-        without the tensors' strides, dtypes, devices and shapes but the first's (replay_fast;
-        _light_key computes it alone, and must give the same tuple)."""
+        without the tensors' strides, dtypes, devices and shapes but the first's (_light_key's;
+        None without Dynamo's tensor guards, which are all it is kept for: replay_fast)."""
+        flat = values
         if any(isinstance(a, (tuple, list)) for a in values):
-            values = _flat_values(values)
-            if values is None:
+            flat = _flat_values(values)
+            if flat is None:
                 return None
         sig = [Policy._version, extra, _TLS.cap]
-        light = sig.copy()
         tensors = []
         ptrs = []
         grad = torch.is_grad_enabled()
         static = self._static
         cuda = False
-        for a in values:
+        for a in flat:
             kind = type(a)
             if kind is torch.Tensor:
                 if grad and a.requires_grad:
@@ -1081,36 +1081,31 @@ class Memo:
                 p = a.data_ptr()
                 tensors.append(a)
                 ptrs.append(p)
-                if static and id(a) in static:
-                    sig.append(id(a))
-                    light.append(id(a))
-                else:
-                    off = a.storage_offset()
-                    sig.append((a.shape, a.stride(), a.dtype, d, off, p & 15))
-                    light.append(off << 4 | p & 15)
+                sig.append(id(a) if static and id(a) in static
+                           else (a.shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
             elif kind in _PLAIN_VALUES:  # most other arguments: options and flags (by type
                 sig.append((kind, a))  # too: True == 1 == 1.0, and the checks tell them apart)
-                light.append((kind, a))
             elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
                 return None
             else:
                 sig.append(a)
-                light.append(a)
         if not tensors:
             return None
-        tail = []
         if len(set(ptrs)) != len(ptrs):
-            tail.append(_alias_pattern(ptrs))
+            sig.append(_alias_pattern(ptrs))
         if cuda:  # (CUDA is initialized: a tensor is on it)
-            tail.append(torch._C._cuda_getDevice())
-        return tuple(sig + tail), tensors, ptrs, (*light, tensors[0].shape, *tail)
+            sig.append(torch._C._cuda_getDevice())
+        # (the light key only where guards are kept: computed on the way to a lookup or a
+        # recording, never on a replay's hot path)
+        light = None if _TensorGuards is None else self._light_key(values, extra)[0]
+        return tuple(sig), tensors, ptrs, light
 
     def _light_key(self, values, extra):
         """(light key, tensors, pointers, the tensors the guards take) of a call whose tensors
-        are plain torch.Tensors not requiring grad while grad is on, else None: eager_key's
-        light key alone (replay_fast's guards check the rest), the same tuple for the same
-        call. The hot path of every replay: one pass, a tuple argument (a (k, v) cache)
-        flattened where it is met."""
+        are plain torch.Tensors not requiring grad while grad is on, else None: the key
+        without what replay_fast's guards check (eager_key gives it for the guards it keeps).
+        The hot path of every replay: one pass, a tuple argument (a (k, v) cache) flattened
+        where it is met."""
         sig = [Policy._version, extra, _TLS.cap]
         tensors = []
         ptrs = []

@@ -1361,9 +1361,9 @@ def test_swap_ab_swaps_a_base_trees_functions_in_and_out(tmp_path):
     text = pathlib.Path(launch.__file__).read_text()
     body = '    return device.type == "cuda" or (INTERPRET and device.type == "cpu")'
     assert body in text and "    def known_unbound(self, key) -> bool:" in text
+    anchor = "    def known_unbound(self, key) -> bool:"
     text = text.replace(body, '    return ("base", INTERPRET)').replace(
-        "    def known_unbound(self, key) -> bool:",
-        "    def only_in_base(self):\n        return 7\n\n    def known_unbound(self, key) -> bool:")
+        anchor, "    def only_in_base(self):\n        return 7\n\n" + anchor)
     (tmp_path / "ops").mkdir()
     (tmp_path / "ops" / "launch.py").write_text(text)
     live = launch.kernel_device
