@@ -55,6 +55,7 @@ from .ops.launch import (Memo, adopt_scratch, plain_tensors, programs_cap, two_s
                           untraced)
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
 from .ops.policy import version as policy_version
+from .ops.tiles import one_page_size
 from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
                            uniform_work)
 from .prefill import _split_v_scale, _WrapperBase, pages_fit, same_launches, table_with_room
@@ -78,6 +79,9 @@ class _PODBase(_WrapperBase):
     # plan fields that run() reads for no launch of a plan that launches as the last one
     # (_launches_as), each checked before a replay where it matters
     _PLAN_ONLY: frozenset = frozenset()
+    # run()'s bound calls' free sizes (launch.Memo's free): the tensors whose first dimension
+    # a bound call may replay at any size
+    _FREE: tuple = ()
 
     def _init_common(self, float_workspace_buffer, kv_layout):
         V.check_tensor("float_workspace_buffer", float_workspace_buffer)
@@ -132,10 +136,11 @@ class _PODBase(_WrapperBase):
         and its prefill parts are kept: a serving step's first run() after plan() then
         replays too."""
         self._plan = p
+        self._classes = {}  # (run()'s launch classes read the plan: _launch_class)
         if old is not None and self._launches_as(old, p):
             return
         self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values(),
-                                  *(p.get("chunks_apart") or {}).values()])
+                                  *(p.get("chunks_apart") or {}).values()], free=self._FREE)
         self._parts = {}
 
     def _launches_as(self, old: dict, p: dict) -> bool:
@@ -619,14 +624,16 @@ def _host_part(p: dict, qo_len: int, kv_len: int, mask_bytes: int | None,
     # stream, the step's earlier layers; from pageable memory the copy has read the array
     # when it returns)
     flat = torch.cat([h[:n], *(x for d in decodes for x in (pre, d))])
-    views = flat.to(device, non_blocking=True).split(
+    flat = flat.to(device, non_blocking=True)
+    views = flat.split(
         [2, 2, has_kv, 1, n - 5 - has_kv, *(pre.numel() + d.numel() for d in decodes)])
     qo, kv, idx, last, mask = views[:5]
     if not has_kv:  # (its own: an empty view would share the next one's pointer)
         idx = torch.empty(0, dtype=torch.int32, device=device)
     work = [v.view(-1, 3) for v in views[5:]]
     return dict(table=(qo, kv, idx, last), mask_indptr=mask if mask_bytes is not None else None,
-                work=work[0], work_cut=work[1] if c is not None else None)
+                work=work[0], work_cut=work[1] if c is not None else None,
+                flat=flat)
 
 
 def _part_rows(work: torch.Tensor) -> tuple:
@@ -661,7 +668,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
 
     # the largest page index, checked against the cache before any replay (_pages_fit). The
     # decodes' bytes stay compared: run()'s launch choices read them with the run's prefill.
-    _PLAN_ONLY = frozenset({"max_page"})
+    # (the decodes' bytes: run()'s choices read them, and its bound calls key the choices,
+    # _launch_class)
+    _PLAN_ONLY = frozenset({"max_page", "decode_bytes"})
+    _FREE = (1, 2)  # k_p, v_p: a chunked prefill's keys grow every step
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False,
@@ -754,6 +764,11 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             p.update(kv_indptr=self._bufs["paged_kv_indptr_buffer"], kv_indices=nb,
                      last_page_len=self._bufs["paged_kv_last_page_len_buffer"])
         else:
+            # (a table with room past the last plan's, so that growing requests keep its
+            # tensor)
+            old = self._plan
+            idx_h = table_with_room(idx_h, None if old is None else old["kv_indices"].numel(),
+                                    b, page_size)
             host.update(kv_indptr=ind_h, kv_indices=idx_h, last_page_len=last_h)
         # (outside CUDA-graph mode, into the last plan's tensors where shapes match, so that a
         # re-plan of the same shapes keeps its bound launches: _set_plan)
@@ -870,11 +885,17 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # where it fails)
         if (not args and custom_mask_p is None and custom_mask_d is None
                 and packed_custom_mask_d is None and q_scale is None and k_scale is None
-                and v_scale is None and not enable_pdl
-                and (torch.compiler.is_compiling() or self._pages_fit(paged_kv_cache_d))):
+                and v_scale is None and not enable_pdl and not torch.compiler.is_compiling()
+                and self._pages_fit(paged_kv_cache_d)):
+            # (the part an input and the launch class an option: a bound call then replays
+            # for any key count of its class, Memo's free sizes)
+            pc = self._bound_part(q_p, k_p, v_p, packed_custom_mask_p, opts)
+        else:
+            pc = None
+        if pc is not None:
             return self._bound(
-                (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p), opts,
-                return_lse_p, return_lse_d,
+                (q_p, k_p, v_p, q_d, paged_kv_cache_d, packed_custom_mask_p, pc[0]),
+                opts + (pc[1],), return_lse_p, return_lse_d,
                 lambda: self._run(q_p, k_p, v_p, q_d, paged_kv_cache_d, opts,
                                   packed_custom_mask_p=packed_custom_mask_p, return_lse_p=True,
                                   return_lse_d=True))
@@ -1019,6 +1040,65 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         return _side(self._plan, _pairs(qo_len, kv_len, causal), self._plan["decode_bytes"],
                      window_d, pos, dense_prefill=True)
 
+    def _eager_part(self, qo_len: int, kv_len: int, mask_bytes: int | None) -> dict:
+        """_prefill_part's dict for an eager call (not captured), made once per (qo_len,
+        kv_len, mask bytes) and kept, at most 64 (an engine's many lengths: then they start
+        over; a bound call takes its part as an input, so none holds them)."""
+        key = (qo_len, kv_len, mask_bytes)
+        part = self._parts.get(key)
+        if part is None:
+            if len(self._parts) >= 64:
+                self._parts.clear()
+            part = self._parts[key] = _host_part(self._plan, qo_len, kv_len, mask_bytes,
+                                                 self.device)
+        return part
+
+    def _launch_class(self, qo_len: int, kv_len: int, opts: tuple):
+        """What a bound run() call's key holds of its prefill's key count (launch.Memo's
+        free sizes leave k_p / v_p's out): the launch choices that read it (side by side,
+        apart: _launch_side, _launch_apart, by the plan's decode bytes and the policy), the
+        one-page size constexpr where the fused launch gathers pages (tiles.one_page_size),
+        and whether there are keys. Kept per (sizes, options, policy version) until the next
+        plan(); None where the options do not parse (the full path raises)."""
+        key = (qo_len, kv_len, opts[0], opts[2], opts[11], policy_version())
+        cls = self._classes.get(key)
+        if cls is None:
+            p = self._plan
+            try:
+                pos = V.check_pos_encoding_mode(opts[2], "pos_encoding_mode_p")
+                window_d = (p["window_left"] if opts[11] is None
+                            else V.check_window_left(opts[11], "window_left_d"))
+                causal = bool(opts[0])
+                cls = (self._launch_side(qo_len, kv_len, causal, window_d, pos),
+                       self._launch_apart(qo_len, kv_len, causal, captured=False),
+                       one_page_size(kv_len) if p["fused_gathers"] else 0, kv_len > 0)
+            except Exception:  # noqa: BLE001  (the full path names what is wrong)
+                return None
+            self._classes[key] = cls
+        return cls
+
+    def _bound_part(self, q_p, k_p, v_p, packed_mask, opts: tuple):
+        """(the prefill part's flat tensor, the launch class) that a bound run() call passes
+        beside its tensors (its part an input: the key holds no key count), or None where the
+        call takes the full path (no plan; not the plain tensors of an NHD call whose k_p and
+        v_p have one key count; a capture, where no part is made)."""
+        if (self._plan is None or type(q_p) is not torch.Tensor
+                or type(k_p) is not torch.Tensor or type(v_p) is not torch.Tensor
+                or q_p.dim() != 3 or k_p.dim() != 3 or v_p.shape != k_p.shape
+                or opts[1] != "NHD"):
+            return None
+        qo_len, kv_len = q_p.shape[0], k_p.shape[0]
+        mask_bytes = None
+        if packed_mask is not None:
+            mask_bytes = (qo_len * kv_len + 7) // 8
+        part = self._parts.get((qo_len, kv_len, mask_bytes))
+        if part is None:
+            if self._capturing():
+                return None
+            part = self._eager_part(qo_len, kv_len, mask_bytes)
+        cls = self._launch_class(qo_len, kv_len, opts)
+        return None if cls is None else (part["flat"], cls)
+
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
         and kept: plain numbers decide them, and run() then launches no copy for them (the
@@ -1029,15 +1109,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         graph holds its own, made by device ops; the dict would be a guard), as is a
         capture's."""
         capturing = not traced and self._capturing()
-        key = (qo_len, kv_len, mask_bytes)
-        part = None if traced else self._parts.get(key)
+        part = None if traced else self._parts.get((qo_len, kv_len, mask_bytes))
         if part is None and not (traced or capturing):
-            if len(self._parts) >= 64:  # an engine's many lengths: start over
-                self._set_plan(self._plan)
-            part = self._parts[key] = _host_part(self._plan, qo_len, kv_len, mask_bytes,
-                                                 self.device)
-            self._memo.add_static((*part["table"], part["mask_indptr"], part["work"],
-                                   part["work_cut"]))
+            part = self._eager_part(qo_len, kv_len, mask_bytes)
         elif part is None:
             p, dev = self._plan, self.device
             i2 = torch.arange(2, dtype=torch.int32, device=dev)

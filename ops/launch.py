@@ -552,7 +552,7 @@ class _Direct:
         return known
 
     @staticmethod
-    def of(compiled, template: list, patches: list, slots: int):
+    def of(compiled, template: list, patches: list, slots: int, rows: dict | None = None):
         try:
             from triton.backends.nvidia import driver as nvd
 
@@ -568,22 +568,26 @@ class _Direct:
             launch = L.launch
             code = getattr(launch, "__code__", None)
             if code is None:  # no descriptor argument: the C launcher itself
-                return _Direct(L, launch, set(), [], nvd, template, patches, slots)
+                return _Direct(L, launch, set(), [], nvd, template, patches, slots, rows)
             cells = dict(zip(code.co_freevars, (c.cell_contents for c in launch.__closure__)))
             if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
                 return None
             if not all(_is_descriptor(template[i]) for i in cells["tensordesc_indices"]):
                 return None
             return _Direct(L, cells["launcher"], set(cells["tensordesc_indices"]),
-                           list(cells["tensordesc_meta"]), nvd, template, patches, slots)
+                           list(cells["tensordesc_meta"]), nvd, template, patches, slots, rows)
         except Exception:  # noqa: BLE001  (another Triton: the portable replay)
             return None
 
     def __init__(self, L, launcher, td: set, metas: list, nvd, template: list, patches: list,
-                 slots: int):
+                 slots: int, rows: dict | None = None):
         """template: the launch's arguments (patched positions hold a descriptor over the
         recorded base, or None); patches: Bound's (position, descriptor?, source) of the
-        launch; slots: the length of the pointer list a replay passes (Bound.launch)."""
+        launch; slots: the length of the pointer list a replay passes (Bound.launch); rows:
+        descriptor position -> the index in that list of its first dimension's size (a free
+        size: Memo's free), for descriptors whose rows a replay gives (their whole expansion
+        then kept by (base, rows), DESC_BASES of them)."""
+        rows = rows or {}
         self.launcher, self.coop, self.pdl = launcher, L.launch_cooperative_grid, L.launch_pdl
         self.make = nvd.make_tensordesc_arg
         self.desc = {}      # descriptor position -> (its recorded descriptor, metadata)
@@ -611,9 +615,19 @@ class _Direct:
         # the gather's source: fixed + the call's pointers + shifted pointers + descriptors
         self.shifted = []   # (pointer index, byte offset)
         self.descs = []     # (descriptor position, pointer index, byte offset)
+        self.sized = []     # (descriptor position, pointer index, byte offset, rows index)
+        self.by_rows = {}   # descriptor position -> {(base pointer, rows): its expansion}
         into = {}           # expanded position -> (part, index in it)
+        width = 0           # the sized descriptors' expansions, one after another
         for pos, desc, (kind, j, delta, _g) in patches:
-            if desc and kind == "static":  # a base fixed while the memo holds it
+            if desc and pos in rows:
+                n = 1 + len(self.rest[pos])
+                for e in range(n):
+                    into[at[pos] + e] = ("sized", width + e)
+                width += n
+                self.sized.append((pos, j, delta, rows[pos]))
+                self.by_rows[pos] = {}
+            elif desc and kind == "static":  # a base fixed while the memo holds it
                 fixed[at[pos]] = self._first(pos, j + delta)
             elif desc:
                 into[at[pos]] = ("desc", len(self.descs))
@@ -625,6 +639,7 @@ class _Direct:
                 into[at[pos]] = ("ptr", j)
         base = {"ptr": len(fixed), "shift": len(fixed) + slots,
                 "desc": len(fixed) + slots + len(self.shifted)}
+        base["sized"] = base["desc"] + len(self.descs)
         order = [base[into[e][0]] + into[e][1] if e in into else e for e in range(len(fixed))]
         self.fixed = fixed
         self.gather = (operator.itemgetter(*order) if len(order) > 1
@@ -645,6 +660,18 @@ class _Direct:
             first = _kept(known, ptr, e[0], DESC_BASES)
         return first
 
+    def _expanded(self, pos: int, ptr: int, rows: int) -> list:
+        """Position pos's descriptor expanded over base ptr with ``rows`` rows (its first
+        dimension; kept by both, DESC_BASES of them)."""
+        known = self.by_rows[pos]
+        e = known.get((ptr, rows))
+        if e is None:
+            desc, meta = self.desc[pos]
+            d = _rebased(desc, ptr)
+            d.shape = type(desc.shape)([rows, *desc.shape[1:]])
+            e = _kept(known, (ptr, rows), list(self.make(d, meta)), DESC_BASES)
+        return e
+
     def __call__(self, g, stream, compiled, ptrs: list):
         src = self.fixed + ptrs
         for f, delta in self.shifted:
@@ -653,6 +680,8 @@ class _Direct:
             ptr = ptrs[f] + delta
             first = self.cache[pos].get(ptr)
             src.append(first if first is not None else self._first(pos, ptr))
+        for pos, f, delta, r in self.sized:
+            src.extend(self._expanded(pos, ptrs[f] + delta, ptrs[r]))
         self.launcher(g[0], g[1], g[2], stream, compiled.function, self.coop, self.pdl, None,
                       None, compiled.packed_metadata, None, None, None, *self.gather(src))
 
@@ -714,9 +743,17 @@ class Bound:
     tensor the caller keeps alive and unchanged (a plan's); with the view geometry (size,
     stride, dtype) the interpreter's replay rebuilds."""
 
-    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=None, discard=()):
+    def __init__(self, rec: Recorder, tensors: list, outputs: tuple, static=None, discard=(),
+                 free=()):
         if rec.problem:
             raise _Unbindable(rec.problem)
+        # free: the positions of the call's tensors whose first dimension is a free size (Memo's
+        # free); sizes: theirs in this call. A replay passes the call's sizes after its
+        # pointers; a descriptor over such a tensor is expanded with them (_Direct's rows). The
+        # bound call is ``generic`` (replays any sizes) once Memo.record found a recording at
+        # other sizes the same but for them (same_but_sizes).
+        self.sizes = [tensors[i].shape[0] for i in free]
+        self.generic = False
         self._ptrs = [t.data_ptr() for t in tensors]
         self._spans = None  # (each tensor's span, made where a pointer is none of theirs)
         self._tensors = tensors  # (recording only; dropped below)
@@ -762,9 +799,10 @@ class Bound:
         for at, waiter, on in rec.waits:
             self._waits.setdefault(at, []).append((waiter, on))
         self._scratch_roles = [int(p in rec.side_counters) for p in rec.scratch]
-        # a source's first index in the pointers a replay passes (pointers())
+        # a source's first index in the pointers a replay passes (pointers(), then the sizes)
         self._first_out = len(tensors)
-        slots = len(tensors) + len(self.outputs) + len(self.scratch)
+        slots = len(tensors) + len(self.outputs) + len(self.scratch) + len(free)
+        size_at = {i: slots - len(free) + k for k, i in enumerate(free)}
         self.launches = []
         for fn, grid, vals, options, compiled in rec.launches:
             patches = []
@@ -796,10 +834,60 @@ class Bound:
             vals = list(vals)
             for pos, desc, _src in patches:
                 vals[pos] = _rebased(vals[pos], vals[pos].base.data_ptr()) if desc else None
-            direct = None if INTERPRET else _Direct.of(compiled, list(vals), patches, slots)
+            rows = {pos: size_at[j] for pos, desc, (kind, j, _d, _g) in patches
+                    if desc and kind == "in" and j in size_at}
+            direct = None if INTERPRET else _Direct.of(compiled, list(vals), patches, slots,
+                                                        rows)
             self.launches.append((fn, grid + (1,) * (3 - len(grid)), list(vals), patches,
                                   options, compiled, direct))
+        # (only launches through _Direct expand descriptors with a call's sizes)
+        self._sizable = bool(free) and self._two is None and all(
+            entry[6] is not None for entry in self.launches)
+        self._free = tuple(free)
         del self._tensors, self._spans, self._ptrs, self._static
+
+    def same_but_sizes(self, other: "Bound") -> bool:
+        """Whether this bound call and ``other``, recorded under one key at other free sizes,
+        launch the same but for those sizes: the same kernels, grids, options and arguments,
+        every argument equal but the descriptors over the free tensors, which differ only in
+        their first dimension, that call's free size in each (their expansions are what a
+        replay makes of the call's sizes: _Direct's rows). A launch whose arguments read a
+        size any other way (a number, a constexpr, another grid) differs, and both keep their
+        sizes."""
+        if not (self._sizable and other._sizable and self._free == other._free
+                and self.outputs == other.outputs and self.scratch == other.scratch
+                and set(self.held) == set(other.held)
+                and len(self.launches) == len(other.launches)):
+            return False
+        free = {i: k for k, i in enumerate(self._free)}
+        for a, b in zip(self.launches, other.launches):
+            fn, grid, vals, patches, options, compiled, _d = a
+            if not (fn is b[0] and grid == b[1] and compiled is b[5] and options == b[4]
+                    and len(vals) == len(b[2]) and len(patches) == len(b[3])):
+                return False
+            descs = {}  # descriptor position -> its free size's index, or None
+            for p, q in zip(patches, b[3]):
+                # (the sources' geometry aside: a view of a free tensor has its size)
+                (pos, desc), (kind, j, delta) = p[:2], p[2][:3]
+                if (pos, desc, kind, j, delta) != (q[0], q[1], *q[2][:3]):
+                    return False
+                if desc:
+                    descs[pos] = free.get(j) if kind == "in" else None
+            for pos, (x, y) in enumerate(zip(vals, b[2])):
+                if pos not in descs:  # (a patched tensor's position holds None in both)
+                    if not (x is y or (type(x) is type(y) and x == y)):
+                        return False
+                    continue
+                k = descs[pos]  # (the bases are patched: compared by their sources above)
+                fields = [f.name for f in dataclasses.fields(x)
+                          if f.name not in ("base", "shape")]
+                shapes = ((list(x.shape[1:]) == list(y.shape[1:]) and x.shape[0] == self.sizes[k]
+                           and y.shape[0] == other.sizes[k]) if k is not None
+                          else list(x.shape) == list(y.shape))
+                if not (type(x) is type(y) and shapes
+                        and all(getattr(x, n) == getattr(y, n) for n in fields)):
+                    return False
+        return True
 
     def _source(self, t: torch.Tensor):
         p = t.data_ptr()
@@ -825,13 +913,14 @@ class Bound:
             raise _Unbindable("a view of another dtype or alignment")
         return ("in", i, delta, geom)
 
-    def replay(self, tensors: list, ptrs: list | None = None):
+    def replay(self, tensors: list, ptrs: list | None = None, sizes: list | None = None):
         """Launch for a call with this key (tensors: its tensors in order; ptrs: their
-        data_ptr(), where the caller has them); returns the outputs."""
+        data_ptr(), where the caller has them; sizes: its free sizes, where the memo has
+        any); returns the outputs."""
         dev = self.device
         stream = torch._C._cuda_getCurrentRawStream(dev.index) if self.cuda else None
         if self._two is not None and not INTERPRET:
-            return self._replay_two(tensors, ptrs, stream)
+            return self._replay_two(tensors, ptrs, stream, sizes)
         held = self.held if stream == self._held_stream else {}
         outs = [held[j] if j in held else proto.new_empty_strided(s, st)
                 for j, proto, s, st in self._alloc]
@@ -841,10 +930,12 @@ class Bound:
             self._replay_interpreted(tensors, outs, tmps)
             return tuple(outs)
         tmps, addrs = self.scratch_pointers(stream)  # (tmps alive until the launches queue)
-        self.launch(pointers(tensors, outs, addrs, ptrs), stream)
+        at = pointers(tensors, outs, addrs, ptrs)
+        self.launch(at + sizes if sizes else at, stream)
         return tuple(outs)
 
-    def _replay_two(self, tensors: list, ptrs: list | None, stream: int):
+    def _replay_two(self, tensors: list, ptrs: list | None, stream: int,
+                    sizes: list | None = None):
         """replay() of a call recorded on two streams (two_streams): the outputs and scratch
         allocated on the current stream (the second stream uses them only between the fork,
         which follows their allocation, and the join, which precedes their release), the
@@ -858,7 +949,7 @@ class Bound:
         outs = [held[j] if j in held else proto.new_empty_strided(s, st)
                 for j, proto, s, st in self._alloc]
         tmps, addrs = self.scratch_pointers(stream, handles[1])
-        ptrs = pointers(tensors, outs, addrs, ptrs)
+        ptrs = pointers(tensors, outs, addrs, ptrs) + (sizes or [])
         waits, events = self._waits, _events(dev)
         for i, entry in enumerate(self.launches):
             for waiter, on in waits.get(i, ()):
@@ -1004,6 +1095,8 @@ def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
 # memos of bound calls
 # ---------------------------------------------------------------------------------------------
 _UNBOUND = object()
+# a memo key whose calls are bound by their free sizes too (Memo._sized_key)
+_BY_SIZES = object()
 # LaunchCache.call's answer for a call whose arguments are not plain eager (eager_key: a
 # subclass, a tensor requiring grad, one on another device) or hold no tensor
 NOT_PLAIN = object()
@@ -1013,7 +1106,12 @@ _PLAIN_VALUES = _CONSTANT_TYPES  # (a key's plain values: a launch's plain const
 class Memo:
     """Bound calls by key. static: tensors the caller passes unchanged to every call (a plan's
     index arrays; keyed by identity, their pointers fixed): the memo holds them alive, so an
-    identity is never reused while keyed. add_static() adds more (POD's per-length tensors)."""
+    identity is never reused while keyed. add_static() adds more (POD's per-length tensors).
+    free: positions of a call's tensors (flattened, never the first) whose first dimension the
+    keys leave out, a free size (POD's contiguous prefill keys, which a chunked prefill grows
+    every step): a key's bound call replays at its own sizes until a recording at other sizes
+    launches the same but for them (Bound.same_but_sizes), then at any sizes (generic); where
+    the two differ, the key's calls are bound by their sizes too (_BY_SIZES)."""
 
     MAX = 256
 
@@ -1022,7 +1120,10 @@ class Memo:
     # prefill's keys growing under queries of one length)
     GUARDS = 4
 
-    def __init__(self, static=()):
+    def __init__(self, static=(), free=()):
+        if 0 in free:
+            raise ValueError("Memo: the first tensor's shape is in the light key; it is never free")
+        self._free = tuple(free)
         self._static_refs = [t for t in static if isinstance(t, torch.Tensor)]
         self._static = frozenset(id(t) for t in self._static_refs)
         # the static tensors by pointer, for Bound (kept as they come: a recording read them
@@ -1066,6 +1167,7 @@ class Memo:
         ptrs = []
         grad = torch.is_grad_enabled()
         static = self._static
+        free = self._free
         cuda = False
         for a in flat:
             kind = type(a)
@@ -1079,10 +1181,11 @@ class Memo:
                 else:
                     return None
                 p = a.data_ptr()
+                shape = a.shape[1:] if free and len(tensors) in free else a.shape
                 tensors.append(a)
                 ptrs.append(p)
                 sig.append(id(a) if static and id(a) in static
-                           else (a.shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
+                           else (shape, a.stride(), a.dtype, d, a.storage_offset(), p & 15))
             elif kind in _PLAIN_VALUES:  # most other arguments: options and flags (by type
                 sig.append((kind, a))  # too: True == 1 == 1.0, and the checks tell them apart)
             elif isinstance(a, torch.Tensor):  # a subclass: traced or wrapped
@@ -1189,9 +1292,12 @@ class Memo:
         entries = self._fast.setdefault(light, [])
         if len(entries) >= self.GUARDS:
             del entries[0]
+        # (a generic bound call's free sizes unguarded: a None size is left unchecked)
+        free = {id(tensors[i]) for i in self._free} if bound.generic else ()
         tensors = _distinct(tensors)
         entries.append((_TensorGuards(
-            *tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            *tensors, dynamic_dims_sizes=[[None, *t.shape[1:]] if id(t) in free
+                                          else list(t.shape) for t in tensors],
             dynamic_dims_strides=[list(t.stride()) for t in tensors]), bound))
 
     def lookup(self, key, tensors, ptrs=None, light=None):
@@ -1204,6 +1310,8 @@ class Memo:
             bound = self._bound.get(key)
         except TypeError:  # an argument that is no tensor and no plain value: unhashable
             return None
+        if bound is _BY_SIZES:
+            bound = self._bound.get((key, *(tensors[i].shape[0] for i in self._free)))
         if bound is None or bound is _UNBOUND:
             return None
         out = self._replay(bound, tensors, ptrs)
@@ -1215,8 +1323,30 @@ class Memo:
         """bound's replay for these tensors, or None where none may replay now."""
         if _recorder() is not None or not _replayable(bound.cuda):
             return None
+        if self._free:
+            sizes = [tensors[i].shape[0] for i in self._free]
+            if sizes != bound.sizes and not bound.generic:
+                return None
+            self.hits += 1
+            return bound.replay(tensors, ptrs, sizes)
         self.hits += 1
         return bound.replay(tensors, ptrs)
+
+    def _sized_key(self, key, bound: Bound):
+        """The key a new bound call of a memo with free sizes goes under: its own where the
+        key holds none or one at the same sizes; where the key holds one at other sizes, the
+        key itself if the two launch the same but for the sizes (the new one then generic),
+        else (key, *sizes) for each, the key marked _BY_SIZES."""
+        old = self._bound.get(key)
+        if isinstance(old, Bound) and old.sizes != bound.sizes and not old.generic:
+            if bound.same_but_sizes(old):
+                bound.generic = True
+                return key
+            self._bound[key] = _BY_SIZES
+            self._bound[(key, *old.sizes)] = old
+        if self._bound.get(key) is _BY_SIZES:
+            return (key, *bound.sizes)
+        return key
 
     def known_unbound(self, key) -> bool:
         """Whether a call with this key takes the full path unrecorded: refused before, or
@@ -1245,13 +1375,15 @@ class Memo:
             _TLS.rec = None
         outputs = result if isinstance(result, tuple) else (result,)
         try:
-            bound = Bound(rec, tensors, outputs, self._static_ptrs, discard)
+            bound = Bound(rec, tensors, outputs, self._static_ptrs, discard, self._free)
             self.records += 1
         except _Unbindable:
             bound = _UNBOUND
             self.refused += 1
         if len(self._bound) >= self.MAX:
             self.clear()
+        if self._free and bound is not _UNBOUND:
+            key = self._sized_key(key, bound)
         self._bound[key] = bound
         if bound is not _UNBOUND and light is not None:
             self._guard(light, bound, tensors)

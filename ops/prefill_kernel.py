@@ -1251,7 +1251,10 @@ def _pod_part(q, kc, vc, qo_indptr, kv_page_indptr, kv_page_indices, kv_last_pag
     (the outputs then have its rows)."""
     rows = q.shape[0] if q_rows is None else q_rows.shape[0]
     out = q.new_empty((rows, q.shape[1], vc.shape[-1]), dtype=out_dtype)
+    # (a one-page cache's rows from page to page: never read, its one page is page 0; 0, not
+    # its key count, so that launches of any key count are alike: launch.Memo's free sizes)
+    k_rows, v_rows = (0, 0) if one_page else (_gluon.page_rows(kc), _gluon.page_rows(vc))
     return _gluon.PodPart(q, _gluon.kv_2d(kc, "paged"), _gluon.kv_2d(vc, "paged"), out,
                           _lse_out(q, params, rows), qo_indptr, kv_page_indptr, kv_page_indices,
-                          kv_last_page_len, _gluon.page_rows(kc), _gluon.page_rows(vc),
-                          0 if one_page else kc.shape[1], qk_scale, q_rows)
+                          kv_last_page_len, k_rows, v_rows, 0 if one_page else kc.shape[1],
+                          qk_scale, q_rows)

@@ -174,3 +174,25 @@ def test_constant_bundles_are_kept_by_value(monkeypatch):
     assert len(launch._CONSTANT_TUPLE_SET) == 2  # (the bundle and the one inside it)
     monkeypatch.setattr(launch, "CONSTANT_TUPLES", 1)
     assert launch._is_constant((3,)) and launch._CONSTANT_TUPLE_SET == {(3,)}
+
+
+def test_direct_expands_sized_descriptors_with_the_calls_rows(nvd, monkeypatch):
+    # a descriptor over a tensor with a free size (launch.Memo's free): its whole expansion
+    # made over each (base, rows) the call passes after its pointers, and kept by both
+    seen = []
+
+    def c_launcher(*args):
+        seen.append(args)
+    recorded = [_Desc(launch._Ptr(1000), [8, 4], [4, 1], [2, 4]), None,
+                _Desc(launch._Ptr(2000), [5, 4], [4, 1], [2, 4])]
+    patches = [(0, True, ("in", 0, 0, None)), (1, False, ("out", 1, 0, None)),
+               (2, True, ("in", 2, 0, None))]
+    L = CudaLauncher(_wrapped(c_launcher, {0, 2}, ["m0", "m2"]))
+    compiled = _Compiled(L)
+    direct = launch._Direct.of(compiled, recorded, patches, 4, {0: 3})
+    assert direct is not None
+    for t0, rows in ((1000, 8), (1000, 11), (4000, 11), (1000, 8)):
+        direct((1, 1, 1), 0, compiled, [t0, 3000, 2000, rows])
+        assert seen[-1][13:] == (("map", t0, "m0"), rows, 4, 4, 1, 3000,
+                                 ("map", 2000, "m2"), 5, 4, 4, 1)
+    assert sorted(direct.by_rows[0]) == [(1000, 8), (1000, 11), (4000, 11)]

@@ -468,7 +468,8 @@ def test_dropped_lse_written_into_one_kept_tensor(kind):
     held = [t.data_ptr() for t in bound.held.values()]
     replayed = []
     replay = bound.replay
-    bound.replay = lambda tensors, ptrs=None: replayed.append(replay(tensors, ptrs)) or replayed[-1]
+    bound.replay = lambda tensors, ptrs=None, sizes=None: (
+        replayed.append(replay(tensors, ptrs, sizes)) or replayed[-1])
     got = runs[1]()
     assert (memo.records, memo.hits) == (records + 1, hits + 1), "the second call did not replay"
     assert [replayed[0][j].data_ptr() for j in sorted(bound.held)] == held
