@@ -246,8 +246,9 @@ def test_launch_pod_arguments(one_page, monkeypatch):
     part, part_d = rec.arg("scalars"), rec.arg("scalars_d")
     assert part.qk_scale == 0.5 and part_d.qk_scale == 0.25
     # pages two pages' rows apart (K and V interleave in one [P, 2, page, Hkv, D] buffer); the
-    # one-page cache's K view is its 700 rows
-    assert part.k_page_rows == (1400 if one_page else 32) and part_d.k_page_rows == 16
+    # one-page cache's K view is its 700 rows, its page rows 0 (never read: its one page is
+    # page 0; not its key count, so that launches of any count are alike, launch.Memo's free)
+    assert part.k_page_rows == (0 if one_page else 32) and part_d.k_page_rows == 16
     assert rec.arg("k_desc").shape[0] == (700 if one_page else 49 * 32 + 16)
     assert rec.arg("q_ptr") is q_p and rec.arg("o_ptr_d") is out_d
 
