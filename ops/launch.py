@@ -239,8 +239,14 @@ def counter(device, resets: bool = False) -> torch.Tensor:
                 with _GRAPH_LOCK:
                     _GRAPH_POOLS.setdefault(index, [torch.zeros(
                         GRAPH_SLOTS, dtype=torch.int32, device=device), 0])
-            t, i = _pool_slot(device)
-            t = t[i:i + 1]
+            if resets and _recorder() is not None:
+                # (a recording takes the stream's own slot, as its replays do: one address,
+                # one alignment, so that every recording of the launch specializes its
+                # pointer alike and two of them compare equal, Bound.same_but_sizes)
+                t = _reset_slot(device, torch._C._cuda_getCurrentRawStream(index))
+            else:
+                t, i = _pool_slot(device)
+                t = t[i:i + 1]
         elif resets:
             t = _graph_slot(index)
     if t is None:
@@ -699,15 +705,26 @@ def _pool_ptr(device: torch.device, stream: int | None = None) -> int:
 _RESET_SLOTS: dict = {}
 
 
-def _reset_ptr(device: torch.device, stream: int) -> int:
-    """The address of stream ``stream``'s counter slot for launches that leave it 0 (made
-    zeroed on the current stream, whose work a second stream's launches wait for: two_streams'
-    fork)."""
+def _reset_entry(device: torch.device, stream: int) -> tuple:
+    """(stream ``stream``'s counter slot for launches that leave it 0, its address): made
+    zeroed on the current stream, whose work a second stream's launches wait for
+    (two_streams' fork)."""
     slot = _RESET_SLOTS.get((device.index, stream))
     if slot is None:  # (two threads at once: both keep the first one's)
         t = torch.zeros(1, dtype=torch.int32, device=device)
         slot = _RESET_SLOTS.setdefault((device.index, stream), (t, t.data_ptr()))
-    return slot[1]
+    return slot
+
+
+def _reset_ptr(device: torch.device, stream: int) -> int:
+    """The address of stream ``stream``'s counter slot for launches that leave it 0."""
+    return _reset_entry(device, stream)[1]
+
+
+def _reset_slot(device: torch.device, stream: int) -> torch.Tensor:
+    """Stream ``stream``'s counter slot for launches that leave it 0 (eager launches take it
+    as their replays do)."""
+    return _reset_entry(device, stream)[0]
 
 
 def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> list:
@@ -1095,8 +1112,6 @@ def unobserved(args: tuple, kwargs: dict | None = None) -> bool:
 # memos of bound calls
 # ---------------------------------------------------------------------------------------------
 _UNBOUND = object()
-# a memo key whose calls are bound by their free sizes too (Memo._sized_key)
-_BY_SIZES = object()
 # LaunchCache.call's answer for a call whose arguments are not plain eager (eager_key: a
 # subclass, a tensor requiring grad, one on another device) or hold no tensor
 NOT_PLAIN = object()
@@ -1111,7 +1126,8 @@ class Memo:
     keys leave out, a free size (POD's contiguous prefill keys, which a chunked prefill grows
     every step): a key's bound call replays at its own sizes until a recording at other sizes
     launches the same but for them (Bound.same_but_sizes), then at any sizes (generic); where
-    the two differ, the key's calls are bound by their sizes too (_BY_SIZES)."""
+    they differ, each stays bound under (key, *its sizes) and the newest is compared with the
+    next (Memo._sized_key)."""
 
     MAX = 256
 
@@ -1310,7 +1326,9 @@ class Memo:
             bound = self._bound.get(key)
         except TypeError:  # an argument that is no tensor and no plain value: unhashable
             return None
-        if bound is _BY_SIZES:
+        if (self._free and isinstance(bound, Bound) and not bound.generic
+                and bound.sizes != [tensors[i].shape[0] for i in self._free]):
+            # (the key's newest bound call is at other sizes: this call's own, if bound)
             bound = self._bound.get((key, *(tensors[i].shape[0] for i in self._free)))
         if bound is None or bound is _UNBOUND:
             return None
@@ -1333,19 +1351,19 @@ class Memo:
         return bound.replay(tensors, ptrs)
 
     def _sized_key(self, key, bound: Bound):
-        """The key a new bound call of a memo with free sizes goes under: its own where the
-        key holds none or one at the same sizes; where the key holds one at other sizes, the
-        key itself if the two launch the same but for the sizes (the new one then generic),
-        else (key, *sizes) for each, the key marked _BY_SIZES."""
+        """The key a new bound call of a memo with free sizes goes under: the key itself (the
+        key's newest). Where the key holds a bound call at other sizes, the new one is generic
+        if the two launch the same but for the sizes; else the old one stays bound under
+        (key, *its sizes), where lookup finds a call of those sizes."""
         old = self._bound.get(key)
         if isinstance(old, Bound) and old.sizes != bound.sizes and not old.generic:
             if bound.same_but_sizes(old):
                 bound.generic = True
                 return key
-            self._bound[key] = _BY_SIZES
+            # (kept at its sizes; the new one the key's newest, which the next size is
+            # compared with: two recordings may differ once, a kernel compiled for the
+            # first call's pointers, and agree after)
             self._bound[(key, *old.sizes)] = old
-        if self._bound.get(key) is _BY_SIZES:
-            return (key, *bound.sizes)
         return key
 
     def known_unbound(self, key) -> bool:

@@ -846,3 +846,29 @@ def test_a_growing_page_table_keeps_its_tensor_and_bound_calls():
     want = fresh.run(q, cache)
     assert fresh._plan.kv_indices.numel() == 11
     assert not got.isnan().any() and torch.equal(got, want)
+
+
+def test_pod_calls_of_other_key_counts_keep_their_bound_calls():
+    # POD's bound calls leave the prefill's key count out of the key (launch.Memo's free
+    # sizes); a count met before replays its own bound call (the interpreter's launches never
+    # go generic: Bound._sizable), each call bit for bit against the full path
+    caches, kvi, idx, last, _, _ = make_paged(KV, HKV, D, D, 4, dtype=F32, seed=7)
+    qd = rand(len(KV), HQ, D, seed=10, dtype=F32)
+    qp, kp = rand(9, HQ, D, seed=11, dtype=F32), rand(20, HKV, D, seed=12, dtype=F32)
+    with policy.override(**POD_LAUNCHES["fused"]):
+        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w.plan(kvi, idx, last, HQ, HKV, D, 4, q_data_type=F32)
+
+        def run(kv):
+            return _flat(w.run(qp, kp[:kv], kp[:kv], qd, caches, causal_p=True,
+                               return_lse_p=True, return_lse_d=True))
+        got = []
+        for kv in (11, 17, 11, 17):
+            before = launch.recordings()
+            got.append((kv, run(kv), launch.recordings() - before))
+        with policy.override(bound_launches=False):
+            want = {kv: run(kv) for kv in (11, 17)}
+    assert [r for _, _, r in got] == [1, 1, 0, 0]
+    for kv, outs, _ in got:
+        for g, r in zip(outs, want[kv], strict=True):
+            assert not g.isnan().any() and torch.equal(g, r)
