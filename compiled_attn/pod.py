@@ -1053,14 +1053,15 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                                                  self.device)
         return part
 
-    def _launch_class(self, qo_len: int, kv_len: int, opts: tuple):
+    def _launch_class(self, qo_len: int, kv_len: int, opts: tuple, masked: bool = False):
         """What a bound run() call's key holds of its prefill's key count (launch.Memo's
         free sizes leave k_p / v_p's out): the launch choices that read it (side by side,
         apart: _launch_side, _launch_apart, by the plan's decode bytes and the policy), the
         one-page size constexpr where the fused launch gathers pages (tiles.one_page_size),
-        and whether there are keys. Kept per (sizes, options, policy version) until the next
-        plan(); None where the options do not parse (the full path raises)."""
-        key = (qo_len, kv_len, opts[0], opts[2], opts[11], policy_version())
+        and whether there are keys. masked: the call passes a packed mask (then not causal,
+        as in _run). Kept per (sizes, options, policy version) until the next plan(); None
+        where the options do not parse (the full path raises)."""
+        key = (qo_len, kv_len, opts[0], opts[2], opts[11], masked, policy_version())
         cls = self._classes.get(key)
         if cls is None:
             p = self._plan
@@ -1068,7 +1069,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
                 pos = V.check_pos_encoding_mode(opts[2], "pos_encoding_mode_p")
                 window_d = (p["window_left"] if opts[11] is None
                             else V.check_window_left(opts[11], "window_left_d"))
-                causal = bool(opts[0])
+                causal = bool(opts[0]) and not masked
                 cls = (self._launch_side(qo_len, kv_len, causal, window_d, pos),
                        self._launch_apart(qo_len, kv_len, causal, captured=False),
                        one_page_size(kv_len) if p["fused_gathers"] else 0, kv_len > 0)
@@ -1096,7 +1097,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             if self._capturing():
                 return None
             part = self._eager_part(qo_len, kv_len, mask_bytes)
-        cls = self._launch_class(qo_len, kv_len, opts)
+        cls = self._launch_class(qo_len, kv_len, opts, packed_mask is not None)
         return None if cls is None else (part["flat"], cls)
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):

@@ -1121,7 +1121,7 @@ _PLAIN_VALUES = _CONSTANT_TYPES  # (a key's plain values: a launch's plain const
 class Memo:
     """Bound calls by key. static: tensors the caller passes unchanged to every call (a plan's
     index arrays; keyed by identity, their pointers fixed): the memo holds them alive, so an
-    identity is never reused while keyed. add_static() adds more (POD's per-length tensors).
+    identity is never reused while keyed.
     free: positions of a call's tensors (flattened, never the first) whose first dimension the
     keys leave out, a free size (POD's contiguous prefill keys, which a chunked prefill grows
     every step): a key's bound call replays at its own sizes until a recording at other sizes
@@ -1142,20 +1142,13 @@ class Memo:
         self._free = tuple(free)
         self._static_refs = [t for t in static if isinstance(t, torch.Tensor)]
         self._static = frozenset(id(t) for t in self._static_refs)
-        # the static tensors by pointer, for Bound (kept as they come: a recording read them
-        # all, hundreds for a POD wrapper's per-length tensors)
+        # the static tensors by pointer, for Bound (made once: every recording reads them)
         self._static_ptrs = {t.data_ptr(): t for t in self._static_refs}
         self._bound: dict = {}
         # light key -> [(tensor guards, Bound)] of bound calls (a key's Bound is replaced only
         # where none replays: unbound, and clear() empties both)
         self._fast: dict = {}
         self.hits = self.records = self.refused = 0
-
-    def add_static(self, tensors) -> None:
-        new = [t for t in tensors if isinstance(t, torch.Tensor)]
-        self._static_refs.extend(new)
-        self._static = self._static | {id(t) for t in new}
-        self._static_ptrs.update((t.data_ptr(), t) for t in new)
 
     def clear(self) -> None:
         self._bound.clear()
