@@ -136,7 +136,7 @@ class _PODBase(_WrapperBase):
         and its prefill parts are kept: a serving step's first run() after plan() then
         replays too."""
         self._plan = p
-        self._classes = {}  # (run()'s launch classes read the plan: _launch_class)
+        self._classes = {}  # (run()'s launch classes read the plan: _bound_part)
         if old is not None and self._launches_as(old, p):
             return
         self._memo = Memo(static=[*p.values(), *(p.get("chunks") or {}).values(),
@@ -1043,12 +1043,14 @@ class PODWithPagedKVCacheWrapper(_PODBase):
     def _eager_part(self, qo_len: int, kv_len: int, mask_bytes: int | None) -> dict:
         """_prefill_part's dict for an eager call (not captured), made once per (qo_len,
         kv_len, mask bytes) and kept, at most 64 (an engine's many lengths: then they start
-        over; a bound call takes its part as an input, so none holds them)."""
+        over, and the launch classes that name them with them; a bound call takes its part as
+        an input, so none holds them)."""
         key = (qo_len, kv_len, mask_bytes)
         part = self._parts.get(key)
         if part is None:
             if len(self._parts) >= 64:
                 self._parts.clear()
+                self._classes.clear()
             part = self._parts[key] = _host_part(self._plan, qo_len, kv_len, mask_bytes,
                                                  self.device)
         return part
@@ -1059,46 +1061,47 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         apart: _launch_side, _launch_apart, by the plan's decode bytes and the policy), the
         one-page size constexpr where the fused launch gathers pages (tiles.one_page_size),
         and whether there are keys. masked: the call passes a packed mask (then not causal,
-        as in _run). Kept per (sizes, options, policy version) until the next plan(); None
-        where the options do not parse (the full path raises)."""
-        key = (qo_len, kv_len, opts[0], opts[2], opts[11], masked, policy_version())
-        cls = self._classes.get(key)
-        if cls is None:
-            p = self._plan
-            try:
-                pos = V.check_pos_encoding_mode(opts[2], "pos_encoding_mode_p")
-                window_d = (p["window_left"] if opts[11] is None
-                            else V.check_window_left(opts[11], "window_left_d"))
-                causal = bool(opts[0]) and not masked
-                cls = (self._launch_side(qo_len, kv_len, causal, window_d, pos),
-                       self._launch_apart(qo_len, kv_len, causal, captured=False),
-                       one_page_size(kv_len) if p["fused_gathers"] else 0, kv_len > 0)
-            except Exception:  # noqa: BLE001  (the full path names what is wrong)
-                return None
-            self._classes[key] = cls
-        return cls
+        as in _run). None where the options do not parse (the full path raises)."""
+        p = self._plan
+        try:
+            pos = V.check_pos_encoding_mode(opts[2], "pos_encoding_mode_p")
+            window_d = (p["window_left"] if opts[11] is None
+                        else V.check_window_left(opts[11], "window_left_d"))
+            causal = bool(opts[0]) and not masked
+            return (self._launch_side(qo_len, kv_len, causal, window_d, pos),
+                    self._launch_apart(qo_len, kv_len, causal, captured=False),
+                    one_page_size(kv_len) if p["fused_gathers"] else 0, kv_len > 0)
+        except Exception:  # noqa: BLE001  (the full path names what is wrong)
+            return None
 
     def _bound_part(self, q_p, k_p, v_p, packed_mask, opts: tuple):
-        """(the prefill part's flat tensor, the launch class) that a bound run() call passes
-        beside its tensors (its part an input: the key holds no key count), or None where the
-        call takes the full path (no plan; not the plain tensors of an NHD call whose k_p and
-        v_p have one key count; a capture, where no part is made)."""
+        """(the prefill part's flat tensor, the launch class: _launch_class) that a bound
+        run() call passes beside its tensors (its part an input: the key holds no key count),
+        or None where the call takes the full path (no plan; not the plain tensors of an NHD
+        call whose k_p and v_p have one key count; a capture, where no part is made). Kept per
+        (sizes, options, policy version) until the next plan() or the parts' eviction
+        (_eager_part)."""
         if (self._plan is None or type(q_p) is not torch.Tensor
                 or type(k_p) is not torch.Tensor or type(v_p) is not torch.Tensor
                 or q_p.dim() != 3 or k_p.dim() != 3 or v_p.shape != k_p.shape
                 or opts[1] != "NHD"):
             return None
         qo_len, kv_len = q_p.shape[0], k_p.shape[0]
-        mask_bytes = None
-        if packed_mask is not None:
-            mask_bytes = (qo_len * kv_len + 7) // 8
-        part = self._parts.get((qo_len, kv_len, mask_bytes))
-        if part is None:
-            if self._capturing():
+        masked = packed_mask is not None
+        key = (qo_len, kv_len, opts[0], opts[2], opts[11], masked, policy_version())
+        known = self._classes.get(key)
+        if known is None:
+            mask_bytes = (qo_len * kv_len + 7) // 8 if masked else None
+            part = self._parts.get((qo_len, kv_len, mask_bytes))
+            if part is None:
+                if self._capturing():
+                    return None
+                part = self._eager_part(qo_len, kv_len, mask_bytes)
+            cls = self._launch_class(qo_len, kv_len, opts, masked)
+            if cls is None:
                 return None
-            part = self._eager_part(qo_len, kv_len, mask_bytes)
-        cls = self._launch_class(qo_len, kv_len, opts, packed_mask is not None)
-        return None if cls is None else (part["flat"], cls)
+            known = self._classes[key] = (part["flat"], cls)
+        return known
 
     def _prefill_part(self, qo_len: int, kv_len: int, mask_bytes: int | None, traced: bool):
         """The prefill request's device tensors, made once per (qo_len, kv_len, mask bytes)
