@@ -243,7 +243,7 @@ def counter(device, resets: bool = False) -> torch.Tensor:
                 # (a recording takes the stream's own slot, as its replays do: one address,
                 # one alignment, so that every recording of the launch specializes its
                 # pointer alike and two of them compare equal, Bound.same_but_sizes)
-                t = _reset_slot(device, torch._C._cuda_getCurrentRawStream(index))
+                t = _reset_slot(device, torch._C._cuda_getCurrentRawStream(index))[0]
             else:
                 t, i = _pool_slot(device)
                 t = t[i:i + 1]
@@ -253,7 +253,7 @@ def counter(device, resets: bool = False) -> torch.Tensor:
         t = torch.zeros(1, dtype=torch.int32, device=device)
     rec = _recorder()
     if rec is not None:
-        # (a counter its launch leaves 0: a replay passes its stream's own slot, _reset_ptr)
+        # (a counter its launch leaves 0: a replay passes its stream's own slot, _reset_slot)
         rec.scratch[t.data_ptr()] = ("reset" if resets else "zeros", (1,), torch.int32)
         if rec.side is not None and _stream_now() == rec.side[0]:
             rec.side_counters.add(t.data_ptr())
@@ -705,26 +705,15 @@ def _pool_ptr(device: torch.device, stream: int | None = None) -> int:
 _RESET_SLOTS: dict = {}
 
 
-def _reset_entry(device: torch.device, stream: int) -> tuple:
+def _reset_slot(device: torch.device, stream: int) -> tuple:
     """(stream ``stream``'s counter slot for launches that leave it 0, its address): made
     zeroed on the current stream, whose work a second stream's launches wait for
-    (two_streams' fork)."""
+    (two_streams' fork). Recordings (counter) and replays (Bound.scratch_pointers) take it."""
     slot = _RESET_SLOTS.get((device.index, stream))
     if slot is None:  # (two threads at once: both keep the first one's)
         t = torch.zeros(1, dtype=torch.int32, device=device)
         slot = _RESET_SLOTS.setdefault((device.index, stream), (t, t.data_ptr()))
     return slot
-
-
-def _reset_ptr(device: torch.device, stream: int) -> int:
-    """The address of stream ``stream``'s counter slot for launches that leave it 0."""
-    return _reset_entry(device, stream)[1]
-
-
-def _reset_slot(device: torch.device, stream: int) -> torch.Tensor:
-    """Stream ``stream``'s counter slot for launches that leave it 0 (eager launches take it
-    as their replays do)."""
-    return _reset_entry(device, stream)[0]
 
 
 def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> list:
@@ -985,7 +974,7 @@ class Bound:
         tmps, addrs = [], []
         for (kind, s, dt), role in zip(self.scratch, self._scratch_roles):
             if kind == "reset":
-                addrs.append(_reset_ptr(self.device, side if role else stream))
+                addrs.append(_reset_slot(self.device, side if role else stream)[1])
             elif kind == "zeros":
                 addrs.append(_pool_ptr(self.device, side if role else stream))
             else:
@@ -1127,7 +1116,7 @@ class Memo:
     every step): a key's bound call replays at its own sizes until a recording at other sizes
     launches the same but for them (Bound.same_but_sizes), then at any sizes (generic); where
     they differ, each stays bound under (key, *its sizes) and the newest is compared with the
-    next (Memo._sized_key)."""
+    next (Memo._file_sizes)."""
 
     MAX = 256
 
@@ -1319,23 +1308,26 @@ class Memo:
             bound = self._bound.get(key)
         except TypeError:  # an argument that is no tensor and no plain value: unhashable
             return None
-        if (self._free and isinstance(bound, Bound) and not bound.generic
-                and bound.sizes != [tensors[i].shape[0] for i in self._free]):
+        sizes = [tensors[i].shape[0] for i in self._free] if self._free else None
+        if isinstance(bound, Bound) and sizes is not None and sizes != bound.sizes \
+                and not bound.generic:
             # (the key's newest bound call is at other sizes: this call's own, if bound)
-            bound = self._bound.get((key, *(tensors[i].shape[0] for i in self._free)))
+            bound = self._bound.get((key, *sizes))
         if bound is None or bound is _UNBOUND:
             return None
-        out = self._replay(bound, tensors, ptrs)
+        out = self._replay(bound, tensors, ptrs, sizes)
         if out is not None and light is not None:
             self._guard(light, bound, tensors)
         return out
 
-    def _replay(self, bound: Bound, tensors: list, ptrs: list | None):
-        """bound's replay for these tensors, or None where none may replay now."""
+    def _replay(self, bound: Bound, tensors: list, ptrs: list | None, sizes=None):
+        """bound's replay for these tensors, or None where none may replay now (sizes: their
+        free sizes, where the caller has them)."""
         if _recorder() is not None or not _replayable(bound.cuda):
             return None
         if self._free:
-            sizes = [tensors[i].shape[0] for i in self._free]
+            if sizes is None:
+                sizes = [tensors[i].shape[0] for i in self._free]
             if sizes != bound.sizes and not bound.generic:
                 return None
             self.hits += 1
@@ -1343,21 +1335,19 @@ class Memo:
         self.hits += 1
         return bound.replay(tensors, ptrs)
 
-    def _sized_key(self, key, bound: Bound):
-        """The key a new bound call of a memo with free sizes goes under: the key itself (the
-        key's newest). Where the key holds a bound call at other sizes, the new one is generic
-        if the two launch the same but for the sizes; else the old one stays bound under
-        (key, *its sizes), where lookup finds a call of those sizes."""
+    def _file_sizes(self, key, bound: Bound) -> None:
+        """Before a new bound call of a memo with free sizes goes under key (the key's
+        newest): where the key holds one at other sizes, the new one is generic if the two
+        launch the same but for the sizes; else the old one stays bound under (key, *its
+        sizes), where lookup finds a call of those sizes (two recordings may differ once, a
+        kernel compiled for the first call's pointers, and agree after: the new one is
+        compared with the next size)."""
         old = self._bound.get(key)
         if isinstance(old, Bound) and old.sizes != bound.sizes and not old.generic:
             if bound.same_but_sizes(old):
                 bound.generic = True
-                return key
-            # (kept at its sizes; the new one the key's newest, which the next size is
-            # compared with: two recordings may differ once, a kernel compiled for the
-            # first call's pointers, and agree after)
-            self._bound[(key, *old.sizes)] = old
-        return key
+            else:
+                self._bound[(key, *old.sizes)] = old
 
     def known_unbound(self, key) -> bool:
         """Whether a call with this key takes the full path unrecorded: refused before, or
@@ -1394,7 +1384,7 @@ class Memo:
         if len(self._bound) >= self.MAX:
             self.clear()
         if self._free and bound is not _UNBOUND:
-            key = self._sized_key(key, bound)
+            self._file_sizes(key, bound)
         self._bound[key] = bound
         if bound is not _UNBOUND and light is not None:
             self._guard(light, bound, tensors)

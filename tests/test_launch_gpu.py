@@ -385,7 +385,7 @@ def test_captured_persistent_launch_needs_no_zeroing(kind):
 @pytest.mark.parametrize("kind", ["paged", "pod"])
 def test_replays_reuse_their_streams_reset_counter(kind):
     # eager replays of a persistent launch pass their stream's own counter slot
-    # (launch._reset_ptr) instead of a pool's: every launch leaves it 0, so replay after
+    # (launch._reset_slot) instead of a pool's: every launch leaves it 0, so replay after
     # replay, on one stream and on a second one (its own slot), hands out every item again.
     # (One policy scope for the whole test: a change of policy sends the next call through
     # the full path.)
