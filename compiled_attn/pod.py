@@ -79,6 +79,8 @@ class _PODBase(_WrapperBase):
     # plan fields that run() reads for no launch of a plan that launches as the last one
     # (_launches_as), each checked before a replay where it matters
     _PLAN_ONLY: frozenset = frozenset()
+    # the host arrays the last plan sent to the device, by name (_to_device)
+    _sent: dict | None = None
     # run()'s bound calls' free sizes (launch.Memo's free): the tensors whose first dimension
     # a bound call may replay at any size
     _FREE: tuple = ()
@@ -151,11 +153,14 @@ class _PODBase(_WrapperBase):
     def _to_device(self, host: dict, non_blocking: bool, old: dict | None) -> dict:
         """to_device of a plan's host arrays, into the last plan ``old``'s tensors where shapes
         match (_into). old is retired first: its tensors now take this plan's values, so a
-        plan() that raised later leaves no plan rather than compute the old one on them."""
+        plan() that raised later leaves no plan rather than compute the old one on them. An
+        array that is the very host object the last call sent (the decodes' cached lists,
+        _decode_lists) is not copied again: old's tensor holds it (to_device's sent)."""
+        sent, self._sent = self._sent, dict(host)
         if old is None:
             return to_device(host, self.device, non_blocking)
         self._plan = None
-        return to_device(host, self.device, non_blocking, _into(old))
+        return to_device(host, self.device, non_blocking, _into(old), sent)
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
         """run() without scales or custom masks as a bound launch (op_call.bound_run):

@@ -830,3 +830,32 @@ def test_replan_reuses_the_options_only_while_they_are_the_same(kind, monkeypatc
     assert len(made) == 6
     plan(window_left=1, sm_scale=0.5)
     assert len(made) == 6
+
+
+def test_pod_replans_send_the_decodes_cached_lists_once(monkeypatch):
+    # A serving step re-plans with the same decode batch size: the decodes' qo_indptr and work
+    # lists are the same host objects (_decode_lists) and are not copied again; the page
+    # table's arrays are. Batch sizes 4, 4, 3, 4, each plan's run() against the oracle.
+    from compiled_attn import _host
+
+    copies = []
+    copy_to = _host.copy_to
+    monkeypatch.setattr(_host, "copy_to", lambda t, *a: copies.append(t) or copy_to(t, *a))
+    hq, hkv, d, page = 4, 2, 8, 3
+    w = fi.PODWithPagedKVCacheWrapper(WS)
+    counts = []
+    for step, kv_d in enumerate([KV_D, [5, 0, 11, 2], [7, 1, 4], [3, 9, 0, 6]]):
+        cache, kvi, idx, last, ks, vs = make_paged(kv_d, hkv, d, d, page, seed=90 + step)
+        copies.clear()
+        w.plan(kvi, idx, last, hq, hkv, d, page, q_data_type=D64)
+        counts.append(len(copies))
+        q_p, k_p, v_p = (rand(6, hq, d, seed=91), rand(9, hkv, d, seed=92),
+                         rand(9, hkv, d, seed=93))
+        q_d = rand(len(kv_d), hq, d, seed=94 + step)
+        (o_p, o_d), (l_p, l_d) = w.run(q_p, k_p, v_p, q_d, cache, causal_p=True,
+                                       return_lse_p=True, return_lse_d=True)
+        _check_part(o_p, l_p, q_p, [6], [k_p], [v_p], causal=True)
+        _check_part(o_d, l_d, q_d, [1] * len(kv_d), ks, vs)
+        assert w._plan["qo_indptr"].tolist() == list(range(len(kv_d) + 1))
+    # the page table's three arrays alone on the second plan; everything on the others
+    assert counts[1] == 3 and counts[0] == counts[2] == counts[3] > 3, counts
