@@ -436,10 +436,23 @@ def check_total(name: str, host: torch.Tensor, total: int, what: str) -> None:
                          f"{name}[-1] must equal {what}")
 
 
+class LargestPage:
+    """A page table's largest index (``value``), and where it sits in the caller's indices
+    (``position()``, found only for an error message: one host op fewer a plan)."""
+
+    __slots__ = ("value", "_table", "_start")
+
+    def __init__(self, value: int, table: torch.Tensor, start: int):
+        self.value, self._table, self._start = value, table, start  # table: the host copy
+
+    def position(self) -> int:
+        """The first entry holding ``value``, counted in the caller's indices."""
+        return self._start + int(torch.argmax(self._table))
+
+
 def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: int, *,
                      names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"),
-                     hosts: dict | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     hosts: dict | None = None) -> tuple:
     """Checks a page table (indptr [B+1] already through host_indptr(start_zero=False), in
     pages).
 
@@ -451,7 +464,8 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
     one without (its kv_len is 0 either way). Returns host copies (host_copy's) of the same table
     from 0 (indptr - indptr[0], indices[indptr[0]:indptr[-1]]), last_page_len, and kv_len, a
     list [B] of (pages - 1) * page_size + last_page_len (0 without pages: the plans read the
-    lengths as lists). hosts: host_copy's.
+    lengths as lists), and the largest page index (a LargestPage; None without pages). hosts:
+    host_copy's.
     """
     ind_n, idx_n, last_n = names
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -466,10 +480,14 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                          "it are ignored)")
     check_int(last_n, check_tensor(last_n, last_page_len, shape=(b,), what="[batch_size]"))
     idx_h = host_copy(idx_n, indices, hosts=hosts, span=(start, used))
-    if idx_h.numel() and int(idx_h.min()) < 0:
-        i = int(torch.nonzero(idx_h < 0)[0, 0])
-        raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices must "
-                         "be >= 0")
+    largest = None
+    if idx_h.numel():
+        lo, hi = map(int, torch.aminmax(idx_h))  # (one host op for both bounds)
+        if lo < 0:
+            i = int(torch.nonzero(idx_h < 0)[0, 0])
+            raise ValueError(f"{idx_n}: entry {start + i} is {int(idx_h[i])}; page indices "
+                             "must be >= 0")
+        largest = LargestPage(hi, idx_h, start)
     last_h = host_copy(last_n, last_page_len, hosts=hosts)
     npages = lengths(ind)
     kv_len = []
@@ -480,28 +498,27 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
                              f"page_size = {page_size}; it counts the tokens in the request's "
                              "last page")
         kv_len.append((n - 1) * page_size + last if n > 0 else 0)
-    return indptr - start if start else indptr, idx_h, last_h, kv_len
+    return indptr - start if start else indptr, idx_h, last_h, kv_len, largest
 
 
 def page_table(names, indptr, indices, last_page_len, page_size: int, *,
                length: int | None = None, length_from: str | None = None,
                hosts: dict | None = None) -> tuple:
     """A page table's checked host copies from 0, its indptr possibly starting past 0 (as
-    FlashInfer's): host_indptr (start_zero=False) and check_page_table, with max_entry's
-    (position in the caller's indices, value) of the largest page index. names: the indptr,
-    indices and last_page_len arguments' names; length / length_from / hosts: host_indptr's.
-    Returns (indptr, indices, last_page_len, kv_lens (a list), max_page)."""
+    FlashInfer's): host_indptr (start_zero=False) and check_page_table, with its largest page
+    index (a LargestPage, None without pages). names: the indptr, indices and last_page_len
+    arguments' names; length / length_from / hosts: host_indptr's. Returns (indptr, indices,
+    last_page_len, kv_lens (a list), max_page)."""
     ind = host_indptr(names[0], indptr, length=length, start_zero=False,
                       length_from=length_from, hosts=hosts)
-    table = check_page_table(ind, indices, last_page_len, page_size, names=names, hosts=hosts)
-    return (*table, max_entry(table[1], int(ind[0])))
+    return check_page_table(ind, indices, last_page_len, page_size, names=names, hosts=hosts)
 
 
-def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_pages: int,
+def check_pages_in_cache(idx_name: str, largest: LargestPage | None, num_pages: int,
                          cache_name: str, indices: torch.Tensor) -> None:
-    """Every page index of a plan inside a cache of num_pages pages. max_entry = (position,
-    value) of the largest index (recorded by plan()); indices: the plan's page table on the
-    device. Traced (traced()), the host number would be a guard, so the device table is
+    """Every page index of a plan inside a cache of num_pages pages. largest: the plan's
+    largest index (check_page_table's, None without pages); indices: the plan's page table on
+    the device. Traced (traced()), the host number would be a guard, so the device table is
     checked by a device assert instead."""
     if traced():
         # (the message names no size: formatting a symbolic one would guard on it)
@@ -509,20 +526,11 @@ def check_pages_in_cache(idx_name: str, max_entry: tuple[int, int] | None, num_p
                      f"{idx_name}: an entry is outside {cache_name}'s pages; pass the cache the "
                      "plan's page table indexes, or re-plan with indices inside it")
         return
-    if max_entry is not None and max_entry[1] >= num_pages:
-        pos, val = max_entry
+    if largest is not None and largest.value >= num_pages:
+        pos, val = largest.position(), largest.value
         raise ValueError(f"{idx_name}: entry {pos} is {val} but {cache_name} has only "
                          f"{num_pages} pages (valid 0..{num_pages - 1}); pass the cache the plan's "
                          "page table indexes, or re-plan with indices inside it")
-
-
-def max_entry(idx_host: torch.Tensor, start: int = 0) -> tuple[int, int] | None:
-    """(position, value) of the largest page index of idx_host, the table's entries from
-    position ``start`` of the caller's indices (check_page_table's copy); None if empty."""
-    if idx_host.numel() == 0:
-        return None
-    pos = int(torch.argmax(idx_host))
-    return start + pos, int(idx_host[pos])
 
 
 def _positive_int(name: str, v) -> None:

@@ -433,13 +433,13 @@ def _cache_pages(paged_kv_cache) -> int | None:
     return c.shape[0] if isinstance(c, torch.Tensor) and c.dim() else None
 
 
-def pages_fit(max_page: tuple[int, int] | None, paged_kv_cache) -> bool:
-    """Whether a plan's largest page index (V.max_entry's (position, value), None without
+def pages_fit(max_page: V.LargestPage | None, paged_kv_cache) -> bool:
+    """Whether a plan's largest page index (V.check_page_table's, None without
     pages) is inside the cache argument, or nothing says it is not (a cache argument the full
     path will name as wrong): a replay skips run()'s checks, and its key does not hold the
     plan's page indices."""
     pages = _cache_pages(paged_kv_cache)
-    return pages is None or max_page is None or max_page[1] < pages
+    return pages is None or max_page is None or max_page.value < pages
 
 
 def _chunks_exact(p: _Plan, window_left: int, sinks) -> bool:

@@ -84,5 +84,25 @@ def test_host_copy_takes_the_gathered_copy_and_keeps_int32(cpu_as_device):
     for x, y in zip(with_hosts[:3], without[:3]):
         assert torch.equal(x, y)
     assert with_hosts[3] == without[3] == [16 + 16, 3]  # (kv lengths, a list)
-    assert with_hosts[4] == without[4] == (2, 3)
+    # (the largest page index, and its position in the caller's indices)
+    assert [(t.value, t.position()) for t in (with_hosts[4], without[4])] == [(3, 2)] * 2
     assert with_hosts[1].tolist() == [3, 1, 0]
+
+
+def test_to_device_skips_an_array_sent_before_into_its_tensor():
+    """sent: an array that is the very host object the previous call sent is not copied again
+    (into's tensor holds it); an equal array of another object, or one without a tensor in
+    into, is copied."""
+    arrays = _arrays()
+    dev = torch.device("cpu")
+    first = _host.to_device(arrays, dev, non_blocking=True)
+    same = arrays["work"]
+    equal = arrays["pages"].clone()
+    marked = {name: t.fill_(-7) if t is not None else None for name, t in first.items()}
+    again = _host.to_device(dict(arrays, pages=equal), dev, True, into=marked, sent=arrays)
+    assert again["work"] is marked["work"] and (again["work"] == -7).all()  # (not copied)
+    assert again["pages"] is marked["pages"]  # (copied into it: equal values, another object)
+    assert torch.equal(again["pages"].to(torch.int64), equal)
+    assert (again["qo_indptr"] == -7).all()  # (sent too)
+    no_into = _host.to_device(arrays, dev, True, into={}, sent=arrays)
+    assert torch.equal(no_into["work"], same)
