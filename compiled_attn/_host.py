@@ -42,10 +42,15 @@ def gather_host(*tensors) -> dict[int, torch.Tensor]:
     for group in groups.values():
         ts = list(group.values())
         wide = any(t.dtype != torch.int32 for t in ts)
-        flat = (ts[0] if len(ts) == 1 else torch.cat(ts)).detach().to(
+        # (integer tensors never require grad: nothing to detach; the parts are slices, each
+        # a view cheaper than split's)
+        flat = (ts[0] if len(ts) == 1 else torch.cat(ts)).to(
             "cpu", torch.int64 if wide else torch.int32)
-        for key, part in zip(group, flat.split([t.numel() for t in ts])):
-            out[key] = part
+        at = 0
+        for key, t in group.items():
+            n = t.numel()
+            out[key] = flat[at:at + n]
+            at += n
     return out
 
 

@@ -94,6 +94,7 @@ class _PODBase(_WrapperBase):
         self._plan = None
         self._use_cuda_graph = False
         self._options = LastOptions()  # (the last plan's options: _plan_options)
+        self._derived = None  # (those options, {key: a choice made from them}): _per_options
 
     def _options_key(self, args: dict):
         """What _plan_options' answer depends on (_plan_options.options_key): the option
@@ -109,8 +110,20 @@ class _PODBase(_WrapperBase):
         ALiBi of a plan without it). A serving step re-plans with the same options: the
         previous plan's answer is reused where its key (_options_key) is the same."""
         # (a copy: the plan dict is filled in)
-        return dict(self._options.get(self._options_key(args),
-                                      lambda: self._make_plan_options(args)))
+        made = self._options.get(self._options_key(args), lambda: self._make_plan_options(args))
+        if self._derived is None or self._derived[0] is not made:
+            self._derived = (made, {})
+        return dict(made)
+
+    def _per_options(self, key, make):
+        """make()'s answer for ``key``, kept while plan() reuses the last plan's options
+        (_plan_options): for the launch choices that read nothing but the options, the launch
+        policy and the device plans are made for (all in the options' key) and what ``key``
+        holds."""
+        known = self._derived[1]
+        if key not in known:
+            known[key] = make()
+        return known[key]
 
     def _make_plan_options(self, args: dict) -> dict:
         """_plan_options' answer, made from the arguments."""
@@ -160,7 +173,7 @@ class _PODBase(_WrapperBase):
         if old is None:
             return to_device(host, self.device, non_blocking)
         self._plan = None
-        return to_device(host, self.device, non_blocking, _into(old), sent)
+        return to_device(host, self.device, non_blocking, _into(old, host), sent)
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
         """run() without scales or custom masks as a bound launch (op_call.bound_run):
@@ -345,13 +358,15 @@ _SIDE_STREAMS = threading.local()
 _SAME_OBJECT = (torch.Tensor, dict, tuple)
 
 
-def _into(old: dict) -> dict:
-    """to_device's ``into`` from the last plan ``old``: its tensors by name, each object once
-    (an alias, e.g. a work list that is also the decodes' own, is written under its first
-    name alone)."""
+def _into(old: dict, names) -> dict:
+    """to_device's ``into`` from the last plan ``old`` for the arrays ``names`` (in the order
+    the plan wrote them, as old's fields): old's tensors by those names, each object once (an
+    alias, e.g. a work list that is also the decodes' own, is written under its first name
+    alone)."""
     seen = set()
     out = {}
-    for k, t in old.items():
+    for k in names:
+        t = old.get(k)
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             out[k] = t
@@ -454,18 +469,27 @@ def _chunk_tile(p: dict, apart: bool) -> int:
     return p["block_m_d"] if apart else p["block_m"]
 
 
-def _chunk_count(p: dict, qo_l: list, kv_lens: list, apart: bool) -> tuple[int, int, int]:
-    """(chunks a request, the SMs they are planned for, the launch's tile height) for plan p's
-    decodes, 0 chunks where they are not cut (_plan_chunks says when)."""
-    block_m = _chunk_tile(p, apart)
+def _chunk_sms(p: dict, apart: bool) -> int:
+    """The SMs plan p's decode key chunks are planned for (0: never cut), by the plan's
+    options alone: for the fused launch (ops.choose.pod_chunk_sms) or the decodes' own launch
+    apart (choose.decode_chunk_sms on their tile, block_m_d), where the chunks compute the
+    decodes exactly (_chunks_exact)."""
     if not _chunks_exact(p):
-        return 0, 0, block_m
+        return 0
     # (the plan's device, as pod_tile's)
-    sms = (choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"], block_m,
-                                   p["kv_dtype"], plain=True) if apart
-           else choose.pod_chunk_sms(p["fused_gluon"]))
+    return (choose.decode_chunk_sms(p["page_size"], p["head_dim"], p["head_dim"],
+                                    _chunk_tile(p, apart), p["kv_dtype"], plain=True) if apart
+            else choose.pod_chunk_sms(p["fused_gluon"]))
+
+
+def _chunk_count(p: dict, qo_l: list, kv_lens: list, apart: bool,
+                 sms: int | None = None) -> tuple[int, int, int]:
+    """(chunks a request, the SMs they are planned for, the launch's tile height) for plan p's
+    decodes, 0 chunks where they are not cut (_plan_chunks says when); sms: _chunk_sms's
+    answer where the caller has it."""
+    sms = _chunk_sms(p, apart) if sms is None else sms
     n = sms and planned_chunk_count(qo_l, kv_lens, p["num_kv_heads"], sms, pod_fused=not apart)
-    return n, sms, block_m
+    return n, sms, _chunk_tile(p, apart)
 
 
 # A CUDA-graph POD plan's chunk arrays that depend on its batch size and chunk count alone
@@ -497,7 +521,7 @@ def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device,
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
                  qo_l: list, kv_lens: list, device: torch.device, *,
-                 apart: bool, non_blocking: bool = True) -> dict | None:
+                 apart: bool, non_blocking: bool = True, sms: int | None = None) -> dict | None:
     """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
     outputs run() merges (_call's cut), in as many chunks as schedule.planned_chunk_count
@@ -509,8 +533,9 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     alone would. Only where the chunks compute the decodes exactly (_chunks_exact).
     qo_h / ind_h / last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l /
     kv_lens: its query rows and keys per request. The dict holds _chunk_tensors' device
-    arrays and the numbers choose.pod_cut reads (sms, longest)."""
-    n, sms, block_m = _chunk_count(p, qo_l, kv_lens, apart)
+    arrays and the numbers choose.pod_cut reads (sms, longest). sms: _chunk_sms's answer
+    where the caller has it."""
+    n, sms, block_m = _chunk_count(p, qo_l, kv_lens, apart, sms)
     if not n:
         return None
     return dict(_chunk_tensors(p, qo_h, ind_h, last_h, n, block_m, device,
@@ -519,12 +544,13 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
 
 
 def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
-                      device, non_blocking: bool = True) -> None:
+                      device, non_blocking: bool = True, sms: tuple | None = None) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
-    decodes' own launch."""
-    for key, apart in _CHUNK_KEYS:
+    decodes' own launch (sms: their _chunk_sms, in _CHUNK_KEYS' order, where the caller has
+    them)."""
+    for i, (key, apart) in enumerate(_CHUNK_KEYS):
         p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, sms=None if sms is None else sms[i])
 
 
 def _prefill_tiles(p: dict, qo_len: int) -> int:
@@ -744,8 +770,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         rows = [1] * b  # (a decode is a one-row request)
         # The decodes' own tile when they run as a launch of their own (pod_apart): where the
         # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
-        p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size, rows,
-                                                p["block_m"], p["kv_dtype"])
+        # (rows of one: the tile reads whether there are any, beside the options)
+        p["block_m_d"] = self._per_options(("block_m_d", b > 0), lambda: choose.pod_decode_tile(
+            p["head_dim"], p["group"], page_size, rows, p["block_m"], p["kv_dtype"]))
         qo_h, work_d, work_d_apart, p["part_rows_d"] = self._decode_lists(b, p)
         host = dict(qo_indptr=qo_h, work_d=work_d, work_d_apart=work_d_apart)
         if self._use_cuda_graph:
@@ -788,7 +815,10 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
-            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking)
+            sms = self._per_options(("chunk_sms", p["block_m_d"]), lambda: tuple(
+                _chunk_sms(p, apart) for _, apart in _CHUNK_KEYS))
+            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking,
+                              sms)
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p, old)
 
