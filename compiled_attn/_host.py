@@ -67,19 +67,26 @@ def to_device(arrays: dict, device: torch.device, non_blocking: bool,
     int32, the copy goes into it, on the current stream, and it is returned (a re-plan of the
     same shapes keeps its tensors, and with them the launches bound to them). sent: the host
     arrays that into's tensors were last written from, by name (the caller's record of the
-    previous call's ``arrays``): where an array is that very object, which its maker never
-    writes after (a plan's cached host lists), into's tensor already holds it and is returned
-    without a copy (each copy costs a GPU host ~6-13 us)."""
+    previous call's ``arrays``, which no one writes after): where an array is that very
+    object (a plan's cached host lists) or holds the same values (a decode step's page table
+    until a request takes a new page), into's tensor already holds it and is returned
+    without a copy (each copy costs a GPU host ~6-13 us; comparing a host array a few)."""
     out = {}
     for name, t in arrays.items():
         prev = None if into is None else into.get(name)
         if t is None:
             out[name] = None
-        elif sent is not None and prev is not None and sent.get(name) is t:
+        elif prev is not None and sent is not None and _same(sent.get(name), t):
             out[name] = prev
         else:
             out[name] = copy_to(t, device, torch.int32, non_blocking, prev)
     return out
+
+
+def _same(old: torch.Tensor | None, t: torch.Tensor) -> bool:
+    """Whether host array t is old or holds old's values (shape and dtype too)."""
+    return old is t or (old is not None and old.shape == t.shape and old.dtype == t.dtype
+                        and torch.equal(old, t))
 
 
 def copy_to(t: torch.Tensor, device: torch.device, dtype: torch.dtype, non_blocking: bool,

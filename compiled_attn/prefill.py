@@ -501,6 +501,8 @@ class _BatchPrefillBase(_WrapperBase):
     constructor takes (besides qo_indptr_buf and the mask buffers)."""
 
     _KV_BUFS: tuple[str, ...] = ()
+    # the host arrays the last plans sent to the device, by name (_to_device)
+    _sent: dict | None = None
 
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, index_bufs: dict,
                      custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs,
@@ -779,7 +781,12 @@ class _BatchPrefillBase(_WrapperBase):
         if self._plan is not None:
             self._retired, self._plan = self._plan, None
         into = None if self._retired is None else self._retired.__dict__
-        return to_device(arrays, self.device, non_blocking, into)
+        # (an array the last plan sent with the same values is not copied again: to_device's
+        # sent, by name over both of a plan's calls, whose names differ; e.g. a decode step's
+        # page table until a request takes a new page)
+        sent = self._sent
+        self._sent = {**(sent or {}), **arrays}
+        return to_device(arrays, self.device, non_blocking, into, sent)
 
     def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:

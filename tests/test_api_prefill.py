@@ -883,3 +883,30 @@ def test_replan_reuses_the_options_only_while_they_are_the_same(paged, monkeypat
     assert torch.equal(got, fresh_run())
     plan(window_left=1, sm_scale=0.5, kv_data_type="float32")  # (q's dtype, named)
     assert len(made) == 6 and w._plan.kv_dtype == torch.float32  # (5: the fresh wrapper)
+
+
+def test_paged_replans_copy_only_the_arrays_that_changed(monkeypatch):
+    # A decode step re-plans with the page table it had until a request takes a new page:
+    # arrays holding the last plan's values are not copied again (_host.to_device's sent),
+    # and every plan computes its own table's answer. Plans: a table; the same values in new
+    # tensors; the same lengths on other pages; a table one entry longer.
+    from compiled_attn import _host
+
+    copies = []
+    copy_to = _host.copy_to
+    monkeypatch.setattr(_host, "copy_to", lambda t, *a: copies.append(t) or copy_to(t, *a))
+    page, hq, hkv, d = 3, 4, 2, 8
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    counts = []
+    for seed, kv in ((20, [5, 9, 1]), (20, [5, 9, 1]), (21, [5, 9, 1]), (22, [5, 10, 1])):
+        cache, kvi, idx, last, ks, vs = make_paged(kv, hkv, d, d, page, seed=seed)
+        q = rand(len(kv), hq, d, seed=seed + 1)
+        copies.clear()
+        w.plan(indptr([1] * len(kv)), kvi.clone(), idx.clone(), last.clone(), hq, hkv, d, page,
+               q_data_type=D64)
+        counts.append(len(copies))
+        out, lse = w.run(q, cache, return_lse=True)
+        check(out, lse, *dense_batch(q, [1] * len(kv), ks, vs))
+    # nothing new on the second plan; the page indices alone on the third; the fourth's table,
+    # one entry longer, and its lengths
+    assert counts[1] == 0 and counts[2] == 1 and counts[3] >= 3 and counts[0] >= 4, counts

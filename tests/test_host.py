@@ -90,19 +90,23 @@ def test_host_copy_takes_the_gathered_copy_and_keeps_int32(cpu_as_device):
 
 
 def test_to_device_skips_an_array_sent_before_into_its_tensor():
-    """sent: an array that is the very host object the previous call sent is not copied again
-    (into's tensor holds it); an equal array of another object, or one without a tensor in
-    into, is copied."""
+    """sent: an array that is the very host object the previous call sent, or holds its
+    values, is not copied again (into's tensor holds them); an array of other values, shape
+    or dtype, or one without a tensor in into, is copied."""
     arrays = _arrays()
     dev = torch.device("cpu")
     first = _host.to_device(arrays, dev, non_blocking=True)
-    same = arrays["work"]
-    equal = arrays["pages"].clone()
+    # (the device tensors marked, so that a skipped copy shows)
     marked = {name: t.fill_(-7) if t is not None else None for name, t in first.items()}
-    again = _host.to_device(dict(arrays, pages=equal), dev, True, into=marked, sent=arrays)
-    assert again["work"] is marked["work"] and (again["work"] == -7).all()  # (not copied)
-    assert again["pages"] is marked["pages"]  # (copied into it: equal values, another object)
-    assert torch.equal(again["pages"].to(torch.int64), equal)
-    assert (again["qo_indptr"] == -7).all()  # (sent too)
+    changed = arrays["work"].clone()
+    changed[0, 0] += 1
+    new = dict(arrays, pages=arrays["pages"].clone(), work=changed,
+               small=arrays["small"].to(torch.int32))
+    again = _host.to_device(new, dev, True, into=marked, sent=arrays)
+    for name in ("qo_indptr", "pages", "empty"):  # (the same object; equal values; empty)
+        assert again[name] is marked[name] and (again[name] == -7).all(), name
+    for name in ("work", "small"):  # (a value changed; another dtype)
+        assert again[name] is marked[name], name
+        assert torch.equal(again[name].to(torch.int64), new[name].to(torch.int64)), name
     no_into = _host.to_device(arrays, dev, True, into={}, sent=arrays)
-    assert torch.equal(no_into["work"], same)
+    assert torch.equal(no_into["pages"].to(torch.int64), arrays["pages"])
