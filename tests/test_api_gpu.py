@@ -451,7 +451,7 @@ def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
             (reads if self.device.type == "cpu" else writes).append(src.dtype)
         return real_copy(self, src, *args, **kwargs)
 
-    def counted(plan):
+    def counted(plan, writes_any=True):
         reads.clear()
         writes.clear()
         monkeypatch.setattr(torch.Tensor, "to", counting_to)
@@ -462,8 +462,10 @@ def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
             monkeypatch.setattr(torch.Tensor, "to", real_to)
             monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
         # (index arrays int32 on the host; a float32 write is the ALiBi slopes, made once a
-        # process and heads count)
-        assert torch.int32 in writes and set(writes) <= {torch.int32, torch.float32}, writes
+        # process and heads count; writes_any False: a re-plan of the last plan's values,
+        # which writes nothing, _host.to_device's sent)
+        assert (torch.int32 in writes) == writes_any, writes
+        assert set(writes) <= {torch.int32, torch.float32}, writes
         return len(reads)
 
     ws = torch.empty(1, device="cuda")
@@ -475,8 +477,10 @@ def test_plans_read_their_index_arrays_in_one_copy_and_write_int32(monkeypatch):
     rw = compiled_attn.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
     assert counted(lambda: rw.plan(_indptr(qo).cuda(), _indptr(kv).cuda(), hq, hkv, d,
                                    causal=True, q_data_type=torch.bfloat16)) == 1
-    # host index arrays: nothing to read back
+    # host index arrays: nothing to read back; and the last plan's values: nothing to write
     assert counted(lambda: rw.plan(_indptr(qo), _indptr(kv), hq, hkv, d, causal=True,
+                                   q_data_type=torch.bfloat16), writes_any=False) == 0
+    assert counted(lambda: rw.plan(_indptr(qo), _indptr(kv[::-1]), hq, hkv, d, causal=True,
                                    q_data_type=torch.bfloat16)) == 0
     dp, di, dl = _page_table([77, 1, 200, 33], page, pages, g)
     dw = compiled_attn.PODWithPagedKVCacheWrapper(ws, "NHD")
