@@ -86,6 +86,9 @@ def _inputs(dev):
         idx=perm.to(dev), last=torch.full((NREQ,), PAGE, dtype=torch.int32, device=dev),
         # a second page order: plan cases alternate the two, as a serving step's tables change
         idx2=torch.randperm(pages, generator=g).to(torch.int32).to(dev),
+        # ...and a second split of the ragged keys (the same total), for the ragged plan case
+        kvo2=torch.tensor([0] + [LEN * i + 16 for i in range(1, NREQ)] + [NREQ * LEN],
+                          dtype=torch.int32, device=dev),
         qd=rnd(NREQ, HQ, D), qo_d=torch.arange(NREQ + 1, dtype=torch.int32, device=dev),
         layers=[dict(q=rnd(n, HQ, D), cache=rnd(pages, 2, PAGE, HKV, D), q1=rnd(LEN, HQ, D),
                      k1=rnd(LEN, HKV, D), v1=rnd(LEN, HKV, D), qd=rnd(NREQ, HQ, D))
@@ -125,15 +128,17 @@ def _wrappers(mod, x, dev, name, single_backend="auto"):
 
 def _plans(mod, x, dev, name):
     """Zero-argument plan() calls of module ``mod``'s wrappers (each its own wrapper, so that
-    no run() case's plan changes), alternating two page orders."""
+    no run() case's plan changes), alternating two page orders (ragged: two splits of its
+    keys), so that each plan writes new index arrays."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     kw = {"backend": "fa2"} if name == "flashinfer" else {}
     rw = mod.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", **kw)
     pw = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", **kw)
     dw = mod.PODWithPagedKVCacheWrapper(ws, "NHD")
     calls = {
-        "ragged_plan": lambda idx: rw.plan(x["qo"], x["qo"], HQ, HKV, D, causal=True,
-                                           q_data_type=DT),
+        # (ragged: two splits of the same keys in turn, as the others' two page orders)
+        "ragged_plan": lambda idx: rw.plan(x["qo"], x["qo"] if idx is x["idx"] else x["kvo2"],
+                                           HQ, HKV, D, causal=True, q_data_type=DT),
         "paged_plan": lambda idx: pw.plan(x["qo"], x["kvi"], idx, x["last"], HQ, HKV, D, PAGE,
                                           causal=True, q_data_type=DT),
         "pod_plan": lambda idx: dw.plan(x["kvi"], idx, x["last"], HQ, HKV, D, PAGE,
