@@ -51,6 +51,10 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
     # of their keys, longest first (reverse keeps ties in request order)
     order = [b for b in sorted(range(len(qo)), key=kv.__getitem__, reverse=True) if qo[b]]
     if max(qo, default=0) * group_size <= block_m:  # a tile a request (decode rows)
+        if len(order) <= 128:  # (one op from a flat list; a longer list converts slower)
+            for b in order:
+                flat += (b, 0)
+            return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
         work = torch.zeros((len(order), 2), dtype=torch.int32)
         work[:, 0] = torch.tensor(order, dtype=torch.int32)
         return work.to(device)

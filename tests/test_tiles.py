@@ -101,6 +101,22 @@ def test_work_order_groups_requests_heaviest_first():
     assert sorted(w) == sorted([b, row] for b, n in enumerate(qo) for row in range(0, n, 64))
 
 
+@pytest.mark.parametrize("n", [5, 128, 129, 300])
+def test_decode_work_lists_one_tile_a_request_by_keys(n):
+    # Decode rows (a tile a request), built from a flat list up to 128 requests and as a
+    # tensor beyond: requests by their keys, longest first (ties in request order), a request
+    # without rows left out, row 0 each.
+    from compiled_attn.ops.schedule import build_work
+
+    g = torch.Generator().manual_seed(n)
+    kv = torch.randint(0, 50, (n,), generator=g).tolist()
+    qo = [0 if b % 7 == 3 else 1 for b in range(n)]
+    w = build_work(qo, 4, 64, kv_lens=kv)
+    assert w.dtype == torch.int32 and w.shape == (n - qo.count(0), 2)
+    want = sorted((b for b in range(n) if qo[b]), key=lambda b: (-kv[b], b))
+    assert w[:, 0].tolist() == want and not w[:, 1].any()
+
+
 def test_eager_allocator_installed_only_when_none_is_set():
     # Descriptor launches need Triton's scratch allocator; an allocator the caller set wins.
     import triton
