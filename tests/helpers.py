@@ -436,6 +436,17 @@ def check_counters(expected_kinds: dict, layers=LAYERS):
         assert c[k] == v, (k, dict(c))
 
 
+def counted_copies(monkeypatch) -> list:
+    """The host arrays plan() copies to the device (compiled_attn._host.copy_to's), appended
+    as they are copied: clear the list before a plan, read it after."""
+    from compiled_attn import _host
+
+    copies = []
+    copy_to = _host.copy_to
+    monkeypatch.setattr(_host, "copy_to", lambda t, *a: copies.append(t) or copy_to(t, *a))
+    return copies
+
+
 def poisoned_tail(idx: torch.Tensor, n_pages: int) -> torch.Tensor:
     """idx followed by entries a kernel must never read: -1, a page past the cache, int32 max
     (a pre-allocated buffer sized for a larger batch)."""

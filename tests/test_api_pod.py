@@ -9,8 +9,8 @@ import torch
 
 import compiled_attn as fi
 
-from .helpers import (D64, WS, check, check_pod_launch, dense, dense_batch, indptr, make_paged,
-                      pack_segments, poisoned_tail, rand)
+from .helpers import (D64, WS, check, check_pod_launch, counted_copies, dense, dense_batch,
+                      indptr, make_paged, pack_segments, poisoned_tail, rand)
 
 KV_D = [13, 1, 8, 0]  # decode KV lengths, an empty one included
 
@@ -836,11 +836,7 @@ def test_pod_replans_send_the_decodes_cached_lists_once(monkeypatch):
     # A serving step re-plans with the same decode batch size: the decodes' qo_indptr and work
     # lists are the same host objects (_decode_lists) and are not copied again; the page
     # table's arrays are. Batch sizes 4, 4, 3, 4, each plan's run() against the oracle.
-    from compiled_attn import _host
-
-    copies = []
-    copy_to = _host.copy_to
-    monkeypatch.setattr(_host, "copy_to", lambda t, *a: copies.append(t) or copy_to(t, *a))
+    copies = counted_copies(monkeypatch)
     hq, hkv, d, page = 4, 2, 8, 3
     w = fi.PODWithPagedKVCacheWrapper(WS)
     counts = []

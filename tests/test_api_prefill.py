@@ -12,7 +12,8 @@ import torch
 
 import compiled_attn as fi
 
-from .helpers import D64, WS, check, dense, dense_batch, indptr, make_paged, paged_graph_bufs, rand
+from .helpers import (D64, WS, check, counted_copies, dense, dense_batch, indptr, make_paged,
+                      paged_graph_bufs, rand)
 from tests.helpers import batch_invariance, check_fixed_split_plan, poisoned_tail, ragged_kv  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
@@ -890,11 +891,7 @@ def test_paged_replans_copy_only_the_arrays_that_changed(monkeypatch):
     # arrays holding the last plan's values are not copied again (_host.to_device's sent),
     # and every plan computes its own table's answer. Plans: a table; the same values in new
     # tensors; the same lengths on other pages; a table one entry longer.
-    from compiled_attn import _host
-
-    copies = []
-    copy_to = _host.copy_to
-    monkeypatch.setattr(_host, "copy_to", lambda t, *a: copies.append(t) or copy_to(t, *a))
+    copies = counted_copies(monkeypatch)
     page, hq, hkv, d = 3, 4, 2, 8
     w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
     counts = []
