@@ -168,7 +168,8 @@ class _PODBase(_WrapperBase):
         match (_into). old is retired first: its tensors now take this plan's values, so a
         plan() that raised later leaves no plan rather than compute the old one on them. An
         array that is the very host object the last call sent (the decodes' cached lists,
-        _decode_lists) is not copied again: old's tensor holds it (to_device's sent)."""
+        _decode_lists) or holds its values is not copied again: old's tensor holds it
+        (to_device's sent)."""
         sent, self._sent = self._sent, dict(host)
         if old is None:
             return to_device(host, self.device, non_blocking)

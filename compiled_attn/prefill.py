@@ -434,10 +434,10 @@ def _cache_pages(paged_kv_cache) -> int | None:
 
 
 def pages_fit(max_page: V.LargestPage | None, paged_kv_cache) -> bool:
-    """Whether a plan's largest page index (V.check_page_table's, None without
-    pages) is inside the cache argument, or nothing says it is not (a cache argument the full
-    path will name as wrong): a replay skips run()'s checks, and its key does not hold the
-    plan's page indices."""
+    """Whether a plan's largest page index (V.check_page_table's, None without pages) is
+    inside the cache argument, or nothing says it is not (a cache argument the full path will
+    name as wrong): a replay skips run()'s checks, and its key does not hold the plan's page
+    indices."""
     pages = _cache_pages(paged_kv_cache)
     return pages is None or max_page is None or max_page.value < pages
 
