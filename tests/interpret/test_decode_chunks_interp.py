@@ -226,3 +226,25 @@ def test_chunked_decode_takes_a_strided_head_dim():
     o1, l1 = w.run(q, cache, return_lse=True)
     o2, l2 = w.run(q2, cache, return_lse=True)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+def test_replans_between_cut_and_uncut_plans_compute_each_plans_numbers():
+    """One wrapper re-planned through cut, uncut and cut plans of the same and of other
+    values (a plan copies only the index arrays whose values the last plan did not write,
+    the chunk arrays included: _host.to_device's sent): each run() gives a fresh wrapper's
+    bits for that plan."""
+    qo, kv, page, hq, hkv, causal, dt = CASES["odd"]
+    q = rand(sum(qo), hq, 16, seed=60, dtype=dt)
+    w = ca.BatchPrefillWithPagedKVCacheWrapper(WS, "NHD")
+    steps = [("always", kv, 61), ("always", kv, 61), ("off", kv, 61), ("always", kv, 61),
+             ("always", [37, 20, 0, 63, 5], 62)]
+    for mode, lens, seed in steps:
+        cache, kvi, idx, last, _, _ = make_paged(lens, hkv, 16, 16, page, seed=seed, dtype=dt)
+        with override(decode_chunks=mode, decode_chunk_min_keys=8):
+            w.plan(indptr(qo), kvi, idx, last, hq, hkv, 16, page, causal=causal,
+                   q_data_type=dt)
+            fresh, *_ = _wrapper(qo, lens, page, hq, hkv, causal, dt, mode, seed=seed)
+        assert (w._plan.chunk_work is None) == (mode == "off")
+        got, want = w.run(q, cache, return_lse=True), fresh.run(q, cache, return_lse=True)
+        for a, b in zip(got, want):
+            assert not a.isnan().any() and torch.equal(a, b), (mode, lens)
