@@ -79,8 +79,6 @@ class _PODBase(_WrapperBase):
     # plan fields that run() reads for no launch of a plan that launches as the last one
     # (_launches_as), each checked before a replay where it matters
     _PLAN_ONLY: frozenset = frozenset()
-    # the host arrays the last plan sent to the device, by name (_to_device)
-    _sent: dict | None = None
     # run()'s bound calls' free sizes (launch.Memo's free): the tensors whose first dimension
     # a bound call may replay at any size
     _FREE: tuple = ()
@@ -169,12 +167,11 @@ class _PODBase(_WrapperBase):
         plan() that raised later leaves no plan rather than compute the old one on them. An
         array that is the very host object the last call sent (the decodes' cached lists,
         _decode_lists) or holds its values is not copied again: old's tensor holds it
-        (to_device's sent)."""
-        sent, self._sent = self._sent, dict(host)
+        (_send)."""
         if old is None:
-            return to_device(host, self.device, non_blocking)
+            return self._send(host, non_blocking, None)
         self._plan = None
-        return to_device(host, self.device, non_blocking, _into(old, host), sent)
+        return self._send(host, non_blocking, _into(old, host))
 
     def _bound(self, inputs: tuple, options: tuple, lse_p: bool, lse_d: bool, full):
         """run() without scales or custom masks as a bound launch (op_call.bound_run):
@@ -1128,11 +1125,9 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         known = self._classes.get(key)
         if known is None:
             mask_bytes = (qo_len * kv_len + 7) // 8 if masked else None
-            part = self._parts.get((qo_len, kv_len, mask_bytes))
-            if part is None:
-                if self._capturing():
-                    return None
-                part = self._eager_part(qo_len, kv_len, mask_bytes)
+            if (qo_len, kv_len, mask_bytes) not in self._parts and self._capturing():
+                return None  # (a capture makes no eager part)
+            part = self._eager_part(qo_len, kv_len, mask_bytes)
             cls = self._launch_class(qo_len, kv_len, opts, masked)
             if cls is None:
                 return None

@@ -477,6 +477,19 @@ class _WrapperBase:
     def end_forward(self) -> None:
         """Deprecated in FlashInfer; nothing to release."""
 
+    # the host arrays the wrapper's plans last sent to the device, by name (_send)
+    _sent: dict | None = None
+
+    def _send(self, arrays: dict, non_blocking: bool, into: dict | None) -> dict:
+        """_host.to_device of a plan's host arrays ({name: host array or None}), into the
+        last plan's tensors ``into`` by name where shapes match; an array holding the values
+        the wrapper last sent under its name is not copied again (to_device's sent; e.g. a
+        decode step's page table until a request takes a new page). The record is by name
+        over every call, so a plan may send its arrays in several calls of distinct names."""
+        sent = self._sent
+        self._sent = {**(sent or {}), **arrays}
+        return to_device(arrays, self.device, non_blocking, into, sent)
+
 
 def _copy_padded(buf: torch.Tensor, src: torch.Tensor, fill, non_blocking: bool):
     """buf's first len(src) entries (rows) become src and every later one ``fill`` (a number
@@ -501,8 +514,6 @@ class _BatchPrefillBase(_WrapperBase):
     constructor takes (besides qo_indptr_buf and the mask buffers)."""
 
     _KV_BUFS: tuple[str, ...] = ()
-    # the host arrays the last plans sent to the device, by name (_to_device)
-    _sent: dict | None = None
 
     def _init_common(self, float_workspace_buffer, kv_layout, use_cuda_graph, index_bufs: dict,
                      custom_mask_buf, mask_indptr_buf, backend, jit_args, jit_kwargs,
@@ -780,13 +791,8 @@ class _BatchPrefillBase(_WrapperBase):
         FlashInfer's plan() writes its workspace."""
         if self._plan is not None:
             self._retired, self._plan = self._plan, None
-        into = None if self._retired is None else self._retired.__dict__
-        # (an array the last plan sent with the same values is not copied again: to_device's
-        # sent, by name over both of a plan's calls, whose names differ; e.g. a decode step's
-        # page table until a request takes a new page)
-        sent = self._sent
-        self._sent = {**(sent or {}), **arrays}
-        return to_device(arrays, self.device, non_blocking, into, sent)
+        return self._send(arrays, non_blocking,
+                          None if self._retired is None else self._retired.__dict__)
 
     def _forward_options(self, *, causal, pos_encoding_mode, use_fp16_qk_reduction,
                          window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta) -> None:

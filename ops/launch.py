@@ -716,6 +716,12 @@ def _reset_slot(device: torch.device, stream: int) -> tuple:
     return slot
 
 
+def _sizes(tensors: list, free) -> list:
+    """The free sizes of a call's tensors: the first dimension of those at positions free
+    (Memo's free)."""
+    return [tensors[i].shape[0] for i in free]
+
+
 def pointers(tensors: list, outs: list, tmps: list, ptrs: list | None = None) -> list:
     """Bound.launch's pointers: the data_ptr() of a call's tensors (ptrs where the caller has
     them), then of its outputs, then its scratch's (tmps: their addresses), in order."""
@@ -758,7 +764,7 @@ class Bound:
         # pointers; a descriptor over such a tensor is expanded with them (_Direct's rows). The
         # bound call is ``generic`` (replays any sizes) once Memo.record found a recording at
         # other sizes the same but for them (same_but_sizes).
-        self.sizes = [tensors[i].shape[0] for i in free]
+        self.sizes = _sizes(tensors, free)
         self.generic = False
         self._ptrs = [t.data_ptr() for t in tensors]
         self._spans = None  # (each tensor's span, made where a pointer is none of theirs)
@@ -1308,7 +1314,7 @@ class Memo:
             bound = self._bound.get(key)
         except TypeError:  # an argument that is no tensor and no plain value: unhashable
             return None
-        sizes = [tensors[i].shape[0] for i in self._free] if self._free else None
+        sizes = _sizes(tensors, self._free) if self._free else None
         if isinstance(bound, Bound) and sizes is not None and sizes != bound.sizes \
                 and not bound.generic:
             # (the key's newest bound call is at other sizes: this call's own, if bound)
@@ -1327,13 +1333,11 @@ class Memo:
             return None
         if self._free:
             if sizes is None:
-                sizes = [tensors[i].shape[0] for i in self._free]
+                sizes = _sizes(tensors, self._free)
             if sizes != bound.sizes and not bound.generic:
                 return None
-            self.hits += 1
-            return bound.replay(tensors, ptrs, sizes)
         self.hits += 1
-        return bound.replay(tensors, ptrs)
+        return bound.replay(tensors, ptrs, sizes)
 
     def _file_sizes(self, key, bound: Bound) -> None:
         """Before a new bound call of a memo with free sizes goes under key (the key's
