@@ -419,3 +419,25 @@ def test_prefill_refuses_cuda_graph_capture(monkeypatch):
     x = torch.randn(4, 2, D)
     with pytest.raises(NotImplementedError, match="CUDA-graph capture"):
         cp.prefill(x, x, x, group=None, causal=True)
+
+
+def _abort_once(rank, world, attempt):
+    """Rank 1 aborts the first time the group is spawned (a marker file named by the
+    CP_ABORT_ONCE environment variable, which the spawned ranks inherit); then every rank
+    records one passing check."""
+    import os
+
+    marker = os.environ["CP_ABORT_ONCE"]
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    attempt("ran", lambda: None)
+
+
+def test_run_ranks_spawns_a_crashed_group_once_more(tmp_path, monkeypatch):
+    """A rank killed by a signal costs one re-spawn, with a warning naming the signal; the
+    second spawn's results are the ones returned."""
+    monkeypatch.setenv("CP_ABORT_ONCE", str(tmp_path / "aborted"))
+    with pytest.warns(UserWarning, match="died by SIGABRT"):
+        assert run_ranks(_abort_once, 2) == {"ran": None}
+    assert (tmp_path / "aborted").exists()
