@@ -64,13 +64,21 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
         if end <= block_m:  # one tile (a decode row beside longer requests)
             flat += (b, 0)
             continue
-        # each tile weighed by the keys its last row may see (the causal bound), heaviest
-        # first; the sort is stable, so equal tiles stay in row order
-        tiles = [(min(k, k - n + min(row + block_m, end) // group_size), row)
-                 for row in range(0, end, block_m)]
-        tiles.sort(key=_neg_weight)
-        for _, row in tiles:
-            flat += (b, row)
+        # each tile weighed by the keys its last row may see (the causal bound,
+        # k - n + 1 + its last token, at most k), heaviest first; the sort is stable, so
+        # equal tiles stay in row order
+        if block_m >= group_size:
+            # a tile's last token is past the tile before's, so the weights rise with the
+            # row: heaviest first is the rows in reverse (no sort)
+            rows = range((end - 1) // block_m * block_m, -1, -block_m)
+        else:
+            tiles = [(min(k, k - n + min(row + block_m, end) // group_size), row)
+                     for row in range(0, end, block_m)]
+            tiles.sort(key=_neg_weight)
+            rows = [row for _, row in tiles]
+        seg = [b] * (2 * len(rows))
+        seg[1::2] = rows
+        flat += seg
     return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
 
 

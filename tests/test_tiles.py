@@ -101,6 +101,29 @@ def test_work_order_groups_requests_heaviest_first():
     assert sorted(w) == sorted([b, row] for b, n in enumerate(qo) for row in range(0, n, 64))
 
 
+@pytest.mark.parametrize("group,block_m", [(1, 16), (4, 64), (7, 32), (8, 128), (32, 16)])
+def test_work_order_is_the_weight_sort(group, block_m):
+    # The order by its definition: requests by their keys, longest first (ties in request
+    # order), each request's tiles by the keys their last row may see (the causal bound
+    # min(k, k - n + 1 + last token)), heaviest first, equal weights in row order (a stable
+    # sort). build_work skips the sort where the tile is at least a group high; a group of 32
+    # over a 16-row tile gives equal weights (two tiles a token).
+    from compiled_attn.ops.schedule import build_work
+
+    g = torch.Generator().manual_seed(group * 1000 + block_m)
+    for _ in range(20):
+        b = int(torch.randint(1, 6, (1,), generator=g))
+        qo = torch.randint(0, 90, (b,), generator=g).tolist()
+        kv = [max(0, n + d) for n, d in zip(qo, torch.randint(-40, 40, (b,), generator=g).tolist())]
+        want = []
+        for r in sorted(range(b), key=lambda r: -kv[r]):
+            n, k, end = qo[r], kv[r], qo[r] * group
+            tiles = [(min(k, k - n + min(row + block_m, end) // group), row)
+                     for row in range(0, end, block_m)]
+            want += [[r, row] for _, row in sorted(tiles, key=lambda t: -t[0])]
+        assert build_work(qo, group, block_m, kv_lens=kv).tolist() == want, (qo, kv)
+
+
 @pytest.mark.parametrize("n", [5, 128, 129, 300])
 def test_decode_work_lists_one_tile_a_request_by_keys(n):
     # Decode rows (a tile a request), built from a flat list up to 128 requests and as a
