@@ -411,9 +411,10 @@ def table_with_room(idx_h: torch.Tensor, have: int | None, b: int,
     """A re-plan's page table idx_h ``[n]`` (host; b requests), padded with page 0 to the
     length ``have`` of the last plan's table where that holds it, is not over twice as long,
     and launches as a table of n entries (choose.page_table_capacity); else, once the table
-    outgrows it, to about n + n / 8: requests grow a page now and then, and a table of the
-    same length is written into the last one's tensor (to_device's into), keeping the calls
-    bound to it. The first plan's table (have None), and an empty one, are exact. The kernels
+    outgrows it, to about n + n / 2 (at least 64 more): requests grow a page now and then,
+    and a table of the same length is written into the last one's tensor (to_device's into),
+    keeping the calls bound to it; growing by half, a table that grows k-fold takes about
+    log(k) / log(1.5) new tensors (each costs the step's first run() a recording). The first plan's table (have None), and an empty one, are exact. The kernels
     read only the requests' entries; the tail is a valid page for the traced checks of the
     whole table."""
     n = idx_h.numel()
@@ -421,7 +422,7 @@ def table_with_room(idx_h: torch.Tensor, have: int | None, b: int,
         return idx_h
     if not (n <= have <= 2 * n + 64
             and page_table_capacity(n, have, page_size, b) == have):
-        have = page_table_capacity(n, n + max(n // 8, 64), page_size, b)
+        have = page_table_capacity(n, n + max(n // 2, 64), page_size, b)
     return idx_h if have == n else torch.cat([idx_h, idx_h.new_zeros(have - n)])
 
 

@@ -907,3 +907,31 @@ def test_paged_replans_copy_only_the_arrays_that_changed(monkeypatch):
     # nothing new on the second plan; the page indices alone on the third; the fourth's table,
     # one entry longer, and its lengths
     assert counts[1] == 0 and counts[2] == 1 and counts[3] >= 3 and counts[0] >= 4, counts
+
+
+def test_growing_page_table_keeps_its_tensor_within_its_room():
+    # A decode step's table grows a page now and then: a re-plan's table is written into the
+    # last plan's tensor while it fits (its tail page 0, never read), and an outgrown one gets
+    # half again its length (at least 64 more entries), so that a table growing from 100 to
+    # 375 pages takes the first plan's exact tensor and three more (101 -> 165, 166 -> 249,
+    # 250 -> 375), not one a page (further on, choose.page_table_capacity may cap a room
+    # where a longer table would launch otherwise). Every plan computes its own table's answer.
+    page, hq, hkv, d = 1, 2, 1, 8
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(WS)
+    cache = rand(400, 2, page, hkv, d, seed=30)
+    perm = torch.randperm(400, generator=torch.Generator().manual_seed(31)).to(torch.int32)
+    tensors, lengths = [], []
+    for n in range(100, 376):
+        w.plan(indptr([1]), torch.tensor([0, n], dtype=torch.int32), perm[:n].clone(),
+               torch.ones(1, dtype=torch.int32), hq, hkv, d, page, q_data_type=D64)
+        t = w._plan.kv_indices
+        assert t[:n].tolist() == perm[:n].tolist() and not t[n:].any()
+        if not tensors or t is not tensors[-1]:
+            tensors.append(t)
+            lengths.append(t.numel())
+        if n % 60 == 0:  # (a few runs against the oracle: the tail is not read)
+            q = rand(1, hq, d, seed=n)
+            k, v = cache[perm[:n].long(), 0, 0], cache[perm[:n].long(), 1, 0]
+            out, lse = w.run(q, cache, return_lse=True)
+            check(out, lse, *dense(q, k, v, causal=False))
+    assert lengths == [100, 165, 249, 375], lengths
