@@ -123,6 +123,21 @@ class _PODBase(_WrapperBase):
             known[key] = make()
         return known[key]
 
+    def _decode_tile(self, p: dict, qo_l: list) -> int:
+        """The decodes' own tile (block_m_d) for their query rows per request qo_l: where the
+        fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs
+        (choose.pod_decode_tile, which reads the rows through the longest request alone: the
+        answer is kept per longest, _per_options)."""
+        return self._per_options(("block_m_d", max(qo_l, default=0)), lambda: (
+            choose.pod_decode_tile(p["head_dim"], p["group"], p["page_size"], qo_l,
+                                   p["block_m"], p["kv_dtype"])))
+
+    def _chunk_sms(self, p: dict) -> dict:
+        """_chunk_sms for the fused launch and for the decodes' own, by _CHUNK_KEYS' key, on
+        plan p's decode tile (they read nothing else but the options: _per_options)."""
+        return self._per_options(("chunk_sms", p["block_m_d"]), lambda: {
+            key: _chunk_sms(p, apart) for key, apart in _CHUNK_KEYS})
+
     def _make_plan_options(self, args: dict) -> dict:
         """_plan_options' answer, made from the arguments."""
         o = PlanOptions.of_pod(args, self.device.type)
@@ -542,13 +557,12 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
 
 
 def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
-                      device, non_blocking: bool = True, sms: tuple | None = None) -> None:
+                      device, non_blocking: bool, sms: dict) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
-    decodes' own launch (sms: their _chunk_sms, in _CHUNK_KEYS' order, where the caller has
-    them)."""
-    for i, (key, apart) in enumerate(_CHUNK_KEYS):
+    decodes' own launch (sms: their _chunk_sms by _CHUNK_KEYS' key, _PODBase._chunk_sms)."""
+    for key, apart in _CHUNK_KEYS:
         p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
-                              non_blocking=non_blocking, sms=None if sms is None else sms[i])
+                              non_blocking=non_blocking, sms=sms[key])
 
 
 def _prefill_tiles(p: dict, qo_len: int) -> int:
@@ -766,11 +780,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         # (the decodes' work lists built on the host: on the device each was five small
         # launches; every host array goes to the device as one int32 copy, _host.to_device)
         rows = [1] * b  # (a decode is a one-row request)
-        # The decodes' own tile when they run as a launch of their own (pod_apart): where the
-        # fused launch would not be the Gluon kernel's (e.g. fp8 K/V), pod_tile is not theirs.
-        # (rows of one: the tile reads whether there are any, beside the options)
-        p["block_m_d"] = self._per_options(("block_m_d", b > 0), lambda: choose.pod_decode_tile(
-            p["head_dim"], p["group"], page_size, rows, p["block_m"], p["kv_dtype"]))
+        # the decodes' own tile when they run as a launch of their own (pod_apart)
+        p["block_m_d"] = self._decode_tile(p, rows)
         qo_h, work_d, work_d_apart, p["part_rows_d"] = self._decode_lists(b, p)
         host = dict(qo_indptr=qo_h, work_d=work_d, work_d_apart=work_d_apart)
         if self._use_cuda_graph:
@@ -813,10 +824,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
-            sms = self._per_options(("chunk_sms", p["block_m_d"]), lambda: tuple(
-                _chunk_sms(p, apart) for _, apart in _CHUNK_KEYS))
             _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking,
-                              sms)
+                              self._chunk_sms(p))
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p, old)
 
@@ -1242,8 +1251,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             if x == "d":
                 p["single_rows_d"] = max(qo_l, default=0) <= 1
                 # the decodes' own tile when they run apart (as the prefill's above)
-                p["block_m_d"] = choose.pod_decode_tile(p["head_dim"], p["group"], page_size,
-                                                        qo_l, p["block_m"], p["kv_dtype"])
+                p["block_m_d"] = self._decode_tile(p, qo_l)
                 work_d = works[1] if p["block_m_d"] == p["block_m"] else build_work(
                     qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":
@@ -1257,7 +1265,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
                 _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device,
-                                  non_blocking)
+                                  non_blocking, self._chunk_sms(p))
         # (the prefill's tiles on the fused tile, which the cut launch's work list takes:
         # work_p's where that is the fused tile)
         own_tiles = p["chunks"] is not None and work_p is not works[0]

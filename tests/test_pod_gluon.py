@@ -185,6 +185,17 @@ def test_pod_plan_tile(monkeypatch):
         assert w._plan["block_m"] == wb._plan["block_m"] == want, (pos, window)
         # run apart, the decodes take the tile a paged call of them alone takes
         assert w._plan["block_m_d"] == wb._plan["block_m_d"] == 64, (pos, window)
+    # one BatchPOD wrapper re-planned with the same options (its choices kept per options):
+    # decodes of 17 rows (68 packed rows a request, over DECODE_ROWS) take the plan's tile,
+    # one-row decodes the 64-row tile, in either order
+    wb = compiled_attn.BatchPODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    ind, idx, last = (torch.tensor(x, dtype=torch.int32) for x in ([0, 2, 4], [0, 1, 2, 3],
+                                                                   [16, 16]))
+    for rows, want in ((1, 64), (17, 128), (1, 64), (17, 128)):
+        qd = torch.tensor([0, rows, 2 * rows], dtype=torch.int32)
+        wb.plan(qo, ind, idx, last, qd, ind, idx, last, 8, 2, 128, 16,
+                pos_encoding_mode="ROPE_LLAMA", q_data_type=BF16)
+        assert (wb._plan["block_m"], wb._plan["block_m_d"]) == (128, want), rows
 
 
 def test_pod_decode_part_tile(monkeypatch):
