@@ -414,9 +414,9 @@ def table_with_room(idx_h: torch.Tensor, have: int | None, b: int,
     outgrows it, to about n + n / 2 (at least 64 more): requests grow a page now and then,
     and a table of the same length is written into the last one's tensor (to_device's into),
     keeping the calls bound to it; growing by half, a table that grows k-fold takes about
-    log(k) / log(1.5) new tensors (each costs the step's first run() a recording). The first plan's table (have None), and an empty one, are exact. The kernels
-    read only the requests' entries; the tail is a valid page for the traced checks of the
-    whole table."""
+    log(k) / log(1.5) new tensors (each costs the step's first run() a recording). The first
+    plan's table (have None), and an empty one, are exact. The kernels read only the
+    requests' entries; the tail is a valid page for the traced checks of the whole table."""
     n = idx_h.numel()
     if have is None or n == 0:
         return idx_h

@@ -65,11 +65,11 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
             flat += (b, 0)
             continue
         # each tile weighed by the keys its last row may see (the causal bound,
-        # k - n + 1 + its last token, at most k), heaviest first; the sort is stable, so
-        # equal tiles stay in row order
+        # min(k, k - n + min(row + block_m, end) // G)), heaviest first; the sort is stable,
+        # so equal tiles stay in row order
         if block_m >= group_size:
-            # a tile's last token is past the tile before's, so the weights rise with the
-            # row: heaviest first is the rows in reverse (no sort)
+            # min(row + block_m, end) // G then rises by at least 1 a tile (and stays <= n),
+            # so the weights rise with the row: heaviest first is the rows in reverse
             rows = range((end - 1) // block_m * block_m, -1, -block_m)
         else:
             tiles = [(min(k, k - n + min(row + block_m, end) // group_size), row)
