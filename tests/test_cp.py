@@ -421,23 +421,43 @@ def test_prefill_refuses_cuda_graph_capture(monkeypatch):
         cp.prefill(x, x, x, group=None, causal=True)
 
 
-def _abort_once(rank, world, attempt):
-    """Rank 1 aborts the first time the group is spawned (a marker file named by the
-    CP_ABORT_ONCE environment variable, which the spawned ranks inherit); then every rank
-    records one passing check."""
-    import os
 
-    marker = os.environ["CP_ABORT_ONCE"]
-    if rank == 1 and not os.path.exists(marker):
-        open(marker, "w").close()
-        os.abort()
-    attempt("ran", lambda: None)
+def _fake_spawn(monkeypatch, exits):
+    """torch.multiprocessing.spawn replaced: each call takes the next of ``exits`` (a signal
+    name, "" for a rank that exited with an error code, or None for a group whose every rank
+    passed: each records {"ran": None}). Returns the list of calls made."""
+    import torch.multiprocessing as mp
+
+    calls = []
+
+    def spawn(fn, args, nprocs, join):
+        calls.append(nprocs)
+        sig = exits[len(calls) - 1]
+        if sig is not None:
+            raise mp.ProcessExitedException(
+                f"process 0 terminated with {sig or 'exit code 1'}", error_index=0,
+                error_pid=1, exit_code=-6 if sig else 1, signal_name=sig or None)
+        for rank in range(nprocs):
+            args[-1].put((rank, {"ran": None}))
+    monkeypatch.setattr(mp, "spawn", spawn)
+    return calls
 
 
-def test_run_ranks_spawns_a_crashed_group_once_more(tmp_path, monkeypatch):
-    """A rank killed by a signal costs one re-spawn, with a warning naming the signal; the
-    second spawn's results are the ones returned."""
-    monkeypatch.setenv("CP_ABORT_ONCE", str(tmp_path / "aborted"))
+def test_run_ranks_spawns_a_crashed_group_once_more(monkeypatch):
+    """A rank killed by a signal costs one re-spawn, with a warning naming the signal, and the
+    second spawn's results are the ones returned; a second crash, or a rank that exited with
+    an error code, raises."""
+    import torch.multiprocessing as mp
+
+    calls = _fake_spawn(monkeypatch, ["SIGABRT", None])
     with pytest.warns(UserWarning, match="died by SIGABRT"):
-        assert run_ranks(_abort_once, 2) == {"ran": None}
-    assert (tmp_path / "aborted").exists()
+        assert run_ranks(None, 2) == {"ran": None}
+    assert calls == [2, 2]
+    calls = _fake_spawn(monkeypatch, ["SIGSEGV", "SIGABRT"])
+    with pytest.warns(UserWarning, match="died by SIGSEGV"), \
+            pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        run_ranks(None, 2)
+    calls = _fake_spawn(monkeypatch, [""])
+    with pytest.raises(mp.ProcessExitedException, match="exit code 1"):
+        run_ranks(None, 2)
+    assert calls == [2]
