@@ -52,8 +52,8 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
     order = [b for b in sorted(range(len(qo)), key=kv.__getitem__, reverse=True) if qo[b]]
     if max(qo, default=0) * group_size <= block_m:  # a tile a request (decode rows)
         if len(order) <= 128:  # (one op from a flat list; a longer list converts slower)
-            for b in order:
-                flat += (b, 0)
+            flat = [0] * (2 * len(order))
+            flat[0::2] = order
             return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
         work = torch.zeros((len(order), 2), dtype=torch.int32)
         work[:, 0] = torch.tensor(order, dtype=torch.int32)

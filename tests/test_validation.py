@@ -49,6 +49,10 @@ PLAN_ERRORS = [
      r"paged_kv_last_page_len: entry 0 is 0 but must be in \[1, page_size\] with page_size = 4"),
     (dict(paged_kv_last_page_len=torch.tensor([1, 5], dtype=torch.int32)), ValueError,
      r"paged_kv_last_page_len: entry 1 is 5"),
+    (dict(paged_kv_indptr=torch.tensor([0, 0, 5], dtype=torch.int32),
+          paged_kv_last_page_len=torch.tensor([5, 1], dtype=torch.int32)), ValueError,
+     r"paged_kv_last_page_len: entry 0 is 5 but must be in \[0, page_size\] \(it has no "
+     r"pages\)"),
     (dict(paged_kv_last_page_len=torch.tensor([1, 1, 1], dtype=torch.int32)), ValueError,
      r"paged_kv_last_page_len: expected shape \(2,\)"),
     (dict(page_size=0), ValueError, "page_size: got 0"),
@@ -464,3 +468,16 @@ def test_pod_plans_say_where_the_batch_size_comes_from():
         fi.BatchPODWithPagedKVCacheWrapper(WS).plan(
             i([0, 2]), i([0, 1, 2]), i([0, 1]), i([1, 1]), i([0, 1]), i([0, 1]), i([0]), i([1]),
             4, 2, 16, 2)
+
+
+def test_page_table_lengths():
+    # a request's keys: (pages - 1) * page_size + last_page_len, 0 for one without pages
+    # (whose last_page_len may be 0 to page_size), with and without such requests
+    idx = torch.arange(5, dtype=torch.int32)
+    for ind, last, want in (([0, 2, 5], [3, 1], [7, 9]), ([0, 2, 5], [4, 4], [8, 12]),
+                            ([0, 2, 2, 5], [3, 0, 1], [7, 0, 9]),
+                            ([0, 2, 2, 5], [3, 4, 1], [7, 0, 9]), ([0, 0], [0], [0]),
+                            ([0], [], [])):
+        got = V.page_table(("a", "b", "c"), torch.tensor(ind, dtype=torch.int32), idx,
+                           torch.tensor(last, dtype=torch.int32), 4)
+        assert got[3] == want, (ind, last)
