@@ -56,8 +56,8 @@ from .ops.launch import (Memo, adopt_scratch, plain_tensors, programs_cap, two_s
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI, POS_NONE, POS_ROPE_LLAMA
 from .ops.policy import version as policy_version
 from .ops.tiles import one_page_size
-from .ops.schedule import (block_m_for, build_decode_chunks, build_work, planned_chunk_count,
-                           uniform_work)
+from .ops.schedule import (block_m_for, build_decode_chunks, build_work, int32_host,
+                           planned_chunk_count, uniform_work)
 from .prefill import _split_v_scale, _WrapperBase, pages_fit, same_launches, table_with_room
 from .utils import (_byte_offsets, _pack_from_sources, _paged_kv_views, _segment_bit_sources,
                     get_alibi_slopes, packbits)
@@ -659,7 +659,7 @@ def _host_part(p: dict, qo_len: int, kv_len: int, mask_bytes: int | None,
     n = len(head)
     for row in range(0, qo_len * p["group"], p["block_m"]):  # (_pod_work's prefill rows)
         head += (0, 0, row)
-    h = torch.tensor(head, dtype=torch.int32)
+    h = int32_host(head)
     pre = h[n:]  # (each work list: the prefill's rows, then the decodes' rows of the plan)
     c = p["chunks"]
     decodes = [p["part_rows_d"][0]] + ([] if c is None else [c["part_rows"][0]])
@@ -1256,8 +1256,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                     qo_l, p["group"], p["block_m_d"], "cpu", kv_lens=kv_l)
             if x == "p":
                 mask_bits = list(map(operator.mul, qo_l, kv_l))
-                host["mask_indptr_p"] = torch.tensor(_byte_offsets(mask_bits),
-                                                     dtype=torch.int32)
+                host["mask_indptr_p"] = int32_host(_byte_offsets(mask_bits))
                 p.update(mask_bits_p=mask_bits, mask_bytes_p=int(host["mask_indptr_p"][-1]),
                          # query-key pairs without and with the causal mask (choose.pod_apart)
                          pairs_p=tuple(sum(_pairs(q, k, c) for q, k in zip(qo_l, kv_l))

@@ -39,7 +39,7 @@ from .ops.policy import POLICY
 from .ops import MASK_CAUSAL, MASK_CUSTOM, MASK_NONE, POS_ALIBI
 from .ops.device import sm_count
 from .ops.schedule import (MAX_CHUNKS, block_m_for, build_decode_chunks, build_split_work,
-                            build_work, chunks_wanted, decode_chunk_capacity,
+                            build_work, chunks_wanted, decode_chunk_capacity, int32_host,
                             planned_chunk_count, split_capacity)
 from .utils import (LN2, _byte_offsets, _pack_from_sources, _paged_kv_views,
                     _segment_bit_sources, get_alibi_slopes, packbits)
@@ -365,7 +365,7 @@ def _plan_mask(args: dict, qo_lens: list, kv_lens: list):
                            "[qo_len, kv_len] mask flattened row-major")
         src, byte_ptr = _segment_bit_sources(mask_bits, custom_mask.device)
         packed = _pack_from_sources(custom_mask, src, "little")
-    return MASK_CUSTOM, packed, torch.tensor(byte_ptr, dtype=torch.int32)
+    return MASK_CUSTOM, packed, int32_host(byte_ptr)
 
 
 class _Plan:

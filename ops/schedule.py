@@ -9,6 +9,7 @@ the query heads that share a KV head share one tile and one pass over K/V. The o
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,26 @@ def block_m_for(*args, **kwargs) -> int:
     """The tile height of a plan: the launch decision's (choose.tile, looked up per call so
     that a tool replacing it reaches every plan)."""
     return choose.tile(*args, **kwargs)
+
+
+# (C int arrays hold int32: int32_host relies on it)
+assert array.array("i").itemsize == 4
+
+
+def int32_host(values: list, width: int = 1) -> torch.Tensor:
+    """An int32 host tensor of a flat list of Python ints, [n] or (width > 1) [n / width,
+    width], made through a C int array (torch.frombuffer: the tensor keeps the array as its
+    storage): ~3x faster than torch.tensor on a list, which converts element by element (a
+    plan builds its index arrays as lists, a decode batch's of hundreds of entries). A value
+    outside int32 raises OverflowError."""
+    t = (torch.frombuffer(array.array("i", values), dtype=torch.int32) if values
+         else torch.empty(0, dtype=torch.int32))
+    return t if width == 1 else t.view(-1, width)
+
+
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    """t (a host tensor) on ``device`` (a copy unless it is the CPU)."""
+    return t if device == "cpu" else t.to(device)
 
 
 def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
@@ -45,19 +66,15 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
         for b, n in enumerate(qo):
             for row in range(0, n * group_size, block_m):
                 flat += (b, row)
-        return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
+        return _on(int32_host(flat, 2), device)
     kv = list(map(int, kv_lens))
     # a request's heaviest tile is its last, which sees all kv_lens[b] keys: requests in order
     # of their keys, longest first (reverse keeps ties in request order)
     order = [b for b in sorted(range(len(qo)), key=kv.__getitem__, reverse=True) if qo[b]]
     if max(qo, default=0) * group_size <= block_m:  # a tile a request (decode rows)
-        if len(order) <= 128:  # (one op from a flat list; a longer list converts slower)
-            flat = [0] * (2 * len(order))
-            flat[0::2] = order
-            return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
-        work = torch.zeros((len(order), 2), dtype=torch.int32)
-        work[:, 0] = torch.tensor(order, dtype=torch.int32)
-        return work.to(device)
+        flat = [0] * (2 * len(order))
+        flat[0::2] = order
+        return _on(int32_host(flat, 2), device)
     for b in order:
         n, k = qo[b], kv[b]
         end = n * group_size
@@ -79,7 +96,7 @@ def build_work(qo_lens: Sequence[int], group_size: int, block_m: int,
         seg = [b] * (2 * len(rows))
         seg[1::2] = rows
         flat += seg
-    return torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device)
+    return _on(int32_host(flat, 2), device)
 
 
 def _neg_weight(tile: tuple) -> int:
@@ -160,11 +177,11 @@ def build_split_work(qo_lens: Sequence[int], kv_lens: Sequence[int], group_size:
         else:
             n = max(1, min(want, max_chunks, keys // max(min_keys_per_chunk, 1)))
         if n > 1:
-            merges.append((b, row, len(rows), n))
-        rows.extend((b, row, s, n) for s in range(n))
-    work = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4).to(device)
-    merge = torch.tensor(merges, dtype=torch.int32).reshape(-1, 4).to(device) if merges else None
-    return work, merge
+            merges += (b, row, len(rows) // 4, n)
+        for s in range(n):
+            rows += (b, row, s, n)
+    work = _on(int32_host(rows, 4), device)
+    return work, _on(int32_host(merges, 4), device) if merges else None
 
 
 def decode_chunk_count(qo_lens: Sequence[int], kv_lens: Sequence[int], num_kv_heads: int,
@@ -240,35 +257,42 @@ def build_decode_chunks(qo_indptr: Sequence[int], kv_indptr: Sequence[int],
     """
     qo = [int(x) for x in qo_indptr]
     kv = [int(x) for x in kv_indptr]
+    lasts = [int(x) for x in last_page_len]
     align = max(1, align_keys // max(page_size, 1))
     c_qo, c_kv, c_last, c_keys, src, merge = [0], [kv[0]], [], [], [], []
     for b in range(len(qo) - 1):
         rows, pages = qo[b + 1] - qo[b], kv[b + 1] - kv[b]
         if rows != 1:  # no row (a placeholder over its pages), or several: whole
-            merge.extend((qo[b] + i, len(src) + i, 1) for i in range(rows))
+            for i in range(rows):
+                merge += (qo[b] + i, len(src) + i, 1)
             src.extend(range(qo[b], qo[b + 1]))
             c_qo.append(c_qo[-1] + rows)
             c_kv.append(kv[b + 1])
-            c_last.append(int(last_page_len[b]))
-            c_keys.append((pages - 1) * page_size + c_last[-1] if pages else 0)
+            c_last.append(lasts[b])
+            c_keys.append((pages - 1) * page_size + lasts[b] if pages else 0)
             continue
         per = -(-max(pages, 1) // max(chunks, 1))
         per = -(-per // align) * align if per > align else per
         n = max(1, -(-pages // per))
         total = max(n, chunks) if pad else n
-        merge.append((qo[b], len(src), total))
-        for j in range(total):
-            take = max(0, min(per, pages - j * per))
-            c_qo.append(c_qo[-1] + 1)
-            c_kv.append(kv[b] + min(j * per + take, pages))
-            c_last.append(int(last_page_len[b]) if j == n - 1 and pages else
-                          page_size if take else 0)
-            c_keys.append((take - 1) * page_size + c_last[-1] if take else 0)
-            src.append(qo[b])
-    i32 = dict(dtype=torch.int32)
-    return dict(qo_indptr=torch.tensor(c_qo, **i32), kv_indptr=torch.tensor(c_kv, **i32),
-                last_page_len=torch.tensor(c_last, **i32), src=torch.tensor(src, **i32),
-                merge=torch.tensor(merge, **i32).reshape(-1, 3), kv_lens=c_keys)
+        merge += (qo[b], len(src), total)
+        # (by runs, not chunk by chunk: a plan cuts hundreds of chunks) n - 1 chunks of
+        # ``per`` whole pages, the last chunk up to the request's last page (its last page's
+        # count; none without pages), then the pad's chunks without pages
+        full, rest = n - 1, total - n
+        c_qo.extend(range(c_qo[-1] + 1, c_qo[-1] + total + 1))
+        c_kv.extend(range(kv[b] + per, kv[b] + per * n, per))
+        c_kv.extend([kv[b + 1]] * (1 + rest))
+        c_last.extend([page_size] * full)
+        c_last.append(lasts[b] if pages else 0)
+        c_last.extend([0] * rest)
+        c_keys.extend([per * page_size] * full)
+        c_keys.append((pages - full * per - 1) * page_size + lasts[b] if pages else 0)
+        c_keys.extend([0] * rest)
+        src.extend([qo[b]] * total)
+    return dict(qo_indptr=int32_host(c_qo), kv_indptr=int32_host(c_kv),
+                last_page_len=int32_host(c_last), src=int32_host(src),
+                merge=int32_host(merge, 3), kv_lens=c_keys)
 
 
 def decode_chunk_capacity(batch_size: int, max_rows: int, group_size: int, block_m: int,

@@ -126,9 +126,8 @@ def test_work_order_is_the_weight_sort(group, block_m):
 
 @pytest.mark.parametrize("n", [5, 128, 129, 300])
 def test_decode_work_lists_one_tile_a_request_by_keys(n):
-    # Decode rows (a tile a request), built from a flat list up to 128 requests and as a
-    # tensor beyond: requests by their keys, longest first (ties in request order), a request
-    # without rows left out, row 0 each.
+    # Decode rows (a tile a request), few and many: requests by their keys, longest first
+    # (ties in request order), a request without rows left out, row 0 each.
     from compiled_attn.ops.schedule import build_work
 
     g = torch.Generator().manual_seed(n)
@@ -201,3 +200,19 @@ def test_dense_block_m_is_the_launch_tile():
         k = v = torch.empty(2, skv, hkv, 128)
         assert choose.dense_tile(q, k, v, mask) == choose.tile(
             128, 128, 32 // hkv, skv, mask != contracts.MASK_NONE)
+
+
+def test_int32_host():
+    # a plan's int32 host arrays from flat lists: values and shape, empty, int32 bounds
+    from compiled_attn.ops.schedule import int32_host
+
+    vals = [0, -1, 2 ** 31 - 1, -2 ** 31, 7, 8]
+    t = int32_host(vals)
+    assert t.dtype == torch.int32 and t.device.type == "cpu" and t.tolist() == vals
+    vals[0] = 5  # (a copy of the list's values)
+    assert int(t[0]) == 0
+    assert int32_host(vals, 2).shape == (3, 2)
+    assert int32_host(vals, 3)[1].tolist() == [-2 ** 31, 7, 8]
+    assert int32_host([]).shape == (0,) and int32_host([], 3).shape == (0, 3)
+    with pytest.raises(OverflowError):
+        int32_host([2 ** 31])
