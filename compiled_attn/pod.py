@@ -138,6 +138,16 @@ class _PODBase(_WrapperBase):
         return self._per_options(("chunk_sms", p["block_m_d"]), lambda: {
             key: _chunk_sms(p, apart) for key, apart in _CHUNK_KEYS})
 
+    def _send_chunks(self, old: dict | None, non_blocking: bool, key: str,
+                     host: dict) -> dict:
+        """_send of the host arrays of a plan's chunk requests p[key] (_chunk_device's), into
+        the last plan ``old``'s chunk tensors of that key where shapes match, recorded as
+        "key.name"."""
+        c = None if old is None else old.get(key)
+        into = None if c is None else {f"{key}.{k}": c[k] for k in _CHUNK_ARRAYS}
+        dev = self._send({f"{key}.{k}": v for k, v in host.items()}, non_blocking, into)
+        return {k: dev[f"{key}.{k}"] for k in host}
+
     def _make_plan_options(self, args: dict) -> dict:
         """_plan_options' answer, made from the arguments."""
         o = PlanOptions.of_pod(args, self.device.type)
@@ -511,30 +521,38 @@ _GRAPH_FIXED = ("qo_indptr", "src", "merge")
 
 
 def _chunk_tensors(p: dict, qo_h, ind_h, last_h, n: int, block_m: int,
-                   device: torch.device, *, pad: bool = False,
-                   non_blocking: bool = True) -> dict:
+                   device: torch.device, *, pad: bool = False, non_blocking: bool = True,
+                   send=None) -> dict:
     """The chunk requests of plan p's decodes cut into n chunks a request
     (schedule.build_decode_chunks; pad: exactly n each) as device tensors: qo_indptr,
     kv_indptr, last_page_len, src, merge, and work (their work list on the launch's tile
-    block_m, int32 [W, 2]); non_blocking: plan()'s, for the copies."""
+    block_m, int32 [W, 2]); non_blocking: plan()'s, for the copies; send: _chunk_device's."""
     c = build_decode_chunks(qo_h.tolist(), ind_h.tolist(), last_h.tolist(), p["page_size"], n,
                             pad=pad)
-    return _chunk_device(p, c, block_m, device, non_blocking)
+    return _chunk_device(p, c, block_m, device, non_blocking, send)
+
+
+# the chunk requests' device arrays (_chunk_device)
+_CHUNK_ARRAYS = ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge", "work")
 
 
 def _chunk_device(p: dict, c: dict, block_m: int, device: torch.device,
-                  non_blocking: bool = True) -> dict:
+                  non_blocking: bool = True, send=None) -> dict:
     """_chunk_tensors' device tensors of chunk requests c (schedule.build_decode_chunks), and
-    part_rows, their work list's rows in a POD work list (_part_rows)."""
+    part_rows, their work list's rows in a POD work list (_part_rows). send: where given,
+    send(host arrays) -> device tensors in their place (a wrapper's copies into its last
+    plan's chunk tensors, _PODBase._send_chunks); else new tensors."""
     rows = (c["qo_indptr"][1:] - c["qo_indptr"][:-1]).tolist()
-    host = {k: c[k] for k in ("qo_indptr", "kv_indptr", "last_page_len", "src", "merge")}
+    host = {k: c[k] for k in _CHUNK_ARRAYS[:-1]}
     host["work"] = build_work(rows, p["group"], block_m, "cpu")
-    return dict(to_device(host, device, non_blocking), part_rows=_part_rows(host["work"]))
+    dev = to_device(host, device, non_blocking) if send is None else send(host)
+    return dict(dev, part_rows=_part_rows(host["work"]))
 
 
 def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch.Tensor,
                  qo_l: list, kv_lens: list, device: torch.device, *,
-                 apart: bool, non_blocking: bool = True, sms: int | None = None) -> dict | None:
+                 apart: bool, non_blocking: bool = True, sms: int | None = None,
+                 send=None) -> dict | None:
     """The decode part's key chunks of a POD plan p, or None: each request's pages cut into
     one-row chunk requests over the same page table (schedule.build_decode_chunks), whose
     outputs run() merges (_call's cut), in as many chunks as schedule.planned_chunk_count
@@ -547,22 +565,44 @@ def _plan_chunks(p: dict, qo_h: torch.Tensor, ind_h: torch.Tensor, last_h: torch
     qo_h / ind_h / last_h: the decode part's host index arrays [B + 1] / [B + 1] / [B]; qo_l /
     kv_lens: its query rows and keys per request. The dict holds _chunk_tensors' device
     arrays and the numbers choose.pod_cut reads (sms, longest). sms: _chunk_sms's answer
-    where the caller has it."""
+    where the caller has it; send: _chunk_device's."""
     n, sms, block_m = _chunk_count(p, qo_l, kv_lens, apart, sms)
     if not n:
         return None
     return dict(_chunk_tensors(p, qo_h, ind_h, last_h, n, block_m, device,
-                               non_blocking=non_blocking), sms=sms,
+                               non_blocking=non_blocking, send=send), sms=sms,
                 longest=max(kv_lens, default=0))
 
 
+def _kept_chunks(old: dict | None, new: dict | None) -> dict | None:
+    """new (a plan's chunks, _plan_chunks'), or the last plan's chunk dict ``old`` where new
+    launches as it: its device tensors are old's (written anew), its work list's rows and SM
+    count are old's, and its longest decode is on the same side of choose.pod_cut's bound.
+    old then takes new's longest (old's plan is retired), and a re-plan of a decode step whose
+    keys grew keeps the same dict, so its plan launches as the last one (_launches_as: a dict
+    is compared as the same object) and keeps the calls bound to it."""
+    if (old is None or new is None or new["sms"] != old["sms"]
+            or any(new[k] is not old[k] for k in _CHUNK_ARRAYS)
+            or not torch.equal(new["part_rows"][0], old["part_rows"][0])
+            or choose.pod_cut_long(new["longest"]) != choose.pod_cut_long(old["longest"])):
+        return new
+    old["longest"] = new["longest"]
+    return old
+
+
 def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
-                      device, non_blocking: bool, sms: dict) -> None:
+                      device, non_blocking: bool, sms: dict, old: dict | None = None,
+                      send=None) -> None:
     """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
-    decodes' own launch (sms: their _chunk_sms by _CHUNK_KEYS' key, _PODBase._chunk_sms)."""
+    decodes' own launch (sms: their _chunk_sms by _CHUNK_KEYS' key, _PODBase._chunk_sms),
+    kept as the last plan ``old``'s where they launch as those (_kept_chunks). send(key,
+    host arrays) -> device tensors: the wrapper's copies into old's chunk tensors
+    (_PODBase._send_chunks)."""
     for key, apart in _CHUNK_KEYS:
-        p[key] = _plan_chunks(p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
-                              non_blocking=non_blocking, sms=sms[key])
+        p[key] = _kept_chunks(None if old is None else old.get(key), _plan_chunks(
+            p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
+            non_blocking=non_blocking, sms=sms[key],
+            send=None if send is None else functools.partial(send, key)))
 
 
 def _prefill_tiles(p: dict, qo_len: int) -> int:
@@ -825,7 +865,8 @@ class PODWithPagedKVCacheWrapper(_PODBase):
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
             _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking,
-                              self._chunk_sms(p))
+                              self._chunk_sms(p), old,
+                              functools.partial(self._send_chunks, old, non_blocking))
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p, old)
 

@@ -939,8 +939,14 @@ def pod_cut(prefill_items: int, longest_keys: int, sms: int) -> bool:
     read faster than one). Beside a smaller prefill, short decodes lost more to the gather and
     merge launches than the chunks gained (measured before the row map replaced the gather,
     benchmarks/NOTES.md)."""
-    return (prefill_items >= RESIDENT_PER_SM[64] * sms
-            or longest_keys >= POLICY.pod_chunk_long_keys)
+    return prefill_items >= RESIDENT_PER_SM[64] * sms or pod_cut_long(longest_keys)
+
+
+def pod_cut_long(longest_keys: int) -> bool:
+    """pod_cut's answer for the longest decode alone (POLICY.pod_chunk_long_keys): all a POD
+    plan's key count enters the launch choice by (a re-plan whose longest decode stays on the
+    same side keeps the last plan's chunks and the calls bound to them)."""
+    return longest_keys >= POLICY.pod_chunk_long_keys
 
 
 def pod_fused_gathers(head_dim: int, page_size: int) -> bool:
