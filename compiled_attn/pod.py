@@ -143,6 +143,7 @@ class _PODBase(_WrapperBase):
         """_send of the host arrays of a plan's chunk requests p[key] (_chunk_device's), into
         the last plan ``old``'s chunk tensors of that key where shapes match, recorded as
         "key.name"."""
+        self._plan = None  # (old's tensors take this plan's values: it is retired, _to_device)
         c = None if old is None else old.get(key)
         into = None if c is None else {f"{key}.{k}": c[k] for k in _CHUNK_ARRAYS}
         dev = self._send({f"{key}.{k}": v for k, v in host.items()}, non_blocking, into)
@@ -726,13 +727,16 @@ def _part_rows(work: torch.Tensor) -> tuple:
     return (torch.cat([torch.ones_like(work[:, :1]), work], 1).reshape(-1),)
 
 
-def _pod_work(prefill: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
-    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists, the
-    prefill's rows first (interleaving the parts in proportion measured the same or up to 4%
-    slower on the H200: benchmarks/NOTES.md, 2026-11-27, POD's work order)."""
+def _pod_work(prefill: torch.Tensor, decode: torch.Tensor | None = None, *,
+              rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[W, 3] = (part, request, first packed row) from the two parts' [W_x, 2] lists (or the
+    decodes' rows already so, rows: _part_rows' flat tensor), the prefill's rows first
+    (interleaving the parts in proportion measured the same or up to 4% slower on the H200:
+    benchmarks/NOTES.md, 2026-11-27, POD's work order)."""
     part_p = torch.zeros_like(prefill[:, :1])
-    part_d = torch.ones_like(decode[:, :1])
-    return torch.cat([torch.cat([part_p, prefill], 1), torch.cat([part_d, decode], 1)], 0)
+    if rows is None:
+        rows = torch.cat([torch.ones_like(decode[:, :1]), decode], 1)
+    return torch.cat([torch.cat([part_p, prefill], 1), rows.view(-1, 3)], 0)
 
 
 def _decode_mask(mask_p: int, mask_d: int, single_rows: bool) -> int:
@@ -1305,17 +1309,14 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
                 _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device,
-                                  non_blocking, self._chunk_sms(p))
-        # (the prefill's tiles on the fused tile, which the cut launch's work list takes:
-        # work_p's where that is the fused tile)
-        own_tiles = p["chunks"] is not None and work_p is not works[0]
+                                  non_blocking, self._chunk_sms(p), old,
+                                  functools.partial(self._send_chunks, old, non_blocking))
+        # (the cut launch's work list: the prefill's tiles on the fused tile, then the chunk
+        # requests' rows; into the last plan's, as the others)
+        c = p["chunks"]
         host.update(work=_pod_work(*works), work_p=work_p, work_d_apart=work_d,
-                    cut_tiles_p=works[0] if own_tiles else None)
-        dev = self._to_device(host, non_blocking, old)
-        tiles = dev.pop("cut_tiles_p")
-        p.update(dev)
-        p["work_cut"] = None if p["chunks"] is None else _pod_work(
-            p["work_p"] if tiles is None else tiles, p["chunks"]["work"])
+                    work_cut=None if c is None else _pod_work(works[0], rows=c["part_rows"][0]))
+        p.update(self._to_device(host, non_blocking, old))
         p["tiles_p"] = works[0].shape[0]
         p["decode_ring"] = _decode_ring(p, p["qo_indptr_d"].shape[0] - 1)
         self._set_plan(p, old)

@@ -414,40 +414,56 @@ def test_pod_decode_chunks_take_a_strided_q(launch, pod_merges):
 
 
 @pytest.mark.parametrize("launch", ["fused", "apart"])
-def test_pod_decode_chunks_replans_keep_their_calls(launch, pod_merges):
-    """A decode step's re-plans of a POD wrapper whose decodes are cut: while the chunk
-    requests keep their shapes (each request's keys grow within its last page; then other
-    pages), the plan writes them into the last plan's chunk tensors and keeps its chunk dict,
-    so run() replays the calls recorded at the first step (no merge runs or is recorded again)
-    and gives a fresh wrapper's bits each step; a request taking a new page (another chunk
-    layout) records anew."""
+@pytest.mark.parametrize("kind", ["pod", "batch_pod"])
+def test_pod_decode_chunks_replans_keep_their_calls(kind, launch, pod_merges):
+    """A decode step's re-plans of a POD / BatchPOD wrapper whose decodes are cut: while the
+    chunk requests keep their shapes (each request's keys grow within its last page; then
+    other pages), the plan writes them into the last plan's chunk tensors and keeps its chunk
+    dict, so run() replays the calls recorded at the first step (no merge runs or is recorded
+    again) and gives a fresh wrapper's bits each step; a request taking a new page (another
+    chunk layout) records anew."""
     from compiled_attn.ops.policy import override
 
     hq, hkv, d, dt, page = 4, 2, 16, torch.float32, 4
     g = torch.Generator().manual_seed(21)
     q_p, k_p, v_p = (_randn(g, n, h, d, dtype=dt) for n, h in ((5, hq), (9, hkv), (9, hkv)))
+    cache_p, kvi_p, idx_p, last_p, _, _ = make_paged([9], hkv, d, d, page, dtype=dt, seed=22)
     q_d = _randn(g, 3, hq, d, dtype=dt)
     key = "chunks" if launch == "fused" else "chunks_apart"
     steps = [([41, 30, 18], 0), ([42, 31, 19], 0), ([43, 32, 20], 0), ([43, 32, 20], 1),
              ([45, 33, 21], 1)]  # (keys, page-order seed); the last takes a new page
+
+    def wrapper(table):
+        if kind == "pod":
+            w = fi.PODWithPagedKVCacheWrapper(WS)
+            w.plan(*table, hq, hkv, d, page, q_data_type=dt)
+            return w, lambda cache: w.run(q_p, k_p, v_p, q_d, cache, causal_p=True,
+                                          return_lse_p=True, return_lse_d=True)
+        w = fi.BatchPODWithPagedKVCacheWrapper(WS)
+        w.plan(indptr([5]), kvi_p, idx_p, last_p, indptr([1, 1, 1]), *table, hq, hkv, d, page,
+               q_data_type=dt)
+        return w, lambda cache: w.run(q_p, cache_p, q_d, cache, causal_p=True, return_lse=True)
+
     with override(**CHUNKS, **POD_LAUNCHES[launch]):
-        w = fi.PODWithPagedKVCacheWrapper(WS)
+        w = None
         memos, recorded = [], []
         for i, (kv_d, order) in enumerate(steps):
             cache_d, kvi_d, idx_d, last_d, _, _ = make_paged(kv_d, hkv, d, d, page, dtype=dt,
                                                              seed=30 + order)
-            args = (kvi_d, idx_d, last_d, hq, hkv, d, page)
-            w.plan(*args, q_data_type=dt)
+            table = (kvi_d, idx_d, last_d)
+            if w is None:
+                w, run = wrapper(table)
+            elif kind == "pod":
+                w.plan(*table, hq, hkv, d, page, q_data_type=dt)
+            else:
+                w.plan(indptr([5]), kvi_p, idx_p, last_p, indptr([1, 1, 1]), *table, hq, hkv,
+                       d, page, q_data_type=dt)
             assert w._plan[key] is not None
             memos.append(w._memo)
             before = len(pod_merges)
-            got = w.run(q_p, k_p, v_p, q_d, cache_d, causal_p=True, return_lse_p=True,
-                         return_lse_d=True)
+            got = run(cache_d)
             recorded.append(len(pod_merges) - before)
-            fresh = fi.PODWithPagedKVCacheWrapper(WS)
-            fresh.plan(*args, q_data_type=dt)
-            want = fresh.run(q_p, k_p, v_p, q_d, cache_d, causal_p=True, return_lse_p=True,
-                             return_lse_d=True)
+            want = wrapper(table)[1](cache_d)
             for a, b_ in zip((*got[0], *got[1]), (*want[0], *want[1])):
                 assert torch.equal(a.nan_to_num(), b_.nan_to_num()), (i, kv_d)
     assert all(m is memos[0] for m in memos[:4]) and memos[4] is not memos[0]
