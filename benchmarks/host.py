@@ -29,7 +29,8 @@ turn), plan() then each layer's run() (a wall time too). The chunk_step (POD) an
 (the paged wrapper, one batch) cases add to those decodes one prompt's chunked prefill, CHUNK
 rows a step whose keys grow by CHUNK a step: a step whose prefill changes every step, so that
 its first run() meets new sizes, as a serving engine's do; batch_pod_step (ours) serves the same
-step through BatchPOD, the chunk's request on its pages as the prefill part.
+step through BatchPOD, the chunk's request on its pages as the prefill part. The cut_step case
+is chunk_step on CUT_REQ decodes of about CUT_KV0 keys, which a POD plan cuts into key chunks.
 FlashInfer's wrappers run its fa2 backend; its single prefill runs the backend
 --fi-single-backend names (default "auto", FlashInfer's own default: fa3 on Hopper), recorded in
 the header. A plot goes beside the JSON.
@@ -184,13 +185,14 @@ def _steps(mod, x, dev, name, pod: bool = True):
 DECODE_REQ, DECODE_KV0, DECODE_STEPS = 32, 500, 64
 
 
-def _decode_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
+def _decode_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS,
+                   kv0: int = DECODE_KV0):
     """The page tables of ``steps`` decode steps of ``requests`` one-row requests (keys
-    DECODE_KV0 + 37 i mod 300 at first, one more each step; a request whose last page is full
+    kv0 + 37 i mod 300 at first, one more each step; a request whose last page is full
     takes the next page of a shuffled pool): a list of (paged_kv_indptr, paged_kv_indices,
     paged_kv_last_page_len) int32 tensors on dev, and the pool's page count."""
     g = torch.Generator().manual_seed(1)
-    lens = [DECODE_KV0 + 37 * i % 300 for i in range(requests)]
+    lens = [kv0 + 37 * i % 300 for i in range(requests)]
     n_pages = sum(-(-(n + steps) // PAGE) for n in lens)
     pool = torch.randperm(n_pages, generator=g).tolist()
     owned = [[pool.pop() for _ in range(-(-n // PAGE))] for n in lens]
@@ -232,7 +234,8 @@ def _decode_step(mod, dev, name):
 CHUNK = 64
 
 
-def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
+def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS,
+                  kv0: int = DECODE_KV0):
     """The decode_step case's page tables (_decode_tables) and, each step, the prefill chunk's
     key count (CHUNK times the step's number) and the mixed batch's table: the chunk's request
     first (its pages after the decodes' pool, shuffled), then the decodes. A list of dicts
@@ -240,7 +243,7 @@ def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
     batch's (qo_indptr, indptr, indices, last_page_len); batch: BatchPOD's plan() arrays, the
     chunk's request as the prefill part's (qo_indptr, indptr, indices, last_page_len) then the
     decodes' with their qo_indptr), and the pages of both."""
-    tables, n_pages = _decode_tables(dev, requests, steps)
+    tables, n_pages = _decode_tables(dev, requests, steps, kv0)
     g = torch.Generator().manual_seed(2)
     pre = (n_pages + torch.randperm(-(-CHUNK * steps // PAGE), generator=g)).tolist()
     qo = torch.tensor([0, CHUNK] + [CHUNK + i + 1 for i in range(requests)], dtype=torch.int32,
@@ -259,17 +262,18 @@ def _chunk_tables(dev, requests: int = DECODE_REQ, steps: int = DECODE_STEPS):
 
 
 def _chunk_steps(mod, dev, name, pod: bool = True, requests: int = DECODE_REQ,
-                 steps: int = DECODE_STEPS, batch_pod: bool = False):
+                 steps: int = DECODE_STEPS, batch_pod: bool = False, kv0: int = DECODE_KV0):
     """The chunk_step (POD: plan() on the decodes' table, then each layer's run() with the
     step's prefill chunk, its keys contiguous) and mixed_step (the same work as one batch of
     the paged wrapper: plan() with the chunk's request and the decodes, then each layer's run())
     cases' calls: a serving step whose prefill part changes every step, as a chunked prefill's
     does, so that the step's first run() meets a call of new sizes. batch_pod: also
     batch_pod_step (BatchPOD: plan() with the chunk's request as its prefill part, on its
-    pages, and the decodes, then each layer's run())."""
+    pages, and the decodes, then each layer's run()). kv0: the decodes' first key counts
+    (_decode_tables)."""
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     kw = {"backend": "fa2"} if name == "flashinfer" else {}
-    steps, n_pages = _chunk_tables(dev, requests, steps)
+    steps, n_pages = _chunk_tables(dev, requests, steps, kv0)
     most = CHUNK * len(steps)
 
     def rnd(*shape):
@@ -304,6 +308,18 @@ def _chunk_steps(mod, dev, name, pod: bool = True, requests: int = DECODE_REQ,
                 bw.run(t["qp"], t["cache"], t["qd"], t["cache"], causal_p=True)
         calls["batch_pod_step"] = _turns(batch, steps)
     return calls
+
+
+# the cut_step case: the chunk_step case with fewer, longer decodes, which a POD plan for a
+# Hopper GPU cuts into key chunks (schedule.planned_chunk_count: 16 x 8 programs, 4100+ keys)
+CUT_REQ, CUT_KV0 = 16, 4100
+
+
+def _cut_step(mod, dev, name):
+    """The cut_step case's call: chunk_step (_chunk_steps) on CUT_REQ decodes of CUT_KV0 +
+    37 i mod 300 keys, one more each step, whose POD plan holds decode key chunks (a re-plan
+    keeps the last plan's calls where the chunks launch as its)."""
+    return _chunk_steps(mod, dev, name, requests=CUT_REQ, kv0=CUT_KV0)["chunk_step"]
 
 
 def _pod(mod, x, dev, layers: bool = False):
@@ -351,6 +367,7 @@ def providers(args) -> dict:
                                                    batch_pod=True))  # (one set of layers)
     for case in ("chunk_step", "mixed_step", "batch_pod_step"):
         add(case, "compiled_attn", lambda case=case: chunked()[case])
+    add("cut_step", "compiled_attn", lambda: _cut_step(ca, dev, "compiled_attn"))
     add("pod_run", "compiled_attn", lambda: _pod(ca, x, dev))
     add("pod_run_layers", "compiled_attn", lambda: _pod(ca, x, dev, layers=True))
     add("batch_pod_run", "compiled_attn", lambda: _batch_pod(ca, x, dev))
@@ -372,13 +389,15 @@ def providers(args) -> dict:
                                          pod=not args.no_fi_pod).items():
                 add(case, "flashinfer", lambda fn=fn: fn)
             if not args.no_fi_pod:
+                add("cut_step", "flashinfer", lambda: _cut_step(flashinfer, dev, "flashinfer"))
+            if not args.no_fi_pod:
                 add("pod_run", "flashinfer", lambda: _pod(flashinfer, x, dev))
                 add("pod_run_layers", "flashinfer",
                     lambda: _pod(flashinfer, x, dev, layers=True))
         except Exception as e:  # noqa: BLE001
             for case in ("single_prefill", "ragged_run", "paged_run", "paged_run_layers",
                          "ragged_plan", "paged_plan", "pod_plan", "paged_step", "pod_step",
-                         "decode_step", "chunk_step", "mixed_step"):
+                         "decode_step", "chunk_step", "mixed_step", "cut_step"):
                 out.setdefault((case, "flashinfer"), f"{type(e).__name__}: {e}")
     # SDPA on the single request, GQA expanded outside the timed call
     f = torch.nn.functional.scaled_dot_product_attention
@@ -429,7 +448,7 @@ SLEEP = 1_500_000_000
 # provider alike)
 PLAN_CASES = frozenset({"ragged_plan", "paged_plan", "pod_plan", "batch_pod_plan",
                         "paged_step", "pod_step", "decode_step", "chunk_step",
-                        "mixed_step", "batch_pod_step"})
+                        "mixed_step", "batch_pod_step", "cut_step"})
 
 
 def host_us(fn, calls: int, sleep: int = SLEEP) -> float:

@@ -1163,6 +1163,36 @@ def test_host_suite_chunk_steps_grow_the_prefill_beside_the_decodes(monkeypatch)
                                  steps=4)) == {"mixed_step"}
 
 
+def test_host_suite_cut_step_plans_cut_decodes(monkeypatch):
+    """The cut_step case: chunk_step on CUT_REQ decodes of CUT_KV0 + keys, whose POD plan for a
+    Hopper GPU holds decode key chunks; its re-plans over the steps keep their calls but where a
+    request's new page changes the chunk layout (one new memo in the first 12 steps)."""
+    import torch
+
+    import compiled_attn as ca
+    from benchmarks import host
+    from compiled_attn.ops import choose
+
+    monkeypatch.setattr(choose, "_plan_device", lambda: choose.H100)
+    steps, _ = host._chunk_tables("cpu", host.CUT_REQ, 12, host.CUT_KV0)
+    w = ca.PODWithPagedKVCacheWrapper(torch.empty(1), "NHD")
+    memos = []
+    for st in steps:
+        kvi, idx, last = st["dec"]
+        assert kvi.numel() == host.CUT_REQ + 1
+        w.plan(kvi, idx, last, host.HQ, host.HKV, host.D, host.PAGE, q_data_type=host.DT,
+               kv_data_type=host.DT)
+        assert w._plan["chunks"] is not None
+        memos.append(w._memo)
+    assert len({id(m) for m in memos}) == 2, memos
+    assert "cut_step" in host.PLAN_CASES
+    made = []
+    monkeypatch.setattr(host, "_chunk_steps", lambda *a, **kw: made.append(kw) or {
+        "chunk_step": "call"})
+    assert host._cut_step(ca, "cpu", "compiled_attn") == "call"
+    assert made == [dict(requests=host.CUT_REQ, kv0=host.CUT_KV0)]
+
+
 def test_medians_us_times_each_call_and_raises_a_failure():
     """providers.medians_us (the developer probes' timing through bench): one median per name,
     in microseconds; a call that raises is not given a figure."""
