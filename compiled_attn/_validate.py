@@ -490,19 +490,16 @@ def check_page_table(indptr: torch.Tensor, indices, last_page_len, page_size: in
         largest = LargestPage(hi, idx_h, start)
     last_h = host_copy(last_n, last_page_len, hosts=hosts)
     npages, lasts = lengths(ind), last_h.tolist()
-    if b and min(npages) > 0 and 1 <= min(lasts) and max(lasts) <= page_size:
-        # (every request with pages and its last page's count in range: the lengths in one
-        # pass; a decode batch's plan has hundreds of requests)
-        kv_len = [(n - 1) * page_size + last for n, last in zip(npages, lasts)]
-    else:
-        kv_len = []
+    # (the per-request check only where the bounds over the batch leave a doubt: a decode
+    # batch's plan has hundreds of requests)
+    if not (b and min(npages) > 0 and 1 <= min(lasts) and max(lasts) <= page_size):
         for r, (n, last) in enumerate(zip(npages, lasts)):
             if not (1 if n > 0 else 0) <= last <= page_size:
                 rng = "[1, page_size]" if n > 0 else "[0, page_size] (it has no pages)"
                 raise ValueError(f"{last_n}: entry {r} is {last} but must be in {rng} with "
                                  f"page_size = {page_size}; it counts the tokens in the "
                                  "request's last page")
-            kv_len.append((n - 1) * page_size + last if n > 0 else 0)
+    kv_len = [(n - 1) * page_size + last if n > 0 else 0 for n, last in zip(npages, lasts)]
     return indptr - start if start else indptr, idx_h, last_h, kv_len, largest
 
 

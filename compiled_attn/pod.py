@@ -138,6 +138,19 @@ class _PODBase(_WrapperBase):
         return self._per_options(("chunk_sms", p["block_m_d"]), lambda: {
             key: _chunk_sms(p, apart) for key, apart in _CHUNK_KEYS})
 
+    def _plan_both_chunks(self, p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
+                          non_blocking: bool, old: dict | None) -> None:
+        """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
+        decodes' own launch, on their SM counts (_chunk_sms), their arrays written into the
+        last plan ``old``'s chunk tensors (_send_chunks), and kept as old's where they launch
+        as those (_kept_chunks)."""
+        sms = self._chunk_sms(p)
+        for key, apart in _CHUNK_KEYS:
+            p[key] = _kept_chunks(None if old is None else old.get(key), _plan_chunks(
+                p, qo_h, ind_h, last_h, qo_l, kv_lens, self.device, apart=apart,
+                non_blocking=non_blocking, sms=sms[key],
+                send=functools.partial(self._send_chunks, old, non_blocking, key)))
+
     def _send_chunks(self, old: dict | None, non_blocking: bool, key: str,
                      host: dict) -> dict:
         """_send of the host arrays of a plan's chunk requests p[key] (_chunk_device's), into
@@ -591,21 +604,6 @@ def _kept_chunks(old: dict | None, new: dict | None) -> dict | None:
     return old
 
 
-def _plan_both_chunks(p: dict, qo_h, ind_h, last_h, qo_l: list, kv_lens: list,
-                      device, non_blocking: bool, sms: dict, old: dict | None = None,
-                      send=None) -> None:
-    """p["chunks"] and p["chunks_apart"]: _plan_chunks for the fused launch and for the
-    decodes' own launch (sms: their _chunk_sms by _CHUNK_KEYS' key, _PODBase._chunk_sms),
-    kept as the last plan ``old``'s where they launch as those (_kept_chunks). send(key,
-    host arrays) -> device tensors: the wrapper's copies into old's chunk tensors
-    (_PODBase._send_chunks)."""
-    for key, apart in _CHUNK_KEYS:
-        p[key] = _kept_chunks(None if old is None else old.get(key), _plan_chunks(
-            p, qo_h, ind_h, last_h, qo_l, kv_lens, device, apart=apart,
-            non_blocking=non_blocking, sms=sms[key],
-            send=None if send is None else functools.partial(send, key)))
-
-
 def _prefill_tiles(p: dict, qo_len: int) -> int:
     """The fused launch's work rows for POD's prefill request of qo_len rows (one KV head's)."""
     return -(-qo_len * p["group"] // p["block_m"])
@@ -735,7 +733,7 @@ def _pod_work(prefill: torch.Tensor, decode: torch.Tensor | None = None, *,
     benchmarks/NOTES.md, 2026-11-27, POD's work order)."""
     part_p = torch.zeros_like(prefill[:, :1])
     if rows is None:
-        rows = torch.cat([torch.ones_like(decode[:, :1]), decode], 1)
+        rows = _part_rows(decode)[0]
     return torch.cat([torch.cat([part_p, prefill], 1), rows.view(-1, 3)], 0)
 
 
@@ -868,9 +866,7 @@ class PODWithPagedKVCacheWrapper(_PODBase):
         if self._use_cuda_graph:
             self._plan_graph_chunks(p, qo_h, ind_h, last_h, kv_lens, non_blocking)
         else:
-            _plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, self.device, non_blocking,
-                              self._chunk_sms(p), old,
-                              functools.partial(self._send_chunks, old, non_blocking))
+            self._plan_both_chunks(p, qo_h, ind_h, last_h, rows, kv_lens, non_blocking, old)
         p["decode_ring"] = _decode_ring(p, b)
         self._set_plan(p, old)
 
@@ -1308,9 +1304,7 @@ class BatchPODWithPagedKVCacheWrapper(_PODBase):
                                        for c in (False, True)))
             else:
                 p["decode_bytes"] = _decode_bytes(p, int(ind_h[-1]))
-                _plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, self.device,
-                                  non_blocking, self._chunk_sms(p), old,
-                                  functools.partial(self._send_chunks, old, non_blocking))
+                self._plan_both_chunks(p, qo_h, ind_h, last_h, qo_l, kv_l, non_blocking, old)
         # (the cut launch's work list: the prefill's tiles on the fused tile, then the chunk
         # requests' rows; into the last plan's, as the others)
         c = p["chunks"]
